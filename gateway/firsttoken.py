@@ -1,0 +1,102 @@
+"""The first-token predicate: does this decoded event carry model output? (pure, no I/O)
+
+The hedge race commits to an attempt on its first *token*, not its first byte: upstreams send
+role-only chunks, keep-alive comments and empty deltas long before the model has produced
+anything, and committing on those would defeat hedging. SPEC §4 lists what counts. This runs on
+every event before commit, so it is plain dict/list probing with no validation library, and it
+is defensive: upstream JSON of any shape yields a `Kind`, never an exception.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+
+from gateway.sse import SSEEvent
+
+#: delta fields whose non-empty string value is model output
+_DELTA_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
+
+
+class Kind(enum.IntEnum):
+    """What one event means to the race."""
+
+    #: anything that is neither output nor a failure (role chunk, usage, finish, malformed)
+    OTHER = 0
+    #: carries model output: the attempt has produced its first token
+    TOKEN = 1
+    #: an error reported inside the stream: the attempt has failed
+    ERROR = 2
+    #: the `[DONE]` sentinel: the stream is complete
+    DONE = 3
+
+
+def is_done(data: bytes) -> bool:
+    """True for the `[DONE]` sentinel (surrounding whitespace allowed)."""
+    # bytes.strip returns the object itself when there is nothing to strip: cheap.
+    return data.strip() == b"[DONE]"
+
+
+def classify(event: SSEEvent) -> Kind:
+    """Classify one decoded SSE event: DONE, ERROR (an `event: error`), else by its JSON."""
+    data = event.data
+    if is_done(data):
+        return Kind.DONE
+    if event.event == b"error":
+        return Kind.ERROR
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors; absurd nesting recurses.
+        return Kind.OTHER
+    if not isinstance(obj, dict):
+        return Kind.OTHER
+    return classify_payload(obj)
+
+
+def classify_payload(obj: object) -> Kind:
+    """Classify a parsed chunk. ERROR beats TOKEN: a chunk reporting an error is a failure."""
+    if not isinstance(obj, dict):
+        return Kind.OTHER
+    if obj.get("error") is not None:
+        return Kind.ERROR
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return Kind.OTHER
+    token = False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("finish_reason") == "error":
+            return Kind.ERROR
+        if not token and _choice_has_output(choice):
+            token = True
+    return Kind.TOKEN if token else Kind.OTHER
+
+
+def _nonempty_str(value: object) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def _call_has_output(call: object) -> bool:
+    """A function(-call) object with a non-empty name or arguments fragment."""
+    return isinstance(call, dict) and (
+        _nonempty_str(call.get("name")) or _nonempty_str(call.get("arguments"))
+    )
+
+
+def _choice_has_output(choice: dict[object, object]) -> bool:
+    if _nonempty_str(choice.get("text")):  # legacy completions
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    for key in _DELTA_TEXT_KEYS:
+        if _nonempty_str(delta.get(key)):
+            return True
+    tool_calls = delta.get("tool_calls")
+    if isinstance(tool_calls, list):
+        for call in tool_calls:
+            if isinstance(call, dict) and _call_has_output(call.get("function")):
+                return True
+    return _call_has_output(delta.get("function_call"))
