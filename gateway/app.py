@@ -1,0 +1,87 @@
+"""The composition root: the one place that wires concrete classes together.
+
+`create_app(settings)` builds the shared HTTP client, one provider per backend, one
+`PoolRuntime` per pool, the stats and the proxy, and hands each what it needs. Nothing else
+constructs these; nothing holds module-level state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from gateway.clock import Clock, monotonic
+from gateway.pool import PoolRuntime
+from gateway.proxy import Proxy
+from gateway.routes import build_ops_router, build_router, install_error_handlers
+from gateway.settings import Settings
+from gateway.stats import Stats
+from providers.registry import build_provider
+
+
+def make_http_client(settings: Settings) -> httpx.AsyncClient:
+    """One client for every upstream: bounded pool, no redirects, no env proxies."""
+    cap = settings.server.max_concurrent_requests * 2
+    return httpx.AsyncClient(
+        limits=httpx.Limits(
+            max_connections=cap, max_keepalive_connections=64, keepalive_expiry=30.0
+        ),
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+def build_pools(
+    settings: Settings, client: httpx.AsyncClient, clock: Clock, rng: random.Random
+) -> dict[str, PoolRuntime]:
+    pools: dict[str, PoolRuntime] = {}
+    now = clock()
+    for pool in settings.pools:
+        providers = {
+            b.name: build_provider(b, client, pool.timeouts, rng) for b in pool.backends
+        }
+        pools[pool.name] = PoolRuntime.build(
+            pool,
+            providers,
+            global_hedging=settings.hedging_enabled,
+            now=now,
+            rng=random.Random(rng.random()),
+        )
+    return pools
+
+
+def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None = None) -> FastAPI:
+    rng = random.Random(seed)
+    client = make_http_client(settings)
+    pools = build_pools(settings, client, clock, rng)
+    stats = Stats()
+    proxy = Proxy(settings.server, stats, clock)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            for pool in pools.values():
+                for provider in pool.providers.values():
+                    await provider.aclose()
+            await client.aclose()
+
+    app = FastAPI(
+        title="hedge-gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    install_error_handlers(app)
+    app.include_router(build_router(settings, pools, proxy))
+    app.include_router(build_ops_router(pools, clock))
+    app.state.pools = pools
+    app.state.stats = stats
+    app.state.proxy = proxy
+    return app

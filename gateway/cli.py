@@ -1,0 +1,115 @@
+"""`hedge-gateway`: serve, check-config, sim, bench, stats (SPEC §12). Argument parsing only."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.configfile import ConfigError, default_settings, load_settings
+
+    try:
+        settings = load_settings(ns.config) if ns.config else default_settings()
+    except ConfigError as exc:
+        print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    server = settings.server
+    if ns.host is not None or ns.port is not None:
+        server = replace(
+            server,
+            host=ns.host if ns.host is not None else server.host,
+            port=ns.port if ns.port is not None else server.port,
+        )
+        settings = replace(settings, server=server)
+    source = ns.config or "embedded default (pool 'demo' of simulated backends)"
+    print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
+          file=sys.stderr)
+    uvicorn.run(
+        create_app(settings),
+        host=server.host,
+        port=server.port,
+        log_level=ns.log_level,
+        timeout_graceful_shutdown=int(server.shutdown_grace) or None,
+        h11_max_incomplete_event_size=server.max_header_bytes,
+    )
+    return 0
+
+
+def _check_config(ns: argparse.Namespace) -> int:
+    from gateway.configfile import check_config
+
+    return check_config(ns.file, sys.stdout, sys.stderr)
+
+
+def _sim(ns: argparse.Namespace) -> int:
+    from providers.simserver import profile_from_args, run_sim
+
+    run_sim(ns.host, ns.port, profile_from_args(ns), ns.seed)
+    return 0
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from gateway.bench import run_bench_command
+
+    return run_bench_command(ns)
+
+
+def _stats(ns: argparse.Namespace) -> int:
+    from gateway.statscli import print_stats
+
+    return print_stats(ns.url, sys.stdout, sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hedge-gateway",
+        description="OpenAI-compatible gateway that hedges streaming requests on the first token.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", help="YAML file; without it, the embedded demo pool")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=_serve)
+
+    check = sub.add_parser("check-config", help="validate a YAML configuration file")
+    check.add_argument("file")
+    check.set_defaults(func=_check_config)
+
+    sim = sub.add_parser("sim", help="run a simulated OpenAI-compatible upstream")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=9001)
+    from providers.simserver import add_sim_arguments
+
+    add_sim_arguments(sim)
+    sim.set_defaults(func=_sim)
+
+    bench = sub.add_parser("bench", help="benchmark hedging off / on / best-of-two (SPEC §14)")
+    from gateway.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
+
+    stats = sub.add_parser("stats", help="print a running gateway's hedge stats as a table")
+    stats.add_argument("url", nargs="?", default="http://127.0.0.1:8080")
+    stats.set_defaults(func=_stats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    code: int = ns.func(ns)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""One logical request from validated body to response: deadline, race, relay, bookkeeping.
+
+This is the shell around the race. It decides whether a request may be hedged (SPEC §5.7),
+computes its deadline (§5.6), runs the race while watching for the client's disconnect, and
+answers: a streaming response that relays the winner, a JSON body, or an error. Whatever way
+the request ends, `_finish` runs exactly once: it closes the winner, reaps the losers, records
+the stats and writes the one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import SendTimeoutError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.budget import SuppressReason
+from gateway.clock import Clock
+from gateway.errors import GatewayError, Overloaded
+from gateway.pool import PoolRuntime
+from gateway.race import AttemptRecord, Race, RaceOptions, RaceResult
+from gateway.relay import RelayOutcome, relay
+from gateway.settings import ServerSettings
+from gateway.stats import RequestSummary, Stats
+from gateway.stream import Prefix, open_until_first_token, open_whole_response
+from providers.base import Endpoint, UpstreamCall
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalRequest:
+    request_id: str
+    endpoint: Endpoint
+    body: Mapping[str, Any]
+    stream: bool
+    headers: Mapping[str, str]
+
+
+class Admission:
+    """The process-wide cap on concurrent logical requests (SPEC §8)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def enter(self) -> None:
+        if self.active >= self.limit:
+            raise Overloaded(
+                "the gateway is at its concurrency limit", retry_after=1.0, should_retry=False
+            )
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+def _header_seconds(headers: Mapping[str, str], name: str) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value > 0 and math.isfinite(value) else None
+
+
+def hedge_refusal(pool: PoolRuntime, req: LogicalRequest) -> SuppressReason | None:
+    """Why delay-triggered hedges are off for this request (SPEC §5.7), or None."""
+    if not pool.hedging_enabled:
+        return SuppressReason.DISABLED
+    if req.headers.get("x-hedge", "").lower() == "off":
+        return SuppressReason.DISABLED
+    if req.body.get("store") is True or "idempotency-key" in req.headers:
+        return SuppressReason.DISABLED
+    return None
+
+
+class Proxy:
+    """Runs logical requests against pools. One per app."""
+
+    def __init__(self, server: ServerSettings, stats: Stats, clock: Clock) -> None:
+        self.server = server
+        self.stats = stats
+        self.clock = clock
+        self.admission = Admission(server.max_concurrent_requests)
+
+    def deadline(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> float:
+        """One absolute first-token deadline shared by every attempt (SPEC §5.6)."""
+        limits = [pool.settings.timeout, pool.settings.timeouts.first_token]
+        for name in ("x-request-timeout", "x-stainless-read-timeout"):
+            seconds = _header_seconds(req.headers, name)
+            if seconds is not None:
+                limits.append(seconds)
+        return start + min(limits)
+
+    async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
+        self.admission.enter()
+        start = self.clock()
+        pool.inflight_requests += 1
+        summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
+                                 start)
+        refusal = hedge_refusal(pool, req)
+        race = Race(
+            pool,
+            self._runner(pool, req, start),
+            RaceOptions(self.deadline(pool, req, start), refusal is None, refusal),
+            self.clock,
+        )
+        handed_off = False
+        try:
+            result = await self._race_or_disconnect(race, request.receive)
+            summary.attach(race.attempts, race.suppressed, result)
+            if result is None:  # the client went away before the first token
+                summary.error = "client_disconnected"
+                return Response(status_code=499)
+            headers = {
+                "x-request-id": req.request_id,
+                "x-hedge-backend": result.winner.backend,
+                "x-hedge-attempts": str(len(race.attempts)),
+                **result.prefix.stream.headers,
+            }
+            headers["x-request-id"] = req.request_id
+            if not req.stream:
+                body = result.prefix.buffered[0].data
+                return Response(body, media_type="application/json", headers=headers)
+            handed_off = True
+            return self._streaming_response(pool, req, race, result, summary, headers)
+        except GatewayError as exc:
+            summary.attach(race.attempts, race.suppressed, None)
+            summary.error = exc.code or type(exc).__name__
+            raise
+        finally:
+            if not handed_off:
+                await self._finish(pool, race, None, summary)
+
+    def _runner(self, pool: PoolRuntime, req: LogicalRequest, start: float):  # type: ignore[no-untyped-def]
+        open_prefix = open_until_first_token if req.stream else open_whole_response
+        body = dict(req.body)
+        models = {b.name: b.model for b in pool.settings.backends}
+
+        async def run(backend: str, record: AttemptRecord) -> Prefix:
+            def is_lost() -> bool:
+                if record.outcome is not None:
+                    record.late_events += 1
+                    return True
+                return False
+
+            call = UpstreamCall(
+                endpoint=req.endpoint,
+                body={**body, "model": models[backend]},
+                stream=req.stream,
+                request_id=req.request_id,
+                first_byte_timeout=max(0.0, self.deadline(pool, req, start) - self.clock()),
+            )
+            return await open_prefix(pool.providers[backend], call, is_lost)
+
+        return run
+
+    async def _race_or_disconnect(self, race: Race, receive: Receive) -> RaceResult | None:
+        """Run the race; a client disconnect cancels it (and so every attempt)."""
+        race_task = asyncio.ensure_future(race.run())
+        gone_task = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({race_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone_task.cancel()
+            if not race_task.done():
+                race_task.cancel()
+            await asyncio.gather(gone_task, return_exceptions=True)
+            await asyncio.wait({race_task})
+        if race_task.cancelled():
+            return None
+        return race_task.result()
+
+    def _streaming_response(
+        self,
+        pool: PoolRuntime,
+        req: LogicalRequest,
+        race: Race,
+        result: RaceResult,
+        summary: RequestSummary,
+        headers: dict[str, str],
+    ) -> Response:
+        outcome = RelayOutcome()
+        timeouts = pool.settings.timeouts
+        body = relay(
+            result.prefix,
+            request_id=req.request_id,
+            max_stream_deadline=self.clock() + timeouts.max_stream,
+            clock=self.clock,
+            outcome=outcome,
+        )
+
+        async def finish() -> None:
+            summary.relay_end = outcome.end
+            await self._finish(pool, race, result.prefix, summary)
+
+        return RelayResponse(
+            body,
+            headers=headers,
+            ping=self.server.keepalive,
+            send_timeout=timeouts.stuck_client,
+            ping_message_factory=_keepalive,
+            on_close=finish,
+        )
+
+    async def _finish(
+        self, pool: PoolRuntime, race: Race, prefix: Prefix | None, summary: RequestSummary
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            if prefix is not None:
+                await prefix.aclose()
+            await race.aclose()
+            pool.inflight_requests -= 1
+            self.admission.leave()
+            summary.ended = self.clock()
+            self.stats.record(summary)
+
+
+def _keepalive() -> ServerSentEvent:
+    return ServerSentEvent(comment="keep-alive", sep="\n")
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class RelayResponse(EventSourceResponse):
+    """An SSE response that always runs its cleanup, whatever ends it.
+
+    sse-starlette never starts the body iterator if the client is gone before the first send,
+    and raises `SendTimeoutError` for a client that stops reading: in both cases the upstream
+    must still be closed and the request accounted for, and neither is an application error.
+    """
+
+    def __init__(self, *args: Any, on_close: Any, **kwargs: Any) -> None:
+        super().__init__(*args, sep="\n", **kwargs)
+        self._on_close = on_close
+        self.stuck_client = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            self.stuck_client = True
+        except OSError:
+            pass  # the client's socket broke mid-send: nothing left to tell it
+        finally:
+            await self._on_close()

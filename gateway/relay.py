@@ -1,0 +1,105 @@
+"""After commit: the winner's buffered events, then pass-through until `[DONE]` (SPEC §4).
+
+The hot path of the gateway. Per event it does one bytes comparison, one substring test and one
+concatenation: no JSON parsing (except for the rare event that mentions "error"), no logging,
+no allocation beyond the output bytes. Upstream `id:`/`retry:` fields and comments were already
+dropped by the decoder; keep-alive comments are the response's own.
+
+A stream that ends without `[DONE]` and without an error event is a truncation: the client gets
+a final error event in OpenAI shape, never a silent success.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.errors import UpstreamError
+from gateway.sse import SSEEvent, encode_event
+from gateway.stream import Prefix
+
+StreamEnd = Literal["done", "upstream_error", "truncated", "failed", "too_long", "client_gone"]
+
+DONE = b"data: [DONE]\n\n"
+
+
+def error_event(message: str, code: str, request_id: str) -> bytes:
+    """A final in-stream error in OpenAI shape; the SDKs raise it as an APIError."""
+    payload = {
+        "error": {
+            "message": f"{message} (request id {request_id})",
+            "type": "upstream_error",
+            "param": None,
+            "code": code,
+        }
+    }
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _is_error_event(event: SSEEvent) -> bool:
+    """Cheap pre-check on bytes, exact check only when the word appears."""
+    if event.event == b"error":
+        return True
+    if b'"error"' not in event.data:
+        return False
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        return False
+    return isinstance(payload, dict) and payload.get("error") is not None
+
+
+def _encode(event: SSEEvent) -> bytes:
+    data = event.data
+    if event.event is None and b"\n" not in data and b"\r" not in data:
+        return b"data: " + data + b"\n\n"
+    return encode_event(data, event.event)
+
+
+@dataclass(slots=True)
+class RelayOutcome:
+    end: StreamEnd = "client_gone"
+    events: int = 0
+
+
+async def relay(
+    prefix: Prefix,
+    *,
+    request_id: str,
+    max_stream_deadline: float,
+    clock: Callable[[], float],
+    outcome: RelayOutcome,
+) -> AsyncIterator[bytes]:
+    """Yield the client's SSE bytes. Always closes the upstream, however it ends."""
+    try:
+        for event in prefix.buffered:
+            outcome.events += 1
+            yield _encode(event)
+        async for event in prefix.events:
+            data = event.data
+            if data == b"[DONE]":
+                outcome.end = "done"
+                yield DONE
+                return
+            outcome.events += 1
+            if (event.event is not None or b'"error"' in data) and _is_error_event(event):
+                outcome.end = "upstream_error"
+                yield _encode(event)
+                return
+            yield _encode(event)
+            if clock() > max_stream_deadline:
+                outcome.end = "too_long"
+                yield error_event("stream exceeded the maximum duration", "stream_timeout",
+                                  request_id)
+                return
+        outcome.end = "truncated"
+        yield error_event("upstream stream ended before completion", "stream_truncated",
+                          request_id)
+    except UpstreamError as exc:
+        outcome.end = "failed"
+        yield error_event(f"upstream failed mid-stream: {exc.reason}", "upstream_failed",
+                          request_id)
+    finally:
+        await prefix.aclose()

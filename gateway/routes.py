@@ -1,0 +1,191 @@
+"""HTTP endpoints: request checks, the error tree -> OpenAI error JSON (SPEC §3).
+
+Routes know nothing of hedge timing: they read and check the request, find the pool and hand
+a `LogicalRequest` to the proxy.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    Unauthorized,
+)
+from gateway.pool import PoolRuntime
+from gateway.proxy import LogicalRequest, Proxy
+from gateway.settings import Settings
+from gateway.validate import check_body, parse_body
+from providers.base import Endpoint
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_JSON_TYPES = ("application/json", "application/x-ndjson")
+
+
+def request_id_of(request: Request) -> str:
+    """The client's `x-request-id` when it is sane, else a fresh one; remembered per request."""
+    existing = getattr(request.state, "request_id", None)
+    if isinstance(existing, str):
+        return existing
+    supplied = request.headers.get("x-request-id", "")
+    rid = supplied if _REQUEST_ID.match(supplied) else f"req_{uuid.uuid4().hex}"
+    request.state.request_id = rid
+    return rid
+
+
+def error_response(exc: GatewayError, request_id: str) -> JSONResponse:
+    headers = {"x-request-id": request_id}
+    if exc.should_retry is not None:
+        headers["x-should-retry"] = "true" if exc.should_retry else "false"
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(1, round(exc.retry_after)))
+        headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
+    if isinstance(exc, PayloadTooLarge):
+        headers["connection"] = "close"
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it crosses `limit` (never buffered past it)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_gateway_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return error_response(exc, request_id_of(request))
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        error: GatewayError
+        if exc.status_code == 404:
+            error = InvalidRequest("no such route")
+            error.status, error.code = 404, "not_found"
+        elif exc.status_code == 405:
+            error = InvalidRequest("method not allowed")
+            error.status, error.code = 405, "method_not_allowed"
+        else:
+            error = InvalidRequest(str(exc.detail))
+            error.status = exc.status_code
+        return error_response(error, request_id_of(request))
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        return error_response(InvalidRequest("invalid request"), request_id_of(request))
+
+    app.add_exception_handler(GatewayError, on_gateway_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+
+
+def make_auth_guard(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that checks the gateway key in constant time; a no-op without keys."""
+    encoded = [key.encode() for key in api_keys]
+
+    async def guard(request: Request) -> None:
+        if not encoded:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
+        ok = False
+        for key in encoded:  # compare against every key: timing says nothing about which
+            ok |= hmac.compare_digest(supplied, key)
+        if not ok:
+            raise Unauthorized("missing or invalid gateway API key")
+
+    return guard
+
+
+def build_router(
+    settings: Settings, pools: Mapping[str, PoolRuntime], proxy: Proxy
+) -> APIRouter:
+    guard = make_auth_guard(settings.server.api_keys)
+    guarded = APIRouter(dependencies=[Depends(guard)])
+    limit = settings.server.max_body_bytes
+
+    async def proxied(request: Request, endpoint: Endpoint, needs: str) -> Response:
+        rid = request_id_of(request)
+        content_type = request.headers.get("content-type", "application/json")
+        if content_type.split(";")[0].strip().lower() not in _JSON_TYPES:
+            raise InvalidRequest("content type must be application/json")
+        body = parse_body(await read_body(request, limit))
+        model, stream = check_body(body, needs_prompt=needs)
+        if endpoint == "embeddings" and stream:
+            raise InvalidRequest("embeddings cannot be streamed", param="stream")
+        pool = pools.get(model)
+        if pool is None:
+            raise ModelNotFound(
+                "the model does not exist in this gateway; GET /v1/models lists them",
+                param="model",
+            )
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        req = LogicalRequest(rid, endpoint, body, stream, headers)
+        return await proxy.handle(request, pool, req)
+
+    @guarded.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxied(request, "chat/completions", "messages")
+
+    @guarded.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxied(request, "completions", "prompt")
+
+    @guarded.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await proxied(request, "embeddings", "input")
+
+    @guarded.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "hedge-gateway"}
+                for name in pools
+            ],
+        }
+
+    return guarded
+
+
+def build_ops_router(
+    pools: Mapping[str, PoolRuntime], clock: Callable[[], float]
+) -> APIRouter:
+    ops = APIRouter()
+
+    @ops.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @ops.get("/readyz")
+    async def readyz() -> Response:
+        now = clock()
+        unready = [name for name, pool in pools.items() if not pool.balancer.usable(now)]
+        if unready:
+            return JSONResponse(
+                {"status": "unready", "pools_without_usable_backend": unready}, status_code=503
+            )
+        return JSONResponse({"status": "ready"})
+
+    return ops

@@ -1,0 +1,98 @@
+"""What one attempt does before commit: open the upstream and read up to its first token.
+
+The runner hands the race a `Prefix`: the events read so far (the role chunk, the first token)
+and the still-open event iterator, so the relay can continue exactly where the race stopped.
+Whatever ends the runner other than a token (a failure, a cancellation) closes the upstream
+on the way out, shielded from the cancellation that caused it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import anyio
+
+from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
+from gateway.firsttoken import Kind, classify, classify_payload
+from gateway.sse import SSEEvent
+from providers.base import Provider, UpstreamCall, UpstreamStream
+
+#: events an upstream may send before its first token (role chunks, empty deltas)
+MAX_PRE_TOKEN_EVENTS = 1024
+
+
+@dataclass(slots=True)
+class Prefix:
+    """An attempt that produced its first token, with everything needed to relay it."""
+
+    stream: UpstreamStream
+    events: AsyncIterator[SSEEvent]
+    #: every event up to and including the first token, in order
+    buffered: list[SSEEvent]
+
+    async def aclose(self) -> None:
+        await close_quietly(self.stream, self.events)
+
+
+async def close_quietly(stream: UpstreamStream, events: AsyncIterator[SSEEvent] | None) -> None:
+    """Close the event iterator and the upstream, even from a cancelled task."""
+    with anyio.CancelScope(shield=True):
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            # "already running" or a broken stream: the response close below suffices
+            with contextlib.suppress(RuntimeError, UpstreamProtocolError):
+                await aclose()
+        await stream.aclose()
+
+
+async def open_until_first_token(
+    provider: Provider, call: UpstreamCall, is_lost: Callable[[], bool]
+) -> Prefix:
+    """Open a streaming attempt and read until its first token (SPEC §4)."""
+    stream = await provider.open(call)
+    events = stream.events()
+    try:
+        buffered: list[SSEEvent] = []
+        async for event in events:
+            if is_lost():  # counts an event that arrived after another attempt committed
+                raise UpstreamProtocolError("lost the race")
+            buffered.append(event)
+            kind = classify(event)
+            if kind is Kind.TOKEN:
+                return Prefix(stream, events, buffered)
+            if kind is Kind.ERROR:
+                raise UpstreamInBandError("error event before the first token")
+            if kind is Kind.DONE:
+                break
+            if len(buffered) > MAX_PRE_TOKEN_EVENTS:
+                raise UpstreamProtocolError("too many events before the first token")
+        raise UpstreamNoToken("stream ended without a token")
+    except BaseException:
+        await close_quietly(stream, events)
+        raise
+
+
+async def open_whole_response(
+    provider: Provider, call: UpstreamCall, is_lost: Callable[[], bool]
+) -> Prefix:
+    """Open a non-streaming attempt and read its whole body: its 'first token'."""
+    stream = await provider.open(call)
+    events = stream.events()
+    try:
+        async for event in events:
+            try:
+                payload = json.loads(event.data)
+            except ValueError:
+                raise UpstreamProtocolError("response body is not JSON") from None
+            if not isinstance(payload, dict):
+                raise UpstreamProtocolError("response body is not a JSON object")
+            if classify_payload(payload) is Kind.ERROR:
+                raise UpstreamInBandError("error in the response body")
+            return Prefix(stream, events, [event])
+        raise UpstreamNoToken("empty response")
+    except BaseException:
+        await close_quietly(stream, events)
+        raise

@@ -1,0 +1,88 @@
+"""Request body checks before anything is sent upstream (pure).
+
+The gateway forwards bodies as received, so it must refuse what could steer a request to
+another destination or credential (SPEC §3) and what no upstream should be asked to parse.
+Message content is data: nothing inside `messages`/`prompt`/`input` is inspected.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.errors import ForbiddenField, InvalidRequest
+
+#: keys that choose a destination or a credential, refused at the top level and at any depth
+#: inside `extra_body` and `metadata`
+ROUTING_FIELDS = frozenset(
+    {"api_base", "base_url", "api_key", "api_version", "extra_headers", "headers", "url"}
+)
+NESTED_SCANNED = ("extra_body", "metadata")
+#: guards the recursive scan against hostile nesting
+MAX_SCAN_DEPTH = 32
+
+POSITIVE_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Strict JSON object: UTF-8, no NaN/Infinity, an object at the top."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8") from None
+    except ValueError as exc:  # JSONDecodeError is a ValueError
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _scan(value: object, path: str, depth: int) -> None:
+    if depth > MAX_SCAN_DEPTH:
+        raise InvalidRequest(f"{path} is nested too deeply", param=path)
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            where = f"{path}.{key}"
+            if key in ROUTING_FIELDS:
+                raise ForbiddenField(
+                    f"field {where!r} may not choose a destination or credential", param=where
+                )
+            _scan(inner, where, depth + 1)
+    elif isinstance(value, list):
+        for i, inner in enumerate(value):
+            _scan(inner, f"{path}[{i}]", depth + 1)
+
+
+def check_body(body: Mapping[str, Any], *, needs_prompt: str | None) -> tuple[str, bool]:
+    """Validate the fields the gateway relies on; return (model, stream)."""
+    for key in body:
+        if key in ROUTING_FIELDS:
+            raise ForbiddenField(
+                f"field {key!r} may not choose a destination or credential", param=key
+            )
+    for key in NESTED_SCANNED:
+        if key in body:
+            _scan(body[key], key, 0)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string", param="model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    for key in POSITIVE_INT_FIELDS:
+        value = body.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise InvalidRequest(f"'{key}' must be a positive integer", param=key)
+    if needs_prompt is not None and needs_prompt not in body:
+        raise InvalidRequest(f"'{needs_prompt}' is required", param=needs_prompt)
+    return model, stream

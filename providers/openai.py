@@ -1,0 +1,173 @@
+"""Any OpenAI-compatible upstream (vLLM, SGLang, llama.cpp, Ollama, TGI, OpenAI) over httpx.
+
+One shared `httpx.AsyncClient` (owned by the app) carries every attempt; this adapter only
+builds requests and translates httpx's exceptions into our error tree. It never follows
+redirects, never forwards the client's credentials, and keeps only allowlisted response
+headers. Closing a response that is still streaming drops its connection (HTTP/1.1 cannot
+reuse a half-read connection), which is exactly what a cancelled hedge needs: the upstream
+sees the disconnect and stops generating.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+
+import anyio
+import httpx
+
+from gateway.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+)
+from gateway.settings import BackendSettings, Timeouts
+from gateway.sse import SSEDecoder, SSEEvent, SSEProtocolError
+from providers.base import UpstreamCall
+
+#: response headers a client may see from an upstream; everything else stays behind
+PASS_HEADERS = frozenset(
+    {
+        "openai-processing-ms",
+        "openai-version",
+        "x-request-id",
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-remaining-tokens",
+        "x-ratelimit-reset-requests",
+        "x-ratelimit-reset-tokens",
+    }
+)
+
+#: a non-streaming body larger than this is refused (a broken upstream must not fill memory)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+#: closing must finish quickly even when cancelled; past this the socket is abandoned to GC
+CLOSE_TIMEOUT = 2.0
+
+
+def parse_retry_after(headers: httpx.Headers) -> float | None:
+    """Seconds from `retry-after-ms` or `Retry-After` (delta-seconds form only)."""
+    raw_ms = headers.get("retry-after-ms")
+    raw = headers.get("retry-after")
+    try:
+        if raw_ms is not None:
+            return max(0.0, float(raw_ms) / 1000.0)
+        if raw is not None:
+            return max(0.0, float(raw))
+    except ValueError:
+        return None
+    return None
+
+
+def translate(exc: httpx.HTTPError) -> UpstreamError:
+    """Map an httpx exception to our error tree, keeping no URL or body in the reason."""
+    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return UpstreamConnectError("connect timeout")
+    if isinstance(exc, httpx.ConnectError):
+        return UpstreamConnectError("connect error")
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout("read timeout")
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return UpstreamProtocolError("connection closed or reset by upstream")
+    if isinstance(exc, httpx.ReadError):
+        return UpstreamProtocolError("connection reset by upstream")
+    return UpstreamProtocolError(f"transport error ({type(exc).__name__})")
+
+
+class HttpxStream:
+    """An open 200 response; `events()` decodes it incrementally."""
+
+    def __init__(self, response: httpx.Response, *, stream: bool) -> None:
+        self._response = response
+        self._stream = stream
+        self.headers: Mapping[str, str] = {
+            k: v for k, v in response.headers.items() if k.lower() in PASS_HEADERS
+        }
+
+    def events(self) -> AsyncIterator[SSEEvent]:
+        return self._sse() if self._stream else self._whole_body()
+
+    async def _sse(self) -> AsyncIterator[SSEEvent]:
+        decoder = SSEDecoder()
+        try:
+            async for chunk in self._response.aiter_raw():
+                for event in decoder.feed(chunk):
+                    yield event
+        except httpx.HTTPError as exc:
+            raise translate(exc) from None
+        except SSEProtocolError as exc:
+            raise UpstreamProtocolError(f"malformed stream: {exc}") from None
+
+    async def _whole_body(self) -> AsyncIterator[SSEEvent]:
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in self._response.aiter_raw():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise UpstreamProtocolError("response body too large")
+                parts.append(chunk)
+        except httpx.HTTPError as exc:
+            raise translate(exc) from None
+        yield SSEEvent(b"".join(parts))
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+            await self._response.aclose()
+
+
+class OpenAIProvider:
+    """A backend that speaks the OpenAI HTTP API."""
+
+    def __init__(
+        self, settings: BackendSettings, client: httpx.AsyncClient, timeouts: Timeouts
+    ) -> None:
+        if settings.base_url is None:  # the config loader already refuses this
+            raise ValueError(f"backend {settings.name}: base_url is required")
+        self.name = settings.name
+        self._client = client
+        self._base_url = settings.base_url.rstrip("/")
+        self._headers = {"accept-encoding": "identity", "content-type": "application/json"}
+        if settings.api_key:
+            self._headers["authorization"] = f"Bearer {settings.api_key}"
+        # The read timeout bounds the gap between two reads: before the first token the
+        # race's deadline is tighter; after commit it is the idle timeout (SPEC §8).
+        self._timeout = httpx.Timeout(
+            connect=timeouts.connect,
+            read=timeouts.idle,
+            write=timeouts.connect,
+            pool=timeouts.connect,
+        )
+
+    async def open(self, call: UpstreamCall) -> HttpxStream:
+        headers = dict(self._headers)
+        headers["x-request-id"] = call.request_id
+        headers.update(call.extra_headers)
+        request = self._client.build_request(
+            "POST",
+            f"{self._base_url}/{call.endpoint}",
+            content=json.dumps(call.body, separators=(",", ":")).encode(),
+            headers=headers,
+            timeout=self._timeout,
+        )
+        try:
+            response = await self._client.send(request, stream=True, follow_redirects=False)
+        except httpx.HTTPError as exc:
+            raise translate(exc) from None
+        if response.status_code != 200:
+            retry_after = parse_retry_after(response.headers)
+            await HttpxStream(response, stream=False).aclose()
+            raise UpstreamStatusError(response.status_code, retry_after=retry_after)
+        content_type = response.headers.get("content-type", "")
+        expected = "text/event-stream" if call.stream else "application/json"
+        if not content_type.startswith(expected):
+            await HttpxStream(response, stream=False).aclose()
+            raise UpstreamProtocolError(f"unexpected content type {content_type[:40]!r}")
+        return HttpxStream(response, stream=call.stream)
+
+    async def aclose(self) -> None:
+        """Nothing to release: the shared client belongs to the app."""
