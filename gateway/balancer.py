@@ -1,0 +1,238 @@
+"""Backend selection and health for one pool (SPEC §7). Pure.
+
+No I/O, no asyncio; time comes in as `now` (monotonic seconds) and randomness from an injected
+`random.Random`, so tests are deterministic.
+
+Selection is power of two choices: sample two usable backends (weighted by `weight`) and take
+the better one. Two random candidates are enough to avoid piling onto one backend (the classic
+result: the maximum load drops exponentially compared with one random choice), without the
+herding that "always the least loaded" causes when every request sees the same stale numbers.
+"Better" is the lower expected wait, `(in-flight attempts + 1) * recent TTFT`: load alone
+ignores that one backend may be twice as fast, TTFT alone would send everything to the fastest
+backend until it slows down.
+
+Health: a backend is ejected after `eject_after` consecutive failures, for a cool-down that
+doubles with each repeated ejection (capped at `max_cooldown`). After the cool-down it gets
+exactly one probe attempt; while that probe runs it takes nothing else. A success anywhere
+resets the failure and ejection counts; a failed probe ejects again, for longer. The caller
+decides what counts as a failure of the *backend* (a 400 from a bad request does not).
+`Retry-After` pauses a backend until a given time, independently of ejection.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Collection, Sequence
+
+from gateway.settings import BackendSettings, HealthSettings
+
+#: a TTFT used in the load * TTFT product is at least this, so load still counts when a
+#: backend reports (near) zero TTFT
+_TTFT_FLOOR = 1e-6
+
+
+class _Backend:
+    """Mutable health and load state of one backend."""
+
+    __slots__ = (
+        "ejected_until",
+        "ejections",
+        "failures",
+        "group",
+        "inflight",
+        "max_concurrency",
+        "name",
+        "paused_until",
+        "probing",
+        "weight",
+    )
+
+    def __init__(self, settings: BackendSettings) -> None:
+        self.name = settings.name
+        self.group = settings.group
+        self.weight = max(0.0, settings.weight)
+        self.max_concurrency = settings.max_concurrency
+        self.inflight = 0
+        #: consecutive failures since the last success
+        self.failures = 0
+        #: ejections since the last success (drives the cool-down length)
+        self.ejections = 0
+        #: None: not ejected; otherwise the end of the cool-down
+        self.ejected_until: float | None = None
+        #: the single post-cool-down probe attempt is running
+        self.probing = False
+        self.paused_until: float | None = None
+
+
+class Balancer:
+    """Picks backends for attempts and tracks their health (one per pool)."""
+
+    __slots__ = ("_backends", "_health", "_rng")
+
+    def __init__(
+        self,
+        backends: Sequence[BackendSettings],
+        health: HealthSettings,
+        rng: random.Random,
+    ) -> None:
+        self._backends = {b.name: _Backend(b) for b in backends}
+        if len(self._backends) != len(backends):
+            raise ValueError("backend names in a pool must be unique")
+        self._health = health
+        self._rng = rng
+
+    # -- queries --------------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        """Every backend of the pool, in configuration order."""
+        return list(self._backends)
+
+    def group(self, name: str) -> str:
+        """The backend's `group` label (zone, provider); "" when none is configured."""
+        return self._backends[name].group
+
+    def inflight(self, name: str) -> int:
+        """Attempts currently running on the backend (between on_start and on_finish)."""
+        return self._backends[name].inflight
+
+    def _usable(self, b: _Backend, now: float) -> bool:
+        if b.paused_until is not None and now < b.paused_until:
+            return False
+        if b.ejected_until is not None and (now < b.ejected_until or b.probing):
+            return False
+        return b.max_concurrency is None or b.inflight < b.max_concurrency
+
+    def usable(self, now: float) -> list[str]:
+        """Backends that may take a new attempt now, in configuration order: not ejected (or
+        cool-down over and its probe not yet taken), not paused, under max_concurrency."""
+        return [b.name for b in self._backends.values() if self._usable(b, now)]
+
+    def state(self, name: str, now: float) -> tuple[str, str | None]:
+        """("ok" | "ejected" | "paused", reason) for stats. Ejection wins over a pause."""
+        b = self._backends[name]
+        if b.ejected_until is not None:
+            if now < b.ejected_until:
+                left = b.ejected_until - now
+                return ("ejected", f"{b.failures} consecutive failures, {left:.1f}s left")
+            if b.probing:
+                return ("ejected", "probe in flight")
+            return ("ejected", "cool-down over, awaiting probe")
+        if b.paused_until is not None and now < b.paused_until:
+            return ("paused", f"retry-after, {b.paused_until - now:.1f}s left")
+        return ("ok", None)
+
+    # -- selection ------------------------------------------------------------------------
+
+    def pick(
+        self,
+        now: float,
+        *,
+        exclude: Collection[str] = (),
+        avoid_groups: Collection[str] = (),
+        ttft: Callable[[str], float | None],
+    ) -> str | None:
+        """Choose a backend for a new attempt, or None when no usable one is left.
+
+        `exclude`: backends that must not be chosen (those already running an attempt of this
+        request). `avoid_groups`: groups to stay out of if any usable candidate lies outside
+        them (hedge to another zone or provider). `ttft(name)`: that backend's recent TTFT in
+        seconds, None when unknown. An unknown TTFT counts as the better one of the pair
+        (explore it), so the comparison then rests on load alone.
+        Does not count the attempt: call `on_start` when it actually starts.
+        """
+        candidates = [
+            b for b in self._backends.values() if b.name not in exclude and self._usable(b, now)
+        ]
+        if avoid_groups:
+            elsewhere = [b for b in candidates if b.group not in avoid_groups]
+            if elsewhere:
+                candidates = elsewhere
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            return candidates[0].name
+        first = self._sample(candidates)
+        second = self._sample([b for b in candidates if b is not first])
+        return self._better(first, second, ttft).name
+
+    def _sample(self, candidates: list[_Backend]) -> _Backend:
+        weights = [b.weight for b in candidates]
+        if sum(weights) <= 0:
+            return self._rng.choice(candidates)
+        return self._rng.choices(candidates, weights=weights)[0]
+
+    @staticmethod
+    def _better(first: _Backend, second: _Backend, ttft: Callable[[str], float | None]) -> _Backend:
+        """The candidate with the lower (in-flight + 1) * TTFT; ties go to `first`.
+
+        Ties going to the first sample keeps the choice proportional to the weights when the
+        candidates look alike (the common case at low load).
+        """
+        t1, t2 = ttft(first.name), ttft(second.name)
+        known1 = t1 if t1 is not None else (t2 if t2 is not None else 1.0)
+        known2 = t2 if t2 is not None else known1
+        cost1 = (first.inflight + 1) * max(known1, _TTFT_FLOOR)
+        cost2 = (second.inflight + 1) * max(known2, _TTFT_FLOOR)
+        if cost2 < cost1 or (cost2 == cost1 and t2 is None and t1 is not None):
+            return second
+        return first
+
+    # -- events ---------------------------------------------------------------------------
+
+    def on_start(self, name: str) -> None:
+        """An attempt starts on the backend. If it is the post-cool-down probe, mark it so no
+        other attempt goes there until the probe ends."""
+        b = self._backends[name]
+        b.inflight += 1
+        if b.ejected_until is not None:
+            b.probing = True
+
+    def on_finish(self, name: str) -> None:
+        """An attempt on the backend ended, whatever the outcome (also after cancellation).
+
+        A probe that ends without a verdict (cancelled as a loser) frees the probe slot, so the
+        next attempt becomes the probe.
+        """
+        b = self._backends[name]
+        if b.inflight > 0:
+            b.inflight -= 1
+        b.probing = False
+
+    def on_success(self, name: str, now: float) -> None:
+        """The backend served an attempt: it is healthy; forget failures and ejections."""
+        b = self._backends[name]
+        b.failures = 0
+        b.ejections = 0
+        b.ejected_until = None
+        b.probing = False
+
+    def on_failure(self, name: str, now: float) -> None:
+        """A backend-level failure (connect error, 5xx, ...; the caller decides what counts).
+
+        Failures of attempts that were already running when the backend got ejected, arriving
+        during the cool-down, change nothing: the backend is already out. A failure after the
+        cool-down (the probe's) ejects again with a doubled cool-down.
+        """
+        b = self._backends[name]
+        b.failures += 1
+        if b.ejected_until is not None:
+            if now >= b.ejected_until:
+                b.probing = False
+                self._eject(b, now)
+            return
+        if b.failures >= self._health.eject_after:
+            self._eject(b, now)
+
+    def _eject(self, b: _Backend, now: float) -> None:
+        b.ejections += 1
+        # the exponent is capped so a backend that stays down for days cannot overflow it
+        cooldown = self._health.cooldown * 2.0 ** min(b.ejections - 1, 62)
+        b.ejected_until = now + min(cooldown, self._health.max_cooldown)
+
+    def pause(self, name: str, until: float) -> None:
+        """Keep the backend out of selection until `until` (from a Retry-After). A shorter
+        pause never cuts a longer one short."""
+        b = self._backends[name]
+        if b.paused_until is None or until > b.paused_until:
+            b.paused_until = until

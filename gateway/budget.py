@@ -1,0 +1,165 @@
+"""The hedge budget: how many extra attempts a pool may start (SPEC §6). Pure.
+
+No I/O, no asyncio; time comes in as `now` (monotonic seconds) and the token level is computed
+lazily from it, so no timer is needed.
+
+Why a budget at all: hedging pays off when slowness is *independent* across backends (one host
+has a hiccup, the copy on another host answers). When every backend is slow at once (a shared
+dependency, an overloaded region, a huge prompt), every request passes its hedge delay, and
+unbounded hedging would double the load exactly when the backends can least take it. So:
+
+- tokens come from traffic: each logical request deposits `ratio` (0.1: at most one extra
+  attempt per ten requests in steady state), capped at `burst`, and the bucket starts full so
+  a short burst of trouble is covered;
+- a small time-based reserve (`min_per_second`) lets a quiet pool hedge at all;
+- each extra attempt (hedge or failure replacement) spends one token;
+- at most max(3, 20 % of in-flight requests) extra attempts run at once, so a burst of tokens
+  cannot become a burst of duplicates;
+- the efficacy guard watches whether hedges actually win. If fewer than `min_win_rate` of the
+  last `win_window` hedges won, slowness is shared and hedges are wasted: only one probe hedge
+  per `probe_interval` is let through (it still spends a token), and probes that win push the
+  win rate back up until the guard lets go. Failure replacements are not subject to the guard:
+  a failed attempt needs a replacement whether or not delay-triggered hedges are winning.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+from gateway.settings import BudgetSettings
+
+#: the in-flight cap on extra attempts is max(_MIN_EXTRA_IN_FLIGHT, _EXTRA_SHARE * requests)
+_MIN_EXTRA_IN_FLIGHT = 3
+_EXTRA_SHARE = 0.2
+#: slack when comparing the float token level with 1: ten deposits of 0.1 sum to
+#: 0.9999999999999999, and the tenth request must still earn its token
+_EPSILON = 1e-9
+
+
+class SuppressReason(enum.StrEnum):
+    """Why a hedge or replacement did not start (SPEC §5.3); the values are stats keys.
+
+    A `StrEnum` (so a `str` and an `Enum`, as `(str, Enum)` would be), chosen because its
+    `str()` and f-string form is the bare value ("budget"), which is what logs and JSON want.
+    """
+
+    MAX_ATTEMPTS = "max_attempts"
+    NO_BACKEND = "no_backend"
+    BUDGET = "budget"
+    DEADLINE = "deadline"
+    INEFFECTIVE = "ineffective"
+    DISABLED = "disabled"
+
+
+class HedgeBudget:
+    """Token bucket, in-flight cap and efficacy guard for one pool's extra attempts."""
+
+    __slots__ = (
+        "_extra_in_flight",
+        "_last_probe",
+        "_outcomes",
+        "_tokens",
+        "_updated",
+        "_wins",
+        "settings",
+    )
+
+    def __init__(self, settings: BudgetSettings, now: float) -> None:
+        self.settings = settings
+        self._tokens = settings.burst
+        self._updated = now
+        self._extra_in_flight = 0
+        #: recent hedge outcomes (True = won), newest last
+        self._outcomes: deque[bool] = deque(maxlen=max(1, settings.win_window))
+        self._wins = 0
+        #: when the last hedge was let through while the guard was on
+        self._last_probe: float | None = None
+
+    # -- tokens ---------------------------------------------------------------------------
+
+    def _level(self, now: float) -> float:
+        elapsed = now - self._updated
+        if elapsed <= 0:
+            return self._tokens
+        return min(self.settings.burst, self._tokens + self.settings.min_per_second * elapsed)
+
+    def _accrue(self, now: float) -> None:
+        self._tokens = self._level(now)
+        self._updated = max(self._updated, now)
+
+    def tokens(self, now: float) -> float:
+        """Tokens available at `now`, reserve accrual included."""
+        return self._level(now)
+
+    def on_request(self, now: float) -> None:
+        """A logical request arrived: deposit `ratio` tokens (capped at `burst`)."""
+        self._accrue(now)
+        self._tokens = min(self.settings.burst, self._tokens + self.settings.ratio)
+
+    # -- spending -------------------------------------------------------------------------
+
+    @property
+    def extra_in_flight(self) -> int:
+        """Extra attempts granted and not yet released."""
+        return self._extra_in_flight
+
+    def try_spend(
+        self, now: float, *, inflight_requests: int, hedge: bool
+    ) -> SuppressReason | None:
+        """Ask for one extra attempt; None means granted (one token spent, one more extra
+        attempt in flight: call `release()` when it ends, whatever the outcome).
+
+        `hedge=True` for a delay-triggered hedge, False for a replacement after a failure.
+        Refusals: INEFFECTIVE (hedges only) when the efficacy guard is on and this probe
+        interval's probe was already used; BUDGET when under one token or when the in-flight
+        cap is reached. Nothing changes on a refusal.
+        """
+        guarded = hedge and self.ineffective(now)
+        last_probe = self._last_probe
+        if guarded and last_probe is not None and now - last_probe < self.settings.probe_interval:
+            return SuppressReason.INEFFECTIVE
+        self._accrue(now)
+        if self._tokens < 1.0 - _EPSILON:
+            return SuppressReason.BUDGET
+        cap = max(_MIN_EXTRA_IN_FLIGHT, _EXTRA_SHARE * inflight_requests)
+        if self._extra_in_flight >= cap:
+            return SuppressReason.BUDGET
+        self._tokens = max(0.0, self._tokens - 1.0)
+        self._extra_in_flight += 1
+        if guarded:
+            self._last_probe = now
+        return None
+
+    def release(self) -> None:
+        """An extra attempt granted by `try_spend` finished (any outcome)."""
+        if self._extra_in_flight > 0:
+            self._extra_in_flight -= 1
+
+    # -- efficacy guard -------------------------------------------------------------------
+
+    def record_hedge(self, won: bool, now: float) -> None:
+        """The outcome of one hedge that started: `won` if it produced the winning stream.
+
+        `now` is accepted for symmetry with the other methods; the window is by count.
+        """
+        outcomes = self._outcomes
+        if len(outcomes) == outcomes.maxlen and outcomes[0]:
+            self._wins -= 1
+        outcomes.append(won)
+        if won:
+            self._wins += 1
+
+    def win_rate(self) -> float | None:
+        """Share of the recent hedge outcomes that won; None before any hedge finished."""
+        if not self._outcomes:
+            return None
+        return self._wins / len(self._outcomes)
+
+    def ineffective(self, now: float) -> bool:
+        """True while the efficacy guard is on: a full window of hedge outcomes whose win rate
+        is below `min_win_rate`. (`now` is accepted for symmetry; the guard is by count.)"""
+        outcomes = self._outcomes
+        if len(outcomes) < self.settings.win_window:
+            return False
+        return self._wins / len(outcomes) < self.settings.min_win_rate

@@ -1,0 +1,269 @@
+"""Backend selection and health (SPEC §7), with a seeded rng and a plain-number clock."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from gateway.balancer import Balancer
+from gateway.settings import BackendSettings, HealthSettings
+
+HEALTH = HealthSettings(eject_after=3, cooldown=5.0, max_cooldown=20.0)
+
+
+def backend(
+    name: str, *, group: str = "", weight: float = 1.0, max_concurrency: int | None = None
+) -> BackendSettings:
+    return BackendSettings(
+        name=name,
+        provider="sim",
+        model="m",
+        group=group,
+        weight=weight,
+        max_concurrency=max_concurrency,
+    )
+
+
+def unknown(name: str) -> float | None:
+    return None
+
+
+def make(*backends: BackendSettings, seed: int = 1) -> Balancer:
+    return Balancer(backends, HEALTH, random.Random(seed))
+
+
+def test_duplicate_names_rejected() -> None:
+    with pytest.raises(ValueError):
+        make(backend("a"), backend("a"))
+
+
+def test_single_and_no_backend() -> None:
+    bal = make(backend("a"))
+    assert bal.pick(0.0, ttft=unknown) == "a"
+    assert bal.pick(0.0, exclude={"a"}, ttft=unknown) is None
+    assert bal.names == ["a"]
+
+
+def test_prefers_less_loaded() -> None:
+    bal = make(backend("a"), backend("b"))
+    for _ in range(3):
+        bal.on_start("a")
+    picks = {bal.pick(0.0, ttft=unknown) for _ in range(50)}
+    assert picks == {"b"}
+    assert bal.inflight("a") == 3
+
+
+def test_prefers_faster() -> None:
+    bal = make(backend("a"), backend("b"))
+    ttfts = {"a": 0.4, "b": 0.1}
+    picks = {bal.pick(0.0, ttft=ttfts.get) for _ in range(50)}
+    assert picks == {"b"}
+
+
+def test_load_times_ttft() -> None:
+    bal = make(backend("a"), backend("b"))
+    ttfts = {"a": 0.4, "b": 0.1}
+    # b is 4x faster but has 4 attempts in flight: (4+1)*0.1 = 0.5 > (0+1)*0.4
+    for _ in range(4):
+        bal.on_start("b")
+    assert {bal.pick(0.0, ttft=ttfts.get) for _ in range(50)} == {"a"}
+    bal.on_finish("b")  # (3+1)*0.1 = 0.4: a tie, decided by the sampling order
+    assert {bal.pick(0.0, ttft=ttfts.get) for _ in range(200)} == {"a", "b"}
+    bal.on_finish("b")  # (2+1)*0.1 = 0.3 < 0.4
+    assert {bal.pick(0.0, ttft=ttfts.get) for _ in range(50)} == {"b"}
+
+
+def test_unknown_ttft_is_explored() -> None:
+    bal = make(backend("known"), backend("new"))
+    ttfts: dict[str, float | None] = {"known": 0.1, "new": None}
+    # equal load: the backend without data wins the comparison
+    assert {bal.pick(0.0, ttft=ttfts.get) for _ in range(50)} == {"new"}
+    # but load still counts
+    bal.on_start("new")
+    assert {bal.pick(0.0, ttft=ttfts.get) for _ in range(50)} == {"known"}
+
+
+def test_weights_respected_statistically() -> None:
+    bal = make(backend("a", weight=1.0), backend("b", weight=1.0), backend("c", weight=2.0))
+    counts = Counter(bal.pick(0.0, ttft=unknown) for _ in range(8000))
+    assert counts["c"] / 8000 == pytest.approx(0.5, abs=0.03)
+    assert counts["a"] / 8000 == pytest.approx(0.25, abs=0.03)
+    assert counts["b"] / 8000 == pytest.approx(0.25, abs=0.03)
+
+
+def test_zero_weights_do_not_crash() -> None:
+    bal = make(backend("a", weight=0.0), backend("b", weight=0.0))
+    assert {bal.pick(0.0, ttft=unknown) for _ in range(50)} == {"a", "b"}
+
+
+def test_exclude() -> None:
+    bal = make(backend("a"), backend("b"), backend("c"))
+    picks = {bal.pick(0.0, exclude={"a", "b"}, ttft=unknown) for _ in range(20)}
+    assert picks == {"c"}
+    assert bal.pick(0.0, exclude=["a", "b", "c"], ttft=unknown) is None
+
+
+def test_avoid_groups_prefers_another_group_but_falls_back() -> None:
+    bal = make(
+        backend("a1", group="east"),
+        backend("a2", group="east"),
+        backend("b1", group="west"),
+    )
+    assert bal.group("b1") == "west"
+    picks = {bal.pick(0.0, exclude={"a1"}, avoid_groups={"east"}, ttft=unknown) for _ in range(30)}
+    assert picks == {"b1"}
+    # no candidate outside the avoided group: any usable one will do
+    picks = {
+        bal.pick(0.0, exclude={"a1", "b1"}, avoid_groups={"east"}, ttft=unknown) for _ in range(30)
+    }
+    assert picks == {"a2"}
+    # backends without a group label ("") are all in the same group
+    plain = make(backend("x"), backend("y"))
+    assert plain.pick(0.0, exclude={"x"}, avoid_groups={""}, ttft=unknown) == "y"
+
+
+def test_max_concurrency() -> None:
+    bal = make(backend("a", max_concurrency=2), backend("b"))
+    bal.on_start("a")
+    bal.on_start("a")
+    assert bal.usable(0.0) == ["b"]
+    assert {bal.pick(0.0, ttft=unknown) for _ in range(20)} == {"b"}
+    assert bal.pick(0.0, exclude={"b"}, ttft=unknown) is None
+    bal.on_finish("a")
+    assert bal.usable(0.0) == ["a", "b"]
+
+
+def test_on_finish_never_goes_negative() -> None:
+    bal = make(backend("a"))
+    bal.on_finish("a")
+    assert bal.inflight("a") == 0
+
+
+def fail(bal: Balancer, name: str, now: float, times: int) -> None:
+    for _ in range(times):
+        bal.on_start(name)
+        bal.on_failure(name, now)
+        bal.on_finish(name)
+
+
+def test_ejection_after_consecutive_failures() -> None:
+    bal = make(backend("a"), backend("b"))
+    fail(bal, "a", 10.0, 2)
+    assert bal.state("a", 10.0) == ("ok", None)
+    bal.on_success("a", 10.0)  # a success breaks the run
+    fail(bal, "a", 10.0, 2)
+    assert bal.state("a", 10.0) == ("ok", None)
+    fail(bal, "a", 10.0, 1)
+    state, reason = bal.state("a", 10.0)
+    assert state == "ejected"
+    assert reason is not None and "3 consecutive failures" in reason
+    assert bal.usable(10.0) == ["b"]
+    assert {bal.pick(10.0, ttft=unknown) for _ in range(20)} == {"b"}
+    assert bal.usable(14.9) == ["b"]
+    assert bal.usable(15.0) == ["a", "b"]
+
+
+def test_single_probe_after_cooldown() -> None:
+    bal = make(backend("a"), backend("b"))
+    fail(bal, "a", 0.0, 3)
+    assert bal.state("a", 5.0) == ("ejected", "cool-down over, awaiting probe")
+    assert bal.pick(5.0, exclude={"b"}, ttft=unknown) == "a"
+    bal.on_start("a")  # the probe
+    assert bal.state("a", 5.0) == ("ejected", "probe in flight")
+    assert bal.usable(5.0) == ["b"]
+    assert bal.pick(5.0, exclude={"b"}, ttft=unknown) is None
+    bal.on_success("a", 5.5)
+    bal.on_finish("a")
+    assert bal.state("a", 5.5) == ("ok", None)
+    assert bal.usable(5.5) == ["a", "b"]
+
+
+def test_probe_cancelled_without_verdict_frees_the_slot() -> None:
+    bal = make(backend("a"))
+    fail(bal, "a", 0.0, 3)
+    bal.on_start("a")
+    bal.on_finish("a")  # cancelled as a loser: neither success nor failure
+    assert bal.usable(6.0) == ["a"]
+    assert bal.state("a", 6.0) == ("ejected", "cool-down over, awaiting probe")
+
+
+def test_cooldown_grows_with_repeated_ejections_up_to_max() -> None:
+    bal = make(backend("a"))
+    fail(bal, "a", 0.0, 3)  # 1st ejection: 5 s
+    assert bal.usable(4.9) == []
+    now = 5.0
+    expected = [10.0, 20.0, 20.0, 20.0]  # doubling, capped at max_cooldown
+    for cooldown in expected:
+        assert bal.usable(now) == ["a"]
+        fail(bal, "a", now, 1)  # the probe fails: ejected again, longer
+        assert bal.usable(now + cooldown - 0.01) == []
+        assert bal.usable(now + cooldown) == ["a"]
+        now += cooldown
+    # a success resets the ejection count: the next ejection is back to 5 s
+    bal.on_start("a")
+    bal.on_success("a", now)
+    bal.on_finish("a")
+    fail(bal, "a", now, 3)
+    assert bal.usable(now + 4.9) == []
+    assert bal.usable(now + 5.0) == ["a"]
+
+
+def test_failures_during_cooldown_do_not_extend_it() -> None:
+    bal = make(backend("a"))
+    for _ in range(5):  # five attempts were running when things went wrong
+        bal.on_start("a")
+    for _ in range(3):
+        bal.on_failure("a", 0.0)
+        bal.on_finish("a")
+    assert bal.usable(0.0) == []
+    bal.on_failure("a", 2.0)  # stragglers failing during the cool-down
+    bal.on_failure("a", 3.0)
+    bal.on_finish("a")
+    bal.on_finish("a")
+    assert bal.usable(5.0) == ["a"]
+
+
+def test_very_long_outage_does_not_overflow() -> None:
+    bal = make(backend("a"))
+    now = 0.0
+    fail(bal, "a", now, 3)
+    for _ in range(3000):
+        now += 20.0
+        fail(bal, "a", now, 1)
+    assert bal.usable(now + 19.9) == []
+    assert bal.usable(now + 20.0) == ["a"]
+
+
+def test_pause_and_expiry() -> None:
+    bal = make(backend("a"), backend("b"))
+    bal.pause("a", until=30.0)
+    state, reason = bal.state("a", 10.0)
+    assert state == "paused"
+    assert reason == "retry-after, 20.0s left"
+    assert bal.usable(10.0) == ["b"]
+    assert bal.pick(10.0, exclude={"b"}, ttft=unknown) is None
+    bal.pause("a", until=20.0)  # a shorter pause does not cut the longer one short
+    assert bal.usable(25.0) == ["b"]
+    assert bal.usable(30.0) == ["a", "b"]
+    assert bal.state("a", 30.0) == ("ok", None)
+
+
+def test_ejection_reported_over_pause() -> None:
+    bal = make(backend("a"))
+    bal.pause("a", until=100.0)
+    fail(bal, "a", 0.0, 3)
+    assert bal.state("a", 1.0)[0] == "ejected"
+    # after the cool-down and a successful probe, the pause still applies
+    bal.on_success("a", 6.0)
+    assert bal.state("a", 6.0)[0] == "paused"
+    assert bal.usable(6.0) == []
+
+
+def test_deterministic_with_a_seed() -> None:
+    def run(seed: int) -> list[str | None]:
+        bal = make(backend("a"), backend("b"), backend("c"), seed=seed)
+        return [bal.pick(0.0, ttft=unknown) for _ in range(30)]
+
+    assert run(7) == run(7)
