@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.errors import GatewayError, Overloaded
 from gateway.pool import PoolRuntime
-from gateway.race import AttemptRecord, Race, RaceOptions, RaceResult
+from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
 from gateway.relay import RelayOutcome, relay
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
@@ -141,7 +141,7 @@ class Proxy:
             if not handed_off:
                 await self._finish(pool, race, None, summary)
 
-    def _runner(self, pool: PoolRuntime, req: LogicalRequest, start: float):  # type: ignore[no-untyped-def]
+    def _runner(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> AttemptRunner:
         open_prefix = open_until_first_token if req.stream else open_whole_response
         body = dict(req.body)
         models = {b.name: b.model for b in pool.settings.backends}
@@ -199,8 +199,8 @@ class Proxy:
             outcome=outcome,
         )
 
-        async def finish() -> None:
-            summary.relay_end = outcome.end
+        async def finish(stuck_client: bool) -> None:
+            summary.relay_end = "stuck_client" if stuck_client else outcome.end
             await self._finish(pool, race, result.prefix, summary)
 
         return RelayResponse(
@@ -209,6 +209,7 @@ class Proxy:
             ping=self.server.keepalive,
             send_timeout=timeouts.stuck_client,
             ping_message_factory=_keepalive,
+            sep="\n",
             on_close=finish,
         )
 
@@ -244,8 +245,10 @@ class RelayResponse(EventSourceResponse):
     must still be closed and the request accounted for, and neither is an application error.
     """
 
-    def __init__(self, *args: Any, on_close: Any, **kwargs: Any) -> None:
-        super().__init__(*args, sep="\n", **kwargs)
+    def __init__(
+        self, *args: Any, on_close: Callable[[bool], Awaitable[None]], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
         self._on_close = on_close
         self.stuck_client = False
 
@@ -257,4 +260,4 @@ class RelayResponse(EventSourceResponse):
         except OSError:
             pass  # the client's socket broke mid-send: nothing left to tell it
         finally:
-            await self._on_close()
+            await self._on_close(self.stuck_client)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
@@ -66,7 +66,7 @@ class RaceResult:
     committed_at: float
 
 
-AttemptRunner = Callable[[str, AttemptRecord], Awaitable[Prefix]]
+AttemptRunner = Callable[[str, AttemptRecord], Coroutine[Any, Any, Prefix]]
 
 
 @dataclass(slots=True)
