@@ -125,8 +125,20 @@ class Race:
                     next_hedge = now + delay
                 if not self._tasks:
                     raise AllAttemptsFailed(self._reasons)
-        finally:
+        except asyncio.CancelledError:
+            self._cancel_all()  # the client left: say nothing of the hedges' efficacy
+            raise
+        except BaseException:
             self._cancel_all()
+            self._record_hedges()
+            raise
+
+    def _record_hedges(self) -> None:
+        """Feed the efficacy guard: each hedge started won or it did not."""
+        now = self.clock()
+        for attempt in self.attempts:
+            if attempt.kind == "hedge":
+                self.pool.budget.record_hedge(attempt.outcome == "won", now)
 
     def _settle(self, done: set[asyncio.Task[Prefix]]) -> RaceResult | None:
         """Handle finished attempts: a token commits; failures start replacements."""
@@ -165,12 +177,8 @@ class Race:
         record.outcome = "won"
         self.pool.balancer.on_success(record.backend, now)
         self._observe(record, censored=False)
-        for attempt in self.attempts:
-            if attempt.kind == "hedge" and attempt is not record:
-                self.pool.budget.record_hedge(False, now)
-        if record.kind == "hedge":
-            self.pool.budget.record_hedge(True, now)
         self._cancel_all()
+        self._record_hedges()
         return RaceResult(record, task.result(), self.attempts, self.suppressed, now)
 
     def _try_extra(self, kind: AttemptKind, now: float) -> None:
