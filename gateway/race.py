@@ -68,6 +68,21 @@ class RaceResult:
 
 AttemptRunner = Callable[[str, AttemptRecord], Coroutine[Any, Any, Prefix]]
 
+#: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)
+CANCELLED_BEFORE_TOKEN = "cancelled before its first token"
+CANCELLED_AFTER_TOKEN = "cancelled after its first token"
+
+
+def _close_timer(
+    record: AttemptRecord, clock: Clock, cancelled_at: float
+) -> Callable[[asyncio.Task[Prefix]], None]:
+    """A done-callback that stores how long a cancelled attempt took to close (stats)."""
+
+    def done(_task: asyncio.Task[Prefix]) -> None:
+        record.close_s = max(0.0, clock() - cancelled_at)
+
+    return done
+
 
 @dataclass(slots=True)
 class RaceOptions:
@@ -250,12 +265,22 @@ class Race:
         self.pool.delays[record.backend].observe(record.ttft, now, censored=censored)
 
     def _cancel_all(self) -> None:
-        """Cancel every attempt still running, without waiting for it (SPEC §5.5)."""
+        """Cancel every attempt still running, without waiting for it (SPEC §5.5).
+
+        For the stats, each cancelled record gets a `reason` saying whether the attempt had
+        already found its token (its task finished in the same tick, not yet picked up), and
+        a done-callback sets `close_s`: how long its task took to close the upstream.
+        """
+        cancelled_at = self.clock()
         for task, record in self._tasks.items():
+            had_token = task.done() and not task.cancelled() and task.exception() is None
             task.cancel()
             self._finished(record)
             record.outcome = "lost" if self.committed else "cancelled"
+            record.reason = CANCELLED_AFTER_TOKEN if had_token else CANCELLED_BEFORE_TOKEN
             self._observe(record, censored=True)
+            if not task.done():
+                task.add_done_callback(_close_timer(record, self.clock, cancelled_at))
             self._losers.append(task)
         self._tasks.clear()
 
