@@ -15,6 +15,7 @@ import httpx
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
+from gateway.metrics import Metrics
 from gateway.pool import PoolRuntime
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
@@ -58,7 +59,8 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     rng = random.Random(seed)
     client = make_http_client(settings)
     pools = build_pools(settings, client, clock, rng)
-    stats = Stats()
+    stats = Stats.for_pools(pools, now=clock())
+    metrics = Metrics(stats, pools, clock)
     proxy = Proxy(settings.server, stats, clock)
 
     @asynccontextmanager
@@ -80,7 +82,7 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, pools, proxy))
-    app.include_router(build_ops_router(pools, clock))
+    app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics))
     app.state.pools = pools
     app.state.stats = stats
     app.state.proxy = proxy

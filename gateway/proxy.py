@@ -28,6 +28,7 @@ from gateway.errors import GatewayError, Overloaded
 from gateway.pool import PoolRuntime
 from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
 from gateway.relay import RelayOutcome, relay
+from gateway.requestlog import log_request
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stream import Prefix, open_until_first_token, open_whole_response
@@ -224,6 +225,7 @@ class Proxy:
             self.admission.leave()
             summary.ended = self.clock()
             self.stats.record(summary)
+            log_request(summary, self.stats.error_classes)
 
 
 def _keepalive() -> ServerSentEvent:

@@ -24,9 +24,11 @@ from gateway.errors import (
     PayloadTooLarge,
     Unauthorized,
 )
+from gateway.metrics import Metrics
 from gateway.pool import PoolRuntime
 from gateway.proxy import LogicalRequest, Proxy
 from gateway.settings import Settings
+from gateway.stats import Stats
 from gateway.validate import check_body, parse_body
 from providers.base import Endpoint
 
@@ -170,7 +172,11 @@ def build_router(
 
 
 def build_ops_router(
-    pools: Mapping[str, PoolRuntime], clock: Callable[[], float]
+    pools: Mapping[str, PoolRuntime],
+    clock: Callable[[], float],
+    *,
+    stats: Stats,
+    metrics: Metrics,
 ) -> APIRouter:
     ops = APIRouter()
 
@@ -187,5 +193,13 @@ def build_ops_router(
                 {"status": "unready", "pools_without_usable_backend": unready}, status_code=503
             )
         return JSONResponse({"status": "ready"})
+
+    @ops.get("/hedge/stats")
+    async def hedge_stats() -> JSONResponse:
+        return JSONResponse(stats.snapshot(pools, clock()))
+
+    @ops.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     return ops
