@@ -20,6 +20,7 @@ from gateway.pool import PoolRuntime
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
 from gateway.settings import Settings
+from gateway.sseresponse import Drain
 from gateway.stats import Stats
 from providers.registry import build_provider
 
@@ -61,7 +62,8 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     pools = build_pools(settings, client, clock, rng)
     stats = Stats.for_pools(pools, now=clock())
     metrics = Metrics(stats, pools, clock)
-    proxy = Proxy(settings.server, stats, clock)
+    drain = Drain()
+    proxy = Proxy(settings.server, stats, clock, drain)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,4 +88,6 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     app.state.pools = pools
     app.state.stats = stats
     app.state.proxy = proxy
+    #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`
+    app.state.drain = drain
     return app

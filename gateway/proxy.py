@@ -11,25 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from sse_starlette.sse import SendTimeoutError
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive
 
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.errors import GatewayError, Overloaded
 from gateway.pool import PoolRuntime
 from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
-from gateway.relay import RelayOutcome, relay
+from gateway.relay import RelayOutcome, error_event, relay
 from gateway.requestlog import log_request
 from gateway.settings import ServerSettings
+from gateway.sseresponse import Drain, SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stream import Prefix, open_until_first_token, open_whole_response
 from providers.base import Endpoint, UpstreamCall
@@ -87,8 +86,11 @@ def hedge_refusal(pool: PoolRuntime, req: LogicalRequest) -> SuppressReason | No
 class Proxy:
     """Runs logical requests against pools. One per app."""
 
-    def __init__(self, server: ServerSettings, stats: Stats, clock: Clock) -> None:
+    def __init__(
+        self, server: ServerSettings, stats: Stats, clock: Clock, drain: Drain
+    ) -> None:
         self.server = server
+        self.drain = drain
         self.stats = stats
         self.clock = clock
         self.admission = Admission(server.max_concurrent_requests)
@@ -103,6 +105,8 @@ class Proxy:
         return start + min(limits)
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
+        if self.drain.draining:
+            raise Overloaded("the gateway is shutting down", retry_after=1.0)
         self.admission.enter()
         start = self.clock()
         pool.inflight_requests += 1
@@ -200,18 +204,22 @@ class Proxy:
             outcome=outcome,
         )
 
-        async def finish(stuck_client: bool) -> None:
-            summary.relay_end = "stuck_client" if stuck_client else outcome.end
+        async def finish(early_end: str | None) -> None:
+            summary.relay_end = early_end or outcome.end
             await self._finish(pool, race, result.prefix, summary)
 
-        return RelayResponse(
+        return SSEResponse(
             body,
             headers=headers,
-            ping=self.server.keepalive,
-            send_timeout=timeouts.stuck_client,
-            ping_message_factory=_keepalive,
-            sep="\n",
+            keepalive=self.server.keepalive,
+            stuck_client=timeouts.stuck_client,
+            drain=self.drain,
+            grace=self.server.shutdown_grace,
+            shutdown_event=error_event(
+                "the gateway is shutting down", "gateway_shutdown", req.request_id
+            ),
             on_close=finish,
+            clock=self.clock,
         )
 
     async def _finish(
@@ -228,38 +236,8 @@ class Proxy:
             log_request(summary, self.stats.error_classes)
 
 
-def _keepalive() -> ServerSentEvent:
-    return ServerSentEvent(comment="keep-alive", sep="\n")
-
-
 async def _wait_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
-
-
-class RelayResponse(EventSourceResponse):
-    """An SSE response that always runs its cleanup, whatever ends it.
-
-    sse-starlette never starts the body iterator if the client is gone before the first send,
-    and raises `SendTimeoutError` for a client that stops reading: in both cases the upstream
-    must still be closed and the request accounted for, and neither is an application error.
-    """
-
-    def __init__(
-        self, *args: Any, on_close: Callable[[bool], Awaitable[None]], **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._on_close = on_close
-        self.stuck_client = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except SendTimeoutError:
-            self.stuck_client = True
-        except OSError:
-            pass  # the client's socket broke mid-send: nothing left to tell it
-        finally:
-            await self._on_close(self.stuck_client)

@@ -1,0 +1,160 @@
+"""The ASGI response that streams a committed attempt to the client.
+
+Why our own instead of sse-starlette's `EventSourceResponse`: importing sse-starlette patches
+uvicorn's signal handler process-wide, and each event loop gets a shutdown-watcher task that
+polls forever. Both break rules we keep (no global state; nothing left running after a
+request), and the relay needs exact control over three things that response does not give:
+- cleanup always runs, even when the client left before the first byte was sent;
+- a client that stops reading is detected without a timer per event (one ticker task checks
+  how long the pending send has been stuck);
+- on shutdown, a live stream gets `grace` seconds to finish, then a final error event.
+
+Per event the pump does one lock acquire (uncontended, no await) and two stores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+import anyio
+from starlette.background import BackgroundTask
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+KEEPALIVE = b": keep-alive\n\n"
+
+
+class Drain:
+    """Set once when the server starts shutting down; live streams watch it."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+        self.draining = False
+
+    def _get(self) -> asyncio.Event:
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
+    def start(self) -> None:
+        self.draining = True
+        self._get().set()
+
+    async def wait(self) -> None:
+        await self._get().wait()
+
+
+class SSEResponse(Response):
+    """Streams `body` (already-encoded SSE bytes) with keep-alives, stuck-client and shutdown
+    handling; calls `on_close(end)` exactly once, whatever ends the stream."""
+
+    background: BackgroundTask | None = None
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        *,
+        headers: Mapping[str, str],
+        keepalive: float,
+        stuck_client: float,
+        drain: Drain,
+        grace: float,
+        shutdown_event: bytes,
+        on_close: Callable[[str | None], Awaitable[None]],
+        clock: Callable[[], float],
+    ) -> None:
+        self.status_code = 200
+        self.body_iterator = body
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no")]
+        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                         for k, v in headers.items()]
+        self.keepalive = keepalive
+        self.stuck_client = stuck_client
+        self.drain = drain
+        self.grace = grace
+        self.shutdown_event = shutdown_event
+        self.on_close = on_close
+        self.clock = clock
+        self._lock = asyncio.Lock()
+        self._last_send = 0.0
+        #: when the send in progress started (None: no send in progress)
+        self._sending_since: float | None = None
+        #: why the stream ended early: "client_gone", "stuck_client", "shutdown"
+        self.end: str | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._send(send, {"type": "http.response.start", "status": 200,
+                                    "headers": self.raw_headers})
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_client, receive, tg.cancel_scope)
+                tg.start_soon(self._tick, send, tg.cancel_scope)
+                tg.start_soon(self._watch_drain, send, tg.cancel_scope)
+                await self._pump(send)
+                tg.cancel_scope.cancel()
+            if self.end is None:
+                await self._send(send, {"type": "http.response.body", "body": b"",
+                                        "more_body": False})
+        except OSError:
+            self.end = self.end or "client_gone"  # the socket broke under a send
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(RuntimeError):
+                        await aclose()
+                await self.on_close(self.end)
+
+    async def _send(self, send: Send, message: Message) -> None:
+        async with self._lock:
+            self._sending_since = self.clock()
+            await send(message)
+            self._sending_since = None
+            self._last_send = self.clock()
+
+    async def _pump(self, send: Send) -> None:
+        lock = self._lock
+        clock = self.clock
+        async for chunk in self.body_iterator:
+            async with lock:
+                self._sending_since = clock()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._sending_since = None
+                self._last_send = clock()
+
+    async def _watch_client(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.end = self.end or "client_gone"
+                scope.cancel()
+                return
+
+    async def _tick(self, send: Send, scope: anyio.CancelScope) -> None:
+        """Keep-alive comments when idle; give up on a client that stopped reading."""
+        period = max(0.01, min(self.keepalive, self.stuck_client) / 4)
+        while True:
+            await anyio.sleep(period)
+            now = self.clock()
+            since = self._sending_since
+            if since is not None and now - since >= self.stuck_client:
+                self.end = "stuck_client"
+                scope.cancel()
+                return
+            if since is None and now - self._last_send >= self.keepalive:
+                await self._send(send, {"type": "http.response.body", "body": KEEPALIVE,
+                                        "more_body": True})
+
+    async def _watch_drain(self, send: Send, scope: anyio.CancelScope) -> None:
+        """On shutdown: `grace` seconds to finish, then a final error event and the end."""
+        await self.drain.wait()
+        await anyio.sleep(self.grace)
+        self.end = "shutdown"
+        scope.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+            await self._send(send, {"type": "http.response.body", "body": self.shutdown_event,
+                                    "more_body": False})
