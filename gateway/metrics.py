@@ -28,6 +28,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
+| `latency_saved_seconds` | histogram | pool | hedge won: primary's tokenless time at commit |
 | `budget_tokens` | gauge | pool | hedge budget tokens available |
 | `budget_ineffective` | gauge | pool | 1 while the efficacy guard holds hedges back |
 | `inflight_requests` | gauge | pool | logical requests in flight |
@@ -142,12 +143,18 @@ class GatewayCollector(Collector):
             "Time from cancelling a losing attempt to its upstream being closed.",
             labels=["pool"],
         )
+        saved = HistogramMetricFamily(
+            PREFIX + "latency_saved_seconds",
+            "When a hedge won: how long the primary had run without a token (lower bound).",
+            labels=["pool"],
+        )
         for pool, ps in self._stats.pools.items():
             _histogram(client, [pool], ps.client_ttft.histogram)
             _histogram(close, [pool], ps.close.histogram)
+            _histogram(saved, [pool], ps.saved.histogram)
             for backend, bs in ps.backends.items():
                 _histogram(attempt, [pool, backend], bs.ttft.histogram)
-        yield from (attempt, client, close)
+        yield from (attempt, client, close, saved)
 
     def _live(self, now: float) -> Iterator[Metric]:
         tokens = _gauge("budget_tokens", "Hedge budget tokens available.", ["pool"])

@@ -415,3 +415,35 @@ def test_bucket_histogram_is_cumulative() -> None:
         h.add(value)
     assert h.cumulative() == [("0.1", 2), ("0.5", 3), ("+Inf", 4)]
     assert h.count == 4 and h.sum == pytest.approx(2.45)
+
+
+def test_metrics_are_per_app_and_read_at_scrape_time() -> None:
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.metrics import Metrics
+
+    runtime = pool_runtime()
+    stats_1 = Stats.for_pools({"chat": runtime}, now=0.0)
+    stats_2 = Stats.for_pools({"chat": runtime}, now=0.0)
+    metrics_1 = Metrics(stats_1, {"chat": runtime}, lambda: 5.0)
+    metrics_2 = Metrics(stats_2, {"chat": runtime}, lambda: 5.0)
+    stats_1.record(hedge_won(0.0))
+
+    def value(metrics: Metrics, name: str, **labels: str) -> float:
+        for family in text_string_to_metric_families(metrics.render().decode()):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        raise AssertionError(f"no sample {name} {labels}")
+
+    assert value(metrics_1, "hedge_gateway_hedges_won_total", pool="chat") == 1
+    assert value(metrics_2, "hedge_gateway_hedges_won_total", pool="chat") == 0
+    assert value(metrics_1, "hedge_gateway_attempts_total", pool="chat", backend="b",
+                 kind="hedge", outcome="won") == 1
+    assert value(metrics_1, "hedge_gateway_client_ttft_seconds_count", pool="chat") == 1
+    assert value(metrics_1, "hedge_gateway_backend_state", pool="chat", backend="a",
+                 state="ok") == 1
+    runtime.inflight_requests = 4  # gauges are read live
+    assert value(metrics_2, "hedge_gateway_inflight_requests", pool="chat") == 4
+    assert b"hedge_gateway" not in generate_latest(REGISTRY)
