@@ -23,7 +23,11 @@ class PoolRuntime:
     providers: Mapping[str, Provider]
     balancer: Balancer
     budget: HedgeBudget
+    #: per backend: the hedge delay of streaming requests (TTFT of the first token)
     delays: Mapping[str, HedgeDelay]
+    #: per endpoint, per backend: the hedge delay of non-streaming requests, learnt from their
+    #: full response time, which would distort the streaming TTFT if they shared a sketch
+    whole_delays: Mapping[str, Mapping[str, HedgeDelay]]
     #: the backend -> group label map, for "prefer a different group"
     groups: Mapping[str, str]
     #: hedging on for this pool (global switch and pool switch both on)
@@ -48,11 +52,14 @@ class PoolRuntime:
             balancer=Balancer(settings.backends, settings.health, rng),
             budget=HedgeBudget(settings.hedging.budget, now),
             delays={b.name: HedgeDelay(settings.hedging.delay) for b in settings.backends},
+            whole_delays={
+                endpoint: {b.name: HedgeDelay(settings.hedging.delay) for b in settings.backends}
+                for endpoint in ("chat/completions", "completions", "embeddings")
+            },
             groups={b.name: b.group for b in settings.backends},
             hedging_enabled=global_hedging and settings.hedging.enabled,
             rng=rng,
         )
 
-    def recent_ttft(self, backend: str, now: float) -> float | None:
-        """The backend's recent median TTFT, for the balancer's comparison."""
-        return self.delays[backend].median(now)
+    def delays_for(self, endpoint: str, stream: bool) -> Mapping[str, HedgeDelay]:
+        return self.delays if stream else self.whole_delays[endpoint]

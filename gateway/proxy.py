@@ -116,7 +116,12 @@ class Proxy:
         race = Race(
             pool,
             self._runner(pool, req, start),
-            RaceOptions(self.deadline(pool, req, start), refusal is None, refusal),
+            RaceOptions(
+                self.deadline(pool, req, start),
+                pool.delays_for(req.endpoint, req.stream),
+                refusal is None,
+                refusal,
+            ),
             self.clock,
         )
         handed_off = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamStatusError,
 )
-from gateway.policy import min_useful
+from gateway.policy import HedgeDelay, min_useful
 from gateway.pool import PoolRuntime
 from gateway.stream import Prefix
 
@@ -87,6 +87,8 @@ def _close_timer(
 @dataclass(slots=True)
 class RaceOptions:
     deadline: float
+    #: the latency trackers this request's attempts feed and take their delay from
+    delays: Mapping[str, HedgeDelay]
     #: delay-triggered hedges allowed for this request (pool switch, opt-outs, safety rules)
     hedging: bool
     #: when hedging was refused for this request, the reason counted once (`disabled`)
@@ -113,11 +115,12 @@ class Race:
         pool.budget.on_request(now)
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
-        primary = pool.balancer.pick(now, ttft=lambda name: pool.recent_ttft(name, now))
+        delays = self.options.delays
+        primary = pool.balancer.pick(now, ttft=lambda name: delays[name].median(now))
         if primary is None:
             raise AllAttemptsFailed(["no usable backend in the pool"])
         self._start(primary, "primary", spent_budget=False)
-        delay = pool.delays[primary].delay(now)
+        delay = self.options.delays[primary].delay(now)
         next_hedge = now + delay if self.options.hedging else math.inf
         try:
             while True:
@@ -212,7 +215,7 @@ class Race:
         running_groups = {pool.groups[b] for b in in_flight}
 
         def ttft(name: str) -> float | None:
-            return pool.recent_ttft(name, now)
+            return self.options.delays[name].median(now)
 
         backend = pool.balancer.pick(
             now, exclude=in_flight | tried, avoid_groups=running_groups, ttft=ttft
@@ -222,7 +225,7 @@ class Race:
         if backend is None:
             return SuppressReason.NO_BACKEND
         remaining = self.options.deadline - now
-        if remaining < min_useful(pool.recent_ttft(backend, now)):
+        if remaining < min_useful(self.options.delays[backend].median(now)):
             return SuppressReason.DEADLINE
         refused = pool.budget.try_spend(now, inflight_requests=pool.inflight_requests, hedge=hedge)
         if refused is not None:
@@ -262,7 +265,7 @@ class Race:
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()
         record.ttft = now - record.started
-        self.pool.delays[record.backend].observe(record.ttft, now, censored=censored)
+        self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
 
     def _cancel_all(self) -> None:
         """Cancel every attempt still running, without waiting for it (SPEC §5.5).
