@@ -34,11 +34,44 @@ def _serve(ns: argparse.Namespace) -> int:
         create_app(settings),
         host=server.host,
         port=server.port,
-        log_level=ns.log_level,
+        log_config=logging_config(ns.log_level),
         timeout_graceful_shutdown=int(server.shutdown_grace) or None,
         h11_max_incomplete_event_size=server.max_header_bytes,
     )
     return 0
+
+
+def logging_config(level: str) -> dict[str, object]:
+    """Our request log at INFO on stderr; libraries that log URLs or headers kept quiet.
+
+    httpx logs every upstream URL at INFO and httpcore every response header at DEBUG:
+    neither belongs in an operator's log (a URL can carry a tenant, a header a key). The
+    request log (`hedge_gateway.requests`) replaces uvicorn's access log.
+    """
+    upper = level.upper()
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+            "bare": {"format": "%(message)s"},
+        },
+        "handlers": {
+            "stderr": {"class": "logging.StreamHandler", "formatter": "plain",
+                       "stream": "ext://sys.stderr"},
+            "requests": {"class": "logging.StreamHandler", "formatter": "bare",
+                         "stream": "ext://sys.stderr"},
+        },
+        "loggers": {
+            "uvicorn": {"handlers": ["stderr"], "level": upper, "propagate": False},
+            "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
+            "hedge_gateway.requests": {"handlers": ["requests"], "level": upper,
+                                       "propagate": False},
+            "httpx": {"level": "WARNING"},
+            "httpcore": {"level": "WARNING"},
+        },
+        "root": {"handlers": ["stderr"], "level": "WARNING"},
+    }
 
 
 def _check_config(ns: argparse.Namespace) -> int:

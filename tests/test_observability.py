@@ -7,7 +7,6 @@ Every scenario uses a FIXED hedge delay, so which requests hedge is decided by t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
@@ -41,7 +40,6 @@ from tests.harness import (
     SSE_HEADERS,
     AsgiServerFactory,
     Hang,
-    LoopThread,
     RecordedRequest,
     RunningServer,
     Script,
@@ -63,27 +61,6 @@ MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user",
 SKETCH_ACCURACY = 0.01
 #: how much later the client may see a first token than the gateway commits it (see test)
 HOP_ALLOWANCE = 0.050
-
-
-@pytest.fixture(autouse=True)
-def _stop_sse_watcher(request: pytest.FixtureRequest) -> Iterator[None]:
-    """sse-starlette starts one shutdown-watcher task per event loop at the first SSE
-    response; it polls for uvicorn's exit flag forever (the harness installs no signal
-    handlers), so the leak check would report it. Cancel it once the test is done."""
-    yield
-    if "loop_thread" in request.fixturenames:
-        loop_thread: LoopThread = request.getfixturevalue("loop_thread")
-        loop_thread.run(_cancel_sse_watchers())
-
-
-async def _cancel_sse_watchers() -> None:
-    tasks = [
-        task for task in asyncio.all_tasks()
-        if getattr(task.get_coro(), "__qualname__", "") == "_shutdown_watcher"
-    ]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def make_settings(
@@ -379,8 +356,8 @@ def test_provider_key_never_reaches_stats_metrics_or_logs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # INFO everywhere (what an operator runs), DEBUG for the gateway's own loggers. Third-party
-    # DEBUG output is out of scope: sse-starlette logs every chunk it sends and httpcore
-    # every upstream response header at DEBUG, so those loggers must stay above DEBUG.
+    # DEBUG output is out of scope: httpcore logs every upstream response header at DEBUG,
+    # so that logger must stay above DEBUG (`hedge-gateway serve` sets it to WARNING).
     caplog.set_level(logging.INFO)
     caplog.set_level(logging.DEBUG, logger="hedge_gateway")
     caplog.set_level(logging.DEBUG, logger="gateway")
