@@ -8,6 +8,7 @@ Message content is data: nothing inside `messages`/`prompt`/`input` is inspected
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,13 +30,25 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A number too large for a float (`1e400`) would parse as infinity and be forwarded
+    upstream as `Infinity`, which is not JSON: refuse it like the literal."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """Strict JSON object: UTF-8, no NaN/Infinity, an object at the top."""
+    """Strict JSON object: UTF-8, no NaN/Infinity (literal or by overflow), an object at the
+    top, nesting the parser can handle."""
     try:
         text = raw.decode("utf-8")
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError:
         raise InvalidRequest("request body is not valid UTF-8") from None
+    except RecursionError:  # hostile nesting (`[[[[...`) well within the size limit
+        raise InvalidRequest("request body is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError is a ValueError
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
