@@ -38,17 +38,20 @@ def error_event(message: str, code: str, request_id: str) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _is_error_event(event: SSEEvent) -> bool:
-    """Cheap pre-check on bytes, exact check only when the word appears."""
-    if event.event == b"error":
-        return True
-    if b'"error"' not in event.data:
-        return False
+def _error_kind(event: SSEEvent) -> int:
+    """0: not an error; 1: an error event in OpenAI shape; 2: an error in another shape.
+
+    Called only when the cheap byte test in the relay says the event may be an error."""
     try:
         payload = json.loads(event.data)
     except ValueError:
-        return False
-    return isinstance(payload, dict) and payload.get("error") is not None
+        payload = None
+    shaped = isinstance(payload, dict) and isinstance(payload.get("error"), dict)
+    if shaped:
+        return 1
+    if event.event == b"error" or (isinstance(payload, dict) and payload.get("error")):
+        return 2
+    return 0
 
 
 def _encode(event: SSEEvent) -> bytes:
@@ -84,9 +87,13 @@ async def relay(
                 yield DONE
                 return
             outcome.events += 1
-            if (event.event is not None or b'"error"' in data) and _is_error_event(event):
+            if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):
+                # relayed as is when the SDKs can read it; otherwise our own error event, so
+                # the client raises an API error instead of failing to parse the upstream's
                 outcome.end = "upstream_error"
-                yield _encode(event)
+                yield _encode(event) if kind == 1 else error_event(
+                    "upstream reported an error", "upstream_error", request_id
+                )
                 return
             yield _encode(event)
             if clock() > max_stream_deadline:

@@ -495,12 +495,6 @@ def test_an_upstream_error_event_after_commit_is_relayed_as_is_and_ends_the_stre
     assert up.wait_closed(rec)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="relay.py forwards an upstream `error: text` SSE field as `event: error` + "
-    "`data: text` (not JSON): the openai SDK then crashes with json.JSONDecodeError instead "
-    "of raising openai.APIError; it should become a final OpenAI-shaped error event",
-)
 def test_an_upstream_error_field_after_commit_reaches_the_client_as_an_openai_error(
     scripted_upstream: UpstreamFactory, asgi_server: AsgiServerFactory
 ) -> None:
