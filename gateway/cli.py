@@ -9,10 +9,9 @@ from dataclasses import replace
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.configfile import ConfigError, default_settings, load_settings
+    from gateway.server import build_server
 
     try:
         settings = load_settings(ns.config) if ns.config else default_settings()
@@ -30,15 +29,11 @@ def _serve(ns: argparse.Namespace) -> int:
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
-    uvicorn.run(
-        create_app(settings),
-        host=server.host,
-        port=server.port,
-        log_config=logging_config(ns.log_level),
-        timeout_graceful_shutdown=int(server.shutdown_grace) or None,
-        h11_max_incomplete_event_size=server.max_header_bytes,
-    )
-    return 0
+    app = create_app(settings)
+    # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop
+    runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level))
+    runner.run()
+    return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
 
 
 def logging_config(level: str) -> dict[str, object]:

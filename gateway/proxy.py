@@ -105,9 +105,13 @@ class Proxy:
         return start + min(limits)
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
-        if self.drain.draining:
-            raise Overloaded("the gateway is shutting down", retry_after=1.0)
-        self.admission.enter()
+        try:
+            if self.drain.draining:
+                raise Overloaded("the gateway is shutting down", retry_after=1.0)
+            self.admission.enter()
+        except Overloaded as exc:
+            self._record_refusal(pool, req, exc)
+            raise
         start = self.clock()
         pool.inflight_requests += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
@@ -175,20 +179,37 @@ class Proxy:
         return run
 
     async def _race_or_disconnect(self, race: Race, receive: Receive) -> RaceResult | None:
-        """Run the race; a client disconnect cancels it (and so every attempt)."""
+        """Run the race; a client disconnect cancels it (and so every attempt), and so does
+        the end of the shutdown grace period (the client then gets 503)."""
         race_task = asyncio.ensure_future(race.run())
         gone_task = asyncio.ensure_future(_wait_disconnect(receive))
+        drain_task = asyncio.ensure_future(self.drain.wait_grace(self.server.shutdown_grace))
         try:
-            await asyncio.wait({race_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {race_task, gone_task, drain_task}, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             gone_task.cancel()
+            drain_task.cancel()
             if not race_task.done():
                 race_task.cancel()
-            await asyncio.gather(gone_task, return_exceptions=True)
+            await asyncio.gather(gone_task, drain_task, return_exceptions=True)
             await asyncio.wait({race_task})
         if race_task.cancelled():
+            if self.drain.draining and not _saw_disconnect(gone_task):
+                raise Overloaded("the gateway is shutting down", retry_after=1.0)
             return None
         return race_task.result()
+
+    def _record_refusal(self, pool: PoolRuntime, req: LogicalRequest, exc: Overloaded) -> None:
+        """A request refused before its race (overload, shutdown) still counts and logs."""
+        now = self.clock()
+        summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
+                                 now)
+        summary.error = exc.code
+        summary.ended = now
+        self.stats.record(summary)
+        log_request(summary, self.stats.error_classes)
 
     def _streaming_response(
         self,
@@ -239,6 +260,11 @@ class Proxy:
             summary.ended = self.clock()
             self.stats.record(summary)
             log_request(summary, self.stats.error_classes)
+
+
+def _saw_disconnect(task: asyncio.Future[None]) -> bool:
+    """Whether the disconnect watcher saw the client leave (not merely got cancelled)."""
+    return task.done() and not task.cancelled() and task.exception() is None
 
 
 async def _wait_disconnect(receive: Receive) -> None:

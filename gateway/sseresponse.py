@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import anyio
@@ -24,14 +25,23 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 KEEPALIVE = b": keep-alive\n\n"
+#: ASGI scope extension through which the server offers `abort()`: drop the connection now,
+#: unsent bytes and all (see gateway.server). Without it, a stuck client's connection can only
+#: be left to the server, which waits for the unsent bytes to drain before it closes.
+ABORT_EXTENSION = "hedge_gateway.abort"
 
 
 class Drain:
-    """Set once when the server starts shutting down; live streams watch it."""
+    """Set once when the server starts shutting down; live streams and races watch it.
 
-    def __init__(self) -> None:
+    The grace period counts from the moment the drain started, for every request alike, so
+    a stream that commits during the drain does not get a fresh `grace` of its own."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._event: asyncio.Event | None = None
+        self._clock = clock
         self.draining = False
+        self.started_at: float | None = None
 
     def _get(self) -> asyncio.Event:
         if self._event is None:
@@ -39,11 +49,19 @@ class Drain:
         return self._event
 
     def start(self) -> None:
-        self.draining = True
+        if not self.draining:
+            self.draining = True
+            self.started_at = self._clock()
         self._get().set()
 
     async def wait(self) -> None:
         await self._get().wait()
+
+    async def wait_grace(self, grace: float) -> None:
+        """Return `grace` seconds after the drain started (never, if it does not start)."""
+        await self.wait()
+        started = self.started_at if self.started_at is not None else self._clock()
+        await anyio.sleep(max(0.0, started + grace - self._clock()))
 
 
 class SSEResponse(Response):
@@ -85,6 +103,11 @@ class SSEResponse(Response):
         self._sending_since: float | None = None
         #: why the stream ended early: "client_gone", "stuck_client", "shutdown"
         self.end: str | None = None
+        #: the last body message (`more_body: False`) went out
+        self._completed = False
+        #: every byte of `body` was handed to the server: the stream did not end early, even
+        #: if the client hangs up before the closing chunk (e.g. right after `[DONE]`)
+        self._exhausted = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -95,26 +118,36 @@ class SSEResponse(Response):
                 tg.start_soon(self._tick, send, tg.cancel_scope)
                 tg.start_soon(self._watch_drain, send, tg.cancel_scope)
                 await self._pump(send)
-                tg.cancel_scope.cancel()
-            if self.end is None:
+                # inside the group: the ticker still watches a client stuck at the very end
                 await self._send(send, {"type": "http.response.body", "body": b"",
                                         "more_body": False})
+                tg.cancel_scope.cancel()
         except OSError:
             self.end = self.end or "client_gone"  # the socket broke under a send
         finally:
             with anyio.CancelScope(shield=True):
+                if not self._completed and self.end in ("stuck_client", "shutdown"):
+                    abort = _abort_of(scope)
+                    if abort is not None:
+                        abort()
                 aclose = getattr(self.body_iterator, "aclose", None)
                 if aclose is not None:
                     with contextlib.suppress(RuntimeError):
                         await aclose()
-                await self.on_close(self.end)
+                await self.on_close(None if self._exhausted else self.end)
+                if not self._completed and self.end in ("stuck_client", "shutdown"):
+                    await _await_disconnect(scope, receive)
 
     async def _send(self, send: Send, message: Message) -> None:
         async with self._lock:
+            if self._completed:  # a racing final message (shutdown vs. normal end)
+                return
             self._sending_since = self.clock()
             await send(message)
             self._sending_since = None
             self._last_send = self.clock()
+            if not message.get("more_body", False) and message["type"] == "http.response.body":
+                self._completed = True
 
     async def _pump(self, send: Send) -> None:
         lock = self._lock
@@ -125,6 +158,7 @@ class SSEResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 self._sending_since = None
                 self._last_send = clock()
+        self._exhausted = True
 
     async def _watch_client(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while True:
@@ -151,10 +185,26 @@ class SSEResponse(Response):
 
     async def _watch_drain(self, send: Send, scope: anyio.CancelScope) -> None:
         """On shutdown: `grace` seconds to finish, then a final error event and the end."""
-        await self.drain.wait()
-        await anyio.sleep(self.grace)
+        await self.drain.wait_grace(self.grace)
         self.end = "shutdown"
         scope.cancel()
         with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
             await self._send(send, {"type": "http.response.body", "body": self.shutdown_event,
                                     "more_body": False})
+
+
+def _abort_of(scope: Scope) -> Callable[[], object] | None:
+    """The server's abort hook for this connection, if it offers one (gateway.server)."""
+    extensions = scope.get("extensions") or {}
+    hook = (extensions.get(ABORT_EXTENSION) or {}).get("abort")
+    return hook if callable(hook) else None
+
+
+async def _await_disconnect(scope: Scope, receive: Receive) -> None:
+    """After an abort, let the server notice the dropped connection before the app returns
+    (else it would log a response that was never completed)."""
+    if _abort_of(scope) is None:
+        return
+    with anyio.move_on_after(1.0):
+        while (await receive())["type"] != "http.disconnect":
+            pass
