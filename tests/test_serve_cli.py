@@ -124,11 +124,6 @@ def test_serve_with_no_config_streams_the_demo_pool_and_stops_on_sigterm(
     assert "pool 'demo'" in output  # the banner says what is served
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="uvicorn re-raises the captured SIGTERM after its graceful shutdown, so "
-    "`hedge-gateway serve` dies by the signal (status -15 / 143) instead of exiting 0",
-)
 def test_serve_exits_with_status_0_after_a_graceful_sigterm(
     served: tuple[subprocess.Popen[bytes], str, Path],
 ) -> None:
