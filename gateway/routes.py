@@ -6,6 +6,7 @@ a `LogicalRequest` to the proxy.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 import uuid
@@ -32,7 +33,7 @@ from gateway.stats import Stats
 from gateway.validate import check_body, parse_body
 from providers.base import Endpoint
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _JSON_TYPES = ("application/json", "application/x-ndjson")
 
 
@@ -42,7 +43,7 @@ def request_id_of(request: Request) -> str:
     if isinstance(existing, str):
         return existing
     supplied = request.headers.get("x-request-id", "")
-    rid = supplied if _REQUEST_ID.match(supplied) else f"req_{uuid.uuid4().hex}"
+    rid = supplied if _REQUEST_ID.fullmatch(supplied) else f"req_{uuid.uuid4().hex}"
     request.state.request_id = rid
     return rid
 
@@ -62,7 +63,8 @@ def error_response(exc: GatewayError, request_id: str) -> JSONResponse:
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it crosses `limit` (never buffered past it)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() \
+            and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     parts: list[bytes] = []
     size = 0
@@ -102,19 +104,25 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def make_auth_guard(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that checks the gateway key in constant time; a no-op without keys."""
-    encoded = [key.encode() for key in api_keys]
+    """A dependency that checks the gateway key in constant time; a no-op without keys.
+
+    Keys are compared as SHA-256 digests: `compare_digest` is constant-time only for inputs of
+    equal length, so comparing the raw strings would tell a prober each key's length. Every
+    configured key is compared, so the timing does not say which one matched either. The
+    401 never repeats what was sent."""
+    digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
 
     async def guard(request: Request) -> None:
-        if not encoded:
+        if not digests:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
+        supplied = token.strip() if scheme.lower() == "bearer" else ""
+        digest = hashlib.sha256(supplied.encode("latin-1")).digest()  # the bytes as sent
         ok = False
-        for key in encoded:  # compare against every key: timing says nothing about which
-            ok |= hmac.compare_digest(supplied, key)
-        if not ok:
+        for key in digests:
+            ok |= hmac.compare_digest(digest, key)
+        if not ok or not supplied:
             raise Unauthorized("missing or invalid gateway API key")
 
     return guard

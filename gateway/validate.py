@@ -19,6 +19,9 @@ from gateway.errors import ForbiddenField, InvalidRequest
 ROUTING_FIELDS = frozenset(
     {"api_base", "base_url", "api_key", "api_version", "extra_headers", "headers", "url"}
 )
+#: the same names as compared: case, `_` and `-` ignored, so `baseURL`, `API-KEY` and
+#: `extraHeaders` (spellings other SDKs and proxies accept) are refused too
+_ROUTING_NORMALIZED = frozenset(name.replace("_", "") for name in ROUTING_FIELDS)
 NESTED_SCANNED = ("extra_body", "metadata")
 #: guards the recursive scan against hostile nesting
 MAX_SCAN_DEPTH = 32
@@ -56,13 +59,17 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def is_routing_field(key: str) -> bool:
+    return key.replace("_", "").replace("-", "").lower() in _ROUTING_NORMALIZED
+
+
 def _scan(value: object, path: str, depth: int) -> None:
     if depth > MAX_SCAN_DEPTH:
         raise InvalidRequest(f"{path} is nested too deeply", param=path)
     if isinstance(value, Mapping):
         for key, inner in value.items():
             where = f"{path}.{key}"
-            if key in ROUTING_FIELDS:
+            if is_routing_field(key):
                 raise ForbiddenField(
                     f"field {where!r} may not choose a destination or credential", param=where
                 )
@@ -75,7 +82,7 @@ def _scan(value: object, path: str, depth: int) -> None:
 def check_body(body: Mapping[str, Any], *, needs_prompt: str | None) -> tuple[str, bool]:
     """Validate the fields the gateway relies on; return (model, stream)."""
     for key in body:
-        if key in ROUTING_FIELDS:
+        if is_routing_field(key):
             raise ForbiddenField(
                 f"field {key!r} may not choose a destination or credential", param=key
             )
