@@ -336,6 +336,9 @@ def format_workload(result: Mapping[str, Any]) -> str:
         parts = ", ".join(f"{k} {v['extra']}/{v['requests']}"
                           for k, v in result["outage_phases"].items())
         lines.append(f"   hedging-on extra attempts by phase: {parts}")
+    if result["targets"] and result["requests"] < 500:
+        lines.append(f"   note: {result['requests']} requests per mode: p99 and p99.9 rest on a "
+                     "handful of samples, so the targets below are only indicative")
     for t in result["targets"]:
         state = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
         lines.append(f"   target: {t['target']}: {_cell(t['value'], 2)} -> {state}")
