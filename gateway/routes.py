@@ -57,7 +57,12 @@ def error_response(exc: GatewayError, request_id: str) -> JSONResponse:
         headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
     if isinstance(exc, PayloadTooLarge):
         headers["connection"] = "close"
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    body = exc.body()
+    if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
+        message = f"{exc.message} (request id {request_id})"
+        body = {"error": {"message": message, "type": exc.type, "param": exc.param,
+                          "code": exc.code}}
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

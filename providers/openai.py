@@ -11,6 +11,7 @@ sees the disconnect and stops generating.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Mapping
 
 import anyio
@@ -45,8 +46,21 @@ PASS_HEADERS = frozenset(
 #: a non-streaming body larger than this is refused (a broken upstream must not fill memory)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
+#: stream bytes that may arrive without completing an event (many `data:` lines and no blank
+#: line, or endless comments): the SSE decoder bounds one line, this bounds one event
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
 #: closing must finish quickly even when cancelled; past this the socket is abandoned to GC
 CLOSE_TIMEOUT = 2.0
+
+_MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,40}/[A-Za-z0-9!#$&^_.+-]{1,60}")
+
+
+def media_type(content_type: str) -> str:
+    """The bare media type for messages (`text/html`), or `unknown`: the rest of the header
+    is the upstream's text, and an upstream's text never reaches a client."""
+    bare = content_type.split(";", 1)[0].strip()
+    return bare.lower() if _MEDIA_TYPE.fullmatch(bare) else "unknown"
 
 
 def parse_retry_after(headers: httpx.Headers) -> float | None:
@@ -93,9 +107,19 @@ class HttpxStream:
 
     async def _sse(self) -> AsyncIterator[SSEEvent]:
         decoder = SSEDecoder()
+        pending = 0  # bytes since the last completed event
         try:
             async for chunk in self._response.aiter_raw():
-                for event in decoder.feed(chunk):
+                events = decoder.feed(chunk)
+                if not events:
+                    pending += len(chunk)
+                    if pending > MAX_EVENT_BYTES:
+                        raise UpstreamProtocolError(
+                            f"malformed stream: no event in {MAX_EVENT_BYTES} bytes"
+                        )
+                    continue
+                pending = 0
+                for event in events:
                     yield event
         except httpx.HTTPError as exc:
             raise translate(exc) from None
@@ -162,11 +186,16 @@ class OpenAIProvider:
             retry_after = parse_retry_after(response.headers)
             await HttpxStream(response, stream=False).aclose()
             raise UpstreamStatusError(response.status_code, retry_after=retry_after)
-        content_type = response.headers.get("content-type", "")
+        content_type = media_type(response.headers.get("content-type", ""))
         expected = "text/event-stream" if call.stream else "application/json"
-        if not content_type.startswith(expected):
+        if content_type != expected:
             await HttpxStream(response, stream=False).aclose()
-            raise UpstreamProtocolError(f"unexpected content type {content_type[:40]!r}")
+            raise UpstreamProtocolError(f"unexpected content type {content_type}")
+        if (response.headers.get("content-encoding") or "identity").lower() != "identity":
+            # we asked for identity and relay raw bytes: compressed bytes would reach the
+            # client as garbage
+            await HttpxStream(response, stream=False).aclose()
+            raise UpstreamProtocolError("unexpected content encoding")
         return HttpxStream(response, stream=call.stream)
 
     async def aclose(self) -> None:
