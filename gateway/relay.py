@@ -11,6 +11,8 @@ a final error event in OpenAI shape, never a silent success.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,6 +25,9 @@ from gateway.stream import Prefix
 StreamEnd = Literal["done", "upstream_error", "truncated", "failed", "too_long", "client_gone"]
 
 DONE = b"data: [DONE]\n\n"
+#: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
+DRAIN_TIMEOUT = 0.05
+DRAIN_EVENTS = 8
 
 
 def error_event(message: str, code: str, request_id: str) -> bytes:
@@ -61,6 +66,21 @@ def _encode(event: SSEEvent) -> bytes:
     return encode_event(data, event.event)
 
 
+async def _drain(events: AsyncIterator[SSEEvent]) -> None:
+    """Read the rest of a finished stream (normally just the body's terminator), briefly.
+
+    A response closed before its body ended cannot go back to the connection pool, so without
+    this every request would pay for a new upstream connection. Bounded in time and events:
+    an upstream that keeps talking after `[DONE]` is simply dropped."""
+    with contextlib.suppress(TimeoutError, UpstreamError):
+        async with asyncio.timeout(DRAIN_TIMEOUT):
+            left = DRAIN_EVENTS
+            async for _ in events:
+                left -= 1
+                if not left:
+                    return
+
+
 @dataclass(slots=True)
 class RelayOutcome:
     end: StreamEnd = "client_gone"
@@ -85,6 +105,7 @@ async def relay(
             if data == b"[DONE]":
                 outcome.end = "done"
                 yield DONE
+                await _drain(prefix.events)
                 return
             outcome.events += 1
             if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):

@@ -523,3 +523,19 @@ def test_outage_hedges_fall_to_the_probe_rate_once_they_stop_winning(
     probes = elapsed / budget.probe_interval + 1
     assert extra <= budget.win_window + concurrency + probes, (extra, elapsed)
     assert extra < requests / 2
+
+
+def test_a_finished_winner_returns_its_connection_to_the_pool(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """After `[DONE]` the relay reads the body's end, so the next request reuses the
+    connection instead of paying for a new one (losers, by contrast, are always dropped)."""
+    order = InOrder(stream_script(["a", "b"], ttft=0.0, close=False))
+    upstreams, v1, _ = start(
+        asgi_server, scripted_upstream, order, gateway_settings, count=1
+    )
+    with sdk(v1) as client:
+        for _ in range(5):
+            assert stream_content(client)[0] == "ab"
+    assert len(order.arrivals) == 5
+    assert upstreams[0].connections_total == 1
