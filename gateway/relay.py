@@ -27,7 +27,7 @@ StreamEnd = Literal["done", "upstream_error", "truncated", "failed", "too_long",
 DONE = b"data: [DONE]\n\n"
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
 DRAIN_TIMEOUT = 0.05
-DRAIN_EVENTS = 8
+DRAIN_READS = 8
 
 
 def error_event(message: str, code: str, request_id: str) -> bytes:
@@ -66,16 +66,16 @@ def _encode(event: SSEEvent) -> bytes:
     return encode_event(data, event.event)
 
 
-async def _drain(events: AsyncIterator[SSEEvent]) -> None:
+async def _drain(batches: AsyncIterator[list[SSEEvent]]) -> None:
     """Read the rest of a finished stream (normally just the body's terminator), briefly.
 
     A response closed before its body ended cannot go back to the connection pool, so without
-    this every request would pay for a new upstream connection. Bounded in time and events:
+    this every request would pay for a new upstream connection. Bounded in time and reads:
     an upstream that keeps talking after `[DONE]` is simply dropped."""
     with contextlib.suppress(TimeoutError, UpstreamError):
         async with asyncio.timeout(DRAIN_TIMEOUT):
-            left = DRAIN_EVENTS
-            async for _ in events:
+            left = DRAIN_READS
+            async for _ in batches:
                 left -= 1
                 if not left:
                     return
@@ -87,6 +87,33 @@ class RelayOutcome:
     events: int = 0
 
 
+def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
+    """The client's bytes for one upstream read; sets `outcome.end` when the stream is over."""
+    parts: list[bytes] = []
+    for event in batch:
+        data = event.data
+        if data == b"[DONE]":
+            outcome.end = "done"
+            parts.append(DONE)
+            break
+        outcome.events += 1
+        if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):
+            # relayed as is when the SDKs can read it; otherwise our own error event, so
+            # the client raises an API error instead of failing to parse the upstream's
+            outcome.end = "upstream_error"
+            parts.append(
+                _encode(event)
+                if kind == 1
+                else error_event("upstream reported an error", "upstream_error", request_id)
+            )
+            break
+        if b"\n" in data or b"\r" in data:
+            parts.append(encode_event(data, None))
+        else:
+            parts.append(b"data: " + data + b"\n\n")
+    return b"".join(parts)
+
+
 async def relay(
     prefix: Prefix,
     *,
@@ -95,39 +122,32 @@ async def relay(
     clock: Callable[[], float],
     outcome: RelayOutcome,
 ) -> AsyncIterator[bytes]:
-    """Yield the client's SSE bytes. Always closes the upstream, however it ends."""
+    """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream."""
     try:
-        for event in prefix.buffered:
-            outcome.events += 1
-            yield _encode(event)
-        async for event in prefix.events:
-            data = event.data
-            if data == b"[DONE]":
-                outcome.end = "done"
-                yield DONE
-                await _drain(prefix.events)
-                return
-            outcome.events += 1
-            if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):
-                # relayed as is when the SDKs can read it; otherwise our own error event, so
-                # the client raises an API error instead of failing to parse the upstream's
-                outcome.end = "upstream_error"
-                yield _encode(event) if kind == 1 else error_event(
-                    "upstream reported an error", "upstream_error", request_id
+        yield _encode_batch(prefix.buffered, request_id, outcome)
+        if outcome.end == "client_gone":
+            async for batch in prefix.batches:
+                yield _encode_batch(batch, request_id, outcome)
+                if outcome.end != "client_gone":
+                    break
+                if clock() > max_stream_deadline:
+                    outcome.end = "too_long"
+                    yield error_event(
+                        "stream exceeded the maximum duration", "stream_timeout", request_id
+                    )
+                    return
+            else:
+                outcome.end = "truncated"
+                yield error_event(
+                    "upstream stream ended before completion", "stream_truncated", request_id
                 )
                 return
-            yield _encode(event)
-            if clock() > max_stream_deadline:
-                outcome.end = "too_long"
-                yield error_event("stream exceeded the maximum duration", "stream_timeout",
-                                  request_id)
-                return
-        outcome.end = "truncated"
-        yield error_event("upstream stream ended before completion", "stream_truncated",
-                          request_id)
+        if outcome.end == "done":
+            await _drain(prefix.batches)
     except UpstreamError as exc:
         outcome.end = "failed"
-        yield error_event(f"upstream failed mid-stream: {exc.reason}", "upstream_failed",
-                          request_id)
+        yield error_event(
+            f"upstream failed mid-stream: {exc.reason}", "upstream_failed", request_id
+        )
     finally:
         await prefix.aclose()

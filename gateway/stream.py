@@ -29,18 +29,20 @@ class Prefix:
     """An attempt that produced its first token, with everything needed to relay it."""
 
     stream: UpstreamStream
-    events: AsyncIterator[SSEEvent]
-    #: every event up to and including the first token, in order
+    batches: AsyncIterator[list[SSEEvent]]
+    #: every event read so far, in order: up to the first token and the rest of its batch
     buffered: list[SSEEvent]
 
     async def aclose(self) -> None:
-        await close_quietly(self.stream, self.events)
+        await close_quietly(self.stream, self.batches)
 
 
-async def close_quietly(stream: UpstreamStream, events: AsyncIterator[SSEEvent] | None) -> None:
-    """Close the event iterator and the upstream, even from a cancelled task."""
+async def close_quietly(
+    stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None
+) -> None:
+    """Close the batch iterator and the upstream, even from a cancelled task."""
     with anyio.CancelScope(shield=True):
-        aclose = getattr(events, "aclose", None)
+        aclose = getattr(batches, "aclose", None)
         if aclose is not None:
             # "already running" or a broken stream: the response close below suffices
             with contextlib.suppress(RuntimeError, UpstreamProtocolError):
@@ -53,25 +55,27 @@ async def open_until_first_token(
 ) -> Prefix:
     """Open a streaming attempt and read until its first token (SPEC §4)."""
     stream = await provider.open(call)
-    events = stream.events()
+    batches = stream.batches()
     try:
         buffered: list[SSEEvent] = []
-        async for event in events:
-            if is_lost():  # counts an event that arrived after another attempt committed
+        async for batch in batches:
+            if is_lost():  # counts a read that arrived after another attempt committed
                 raise UpstreamProtocolError("lost the race")
-            buffered.append(event)
-            kind = classify(event)
-            if kind is Kind.TOKEN:
-                return Prefix(stream, events, buffered)
-            if kind is Kind.ERROR:
-                raise UpstreamInBandError("error event before the first token")
-            if kind is Kind.DONE:
-                break
-            if len(buffered) > MAX_PRE_TOKEN_EVENTS:
+            start = len(buffered)
+            buffered += batch
+            for event in batch:
+                kind = classify(event)
+                if kind is Kind.TOKEN:
+                    return Prefix(stream, batches, buffered)
+                if kind is Kind.ERROR:
+                    raise UpstreamInBandError("error event before the first token")
+                if kind is Kind.DONE:
+                    raise UpstreamNoToken("stream ended without a token")
+            if start > MAX_PRE_TOKEN_EVENTS:
                 raise UpstreamProtocolError("too many events before the first token")
         raise UpstreamNoToken("stream ended without a token")
     except BaseException:
-        await close_quietly(stream, events)
+        await close_quietly(stream, batches)
         raise
 
 
@@ -80,9 +84,10 @@ async def open_whole_response(
 ) -> Prefix:
     """Open a non-streaming attempt and read its whole body: its 'first token'."""
     stream = await provider.open(call)
-    events = stream.events()
+    batches = stream.batches()
     try:
-        async for event in events:
+        async for batch in batches:
+            event = batch[0]
             try:
                 payload = json.loads(event.data)
             except ValueError:
@@ -91,8 +96,8 @@ async def open_whole_response(
                 raise UpstreamProtocolError("response body is not a JSON object")
             if classify_payload(payload) is Kind.ERROR:
                 raise UpstreamInBandError("error in the response body")
-            return Prefix(stream, events, [event])
+            return Prefix(stream, batches, [event])
         raise UpstreamNoToken("empty response")
     except BaseException:
-        await close_quietly(stream, events)
+        await close_quietly(stream, batches)
         raise

@@ -1,7 +1,7 @@
 """The one protocol between the gateway and an upstream API.
 
-A provider opens an attempt and hands back an `UpstreamStream`: an open response whose events
-are read by the race until the first token and by the relay after commit. Providers know
+A provider opens an attempt and hands back an `UpstreamStream`: an open response whose event
+batches are read by the race until the first token and by the relay after commit. Providers know
 nothing of hedging. They raise only `gateway.errors.UpstreamError` subclasses: every library
 exception (httpx's, the simulator's) is translated here, at the boundary.
 
@@ -39,8 +39,12 @@ class UpstreamStream(Protocol):
     #: response headers worth passing to the client (already filtered by an allowlist)
     headers: Mapping[str, str]
 
-    def events(self) -> AsyncIterator[SSEEvent]:
-        """The stream's events, in order. For a non-streaming call: one event, the body."""
+    def batches(self) -> AsyncIterator[list[SSEEvent]]:
+        """The stream's events in order, as the lists that arrived together (never empty).
+
+        Batches, not single events, because one upstream read often carries several events
+        and the relay then forwards them in one write. For a non-streaming call: one batch of
+        one event, the whole body."""
         ...
 
     async def aclose(self) -> None:

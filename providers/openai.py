@@ -93,7 +93,7 @@ def translate(exc: httpx.HTTPError) -> UpstreamError:
 
 
 class HttpxStream:
-    """An open 200 response; `events()` decodes it incrementally."""
+    """An open 200 response; `batches()` decodes it incrementally."""
 
     def __init__(self, response: httpx.Response, *, stream: bool) -> None:
         self._response = response
@@ -102,10 +102,10 @@ class HttpxStream:
             k: v for k, v in response.headers.items() if k.lower() in PASS_HEADERS
         }
 
-    def events(self) -> AsyncIterator[SSEEvent]:
+    def batches(self) -> AsyncIterator[list[SSEEvent]]:
         return self._sse() if self._stream else self._whole_body()
 
-    async def _sse(self) -> AsyncIterator[SSEEvent]:
+    async def _sse(self) -> AsyncIterator[list[SSEEvent]]:
         decoder = SSEDecoder()
         pending = 0  # bytes since the last completed event
         try:
@@ -119,14 +119,13 @@ class HttpxStream:
                         )
                     continue
                 pending = 0
-                for event in events:
-                    yield event
+                yield events
         except httpx.HTTPError as exc:
             raise translate(exc) from None
         except SSEProtocolError as exc:
             raise UpstreamProtocolError(f"malformed stream: {exc}") from None
 
-    async def _whole_body(self) -> AsyncIterator[SSEEvent]:
+    async def _whole_body(self) -> AsyncIterator[list[SSEEvent]]:
         parts: list[bytes] = []
         size = 0
         try:
@@ -137,7 +136,7 @@ class HttpxStream:
                 parts.append(chunk)
         except httpx.HTTPError as exc:
             raise translate(exc) from None
-        yield SSEEvent(b"".join(parts))
+        yield [SSEEvent(b"".join(parts))]
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):

@@ -324,17 +324,17 @@ class _SimStream:
         self._parked = False
         self._waiter: asyncio.Future[None] | None = None
         self._payloads = payloads(self._sleep)
-        self._iterator: AsyncGenerator[SSEEvent, None] | None = None
+        self._iterator: AsyncGenerator[list[SSEEvent], None] | None = None
 
-    def events(self) -> AsyncIterator[SSEEvent]:
+    def batches(self) -> AsyncIterator[list[SSEEvent]]:
         if self._iterator is None:
             self._iterator = self._iterate()
         return self._iterator
 
-    async def _iterate(self) -> AsyncGenerator[SSEEvent, None]:
+    async def _iterate(self) -> AsyncGenerator[list[SSEEvent], None]:
         try:
             async for data in self._payloads:
-                yield SSEEvent(data)
+                yield [SSEEvent(data)]
                 if self._closed:
                     return
         except _Closed:
@@ -381,9 +381,9 @@ class _SimBody:
         self.headers: Mapping[str, str] = {}
         self._body: bytes | None = body
 
-    async def events(self) -> AsyncIterator[SSEEvent]:
+    async def batches(self) -> AsyncIterator[list[SSEEvent]]:
         if self._body is not None:
-            yield SSEEvent(self._body)
+            yield [SSEEvent(self._body)]
 
     async def aclose(self) -> None:
         self._body = None
