@@ -129,19 +129,20 @@ class Proxy:
             self.clock,
         )
         handed_off = False
+        winner: Prefix | None = None
         try:
             result = await self._race_or_disconnect(race, request.receive)
             summary.attach(race.attempts, race.suppressed, result)
             if result is None:  # the client went away before the first token
                 summary.error = "client_disconnected"
                 return Response(status_code=499)
+            winner = result.prefix
             headers = {
+                **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
                 "x-request-id": req.request_id,
                 "x-hedge-backend": result.winner.backend,
                 "x-hedge-attempts": str(len(race.attempts)),
-                **result.prefix.stream.headers,
             }
-            headers["x-request-id"] = req.request_id
             if not req.stream:
                 body = result.prefix.buffered[0].data
                 return Response(body, media_type="application/json", headers=headers)
@@ -153,7 +154,7 @@ class Proxy:
             raise
         finally:
             if not handed_off:
-                await self._finish(pool, race, None, summary)
+                await self._finish(pool, race, winner, summary)
 
     def _runner(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> AttemptRunner:
         open_prefix = open_until_first_token if req.stream else open_whole_response
