@@ -52,6 +52,7 @@ from tests.limits_kit import (
     pool_errors,
     request_head,
     sdk,
+    stats_of,
 )
 
 _psutil: Any = importlib.import_module("psutil")
@@ -168,7 +169,9 @@ def test_beyond_the_concurrency_limit_503_at_once_while_admitted_streams_flow(
             # the admitted streams keep flowing to their proper end
             assert data_lines(lines_one, "[DONE]")[0].find("second") > 0
             assert data_lines(lines_two, "[DONE]")[0].find("second") > 0
-        # the slots are free again
+        # the slots are free again once both streams were cleaned up (recorded in the stats)
+        assert wait_for(lambda: stats_of(gateway.root)["pools"][POOL]["lifetime"]["requests"]
+                        >= 3)
         with http.stream("POST", "/chat/completions", json=body) as three:
             data_lines(three.iter_lines(), "[DONE]")
     assert pool_errors(gateway.root, POOL, settle={"overloaded": 1}) == {"overloaded": 1}
@@ -269,7 +272,7 @@ def test_sigterm_drains_live_streams_closes_every_upstream_and_exits_0(
     upstream = scripted_upstream.one(responder=respond)
     port = free_port()
     config = tmp_path / "gateway.yaml"
-    serve_config(config, port, upstream.base_url, grace="1s")
+    serve_config(config, port, upstream.base_url, grace="3s")
     log = tmp_path / "serve.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
