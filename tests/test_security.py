@@ -217,6 +217,39 @@ def test_json_with_a_charset_parameter_is_accepted(
     assert len(upstream.requests) == 1
 
 
+#: raw body -> the field the 400 must name (None: the body as a whole)
+MALFORMED: dict[str, tuple[bytes, str | None]] = {
+    "truncated": (b'{"model": "pool", "messages": [{"role": "us', None),
+    "invalid-utf8": (b'{"model": "pool", "messages": [], "user": "\xc3\x28"}', None),
+    "top-level-array": (b'[{"model": "pool", "messages": []}]', None),
+    "nan": (b'{"model": "pool", "messages": [], "temperature": NaN}', None),
+    "empty": (b"", None),
+    "huge-integer": (b'{"model": "pool", "messages": [], "seed": ' + b"9" * 5000 + b"}", None),
+    "stream-yes": (b'{"model": "pool", "messages": [], "stream": "yes"}', "stream"),
+    "negative-max-tokens": (b'{"model": "pool", "messages": [], "max_tokens": -5}',
+                            "max_tokens"),
+    "zero-n": (b'{"model": "pool", "messages": [], "n": 0}', "n"),
+    "model-null": (b'{"model": null, "messages": []}', "model"),
+    "no-messages": (b'{"model": "pool"}', "messages"),
+    "streamed-embeddings": (b'{"model": "pool", "input": "x", "stream": true}', "stream"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_bodies_get_400_naming_the_field_and_reach_nothing(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, case: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    raw, param = MALFORMED[case]
+    route = "/embeddings" if "embeddings" in case else "/chat/completions"
+    reply = httpx.post(gateway.v1 + route, content=raw, timeout=5.0,
+                       headers={"content-type": "application/json"})
+    error = assert_openai_error(reply, 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert "Traceback" not in reply.text
+    untouched(upstream, attacker)
+
+
 @pytest.mark.parametrize("depth", [200, 900, 960, 990, 999, 1100, 100_000])
 def test_deep_nesting_is_refused_or_forwarded_never_a_server_error(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory, depth: int
