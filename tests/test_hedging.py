@@ -170,7 +170,9 @@ def test_no_hedge_when_the_first_token_beats_the_delay(
     asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
 ) -> None:
     order = InOrder(stream_script(["quick"], ttft=0.0))
-    _, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
+    _, v1, _ = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, delay=2.0)
+    )
     with sdk(v1) as client:
         text, headers = stream_content(client)
     assert text == "quick"
@@ -401,7 +403,9 @@ def test_client_disconnect_mid_stream_closes_the_winner(
 ) -> None:
     tokens = [f"t{i} " for i in range(50)]
     order = InOrder(stream_script(tokens, ttft=0.0, gap=0.05))
-    upstreams, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
+    upstreams, v1, _ = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, delay=5.0)
+    )
     with httpx.Client(timeout=5) as client, client.stream(
         "POST", f"{v1}/chat/completions", content=STREAM_BODY,
         headers={"content-type": "application/json"},
