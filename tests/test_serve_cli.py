@@ -142,3 +142,33 @@ def terminate(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         pytest.fail(f"serve ignored SIGTERM for {STOP_TIMEOUT}s:\n{log.read_text()}")
     return code, log.read_text()
+
+
+def test_check_config_command_exit_codes_and_messages(tmp_path: Path) -> None:
+    """The real `hedge-gateway check-config`: 0 on a good file, non-zero on a broken one with
+    the key path and the missing variable named on stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
+    env.pop("NOT_SET_ANYWHERE", None)
+    good = subprocess.run(
+        [*command(), "check-config", str(Path(__file__).parent.parent / "config" / "demo.yaml")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert good.returncode == 0, good.stderr
+    assert "demo" in good.stdout
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(
+        "pools:\n"
+        "  - name: p\n"
+        "    backends:\n"
+        "      - {name: a, provider: openai, model: m, base_url: 'ftp://x'}\n"
+        "      - {name: b, provider: openai, model: m, base_url: 'http://127.0.0.1:1/v1',\n"
+        "         api_key: '${NOT_SET_ANYWHERE}'}\n"
+    )
+    bad = subprocess.run(
+        [*command(), "check-config", str(broken)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert bad.returncode != 0
+    assert "pools[0].backends[0].base_url" in bad.stderr
+    assert "NOT_SET_ANYWHERE" in bad.stderr
+    assert "pools[0].backends[1].api_key" in bad.stderr
