@@ -11,6 +11,7 @@ sees the disconnect and stops generating.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import AsyncIterator, Mapping
 
@@ -50,6 +51,10 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 #: line, or endless comments): the SSE decoder bounds one line, this bounds one event
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 
+#: a backend's `Retry-After` pauses it at most this long: a broken or hostile upstream must
+#: not take itself out of the pool for hours with one header
+MAX_RETRY_AFTER = 300.0
+
 #: closing must finish quickly even when cancelled; past this the socket is abandoned to GC
 CLOSE_TIMEOUT = 2.0
 
@@ -64,17 +69,22 @@ def media_type(content_type: str) -> str:
 
 
 def parse_retry_after(headers: httpx.Headers) -> float | None:
-    """Seconds from `retry-after-ms` or `Retry-After` (delta-seconds form only)."""
+    """Seconds from `retry-after-ms` or `Retry-After` (delta-seconds form only), at most
+    `MAX_RETRY_AFTER`; None when absent or not a finite number."""
     raw_ms = headers.get("retry-after-ms")
     raw = headers.get("retry-after")
     try:
         if raw_ms is not None:
-            return max(0.0, float(raw_ms) / 1000.0)
-        if raw is not None:
-            return max(0.0, float(raw))
+            seconds = float(raw_ms) / 1000.0
+        elif raw is not None:
+            seconds = float(raw)
+        else:
+            return None
     except ValueError:
         return None
-    return None
+    if not math.isfinite(seconds):  # `inf` would pause the backend for ever, `nan` confuse it
+        return None
+    return min(max(0.0, seconds), MAX_RETRY_AFTER)
 
 
 def translate(exc: httpx.HTTPError) -> UpstreamError:
@@ -98,8 +108,13 @@ class HttpxStream:
     def __init__(self, response: httpx.Response, *, stream: bool) -> None:
         self._response = response
         self._stream = stream
+        # From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes
+        # with): httpx's own str values may hold UTF-8-decoded characters that cannot be
+        # written back into a header, which made a hostile upstream's header a 500.
         self.headers: Mapping[str, str] = {
-            k: v for k, v in response.headers.items() if k.lower() in PASS_HEADERS
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in response.headers.raw
+            if name.decode("latin-1").lower() in PASS_HEADERS
         }
 
     def batches(self) -> AsyncIterator[list[SSEEvent]]:

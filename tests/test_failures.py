@@ -451,3 +451,42 @@ def test_an_upstream_error_event_before_the_first_token_stays_behind(
     assert error.status_code == 502
     CANARY.assert_absent_everywhere(gateway.root, caplog, error.response.text)
 
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_non_ascii_bytes_in_an_allowlisted_upstream_header_are_not_a_server_error(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, stream: bool
+) -> None:
+    """httpx decodes header bytes as UTF-8 when they are not ASCII; re-encoded for the client
+    as Latin-1 (what HTTP headers are), a character beyond Latin-1 must not crash the reply."""
+    utf8_check_mark = "\u2713".encode().decode("latin-1")  # the UTF-8 bytes, sent as they are
+    headers = {"x-ratelimit-remaining-requests": utf8_check_mark}
+    script = (stream_script(["Hello", " world"], headers=headers) if stream else
+              json_script({"object": "chat.completion", "choices": []}, headers=headers))
+    gateway, _ = start(loop_thread, scripted_upstream, lambda _: script)
+    reply = httpx.post(gateway.v1 + "/chat/completions", timeout=5.0,
+                       json={"model": POOL, "messages": MESSAGES, "stream": stream})
+    assert reply.status_code == 200
+    raw = dict(reply.headers.raw)[b"x-ratelimit-remaining-requests"]
+    assert raw == "\u2713".encode()  # passed on byte for byte
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"retry-after": "30"}, 30.0),
+        ({"retry-after-ms": "1500", "retry-after": "9"}, 1.5),
+        ({"retry-after": "-5"}, 0.0),
+        ({"retry-after": "1e308"}, providers.openai.MAX_RETRY_AFTER),
+        ({"retry-after": "inf"}, None),
+        ({"retry-after-ms": "nan"}, None),
+        ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, None),
+        ({}, None),
+    ],
+)
+def test_an_upstream_retry_after_is_bounded(
+    headers: dict[str, str], expected: float | None
+) -> None:
+    """A backend's Retry-After pauses it (SPEC §5.4), so a hostile value must not pause it
+    for ever."""
+    assert providers.openai.parse_retry_after(httpx.Headers(headers)) == expected
