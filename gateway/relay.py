@@ -49,7 +49,7 @@ def _error_kind(event: SSEEvent) -> int:
     Called only when the cheap byte test in the relay says the event may be an error."""
     try:
         payload = json.loads(event.data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or hostile nesting: not an error event
         payload = None
     shaped = isinstance(payload, dict) and isinstance(payload.get("error"), dict)
     if shaped:

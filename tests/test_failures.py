@@ -490,3 +490,23 @@ def test_an_upstream_retry_after_is_bounded(
     """A backend's Retry-After pauses it (SPEC §5.4), so a hostile value must not pause it
     for ever."""
     assert providers.openai.parse_retry_after(httpx.Headers(headers)) == expected
+
+
+def test_a_hostile_deeply_nested_event_after_commit_does_not_break_the_relay(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The relay parses an event only when it may be an error; nesting past the parser's
+    recursion limit must not escape as an exception (a cut stream and a traceback)."""
+    verbose_logs(caplog)
+    deep = b'data: {"error": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n\n"
+    script = committed(Send(deep), Send(token_chunk("c")), Send(DONE))
+    gateway, _ = start(loop_thread, scripted_upstream, lambda _: script, max_attempts=1)
+    with httpx.Client(timeout=5.0) as http, http.stream(
+        "POST", gateway.v1 + "/chat/completions",
+        json={"model": POOL, "messages": MESSAGES, "stream": True},
+    ) as reply:
+        body = reply.read()
+    assert reply.status_code == 200
+    assert body.endswith(DONE) and b'"c"' in body
+    assert error_logs(caplog) == []
+    assert loop_thread.errors == []
