@@ -95,7 +95,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {ABORT_EXTENSION: {"abort": self._abort}}
+        extensions = self.scope.get("extensions") or {}
+        extensions[ABORT_EXTENSION] = {"abort": self._abort}
+        self.scope["extensions"] = extensions
 
     def on_headers_complete(self) -> None:
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
