@@ -13,6 +13,7 @@ it is given, and "token" means "the runner returned".
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from gateway.stream import Prefix
 
 AttemptKind = Literal["primary", "hedge", "failover"]
 Outcome = Literal["won", "lost", "failed", "cancelled"]
+
+log = logging.getLogger("hedge_gateway.race")
 
 #: how long the race waits for cancelled attempts to finish closing before it gives up on them
 REAP_TIMEOUT = 5.0
@@ -171,8 +174,12 @@ class Race:
                 continue
             failures += 1
             if not isinstance(exc, UpstreamError):
-                # a bug in a runner: answer as ourselves (502), never hang or leak a trace
-                exc = UpstreamError(f"internal error ({type(exc).__name__})")
+                # a bug of ours, not the backend's: log it, answer 502 without a trace, and
+                # keep it out of the backend's health record
+                log.error("attempt %s failed inside the gateway", record.backend, exc_info=exc)
+                self._failed(record, UpstreamError(f"internal error ({type(exc).__name__})"),
+                             backend_fault=False)
+                continue
             self._failed(record, exc)
             if not exc.replaceable and isinstance(exc, UpstreamStatusError):
                 raise UpstreamClientError(exc.status, record.backend)
@@ -252,12 +259,14 @@ class Race:
         if record.spent_budget:
             self.pool.budget.release()
 
-    def _failed(self, record: AttemptRecord, exc: UpstreamError) -> None:
+    def _failed(
+        self, record: AttemptRecord, exc: UpstreamError, *, backend_fault: bool = True
+    ) -> None:
         now = self.clock()
         record.outcome = "failed"
         record.reason = exc.reason
         self._reasons.append(f"{record.backend}: {exc.reason}")
-        if exc.replaceable:
+        if exc.replaceable and backend_fault:
             self.pool.balancer.on_failure(record.backend, now)
         if exc.retry_after is not None:
             self.pool.balancer.pause(record.backend, now + exc.retry_after)
