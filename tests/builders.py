@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from gateway.settings import (
     BackendSettings,
@@ -65,7 +64,3 @@ def gateway_settings(
         ),
     )
     return Settings(pools=(pool,), server=server or ServerSettings())
-
-
-def with_pool(settings: Settings, **changes: object) -> Settings:
-    return replace(settings, pools=(replace(settings.pools[0], **changes),))
