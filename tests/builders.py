@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 from gateway.settings import (
     BackendSettings,
@@ -14,8 +15,27 @@ from gateway.settings import (
     Settings,
     Timeouts,
 )
+from tests.harness import RecordedRequest, Script
 
 POOL = "pool"
+
+
+class InOrder:
+    """A responder shared by several upstreams: the n-th request to arrive anywhere gets the
+    n-th script (the last one repeats). Which backend the balancer picks first is random, so
+    tests script by arrival order: "the first request to arrive anywhere is the primary"."""
+
+    def __init__(self, *scripts: Script | Callable[[RecordedRequest], Script]) -> None:
+        self.scripts = scripts
+        self.arrivals: list[RecordedRequest] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, request: RecordedRequest) -> Script:
+        with self._lock:
+            self.arrivals.append(request)
+            n = len(self.arrivals) - 1
+        chosen = self.scripts[min(n, len(self.scripts) - 1)]
+        return chosen(request) if callable(chosen) else chosen
 
 
 def backends_for(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,7 +28,7 @@ import pytest
 
 import providers.openai
 from gateway.settings import Timeouts
-from tests.builders import POOL, gateway_settings
+from tests.builders import POOL, InOrder, gateway_settings
 from tests.harness import (
     DONE,
     SSE_HEADERS,
@@ -63,21 +62,6 @@ from tests.limits_kit import (
 )
 
 Responder = Callable[[RecordedRequest], Script]
-
-
-class InOrder:
-    """A responder shared by several upstreams: the n-th request to arrive anywhere gets the
-    n-th script (the last one repeats)."""
-
-    def __init__(self, *scripts: Script) -> None:
-        self.scripts = scripts
-        self.arrivals: list[RecordedRequest] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, request: RecordedRequest) -> Script:
-        with self._lock:
-            self.arrivals.append(request)
-            return self.scripts[min(len(self.arrivals) - 1, len(self.scripts) - 1)]
 
 
 def owner(upstreams: Sequence[ScriptedUpstream], request: RecordedRequest) -> ScriptedUpstream:

@@ -20,7 +20,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import BudgetSettings, Settings, Timeouts
-from tests.builders import POOL, gateway_settings
+from tests.builders import POOL, InOrder, gateway_settings
 from tests.harness import (
     DONE,
     AsgiServerFactory,
@@ -44,23 +44,6 @@ from tests.harness import (
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 SSE = {"content-type": "text/event-stream"}
-
-
-class InOrder:
-    """A responder shared by several upstreams: the n-th request to arrive anywhere gets the
-    n-th script (the last one repeats)."""
-
-    def __init__(self, *scripts: Script | Callable[[RecordedRequest], Script]) -> None:
-        self.scripts = scripts
-        self.arrivals: list[RecordedRequest] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, request: RecordedRequest) -> Script:
-        with self._lock:
-            self.arrivals.append(request)
-            n = len(self.arrivals) - 1
-        chosen = self.scripts[min(n, len(self.scripts) - 1)]
-        return chosen(request) if callable(chosen) else chosen
 
 
 @contextlib.contextmanager
