@@ -45,8 +45,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.settings import SimProfile
-from providers.sim import TTFT_HEADER
 from providers.simserver import create_sim_app, stats_of
+from providers.simwire import TTFT_HEADER
 
 #: one upstream request: request id, arrival (monotonic seconds), status, completed
 LogEntry = tuple[str, float, int, bool]

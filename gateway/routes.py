@@ -30,6 +30,7 @@ from gateway.pool import PoolRuntime
 from gateway.proxy import LogicalRequest, Proxy
 from gateway.settings import Settings
 from gateway.stats import Stats
+from gateway.statsview import snapshot
 from gateway.validate import check_body, parse_body
 from providers.base import Endpoint
 
@@ -209,7 +210,7 @@ def build_ops_router(
 
     @ops.get("/hedge/stats")
     async def hedge_stats() -> JSONResponse:
-        return JSONResponse(stats.snapshot(pools, clock()))
+        return JSONResponse(snapshot(stats, pools, clock()))
 
     @ops.get("/metrics")
     async def prometheus() -> Response:

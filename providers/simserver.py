@@ -1,9 +1,9 @@
 """The simulator as a real OpenAI-compatible HTTP server on loopback (`hedge-gateway sim`).
 
 Integration tests and benchmarks need an upstream with real sockets, real framing and real
-disconnects; this serves the same plans and bytes as the in-process `SimProvider`
-(`providers.sim`). Each event is flushed as soon as it is produced, so TTFT on the wire is the
-plan's TTFT.
+disconnects; this serves the same plans and bytes (`providers.simwire`) as the in-process
+`SimProvider` (`providers.sim`). Each event is flushed as soon as it is produced, so TTFT on the
+wire is the plan's TTFT.
 
 Per-request TTFT override: header ``x-sim-ttft-ms: <float>`` (deterministic tests and
 benchmarks; never a body field, since bodies are also forwarded to real upstreams).
@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from gateway.settings import SimProfile
 from providers.base import Endpoint
-from providers.sim import (
+from providers.simwire import (
     TTFT_HEADER,
     SimModel,
     SimPlan,

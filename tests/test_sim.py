@@ -23,17 +23,17 @@ from gateway.firsttoken import Kind, classify
 from gateway.settings import BackendSettings, SimProfile
 from gateway.sse import SSEDecoder, SSEEvent
 from providers.base import Endpoint, UpstreamCall
-from providers.sim import (
+from providers.sim import SimProvider
+from providers.simserver import add_sim_arguments, create_sim_app, profile_from_args
+from providers.simwire import (
     SimModel,
     SimPlan,
-    SimProvider,
     embedding_vector,
     parse_ttft_override,
     sim_events,
     sim_payloads,
     sim_response,
 )
-from providers.simserver import add_sim_arguments, create_sim_app, profile_from_args
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "stream": True}
 

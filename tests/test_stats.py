@@ -31,6 +31,7 @@ from gateway.stats import (
     failure_class,
     latency_saved,
 )
+from gateway.statsview import snapshot
 
 LAYOUT = {"chat": ["a", "b"]}
 
@@ -146,7 +147,7 @@ def pool_runtime(delay: DelaySettings | None = None) -> PoolRuntime:
 
 
 def view(stats: Stats, now: float, scope: str = "lifetime") -> dict[str, Any]:
-    out: dict[str, Any] = stats.snapshot({}, now)["pools"]["chat"][scope]
+    out: dict[str, Any] = snapshot(stats, {}, now)["pools"]["chat"][scope]
     return out
 
 
@@ -178,7 +179,7 @@ def test_backend_counts_and_censoring() -> None:
     stats = Stats(LAYOUT, now=0.0)
     stats.record(hedge_won(0.0))
     stats.record(hedge_lost(1.0))
-    backends = stats.snapshot({}, 5.0)["pools"]["chat"]["backends"]
+    backends = snapshot(stats, {}, 5.0)["pools"]["chat"]["backends"]
     a, b = backends["a"]["lifetime"], backends["b"]["lifetime"]
     assert (a["attempts"], a["primaries"], a["won"], a["lost"]) == (2, 2, 1, 1)
     assert (b["attempts"], b["hedges"], b["won"], b["lost"], b["hedges_won"]) == (2, 2, 1, 1, 1)
@@ -204,7 +205,7 @@ def test_loser_with_token_is_not_censored() -> None:
     v = view(stats, 1.0)
     assert v["losers"]["cancelled"] == 1
     assert v["losers"]["cancelled_before_first_token"] == 0.0
-    b = stats.snapshot({}, 1.0)["pools"]["chat"]["backends"]["b"]["lifetime"]
+    b = snapshot(stats, {}, 1.0)["pools"]["chat"]["backends"]["b"]["lifetime"]
     assert b["ttft_censored"] == 0 and b["ttft_ms"]["count"] == 1
 
 
@@ -237,7 +238,7 @@ def test_window_expires_but_lifetime_keeps() -> None:
     assert empty["attempts_per_request"] == {"mean": None, "max": None}
     lifetime = view(stats, 200.0)
     assert lifetime["requests"] == 2 and lifetime["hedges"]["won"] == 1
-    backend = stats.snapshot({}, 200.0)["pools"]["chat"]["backends"]["b"]
+    backend = snapshot(stats, {}, 200.0)["pools"]["chat"]["backends"]["b"]
     assert backend["window"]["attempts"] == 0 and backend["lifetime"]["attempts"] == 1
 
 
@@ -278,7 +279,7 @@ def test_suppressed_by_reason_and_failovers() -> None:
     }
     assert v["failovers"] == 1 and v["failovers_won"] == 1
     assert v["hedges"]["started"] == 0
-    a = stats.snapshot({}, 5.0)["pools"]["chat"]["backends"]["a"]["lifetime"]
+    a = snapshot(stats, {}, 5.0)["pools"]["chat"]["backends"]["a"]["lifetime"]
     assert a["failed"] == 1 and a["failures"] == {"status_503": 1}
 
 
@@ -319,7 +320,7 @@ def test_unknown_pool_and_backend_never_become_keys() -> None:
         summary(0.0, [attempt(0, "a", "primary", 0.0, "won", ttft=0.1)], pool="gpt-unknown")
     )
     stats.record(plain(1.0, backend="zz"))
-    snap = stats.snapshot({}, 5.0)
+    snap = snapshot(stats, {}, 5.0)
     assert list(snap["pools"]) == ["chat"]
     assert list(snap["pools"]["chat"]["backends"]) == ["a", "b"]
     assert snap["pools"]["chat"]["lifetime"]["requests"] == 1
@@ -362,7 +363,7 @@ def test_snapshot_reads_live_pool_state() -> None:
     runtime.balancer.pause("b", 30.0)
     runtime.inflight_requests = 3
     stats = Stats.for_pools({"chat": runtime}, now=0.0)
-    snap = stats.snapshot({"chat": runtime}, 10.0)
+    snap = snapshot(stats, {"chat": runtime}, 10.0)
     pool = snap["pools"]["chat"]
     assert pool["inflight_requests"] == 3
     assert pool["budget"]["tokens"] == 10.0
@@ -379,11 +380,11 @@ def test_snapshot_reads_live_pool_state() -> None:
 def test_delay_mode_initial_then_adaptive() -> None:
     runtime = pool_runtime(DelaySettings(initial=0.5, min_samples=20))
     stats = Stats.for_pools({"chat": runtime}, now=0.0)
-    a = stats.snapshot({"chat": runtime}, 1.0)["pools"]["chat"]["backends"]["a"]
+    a = snapshot(stats, {"chat": runtime}, 1.0)["pools"]["chat"]["backends"]["a"]
     assert (a["hedge_delay_ms"], a["hedge_delay_mode"]) == (500.0, "initial")
     for i in range(40):
         runtime.delays["a"].observe(0.2, 1.0 + i * 0.01)
-    a = stats.snapshot({"chat": runtime}, 5.0)["pools"]["chat"]["backends"]["a"]
+    a = snapshot(stats, {"chat": runtime}, 5.0)["pools"]["chat"]["backends"]["a"]
     assert a["hedge_delay_mode"] == "adaptive"
     assert a["hedge_delay_ms"] == pytest.approx(200, rel=0.02)
 
