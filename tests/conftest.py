@@ -1,4 +1,4 @@
-"""Fixtures for integration tests over real sockets (see tests/harness.py), a leak check on
+"""Fixtures for integration tests over real sockets (see tests/harness/), a leak check on
 every test that uses the loop thread, and a per-test timeout guard.
 
 Timeout guard: pytest-timeout (in the `test` extra). Unless a timeout is configured
