@@ -89,7 +89,7 @@ class AllAttemptsFailed(GatewayError):
     type = "upstream_error"
     code = "upstream_failed"
 
-    def __init__(self, reasons: Sequence[str], *, client_status: int | None = None) -> None:
+    def __init__(self, reasons: Sequence[str]) -> None:
         detail = "; ".join(reasons) if reasons else "no backend available"
         super().__init__(f"all upstream attempts failed: {detail}", should_retry=False)
         self.reasons = tuple(reasons)

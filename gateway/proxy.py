@@ -117,11 +117,12 @@ class Proxy:
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start)
         refusal = hedge_refusal(pool, req)
+        deadline = self.deadline(pool, req, start)
         race = Race(
             pool,
-            self._runner(pool, req, start),
+            self._runner(pool, req, deadline),
             RaceOptions(
-                self.deadline(pool, req, start),
+                deadline,
                 pool.delays_for(req.endpoint, req.stream),
                 refusal is None,
                 refusal,
@@ -156,7 +157,7 @@ class Proxy:
             if not handed_off:
                 await self._finish(pool, race, winner, summary)
 
-    def _runner(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> AttemptRunner:
+    def _runner(self, pool: PoolRuntime, req: LogicalRequest, deadline: float) -> AttemptRunner:
         open_prefix = open_until_first_token if req.stream else open_whole_response
         body = dict(req.body)
         models = {b.name: b.model for b in pool.settings.backends}
@@ -173,7 +174,7 @@ class Proxy:
                 body={**body, "model": models[backend]},
                 stream=req.stream,
                 request_id=req.request_id,
-                first_byte_timeout=max(0.0, self.deadline(pool, req, start) - self.clock()),
+                first_byte_timeout=max(0.0, deadline - self.clock()),
             )
             return await open_prefix(pool.providers[backend], call, is_lost)
 

@@ -84,7 +84,6 @@ async def _drain(batches: AsyncIterator[list[SSEEvent]]) -> None:
 @dataclass(slots=True)
 class RelayOutcome:
     end: StreamEnd = "client_gone"
-    events: int = 0
 
 
 def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
@@ -96,7 +95,6 @@ def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome)
             outcome.end = "done"
             parts.append(DONE)
             break
-        outcome.events += 1
         if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):
             # relayed as is when the SDKs can read it; otherwise our own error event, so
             # the client raises an API error instead of failing to parse the upstream's
