@@ -15,13 +15,13 @@ import httpx
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
-from gateway.metrics import Metrics
+from gateway.drain import Drain
 from gateway.pool import PoolRuntime
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
 from gateway.settings import Settings
-from gateway.sseresponse import Drain
 from gateway.stats import Stats
+from gateway.stats.prometheus import Metrics
 from providers.registry import build_provider
 
 

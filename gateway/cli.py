@@ -10,8 +10,8 @@ from dataclasses import replace
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.configfile import ConfigError, default_settings, load_settings
     from gateway.server import build_server
+    from gateway.settings.load import ConfigError, default_settings, load_settings
 
     try:
         settings = load_settings(ns.config) if ns.config else default_settings()
@@ -70,13 +70,13 @@ def logging_config(level: str) -> dict[str, object]:
 
 
 def _check_config(ns: argparse.Namespace) -> int:
-    from gateway.configfile import check_config
+    from gateway.settings.load import check_config
 
     return check_config(ns.file, sys.stdout, sys.stderr)
 
 
 def _sim(ns: argparse.Namespace) -> int:
-    from providers.simserver import profile_from_args, run_sim
+    from providers.sim.server import profile_from_args, run_sim
 
     run_sim(ns.host, ns.port, profile_from_args(ns), ns.seed)
     return 0
@@ -89,7 +89,7 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 def _stats(ns: argparse.Namespace) -> int:
-    from gateway.statscli import print_stats
+    from gateway.stats.table import print_stats
 
     return print_stats(ns.url, sys.stdout, sys.stderr)
 
@@ -116,13 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="run a simulated OpenAI-compatible upstream")
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=int, default=9001)
-    from providers.simserver import add_sim_arguments
+    from providers.sim.server import add_sim_arguments
 
     add_sim_arguments(sim)
     sim.set_defaults(func=_sim)
 
     bench = sub.add_parser("bench", help="benchmark hedging off / on / best-of-two (SPEC §14)")
-    from gateway.bench import add_bench_arguments
+    from gateway.bench.run import add_bench_arguments
 
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)

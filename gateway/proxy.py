@@ -20,17 +20,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
+from gateway.attempt import Prefix, open_until_first_token, open_whole_response
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
+from gateway.drain import Drain
 from gateway.errors import GatewayError, Overloaded
 from gateway.pool import PoolRuntime
 from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
 from gateway.relay import RelayOutcome, error_event, relay
-from gateway.requestlog import log_request
 from gateway.settings import ServerSettings
-from gateway.sseresponse import Drain, SSEResponse
+from gateway.sseresponse import SSEResponse
 from gateway.stats import RequestSummary, Stats
-from gateway.stream import Prefix, open_until_first_token, open_whole_response
+from gateway.stats.requestlog import log_request
 from providers.base import Endpoint, UpstreamCall
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.attempt import Prefix
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.errors import (
@@ -30,7 +31,6 @@ from gateway.errors import (
 )
 from gateway.policy import HedgeDelay, min_useful
 from gateway.pool import PoolRuntime
-from gateway.stream import Prefix
 
 AttemptKind = Literal["primary", "hedge", "failover"]
 Outcome = Literal["won", "lost", "failed", "cancelled"]

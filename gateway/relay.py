@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.attempt import Prefix
 from gateway.errors import UpstreamError
 from gateway.sse import SSEEvent, encode_event
-from gateway.stream import Prefix
 
 StreamEnd = Literal["done", "upstream_error", "truncated", "failed", "too_long", "client_gone"]
 

@@ -25,12 +25,12 @@ from gateway.errors import (
     PayloadTooLarge,
     Unauthorized,
 )
-from gateway.metrics import Metrics
 from gateway.pool import PoolRuntime
 from gateway.proxy import LogicalRequest, Proxy
 from gateway.settings import Settings
 from gateway.stats import Stats
-from gateway.statsview import snapshot
+from gateway.stats.prometheus import Metrics
+from gateway.stats.view import snapshot
 from gateway.validate import check_body, parse_body
 from providers.base import Endpoint
 

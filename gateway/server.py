@@ -35,8 +35,9 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.drain import Drain
 from gateway.settings import ServerSettings
-from gateway.sseresponse import ABORT_EXTENSION, Drain
+from gateway.sseresponse import ABORT_EXTENSION
 
 #: uvicorn's hard graceful-shutdown timeout is `shutdown_grace` plus this: our final error
 #: events go out first, and the app's own cleanup (closing upstreams) has time to finish

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import anyio
@@ -24,44 +23,13 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from gateway.drain import Drain
+
 KEEPALIVE = b": keep-alive\n\n"
 #: ASGI scope extension through which the server offers `abort()`: drop the connection now,
 #: unsent bytes and all (see gateway.server). Without it, a stuck client's connection can only
 #: be left to the server, which waits for the unsent bytes to drain before it closes.
 ABORT_EXTENSION = "hedge_gateway.abort"
-
-
-class Drain:
-    """Set once when the server starts shutting down; live streams and races watch it.
-
-    The grace period counts from the moment the drain started, for every request alike, so
-    a stream that commits during the drain does not get a fresh `grace` of its own."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._event: asyncio.Event | None = None
-        self._clock = clock
-        self.draining = False
-        self.started_at: float | None = None
-
-    def _get(self) -> asyncio.Event:
-        if self._event is None:
-            self._event = asyncio.Event()
-        return self._event
-
-    def start(self) -> None:
-        if not self.draining:
-            self.draining = True
-            self.started_at = self._clock()
-        self._get().set()
-
-    async def wait(self) -> None:
-        await self._get().wait()
-
-    async def wait_grace(self, grace: float) -> None:
-        """Return `grace` seconds after the drain started (never, if it does not start)."""
-        await self.wait()
-        started = self.started_at if self.started_at is not None else self._clock()
-        await anyio.sleep(max(0.0, started + grace - self._clock()))
 
 
 class SSEResponse(Response):

@@ -1,0 +1,306 @@
+"""The benchmark's load client: streaming chat requests with bounded concurrency.
+
+Measured at the client, the way an application would feel it: the time to the first *content*
+token (the first SSE event whose `delta.content` is a non-empty string; role chunks, comments
+and headers do not count) and the time to the end of the stream. It speaks plain httpx, not the
+OpenAI SDK, so that the client's own CPU stays small next to what it measures: the gateway and
+the simulated upstreams run in other processes, but all share the same cores.
+
+The oracle (`best_of`) sends one request to every URL at once and keeps the stream that yields
+the first content token, closing the others at that moment: the lower bound that hedging,
+which pays for a duplicate only after a delay, tries to approach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+import httpx
+
+#: what a benchmark request asks for; the model is rewritten by the gateway, ignored by the sim
+CHAT_BODY: Mapping[str, object] = {
+    "messages": [{"role": "user", "content": "Say something."}],
+    "stream": True,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One logical request as the client saw it. Times in seconds from its start."""
+
+    index: int
+    ok: bool
+    #: time to the first content token; None when none arrived
+    ttft: float | None
+    #: time to the end of the stream, or to the failure
+    total: float
+    error: str | None = None
+    #: `x-hedge-attempts` from the gateway (attempts started), when present
+    attempts: int | None = None
+    #: `x-hedge-backend` from the gateway (the winner), when present
+    backend: str | None = None
+
+
+def is_content_token(payload: bytes | str) -> bool | None:
+    """True for an event carrying non-empty `delta.content`, None for an error event, else
+    False. Raises ValueError for a payload that is not JSON."""
+    obj = json.loads(payload)
+    if not isinstance(obj, dict):
+        return False
+    if "error" in obj:
+        return None
+    choices = obj.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        content = delta.get("content") if isinstance(delta, dict) else None
+        if isinstance(content, str) and content:
+            return True
+    return False
+
+
+def _is_error_event(payload: bytes) -> bool:
+    """After the first token only errors matter; the substring test keeps the common case to
+    one scan and no JSON decoding."""
+    if b'"error"' not in payload:
+        return False
+    try:
+        return is_content_token(payload) is None
+    except ValueError:
+        return True
+
+
+def request_id(index: int) -> str:
+    """`bench-<i>` for measured request i; `warmup-<k>` for warm-up request -k (index < 0).
+    The simulators key their latency draws on it (`gateway.bench.upstream`)."""
+    return f"bench-{index}" if index >= 0 else f"warmup-{-index}"
+
+
+def _header_int(headers: httpx.Headers, name: str) -> int | None:
+    raw = headers.get(name)
+    return int(raw) if raw is not None and raw.isdigit() else None
+
+
+#: called at an attempt's first token; False means another attempt already won: stop here
+Claim = Callable[[], bool]
+
+
+def _always() -> bool:
+    return True
+
+
+async def _attempt(
+    client: httpx.AsyncClient,
+    url: str,
+    content: bytes,
+    headers: Mapping[str, str],
+    index: int,
+    start: float,
+    claim: Claim = _always,
+) -> Sample:
+    """Stream one response to its end and time it; every failure becomes a failed Sample."""
+    ttft: float | None = None
+    try:
+        async with client.stream("POST", url, content=content, headers=headers) as response:
+            attempts = _header_int(response.headers, "x-hedge-attempts")
+            backend = response.headers.get("x-hedge-backend")
+
+            def sample(ok: bool, error: str | None = None) -> Sample:
+                total = time.perf_counter() - start
+                return Sample(index, ok, ttft, total, error, attempts, backend)
+
+            if response.status_code != 200:
+                await response.aread()
+                return sample(False, f"status {response.status_code}")
+            # Bytes, split on LF by hand: cheaper than httpx's text line decoder, and the
+            # gateway and the simulator both end lines with LF (a CR before it is stripped).
+            pending = b""
+            done = False
+            async for chunk in response.aiter_raw():
+                if done:
+                    continue  # read to the end of the body so the connection can be reused
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                for raw in lines:
+                    if not raw.startswith(b"data:"):
+                        continue
+                    payload = raw[5:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    if ttft is None:
+                        try:
+                            kind = is_content_token(payload)
+                        except ValueError:
+                            return sample(False, "malformed event")
+                        if kind is None:
+                            return sample(False, "error event before the first token")
+                        if kind:
+                            if not claim():
+                                return sample(False, "lost")
+                            ttft = time.perf_counter() - start
+                    elif _is_error_event(payload):
+                        return sample(False, "error event after the first token")
+            if done:
+                return sample(ttft is not None, None if ttft is not None else "no token")
+            return sample(False, "truncated (no [DONE])")
+    except httpx.HTTPError as exc:
+        total = time.perf_counter() - start
+        return Sample(index, False, ttft, total, f"transport: {type(exc).__name__}")
+
+
+async def stream_one(
+    client: httpx.AsyncClient, url: str, index: int, *, body: Mapping[str, object] = CHAT_BODY
+) -> Sample:
+    """One streaming chat request to `url` (a full .../chat/completions URL)."""
+    content = json.dumps(body).encode()
+    headers = {"content-type": "application/json", "x-request-id": request_id(index)}
+    return await _attempt(client, url, content, headers, index, time.perf_counter())
+
+
+async def best_of(
+    client: httpx.AsyncClient,
+    urls: Sequence[str],
+    index: int,
+    *,
+    body: Mapping[str, object] = CHAT_BODY,
+) -> Sample:
+    """The oracle: the same request to every URL at once; the first content token wins and
+    the other streams are closed right then (their tasks are cancelled, which drops their
+    connections). Fails only when every attempt failed."""
+    content = json.dumps(body).encode()
+    headers = {"content-type": "application/json", "x-request-id": request_id(index)}
+    start = time.perf_counter()
+    tasks: list[asyncio.Task[Sample]] = []
+    winner: list[asyncio.Task[Sample]] = []
+
+    def claim() -> bool:
+        if winner:
+            return False
+        me = asyncio.current_task()
+        for task in tasks:
+            if task is not me:
+                task.cancel()
+            else:
+                winner.append(task)
+        return True
+
+    tasks.extend(
+        asyncio.create_task(_attempt(client, url, content, headers, index, start, claim))
+        for url in urls
+    )
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    samples = [r for r in results if isinstance(r, Sample)]
+    if winner:
+        return winner[0].result()
+    errors = "; ".join(s.error or "failed" for s in samples) or "every attempt was cancelled"
+    return Sample(index, False, None, time.perf_counter() - start, errors, len(urls))
+
+
+class Progress:
+    """A one-line progress bar on a terminal; on anything else one line when a phase ends."""
+
+    WIDTH = 30
+
+    def __init__(self, out: TextIO | None, label: str, total: int) -> None:
+        self._out = out
+        self._tty = out is not None and out.isatty()
+        self._label = label
+        self._total = max(1, total)
+        self._done = 0
+        self._start = time.perf_counter()
+        self._drawn = 0.0
+        self._draw(force=True)
+
+    def advance(self) -> None:
+        self._done += 1
+        self._draw(force=self._done == self._total)
+
+    def _draw(self, *, force: bool) -> None:
+        if self._out is None or not self._tty:
+            return
+        now = time.perf_counter()
+        if not force and now - self._drawn < 0.1:
+            return
+        self._drawn = now
+        filled = self.WIDTH * self._done // self._total
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        self._out.write(f"\r  {self._label:<28} [{bar}] {self._done}/{self._total} "
+                        f"{now - self._start:6.1f}s")
+        self._out.flush()
+
+    def finish(self, note: str = "") -> None:
+        if self._out is None:
+            return
+        elapsed = time.perf_counter() - self._start
+        if self._tty:
+            self._out.write(f"  {note}\n")
+        else:
+            self._out.write(f"  {self._label:<28} {self._done}/{self._total} requests in "
+                            f"{elapsed:.1f}s {note}\n")
+        self._out.flush()
+
+
+def worker_client(timeout: float = 60.0) -> httpx.AsyncClient:
+    """The client of one load worker. One per worker, not one shared by all: httpcore's pool
+    scans every pooled connection on each request, which at c=50 made a shared client the
+    most expensive process in the benchmark; a worker needs at most one connection per host
+    at a time."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=4, max_keepalive_connections=4),
+        timeout=httpx.Timeout(timeout, connect=5.0),
+        trust_env=False,
+        # Plain http on loopback: no TLS, so skip loading the CA bundle (tens of ms each).
+        verify=False,
+    )
+
+
+#: sends request `index` with the worker's own client; must turn failures into Samples
+Send = Callable[[httpx.AsyncClient, int], Awaitable[Sample]]
+
+
+async def run_load(
+    requests: int,
+    concurrency: int,
+    send: Send,
+    *,
+    progress: Progress | None = None,
+    timeout: float = 60.0,
+    after_warmup: Callable[[], Awaitable[None]] | None = None,
+) -> tuple[list[Sample], list[Sample], float]:
+    """Send requests 0..n-1 in order with at most `concurrency` in flight (a closed loop: each
+    worker sends its next request when its previous one ended).
+
+    First each worker sends one warm-up request (index -1, -2, ...), all at once, so that
+    connections are open and first-call code paths ran before anything is timed;
+    `after_warmup` runs once they all ended. Returns the measured samples by index, the
+    warm-up samples, and the wall time from the first measured send to the last end."""
+    samples: list[Sample | None] = [None] * requests
+    next_index = 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal next_index
+        while next_index < requests:
+            index = next_index
+            next_index += 1
+            samples[index] = await send(client, index)
+            if progress is not None:
+                progress.advance()
+
+    # Every client exists before the clock starts: building one blocks the loop for a moment,
+    # which would otherwise be charged to the requests already in flight.
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(worker_client(timeout))
+                   for _ in range(max(1, min(concurrency, requests)))]
+        warmup = await asyncio.gather(*(send(c, -k) for k, c in enumerate(clients, start=1)))
+        if after_warmup is not None:
+            await after_warmup()
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for client in clients))
+        wall = time.perf_counter() - start
+    return [s for s in samples if s is not None], list(warmup), wall

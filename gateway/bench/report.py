@@ -1,0 +1,366 @@
+"""The benchmark's numbers: quantiles, upstream attempts, comparisons, targets, tables.
+
+Pure functions over what the bench collected (client samples, the simulators' request logs,
+the gateway's `/hedge/stats` when it has one, process samples): no I/O except `write_json`,
+so the arithmetic can be tested with plain numbers.
+
+Where each number comes from:
+- TTFT and total time: the client (`gateway.bench.load`), successful requests only;
+- upstream attempts: the simulators' own logs, i.e. what the upstreams really received,
+  whatever the gateway believes it sent;
+- hedges and wins: `/hedge/stats` when the gateway serves it in a recognised shape, else the
+  simulators' logs joined by request id (the later arrival of a request is the hedge; the
+  attempt that completed won). `hedges.source` says which.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.bench.load import Sample
+from gateway.settings import BudgetSettings
+
+MODES = ("direct", "hedging-off", "hedging-on", "oracle")
+GATEWAY_MODES = ("hedging-off", "hedging-on")
+TTFT_QUANTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999))
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks; None for no values."""
+    if not sorted_values:
+        return None
+    pos = q * (len(sorted_values) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamView:
+    """What the simulators saw of one run, joined by request id."""
+
+    attempts: int
+    logical: int
+    #: logical requests that reached more than one backend
+    multi: int
+    #: attempts beyond the first, i.e. hedges plus failure replacements
+    extra: int
+    #: logical requests won by a later attempt (one that arrived after the first)
+    later_won: int
+    #: extra attempts by request index, for the phase breakdown of an outage
+    extra_by_index: Mapping[int, int]
+
+
+def _index_of(request_id: str) -> int | None:
+    _, _, tail = request_id.rpartition("-")
+    return int(tail) if tail.isdigit() else None
+
+
+def upstream_view(logs: Iterable[Sequence[Sequence[Any]]]) -> UpstreamView:
+    """Join every backend's `[request_id, arrival, status, completed]` entries."""
+    by_request: dict[str, list[tuple[float, bool]]] = {}
+    for log in logs:
+        for request_id, arrival, _status, completed in log:
+            if not str(request_id).startswith("bench-"):
+                continue  # warm-up requests are not part of the run
+            by_request.setdefault(str(request_id), []).append((float(arrival), bool(completed)))
+    attempts = sum(len(v) for v in by_request.values())
+    multi = later_won = 0
+    extra_by_index: dict[int, int] = {}
+    for request_id, entries in by_request.items():
+        if len(entries) < 2:
+            continue
+        multi += 1
+        entries.sort()
+        if any(done for _, done in entries[1:]) and not entries[0][1]:
+            later_won += 1
+        index = _index_of(request_id)
+        if index is not None:
+            extra_by_index[index] = len(entries) - 1
+    return UpstreamView(attempts, len(by_request), multi, attempts - len(by_request), later_won,
+                        extra_by_index)
+
+
+def gateway_hedges(stats: object, pool: str) -> tuple[int, int] | None:
+    """(hedges started, hedges won) of `pool` from a `/hedge/stats` document, or None when
+    the document does not have them in a shape we recognise (SPEC §10 leaves the nesting to
+    the implementation: a pool map or list, optionally under a lifetime section)."""
+    if not isinstance(stats, Mapping):
+        return None
+    pools = stats.get("pools")
+    entry: object = None
+    if isinstance(pools, Mapping):
+        entry = pools.get(pool)
+    elif isinstance(pools, list):
+        entry = next((p for p in pools if isinstance(p, Mapping) and p.get("name") == pool), None)
+    if not isinstance(entry, Mapping):
+        return None
+    for section in (entry, entry.get("lifetime"), entry.get("total")):
+        hedges = section.get("hedges") if isinstance(section, Mapping) else None
+        if isinstance(hedges, Mapping):
+            started, won = hedges.get("started"), hedges.get("won")
+            if isinstance(started, int) and isinstance(won, int):
+                return started, won
+    return None
+
+
+def summarize_mode(
+    mode: str,
+    samples: Sequence[Sample],
+    wall: float,
+    logs: Sequence[Sequence[Sequence[Any]]],
+    *,
+    hedge_stats: object = None,
+    hedge_stats_before: object = None,
+    pool: str = "bench",
+    process: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """One row of the table, JSON-ready. Times in ms. `hedge_stats_before` is the gateway's
+    `/hedge/stats` after the warm-up, subtracted from `hedge_stats` (taken at the end)."""
+    ok = [s for s in samples if s.ok]
+    ttfts = sorted(s.ttft for s in ok if s.ttft is not None)
+    totals = sorted(s.total for s in ok)
+    kinds = Counter(s.error or "failed" for s in samples if not s.ok)
+    view = upstream_view(logs)
+    n = len(samples)
+    hedges: dict[str, Any] | None = None
+    if mode in GATEWAY_MODES:
+        from_gateway = gateway_hedges(hedge_stats, pool)
+        baseline = gateway_hedges(hedge_stats_before, pool)
+        if from_gateway is not None and baseline is not None:  # leave out the warm-up
+            from_gateway = (from_gateway[0] - baseline[0], from_gateway[1] - baseline[1])
+        started, won = from_gateway or (view.extra, view.later_won)
+        hedges = {
+            "started": started,
+            "won": won,
+            "win_rate": won / started if started else None,
+            "source": "/hedge/stats" if from_gateway else "sim request logs",
+        }
+    return {
+        "mode": mode,
+        "requests": n,
+        "ok": len(ok),
+        "errors": n - len(ok),
+        "error_kinds": dict(kinds),
+        "ttft_ms": {name: _ms(quantile(ttfts, q)) for name, q in TTFT_QUANTILES}
+        | {"max": _ms(ttfts[-1] if ttfts else None)},
+        "total_ms": {"p50": _ms(quantile(totals, 0.5)), "p99": _ms(quantile(totals, 0.99))},
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(n / wall, 2) if wall > 0 else None,
+        "upstream": {
+            "attempts": view.attempts,
+            "extra": view.extra,
+            "extra_pct": round(100.0 * view.extra / n, 2) if n else None,
+            "requests_reaching_two_or_more": view.multi,
+            "won_by_later_attempt": view.later_won,
+        },
+        "hedges": hedges,
+        "gateway_process": dict(process) if process is not None else None,
+        "_extra_by_index": dict(view.extra_by_index),
+        "_samples": {s.index: s for s in samples},
+    }
+
+
+def outage_phases(
+    row: Mapping[str, Any], requests: int, span: tuple[float, float]
+) -> dict[str, Any]:
+    """Extra attempts before, in the first and second half of, and after the outage."""
+    start, end = int(requests * span[0]), int(requests * span[1])
+    mid = (start + end) // 2
+    bounds = {"before": (0, start), "outage_first_half": (start, mid),
+              "outage_second_half": (mid, end), "after": (end, requests)}
+    extra: Mapping[int, int] = row.get("_extra_by_index", {})
+    return {
+        name: {"requests": hi - lo, "extra": sum(v for k, v in extra.items() if lo <= k < hi)}
+        for name, (lo, hi) in bounds.items()
+    }
+
+
+def _get(rows: Mapping[str, Mapping[str, Any]], mode: str, *path: str) -> float | None:
+    node: Any = rows.get(mode)
+    for key in path:
+        node = node.get(key) if isinstance(node, Mapping) else None
+    return float(node) if isinstance(node, int | float) else None
+
+
+def paired_added_ms(direct: Mapping[int, Sample], gateway: Mapping[int, Sample],
+                    backend: str = "sim-a") -> dict[str, Any]:
+    """Per-request TTFT and total-time differences, gateway minus direct, over the requests
+    the gateway served from `backend` (the one `direct` uses) with a single attempt: both
+    sides drew the same latency, so the difference is the gateway's own cost."""
+    ttft: list[float] = []
+    total: list[float] = []
+    for index, g in gateway.items():
+        d = direct.get(index)
+        if (d is None or not (d.ok and g.ok) or g.backend != backend or g.attempts != 1
+                or d.ttft is None or g.ttft is None):
+            continue
+        ttft.append(g.ttft - d.ttft)
+        total.append(g.total - d.total)
+    ttft.sort()
+    total.sort()
+    return {"pairs": len(ttft), "ttft_p50_ms": _ms(quantile(ttft, 0.5)),
+            "ttft_p90_ms": _ms(quantile(ttft, 0.9)), "total_p50_ms": _ms(quantile(total, 0.5))}
+
+
+def compare(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The workload's headline numbers, all from one run (same machine, same minute)."""
+    out: dict[str, Any] = {}
+    direct_samples = rows.get("direct", {}).get("_samples")
+    for mode in GATEWAY_MODES:
+        gateway_samples = rows.get(mode, {}).get("_samples")
+        if direct_samples is not None and gateway_samples is not None:
+            out[f"{mode}_paired_added"] = paired_added_ms(direct_samples, gateway_samples)
+    direct = _get(rows, "direct", "ttft_ms", "p50")
+    direct_rps = _get(rows, "direct", "requests_per_s")
+    for mode in GATEWAY_MODES:
+        p50 = _get(rows, mode, "ttft_ms", "p50")
+        rps = _get(rows, mode, "requests_per_s")
+        if direct is not None and p50 is not None:
+            out[f"{mode}_added_ttft_p50_ms"] = round(p50 - direct, 3)
+            out[f"{mode}_ttft_p50_ratio"] = round(p50 / direct, 3) if direct > 0 else None
+        if direct_rps and rps:
+            out[f"{mode}_throughput_ratio_direct_over_gateway"] = round(direct_rps / rps, 3)
+    for q in ("p99", "p99.9"):
+        off, on = _get(rows, "hedging-off", "ttft_ms", q), _get(rows, "hedging-on", "ttft_ms", q)
+        if off and on is not None:
+            out[f"hedging_ttft_{q}_reduction_pct"] = round(100.0 * (1.0 - on / off), 1)
+    return out
+
+
+def targets(
+    workload: str,
+    rows: Mapping[str, Mapping[str, Any]],
+    comparison: Mapping[str, Any],
+    budget: BudgetSettings,
+) -> list[dict[str, Any]]:
+    """The issue's targets for this workload, each with the measured value and met or not."""
+    result: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, met: bool | None) -> None:
+        result.append({"target": name, "value": value, "met": met})
+
+    on_extra = _get(rows, "hedging-on", "upstream", "extra_pct")
+    if workload == "stragglers":
+        cut = comparison.get("hedging_ttft_p99_reduction_pct")
+        add("TTFT p99 >= 70 % below hedging off", cut, None if cut is None else cut >= 70.0)
+        add("extra attempts <= 12 % of requests", on_extra,
+            None if on_extra is None else on_extra <= 12.0)
+    elif workload == "outage":
+        n = _get(rows, "hedging-on", "requests") or 0.0
+        wall = _get(rows, "hedging-on", "wall_s") or 0.0
+        extra = _get(rows, "hedging-on", "upstream", "extra")
+        bound = budget.ratio * n + budget.burst + budget.min_per_second * wall
+        add(f"extra attempts <= ratio*N + burst + reserve*t = {bound:.1f}", extra,
+            None if extra is None else extra <= bound)
+    elif workload == "overhead":
+        added = comparison.get("hedging-on_added_ttft_p50_ms")
+        add("gateway added median TTFT < 2 ms at c=50", added,
+            None if added is None else added < 2.0)
+        ratio = comparison.get("hedging-on_throughput_ratio_direct_over_gateway")
+        add("gateway throughput within 3x of direct", ratio,
+            None if ratio is None else ratio <= 3.0)
+    return result
+
+
+def _cell(value: object, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_workload(result: Mapping[str, Any]) -> str:
+    """The printed table of one workload, with its comparison and targets."""
+    head = (f"{'mode':<12} {'ok':>5} {'err':>4} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} "
+            f"{'p99.9':>7} | {'total p50':>9} {'p99':>7} | {'extra%':>6} {'win%':>5} "
+            f"{'req/s':>7} | {'gw cpu s':>8} {'gw rss MB':>9}")
+    lines = [f"== {result['name']}: {result['description']}",
+             f"   {result['requests']} requests per mode, concurrency {result['concurrency']}, "
+             f"seed {result['seed']} (times in ms)", head, "-" * len(head)]
+    for row in result["modes"]:
+        ttft, total, hedges = row["ttft_ms"], row["total_ms"], row.get("hedges")
+        proc = row.get("gateway_process") or {}
+        win = hedges.get("win_rate") if hedges else None
+        lines.append(
+            f"{row['mode']:<12} {row['ok']:>5} {row['errors']:>4} | {_cell(ttft['p50']):>8} "
+            f"{_cell(ttft['p90']):>7} {_cell(ttft['p99']):>7} {_cell(ttft['p99.9']):>7} | "
+            f"{_cell(total['p50']):>9} {_cell(total['p99']):>7} | "
+            f"{_cell(row['upstream']['extra_pct']):>6} "
+            f"{_cell(None if win is None else 100.0 * win, 0):>5} "
+            f"{_cell(row['requests_per_s']):>7} | {_cell(proc.get('cpu_s'), 2):>8} "
+            f"{_cell(proc.get('peak_rss_mb')):>9}")
+    for row in result["modes"]:
+        procs = row.get("processes") or {}
+        ours = ", ".join(f"{name} {p['cpu_s']:.2f}" for name, p in procs.items()
+                         if name != "machine")
+        if "machine" in procs:
+            lines.append(f"   {row['mode']}: CPU s {ours}; all CPUs busy "
+                         f"{procs['machine']['busy_pct']:.0f} % "
+                         f"({procs['machine']['cpu_s']:.2f} CPU s, every process)")
+    c = result["comparison"]
+    for mode in GATEWAY_MODES:
+        if f"{mode}_added_ttft_p50_ms" in c:
+            ratio = c.get(f"{mode}_throughput_ratio_direct_over_gateway")
+            lines.append(f"   gateway ({mode}) vs direct: median TTFT "
+                         f"{c[f'{mode}_added_ttft_p50_ms']:+.2f} ms "
+                         f"(x{_cell(c.get(f'{mode}_ttft_p50_ratio'), 3)}), throughput "
+                         f"direct/gateway x{_cell(ratio, 2)}")
+        paired = c.get(f"{mode}_paired_added")
+        if paired and paired["pairs"]:
+            lines.append(f"     same draws, per request ({paired['pairs']} pairs): TTFT "
+                         f"+{_cell(paired['ttft_p50_ms'], 2)} ms median, "
+                         f"+{_cell(paired['ttft_p90_ms'], 2)} ms p90; total "
+                         f"+{_cell(paired['total_p50_ms'], 2)} ms median")
+    if "hedging_ttft_p99_reduction_pct" in c:
+        p99 = -c["hedging_ttft_p99_reduction_pct"]
+        p999 = -c.get("hedging_ttft_p99.9_reduction_pct", math.nan)
+        lines.append(f"   hedging on vs off: TTFT p99 {p99:+.1f} %, p99.9 {p999:+.1f} %")
+    for row in result["modes"]:
+        if row.get("hedges"):
+            h = row["hedges"]
+            lines.append(f"   {row['mode']}: hedges {h['started']} started, {h['won']} won "
+                         f"(source: {h['source']})")
+    if result.get("outage_phases"):
+        parts = ", ".join(f"{k} {v['extra']}/{v['requests']}"
+                          for k, v in result["outage_phases"].items())
+        lines.append(f"   hedging-on extra attempts by phase: {parts}")
+    if result["targets"] and result["requests"] < 500:
+        lines.append(f"   note: {result['requests']} requests per mode: p99 and p99.9 rest on a "
+                     "handful of samples, so the targets below are only indicative")
+    for t in result["targets"]:
+        state = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
+        lines.append(f"   target: {t['target']}: {_cell(t['value'], 2)} -> {state}")
+    return "\n".join(lines)
+
+
+def public(result: Mapping[str, Any]) -> dict[str, Any]:
+    """`result` without the private helper fields (keys starting with `_`), for JSON."""
+    def clean(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            return {k: clean(v) for k, v in node.items() if not str(k).startswith("_")}
+        if isinstance(node, list):
+            return [clean(v) for v in node]
+        return node
+    cleaned: dict[str, Any] = clean(result)
+    return cleaned
+
+
+def write_json(path: str, report: Mapping[str, Any]) -> None:
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(public(report), file, indent=2, sort_keys=False)
+        file.write("\n")

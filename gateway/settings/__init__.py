@@ -1,0 +1,47 @@
+"""The configuration: the frozen model, loading it from YAML, and parsing its values.
+
+`model` is what the rest of the gateway receives; `load` turns a file (or the embedded
+default) into it, reporting every problem with its key path; `parse` holds the value parsers.
+"""
+
+from gateway.settings.load import (
+    ConfigError,
+    check_config,
+    default_settings,
+    describe_pools,
+    load_settings,
+    parse_settings,
+)
+from gateway.settings.model import (
+    BackendSettings,
+    BudgetSettings,
+    DelaySettings,
+    HealthSettings,
+    HedgingSettings,
+    MiB,
+    PoolSettings,
+    ServerSettings,
+    Settings,
+    SimProfile,
+    Timeouts,
+)
+
+__all__ = [
+    "BackendSettings",
+    "BudgetSettings",
+    "ConfigError",
+    "DelaySettings",
+    "HealthSettings",
+    "HedgingSettings",
+    "MiB",
+    "PoolSettings",
+    "ServerSettings",
+    "Settings",
+    "SimProfile",
+    "Timeouts",
+    "check_config",
+    "default_settings",
+    "describe_pools",
+    "load_settings",
+    "parse_settings",
+]

@@ -1,0 +1,197 @@
+"""`GET /metrics`: Prometheus text built from `Stats` and the pools at scrape time (SPEC §9).
+
+Why a custom collector rather than metric objects updated per request: `Stats` already counts
+everything once per request, so the request path does no extra work for Prometheus, and the
+gauges (budget tokens, in-flight, hedge delay, backend state) are read live when scraped.
+
+Each app owns its own `CollectorRegistry` (never the global one): tests build many apps in
+one process, and two gateways must not share series.
+
+Bounded labels: `pool` and `backend` come from the configuration only (the collector walks
+the configured pools, never request data); `outcome`, `kind`, `reason`, `state` are fixed
+enumerations; a request outcome is `ok` or one of the error classes `Stats` folds into a
+fixed set. Nothing a client sends can create a series.
+
+Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
+
+| metric | type | labels | meaning |
+|---|---|---|---|
+| `requests_total` | counter | pool, outcome | logical requests; `ok` or the error class |
+| `attempts_total` | counter | pool, backend, kind, outcome | upstream attempts |
+| `hedges_started_total` | counter | pool | delay-triggered hedges started |
+| `hedges_won_total` | counter | pool | hedges whose stream won |
+| `hedges_suppressed_total` | counter | pool, reason | hedges/failovers not started |
+| `failovers_total` | counter | pool | replacement attempts after failures |
+| `losers_cancelled_total` | counter | pool | attempts cancelled because another won |
+| `loser_events_after_commit_total` | counter | pool | events losers read after commit |
+| `attempt_ttft_censored_total` | counter | pool, backend | attempts cancelled before a token |
+| `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
+| `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
+| `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
+| `latency_saved_seconds` | histogram | pool | hedge won: primary's tokenless time at commit |
+| `budget_tokens` | gauge | pool | hedge budget tokens available |
+| `budget_ineffective` | gauge | pool | 1 while the efficacy guard holds hedges back |
+| `inflight_requests` | gauge | pool | logical requests in flight |
+| `inflight_attempts` | gauge | pool, backend | attempts in flight |
+| `hedge_delay_seconds` | gauge | pool, backend | hedge delay in force |
+| `backend_state` | gauge | pool, backend, state | 1 for the current state (ok/ejected/paused) |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from gateway.budget import SuppressReason
+from gateway.pool import PoolRuntime
+from gateway.stats.record import BucketHistogram, Stats
+
+PREFIX = "hedge_gateway_"
+KINDS = ("primary", "hedge", "failover")
+OUTCOMES = ("won", "lost", "failed", "cancelled")
+STATES = ("ok", "ejected", "paused")
+
+
+def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, labels=labels)
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+
+def _histogram(family: HistogramMetricFamily, labels: list[str], h: BucketHistogram) -> None:
+    family.add_metric(labels, h.cumulative(), h.sum)
+
+
+class GatewayCollector(Collector):
+    """Reads `Stats` (lifetime counts) and the live pools on every scrape."""
+
+    def __init__(
+        self, stats: Stats, pools: Mapping[str, PoolRuntime], clock: Callable[[], float]
+    ) -> None:
+        self._stats = stats
+        self._pools = pools
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._counts()
+        yield from self._latencies()
+        yield from self._live(self._clock())
+
+    def _counts(self) -> Iterator[Metric]:
+        requests = _counter("requests", "Logical requests by outcome.", ["pool", "outcome"])
+        attempts = _counter("attempts", "Upstream attempts by kind and outcome.",
+                            ["pool", "backend", "kind", "outcome"])
+        started = _counter("hedges_started", "Delay-triggered hedges started.", ["pool"])
+        won = _counter("hedges_won", "Hedges whose stream won the race.", ["pool"])
+        suppressed = _counter("hedges_suppressed", "Hedges or failovers not started, by reason.",
+                              ["pool", "reason"])
+        failovers = _counter("failovers", "Replacement attempts after failures.", ["pool"])
+        losers = _counter("losers_cancelled", "Attempts cancelled because another won.",
+                          ["pool"])
+        late = _counter("loser_events_after_commit", "Events losers read after the commit.",
+                        ["pool"])
+        censored = _counter("attempt_ttft_censored",
+                            "Attempts cancelled before their first token.", ["pool", "backend"])
+        for pool, ps in self._stats.pools.items():
+            c = ps.counts.lifetime
+            outcomes = {"ok": c["outcome.ok"]}
+            outcomes.update(
+                {k[8:]: v for k, v in c.items() if k.startswith("outcome.") and v > 0}
+            )
+            for outcome, value in sorted(outcomes.items()):
+                requests.add_metric([pool, outcome], value)
+            started.add_metric([pool], c["hedges"])
+            won.add_metric([pool], c["hedges_won"])
+            for reason in SuppressReason:
+                suppressed.add_metric([pool, reason.value], c[f"suppressed.{reason.value}"])
+            failovers.add_metric([pool], c["failovers"])
+            losers.add_metric([pool], c["losers"])
+            late.add_metric([pool], c["late_events"])
+            for backend, bs in ps.backends.items():
+                bc = bs.counts.lifetime
+                for kind in KINDS:
+                    for outcome in OUTCOMES:
+                        value = bc[f"kind.{kind}.{outcome}"]
+                        attempts.add_metric([pool, backend, kind, outcome], value)
+                censored.add_metric([pool, backend], bc["ttft_censored"])
+        yield from (requests, attempts, started, won, suppressed, failovers, losers, late,
+                    censored)
+
+    def _latencies(self) -> Iterator[Metric]:
+        attempt = HistogramMetricFamily(
+            PREFIX + "attempt_ttft_seconds",
+            "Attempt time to first token, from the attempt's own start (with a token).",
+            labels=["pool", "backend"],
+        )
+        client = HistogramMetricFamily(
+            PREFIX + "client_ttft_seconds",
+            "Client-observed time to first token: request arrival to commit.",
+            labels=["pool"],
+        )
+        close = HistogramMetricFamily(
+            PREFIX + "loser_close_seconds",
+            "Time from cancelling a losing attempt to its upstream being closed.",
+            labels=["pool"],
+        )
+        saved = HistogramMetricFamily(
+            PREFIX + "latency_saved_seconds",
+            "When a hedge won: how long the primary had run without a token (lower bound).",
+            labels=["pool"],
+        )
+        for pool, ps in self._stats.pools.items():
+            _histogram(client, [pool], ps.client_ttft.histogram)
+            _histogram(close, [pool], ps.close.histogram)
+            _histogram(saved, [pool], ps.saved.histogram)
+            for backend, bs in ps.backends.items():
+                _histogram(attempt, [pool, backend], bs.ttft.histogram)
+        yield from (attempt, client, close, saved)
+
+    def _live(self, now: float) -> Iterator[Metric]:
+        tokens = _gauge("budget_tokens", "Hedge budget tokens available.", ["pool"])
+        guard = _gauge("budget_ineffective", "1 while the efficacy guard limits hedges.",
+                       ["pool"])
+        inflight = _gauge("inflight_requests", "Logical requests in flight.", ["pool"])
+        attempts = _gauge("inflight_attempts", "Attempts in flight.", ["pool", "backend"])
+        delay = _gauge("hedge_delay_seconds", "Hedge delay in force.", ["pool", "backend"])
+        state = _gauge("backend_state", "1 for the backend's current state.",
+                       ["pool", "backend", "state"])
+        for pool in self._stats.pools:
+            runtime = self._pools.get(pool)
+            if runtime is None:
+                continue
+            tokens.add_metric([pool], runtime.budget.tokens(now))
+            guard.add_metric([pool], 1.0 if runtime.budget.ineffective(now) else 0.0)
+            inflight.add_metric([pool], runtime.inflight_requests)
+            for backend in self._stats.pools[pool].backends:
+                attempts.add_metric([pool, backend], runtime.balancer.inflight(backend))
+                delay.add_metric([pool, backend], runtime.delays[backend].delay(now))
+                current, _reason = runtime.balancer.state(backend, now)
+                for name in STATES:
+                    state.add_metric([pool, backend, name], 1.0 if name == current else 0.0)
+        yield from (tokens, guard, inflight, attempts, delay, state)
+
+
+class Metrics:
+    """The app's Prometheus registry and its renderer."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(
+        self, stats: Stats, pools: Mapping[str, PoolRuntime], clock: Callable[[], float]
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(GatewayCollector(stats, pools, clock))
+
+    def render(self) -> bytes:
+        """The exposition text (generated under the caller's thread; no I/O)."""
+        return generate_latest(self.registry)

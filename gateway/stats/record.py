@@ -1,0 +1,347 @@
+"""Counters and sketches behind `/hedge/stats` and `/metrics` (SPEC §9, §10). Pure.
+
+Fed once per logical request with a `RequestSummary` when the request has fully ended (winner
+closed, losers reaped), so nothing here runs per event. No I/O, no asyncio: the time of a
+record is the summary's own `ended`, and the views (`gateway.stats.view`) take `now`.
+
+Every number exists twice: over the process lifetime and over the recent window (`window_s`,
+default 60 s). Counts in the window come from a ring of count buckets (one per window/6
+seconds, recycled lazily like the latency sketches); quantiles from `WindowedSketch`. A
+window view therefore covers between 5/6 and all of `window_s`, never anything older.
+
+Only configured pools and backends are ever keys (the layout is fixed at construction), and
+error classes are folded into a fixed set, so nothing a client sends becomes a key here or a
+label in `/metrics`. No prompt, body, key or URL is stored.
+
+The JSON document built from these numbers (`GET /hedge/stats`, its fields) is
+`gateway.stats.view`'s job; `gateway.stats.prometheus` reads the same objects for `/metrics`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gateway.budget import SuppressReason
+from gateway.errors import GatewayError
+from gateway.latency import LifetimeSketch, WindowedSketch
+from gateway.race import CANCELLED_BEFORE_TOKEN
+
+if TYPE_CHECKING:
+    from gateway.pool import PoolRuntime
+    from gateway.race import AttemptRecord, RaceResult
+
+WINDOW = 60.0
+SLICES = 6
+#: Prometheus histogram bounds (seconds) for TTFTs and for loser close times
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                5.0, 10.0, 30.0)
+CLOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+#: ends of a relayed stream that are not errors
+CLEAN_ENDS = (None, "done")
+STREAM_ENDS = ("upstream_error", "truncated", "failed", "too_long", "client_gone",
+               "stuck_client")
+
+
+@dataclass(slots=True)
+class RequestSummary:
+    """Everything the stats and the request log need about one logical request."""
+
+    request_id: str
+    pool: str
+    endpoint: str
+    stream: bool
+    started: float
+    attempts: Sequence[AttemptRecord] = ()
+    suppressed: Sequence[SuppressReason] = ()
+    winner: AttemptRecord | None = None
+    committed_at: float | None = None
+    ended: float | None = None
+    error: str | None = None
+    relay_end: str | None = None
+
+    def attach(
+        self,
+        attempts: Sequence[AttemptRecord],
+        suppressed: Sequence[SuppressReason],
+        result: RaceResult | None,
+    ) -> None:
+        self.attempts = attempts
+        self.suppressed = suppressed
+        if result is not None:
+            self.winner = result.winner
+            self.committed_at = result.committed_at
+
+    @property
+    def client_ttft(self) -> float | None:
+        return None if self.committed_at is None else self.committed_at - self.started
+
+
+# -- classification --------------------------------------------------------------------------
+
+
+def _error_classes() -> frozenset[str]:
+    """Every code and class name of the error tree, plus the proxy's own labels."""
+    names = {"client_disconnected"}
+    pending: list[type[GatewayError]] = [GatewayError]
+    while pending:
+        cls = pending.pop()
+        names.add(cls.__name__)
+        if cls.code:
+            names.add(cls.code)
+        pending.extend(cls.__subclasses__())
+    names.update(f"stream_{end}" for end in STREAM_ENDS)
+    return frozenset(names)
+
+
+def request_class(summary: RequestSummary, known: frozenset[str]) -> str:
+    """`ok`, or the class of what went wrong: the error code (`upstream_failed`,
+    `first_token_timeout`, `client_disconnected`, ...), `stream_<end>` for a relay that
+    ended otherwise than with `[DONE]`, `no_response` when neither says; a class outside the
+    known set is `other` (so a label can never grow without bound)."""
+    if summary.error is not None:
+        cls = summary.error
+    elif summary.relay_end not in CLEAN_ENDS:
+        cls = f"stream_{summary.relay_end}"
+    elif summary.winner is None:
+        return "no_response"
+    else:
+        return "ok"
+    return cls if cls in known else "other"
+
+
+_CUT = re.compile(r"[:(\"']")
+_NON_WORD = re.compile(r"[^a-z0-9]+")
+
+
+def failure_class(reason: str | None) -> str:
+    """A short, bounded class for an attempt's failure reason: the reason up to any detail
+    (`malformed stream: ...` -> `malformed_stream`, `status 503` -> `status_503`)."""
+    if not reason:
+        return "unknown"
+    head = _CUT.split(reason, maxsplit=1)[0].strip().lower()
+    return _NON_WORD.sub("_", head).strip("_")[:40] or "unknown"
+
+
+# -- building blocks -------------------------------------------------------------------------
+
+
+class CounterRing:
+    """Counts over roughly the last `window` seconds: a ring of per-slice `Counter`s."""
+
+    __slots__ = ("_counters", "_ids", "_slices", "_width")
+
+    def __init__(self, window: float, slices: int = SLICES) -> None:
+        self._slices = slices
+        self._width = window / slices
+        self._counters: list[Counter[str]] = [Counter() for _ in range(slices)]
+        self._ids: list[int | None] = [None] * slices
+
+    def add(self, counts: Mapping[str, int], now: float) -> None:
+        sid = math.floor(now / self._width)
+        slot = sid % self._slices
+        held = self._ids[slot]
+        if held is not None and held > sid:
+            return  # older than the whole window as seen from the newest data
+        if held != sid:
+            self._counters[slot] = Counter()
+            self._ids[slot] = sid
+        self._counters[slot].update(counts)
+
+    def total(self, now: float) -> Counter[str]:
+        current = math.floor(now / self._width)
+        out: Counter[str] = Counter()
+        for sid, counter in zip(self._ids, self._counters, strict=True):
+            if sid is not None and current - self._slices < sid <= current:
+                out.update(counter)
+        return out
+
+
+class Tally:
+    """A lifetime `Counter` and its windowed twin, fed the same counts."""
+
+    __slots__ = ("lifetime", "recent")
+
+    def __init__(self, window: float) -> None:
+        self.lifetime: Counter[str] = Counter()
+        self.recent = CounterRing(window)
+
+    def add(self, counts: Mapping[str, int], now: float) -> None:
+        self.lifetime.update(counts)
+        self.recent.add(counts, now)
+
+    def view(self, scope: str, now: float) -> Counter[str]:
+        return self.lifetime if scope == "lifetime" else self.recent.total(now)
+
+
+class BucketHistogram:
+    """Cumulative-bucket counts for a Prometheus histogram (lifetime; seconds)."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """[(le, count of values <= le)], ending with "+Inf", as Prometheus wants them."""
+        out: list[tuple[str, int]] = []
+        running = 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+class Latency:
+    """One latency series: lifetime and windowed quantiles, and a Prometheus histogram."""
+
+    __slots__ = ("histogram", "lifetime", "recent")
+
+    def __init__(self, window: float, bounds: Sequence[float]) -> None:
+        self.lifetime = LifetimeSketch()
+        self.recent = WindowedSketch(window, SLICES)
+        self.histogram = BucketHistogram(bounds)
+
+    def add(self, seconds: float, now: float) -> None:
+        self.lifetime.add(seconds)
+        self.recent.add(seconds, now)
+        self.histogram.add(seconds)
+
+    def view_ms(self, scope: str, qs: Sequence[float], now: float) -> dict[str, Any]:
+        """{"p50": ms, ..., "count": n}; quantiles null without data."""
+        if scope == "lifetime":
+            values, count = self.lifetime.quantiles(qs), self.lifetime.count
+        else:
+            values, count = self.recent.quantiles(qs, now), self.recent.count(now)
+        out: dict[str, Any] = {
+            f"p{round(q * 100)}": None if v is None else round(v * 1000, 3)
+            for q, v in zip(qs, values, strict=True)
+        }
+        out["count"] = count
+        return out
+
+
+class BackendStats:
+    __slots__ = ("counts", "ttft")
+
+    def __init__(self, window: float) -> None:
+        self.counts = Tally(window)
+        self.ttft = Latency(window, TTFT_BUCKETS)
+
+
+class PoolStats:
+    __slots__ = ("backends", "client_ttft", "close", "counts", "saved")
+
+    def __init__(self, backends: Iterable[str], window: float) -> None:
+        self.counts = Tally(window)
+        self.client_ttft = Latency(window, TTFT_BUCKETS)
+        self.saved = Latency(window, TTFT_BUCKETS)
+        self.close = Latency(window, CLOSE_BUCKETS)
+        self.backends = {name: BackendStats(window) for name in backends}
+
+
+# -- the stats -------------------------------------------------------------------------------
+
+
+class Stats:
+    """What the gateway did, per configured pool and backend, lifetime and recent window."""
+
+    def __init__(
+        self, layout: Mapping[str, Sequence[str]], *, now: float, window: float = WINDOW
+    ) -> None:
+        """`layout`: pool name -> its backend names, from the configuration."""
+        self.window = window
+        self.started = now
+        self.pools = {name: PoolStats(backends, window) for name, backends in layout.items()}
+        self.error_classes = _error_classes()
+        #: summaries for a pool not in the layout (a bug elsewhere; never a new key)
+        self.unrecorded = 0
+
+    @classmethod
+    def for_pools(cls, pools: Mapping[str, PoolRuntime], *, now: float,
+                  window: float = WINDOW) -> Stats:
+        layout = {name: [b.name for b in p.settings.backends] for name, p in pools.items()}
+        return cls(layout, now=now, window=window)
+
+    def record(self, summary: RequestSummary) -> None:
+        """Account for one logical request that has fully ended."""
+        pool = self.pools.get(summary.pool)
+        if pool is None:
+            self.unrecorded += 1
+            return
+        now = summary.ended if summary.ended is not None else summary.started
+        winner = summary.winner
+        pc: Counter[str] = Counter(requests=1, attempts=len(summary.attempts))
+        pc[f"attempts={len(summary.attempts)}"] += 1
+        pc[f"outcome.{request_class(summary, self.error_classes)}"] += 1
+        for reason in summary.suppressed:
+            pc[f"suppressed.{SuppressReason(reason).value}"] += 1
+        for attempt in summary.attempts:
+            self._record_attempt(pool, attempt, attempt is winner, pc, now)
+        client_ttft = summary.client_ttft
+        if client_ttft is not None:
+            pool.client_ttft.add(client_ttft, now)
+        saved = latency_saved(summary)
+        if saved is not None:
+            pool.saved.add(saved, now)
+        pool.counts.add(pc, now)
+
+    @staticmethod
+    def _record_attempt(
+        pool: PoolStats, attempt: AttemptRecord, won: bool, pc: Counter[str], now: float
+    ) -> None:
+        outcome = attempt.outcome or "unknown"
+        censored = attempt.reason == CANCELLED_BEFORE_TOKEN
+        if attempt.kind != "primary":
+            pc[f"{attempt.kind}s"] += 1
+            pc[f"{attempt.kind}s_won"] += won
+        if outcome == "lost":
+            pc["losers"] += 1
+            pc["losers_before_token"] += censored
+            pc["late_events"] += attempt.late_events
+            if attempt.close_s is not None:
+                pool.close.add(attempt.close_s, now)
+        elif outcome == "cancelled":
+            pc["cancelled"] += 1
+        backend = pool.backends.get(attempt.backend)
+        if backend is None:
+            return
+        bc: Counter[str] = Counter(attempts=1)
+        bc[f"kind.{attempt.kind}"] += 1
+        bc[f"outcome.{outcome}"] += 1
+        bc[f"kind.{attempt.kind}.{outcome}"] += 1
+        if attempt.kind == "hedge":
+            bc["hedges_won"] += won
+        if outcome == "failed":
+            bc[f"failure.{failure_class(attempt.reason)}"] += 1
+        if attempt.ttft is not None:
+            if censored:
+                bc["ttft_censored"] += 1
+            else:
+                backend.ttft.add(attempt.ttft, now)
+        backend.counts.add(bc, now)
+
+
+def latency_saved(summary: RequestSummary) -> float | None:
+    """When a hedge won while the primary was still running: the primary's time without a
+    token at commit (a lower bound of what hedging saved); else None."""
+    winner, attempts = summary.winner, summary.attempts
+    if winner is None or winner.kind != "hedge" or summary.committed_at is None or not attempts:
+        return None
+    primary = attempts[0]
+    if primary.kind != "primary" or primary.outcome != "lost":
+        return None
+    return max(0.0, summary.committed_at - primary.started)

@@ -1,0 +1,185 @@
+"""The JSON views of `gateway.stats` behind `GET /hedge/stats` (SPEC §10). Pure.
+
+Counting (`Stats.record`) and reading are separate jobs: this module only turns the counters,
+sketches and live pool state into the documented JSON shape, at a given `now`; it never
+changes what it reads.
+
+`GET /hedge/stats` fields. Times in ms, rates 0..1, `null` when undefined (a rate with no
+denominator, a quantile with no data). `<scope>` is `lifetime` or `window` (same fields).
+
+Top level: `window_s` (length of the recent window), `uptime_s` (since the stats started),
+`pools.<pool>` (one entry per configured pool):
+
+| field under `pools.<pool>.` | meaning |
+|---|---|
+| `inflight_requests` | logical requests of the pool in flight now |
+| `budget.tokens` | hedge budget tokens available now; each extra attempt costs 1 |
+| `budget.ratio` / `.burst` / `.min_per_second` | configured deposit, bucket size, reserve |
+| `budget.extra_in_flight` | extra attempts (hedges, failovers) running now |
+| `budget.ineffective` | efficacy guard on: hedges held to the probe rate |
+| `budget.recent_win_rate` | win rate over the guard's window of recent hedges |
+| `<scope>.requests` | logical requests that ended, whatever the outcome |
+| `<scope>.attempts` | attempts those requests started, primaries included |
+| `<scope>.attempts_per_request.mean` / `.max` | attempts per logical request |
+| `<scope>.hedges.started` | delay-triggered hedges started |
+| `<scope>.hedges.issue_rate` | hedges.started / requests |
+| `<scope>.hedges.won` | requests whose winning stream came from a hedge |
+| `<scope>.hedges.win_rate` | hedges.won / hedges.started |
+| `<scope>.hedges.suppressed.<reason>` | hedges or failovers not started, by `SuppressReason` |
+| `<scope>.failovers` / `.failovers_won` | replacements after a failure; those that won |
+| `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | client-observed TTFT: arrival to commit |
+| `<scope>.losers.cancelled` | attempts cancelled because another attempt won |
+| `<scope>.losers.cancelled_before_first_token` | share of those without a token yet |
+| `<scope>.losers.close_ms.p50/p99` / `.count` | cancel to upstream closed, per loser |
+| `<scope>.losers.events_received_after_commit` | events losers read after commit (want 0) |
+| `<scope>.cancelled` | attempts cancelled as the request ended without a winner |
+| `<scope>.latency_saved_ms.p50/p99` / `.count` | hedge won: primary's tokenless time at commit |
+| `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
+
+| field under `pools.<pool>.backends.<backend>.` | meaning |
+|---|---|
+| `state` / `reason` | `ok`, `ejected` or `paused`, and why (null when ok) |
+| `group` / `inflight` | the configured group; attempts running there now |
+| `hedge_delay_ms` | hedge delay in force for requests whose primary is here |
+| `hedge_delay_mode` | `adaptive` (TTFT quantile), `initial` (too few samples), `fixed` |
+| `<scope>.attempts` | attempts sent to the backend |
+| `<scope>.primaries` / `.hedges` / `.failovers` | the same, by kind |
+| `<scope>.won` / `.lost` / `.failed` / `.cancelled` | the same, by outcome |
+| `<scope>.hedges_won` | hedges on this backend that won |
+| `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | attempt TTFT (own start), attempts with a token |
+| `<scope>.ttft_censored` | attempts cancelled before a token; kept out of `ttft_ms` |
+| `<scope>.failures.<class>` | failed attempts by `failure_class` (`status_503`, ...) |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from gateway.budget import SuppressReason
+
+if TYPE_CHECKING:
+    from gateway.pool import PoolRuntime
+    from gateway.stats.record import BackendStats, PoolStats, Stats
+
+QUANTILES = (0.5, 0.9, 0.95, 0.99)
+SCOPES = ("lifetime", "window")
+
+
+def snapshot(stats: Stats, pools: Mapping[str, PoolRuntime], now: float) -> dict[str, Any]:
+    """The `/hedge/stats` document (fields in the module docstring): the counts of `stats` plus
+    live state (budget, balancer, hedge delays) read from `pools` at `now`."""
+    out: dict[str, Any] = {}
+    for name, ps in stats.pools.items():
+        runtime = pools.get(name)
+        entry: dict[str, Any] = {}
+        if runtime is not None:
+            entry["inflight_requests"] = runtime.inflight_requests
+            entry["budget"] = budget_view(runtime, now)
+        for scope in SCOPES:
+            entry[scope] = pool_view(ps, scope, now, stats.error_classes)
+        entry["backends"] = {
+            b: backend_view(bs, runtime, b, now) for b, bs in ps.backends.items()
+        }
+        out[name] = entry
+    return {
+        "window_s": stats.window,
+        "uptime_s": round(max(0.0, now - stats.started), 3),
+        "pools": out,
+    }
+
+
+def _rate(num: float, den: float) -> float | None:
+    return None if den <= 0 else round(num / den, 4)
+
+
+def budget_view(runtime: PoolRuntime, now: float) -> dict[str, Any]:
+    budget = runtime.budget
+    settings = budget.settings
+    return {
+        "tokens": round(budget.tokens(now), 3),
+        "ratio": settings.ratio,
+        "burst": settings.burst,
+        "min_per_second": settings.min_per_second,
+        "extra_in_flight": budget.extra_in_flight,
+        "ineffective": budget.ineffective(now),
+        "recent_win_rate": budget.win_rate(),
+    }
+
+
+def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> dict[str, Any]:
+    c = ps.counts.view(scope, now)
+    requests, attempts, hedges = c["requests"], c["attempts"], c["hedges"]
+    sizes = [int(k[9:]) for k, v in c.items() if k.startswith("attempts=") and v > 0]
+    close = ps.close.view_ms(scope, (0.5, 0.99), now)
+    saved = ps.saved.view_ms(scope, (0.5, 0.99), now)
+    return {
+        "requests": requests,
+        "attempts": attempts,
+        "attempts_per_request": {
+            "mean": _rate(attempts, requests),
+            "max": max(sizes, default=None),
+        },
+        "hedges": {
+            "started": hedges,
+            "issue_rate": _rate(hedges, requests),
+            "won": c["hedges_won"],
+            "win_rate": _rate(c["hedges_won"], hedges),
+            "suppressed": {r.value: c[f"suppressed.{r.value}"] for r in SuppressReason},
+        },
+        "failovers": c["failovers"],
+        "failovers_won": c["failovers_won"],
+        "ttft_ms": ps.client_ttft.view_ms(scope, QUANTILES, now),
+        "losers": {
+            "cancelled": c["losers"],
+            "cancelled_before_first_token": _rate(c["losers_before_token"], c["losers"]),
+            "close_ms": {"p50": close["p50"], "p99": close["p99"], "count": close["count"]},
+            "events_received_after_commit": c["late_events"],
+        },
+        "cancelled": c["cancelled"],
+        "latency_saved_ms": saved,
+        "errors": {
+            k[8:]: v for k, v in sorted(c.items())
+            if k.startswith("outcome.") and k != "outcome.ok" and v > 0
+        },
+    }
+
+
+def backend_view(
+    bs: BackendStats, runtime: PoolRuntime | None, name: str, now: float
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if runtime is not None:
+        state, reason = runtime.balancer.state(name, now)
+        delay = runtime.delays[name]
+        if delay.settings.mode == "fixed":
+            mode = "fixed"
+        else:
+            mode = "adaptive" if delay.adaptive(now) else "initial"
+        out.update(
+            state=state,
+            reason=reason,
+            group=runtime.groups.get(name, ""),
+            inflight=runtime.balancer.inflight(name),
+            hedge_delay_ms=round(delay.delay(now) * 1000, 3),
+            hedge_delay_mode=mode,
+        )
+    for scope in SCOPES:
+        c = bs.counts.view(scope, now)
+        out[scope] = {
+            "attempts": c["attempts"],
+            "primaries": c["kind.primary"],
+            "hedges": c["kind.hedge"],
+            "failovers": c["kind.failover"],
+            "won": c["outcome.won"],
+            "lost": c["outcome.lost"],
+            "failed": c["outcome.failed"],
+            "cancelled": c["outcome.cancelled"],
+            "hedges_won": c["hedges_won"],
+            "ttft_ms": bs.ttft.view_ms(scope, QUANTILES, now),
+            "ttft_censored": c["ttft_censored"],
+            "failures": {
+                k[8:]: v for k, v in sorted(c.items()) if k.startswith("failure.") and v > 0
+            },
+        }
+    return out

@@ -1,0 +1,167 @@
+"""The simulator as an in-process provider: `SimProvider`, no sockets, same wire content.
+
+Plans and bytes come from `providers.sim.wire` (shared with the loopback server,
+`providers.sim.server`); this module only plays them out as `UpstreamStream`s inside the
+gateway's event loop, with delays that an `aclose` from another task can cut short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+
+from gateway.errors import UpstreamStatusError, UpstreamTimeout
+from gateway.settings import BackendSettings, SimProfile
+from gateway.sse import SSEEvent
+from providers.base import UpstreamCall, UpstreamStream
+from providers.sim.wire import (
+    TTFT_HEADER,
+    SimModel,
+    Sleep,
+    parse_ttft_override,
+    retry_after_for,
+    sim_payloads,
+    sim_response,
+    wire_json,
+)
+
+
+class _Closed(Exception):
+    """Raised inside a stream's sleep once `aclose` ran, to unwind its generators."""
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _SimStream:
+    """A streaming attempt. `aclose` also ends a read parked in a delay, from any task: an async
+    generator cannot be closed while another task is inside it, so the parked reader is woken
+    and unwinds by itself."""
+
+    def __init__(self, payloads: Callable[[Sleep], AsyncGenerator[bytes, None]]) -> None:
+        self.headers: Mapping[str, str] = {}
+        self._closed = False
+        self._parked = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._payloads = payloads(self._sleep)
+        self._iterator: AsyncGenerator[list[SSEEvent], None] | None = None
+
+    def batches(self) -> AsyncIterator[list[SSEEvent]]:
+        if self._iterator is None:
+            self._iterator = self._iterate()
+        return self._iterator
+
+    async def _iterate(self) -> AsyncGenerator[list[SSEEvent], None]:
+        try:
+            async for data in self._payloads:
+                yield [SSEEvent(data)]
+                if self._closed:
+                    return
+        except _Closed:
+            return
+
+    async def _sleep(self, delay: float) -> None:
+        if self._closed:
+            raise _Closed
+        self._parked = True
+        try:
+            if delay <= 0:
+                await asyncio.sleep(0)  # still let others run between zero-latency tokens
+            else:
+                loop = asyncio.get_running_loop()
+                fut: asyncio.Future[None] = loop.create_future()
+                handle = None if math.isinf(delay) else loop.call_later(delay, _wake, fut)
+                self._waiter = fut
+                try:
+                    await fut
+                finally:
+                    self._waiter = None
+                    if handle is not None:
+                        handle.cancel()
+        finally:
+            self._parked = False
+        if self._closed:
+            raise _Closed
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._parked:
+            if self._waiter is not None:
+                _wake(self._waiter)
+            return
+        if self._iterator is not None:
+            await self._iterator.aclose()
+        await self._payloads.aclose()
+
+
+class _SimBody:
+    """A finished non-streaming attempt: one event holding the JSON body."""
+
+    def __init__(self, body: bytes) -> None:
+        self.headers: Mapping[str, str] = {}
+        self._body: bytes | None = body
+
+    async def batches(self) -> AsyncIterator[list[SSEEvent]]:
+        if self._body is not None:
+            yield [SSEEvent(self._body)]
+
+    async def aclose(self) -> None:
+        self._body = None
+
+
+class SimProvider:
+    """A simulated backend inside the gateway's process: no sockets, same wire content.
+
+    Randomness: the profile's `seed` wins when set (a config asks for a reproducible backend);
+    otherwise `rng` (the registry derives one per backend), otherwise a fresh generator.
+    """
+
+    def __init__(self, settings: BackendSettings, *, rng: random.Random | None = None) -> None:
+        self.name = settings.name
+        self._model_name = settings.model
+        profile = settings.sim or SimProfile()
+        if profile.seed is not None or rng is None:
+            rng = random.Random(profile.seed)
+        self.model = SimModel(profile, rng)
+
+    async def open(self, call: UpstreamCall) -> UpstreamStream:
+        try:
+            override = parse_ttft_override(call.extra_headers.get(TTFT_HEADER))
+        except ValueError:
+            raise UpstreamStatusError(400) from None
+        plan = self.model.plan(call.body, ttft_override=override)
+        if plan.status != 200:
+            raise UpstreamStatusError(plan.status, retry_after=retry_after_for(plan.status))
+        created = int(time.time())
+        if call.stream and call.endpoint != "embeddings":
+            endpoint = call.endpoint
+
+            def payloads(sleep: Sleep) -> AsyncGenerator[bytes, None]:
+                return sim_payloads(
+                    plan,
+                    endpoint=endpoint,
+                    model=self._model_name,
+                    request_id=call.request_id,
+                    sleep=sleep,
+                    created=created,
+                )
+
+            return _SimStream(payloads)
+        # Non-streaming: status and headers come with the whole body, as over HTTP.
+        wait = plan.response_time(call.endpoint)
+        if wait > call.first_byte_timeout:
+            await asyncio.sleep(call.first_byte_timeout)
+            raise UpstreamTimeout("no response before the first-byte timeout")
+        await asyncio.sleep(wait)
+        if plan.midstream_error_after is not None:
+            raise UpstreamStatusError(500)
+        body = sim_response(plan, call.endpoint, self._model_name, call.request_id, created)
+        return _SimBody(wire_json(body))
+
+    async def aclose(self) -> None:
+        """Nothing to release: every attempt owns its own state."""

@@ -1,0 +1,338 @@
+"""The simulator as a real OpenAI-compatible HTTP server on loopback (`hedge-gateway sim`).
+
+Integration tests and benchmarks need an upstream with real sockets, real framing and real
+disconnects; this serves the same plans and bytes (`providers.sim.wire`) as the in-process
+`SimProvider` (`providers.sim`). Each event is flushed as soon as it is produced, so TTFT on the
+wire is the plan's TTFT.
+
+Per-request TTFT override: header ``x-sim-ttft-ms: <float>`` (deterministic tests and
+benchmarks; never a body field, since bodies are also forwarded to real upstreams).
+
+`GET /sim/stats` exposes per-server counters, so a test can check that the gateway really
+closed a losing attempt: a stream the client drops before its end counts as `closed_early`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import uuid
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.settings import SimProfile
+from providers.base import Endpoint
+from providers.sim.wire import (
+    TTFT_HEADER,
+    SimModel,
+    SimPlan,
+    parse_ttft_override,
+    retry_after_for,
+    sim_events,
+    sim_response,
+)
+
+
+@dataclass
+class SimStats:
+    """Counters of one server instance (not global: tests run several servers at once)."""
+
+    requests: int = 0
+    #: requests answered with a simulated fault status
+    faults: int = 0
+    streams_started: int = 0
+    #: streams that sent [DONE]
+    streams_completed: int = 0
+    #: streams that ended with a simulated in-band error
+    streams_errored: int = 0
+    #: streams the client dropped before their end (including every hang)
+    streams_closed_early: int = 0
+    open_streams: int = 0
+
+
+def _error(status: int, message: str) -> Response:
+    if status == 429:
+        kind = "rate_limit_error"
+    elif 400 <= status < 500:
+        kind = "invalid_request_error"
+    else:
+        kind = "server_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    headers: dict[str, str] = {}
+    retry_after = retry_after_for(status)
+    if retry_after is not None:
+        headers["retry-after"] = str(math.ceil(retry_after))
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sleep_while_connected(request: Request, delay: float) -> bool:
+    """Sleep `delay` (may be inf); False if the client went away first (never a stuck task)."""
+    sleeper = asyncio.ensure_future(asyncio.sleep(delay))
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({sleeper, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        watcher.cancel()
+    return sleeper in done and watcher not in done
+
+
+class _SimServer:
+    """The request handlers, bound to one model (one rng) and one set of counters."""
+
+    def __init__(self, profile: SimProfile, seed: int | None) -> None:
+        self.model = SimModel(profile, random.Random(seed))
+        self.stats = SimStats()
+
+    async def _tracked(
+        self, plan: SimPlan, endpoint: Endpoint, model: str, request_id: str
+    ) -> AsyncGenerator[bytes, None]:
+        stats = self.stats
+        stats.streams_started += 1
+        stats.open_streams += 1
+        finished = False
+        try:
+            events = sim_events(
+                plan, endpoint=endpoint, model=model, request_id=request_id, sleep=asyncio.sleep
+            )
+            async with aclosing(events):
+                async for chunk in events:
+                    yield chunk
+            finished = True
+        finally:
+            # Cancellation (client disconnect) or GeneratorExit land here with finished False.
+            stats.open_streams -= 1
+            if not finished:
+                stats.streams_closed_early += 1
+            elif plan.midstream_error_after is not None:
+                stats.streams_errored += 1
+            else:
+                stats.streams_completed += 1
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        self.stats.requests += 1
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the body is not valid JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        try:
+            override = parse_ttft_override(request.headers.get(TTFT_HEADER))
+        except ValueError as exc:
+            return _error(400, str(exc))
+        plan = self.model.plan(body, ttft_override=override)
+        if plan.status != 200:
+            self.stats.faults += 1
+            return _error(plan.status, "simulated failure")
+        model = str(body.get("model", "sim"))
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"x-request-id": request_id}
+        if body.get("stream") is True and endpoint != "embeddings":
+            headers["cache-control"] = "no-cache"
+            stream = self._tracked(plan, endpoint, model, request_id)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        wait = plan.response_time(endpoint)
+        if not await _sleep_while_connected(request, wait):
+            return Response(status_code=499)  # nobody is listening any more
+        if plan.midstream_error_after is not None:
+            return _error(500, "simulated failure")
+        return JSONResponse(sim_response(plan, endpoint, model, request_id), headers=headers)
+
+    async def chat(self, request: Request) -> Response:
+        return await self.handle(request, "chat/completions")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.handle(request, "completions")
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self.handle(request, "embeddings")
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": "sim", "object": "model", "created": 0, "owned_by": "hedge-gateway-sim"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def stats_route(self, request: Request) -> Response:
+        return JSONResponse(asdict(self.stats))
+
+
+def create_sim_app(profile: SimProfile, *, seed: int | None = None) -> Starlette:
+    """A Starlette app simulating one backend. `seed` overrides `profile.seed` when given."""
+    server = _SimServer(profile, seed if seed is not None else profile.seed)
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", server.chat, methods=["POST"]),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/embeddings", server.embeddings, methods=["POST"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/sim/stats", server.stats_route, methods=["GET"]),
+        ]
+    )
+    app.state.sim_stats = server.stats
+    return app
+
+
+async def serve_sim(host: str, port: int, profile: SimProfile, seed: int | None = None) -> None:
+    """Serve until interrupted. Streams still open at shutdown are cut after 5 seconds."""
+    config = uvicorn.Config(
+        create_sim_app(profile, seed=seed),
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
+    await uvicorn.Server(config).serve()
+
+
+def run_sim(host: str, port: int, profile: SimProfile, seed: int | None = None) -> None:
+    asyncio.run(serve_sim(host, port, profile, seed))
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a probability in [0, 1]")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a count >= 0")
+    return value
+
+
+def _status(text: str) -> int:
+    value = int(text)
+    if not 400 <= value <= 599:
+        raise argparse.ArgumentTypeError(f"{text} is not an error status (400-599)")
+    return value
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """The profile options of `hedge-gateway sim` (defaults: the SPEC §14 standard workload)."""
+    d = SimProfile()
+    opt = parser.add_argument
+    opt(
+        "--ttft-median-ms",
+        type=_non_negative,
+        default=d.ttft_median * 1000,
+        help="median time to first token (lognormal body), ms (default %(default)s)",
+    )
+    opt(
+        "--ttft-sigma",
+        type=_non_negative,
+        default=d.ttft_sigma,
+        help="sigma of the lognormal TTFT (default %(default)s)",
+    )
+    opt(
+        "--straggler-probability",
+        type=_probability,
+        default=d.straggler_probability,
+        help="share of requests that get the straggler delay on top (default %(default)s)",
+    )
+    opt(
+        "--straggler-extra-ms",
+        type=_non_negative,
+        default=d.straggler_extra * 1000,
+        help="extra TTFT of a straggler, ms (default %(default)s)",
+    )
+    opt(
+        "--tokens",
+        type=_count,
+        default=d.tokens,
+        help="tokens per response, capped by max_tokens (default %(default)s)",
+    )
+    opt(
+        "--inter-token-ms",
+        type=_non_negative,
+        default=d.inter_token * 1000,
+        help="delay between tokens, ms (default %(default)s)",
+    )
+    opt(
+        "--no-usage",
+        dest="usage",
+        action="store_false",
+        help="send a usage chunk only when the request asks (stream_options.include_usage)",
+    )
+    opt(
+        "--fail-probability",
+        type=_probability,
+        default=d.fail_probability,
+        help="share of requests answered with --fail-status (default %(default)s)",
+    )
+    opt(
+        "--fail-status",
+        type=_status,
+        default=d.fail_status,
+        help="status of a simulated failure (default %(default)s)",
+    )
+    opt(
+        "--hang-probability",
+        type=_probability,
+        default=d.hang_probability,
+        help="share of streams that send the role chunk and then nothing (default %(default)s)",
+    )
+    opt(
+        "--midstream-error-probability",
+        type=_probability,
+        default=d.midstream_error_probability,
+        help="share of streams that end with an in-band error event (default %(default)s)",
+    )
+    opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
+
+
+def profile_from_args(ns: argparse.Namespace) -> SimProfile:
+    """The profile the options of `add_sim_arguments` describe. ValueError if the fault
+    probabilities add up to more than 1 (they are mutually exclusive per request)."""
+    faults = ns.fail_probability + ns.hang_probability + ns.midstream_error_probability
+    if faults > 1.0:
+        raise ValueError("fail, hang and midstream-error probabilities add up to more than 1")
+    return SimProfile(
+        ttft_median=ns.ttft_median_ms / 1000,
+        ttft_sigma=ns.ttft_sigma,
+        straggler_probability=ns.straggler_probability,
+        straggler_extra=ns.straggler_extra_ms / 1000,
+        tokens=ns.tokens,
+        inter_token=ns.inter_token_ms / 1000,
+        usage=ns.usage,
+        fail_probability=ns.fail_probability,
+        fail_status=ns.fail_status,
+        hang_probability=ns.hang_probability,
+        midstream_error_probability=ns.midstream_error_probability,
+        seed=ns.seed,
+    )
+
+
+def stats_of(app: Starlette) -> Mapping[str, Any]:
+    """The counters of an app made by `create_sim_app`, without going over HTTP."""
+    stats: SimStats = app.state.sim_stats
+    return asdict(stats)

@@ -1,0 +1,72 @@
+"""`hedge-gateway bench` end to end: real child processes on loopback, every request accounted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.bench import run as bench
+from gateway.bench.report import (
+    MODES,
+)
+from gateway.settings import SimProfile
+
+# --------------------------------------------------------------------------- end to end
+
+TINY = bench.Workload(
+    "tiny", "fast profile for tests",
+    SimProfile(ttft_median=0.01, ttft_sigma=0.25, straggler_probability=0.1,
+               straggler_extra=0.15, tokens=5, inter_token=0.001),
+    requests=20, concurrency=4, quick_requests=20, outage_extra=0.05,
+)
+
+
+def _check_modes(workload: dict[str, Any], requests: int) -> None:
+    assert [row["mode"] for row in workload["modes"]] == list(MODES)
+    for row in workload["modes"]:
+        assert row["requests"] == requests
+        assert row["ok"] + row["errors"] == requests, row["error_kinds"]
+        assert set(row["ttft_ms"]) == {"p50", "p90", "p99", "p99.9", "max"}
+        assert set(row["total_ms"]) == {"p50", "p99"}
+        assert row["upstream"]["attempts"] >= row["ok"]
+        gateway = row["mode"] in ("hedging-off", "hedging-on")
+        assert (row["gateway_process"] is not None) == gateway
+        assert (row["hedges"] is not None) == gateway
+    by_mode = {row["mode"]: row for row in workload["modes"]}
+    assert by_mode["direct"]["upstream"]["extra"] == 0
+    # a loser cancelled before its request went out never reaches its upstream
+    assert requests <= by_mode["oracle"]["upstream"]["attempts"] <= 2 * requests
+    assert by_mode["hedging-off"]["hedges"]["started"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_tiny_bench_end_to_end_accounts_for_every_request() -> None:
+    plan = bench.BenchPlan(workloads=(TINY,), seed=3)
+    report = bench.run_bench(plan)
+    assert set(report) >= {"machine", "workloads", "seed", "duration_s"}
+    (workload,) = report["workloads"]
+    _check_modes(workload, 20)
+    assert workload["outage_phases"]["before"]["requests"] == 6
+    assert {t["target"] for t in workload["targets"]} == set()  # targets only for named ones
+
+
+@pytest.mark.timeout(120)
+def test_cli_writes_json_and_prints_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.cli import main
+
+    out = tmp_path / "r.json"
+    code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "== overhead" in printed and "hedging-on" in printed
+    data = json.loads(out.read_text())
+    (workload,) = data["workloads"]
+    _check_modes(workload, 12)
+    assert len(workload["targets"]) == 2  # added median TTFT, throughput against direct
+    assert '"_samples"' not in json.dumps(data)

@@ -1,0 +1,174 @@
+"""The README newcomer path, for real: `hedge-gateway serve` in a subprocess with no config and
+no keys in its environment serves the embedded `demo` pool (SPEC §12, §13), the official SDK
+streams a chat completion from it, and SIGTERM stops it cleanly.
+
+A subprocess, not the in-process harness, because this is about what a newcomer runs: the
+console script, the argument parsing, uvicorn's own signal handling and exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+#: bounds on each wait, so a broken product fails the test instead of hanging it
+START_TIMEOUT = 8.0
+STOP_TIMEOUT = 8.0
+#: the demo backends' deterministic content: 30 tokens, token i is "tok{i} "
+DEMO_CONTENT = "".join(f"tok{i} " for i in range(30))
+
+
+def command() -> list[str]:
+    """The `hedge-gateway` console script of the interpreter running the tests, if
+    installed next to it; else the same entry point through `-m`."""
+    script = Path(sys.executable).with_name("hedge-gateway")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "gateway.cli"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def keyless_env() -> dict[str, str]:
+    """The test's environment minus anything that looks like a key or a config path."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if "API_KEY" not in name.upper() and not name.upper().startswith(("OPENAI_", "GATEWAY"))
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(url, timeout=0.5, trust_env=False).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)  # polling for start-up, not a timing assertion
+    pytest.fail(f"serve did not answer {url} within {START_TIMEOUT}s:\n{log.read_text()}")
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """`hedge-gateway serve --port N`, run from an empty directory (no config file nearby);
+    killed at teardown if the test did not stop it."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*command(), "serve", "--port", str(port)],
+            cwd=tmp_path,
+            env=keyless_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc, f"http://127.0.0.1:{port}", log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5.0)
+
+
+def test_serve_with_no_config_streams_the_demo_pool_and_stops_on_sigterm(
+    served: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    proc, root, log = served
+    wait_healthy(proc, root + "/healthz", log)
+
+    models = httpx.get(root + "/v1/models", timeout=5.0, trust_env=False).json()
+    assert [m["id"] for m in models["data"]] == ["demo"]
+
+    # The gateway needs no key; the SDK insists on some string, and it must not matter.
+    with openai.OpenAI(
+        base_url=root + "/v1", api_key="unused", max_retries=0, timeout=openai.Timeout(8.0)
+    ) as client:
+        stream = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hello"}], stream=True
+        )
+        chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == DEMO_CONTENT
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop"
+
+    code, output = terminate(proc, log)
+    # a graceful stop: uvicorn drained and ran the app's shutdown (which closes the upstream
+    # client); the exit status itself is checked by the next test
+    assert code in (0, -signal.SIGTERM), output
+    assert "Application shutdown complete" in output, output
+    assert "Traceback" not in output, output
+    assert "pool 'demo'" in output  # the banner says what is served
+
+
+def test_serve_exits_with_status_0_after_a_graceful_sigterm(
+    served: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    proc, root, log = served
+    wait_healthy(proc, root + "/healthz", log)
+    code, output = terminate(proc, log)
+    assert "Application shutdown complete" in output, output
+    assert code == 0, output
+
+
+def terminate(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
+    """SIGTERM, then the exit status and the whole log, within a bound."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"serve ignored SIGTERM for {STOP_TIMEOUT}s:\n{log.read_text()}")
+    return code, log.read_text()
+
+
+def test_check_config_command_exit_codes_and_messages(tmp_path: Path) -> None:
+    """The real `hedge-gateway check-config`: 0 on a good file, non-zero on a broken one with
+    the key path and the missing variable named on stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
+    env.pop("NOT_SET_ANYWHERE", None)
+    good = subprocess.run(
+        [*command(), "check-config", str(Path(__file__).resolve().parents[2] / "config" / "demo.yaml")],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert good.returncode == 0, good.stderr
+    assert "demo" in good.stdout
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(
+        "pools:\n"
+        "  - name: p\n"
+        "    backends:\n"
+        "      - {name: a, provider: openai, model: m, base_url: 'ftp://x'}\n"
+        "      - {name: b, provider: openai, model: m, base_url: 'http://127.0.0.1:1/v1',\n"
+        "         api_key: '${NOT_SET_ANYWHERE}'}\n"
+    )
+    bad = subprocess.run(
+        [*command(), "check-config", str(broken)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert bad.returncode != 0
+    assert "pools[0].backends[0].base_url" in bad.stderr
+    assert "NOT_SET_ANYWHERE" in bad.stderr
+    assert "pools[0].backends[1].api_key" in bad.stderr

@@ -1,0 +1,528 @@
+"""Hedging over real sockets (SPEC §5, §6): two scripted loopback upstreams, the gateway under
+uvicorn, the official OpenAI SDK as the client. Every test ends with the automatic leak check
+(no task, connection or file descriptor beyond the baseline).
+
+Which backend the balancer picks first is random, so scripts are handed out in arrival order
+across both upstreams: "the first request to arrive anywhere is the primary"."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import BudgetSettings, Settings, Timeouts
+from tests.harness import (
+    DONE,
+    AsgiServerFactory,
+    Hang,
+    Head,
+    RecordedRequest,
+    Reset,
+    Script,
+    ScriptedUpstream,
+    Send,
+    Sleep,
+    UpstreamFactory,
+    comment,
+    error_script,
+    finish_chunk,
+    role_chunk,
+    sse,
+    stream_script,
+    token_chunk,
+)
+from tests.harness.builders import POOL, InOrder, gateway_settings
+
+MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+SSE = {"content-type": "text/event-stream"}
+
+
+@contextlib.contextmanager
+def sdk(base_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=base_url, api_key="sk-client", max_retries=0, timeout=openai.Timeout(20.0)
+    ) as client:
+        yield client
+
+
+def start(
+    asgi_server: AsgiServerFactory,
+    scripted_upstream: UpstreamFactory,
+    responder: Callable[[RecordedRequest], Script],
+    make_settings: Callable[[Sequence[str]], Settings],
+    count: int = 2,
+) -> tuple[list[ScriptedUpstream], str, object]:
+    upstreams = scripted_upstream(count, responder=responder)
+    settings = make_settings([u.base_url for u in upstreams])
+    app = create_app(settings, seed=7)
+    server = asgi_server(app)
+    return upstreams, server.v1, app
+
+
+def backend_of(upstreams: Sequence[ScriptedUpstream], request: RecordedRequest) -> str:
+    for i, upstream in enumerate(upstreams):
+        if any(r is request for r in upstream.requests):
+            return f"b{i}"
+    raise AssertionError("request not found on any upstream")
+
+
+def slow_trap(token_after: float, text: str) -> Script:
+    """200 and headers at once, keep-alive comments and a role-only chunk, the token late."""
+    steps = [
+        Head(),
+        Send(comment("ping")),
+        Send(role_chunk()),
+        Send(comment("OPENROUTER PROCESSING"), 0.1),
+        Send(sse({"choices": [{"index": 0, "delta": {"content": ""}}]})),
+        Sleep(max(0.0, token_after - 0.1)),
+        Send(token_chunk(text)),
+        Send(token_chunk(" more"), 0.02),
+        Send(token_chunk(" tokens"), 0.02),
+        Send(finish_chunk()),
+        Send(DONE),
+    ]
+    return Script(headers=SSE, steps=steps)
+
+
+def stream_content(client: openai.OpenAI, **extra: object) -> tuple[str, dict[str, str]]:
+    with client.chat.completions.with_streaming_response.create(
+        model=POOL, messages=MESSAGES, stream=True, **extra  # type: ignore[call-overload]
+    ) as response:
+        headers = dict(response.headers)
+        text = ""
+        for chunk in response.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+    return text, headers
+
+
+# --- 1. the hedge wins a trap; the reversed trap leaves the primary winning ---------------
+
+
+def test_hedge_after_delay_wins_and_primary_is_closed(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    order = InOrder(slow_trap(2.0, "slow"), stream_script(["fast", " answer"], ttft=0.05))
+    upstreams, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
+    with sdk(v1) as client:
+        sent = time.monotonic()
+        text, headers = stream_content(client)
+    ended = time.monotonic()
+
+    assert text == "fast answer"
+    primary, hedge = order.arrivals
+    assert headers["x-hedge-backend"] == backend_of(upstreams, hedge)
+    assert headers["x-hedge-attempts"] == "2"
+    assert backend_of(upstreams, primary) != backend_of(upstreams, hedge)
+    # causality: the hedge went out after the 300 ms delay (counted from no later than the
+    # client's send), not before
+    assert hedge.received_at - sent >= 0.3
+    # the primary's upstream saw its connection closed before the client's stream ended
+    assert primary.closed_at is not None and primary.closed_at <= ended
+    assert primary.events_written < 5  # it never got to send its late token
+
+
+def test_reversed_trap_primary_wins_and_hedge_is_closed(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    order = InOrder(slow_trap(0.6, "primary"), slow_trap(2.0, "hedge"))
+    upstreams, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
+    with sdk(v1) as client:
+        sent = time.monotonic()
+        text, headers = stream_content(client)
+    ended = time.monotonic()
+
+    assert text == "primary more tokens"
+    primary, hedge = order.arrivals
+    assert headers["x-hedge-backend"] == backend_of(upstreams, primary)
+    assert headers["x-hedge-attempts"] == "2"
+    assert hedge.received_at - sent >= 0.3
+    assert hedge.closed_at is not None and hedge.closed_at <= ended
+
+
+def test_no_hedge_when_the_first_token_beats_the_delay(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    order = InOrder(stream_script(["quick"], ttft=0.0))
+    _, v1, _ = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, delay=2.0)
+    )
+    with sdk(v1) as client:
+        text, headers = stream_content(client)
+    assert text == "quick"
+    assert headers["x-hedge-attempts"] == "1"
+    assert len(order.arrivals) == 1
+
+
+@pytest.mark.parametrize(
+    "opt_out",
+    [
+        {"extra_headers": {"x-hedge": "off"}},
+        {"extra_body": {"store": True}},
+        {"extra_headers": {"Idempotency-Key": "abc"}},
+    ],
+    ids=["x-hedge-off", "store-true", "idempotency-key"],
+)
+def test_opt_outs_are_not_hedged(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory, opt_out: dict[str, object]
+) -> None:
+    order = InOrder(slow_trap(0.6, "only"), stream_script(["hedge"], ttft=0.0))
+    _, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
+    with sdk(v1) as client:
+        text, headers = stream_content(client, **opt_out)
+    assert text == "only more tokens"
+    assert headers["x-hedge-attempts"] == "1"
+    assert len(order.arrivals) == 1
+
+
+def test_hedge_prefers_another_group(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """Three backends, two in one zone: the hedge always leaves the primary's zone."""
+    for _ in range(6):
+        order = InOrder(slow_trap(1.0, "slow"), stream_script(["fast"], ttft=0.0))
+        upstreams = scripted_upstream(3, responder=order)
+        settings = gateway_settings(
+            [u.base_url for u in upstreams], delay=0.05, groups=["east", "east", "west"]
+        )
+        server = asgi_server(create_app(settings))
+        with sdk(server.v1) as client:
+            stream_content(client)
+        primary, hedge = order.arrivals
+        zones = {"b0": "east", "b1": "east", "b2": "west"}
+        p, h = backend_of(upstreams, primary), backend_of(upstreams, hedge)
+        assert zones[p] != zones[h], (p, h)
+
+
+# --- 3. failures before the first token ---------------------------------------------------
+
+
+FAST_FAILURES = {
+    "500": error_script(500, "boom"),
+    "reset": Script(steps=[Reset()]),
+    "429-retry-after": error_script(429, "slow down", headers={"retry-after": "30"}),
+    "in-band-error": Script(
+        headers=SSE, steps=[Head(), Send(role_chunk()), Send(sse({"error": {"message": "x"}}))]
+    ),
+    "finish-reason-error": Script(
+        headers=SSE,
+        steps=[
+            Head(),
+            Send(role_chunk()),
+            Send(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "error"}]})),
+        ],
+    ),
+    "ends-without-token": Script(
+        headers=SSE, steps=[Head(), Send(role_chunk()), Send(finish_chunk()), Send(DONE)]
+    ),
+    "closes-without-token": Script(headers=SSE, steps=[Head(), Send(role_chunk())]),
+}
+
+
+@pytest.mark.parametrize("failure", list(FAST_FAILURES), ids=list(FAST_FAILURES))
+def test_fast_failure_never_wins_over_slower_success(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory, failure: str
+) -> None:
+    order = InOrder(FAST_FAILURES[failure], stream_script(["healthy", " answer"], ttft=0.2))
+    upstreams, v1, app = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, delay=5.0)
+    )
+    with sdk(v1) as client:
+        text, headers = stream_content(client)
+    assert text == "healthy answer"
+    failed, replacement = order.arrivals
+    assert headers["x-hedge-backend"] == backend_of(upstreams, replacement)
+    assert headers["x-hedge-attempts"] == "2"
+    if failure == "429-retry-after":
+        pool = app.state.pools[POOL]  # type: ignore[attr-defined]
+        state, _ = pool.balancer.state(backend_of(upstreams, failed), time.monotonic())
+        assert state == "paused"
+
+
+def test_upstream_400_reaches_the_client_and_cancels_the_rest(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    bad = error_script(400, "bad request")
+    order = InOrder(Script(steps=[Sleep(0.4), *bad.steps], headers=bad.headers, status=400),
+                    Script(headers=SSE, steps=[Head(), Send(role_chunk()), Hang()]))
+    upstreams, v1, _ = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, delay=0.1)
+    )
+    with sdk(v1) as client, pytest.raises(openai.BadRequestError) as info:
+        stream_content(client)
+    assert info.value.status_code == 400
+    assert info.value.response.headers["x-should-retry"] == "false"
+    hedge = order.arrivals[1]
+    assert upstreams[0].wait_closed(hedge) or upstreams[1].wait_closed(hedge)
+
+
+def test_all_backends_failing_gives_502_with_reasons_and_no_secret(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    canary = "sk-CANARY-0123456789"
+    order = InOrder(error_script(500, f"internal {canary} at db-7.internal"))
+    _, v1, _ = start(
+        asgi_server,
+        scripted_upstream,
+        order,
+        lambda urls: gateway_settings(urls, api_key=canary, max_attempts=2),
+    )
+    with sdk(v1) as client, pytest.raises(openai.APIStatusError) as info:
+        stream_content(client)
+    error = info.value
+    assert error.status_code == 502
+    assert error.response.headers["x-should-retry"] == "false"
+    body = error.response.text
+    assert "b0: status 500" in body and "b1: status 500" in body
+    assert canary not in body and "db-7" not in body
+    assert len(order.arrivals) == 2
+
+
+def test_no_first_token_by_the_deadline_gives_504(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    hang = Script(headers=SSE, steps=[Head(), Send(role_chunk()), Hang()])
+    order = InOrder(hang)
+    upstreams, v1, _ = start(
+        asgi_server,
+        scripted_upstream,
+        order,
+        lambda urls: gateway_settings(urls, delay=0.1, timeout=0.8),
+    )
+    with sdk(v1) as client, pytest.raises(openai.APIStatusError) as info:
+        stream_content(client)
+    assert info.value.status_code == 504
+    assert info.value.response.headers["x-should-retry"] == "false"
+    for request in order.arrivals:
+        assert any(u.wait_closed(request, 2.0) for u in upstreams if request in u.requests)
+
+
+def test_client_timeout_header_shortens_the_deadline(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    order = InOrder(Script(headers=SSE, steps=[Head(), Send(role_chunk()), Hang()]))
+    _, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
+    with sdk(v1) as client, pytest.raises(openai.APIStatusError) as info:
+        stream_content(client, extra_headers={"x-request-timeout": "0.5"})
+    assert info.value.status_code == 504
+
+
+def test_max_attempts_one_means_no_failover(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    order = InOrder(error_script(503, "down"), stream_script(["never"]))
+    _, v1, _ = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, max_attempts=1)
+    )
+    with sdk(v1) as client, pytest.raises(openai.APIStatusError) as info:
+        stream_content(client)
+    assert info.value.status_code == 502
+    assert len(order.arrivals) == 1
+
+
+def test_hedging_disabled_still_fails_over(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    order = InOrder(error_script(503, "down"), stream_script(["replacement"], ttft=0.0))
+    _, v1, _ = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, hedging=False)
+    )
+    with sdk(v1) as client:
+        text, headers = stream_content(client)
+    assert text == "replacement"
+    assert headers["x-hedge-attempts"] == "2"
+
+
+# --- 4. client disconnects leave nothing open ----------------------------------------------
+
+
+def raw_request(port: int, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+STREAM_BODY = (
+    b'{"model": "pool", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+)
+
+
+@pytest.mark.parametrize("moment", ["before-first-token", "during-hedge"])
+def test_client_disconnect_before_commit_closes_every_upstream(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory, moment: str
+) -> None:
+    hang = Script(headers=SSE, steps=[Head(), Send(role_chunk()), Hang()])
+    order = InOrder(hang)
+    delay = 5.0 if moment == "before-first-token" else 0.05
+    upstreams, v1, _ = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, delay=delay)
+    )
+    port = httpx.URL(v1).port
+    assert port is not None
+    expected = 1 if moment == "before-first-token" else 2
+    sock = raw_request(port, STREAM_BODY)
+    assert upstreams[0].wait_until(lambda: len(order.arrivals) == expected)
+    sock.close()
+    for request in order.arrivals:
+        owner = next(u for u in upstreams if request in u.requests)
+        assert owner.wait_closed(request), f"upstream never saw the close ({moment})"
+
+
+def test_client_disconnect_mid_stream_closes_the_winner(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    tokens = [f"t{i} " for i in range(50)]
+    order = InOrder(stream_script(tokens, ttft=0.0, gap=0.05))
+    upstreams, v1, _ = start(
+        asgi_server, scripted_upstream, order, lambda urls: gateway_settings(urls, delay=5.0)
+    )
+    with httpx.Client(timeout=5) as client, client.stream(
+        "POST", f"{v1}/chat/completions", content=STREAM_BODY,
+        headers={"content-type": "application/json"},
+    ) as response:
+        seen = 0
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                seen += 1
+            if seen == 3:
+                break
+    (request,) = order.arrivals
+    owner = next(u for u in upstreams if request in u.requests)
+    assert owner.wait_closed(request)
+    assert request.events_written < 50
+
+
+# --- 5. many hedged requests with random winners leave nothing behind ---------------------
+
+
+def test_200_hedged_requests_with_random_winners_leave_no_leak(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory, loop_thread: object
+) -> None:
+    rng = random.Random(42)
+    lock = threading.Lock()
+
+    def random_ttft(_: RecordedRequest) -> Script:
+        with lock:
+            ttft = rng.uniform(0.0, 0.06)
+        return stream_script(["x", "y"], ttft=ttft, gap=0.005, close=False)
+
+    upstreams = scripted_upstream(2, responder=random_ttft)
+    budget = BudgetSettings(ratio=1.0, burst=200.0)
+    settings = gateway_settings([u.base_url for u in upstreams], delay=0.02, budget=budget)
+    app = create_app(settings, seed=1)
+    server = asgi_server(app)
+    winners: dict[str, int] = {}
+    with sdk(server.v1) as client:
+        for _ in range(200):
+            text, headers = stream_content(client)
+            assert text == "xy"
+            winners[headers["x-hedge-backend"]] = winners.get(headers["x-hedge-backend"], 0) + 1
+    received = sum(len(u.requests) for u in upstreams)
+    assert received > 230, "the scenario should hedge often"
+    assert set(winners) == {"b0", "b1"}
+    # every loser's connection was closed by the gateway; winners' may stay in the keep-alive pool
+    losers = [
+        r for u in upstreams for r in u.requests if r.outcome != "complete"
+    ]
+    for request in losers:
+        owner = next(u for u in upstreams if request in u.requests)
+        assert owner.wait_closed(request)
+    pool_connections = sum(u.open_connections for u in upstreams)
+    assert pool_connections <= 64  # bounded by the shared client's keep-alive pool
+    # tasks, sockets and fds back to baseline: the automatic leak check at teardown
+
+
+# --- 6. outage: every backend slow at once ------------------------------------------------
+
+
+def run_outage(
+    asgi_server: AsgiServerFactory,
+    scripted_upstream: UpstreamFactory,
+    budget: BudgetSettings,
+    requests: int,
+    concurrency: int,
+) -> tuple[int, float, object]:
+    slow = stream_script(["late"], ttft=0.25, close=False)
+    upstreams = scripted_upstream(2, responder=lambda _: slow)
+    settings = gateway_settings([u.base_url for u in upstreams], delay=0.03, budget=budget,
+                                timeouts=Timeouts())
+    app = create_app(settings, seed=3)
+    server = asgi_server(app)
+    started = time.monotonic()
+    remaining = list(range(requests))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        with sdk(server.v1) as client:
+            while True:
+                with lock:
+                    if not remaining:
+                        return
+                    remaining.pop()
+                stream_content(client)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    elapsed = time.monotonic() - started
+    extra = sum(len(u.requests) for u in upstreams) - requests
+    return extra, elapsed, app
+
+
+@pytest.mark.timeout(90)
+def test_outage_extra_attempts_stay_within_the_budget(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    budget = BudgetSettings()  # ratio 0.1, burst 10, reserve 0.5/s
+    requests = 120
+    extra, elapsed, _ = run_outage(asgi_server, scripted_upstream, budget, requests, 10)
+    bound = budget.ratio * requests + budget.burst + budget.min_per_second * elapsed
+    assert 0 < extra <= bound, (extra, bound)
+
+
+@pytest.mark.timeout(90)
+def test_outage_hedges_fall_to_the_probe_rate_once_they_stop_winning(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """A generous budget, so only the efficacy guard can hold the hedges back."""
+    budget = BudgetSettings(ratio=1.0, burst=500.0)
+    requests, concurrency = 120, 10
+    extra, elapsed, app = run_outage(asgi_server, scripted_upstream, budget, requests, concurrency)
+    pool = app.state.pools[POOL]  # type: ignore[attr-defined]
+    assert pool.budget.ineffective(time.monotonic())
+    # win_window (20) outcomes trip the guard; up to `concurrency` hedges were already running;
+    # after that, one probe per probe_interval
+    probes = elapsed / budget.probe_interval + 1
+    assert extra <= budget.win_window + concurrency + probes, (extra, elapsed)
+    assert extra < requests / 2
+
+
+def test_a_finished_winner_returns_its_connection_to_the_pool(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """After `[DONE]` the relay reads the body's end, so the next request reuses the
+    connection instead of paying for a new one (losers, by contrast, are always dropped)."""
+    order = InOrder(stream_script(["a", "b"], ttft=0.0, close=False))
+    upstreams, v1, _ = start(
+        asgi_server, scripted_upstream, order, gateway_settings, count=1
+    )
+    with sdk(v1) as client:
+        for _ in range(5):
+            assert stream_content(client)[0] == "ab"
+    assert len(order.arrivals) == 5
+    assert upstreams[0].connections_total == 1

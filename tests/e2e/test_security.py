@@ -1,0 +1,506 @@
+"""Hostile client input and gateway keys, over real sockets (SPEC §3, §8).
+
+Each bad request must get the OpenAI error shape with a fitting status, never a 500, and must
+send nothing upstream; nothing a client sends may choose where the gateway connects (an
+attacker's listener on another loopback port stays silent) or be echoed back when it is a
+key. The gateway runs under the server class `hedge-gateway serve` uses
+(`tests.harness.limits_kit.GatewayFactory`), so the request-head limit is the production one. Every
+test ends with the automatic leak check.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.routing import Route
+
+from gateway.settings import ServerSettings
+from tests.harness import LoopThread, ScriptedUpstream, UpstreamFactory
+from tests.harness.builders import POOL, gateway_settings
+from tests.harness.limits_kit import (
+    MESSAGES,
+    Canary,
+    Gateway,
+    GatewayFactory,
+    closed_by_peer,
+    connect,
+    error_logs,
+    read_response,
+    request_head,
+    sdk,
+    verbose_logs,
+)
+
+GOOD: dict[str, Any] = {"model": POOL, "messages": MESSAGES}
+
+
+def start(
+    loop_thread: LoopThread,
+    scripted_upstream: UpstreamFactory,
+    *,
+    server: ServerSettings | None = None,
+    api_key: str | None = None,
+) -> tuple[Gateway, ScriptedUpstream, ScriptedUpstream]:
+    """The gateway with one healthy backend, and an attacker's listener nobody should reach."""
+    upstream = scripted_upstream.one(name="upstream")
+    attacker = scripted_upstream.one(name="attacker")
+    settings = gateway_settings([upstream.base_url], server=server, api_key=api_key)
+    return GatewayFactory(loop_thread)(settings), upstream, attacker
+
+
+def assert_openai_error(reply: httpx.Response, status: int, code: str | None = None) -> dict[
+    str, Any
+]:
+    assert reply.status_code == status, reply.text
+    assert reply.headers["content-type"].startswith("application/json")
+    error: dict[str, Any] = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert error["code"] == code
+    assert reply.headers["x-request-id"]
+    return error
+
+
+def untouched(*listeners: ScriptedUpstream) -> None:
+    for listener in listeners:
+        assert listener.connections_total == 0, f"{listener.name} was contacted"
+
+
+# ---- body size -------------------------------------------------------------------------------
+
+LIMIT = 1024
+
+
+def test_a_declared_body_over_the_limit_gets_413_before_any_body_byte_is_sent(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, attacker = start(
+        loop_thread, scripted_upstream, server=ServerSettings(max_body_bytes=LIMIT)
+    )
+    sock = connect(gateway.port)
+    try:
+        headers = {"content-type": "application/json", "content-length": str(100 * 1024 * 1024)}
+        sock.sendall(request_head("/v1/chat/completions", headers))
+        # not one body byte sent: an answer now proves nothing was waited for or buffered
+        reply = read_response(sock)
+        assert reply.status == 413
+        assert reply.headers["connection"] == "close"
+        assert reply.json()["error"]["code"] == "payload_too_large"
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    untouched(upstream, attacker)
+
+
+def test_a_chunked_body_over_the_limit_gets_413_once_the_limit_is_crossed(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, attacker = start(
+        loop_thread, scripted_upstream, server=ServerSettings(max_body_bytes=LIMIT)
+    )
+    sock = connect(gateway.port)
+    try:
+        headers = {"content-type": "application/json", "transfer-encoding": "chunked"}
+        sock.sendall(request_head("/v1/chat/completions", headers))
+        piece = b'{"model": "' + b"x" * 200
+        sent = 0
+        while sent <= LIMIT:
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent += len(piece)
+        # the body never ends (no terminating chunk): only a gateway that stops at the limit
+        # can answer now
+        reply = read_response(sock)
+        assert reply.status == 413
+        assert reply.json()["error"]["code"] == "payload_too_large"
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    untouched(upstream, attacker)
+
+
+def test_a_body_at_the_limit_is_accepted(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, _ = start(
+        loop_thread, scripted_upstream, server=ServerSettings(max_body_bytes=LIMIT)
+    )
+    body = json.dumps({**GOOD, "user": ""}).encode()
+    body = json.dumps({**GOOD, "user": "u" * (LIMIT - len(body))}).encode()
+    assert len(body) == LIMIT
+    reply = httpx.post(gateway.v1 + "/chat/completions", content=body,
+                       headers={"content-type": "application/json"}, timeout=5.0)
+    assert reply.status_code == 200, reply.text
+    assert len(upstream.requests) == 1
+
+
+# ---- request heads ---------------------------------------------------------------------------
+
+
+def test_headers_over_the_limit_get_431_in_openai_shape(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    limit = ServerSettings().max_header_bytes
+    sock = connect(gateway.port)
+    try:
+        headers = {"content-type": "application/json", "x-padding": "p" * (limit + 1024),
+                   "content-length": "2"}
+        sock.sendall(request_head("/v1/chat/completions", headers) + b"{}")
+        reply = read_response(sock)
+        assert reply.status == 431
+        error = reply.json()["error"]
+        assert error["code"] == "headers_too_large" and error["type"] == "invalid_request_error"
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    # well under the limit is fine
+    fine = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
+                      headers={"x-padding": "p" * (limit // 2)})
+    assert fine.status_code == 200
+    assert len(upstream.requests) == 1
+    untouched(attacker)
+
+
+def test_an_endless_header_line_is_cut_off_not_buffered(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """A header that never ends: the gateway must refuse it near the limit and hang up. If it
+    buffered everything, all 16 MiB would be accepted without an error; if it just stopped
+    reading without closing, `sendall` would block into the socket timeout instead."""
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    sock = connect(gateway.port)
+    sent = 0
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-endless: ")
+        with pytest.raises(OSError) as info:  # refused: broken pipe or reset
+            while sent < 16 * 1024 * 1024:
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        assert not isinstance(info.value, TimeoutError)
+    finally:
+        sock.close()
+    untouched(upstream, attacker)
+
+
+# ---- malformed requests ----------------------------------------------------------------------
+
+CONTENT_TYPES = ["text/plain", "multipart/form-data; boundary=x",
+                 "application/x-www-form-urlencoded"]
+
+
+@pytest.mark.parametrize("content_type", CONTENT_TYPES)
+def test_a_body_that_is_not_json_by_content_type_gets_400(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, content_type: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    reply = httpx.post(gateway.v1 + "/chat/completions", content=json.dumps(GOOD).encode(),
+                       headers={"content-type": content_type}, timeout=5.0)
+    error = assert_openai_error(reply, 400, "invalid_request")
+    assert "content type" in error["message"]
+    untouched(upstream, attacker)
+
+
+def test_json_with_a_charset_parameter_is_accepted(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, _ = start(loop_thread, scripted_upstream)
+    reply = httpx.post(gateway.v1 + "/chat/completions", content=json.dumps(GOOD).encode(),
+                       headers={"content-type": "Application/JSON; charset=utf-8"}, timeout=5.0)
+    assert reply.status_code == 200
+    assert len(upstream.requests) == 1
+
+
+#: raw body -> the field the 400 must name (None: the body as a whole)
+MALFORMED: dict[str, tuple[bytes, str | None]] = {
+    "truncated": (b'{"model": "pool", "messages": [{"role": "us', None),
+    "invalid-utf8": (b'{"model": "pool", "messages": [], "user": "\xc3\x28"}', None),
+    "top-level-array": (b'[{"model": "pool", "messages": []}]', None),
+    "nan": (b'{"model": "pool", "messages": [], "temperature": NaN}', None),
+    "empty": (b"", None),
+    "huge-integer": (b'{"model": "pool", "messages": [], "seed": ' + b"9" * 5000 + b"}", None),
+    "stream-yes": (b'{"model": "pool", "messages": [], "stream": "yes"}', "stream"),
+    "negative-max-tokens": (b'{"model": "pool", "messages": [], "max_tokens": -5}',
+                            "max_tokens"),
+    "zero-n": (b'{"model": "pool", "messages": [], "n": 0}', "n"),
+    "model-null": (b'{"model": null, "messages": []}', "model"),
+    "no-messages": (b'{"model": "pool"}', "messages"),
+    "streamed-embeddings": (b'{"model": "pool", "input": "x", "stream": true}', "stream"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_bodies_get_400_naming_the_field_and_reach_nothing(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, case: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    raw, param = MALFORMED[case]
+    route = "/embeddings" if "embeddings" in case else "/chat/completions"
+    reply = httpx.post(gateway.v1 + route, content=raw, timeout=5.0,
+                       headers={"content-type": "application/json"})
+    error = assert_openai_error(reply, 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert "Traceback" not in reply.text
+    untouched(upstream, attacker)
+
+
+@pytest.mark.parametrize("depth", [200, 900, 960, 990, 999, 1100, 100_000])
+def test_deep_nesting_is_refused_or_forwarded_never_a_server_error(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, depth: int
+) -> None:
+    """Near the interpreter's recursion limit a body may parse in the route but fail to be
+    re-encoded for the upstream: that must not turn into a 5xx (which would also count as a
+    backend failure and could get healthy backends ejected)."""
+    gateway, upstream, _ = start(loop_thread, scripted_upstream)
+    raw = b'{"model": "pool", "messages": [], "x": ' + b"[" * depth + b"]" * depth + b"}"
+    reply = httpx.post(gateway.v1 + "/chat/completions", content=raw,
+                       headers={"content-type": "application/json"}, timeout=10.0)
+    if reply.status_code == 200:
+        (request,) = upstream.requests
+        assert request.raw_body.count(b"[") == depth + 1  # and the empty `messages`
+    else:
+        error = assert_openai_error(reply, 400, "invalid_request")
+        assert "nested too deeply" in error["message"]
+        assert upstream.requests == []
+    pool = gateway.app.state.pools[POOL]
+    assert loop_thread.call(lambda: pool.balancer.state("b0", 0.0)[0]) != "ejected"
+
+
+# ---- model names -----------------------------------------------------------------------------
+
+HOSTILE_MODELS = [
+    "../x",
+    "../../v1/chat/completions",
+    "http://evil/",
+    "//127.0.0.1:1/v1",
+    "pool\r\nX-Injected: 1",
+    "pool/../pool",
+    "pool%2f..",
+    "pool\x00",
+    "p" * 100_000,
+]
+
+
+@pytest.mark.parametrize("model", HOSTILE_MODELS, ids=range(len(HOSTILE_MODELS)))
+def test_unknown_or_hostile_model_names_get_404_and_reach_nothing(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, model: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    model = model.replace("evil", f"127.0.0.1:{attacker.port}")
+    reply = httpx.post(gateway.v1 + "/chat/completions", json={**GOOD, "model": model},
+                       timeout=5.0)
+    error = assert_openai_error(reply, 404, "model_not_found")
+    assert error["param"] == "model"
+    assert model not in reply.text  # never echoed (the body stays small and inert)
+    assert len(reply.content) < 1024
+    assert "x-injected" not in reply.headers
+    untouched(upstream, attacker)
+
+
+# ---- destination and credential fields -------------------------------------------------------
+
+#: where to put a field (name, value) in a request body
+PLACES: dict[str, Callable[[str, object], dict[str, object]]] = {
+    "top": lambda name, value: {name: value},
+    "extra_body": lambda name, value: {"extra_body": {name: value}},
+    "extra_body_deep": lambda name, value: {"extra_body": {"a": [{"b": {"c": [{name: value}]}}]}},
+    "metadata": lambda name, value: {"metadata": {"x": {name: value}}},
+}
+FIELDS = ["api_base", "base_url", "api_key", "api_version", "extra_headers", "headers", "url"]
+#: spellings other clients use for the same things
+VARIANTS = ["baseURL", "apiKey", "API_BASE", "Base-Url", "extraHeaders", "URL"]
+
+
+def _param_of(place: str, name: str) -> str:
+    return {
+        "top": name,
+        "extra_body": f"extra_body.{name}",
+        "extra_body_deep": f"extra_body.a[0].b.c[0].{name}",
+        "metadata": f"metadata.x.{name}",
+    }[place]
+
+
+@pytest.mark.parametrize("place", list(PLACES))
+def test_destination_and_credential_fields_are_refused_and_the_attacker_hears_nothing(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, place: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    evil = attacker.base_url
+    values: dict[str, Any] = {
+        "api_base": evil, "base_url": evil, "api_key": "sk-attacker", "api_version": evil,
+        "extra_headers": {"host": f"127.0.0.1:{attacker.port}"},
+        "headers": {"x-forwarded-host": evil}, "url": evil,
+    }
+    with httpx.Client(base_url=gateway.v1, timeout=5.0) as http:
+        for name in FIELDS + VARIANTS:
+            value = values.get(name, evil)
+            body = {**GOOD, **PLACES[place](name, value), "stream": True}
+            reply = http.post("/chat/completions", json=body)
+            error = assert_openai_error(reply, 400, "forbidden_field")
+            assert error["param"] == _param_of(place, name)
+            assert str(attacker.port) not in reply.text
+    untouched(upstream, attacker)
+
+
+def test_a_url_inside_message_content_is_data_and_is_forwarded(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    image = {"type": "image_url", "image_url": {"url": attacker.base_url}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]
+    tools = [{"type": "function", "function": {
+        "name": "fetch", "parameters": {"type": "object", "properties": {"url": {}}}}}]
+    reply = httpx.post(gateway.v1 + "/chat/completions", timeout=5.0,
+                       json={"model": POOL, "messages": messages, "tools": tools})
+    assert reply.status_code == 200
+    (request,) = upstream.requests
+    assert request.body["messages"] == messages and request.body["tools"] == tools
+    untouched(attacker)
+
+
+# ---- gateway API keys ------------------------------------------------------------------------
+
+KEYS = ("gw-key-first-0001", "gw-key-second-0002")
+
+
+def keyed(loop_thread: LoopThread, scripted_upstream: UpstreamFactory) -> tuple[
+    Gateway, ScriptedUpstream
+]:
+    gateway, upstream, _ = start(
+        loop_thread, scripted_upstream, server=ServerSettings(api_keys=KEYS),
+        api_key="sk-backend-0003",
+    )
+    return gateway, upstream
+
+
+def test_missing_or_wrong_keys_get_401_that_never_echoes_the_key(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    verbose_logs(caplog)
+    gateway, upstream = keyed(loop_thread, scripted_upstream)
+    canary = Canary("sk-CANARY-wrong-key-5d1e")
+    attempts: dict[str, dict[str, str]] = {
+        "missing": {},
+        "wrong": {"authorization": f"Bearer {canary.value}"},
+        "wrong-scheme": {"authorization": f"Basic {canary.value}"},
+        "bare": {"authorization": canary.value},
+        "prefix-of-a-key": {"authorization": f"Bearer {KEYS[0][:-1]}"},
+        "key-plus-suffix": {"authorization": f"Bearer {KEYS[0]}{canary.value}"},
+        "x-api-key": {"x-api-key": KEYS[0]},
+    }
+    texts = []
+    with httpx.Client(base_url=gateway.v1, timeout=5.0) as http:
+        for name, headers in attempts.items():
+            reply = http.post("/chat/completions", json={**GOOD, "stream": True},
+                              headers=headers)
+            error = assert_openai_error(reply, 401, "invalid_api_key")
+            assert error["type"] == "authentication_error", name
+            texts += [reply.text, str(reply.headers)]
+    untouched(upstream)
+    with sdk(gateway.v1, api_key=canary.value) as client, \
+            pytest.raises(openai.AuthenticationError) as info:
+        client.chat.completions.create(model=POOL, messages=MESSAGES, stream=True)
+    texts.append(str(info.value))
+    canary.assert_absent_everywhere(gateway.root, caplog, *texts)
+    assert error_logs(caplog) == []
+
+
+def test_either_configured_key_is_accepted_and_never_forwarded(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    verbose_logs(caplog)
+    gateway, upstream = keyed(loop_thread, scripted_upstream)
+    for key in KEYS:
+        with sdk(gateway.v1, api_key=key) as client:
+            stream = client.chat.completions.create(model=POOL, messages=MESSAGES, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    with httpx.Client(base_url=gateway.v1, timeout=5.0) as http:  # scheme is case-insensitive
+        assert http.post("/chat/completions", json=GOOD,
+                         headers={"authorization": f"bearer {KEYS[1]}"}).status_code == 200
+    assert len(upstream.requests) == 3
+    for request in upstream.requests:
+        assert request.headers["authorization"] == "Bearer sk-backend-0003"
+    Canary(*KEYS).assert_absent_everywhere(gateway.root, caplog)
+
+
+def walk_routes(routes: Iterable[object]) -> Iterator[Route]:
+    """Every endpoint route, through included routers and mounts (whatever their class)."""
+    for route in routes:
+        if isinstance(route, Route):
+            yield route
+            continue
+        inner = getattr(route, "original_router", route)
+        nested = getattr(inner, "routes", None)
+        if nested is not None:
+            yield from walk_routes(nested)
+
+
+#: routes that must answer without a key (liveness probes and scrapers)
+PUBLIC = {"/healthz", "/readyz", "/metrics", "/hedge/stats"}
+
+
+def test_every_route_but_the_public_probes_requires_the_key(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Walks the app's route table, so a route added later without the guard fails here."""
+    gateway, upstream = keyed(loop_thread, scripted_upstream)
+    routes = list(walk_routes(gateway.app.routes))
+    walked = set()
+    with httpx.Client(base_url=gateway.root, timeout=5.0) as http:
+        for route in routes:
+            for method in sorted(route.methods or ()):
+                if method == "HEAD":
+                    continue
+                reply = http.request(method, route.path, json=GOOD)
+                walked.add(route.path)
+                if route.path in PUBLIC:
+                    assert reply.status_code != 401, route.path
+                else:
+                    assert_openai_error(reply, 401, "invalid_api_key")
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"} <= walked
+    assert walked >= PUBLIC
+    untouched(upstream)
+
+
+def test_keys_are_compared_in_constant_time_against_every_key(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No timing measurement (flaky by nature): the guard must use `hmac.compare_digest` on
+    equal-length values, once per configured key, whether or not an early key matched."""
+    gateway, _ = keyed(loop_thread, scripted_upstream)
+    calls: list[tuple[int, int]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    with httpx.Client(base_url=gateway.v1, timeout=5.0) as http:
+        for supplied in (KEYS[0], "short", "x" * 300):
+            calls.clear()
+            http.get("/models", headers={"authorization": f"Bearer {supplied}"})
+            assert len(calls) == len(KEYS)
+            assert all(a == b for a, b in calls), "lengths differ: the comparison leaks length"
+
+
+# ---- the request log never holds a key either ------------------------------------------------
+
+
+def test_keys_stay_out_of_the_request_log_for_proxied_requests(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    gateway, upstream = keyed(loop_thread, scripted_upstream)
+    with sdk(gateway.v1, api_key=KEYS[0]) as client:
+        client.chat.completions.create(model=POOL, messages=MESSAGES)
+    assert any(r.name == "hedge_gateway.requests" for r in caplog.records)
+    Canary(KEYS[0], "sk-backend-0003").assert_absent_everywhere(gateway.root, caplog)
+    assert len(upstream.requests) == 1
+

@@ -1,0 +1,150 @@
+"""The simulator as a real loopback server, with the official SDK and httpx as clients."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from gateway.firsttoken import Kind, classify
+from gateway.settings import SimProfile
+from gateway.sse import SSEDecoder, SSEEvent
+from providers.sim.server import create_sim_app
+from providers.sim.wire import (
+    embedding_vector,
+)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "stream": True}
+
+
+class FakeSleep:
+    """Records the delays asked for instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+
+
+# --- a real server on loopback --------------------------------------------------------------
+
+
+@asynccontextmanager
+async def serve(profile: SimProfile) -> AsyncIterator[str]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        create_sim_app(profile, seed=1),
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+async def wait_for_stats(base: str, key: str, value: int) -> dict[str, int]:
+    async with httpx.AsyncClient(base_url=base) as http:
+        for _ in range(500):  # bounded wait for the server to notice; not a timing assertion
+            stats: dict[str, int] = (await http.get("/sim/stats")).json()
+            if stats[key] == value:
+                return stats
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"{key} never reached {value}: {stats}")
+
+
+async def test_real_server_with_the_openai_sdk() -> None:
+    profile = SimProfile(
+        ttft_median=0.001, ttft_sigma=0.0, straggler_probability=0.0, tokens=500, inter_token=0.01
+    )
+    async with serve(profile) as base:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        try:
+            stream = await client.chat.completions.create(
+                model="sim-model",
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                max_tokens=5,
+                stream_options={"include_usage": True},
+                extra_headers={"x-sim-ttft-ms": "5"},
+            )
+            text = ""
+            usage = None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+                usage = chunk.usage or usage
+            assert text == "tok0 tok1 tok2 tok3 tok4 "
+            assert usage is not None and usage.completion_tokens == 5
+            await wait_for_stats(base, "streams_completed", 1)
+
+            # a 5-second stream, dropped after its first token: the server must notice
+            long = await client.chat.completions.create(
+                model="sim-model", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            async for chunk in long:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    break
+            await long.close()
+            stats = await wait_for_stats(base, "streams_closed_early", 1)
+            assert stats["open_streams"] == 0
+            assert stats["requests"] == 2
+
+            completion = await client.completions.create(
+                model="sim-model", prompt="x", max_tokens=2
+            )
+            assert completion.choices[0].text == "tok0 tok1 "
+            embedding = await client.embeddings.create(model="e", input="a")
+            assert embedding.data[0].embedding == embedding_vector("a")
+        finally:
+            await client.close()
+
+
+async def test_real_server_fault_status_and_retry_after() -> None:
+    profile = SimProfile(fail_probability=1.0, fail_status=429)
+    async with serve(profile) as base, httpx.AsyncClient(base_url=base) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 429
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["type"] == "rate_limit_error"
+        bad = await http.post("/v1/chat/completions", content=b"{")
+        assert bad.status_code == 400
+
+
+async def test_real_server_hang_is_counted_when_the_client_leaves() -> None:
+    async with (
+        serve(SimProfile(hang_probability=1.0)) as base,
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        async with http.stream("POST", "/v1/chat/completions", json=CHAT) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            decoder = SSEDecoder()
+            events: list[SSEEvent] = []
+            async for raw in response.aiter_raw():
+                events.extend(decoder.feed(raw))
+                if events:
+                    break
+            assert classify(events[0]) is Kind.OTHER  # the role chunk, then nothing
+        stats = await wait_for_stats(base, "streams_closed_early", 1)
+        assert stats["open_streams"] == 0
+        # a hanging non-streaming request ends with its client, not with the server
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/chat/completions", json={**CHAT, "stream": False}, timeout=0.1)

@@ -1,0 +1,79 @@
+"""The race with in-process runners (no sockets): bookkeeping that is awkward to observe from
+outside. Streaming behaviour over real sockets is in test_hedging.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import pytest
+
+from gateway.attempt import Prefix
+from gateway.errors import AllAttemptsFailed
+from gateway.pool import PoolRuntime
+from gateway.race import AttemptRecord, Race, RaceOptions
+from gateway.sse import SSEEvent
+from tests.harness.builders import gateway_settings
+
+TOKEN = SSEEvent(b'{"choices":[{"index":0,"delta":{"content":"x"}}]}')
+
+
+class Done:
+    """A stand-in upstream stream that is already complete."""
+
+    headers: Mapping[str, str] = MappingProxyType({})
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def _no_batches():  # type: ignore[no-untyped-def]
+    if False:
+        yield []
+
+
+def pool_of(backends: int = 2) -> PoolRuntime:
+    settings = gateway_settings(["http://127.0.0.1:9/v1"] * backends, delay=5.0)
+    pool = settings.pools[0]
+    return PoolRuntime.build(
+        pool, {}, global_hedging=True, now=time.monotonic(), rng=random.Random(1)
+    )
+
+
+async def test_a_bug_in_a_runner_is_a_502_and_not_the_backends_fault() -> None:
+    pool = pool_of()
+    calls: list[str] = []
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        calls.append(backend)
+        raise RuntimeError("bug")
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    with pytest.raises(AllAttemptsFailed) as info:
+        await race.run()
+    await race.aclose()
+    assert len(calls) == 2  # a replacement was still tried
+    assert "internal error (RuntimeError)" in info.value.message
+    for name in calls:
+        assert pool.balancer.state(name, time.monotonic())[0] == "ok"
+        assert pool.balancer._backends[name].failures == 0  # type: ignore[attr-defined]
+
+
+async def test_failover_after_a_runner_bug_can_still_win() -> None:
+    pool = pool_of()
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        if record.index == 0:
+            raise RuntimeError("bug")
+        await asyncio.sleep(0)
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    result = await race.run()
+    await race.aclose()
+    assert result.winner.index == 1 and result.winner.kind == "failover"
