@@ -28,6 +28,9 @@ STOP_TIMEOUT = 8.0
 DEMO_CONTENT = "".join(f"tok{i} " for i in range(30))
 
 
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
+
+
 def command() -> list[str]:
     """The `hedge-gateway` console script of the interpreter running the tests, if
     installed next to it; else the same entry point through `-m`."""
@@ -150,7 +153,7 @@ def test_check_config_command_exit_codes_and_messages(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
     env.pop("NOT_SET_ANYWHERE", None)
     good = subprocess.run(
-        [*command(), "check-config", str(Path(__file__).resolve().parents[2] / "config" / "demo.yaml")],
+        [*command(), "check-config", str(CONFIG_DIR / "demo.yaml")],
         capture_output=True, text=True, timeout=60, env=env,
     )
     assert good.returncode == 0, good.stderr

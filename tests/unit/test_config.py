@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.settings import parse as cv
 from gateway.settings import (
     HealthSettings,
     HedgingSettings,
@@ -20,6 +19,7 @@ from gateway.settings import (
     SimProfile,
     Timeouts,
 )
+from gateway.settings import parse as cv
 from gateway.settings.load import (
     ConfigError,
     check_config,

@@ -80,9 +80,9 @@ def _layer(module: str) -> int | None:
     best: tuple[int, int] | None = None
     for index, layer in enumerate(LAYERS):
         for prefix in layer:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[0]:
-                    best = (len(prefix), index)
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
     return None if best is None else best[1]
 
 
