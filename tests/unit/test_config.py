@@ -7,19 +7,25 @@ import io
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from gateway.settings import (
+    BackendSettings,
+    BudgetSettings,
+    DelaySettings,
     HealthSettings,
     HedgingSettings,
+    PoolSettings,
     ServerSettings,
     Settings,
     SimProfile,
     Timeouts,
 )
 from gateway.settings import parse as cv
+from gateway.settings.fields import yaml_layout
 from gateway.settings.load import (
     ConfigError,
     check_config,
@@ -117,20 +123,23 @@ def test_full_reference_shows_the_defaults() -> None:
 
 
 def test_full_reference_lists_every_key() -> None:
-    from gateway.settings import load as configfile
+    def keys(cls: type[Any]) -> set[str]:
+        """The YAML keys of one settings class, as the model declares them."""
+        return set(yaml_layout(cls)[None])
 
     tree = yaml.safe_load((CONFIG_DIR / "full-reference.yaml").read_text())
     pool = tree["pools"][0]
-    assert set(tree) == {"server", "hedging", "pools"}
-    assert set(tree["server"]) == set(configfile._SERVER)
-    assert set(pool) == set(configfile._POOL_KEYS)
-    assert set(pool["timeouts"]) == set(configfile._TIMEOUTS)
-    assert set(pool["hedging"]) == {*configfile._HEDGING, "delay", "budget"}
-    assert set(pool["hedging"]["delay"]) == set(configfile._DELAY)
-    assert set(pool["hedging"]["budget"]) == set(configfile._BUDGET)
-    assert set(pool["health"]) == set(configfile._HEALTH)
-    assert set(pool["backends"][0]) == set(configfile._BACKEND_KEYS) - {"sim"}
-    assert set(pool["backends"][1]["sim"]) == set(configfile._SIM)
+    assert set(tree) == {"server", "hedging", "pools"} == keys(Settings)
+    assert set(tree["hedging"]) == set(yaml_layout(Settings)["hedging"])
+    assert set(tree["server"]) == keys(ServerSettings)
+    assert set(pool) == keys(PoolSettings)
+    assert set(pool["timeouts"]) == keys(Timeouts)
+    assert set(pool["hedging"]) == keys(HedgingSettings)
+    assert set(pool["hedging"]["delay"]) == keys(DelaySettings)
+    assert set(pool["hedging"]["budget"]) == keys(BudgetSettings)
+    assert set(pool["health"]) == keys(HealthSettings)
+    assert set(pool["backends"][0]) == keys(BackendSettings) - {"sim"}
+    assert set(pool["backends"][1]["sim"]) == keys(SimProfile)
 
 
 def test_openai_example_needs_its_key() -> None:
