@@ -48,11 +48,15 @@ class Spec:
     items: type[Checked] | None = None
     #: what one entry of `items` is called in messages ("pool", "backend")
     item_name: str = ""
+    #: False where the default stands for "see the description" rather than a value a file
+    #: would write (a backend's model is its pool's name; its base_url is required for openai)
+    default_shown: bool = True
 
 
-def scalar(parse: Parser[Any], doc: str, *, key: str | None = None) -> Mapping[str, Spec]:
+def scalar(parse: Parser[Any], doc: str, *, key: str | None = None,
+           default_shown: bool = True) -> Mapping[str, Spec]:
     """The metadata of a scalar field: `field(default=..., metadata=scalar(parser, "doc"))`."""
-    return {SPEC: Spec(doc, parse=parse, key=key)}
+    return {SPEC: Spec(doc, parse=parse, key=key, default_shown=default_shown)}
 
 
 def section(cls: type[Checked], doc: str) -> Mapping[str, Spec]:

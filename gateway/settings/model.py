@@ -160,10 +160,11 @@ class BackendSettings(Checked):
         "openai: any OpenAI-compatible HTTP API; sim: the built-in simulator"))
     #: "" until the pool fills in its own name (`PoolSettings._complete`)
     model: str = field(default="", metadata=scalar(
-        cv.nonempty_text, "the model name sent upstream; default: the pool name"))
+        cv.nonempty_text, "the model name sent upstream; default: the pool name",
+        default_shown=False))
     base_url: str | None = field(default=None, metadata=scalar(
         cv.optional(cv.http_url), "required for openai: http(s), no user:pass@, no query; "
-        "/chat/completions is appended"))
+        "/chat/completions is appended", default_shown=False))
     api_key: str | None = field(default=None, repr=False, metadata=scalar(
         cv.secret, "sent as Bearer; empty or null: none. Never logged, never printed"))
     group: str = field(default="", metadata=scalar(

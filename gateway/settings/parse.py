@@ -313,7 +313,8 @@ def _name(value: object) -> str:
     return result
 
 
-name = Parser(_name, _or_env({"type": "string", "pattern": "^[A-Za-z0-9._:/-]{1,200}$"}))
+name = Parser(_name, _or_env({"type": "string",
+                              "pattern": r"^(?!/)(?!.*\.\.)[A-Za-z0-9._:/-]{1,200}$"}))
 
 
 def _http_url(value: object) -> str:
