@@ -2,7 +2,8 @@
 
 An operator should fix a broken file in one pass, so validation never stops at the first
 problem: every error is collected with its key path (`pools[0].backends[1].base_url: ...`) and
-all are raised together in one `ConfigError`, one per line.
+all are raised together in one `ConfigError`, one per line. The loader knows no key: it walks
+the fields of the model (`gateway.settings.model`), each of which carries its parser.
 
 Rules worth knowing when writing a file (config/full-reference.yaml shows every key):
 - `${VAR}` anywhere inside a string value is replaced by the environment variable at load
