@@ -70,8 +70,11 @@ def items(cls: type[Checked], item_name: str, doc: str) -> Mapping[str, Spec]:
 
 
 def specs(cls: type[Any]) -> list[tuple[dataclasses.Field[Any], Spec]]:
-    """Every field of a settings class with its spec, in declaration order."""
-    return [(f, f.metadata[SPEC]) for f in dataclasses.fields(cls)]
+    """Every field of a settings class with its spec, in the order a file writes them: the
+    fields' order, except that lists of entries (`pools`, `backends`) come last, after the
+    short keys. Messages ("expected one of ...", errors in file order) and the schema follow it."""
+    pairs = [(f, f.metadata[SPEC]) for f in dataclasses.fields(cls)]
+    return sorted(pairs, key=lambda pair: pair[1].items is not None)
 
 
 def yaml_key(f: dataclasses.Field[Any], spec: Spec) -> tuple[str | None, str]:
@@ -82,7 +85,7 @@ def yaml_key(f: dataclasses.Field[Any], spec: Spec) -> tuple[str | None, str]:
 
 def yaml_layout(cls: type[Any]) -> dict[str | None, list[str]]:
     """The keys of a settings class as the YAML file spells them: `None` maps to the keys of
-    its own mapping (groups included, in field order), each group to the keys inside it."""
+    its own mapping (groups included, in `specs` order), each group to the keys inside it."""
     layout: dict[str | None, list[str]] = {None: []}
     for f, spec in specs(cls):
         group, key = yaml_key(f, spec)

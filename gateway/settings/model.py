@@ -256,18 +256,18 @@ class ServerSettings(Checked):
         cv.integer(1), "open client connections; a new one past this gets 503 (SPEC §18)"))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class Settings(Checked):
     """The whole configuration: the server, the global hedging switch, the pools."""
 
+    pools: tuple[PoolSettings, ...] = field(metadata=items(
+        PoolSettings, "pool", "at least one; each pool is one model name for clients"))
     server: ServerSettings = field(default_factory=ServerSettings, metadata=section(
         ServerSettings, "the listening side: address, client keys, request limits"))
     #: the global hedging switch; a pool hedges only when both are on
     hedging_enabled: bool = field(default=True, metadata=scalar(
         cv.boolean, "global switch: false turns off delay-triggered hedges in every pool "
         "(failure replacements still happen)", key="hedging.enabled"))
-    pools: tuple[PoolSettings, ...] = field(metadata=items(
-        PoolSettings, "pool", "at least one; each pool is one model name for clients"))
 
     groups: ClassVar[dict[str, str]] = {"hedging": "options for every pool"}
 

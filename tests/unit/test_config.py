@@ -716,6 +716,7 @@ def test_settings_built_in_code_equal_the_loaded_ones() -> None:
         "  - {name: s, provider: sim}\n"
     ))
     assert built == loaded
+    assert Settings(built.pools) == built  # positional construction keeps working
     a, s = built.pools[0].backends
     assert (a.model, s.model) == ("chat", "chat")  # the pool name
     assert a.base_url == "http://127.0.0.1:9001/v1" and a.api_key is None
