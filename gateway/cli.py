@@ -75,6 +75,15 @@ def _check_config(ns: argparse.Namespace) -> int:
     return check_config(ns.file, sys.stdout, sys.stderr)
 
 
+def _schema(ns: argparse.Namespace) -> int:
+    import json
+
+    from gateway.settings.schema import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
 def _sim(ns: argparse.Namespace) -> int:
     from providers.sim.server import profile_from_args, run_sim
 
@@ -112,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a YAML configuration file")
     check.add_argument("file")
     check.set_defaults(func=_check_config)
+
+    schema = sub.add_parser("schema", help="print the configuration's JSON Schema")
+    schema.set_defaults(func=_schema)
 
     sim = sub.add_parser("sim", help="run a simulated OpenAI-compatible upstream")
     sim.add_argument("--host", default="127.0.0.1")

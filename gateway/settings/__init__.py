@@ -1,7 +1,9 @@
 """The configuration: the frozen model, loading it from YAML, and parsing its values.
 
-`model` is what the rest of the gateway receives; `load` turns a file (or the embedded
-default) into it, reporting every problem with its key path; `parse` holds the value parsers.
+`model` is what the rest of the gateway receives, and the one place each key is written;
+`fields` is how a model field carries its parser and description; `load` turns a file (or the
+embedded default) into the model, reporting every problem with its key path; `parse` holds the
+value parsers; `schema` prints the JSON Schema.
 """
 
 from gateway.settings.load import (

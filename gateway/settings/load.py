@@ -2,7 +2,8 @@
 
 An operator should fix a broken file in one pass, so validation never stops at the first
 problem: every error is collected with its key path (`pools[0].backends[1].base_url: ...`) and
-all are raised together in one `ConfigError`, one per line.
+all are raised together in one `ConfigError`, one per line. The loader knows no key: it walks
+the fields of the model (`gateway.settings.model`), each of which carries its parser.
 
 Rules worth knowing when writing a file (config/full-reference.yaml shows every key):
 - `${VAR}` anywhere inside a string value is replaced by the environment variable at load
@@ -23,98 +24,80 @@ environment are never shown, and YAML syntax errors give a position but no excer
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from types import MappingProxyType
-from typing import Any, Literal, TextIO, cast
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, TextIO, TypeVar
 
 import yaml
 
 from gateway.settings import parse as cv
+from gateway.settings.fields import (
+    Checked,
+    ConfigError,
+    Spec,
+    default_of,
+    has_default,
+    specs,
+    unchecked,
+    yaml_key,
+    yaml_layout,
+)
 from gateway.settings.model import (
     BackendSettings,
-    BudgetSettings,
     DelaySettings,
-    HealthSettings,
     HedgingSettings,
     PoolSettings,
-    ServerSettings,
     Settings,
     SimProfile,
-    Timeouts,
 )
 
-Parser = Callable[[object], object]
+__all__ = ["ConfigError", "check_config", "default_settings", "describe_pools", "load_settings",
+           "parse_settings"]
+
+C = TypeVar("C", bound=Checked)
 
 
-class ConfigError(ValueError):
-    """The configuration is unusable. `errors` holds one message per problem, each starting
-    with the key path it concerns; `str()` joins them one per line."""
+class Section:
+    """One YAML mapping being read: unknown keys reported (with the closest known one), values
+    parsed by key, problems recorded with key paths."""
 
-    def __init__(self, errors: str | Sequence[str]) -> None:
-        self.errors: tuple[str, ...] = (errors,) if isinstance(errors, str) else tuple(errors)
-        super().__init__("\n".join(self.errors))
+    def __init__(self, node: object, path: str, keys: Sequence[str], errors: list[str]) -> None:
+        self.path, self.errors = path, errors
+        self._data: dict[object, object] = {}
+        if isinstance(node, dict):
+            self._data = node
+        elif node is not None:
+            errors.append(f"{path or '(top level)'}: must be a mapping, got {cv.type_name(node)}")
+        for key in self._data:
+            if key not in keys:
+                close = difflib.get_close_matches(str(key), keys, n=1)
+                expected = ", ".join(keys)
+                hint = f"did you mean {close[0]!r}?" if close else f"expected one of {expected}"
+                errors.append(f"{self.at(key)}: unknown key; {hint}")
 
+    def at(self, key: object) -> str:
+        return cv.join(self.path, key)
 
-# --------------------------------------------------------------------------- the schema
+    def has(self, key: str) -> bool:
+        return key in self._data
 
+    def raw(self, key: str) -> object:
+        return self._data.get(key)
 
-def _api_keys(value: object) -> tuple[str, ...]:
-    """Client keys. An empty entry is refused rather than dropped: an unset variable must not
-    quietly turn authentication off."""
-    if not isinstance(value, list):
-        raise cv.Invalid(f"must be a list of keys, got {cv.type_name(value)}")
-    for index, key in enumerate(value):
-        if not isinstance(key, str) or not key.strip():
-            raise cv.Invalid(f"entry [{index}] must be a non-empty string "
-                             "(remove api_keys to serve without authentication)")
-    return tuple(str(key) for key in value)
-
-
-_probability = cv.number(0, 1)
-_SERVER: Mapping[str, Parser] = MappingProxyType({
-    "host": cv.nonempty_text, "port": cv.integer(0, 65535), "api_keys": _api_keys,
-    "max_body": cv.size, "max_headers": cv.size, "max_concurrent_requests": cv.integer(1),
-    "keepalive": cv.duration(), "shutdown_grace": cv.duration(zero=True),
-    "body_timeout": cv.duration(), "max_connections": cv.integer(1),
-})
-#: YAML keys whose dataclass field has another name
-_FIELD_NAMES = MappingProxyType({"max_body": "max_body_bytes", "max_headers": "max_header_bytes"})
-_TIMEOUTS: Mapping[str, Parser] = MappingProxyType({
-    key: cv.duration() for key in ("connect", "first_token", "idle", "max_stream", "stuck_client")
-})
-_HEDGING: Mapping[str, Parser] = MappingProxyType(
-    {"enabled": cv.boolean, "max_attempts": cv.integer(1, 5)}
-)
-_DELAY: Mapping[str, Parser] = MappingProxyType({
-    "mode": cv.choice(("adaptive", "fixed")),
-    "quantile": cv.number(0, 1, open_low=True, open_high=True),
-    "min": cv.duration(zero=True), "max": cv.duration(), "initial": cv.duration(zero=True),
-    "window": cv.duration(), "min_samples": cv.integer(1), "value": cv.duration(zero=True),
-})
-_BUDGET: Mapping[str, Parser] = MappingProxyType({
-    "ratio": cv.number(0), "burst": cv.number(1), "min_per_second": cv.number(0),
-    "min_win_rate": _probability, "win_window": cv.integer(20), "probe_interval": cv.duration(),
-})
-_HEALTH: Mapping[str, Parser] = MappingProxyType({
-    "eject_after": cv.integer(1), "cooldown": cv.duration(), "max_cooldown": cv.duration(),
-    "max_pause": cv.duration(), "panic_below": _probability,
-})
-_SIM: Mapping[str, Parser] = MappingProxyType({
-    "ttft_median": cv.duration(zero=True), "ttft_sigma": cv.number(0),
-    "straggler_probability": _probability, "straggler_extra": cv.duration(zero=True),
-    "tokens": cv.integer(1), "inter_token": cv.duration(zero=True), "usage": cv.boolean,
-    "fail_probability": _probability, "fail_status": cv.integer(400, 599),
-    "hang_probability": _probability, "midstream_error_probability": _probability,
-    "seed": cv.optional(cv.integer(0)),
-})
-_POOL_KEYS = ("name", "timeout", "timeouts", "hedging", "health", "backends")
-_BACKEND_KEYS = ("name", "provider", "base_url", "model", "api_key", "group", "weight",
-                 "max_concurrency", "sim")
-#: instances whose fields give the defaults of the two dataclasses that have required fields
-_DEFAULT_POOL = PoolSettings(name="", backends=())
-_DEFAULT_BACKEND = BackendSettings(name="", provider="openai", model="")
-_provider = cast(Callable[[object], Literal["openai", "sim"]], cv.choice(("openai", "sim")))
+    def items(self, key: str, what: str) -> list[tuple[str, object]]:
+        """The entries of a required, non-empty list, each with its key path."""
+        value = self.raw(key)
+        if value is None:
+            self.errors.append(f"{self.at(key)}: required; list at least one {what}")
+        elif not isinstance(value, list):
+            self.errors.append(f"{self.at(key)}: must be a list of {what}s, "
+                               f"got {cv.type_name(value)}")
+        elif not value:
+            self.errors.append(f"{self.at(key)}: must list at least one {what}")
+        else:
+            return [(f"{self.at(key)}[{index}]", item) for index, item in enumerate(value)]
+        return []
 
 
 # --------------------------------------------------------------------------- parsing
@@ -125,79 +108,57 @@ def parse_settings(data: object, env: Mapping[str, str]) -> Settings:
     if data is None:
         raise ConfigError("(top level): the configuration is empty; it needs at least `pools`")
     errors: list[str] = []
-    top = cv.Section(cv.substitute(data, "", env, errors), "", ("server", "hedging", "pools"),
-                     errors)
-    server = top.sub("server", ServerSettings(), _SERVER, _FIELD_NAMES)
-    hedging_enabled = top.section("hedging", ("enabled",)).get("enabled", cv.boolean, True)
-    pools: list[PoolSettings] = []
-    seen: dict[str, str] = {}
-    for path, node in top.items("pools", "pool"):
-        pool = _pool(cv.Section(node, path, _POOL_KEYS, errors))
-        if pool.name in seen:
-            errors.append(f"{path}.name: duplicate pool name {pool.name!r} "
-                          f"(also {seen[pool.name]})")
-        elif pool.name:
-            seen[pool.name] = path
-        pools.append(pool)
+    settings = _build(Settings, cv.substitute(data, "", env, errors), "", errors)
     if errors:
         raise ConfigError(errors)
-    return Settings(pools=tuple(pools), server=server, hedging_enabled=hedging_enabled)
+    return settings
 
 
-def _pool(pool: cv.Section) -> PoolSettings:
-    name = pool.require("name", cv.name, "")
-    timeout = pool.get("timeout", cv.duration(), _DEFAULT_POOL.timeout)
-    timeouts = pool.sub("timeouts", Timeouts(), _TIMEOUTS)
-    section = pool.section("hedging", (*_HEDGING, "delay", "budget"))
-    hedging = section.fill(HedgingSettings(), _HEDGING)
-    delay = section.sub("delay", DelaySettings(), _DELAY)
-    if delay.min > delay.max:
-        pool.errors.append(f"{section.at('delay')}.min: must be <= max")
-    hedging = dataclasses.replace(
-        hedging, delay=delay, budget=section.sub("budget", BudgetSettings(), _BUDGET)
-    )
-    health = pool.sub("health", HealthSettings(), _HEALTH)
-    if health.cooldown > health.max_cooldown:
-        pool.errors.append(f"{pool.at('health')}.cooldown: must be <= max_cooldown")
-    backends: list[BackendSettings] = []
-    seen: dict[str, str] = {}
-    for path, node in pool.items("backends", "backend"):
-        backend = _backend(cv.Section(node, path, _BACKEND_KEYS, pool.errors), name)
-        if backend.name in seen:
-            pool.errors.append(f"{path}.name: duplicate backend name {backend.name!r} in this "
-                               f"pool (also {seen[backend.name]})")
-        elif backend.name:
-            seen[backend.name] = path
-        backends.append(backend)
-    return PoolSettings(name=name, backends=tuple(backends), timeout=timeout, timeouts=timeouts,
-                        hedging=hedging, health=health)
+def _build(cls: type[C], node: object, path: str, errors: list[str]) -> C:
+    """Read one mapping into `cls` by walking its fields' specs (`gateway.settings.fields`).
+
+    A field that fails records its error and takes its default, and reading goes on, so one
+    pass finds every problem. The rules that span fields run only when the object's own
+    fields parsed (otherwise they would judge stand-in defaults); a failed child does not stop
+    its parent's rules. Only a part without any error is constructed for real."""
+    errors_before = len(errors)
+    layout = yaml_layout(cls)
+    top = Section(node, path, layout[None], errors)
+    sections = {group: Section(top.raw(group), top.at(group), keys, errors)
+                for group, keys in layout.items() if group is not None}
+    values: dict[str, Any] = {}
+    own_failed = False
+    for f, spec in specs(cls):
+        group, key = yaml_key(f, spec)
+        where = top if group is None else sections[group]
+        before = len(errors)
+        values[f.name] = _field(where, key, f, spec, errors)
+        own_failed = own_failed or (spec.parse is not None and len(errors) > before)
+    provisional: C = unchecked(cls, values)
+    if not own_failed:
+        errors.extend(provisional._rules(top.at))
+    return cls(**values) if len(errors) == errors_before else provisional
 
 
-def _backend(backend: cv.Section, pool_name: str) -> BackendSettings:
-    name = backend.require("name", cv.name, "")
-    provider = backend.get("provider", _provider, None) if backend.has("provider") else "openai"
-    base_url: str | None = None
-    sim: SimProfile | None = None
-    if provider == "openai":
-        base_url = backend.require("base_url", cv.http_url, None)
-        if backend.has("sim"):
-            backend.error("sim", "only used by provider sim")
-    elif provider == "sim":
-        for key in ("base_url", "api_key"):
-            if backend.has(key):
-                backend.error(key, "not used by provider sim")
-        sim = backend.sub("sim", SimProfile(), _SIM)
-    return BackendSettings(
-        name=name,
-        provider=provider or "openai",
-        model=backend.get("model", cv.nonempty_text, pool_name),
-        base_url=base_url,
-        api_key=backend.get("api_key", cv.optional(cv.text), None) or None,
-        group=backend.get("group", cv.text, _DEFAULT_BACKEND.group),
-        weight=backend.get("weight", cv.number(0, open_low=True), _DEFAULT_BACKEND.weight),
-        max_concurrency=backend.get("max_concurrency", cv.optional(cv.integer(1)), None),
-        sim=sim,
-    )
+def _field(where: Section, key: str, f: dataclasses.Field[Any], spec: Spec,
+           errors: list[str]) -> Any:
+    """The value of one field: parsed, built from its nested mapping(s), or its default."""
+    if spec.items is not None:
+        item_cls = spec.items
+        return tuple(_build(item_cls, node, path, errors)
+                     for path, node in where.items(key, spec.item_name))
+    if not where.has(key) or (where.raw(key) is None and not has_default(f)):
+        if not has_default(f):
+            errors.append(f"{where.at(key)}: required")
+        return default_of(f)
+    if spec.section is not None:
+        return _build(spec.section, where.raw(key), where.at(key), errors)
+    assert spec.parse is not None  # a spec is one of items, section or a parser
+    try:
+        return spec.parse(where.raw(key))
+    except cv.Invalid as problem:
+        errors.append(f"{where.at(key)}: {problem}")
+        return default_of(f)
 
 
 # --------------------------------------------------------------------------- files

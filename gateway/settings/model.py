@@ -1,152 +1,295 @@
-"""Frozen settings: the whole configuration as plain data.
+"""Frozen settings: the whole configuration as plain data, and the one place its keys are written.
 
-Validated once at load (see `gateway.settings.load`), then passed to whoever needs it. Durations
-are seconds as floats. Defaults are the ones SPEC §5-§8 names. Provider keys are kept out of
-every `repr` so a settings object can be logged without leaking them.
+Each field carries, in `field(metadata=...)`, the parser of its YAML value, its one-line
+description and its YAML key where that differs (see `gateway.settings.fields`). The loader,
+`hedge-gateway schema` and construction in code all read these, so adding a key is adding a
+field here (and a line to config/full-reference.yaml, which a test holds to this model).
+Rules that span fields live in `_rules`, so an object built in code obeys them as a loaded one
+does; defaults that depend on other fields live in `_complete`.
+
+Durations are seconds as floats. Defaults are the ones SPEC §5-§8 names. Provider keys are kept
+out of every `repr` so a settings object can be logged without leaking them. Attribute access is
+plain (slots), since the request path reads these per request.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
+
+from gateway.settings import parse as cv
+from gateway.settings.fields import At, Checked, items, scalar, section
 
 MiB = 1024 * 1024
+_probability = cv.number(0, 1)
 
 
 @dataclass(frozen=True, slots=True)
-class DelaySettings:
+class DelaySettings(Checked):
     """How long the race waits for a first token before it starts a hedge (SPEC §5.2)."""
 
-    mode: Literal["adaptive", "fixed"] = "adaptive"
-    quantile: float = 0.95
-    min: float = 0.050
-    max: float = 5.0
-    initial: float = 0.5
-    window: float = 60.0
-    min_samples: int = 20
-    #: the delay in `fixed` mode
-    value: float = 0.3
+    mode: Literal["adaptive", "fixed"] = field(default="adaptive", metadata=scalar(
+        cv.choice(("adaptive", "fixed")), "adaptive: a quantile of recent TTFT; fixed: `value`"))
+    quantile: float = field(default=0.95, metadata=scalar(
+        cv.number(0, 1, open_low=True, open_high=True),
+        "the TTFT quantile the adaptive delay follows, strictly between 0 and 1"))
+    min: float = field(default=0.050, metadata=scalar(
+        cv.duration(zero=True), "lower clamp of the adaptive delay (0 allowed)"))
+    max: float = field(default=5.0, metadata=scalar(
+        cv.duration(), "upper clamp of the adaptive delay; min <= max"))
+    initial: float = field(default=0.5, metadata=scalar(
+        cv.duration(zero=True), "the delay until `min_samples` TTFTs are known (0 allowed)"))
+    window: float = field(default=60.0, metadata=scalar(
+        cv.duration(), "how far back TTFT samples count"))
+    min_samples: int = field(default=20, metadata=scalar(
+        cv.integer(1), "TTFT samples needed before the adaptive delay is used"))
+    value: float = field(default=0.3, metadata=scalar(
+        cv.duration(zero=True), "the delay in fixed mode (0 allowed: hedge at once)"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if self.min > self.max:
+            yield f"{at('min')}: must be <= max"
 
 
 @dataclass(frozen=True, slots=True)
-class BudgetSettings:
+class BudgetSettings(Checked):
     """The token bucket that caps extra attempts (SPEC §6)."""
 
-    ratio: float = 0.1
-    burst: float = 10.0
-    min_per_second: float = 0.5
-    min_win_rate: float = 0.15
-    #: how many recent hedge outcomes the efficacy guard looks at (at least 20)
-    win_window: int = 20
-    #: in the ineffective state, at most one hedge per this many seconds
-    probe_interval: float = 5.0
+    ratio: float = field(default=0.1, metadata=scalar(
+        cv.number(0), "tokens deposited per request: extra attempts stay near this share"))
+    burst: float = field(default=10.0, metadata=scalar(
+        cv.number(1), "bucket size; the bucket starts full"))
+    min_per_second: float = field(default=0.5, metadata=scalar(
+        cv.number(0), "reserve refill per second, so quiet pools can hedge"))
+    min_win_rate: float = field(default=0.15, metadata=scalar(
+        _probability, "below this hedge win rate (0..1) hedges are probes only"))
+    win_window: int = field(default=20, metadata=scalar(
+        cv.integer(20), "how many recent hedge outcomes the win rate is computed over"))
+    probe_interval: float = field(default=5.0, metadata=scalar(
+        cv.duration(), "while hedges do not win: at most one hedge this often"))
 
 
 @dataclass(frozen=True, slots=True)
-class HedgingSettings:
-    enabled: bool = True
-    max_attempts: int = 2
-    delay: DelaySettings = field(default_factory=DelaySettings)
-    budget: BudgetSettings = field(default_factory=BudgetSettings)
+class HedgingSettings(Checked):
+    """When and how often a pool sends extra attempts."""
+
+    enabled: bool = field(default=True, metadata=scalar(
+        cv.boolean, "false: no delay-triggered hedges in this pool"))
+    max_attempts: int = field(default=2, metadata=scalar(
+        cv.integer(1, 5), "attempts per request, hedges and failure replacements together"))
+    delay: DelaySettings = field(default_factory=DelaySettings, metadata=section(
+        DelaySettings, "when a hedge starts"))
+    budget: BudgetSettings = field(default_factory=BudgetSettings, metadata=section(
+        BudgetSettings, "the token bucket that caps extra attempts"))
 
 
 @dataclass(frozen=True, slots=True)
-class Timeouts:
+class Timeouts(Checked):
     """SPEC §8 limits, per pool."""
 
-    connect: float = 2.0
-    first_token: float = 30.0
-    idle: float = 60.0
-    max_stream: float = 600.0
-    stuck_client: float = 30.0
+    connect: float = field(default=2.0, metadata=scalar(
+        cv.duration(), "TCP+TLS connect to an upstream"))
+    first_token: float = field(default=30.0, metadata=scalar(
+        cv.duration(), "no first token by then: 504"))
+    idle: float = field(default=60.0, metadata=scalar(
+        cv.duration(), "longest gap between upstream events after the first token"))
+    max_stream: float = field(default=600.0, metadata=scalar(cv.duration(), "longest stream"))
+    stuck_client: float = field(default=30.0, metadata=scalar(
+        cv.duration(), "a client that reads nothing for this long is dropped"))
 
 
 @dataclass(frozen=True, slots=True)
-class HealthSettings:
+class HealthSettings(Checked):
     """Ejection after consecutive failures, with a growing cool-down (SPEC §7)."""
 
-    eject_after: int = 5
-    cooldown: float = 5.0
-    max_cooldown: float = 60.0
-    #: the longest a Retry-After may keep a backend out of selection (SPEC §19)
-    max_pause: float = 30.0
-    #: below this share of usable backends (by weight), selection ignores pauses and
-    #: ejections for the request (panic routing, SPEC §19)
-    panic_below: float = 0.5
+    eject_after: int = field(default=5, metadata=scalar(
+        cv.integer(1), "consecutive failures before a backend is ejected"))
+    cooldown: float = field(default=5.0, metadata=scalar(
+        cv.duration(), "first ejection length; doubles on each repeat up to max_cooldown"))
+    max_cooldown: float = field(default=60.0, metadata=scalar(
+        cv.duration(), "the longest ejection; cooldown <= max_cooldown"))
+    max_pause: float = field(default=30.0, metadata=scalar(
+        cv.duration(), "the longest a Retry-After keeps a backend out of selection (SPEC §19)"))
+    panic_below: float = field(default=0.5, metadata=scalar(
+        _probability, "below this share (by weight) of usable backends, a request may go to "
+        "paused or ejected ones too (0: never; SPEC §19)"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if self.cooldown > self.max_cooldown:
+            yield f"{at('cooldown')}: must be <= max_cooldown"
 
 
 @dataclass(frozen=True, slots=True)
-class SimProfile:
+class SimProfile(Checked):
     """What a simulated backend does (SPEC §13). Times in seconds."""
 
-    ttft_median: float = 0.15
-    ttft_sigma: float = 0.25
-    straggler_probability: float = 0.03
-    straggler_extra: float = 1.5
-    tokens: int = 30
-    inter_token: float = 0.005
-    usage: bool = True
-    #: probability that a request fails with `fail_status` before any byte
-    fail_probability: float = 0.0
-    fail_status: int = 500
-    #: probability that a request hangs (headers and role chunk, then nothing)
-    hang_probability: float = 0.0
-    #: probability that the stream errors in-band after a few tokens
-    midstream_error_probability: float = 0.0
-    seed: int | None = None
+    ttft_median: float = field(default=0.15, metadata=scalar(
+        cv.duration(zero=True), "time to first token: lognormal with this median"))
+    ttft_sigma: float = field(default=0.25, metadata=scalar(
+        cv.number(0), "sigma of the lognormal time to first token"))
+    straggler_probability: float = field(default=0.03, metadata=scalar(
+        _probability, "share of requests (0..1) that stall before the first token"))
+    straggler_extra: float = field(default=1.5, metadata=scalar(
+        cv.duration(zero=True), "how much longer a straggler stalls"))
+    tokens: int = field(default=30, metadata=scalar(cv.integer(1), "tokens per response"))
+    inter_token: float = field(default=0.005, metadata=scalar(
+        cv.duration(zero=True), "delay between tokens"))
+    usage: bool = field(default=True, metadata=scalar(cv.boolean, "send a final usage chunk"))
+    fail_probability: float = field(default=0.0, metadata=scalar(
+        _probability, "share of requests answered with fail_status before any byte"))
+    fail_status: int = field(default=500, metadata=scalar(
+        cv.integer(400, 599), "the status of a simulated failure"))
+    hang_probability: float = field(default=0.0, metadata=scalar(
+        _probability, "share that send headers and a role chunk, then nothing"))
+    midstream_error_probability: float = field(default=0.0, metadata=scalar(
+        _probability, "share that fail in-band after a few tokens"))
+    seed: int | None = field(default=None, metadata=scalar(
+        cv.optional(cv.integer(0)), "integer >= 0 for a repeatable sequence; null: random"))
 
 
 @dataclass(frozen=True, slots=True)
-class BackendSettings:
-    name: str
-    provider: Literal["openai", "sim"]
-    model: str
-    base_url: str | None = None
-    api_key: str | None = field(default=None, repr=False)
-    group: str = ""
-    weight: float = 1.0
-    max_concurrency: int | None = None
-    sim: SimProfile | None = None
+class BackendSettings(Checked):
+    """One upstream of a pool."""
+
+    name: str = field(metadata=scalar(cv.name, "unique within the pool; same characters as "
+                                     "pool names"))
+    provider: Literal["openai", "sim"] = field(default="openai", metadata=scalar(
+        cv.choice(("openai", "sim")),
+        "openai: any OpenAI-compatible HTTP API; sim: the built-in simulator"))
+    #: "" until the pool fills in its own name (`PoolSettings._complete`)
+    model: str = field(default="", metadata=scalar(
+        cv.nonempty_text, "the model name sent upstream; default: the pool name",
+        default_shown=False))
+    base_url: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.http_url), "required for openai: http(s), no user:pass@, no query; "
+        "/chat/completions is appended", default_shown=False))
+    api_key: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.secret, "sent as Bearer; empty or null: none. Never logged, never printed"))
+    group: str = field(default="", metadata=scalar(
+        cv.text, "label (zone, provider); hedges prefer another group"))
+    weight: float = field(default=1.0, metadata=scalar(
+        cv.number(0, open_low=True), "share of primaries relative to the other backends"))
+    max_concurrency: int | None = field(default=None, metadata=scalar(
+        cv.optional(cv.integer(1)), "attempts in flight at most; null: no cap"))
+    sim: SimProfile | None = field(default=None, metadata=section(
+        SimProfile, "the simulated behaviour (provider sim only)"))
+
+    #: what a validator can check of `_rules` (`hedge-gateway schema` adds it to the backend)
+    json_rules: ClassVar[dict[str, object]] = {
+        "if": {"properties": {"provider": {"const": "sim"}}, "required": ["provider"]},
+        "then": {"not": {"anyOf": [{"required": ["base_url"]}, {"required": ["api_key"]}]}},
+        "else": {"required": ["base_url"], "not": {"required": ["sim"]}},
+    }
+
+    def _complete(self) -> None:
+        if self.provider == "sim" and self.sim is None:
+            self._set("sim", SimProfile())
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if self.provider == "openai":
+            if self.base_url is None:
+                yield f"{at('base_url')}: required"
+            if self.sim is not None:
+                yield f"{at('sim')}: only used by provider sim"
+        elif self.provider == "sim":
+            if self.base_url is not None:
+                yield f"{at('base_url')}: not used by provider sim"
+            if self.api_key is not None:
+                yield f"{at('api_key')}: not used by provider sim"
 
 
 @dataclass(frozen=True, slots=True)
-class PoolSettings:
-    name: str
-    backends: tuple[BackendSettings, ...]
-    #: the request deadline (SPEC §5.6)
-    timeout: float = 60.0
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    hedging: HedgingSettings = field(default_factory=HedgingSettings)
-    health: HealthSettings = field(default_factory=HealthSettings)
+class PoolSettings(Checked):
+    """One model name for clients, served by a set of interchangeable backends."""
+
+    name: str = field(metadata=scalar(cv.name, "the `model` clients send; unique. Characters "
+                                     "A-Z a-z 0-9 . _ : / - ; no `..`, no leading /"))
+    backends: tuple[BackendSettings, ...] = field(metadata=items(
+        BackendSettings, "backend", "the upstreams; at least one, names unique in the pool"))
+    timeout: float = field(default=60.0, metadata=scalar(
+        cv.duration(), "the request deadline; all attempts share it (SPEC §5.6)"))
+    timeouts: Timeouts = field(default_factory=Timeouts, metadata=section(
+        Timeouts, "limits of one upstream attempt and of the client stream (SPEC §8)"))
+    hedging: HedgingSettings = field(default_factory=HedgingSettings, metadata=section(
+        HedgingSettings, "when and how often this pool sends extra attempts"))
+    health: HealthSettings = field(default_factory=HealthSettings, metadata=section(
+        HealthSettings, "ejection of failing backends (SPEC §7)"))
+
+    def _complete(self) -> None:
+        if any(not backend.model for backend in self.backends):
+            self._set("backends", tuple(
+                backend if backend.model else dataclasses.replace(backend, model=self.name)
+                for backend in self.backends
+            ))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        yield from unique_names(self.backends, "backends", "backend name {!r} in this pool", at)
 
 
 @dataclass(frozen=True, slots=True)
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    max_body_bytes: int = 4 * MiB
-    max_header_bytes: int = 16 * 1024
-    max_concurrent_requests: int = 512
-    #: keep-alive comment interval on client streams
-    keepalive: float = 15.0
-    #: on SIGTERM, how long live streams may run before they get a final error event
-    shutdown_grace: float = 10.0
-    #: a request whose head and body have not fully arrived by then gets 408 (SPEC §18)
-    body_timeout: float = 30.0
-    #: open client connections; past it a new connection gets 503 and is closed (SPEC §18)
-    max_connections: int = 4096
+class ServerSettings(Checked):
+    """The listening side: address, client authentication and request limits."""
+
+    host: str = field(default="127.0.0.1", metadata=scalar(cv.nonempty_text,
+                                                          "address to listen on"))
+    port: int = field(default=8080, metadata=scalar(
+        cv.integer(0, 65535), "port to listen on (0: any free port)"))
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
+        cv.keys, "keys clients must send as `Authorization: Bearer KEY`; empty: no "
+        "authentication"))
+    max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
+        cv.size, "larger request bodies get 413", key="max_body"))
+    max_header_bytes: int = field(default=16 * 1024, metadata=scalar(
+        cv.size, "larger request headers are refused", key="max_headers"))
+    max_concurrent_requests: int = field(default=512, metadata=scalar(
+        cv.integer(1), "logical requests in flight per process; beyond: 503"))
+    keepalive: float = field(default=15.0, metadata=scalar(
+        cv.duration(), "interval of SSE keep-alive comments on quiet client streams"))
+    shutdown_grace: float = field(default=10.0, metadata=scalar(
+        cv.duration(zero=True), "on SIGTERM, how long live streams may run before a final "
+        "error event"))
+    body_timeout: float = field(default=30.0, metadata=scalar(
+        cv.duration(), "a request whose head and body take longer to arrive gets 408 (SPEC §18)"))
+    max_connections: int = field(default=4096, metadata=scalar(
+        cv.integer(1), "open client connections; a new one past this gets 503 (SPEC §18)"))
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
-    pools: tuple[PoolSettings, ...]
-    server: ServerSettings = field(default_factory=ServerSettings)
+class Settings(Checked):
+    """The whole configuration: the server, the global hedging switch, the pools."""
+
+    pools: tuple[PoolSettings, ...] = field(metadata=items(
+        PoolSettings, "pool", "at least one; each pool is one model name for clients"))
+    server: ServerSettings = field(default_factory=ServerSettings, metadata=section(
+        ServerSettings, "the listening side: address, client keys, request limits"))
     #: the global hedging switch; a pool hedges only when both are on
-    hedging_enabled: bool = True
+    hedging_enabled: bool = field(default=True, metadata=scalar(
+        cv.boolean, "global switch: false turns off delay-triggered hedges in every pool "
+        "(failure replacements still happen)", key="hedging.enabled"))
+
+    groups: ClassVar[dict[str, str]] = {"hedging": "options for every pool"}
+
+    def _rules(self, at: At) -> Iterator[str]:
+        yield from unique_names(self.pools, "pools", "pool name {!r}", at)
 
     def pool(self, name: str) -> PoolSettings | None:
         for pool in self.pools:
             if pool.name == name:
                 return pool
         return None
+
+
+def unique_names(entries: Sequence[PoolSettings | BackendSettings], key: str, what: str,
+                 at: At) -> Iterator[str]:
+    """A problem for each entry whose name an earlier entry has. Entries without a name (they
+    failed to load, and said so) are skipped."""
+    seen: dict[str, str] = {}
+    for index, entry in enumerate(entries):
+        path = f"{key}[{index}]"
+        if entry.name in seen:
+            yield (f"{at(path + '.name')}: duplicate {what.format(entry.name)} "
+                   f"(also {at(seen[entry.name])})")
+        elif entry.name:
+            seen[entry.name] = path

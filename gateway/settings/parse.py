@@ -1,11 +1,11 @@
-"""The machinery of the configuration loader: a mapping reader that records errors with key
-paths, `${VAR}` substitution, and parsers for durations, sizes, bounded numbers, names and
-upstream URLs.
+"""Value parsers for the configuration: durations, sizes, bounded numbers, names, upstream URLs,
+and `${VAR}` substitution.
 
-Internal to `gateway.settings.load`, which holds the schema. Each parser takes one raw YAML value
-and returns the typed value or raises `Invalid` with a message that says what is wrong;
-`Section` adds the key path and collects the message, so that every problem of a file is
-reported in one pass.
+Each parser is a `Parser`: a function from one raw YAML value to the typed value (raising
+`Invalid` with a message that says what is wrong), paired with the JSON Schema of the YAML values
+it accepts. The settings model names a parser for every field (`gateway.settings.model`); the
+loader runs it on the file's value and adds the key path; the model runs it again on values
+built in code; `hedge-gateway schema` prints its schema. One object, so the three cannot drift.
 
 Messages never show a string that came from the environment (`Substituted`), and type errors
 name the type only, so a misplaced key cannot leak through an error message.
@@ -13,22 +13,17 @@ name the type only, so a misplaced key cannot leak through an error message.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
-    D = TypeVar("D", bound=DataclassInstance)
-
 T = TypeVar("T")
-Parser = Callable[[object], object]
+A = TypeVar("A")
+B = TypeVar("B")
+Schema = Mapping[str, Any]
 
 
 class Invalid(Exception):
@@ -40,86 +35,31 @@ class Substituted(str):
     messages never show it (it may be a secret)."""
 
 
+class Parser(Generic[T]):
+    """A value parser and the JSON Schema of the raw values it accepts, written side by side."""
+
+    __slots__ = ("_parse", "schema")
+
+    def __init__(self, parse: Callable[[object], T], schema: Schema) -> None:
+        self._parse = parse
+        self.schema = schema
+
+    def __call__(self, value: object) -> T:
+        return self._parse(value)
+
+
+#: what a `${VAR}` reference looks like to a schema validator, which sees the file before
+#: substitution: numbers and booleans may be written as one (`port: ${PORT:-8080}`)
+FROM_ENV: Schema = {"type": "string", "pattern": r"\$\{"}
+
+
+def _or_env(schema: Schema) -> Schema:
+    return {"anyOf": [schema, FROM_ENV]}
+
+
 def join(path: str, key: object) -> str:
     """The key path of `key` inside the mapping at `path` ("" is the top level)."""
     return f"{path}.{key}" if path else str(key)
-
-
-class Section:
-    """One YAML mapping being read: typed values by key, problems recorded with key paths."""
-
-    def __init__(self, node: object, path: str, keys: Sequence[str], errors: list[str]) -> None:
-        self.path, self.errors = path, errors
-        self._data: dict[object, object] = {}
-        if isinstance(node, dict):
-            self._data = node
-        elif node is not None:
-            errors.append(f"{path or '(top level)'}: must be a mapping, got {type_name(node)}")
-        for key in self._data:
-            if key not in keys:
-                close = difflib.get_close_matches(str(key), keys, n=1)
-                expected = ", ".join(keys)
-                hint = f"did you mean {close[0]!r}?" if close else f"expected one of {expected}"
-                errors.append(f"{self.at(key)}: unknown key; {hint}")
-
-    def at(self, key: object) -> str:
-        return join(self.path, key)
-
-    def has(self, key: str) -> bool:
-        return key in self._data
-
-    def raw(self, key: str) -> object:
-        return self._data.get(key)
-
-    def error(self, key: str, message: str) -> None:
-        self.errors.append(f"{self.at(key)}: {message}")
-
-    def get(self, key: str, parse: Callable[[object], T], default: T) -> T:
-        """The parsed value, or `default` when the key is absent or (after an error) invalid."""
-        if key not in self._data:
-            return default
-        try:
-            return parse(self._data[key])
-        except Invalid as problem:
-            self.error(key, str(problem))
-            return default
-
-    def require(self, key: str, parse: Callable[[object], T], fallback: T) -> T:
-        if self.raw(key) is None:
-            self.error(key, "required")
-            return fallback
-        return self.get(key, parse, fallback)
-
-    def section(self, key: str, keys: Sequence[str]) -> Section:
-        return Section(self.raw(key), self.at(key), keys, self.errors)
-
-    def fill(self, defaults: D, parsers: Mapping[str, Parser],
-             renames: Mapping[str, str] | None = None) -> D:
-        """`defaults` with every key of `parsers` that is present replaced by its parsed
-        value; `renames` maps YAML keys to dataclass fields where they differ."""
-        renames = renames or {}
-        values: dict[str, Any] = {}
-        for key, parse in parsers.items():
-            field = renames.get(key, key)
-            values[field] = self.get(key, parse, getattr(defaults, field))
-        return dataclasses.replace(defaults, **values)
-
-    def sub(self, key: str, defaults: D, parsers: Mapping[str, Parser],
-            renames: Mapping[str, str] | None = None) -> D:
-        return self.section(key, tuple(parsers)).fill(defaults, parsers, renames)
-
-    def items(self, key: str, what: str) -> list[tuple[str, object]]:
-        """The entries of a required, non-empty list, each with its key path."""
-        value = self.raw(key)
-        if value is None:
-            self.error(key, f"required; list at least one {what}")
-        elif not isinstance(value, list):
-            self.error(key, f"must be a list of {what}s, got {type_name(value)}")
-        elif not value:
-            self.error(key, f"must list at least one {what}")
-        else:
-            return [(f"{self.at(key)}[{index}]", item) for index, item in enumerate(value)]
-        return []
 
 
 # --------------------------------------------------------------------------- ${VAR}
@@ -210,7 +150,7 @@ def _decimal(value: object, pattern: re.Pattern[str], what: str) -> tuple[Decima
         raise Invalid(f"must be {what}, got {show(value)}") from None
 
 
-def duration(*, zero: bool = False) -> Callable[[object], float]:
+def duration(*, zero: bool = False) -> Parser[float]:
     what = "a duration like 50ms, 2s, 1.5s or 10m"
 
     def parse(value: object) -> float:
@@ -220,10 +160,12 @@ def duration(*, zero: bool = False) -> Callable[[object], float]:
             raise Invalid(f"must be {'>= 0' if zero else '> 0'}, got {show(value)}")
         return seconds
 
-    return parse
+    seconds = {"type": "number", ("minimum" if zero else "exclusiveMinimum"): 0}
+    text = {"type": "string", "pattern": r"^\s*(\d+(\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$"}
+    return Parser(parse, {"anyOf": [seconds, text, FROM_ENV]})
 
 
-def size(value: object) -> int:
+def _size(value: object) -> int:
     amount, unit = _decimal(value, _SIZE, "a size like 4MiB, 512KiB or 4194304")
     scaled = amount * _SIZE_SCALE[unit or "b"]
     if scaled != scaled.to_integral_value() or scaled < 1:
@@ -231,7 +173,14 @@ def size(value: object) -> int:
     return int(scaled)
 
 
-def integer(low: int, high: int | None = None) -> Callable[[object], int]:
+size = Parser(_size, {"anyOf": [
+    {"type": "integer", "minimum": 1},
+    {"type": "string", "pattern": r"^\s*(\d+(\.\d*)?|\.\d+)\s*([Bb]|[KkMmGg][Ii]?[Bb])?\s*$"},
+    FROM_ENV,
+]})
+
+
+def integer(low: int, high: int | None = None) -> Parser[int]:
     def parse(value: object) -> int:
         if isinstance(value, Substituted) and re.fullmatch(r"\s*-?\d+\s*", value):
             value = int(value)
@@ -242,11 +191,14 @@ def integer(low: int, high: int | None = None) -> Callable[[object], int]:
             raise Invalid(f"must be {bounds}, got {show(value)}")
         return value
 
-    return parse
+    schema: dict[str, Any] = {"type": "integer", "minimum": low}
+    if high is not None:
+        schema["maximum"] = high
+    return Parser(parse, _or_env(schema))
 
 
 def number(low: float, high: float | None = None, *, open_low: bool = False,
-            open_high: bool = False) -> Callable[[object], float]:
+           open_high: bool = False) -> Parser[float]:
     def parse(value: object) -> float:
         if isinstance(value, Substituted):
             try:
@@ -264,10 +216,14 @@ def number(low: float, high: float | None = None, *, open_low: bool = False,
             raise Invalid(f"must be in {left}, {right}, got {show(value)}")
         return result
 
-    return parse
+    schema: dict[str, Any] = {"type": "number"}
+    schema["exclusiveMinimum" if open_low else "minimum"] = low
+    if high is not None:
+        schema["exclusiveMaximum" if open_high else "maximum"] = high
+    return Parser(parse, _or_env(schema))
 
 
-def boolean(value: object) -> bool:
+def _boolean(value: object) -> bool:
     if isinstance(value, Substituted) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     if not isinstance(value, bool):
@@ -275,40 +231,81 @@ def boolean(value: object) -> bool:
     return value
 
 
-def text(value: object) -> str:
+def _text(value: object) -> str:
     if not isinstance(value, str):
         raise Invalid(f"must be a string, got {type_name(value)}")
     return str(value)
 
 
-def nonempty_text(value: object) -> str:
-    result = text(value)
+def _nonempty_text(value: object) -> str:
+    result = _text(value)
     if not result.strip():
         raise Invalid("must not be empty")
     return result
 
 
-def optional(parse: Callable[[object], T]) -> Callable[[object], T | None]:
-    return lambda value: None if value is None else parse(value)
+def _secret(value: object) -> str | None:
+    """A provider key: a string, where empty (e.g. `${KEY:-}` unset) means "send no key"."""
+    return None if value is None else _text(value) or None
 
 
-def choice(options: tuple[T, ...]) -> Callable[[object], T]:
+boolean = Parser(_boolean, _or_env({"type": "boolean"}))
+text = Parser(_text, {"type": "string"})
+nonempty_text = Parser(_nonempty_text, {"type": "string", "minLength": 1})
+secret = Parser(_secret, {"type": ["string", "null"]})
+
+
+def optional(parse: Parser[T]) -> Parser[T | None]:
+    return Parser(lambda value: None if value is None else parse(value),
+                  {"anyOf": [parse.schema, {"type": "null"}]})
+
+
+def choice(options: tuple[T, ...]) -> Parser[T]:
     def parse(value: object) -> T:
         if value not in options:
             listed = ", ".join(str(option) for option in options)
             raise Invalid(f"must be one of {listed}, got {show(value)}")
-        return value  # mypy narrows `object` to T through the membership test
+        return options[options.index(value)]  # the option itself, never a `Substituted`
 
-    return parse
+    return Parser(parse, _or_env({"enum": list(options)}))
 
 
+def either(first: Parser[A], second: Parser[B]) -> Parser[A | B]:
+    """A key that takes one of two forms, such as a word or a number (`auto` or `0.95`):
+    the first parser that accepts the value wins; when neither does, both messages are shown."""
+
+    def parse(value: object) -> A | B:
+        try:
+            return first(value)
+        except Invalid as problem:
+            try:
+                return second(value)
+            except Invalid as other:
+                raise Invalid(f"{problem}; or {other}") from None
+
+    return Parser(parse, {"anyOf": [first.schema, second.schema]})
+
+
+def _list_of_keys(value: object) -> tuple[str, ...]:
+    """Client keys. An empty entry is refused rather than dropped: an unset variable must not
+    quietly turn authentication off."""
+    if not isinstance(value, list | tuple):
+        raise Invalid(f"must be a list of keys, got {type_name(value)}")
+    for index, key in enumerate(value):
+        if not isinstance(key, str) or not key.strip():
+            raise Invalid(f"entry [{index}] must be a non-empty string "
+                          "(remove api_keys to serve without authentication)")
+    return tuple(str(key) for key in value)
+
+
+keys = Parser(_list_of_keys, {"type": "array", "items": {"type": "string", "minLength": 1}})
 _NAME = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 
 
-def name(value: object) -> str:
+def _name(value: object) -> str:
     """Pool and backend names: pool names are what clients send as `model` and appear in
     URLs, logs and metric labels, so keep them to a charset that is safe everywhere."""
-    result = text(value)
+    result = _text(value)
     if not _NAME.fullmatch(result):
         raise Invalid(f"must be 1-200 characters of A-Z a-z 0-9 . _ : / -, got {show(value)}")
     if ".." in result or result.startswith("/"):
@@ -316,9 +313,13 @@ def name(value: object) -> str:
     return result
 
 
-def http_url(value: object) -> str:
+name = Parser(_name, _or_env({"type": "string",
+                              "pattern": r"^(?!/)(?!.*\.\.)[A-Za-z0-9._:/-]{1,200}$"}))
+
+
+def _http_url(value: object) -> str:
     """An upstream base URL. The value is never echoed: it may carry a password."""
-    result = text(value).strip()
+    result = _text(value).strip()
     if any(char.isspace() or not char.isprintable() for char in result):
         raise Invalid("must not contain spaces or control characters")
     parts = urlsplit(result)
@@ -335,3 +336,6 @@ def http_url(value: object) -> str:
     if parts.query or parts.fragment:
         raise Invalid("must not have a query or fragment; paths are appended to it")
     return result.rstrip("/")
+
+
+http_url = Parser(_http_url, _or_env({"type": "string", "pattern": "^https?://[^@?#]+$"}))

@@ -3,23 +3,30 @@ is reported with its key path, all at once, without ever showing a key."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from gateway.settings import (
+    BackendSettings,
+    BudgetSettings,
+    DelaySettings,
     HealthSettings,
     HedgingSettings,
+    PoolSettings,
     ServerSettings,
     Settings,
     SimProfile,
     Timeouts,
 )
 from gateway.settings import parse as cv
+from gateway.settings.fields import yaml_layout
 from gateway.settings.load import (
     ConfigError,
     check_config,
@@ -117,20 +124,23 @@ def test_full_reference_shows_the_defaults() -> None:
 
 
 def test_full_reference_lists_every_key() -> None:
-    from gateway.settings import load as configfile
+    def keys(cls: type[Any]) -> set[str]:
+        """The YAML keys of one settings class, as the model declares them."""
+        return set(yaml_layout(cls)[None])
 
     tree = yaml.safe_load((CONFIG_DIR / "full-reference.yaml").read_text())
     pool = tree["pools"][0]
-    assert set(tree) == {"server", "hedging", "pools"}
-    assert set(tree["server"]) == set(configfile._SERVER)
-    assert set(pool) == set(configfile._POOL_KEYS)
-    assert set(pool["timeouts"]) == set(configfile._TIMEOUTS)
-    assert set(pool["hedging"]) == {*configfile._HEDGING, "delay", "budget"}
-    assert set(pool["hedging"]["delay"]) == set(configfile._DELAY)
-    assert set(pool["hedging"]["budget"]) == set(configfile._BUDGET)
-    assert set(pool["health"]) == set(configfile._HEALTH)
-    assert set(pool["backends"][0]) == set(configfile._BACKEND_KEYS) - {"sim"}
-    assert set(pool["backends"][1]["sim"]) == set(configfile._SIM)
+    assert set(tree) == {"server", "hedging", "pools"} == keys(Settings)
+    assert set(tree["hedging"]) == set(yaml_layout(Settings)["hedging"])
+    assert set(tree["server"]) == keys(ServerSettings)
+    assert set(pool) == keys(PoolSettings)
+    assert set(pool["timeouts"]) == keys(Timeouts)
+    assert set(pool["hedging"]) == keys(HedgingSettings)
+    assert set(pool["hedging"]["delay"]) == keys(DelaySettings)
+    assert set(pool["hedging"]["budget"]) == keys(BudgetSettings)
+    assert set(pool["health"]) == keys(HealthSettings)
+    assert set(pool["backends"][0]) == keys(BackendSettings) - {"sim"}
+    assert set(pool["backends"][1]["sim"]) == keys(SimProfile)
 
 
 def test_openai_example_needs_its_key() -> None:
@@ -242,6 +252,17 @@ def test_size_parses(raw: object, size: int) -> None:
 def test_size_rejects(raw: object) -> None:
     with pytest.raises(cv.Invalid):
         cv.size(raw)
+
+
+def test_either_takes_a_word_or_a_number() -> None:
+    """What `delay.quantile: auto` will use: one parser, two forms, both in the schema."""
+    number = cv.number(0, 1, open_low=True, open_high=True)
+    quantile = cv.either(cv.choice(("auto",)), number)
+    assert quantile("auto") == "auto" and quantile(0.9) == 0.9
+    assert quantile(cv.Substituted("auto")) == "auto"
+    with pytest.raises(cv.Invalid, match=r"must be one of auto, got 1\.5; or must be in \(0, 1\)"):
+        quantile(1.5)
+    assert quantile.schema == {"anyOf": [cv.choice(("auto",)).schema, number.schema]}
 
 
 def test_bad_duration_names_path() -> None:
@@ -628,3 +649,78 @@ def test_substituted_value_where_a_mapping_belongs() -> None:
 def test_non_string_keys_are_unknown_keys() -> None:
     (message,) = errors("pools: [{1: x, name: a, backends: [{name: s, provider: sim}]}]")
     assert message.startswith("pools[0].1: unknown key")
+
+
+# --------------------------------------------------------------------------- built in code
+
+
+def sim_backend(name: str) -> BackendSettings:
+    return BackendSettings(name=name, provider="sim", model="m")
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (lambda: DelaySettings(min=2.0, max=1.0), "min: must be <= max"),
+        (lambda: HealthSettings(cooldown=120.0, max_cooldown=60.0),
+         "cooldown: must be <= max_cooldown"),
+        (lambda: PoolSettings(name="p", backends=(sim_backend("a"), sim_backend("a"))),
+         "backends[1].name: duplicate backend name 'a' in this pool (also backends[0])"),
+        (lambda: Settings(pools=(PoolSettings(name="p", backends=(sim_backend("a"),)),) * 2),
+         "pools[1].name: duplicate pool name 'p' (also pools[0])"),
+        (lambda: BackendSettings(name="a"), "base_url: required"),
+        (lambda: BackendSettings(name="a", provider="sim", base_url="http://h/v1"),
+         "base_url: not used by provider sim"),
+        (lambda: BackendSettings(name="a", provider="sim", api_key="k"),
+         "api_key: not used by provider sim"),
+        (lambda: BackendSettings(name="a", base_url="http://h/v1", sim=SimProfile()),
+         "sim: only used by provider sim"),
+    ],
+)
+def test_cross_field_rules_hold_for_settings_built_in_code(build: Any, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build()
+    assert caught.value.errors == (expected,)
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (lambda: DelaySettings(quantile=1.5), "quantile: must be in (0, 1), got 1.5"),
+        (lambda: HedgingSettings(max_attempts=6), "max_attempts: must be between 1 and 5, got 6"),
+        (lambda: dataclasses.replace(ServerSettings(), port=70000),
+         "port: must be between 0 and 65535, got 70000"),
+        (lambda: BackendSettings(name="has space", provider="sim"), "name: must be 1-200"),
+        (lambda: BackendSettings(name="a", base_url=f"http://u:{SECRET}@h/v1"),
+         "base_url: must not contain credentials"),
+        (lambda: PoolSettings(name="p", backends=()), "backends: must list at least one backend"),
+        (lambda: Settings(pools=()), "pools: must list at least one pool"),
+    ],
+)
+def test_value_checks_hold_for_settings_built_in_code(build: Any, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build()
+    (message,) = caught.value.errors
+    assert message.startswith(expected)
+    assert SECRET not in message
+
+
+def test_settings_built_in_code_equal_the_loaded_ones() -> None:
+    built = Settings(pools=(PoolSettings(name="chat", backends=(
+        BackendSettings(name="a", base_url="http://127.0.0.1:9001/v1/", weight=1, api_key=""),
+        BackendSettings(name="s", provider="sim"),
+    )),))
+    loaded = parse(pool_with(
+        "backends:\n"
+        "  - {name: a, base_url: 'http://127.0.0.1:9001/v1', api_key: '${KEY:-}'}\n"
+        "  - {name: s, provider: sim}\n"
+    ))
+    assert built == loaded
+    assert Settings(built.pools) == built  # positional construction keeps working
+    a, s = built.pools[0].backends
+    assert (a.model, s.model) == ("chat", "chat")  # the pool name
+    assert a.base_url == "http://127.0.0.1:9001/v1" and a.api_key is None
+    assert type(a.weight) is float
+    assert s.sim == SimProfile()
+    replaced = dataclasses.replace(built, server=dataclasses.replace(built.server, port=0))
+    assert replaced.server.port == 0 and replaced.pools == built.pools
