@@ -31,6 +31,7 @@ from gateway.budget import SuppressReason
 from gateway.errors import GatewayError
 from gateway.latency import LifetimeSketch, WindowedSketch
 from gateway.race import CANCELLED_BEFORE_TOKEN
+from gateway.streamend import ERROR_ENDS, StreamEnd
 
 if TYPE_CHECKING:
     from gateway.pool import PoolRuntime
@@ -43,9 +44,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1
                 5.0, 10.0, 30.0)
 CLOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 #: ends of a relayed stream that are not errors
-CLEAN_ENDS = (None, "done")
-STREAM_ENDS = ("upstream_error", "truncated", "failed", "too_long", "client_gone",
-               "stuck_client")
+CLEAN_ENDS = (None, StreamEnd.DONE)
 
 
 @dataclass(slots=True)
@@ -63,7 +62,7 @@ class RequestSummary:
     committed_at: float | None = None
     ended: float | None = None
     error: str | None = None
-    relay_end: str | None = None
+    relay_end: StreamEnd | None = None
 
     def attach(
         self,
@@ -95,7 +94,7 @@ def _error_classes() -> frozenset[str]:
         if cls.code:
             names.add(cls.code)
         pending.extend(cls.__subclasses__())
-    names.update(f"stream_{end}" for end in STREAM_ENDS)
+    names.update(f"stream_{end}" for end in ERROR_ENDS)
     return frozenset(names)
 
 

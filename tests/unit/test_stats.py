@@ -314,6 +314,16 @@ def test_errors_by_class_are_bounded() -> None:
     assert v["losers"]["cancelled"] == 0
 
 
+@pytest.mark.parametrize("end", ["shutdown", "stuck_client", "client_gone", "too_long",
+                                 "failed", "truncated", "upstream_error"])
+def test_every_early_stream_end_has_its_own_error_class(end: str) -> None:
+    """A stream cut by a graceful shutdown (or ended any other early way) is counted as
+    `stream_<end>`, never folded into `other`."""
+    stats = Stats(LAYOUT, now=0.0)
+    stats.record(summary(0.0, [attempt(0, "a", "primary", 0.0, "won", ttft=0.1)], relay_end=end))
+    assert view(stats, 5.0)["errors"] == {f"stream_{end}": 1}
+
+
 def test_unknown_pool_and_backend_never_become_keys() -> None:
     stats = Stats(LAYOUT, now=0.0)
     stats.record(
