@@ -14,6 +14,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def error_body(
+    message: str,
+    *,
+    type: str,
+    code: str | None,
+    param: str | None = None,
+    request_id: str | None = None,
+) -> dict[str, object]:
+    """The OpenAI error object `{"error": {message, type, param, code}}`, which the SDKs parse
+    into their exceptions. Every error the gateway (or its simulator) sends is built here:
+    HTTP answers, final in-stream events, the server's 431. `request_id`, when given, is
+    quoted in the message, for the failures a client reports to an operator."""
+    if request_id is not None:
+        message = f"{message} (request id {request_id})"
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
 class GatewayError(Exception):
     """Base of every error the gateway answers a client with."""
 
@@ -35,15 +52,9 @@ class GatewayError(Exception):
         self.retry_after = retry_after
         self.should_retry = should_retry
 
-    def body(self) -> dict[str, object]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+    def body(self, request_id: str | None = None) -> dict[str, object]:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param,
+                          request_id=request_id)
 
 
 class InvalidRequest(GatewayError):
@@ -70,10 +81,31 @@ class ModelNotFound(GatewayError):
     code = "model_not_found"
 
 
+class RouteNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class HeadersTooLarge(GatewayError):
+    """The request line and headers crossed `server.max_headers` (sent by the server itself,
+    before any route runs)."""
+
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
 
 
 class Overloaded(GatewayError):

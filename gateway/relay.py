@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gateway.attempt import Prefix
-from gateway.errors import UpstreamError
+from gateway.errors import UpstreamError, error_body
 from gateway.sse import SSEEvent, encode_event
 from gateway.streamend import StreamEnd
 
@@ -30,14 +30,7 @@ DRAIN_READS = 8
 
 def error_event(message: str, code: str, request_id: str) -> bytes:
     """A final in-stream error in OpenAI shape; the SDKs raise it as an APIError."""
-    payload = {
-        "error": {
-            "message": f"{message} (request id {request_id})",
-            "type": "upstream_error",
-            "param": None,
-            "code": code,
-        }
-    }
+    payload = error_body(message, type="upstream_error", code=code, request_id=request_id)
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 

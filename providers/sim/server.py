@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway.errors import error_body
 from gateway.settings import SimProfile
 from providers.base import Endpoint
 from providers.sim.wire import (
@@ -68,7 +69,7 @@ def _error(status: int, message: str) -> Response:
         kind = "invalid_request_error"
     else:
         kind = "server_error"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    body = error_body(message, type=kind, code=None)
     headers: dict[str, str] = {}
     retry_after = retry_after_for(status)
     if retry_after is not None:
