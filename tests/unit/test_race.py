@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
 
 import pytest
@@ -35,7 +35,7 @@ class Done:
         return None
 
 
-async def _no_batches():  # type: ignore[no-untyped-def]
+async def _no_batches() -> AsyncIterator[list[SSEEvent]]:
     if False:
         yield []
 
@@ -66,7 +66,7 @@ async def test_a_bug_in_a_runner_is_a_502_and_not_the_backends_fault() -> None:
     assert [r.failure for r in race.attempts] == ["internal_error", "internal_error"]
     for name in calls:
         assert pool.balancer.state(name, time.monotonic())[0] == "ok"
-        assert pool.balancer._backends[name].failures == 0  # type: ignore[attr-defined]
+        assert pool.balancer._backends[name].failures == 0
 
 
 async def test_failover_after_a_runner_bug_can_still_win() -> None:

@@ -33,6 +33,7 @@ from gateway.stats import (
     latency_saved,
 )
 from gateway.stats.view import snapshot
+from gateway.streamend import StreamEnd
 
 LAYOUT = {"chat": ["a", "b"]}
 
@@ -84,7 +85,7 @@ def summary(
         s.winner = attempts[winner]
         s.committed_at = started + (client_ttft if client_ttft is not None else 0.1)
     s.error = error
-    s.relay_end = relay_end if winner is not None else None
+    s.relay_end = StreamEnd(relay_end) if winner is not None and relay_end else None
     s.ended = ended if ended is not None else started + 1.0
     return s
 
