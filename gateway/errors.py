@@ -7,6 +7,15 @@ provider boundary; nothing above `providers/` ever sees an httpx exception.
 
 Messages never contain provider keys, upstream URLs or upstream error bodies: an upstream's
 body can hold internal hostnames or echo a key, so we keep only its status and a short class.
+
+Two trees, and each class carries its facts as class attributes:
+- `GatewayError`: what a client is answered with: `status`, `type`, `code` (the OpenAI error
+  fields; the code is also the request's error class in stats and metrics);
+- `UpstreamError`: why one attempt failed: `code` (the failure class counted per backend)
+  and `replaceable` (whether another backend could do better).
+An instance adds only its own detail (message, reason, retry_after). Where a fact depends on a
+value, as an upstream status does, a factory (`of`) picks the subclass that states it. The
+OpenAI error JSON itself is built in one place, `error_body`.
 """
 
 from __future__ import annotations
