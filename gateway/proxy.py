@@ -32,6 +32,7 @@ from gateway.settings import ServerSettings
 from gateway.sseresponse import SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
+from gateway.streamend import StreamEnd
 from providers.base import Endpoint, UpstreamCall
 
 
@@ -233,7 +234,7 @@ class Proxy:
             outcome=outcome,
         )
 
-        async def finish(early_end: str | None) -> None:
+        async def finish(early_end: StreamEnd | None) -> None:
             summary.relay_end = early_end or outcome.end
             await self._finish(pool, race, result.prefix, summary)
 

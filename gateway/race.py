@@ -25,9 +25,10 @@ from gateway.clock import Clock
 from gateway.errors import (
     AllAttemptsFailed,
     FirstTokenTimeout,
+    InternalAttemptError,
     UpstreamClientError,
     UpstreamError,
-    UpstreamStatusError,
+    UpstreamRejectedRequest,
 )
 from gateway.policy import HedgeDelay, min_useful
 from gateway.pool import PoolRuntime
@@ -58,6 +59,8 @@ class AttemptRecord:
     close_s: float | None = None
     #: events a cancelled attempt read after the commit (should stay 0)
     late_events: int = 0
+    #: a failed attempt's `UpstreamError.code` (bounded; `reason` has the detail)
+    failure: str | None = None
 
 
 @dataclass(slots=True)
@@ -177,12 +180,12 @@ class Race:
                 # a bug of ours, not the backend's: log it, answer 502 without a trace, and
                 # keep it out of the backend's health record
                 log.error("attempt %s failed inside the gateway", record.backend, exc_info=exc)
-                self._failed(record, UpstreamError(f"internal error ({type(exc).__name__})"),
+                self._failed(record, InternalAttemptError(f"internal error ({type(exc).__name__})"),
                              backend_fault=False)
                 continue
             self._failed(record, exc)
-            if not exc.replaceable and isinstance(exc, UpstreamStatusError):
-                raise UpstreamClientError(exc.status, record.backend)
+            if isinstance(exc, UpstreamRejectedRequest):
+                raise UpstreamClientError.of(exc.status, record.backend)
         if winners:
             winners.sort(key=lambda pair: pair[1].index)
             for task, record in winners[1:]:  # tokens in the same tick: the earlier attempt wins
@@ -265,6 +268,7 @@ class Race:
         now = self.clock()
         record.outcome = "failed"
         record.reason = exc.reason
+        record.failure = exc.code
         self._reasons.append(f"{record.backend}: {exc.reason}")
         if exc.replaceable and backend_fault:
             self.pool.balancer.on_failure(record.backend, now)

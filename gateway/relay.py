@@ -16,13 +16,11 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from gateway.attempt import Prefix
-from gateway.errors import UpstreamError
+from gateway.errors import UpstreamError, error_body
 from gateway.sse import SSEEvent, encode_event
-
-StreamEnd = Literal["done", "upstream_error", "truncated", "failed", "too_long", "client_gone"]
+from gateway.streamend import StreamEnd
 
 DONE = b"data: [DONE]\n\n"
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
@@ -32,14 +30,7 @@ DRAIN_READS = 8
 
 def error_event(message: str, code: str, request_id: str) -> bytes:
     """A final in-stream error in OpenAI shape; the SDKs raise it as an APIError."""
-    payload = {
-        "error": {
-            "message": f"{message} (request id {request_id})",
-            "type": "upstream_error",
-            "param": None,
-            "code": code,
-        }
-    }
+    payload = error_body(message, type="upstream_error", code=code, request_id=request_id)
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -83,7 +74,7 @@ async def _drain(batches: AsyncIterator[list[SSEEvent]]) -> None:
 
 @dataclass(slots=True)
 class RelayOutcome:
-    end: StreamEnd = "client_gone"
+    end: StreamEnd = StreamEnd.CLIENT_GONE
 
 
 def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
@@ -92,13 +83,13 @@ def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome)
     for event in batch:
         data = event.data
         if data == b"[DONE]":
-            outcome.end = "done"
+            outcome.end = StreamEnd.DONE
             parts.append(DONE)
             break
         if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):
             # relayed as is when the SDKs can read it; otherwise our own error event, so
             # the client raises an API error instead of failing to parse the upstream's
-            outcome.end = "upstream_error"
+            outcome.end = StreamEnd.UPSTREAM_ERROR
             parts.append(
                 _encode(event)
                 if kind == 1
@@ -123,27 +114,27 @@ async def relay(
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream."""
     try:
         yield _encode_batch(prefix.buffered, request_id, outcome)
-        if outcome.end == "client_gone":
+        if outcome.end == StreamEnd.CLIENT_GONE:
             async for batch in prefix.batches:
                 yield _encode_batch(batch, request_id, outcome)
-                if outcome.end != "client_gone":
+                if outcome.end != StreamEnd.CLIENT_GONE:
                     break
                 if clock() > max_stream_deadline:
-                    outcome.end = "too_long"
+                    outcome.end = StreamEnd.TOO_LONG
                     yield error_event(
                         "stream exceeded the maximum duration", "stream_timeout", request_id
                     )
                     return
             else:
-                outcome.end = "truncated"
+                outcome.end = StreamEnd.TRUNCATED
                 yield error_event(
                     "upstream stream ended before completion", "stream_truncated", request_id
                 )
                 return
-        if outcome.end == "done":
+        if outcome.end == StreamEnd.DONE:
             await _drain(prefix.batches)
     except UpstreamError as exc:
-        outcome.end = "failed"
+        outcome.end = StreamEnd.FAILED
         yield error_event(
             f"upstream failed mid-stream: {exc.reason}", "upstream_failed", request_id
         )

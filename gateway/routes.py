@@ -21,8 +21,10 @@ from starlette.responses import JSONResponse, Response
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
+    MethodNotAllowed,
     ModelNotFound,
     PayloadTooLarge,
+    RouteNotFound,
     Unauthorized,
 )
 from gateway.pool import PoolRuntime
@@ -58,11 +60,8 @@ def error_response(exc: GatewayError, request_id: str) -> JSONResponse:
         headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
     if isinstance(exc, PayloadTooLarge):
         headers["connection"] = "close"
-    body = exc.body()
-    if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
-        message = f"{exc.message} (request id {request_id})"
-        body = {"error": {"message": message, "type": exc.type, "param": exc.param,
-                          "code": exc.code}}
+    # our failure or the upstreams': the id to quote to the operator
+    body = exc.body(request_id if exc.status >= 500 else None)
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
@@ -91,14 +90,11 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, HTTPException)
         error: GatewayError
         if exc.status_code == 404:
-            error = InvalidRequest("no such route")
-            error.status, error.code = 404, "not_found"
+            error = RouteNotFound("no such route")
         elif exc.status_code == 405:
-            error = InvalidRequest("method not allowed")
-            error.status, error.code = 405, "method_not_allowed"
-        else:
+            error = MethodNotAllowed("method not allowed")
+        else:  # the framework refused the request in some other way
             error = InvalidRequest(str(exc.detail))
-            error.status = exc.status_code
         return error_response(error, request_id_of(request))
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:

@@ -36,6 +36,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.drain import Drain
+from gateway.errors import HeadersTooLarge
 from gateway.settings import ServerSettings
 from gateway.sseresponse import ABORT_EXTENSION
 
@@ -50,16 +51,8 @@ class HeadTooLarge(Exception):
 
 
 def _head_too_large_response(limit: int) -> bytes:
-    body = json.dumps(
-        {
-            "error": {
-                "message": f"request line and headers exceed {limit} bytes",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "headers_too_large",
-            }
-        }
-    ).encode()
+    body = json.dumps(HeadersTooLarge(f"request line and headers exceed {limit} bytes").body()
+                      ).encode()
     head = (
         "HTTP/1.1 431 Request Header Fields Too Large\r\n"
         "content-type: application/json\r\n"

@@ -20,6 +20,8 @@ import httpx
 
 from gateway.errors import (
     UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDisconnected,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -90,15 +92,15 @@ def parse_retry_after(headers: httpx.Headers) -> float | None:
 def translate(exc: httpx.HTTPError) -> UpstreamError:
     """Map an httpx exception to our error tree, keeping no URL or body in the reason."""
     if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-        return UpstreamConnectError("connect timeout")
+        return UpstreamConnectTimeout("connect timeout")
     if isinstance(exc, httpx.ConnectError):
         return UpstreamConnectError("connect error")
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout("read timeout")
     if isinstance(exc, httpx.RemoteProtocolError):
-        return UpstreamProtocolError("connection closed or reset by upstream")
+        return UpstreamDisconnected("connection closed or reset by upstream")
     if isinstance(exc, httpx.ReadError):
-        return UpstreamProtocolError("connection reset by upstream")
+        return UpstreamDisconnected("connection reset by upstream")
     return UpstreamProtocolError(f"transport error ({type(exc).__name__})")
 
 
@@ -199,7 +201,7 @@ class OpenAIProvider:
         if response.status_code != 200:
             retry_after = parse_retry_after(response.headers)
             await HttpxStream(response, stream=False).aclose()
-            raise UpstreamStatusError(response.status_code, retry_after=retry_after)
+            raise UpstreamStatusError.of(response.status_code, retry_after=retry_after)
         content_type = media_type(response.headers.get("content-type", ""))
         expected = "text/event-stream" if call.stream else "application/json"
         if content_type != expected:

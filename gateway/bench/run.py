@@ -20,12 +20,12 @@ the difference of medians against `direct`, and the median of per-request differ
 the requests the gateway served from backend A with one attempt (the same draw on both sides).
 
 Children (`gateway.bench.procs`) are always ended (terminate, then kill) when the bench ends,
-fails, or gets Ctrl-C or SIGTERM. The numbers and tables are `gateway.bench.report`'s.
+fails, or gets Ctrl-C or SIGTERM. The numbers and tables are `gateway.bench.report`'s, the
+command line `gateway.cli`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -265,42 +265,23 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
             "workloads": workloads}
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    names = [w.name for w in WORKLOADS]
-    parser.add_argument("--workload", choices=[*names, "all"], default="all",
-                        help="which workload to run (default: all)")
-    parser.add_argument("--requests", type=int, help="requests per mode (default: per workload)")
-    parser.add_argument("--concurrency", type=int,
-                        help="requests in flight (default: per workload)")
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer requests per mode: a smoke run of about a minute")
-    parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
-    parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_bench_command(ns: argparse.Namespace) -> int:
-    for name in ("requests", "concurrency"):
-        value = getattr(ns, name)
-        if value is not None and value < 1:
-            print(f"hedge-gateway bench: --{name} must be at least 1", file=sys.stderr)
-            return 2
-    chosen = tuple(w for w in WORKLOADS if ns.workload in ("all", w.name))
-    plan = BenchPlan(workloads=chosen, seed=ns.seed,
-                     progress=None if ns.no_progress else sys.stderr, tables=sys.stdout)
-    out = ns.out or os.path.join("bench-results", time.strftime("%Y%m%d-%H%M%S") + ".json")
+def run_bench_command(plan: BenchPlan, *, out: str | None, requests: int | None = None,
+                      concurrency: int | None = None, quick: bool = False) -> int:
+    """`hedge-gateway bench` once its options are parsed: run `plan`, print the tables, write
+    the JSON report to `out` (default bench-results/<time>.json); the exit status."""
+    out = out or os.path.join("bench-results", time.strftime("%Y%m%d-%H%M%S") + ".json")
     info = machine()
-    print(f"hedge-gateway bench: {', '.join(w.name for w in chosen)}; {info['nproc']} CPUs "
-          f"({info['cpu_model']}), Python {info['python']}", file=sys.stderr)
+    print(f"hedge-gateway bench: {', '.join(w.name for w in plan.workloads)}; "
+          f"{info['nproc']} CPUs ({info['cpu_model']}), Python {info['python']}",
+          file=sys.stderr)
     # SIGTERM ends the bench like Ctrl-C does, so that its children are stopped too.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = run_bench(plan, requests=ns.requests, concurrency=ns.concurrency,
-                           quick=ns.quick)
+        result = run_bench(plan, requests=requests, concurrency=concurrency, quick=quick)
     except ChildFailed as exc:
         print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
         return 1
@@ -313,4 +294,3 @@ def run_bench_command(ns: argparse.Namespace) -> int:
     report.write_json(out, result)
     print(f"JSON report: {out}")
     return 0
-

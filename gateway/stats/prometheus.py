@@ -9,8 +9,9 @@ one process, and two gateways must not share series.
 
 Bounded labels: `pool` and `backend` come from the configuration only (the collector walks
 the configured pools, never request data); `outcome`, `kind`, `reason`, `state` are fixed
-enumerations; a request outcome is `ok` or one of the error classes `Stats` folds into a
-fixed set. Nothing a client sends can create a series.
+enumerations; `code` is an attempt failure code (one per `UpstreamError` class); a request
+outcome is `ok` or one of the error classes `Stats` folds into a fixed set. Nothing a client
+sends can create a series.
 
 Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 
@@ -25,6 +26,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `losers_cancelled_total` | counter | pool | attempts cancelled because another won |
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
 | `attempt_ttft_censored_total` | counter | pool, backend | attempts cancelled before a token |
+| `attempt_failures_total` | counter | pool, backend, code | failed attempts by failure code |
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
@@ -102,6 +104,8 @@ class GatewayCollector(Collector):
                         ["pool"])
         censored = _counter("attempt_ttft_censored",
                             "Attempts cancelled before their first token.", ["pool", "backend"])
+        failures = _counter("attempt_failures", "Failed attempts by failure code.",
+                            ["pool", "backend", "code"])
         for pool, ps in self._stats.pools.items():
             c = ps.counts.lifetime
             outcomes = {"ok": c["outcome.ok"]}
@@ -124,8 +128,11 @@ class GatewayCollector(Collector):
                         value = bc[f"kind.{kind}.{outcome}"]
                         attempts.add_metric([pool, backend, kind, outcome], value)
                 censored.add_metric([pool, backend], bc["ttft_censored"])
+                for key, value in sorted(bc.items()):
+                    if key.startswith("failure.") and value > 0:
+                        failures.add_metric([pool, backend, key[8:]], value)
         yield from (requests, attempts, started, won, suppressed, failovers, losers, late,
-                    censored)
+                    censored, failures)
 
     def _latencies(self) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

@@ -48,7 +48,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.hedges_won` | hedges on this backend that won |
 | `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | attempt TTFT (own start), attempts with a token |
 | `<scope>.ttft_censored` | attempts cancelled before a token; kept out of `ttft_ms` |
-| `<scope>.failures.<class>` | failed attempts by `failure_class` (`status_503`, ...) |
+| `<scope>.failures.<code>` | failed attempts by failure code (`unavailable`, ...) |
 """
 
 from __future__ import annotations

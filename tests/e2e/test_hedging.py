@@ -31,6 +31,7 @@ from tests.harness import (
     ScriptedUpstream,
     Send,
     Sleep,
+    Step,
     UpstreamFactory,
     comment,
     error_script,
@@ -77,7 +78,7 @@ def backend_of(upstreams: Sequence[ScriptedUpstream], request: RecordedRequest) 
 
 def slow_trap(token_after: float, text: str) -> Script:
     """200 and headers at once, keep-alive comments and a role-only chunk, the token late."""
-    steps = [
+    steps: list[Step] = [
         Head(),
         Send(comment("ping")),
         Send(role_chunk()),

@@ -315,6 +315,13 @@ def test_sigterm_drains_live_streams_closes_every_upstream_and_exits_0(
         assert "Application shutdown complete" in output, output
         for bad in ("Traceback", "Exception in ASGI application", "ERROR"):
             assert bad not in output, output
+        # the request log counts the cut stream as a shutdown, the finished one as ok (and
+        # any request refused while draining as overloaded)
+        logged = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+        streams = [e for e in logged if e["relay_end"] is not None]
+        assert sorted((e["relay_end"], e["outcome"]) for e in streams) == [
+            ("done", "ok"), ("shutdown", "stream_shutdown")], output
+        assert {e["outcome"] for e in logged if e not in streams} <= {"overloaded"}, output
         assert upstream.wait_connections(0), "an upstream connection stayed open"
     finally:
         if proc.poll() is None:

@@ -6,13 +6,18 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
 
 import pytest
 
 from gateway.attempt import Prefix
-from gateway.errors import AllAttemptsFailed
+from gateway.errors import (
+    AllAttemptsFailed,
+    UpstreamClientError,
+    UpstreamConnectError,
+    UpstreamStatusError,
+)
 from gateway.pool import PoolRuntime
 from gateway.race import AttemptRecord, Race, RaceOptions
 from gateway.sse import SSEEvent
@@ -30,7 +35,7 @@ class Done:
         return None
 
 
-async def _no_batches():  # type: ignore[no-untyped-def]
+async def _no_batches() -> AsyncIterator[list[SSEEvent]]:
     if False:
         yield []
 
@@ -58,9 +63,10 @@ async def test_a_bug_in_a_runner_is_a_502_and_not_the_backends_fault() -> None:
     await race.aclose()
     assert len(calls) == 2  # a replacement was still tried
     assert "internal error (RuntimeError)" in info.value.message
+    assert [r.failure for r in race.attempts] == ["internal_error", "internal_error"]
     for name in calls:
         assert pool.balancer.state(name, time.monotonic())[0] == "ok"
-        assert pool.balancer._backends[name].failures == 0  # type: ignore[attr-defined]
+        assert pool.balancer._backends[name].failures == 0
 
 
 async def test_failover_after_a_runner_bug_can_still_win() -> None:
@@ -77,3 +83,37 @@ async def test_failover_after_a_runner_bug_can_still_win() -> None:
     result = await race.run()
     await race.aclose()
     assert result.winner.index == 1 and result.winner.kind == "failover"
+
+
+async def test_each_failed_attempt_records_its_failure_code() -> None:
+    pool = pool_of()
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        if record.index == 0:
+            raise UpstreamStatusError.of(503)
+        raise UpstreamConnectError("connect error")
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    with pytest.raises(AllAttemptsFailed) as info:
+        await race.run()
+    await race.aclose()
+    assert [(r.failure, r.reason) for r in race.attempts] == [
+        ("unavailable", "status 503"), ("connect_error", "connect error")]
+    assert "status 503" in info.value.message and "connect error" in info.value.message
+
+
+@pytest.mark.parametrize("status", [400, 413, 422])
+async def test_a_status_that_describes_the_request_reaches_the_client_as_is(status: int) -> None:
+    pool = pool_of()
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        raise UpstreamStatusError.of(status)
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    with pytest.raises(UpstreamClientError) as info:
+        await race.run()
+    await race.aclose()
+    assert info.value.status == status and info.value.code == "upstream_rejected_request"
+    assert [(r.failure, r.outcome) for r in race.attempts] == [("request_rejected", "failed")]
