@@ -20,7 +20,7 @@ OpenAI error JSON itself is built in one place, `error_body`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 
@@ -135,6 +135,51 @@ class AllAttemptsFailed(GatewayError):
         detail = "; ".join(reasons) if reasons else "no backend available"
         super().__init__(f"all upstream attempts failed: {detail}", should_retry=False)
         self.reasons = tuple(reasons)
+
+
+class UpstreamPushback(GatewayError):
+    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After (SPEC
+    §19). The client gets 429 when all were 429, else 503, and the smallest pause as its own
+    Retry-After, without `x-should-retry: false`: the upstreams said when to come back, and
+    an SDK that waits that long and retries is what they asked for. Build it with `of`."""
+
+    status = 503
+    type = "server_error"
+    code = "upstream_pushback"
+
+    def __init__(self, reasons: Sequence[str], retry_after: float) -> None:
+        detail = "; ".join(reasons)
+        super().__init__(
+            f"every upstream asked to retry later: {detail}", retry_after=retry_after
+        )
+        self.reasons = tuple(reasons)
+
+    @classmethod
+    def of(cls, status: int, reasons: Sequence[str], retry_after: float) -> UpstreamPushback:
+        kind = UpstreamRateLimitedEverywhere if status == 429 else UpstreamPushback
+        return kind(reasons, retry_after)
+
+
+class UpstreamRateLimitedEverywhere(UpstreamPushback):
+    """Every attempt answered 429 with a Retry-After: the client gets 429 too."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
+class NoBackendAvailable(GatewayError):
+    """No backend could take the request (all at `max_concurrency`), so nothing was tried:
+    503 with `Retry-After: 1` (SPEC §19), never 502, since no upstream failed."""
+
+    status = 503
+    type = "server_error"
+    code = "no_backend_available"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "no backend of the pool can take the request now (all at their concurrency limit)",
+            retry_after=1.0,
+        )
 
 
 class UpstreamClientError(GatewayError):
@@ -322,3 +367,31 @@ def failure_codes() -> frozenset[str]:
         codes.add(cls.code)
         pending.extend(cls.__subclasses__())
     return frozenset(codes)
+
+# --- the answer when every attempt failed ----------------------------------------------------
+
+
+#: upstream statuses whose Retry-After is a pushback: "busy, come back later"
+PUSHBACK_STATUSES = (429, 503)
+
+
+def all_attempts_failed(
+    reasons: Sequence[str],
+    failures: Sequence[UpstreamError],
+    cap: Callable[[float], float],
+) -> GatewayError:
+    """The answer when every attempt failed before its first token (SPEC §5.4, §19).
+
+    All pushbacks: `UpstreamPushback` with the smallest pause, bounded by `cap` (the pool's
+    `max_pause`); anything else among them (a reset, a 500, a pushback without Retry-After):
+    502 `AllAttemptsFailed`, since retrying soon would likely fail the same way.
+    """
+    pauses = [
+        f.retry_after for f in failures
+        if isinstance(f, UpstreamStatusError) and f.status in PUSHBACK_STATUSES
+        and f.retry_after is not None
+    ]
+    if not failures or len(pauses) != len(failures):
+        return AllAttemptsFailed(reasons)
+    only_429 = all(isinstance(f, UpstreamStatusError) and f.status == 429 for f in failures)
+    return UpstreamPushback.of(429 if only_429 else 503, reasons, cap(min(pauses)))

@@ -261,6 +261,7 @@ class Proxy:
             await race.aclose()
             pool.inflight_requests -= 1
             self.admission.leave()
+            summary.panic = race.panic
             summary.ended = self.clock()
             self.stats.record(summary)
             log_request(summary, self.stats.error_classes)

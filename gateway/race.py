@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,12 +23,13 @@ from gateway.attempt import Prefix
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.errors import (
-    AllAttemptsFailed,
     FirstTokenTimeout,
     InternalAttemptError,
+    NoBackendAvailable,
     UpstreamClientError,
     UpstreamError,
     UpstreamRejectedRequest,
+    all_attempts_failed,
 )
 from gateway.policy import HedgeDelay, min_useful
 from gateway.pool import PoolRuntime
@@ -61,6 +62,8 @@ class AttemptRecord:
     late_events: int = 0
     #: a failed attempt's `UpstreamError.code` (bounded; `reason` has the detail)
     failure: str | None = None
+    #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
+    probe: bool = False
 
 
 @dataclass(slots=True)
@@ -114,7 +117,10 @@ class Race:
     _tasks: dict[asyncio.Task[Prefix], AttemptRecord] = field(default_factory=dict)
     _losers: list[asyncio.Task[Prefix]] = field(default_factory=list)
     _reasons: list[str] = field(default_factory=list)
+    _failures: list[UpstreamError] = field(default_factory=list)
     committed: bool = False
+    #: some backend choice of this request ran in panic mode (SPEC §19; counted per pool)
+    panic: bool = False
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
@@ -122,9 +128,9 @@ class Race:
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
         delays = self.options.delays
-        primary = pool.balancer.pick(now, ttft=lambda name: delays[name].median(now))
+        primary = self._pick(now, ttft=lambda name: delays[name].median(now))
         if primary is None:
-            raise AllAttemptsFailed(["no usable backend in the pool"])
+            raise NoBackendAvailable()
         self._start(primary, "primary", spent_budget=False)
         delay = self.options.delays[primary].delay(now)
         next_hedge = now + delay if self.options.hedging else math.inf
@@ -148,7 +154,9 @@ class Race:
                     self._try_extra("hedge", now)
                     next_hedge = now + delay
                 if not self._tasks:
-                    raise AllAttemptsFailed(self._reasons)
+                    raise all_attempts_failed(
+                        self._reasons, self._failures, pool.balancer.capped_pause
+                    )
         except asyncio.CancelledError:
             self._cancel_all()  # the client left: say nothing of the hedges' efficacy
             raise
@@ -227,11 +235,11 @@ class Race:
         def ttft(name: str) -> float | None:
             return self.options.delays[name].median(now)
 
-        backend = pool.balancer.pick(
+        backend = self._pick(
             now, exclude=in_flight | tried, avoid_groups=running_groups, ttft=ttft
         )
         if backend is None and not hedge:
-            backend = pool.balancer.pick(now, exclude=in_flight, ttft=ttft)
+            backend = self._pick(now, exclude=in_flight, ttft=ttft)
         if backend is None:
             return SuppressReason.NO_BACKEND
         remaining = self.options.deadline - now
@@ -250,7 +258,7 @@ class Race:
     def _start(self, backend: str, kind: AttemptKind, *, spent_budget: bool) -> None:
         record = AttemptRecord(len(self.attempts), backend, kind, self.clock(), spent_budget)
         self.attempts.append(record)
-        self.pool.balancer.on_start(backend)
+        record.probe = self.pool.balancer.on_start(backend)
         task = asyncio.create_task(
             self.runner(backend, record), name=f"attempt-{record.index}-{backend}"
         )
@@ -258,7 +266,7 @@ class Race:
 
     def _finished(self, record: AttemptRecord) -> None:
         """Bookkeeping common to every way an attempt ends."""
-        self.pool.balancer.on_finish(record.backend)
+        self.pool.balancer.on_finish(record.backend, probe=record.probe)
         if record.spent_budget:
             self.pool.budget.release()
 
@@ -270,10 +278,23 @@ class Race:
         record.reason = exc.reason
         record.failure = exc.code
         self._reasons.append(f"{record.backend}: {exc.reason}")
+        self._failures.append(exc)
         if exc.replaceable and backend_fault:
             self.pool.balancer.on_failure(record.backend, now)
         if exc.retry_after is not None:
-            self.pool.balancer.pause(record.backend, now + exc.retry_after)
+            self.pool.balancer.pause(record.backend, exc.retry_after, now)
+
+    def _pick(
+        self,
+        now: float,
+        *,
+        exclude: Collection[str] = (),
+        avoid_groups: Collection[str] = (),
+        ttft: Callable[[str], float | None],
+    ) -> str | None:
+        """`Balancer.pick`, noting whether the choice was made in panic mode (for stats)."""
+        self.panic = self.panic or self.pool.balancer.panic(now)
+        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft)
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()

@@ -62,6 +62,8 @@ class Workload:
     outage_extra: float = 0.0
     #: the outage covers these fractions of the request indexes
     outage_span: tuple[float, float] = (1 / 3, 2 / 3)
+    #: simulated backends behind the gateway (the oracle races all of them)
+    backends: int = 2
 
 
 _STRAGGLERS = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.03,
@@ -75,6 +77,12 @@ WORKLOADS: tuple[Workload, ...] = (
              SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
                         straggler_extra=0.0, tokens=50, inter_token=0.0),
              requests=2000, concurrency=50, quick_requests=150),
+    Workload("pushback", "3 backends, TTFT median 150 ms (no stragglers), each answering 3 % "
+             "with 503 + Retry-After: 1", SimProfile(
+                 ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.0,
+                 straggler_extra=0.0, tokens=30, inter_token=0.005, fail_probability=0.03,
+                 fail_status=503),
+             requests=600, concurrency=16, quick_requests=150, backends=3),
 )
 
 
@@ -111,11 +119,12 @@ class _Context:
     sim_pids: list[int]
 
 
-async def _start_gateway(ctx: _Context, mode: str) -> tuple[str, subprocess.Popen[bytes]]:
+async def _start_gateway(ctx: _Context, mode: str, backends: int
+                         ) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
     with open(path, "w", encoding="utf-8") as file:
-        file.write(gateway_config(port, ctx.sim_ports, hedging=mode == "hedging-on"))
+        file.write(gateway_config(port, ctx.sim_ports[:backends], hedging=mode == "hedging-on"))
     proc = ctx.children.start(f"gateway-{mode}", [
         sys.executable, "-m", "gateway.cli", "serve", "--config", path, "--host", "127.0.0.1",
         "--port", str(port), "--log-level", "warning"])
@@ -134,7 +143,7 @@ async def _hedge_stats(client: httpx.AsyncClient, base: str) -> object:
 async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
                     concurrency: int, gateway: tuple[str, subprocess.Popen[bytes]] | None,
                     ) -> dict[str, Any]:
-    client = ctx.client
+    client, sims = ctx.client, ctx.sims[:workload.backends]
     outage = {"start": int(requests * workload.outage_span[0]),
               "end": int(requests * workload.outage_span[1]),
               "extra_ms": workload.outage_extra * 1000.0}
@@ -142,7 +151,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         client.post(f"{s}/bench/reset", json={
             "profile": profile_to_json(workload.profile), "seed": ctx.plan.seed,
             "backend": chr(97 + k), "outage": outage})
-        for k, s in enumerate(ctx.sims)))
+        for k, s in enumerate(sims)))
     for response in resets:
         response.raise_for_status()
     direct_body = {**CHAT_BODY, "model": "sim"}
@@ -151,14 +160,15 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         url = f"{ctx.sims[0]}/v1/chat/completions"
         send = lambda c, i: stream_one(c, url, i, body=direct_body)  # noqa: E731
     elif mode == "oracle":
-        urls = [f"{s}/v1/chat/completions" for s in ctx.sims]
+        urls = [f"{s}/v1/chat/completions" for s in sims]
         send = lambda c, i: best_of(c, urls, i, body=direct_body)  # noqa: E731
     elif gateway is not None:
         gw_url, gw_body = f"{gateway[0]}/v1/chat/completions", {**CHAT_BODY, "model": POOL}
         send = lambda c, i: stream_one(c, gw_url, i, body=gw_body)  # noqa: E731
     else:
         raise ValueError(f"unknown mode {mode!r}")
-    pids = {"client": os.getpid(), **{f"sim-{chr(97 + k)}": p for k, p in enumerate(ctx.sim_pids)}}
+    pids = {"client": os.getpid(),
+            **{f"sim-{chr(97 + k)}": p for k, p in enumerate(ctx.sim_pids[:len(sims)])}}
     if gateway is not None:
         pids["gateway"] = gateway[1].pid
     done = asyncio.Event()
@@ -183,7 +193,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
             await task
     processes = meters[0].result()
     await asyncio.sleep(0.3)  # let the losers' closes reach the simulators' logs
-    logs = [(await client.get(f"{s}/bench/log")).json() for s in ctx.sims]
+    logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
     hedge_stats = await _hedge_stats(client, gateway[0]) if gateway is not None else None
     row = report.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
                                 hedge_stats=hedge_stats,
@@ -204,7 +214,7 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
     try:
         for mode in ctx.plan.modes:
             if mode in report.GATEWAY_MODES:
-                gateways[mode] = await _start_gateway(ctx, mode)
+                gateways[mode] = await _start_gateway(ctx, mode, workload.backends)
         await asyncio.gather(*(wait_ready(ctx.client, f"{url}/healthz", proc, ctx.children)
                                for url, proc in gateways.values()))
         rows = {mode: await _run_mode(ctx, workload, mode, requests, concurrency,
@@ -235,7 +245,7 @@ async def _run(plan: BenchPlan, children: Children, sizes: Sequence[tuple[int, i
                ) -> list[dict[str, Any]]:
     """Start the simulators, then run each workload; the load uses its own clients."""
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:  # control calls
-        ports = [free_port(), free_port()]
+        ports = [free_port() for _ in range(max(w.backends for w in plan.workloads))]
         procs = [children.start(f"sim-{chr(97 + k)}", [
             sys.executable, "-m", "gateway.bench.upstream", "--port", str(p)])
             for k, p in enumerate(ports)]

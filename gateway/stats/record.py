@@ -62,6 +62,8 @@ class RequestSummary:
     ended: float | None = None
     error: str | None = None
     relay_end: StreamEnd | None = None
+    #: a backend choice of this request ran in panic mode (SPEC §19)
+    panic: bool = False
 
     def attach(
         self,
@@ -282,6 +284,7 @@ class Stats:
         pc: Counter[str] = Counter(requests=1, attempts=len(summary.attempts))
         pc[f"attempts={len(summary.attempts)}"] += 1
         pc[f"outcome.{request_class(summary, self.error_classes)}"] += 1
+        pc["panic"] += summary.panic
         for reason in summary.suppressed:
             pc[f"suppressed.{SuppressReason(reason).value}"] += 1
         for attempt in summary.attempts:

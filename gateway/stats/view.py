@@ -35,10 +35,13 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.cancelled` | attempts cancelled as the request ended without a winner |
 | `<scope>.latency_saved_ms.p50/p99` / `.count` | hedge won: primary's tokenless time at commit |
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
+| `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
+| `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
 | `state` / `reason` | `ok`, `ejected` or `paused`, and why (null when ok) |
+| `seconds_left` | until the pause or cool-down ends (0: awaiting its probe; null when ok) |
 | `group` / `inflight` | the configured group; attempts running there now |
 | `hedge_delay_ms` | hedge delay in force for requests whose primary is here |
 | `hedge_delay_mode` | `adaptive` (TTFT quantile), `initial` (too few samples), `fixed` |
@@ -57,6 +60,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gateway.budget import SuppressReason
+from gateway.errors import NoBackendAvailable
 
 if TYPE_CHECKING:
     from gateway.pool import PoolRuntime
@@ -142,6 +146,8 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             k[8:]: v for k, v in sorted(c.items())
             if k.startswith("outcome.") and k != "outcome.ok" and v > 0
         },
+        "panic": c["panic"],
+        "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
     }
 
 
@@ -151,6 +157,7 @@ def backend_view(
     out: dict[str, Any] = {}
     if runtime is not None:
         state, reason = runtime.balancer.state(name, now)
+        left = runtime.balancer.seconds_left(name, now)
         delay = runtime.delays[name]
         if delay.settings.mode == "fixed":
             mode = "fixed"
@@ -159,6 +166,7 @@ def backend_view(
         out.update(
             state=state,
             reason=reason,
+            seconds_left=None if left is None else round(left, 3),
             group=runtime.groups.get(name, ""),
             inflight=runtime.balancer.inflight(name),
             hedge_delay_ms=round(delay.delay(now) * 1000, 3),

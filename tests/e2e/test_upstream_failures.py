@@ -388,6 +388,11 @@ def test_an_upstream_error_body_never_reaches_the_client(
         if status in (400, 422):  # fails everywhere: the client's own error, with the status
             assert error.status_code == status
             assert error.code == "upstream_rejected_request"
+        elif status in (429, 503):  # pushback everywhere, with a Retry-After (SPEC §19)
+            assert error.status_code == status
+            assert error.code == "upstream_pushback"
+            assert f"status {status}" in error.message
+            assert error.response.headers["x-request-id"] == request_id
         else:
             assert error.status_code == 502
             assert f"status {status}" in error.message and request_id in error.message
