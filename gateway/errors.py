@@ -11,7 +11,7 @@ body can hold internal hostnames or echo a key, so we keep only its status and a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 
 class GatewayError(Exception):
@@ -34,6 +34,9 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.should_retry = should_retry
+        #: what must run once this error was answered (the end of the logical request: reap
+        #: its attempts, record it); the HTTP error handler runs it after sending the answer
+        self.after_response: Callable[[], Awaitable[None]] | None = None
 
     def body(self) -> dict[str, object]:
         return {

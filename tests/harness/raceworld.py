@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from starlette.requests import Request
+from starlette.types import Message
+
 from gateway.attempt import Prefix, open_until_first_token
 from gateway.budget import HedgeBudget, SuppressReason
+from gateway.drain import Drain
 from gateway.errors import (
     AllAttemptsFailed,
     FirstTokenTimeout,
@@ -27,9 +31,11 @@ from gateway.errors import (
 )
 from gateway.policy import HedgeDelay
 from gateway.pool import PoolRuntime
+from gateway.proxy import LogicalRequest, Proxy
 from gateway.race import AttemptRecord, Race, RaceOptions, RaceResult
-from gateway.settings import BudgetSettings, DelaySettings
+from gateway.settings import BudgetSettings, DelaySettings, ServerSettings
 from gateway.sse import SSEEvent
+from gateway.stats import RequestSummary, Stats
 from providers.base import UpstreamCall
 from tests.harness.builders import gateway_settings
 from tests.harness.virtualtime import VirtualLoop
@@ -87,6 +93,8 @@ class World:
     close_takes: float = 0.0
     #: closes that were interrupted before they finished
     interrupted: list[int] = field(default_factory=list)
+    #: attempts whose upstream answered with an error status (nothing opened)
+    refused: list[int] = field(default_factory=list)
 
 
 class FakeStream:
@@ -247,3 +255,69 @@ async def play(setup: Setup, loop: VirtualLoop, world: World | None = None) -> S
         await result.prefix.aclose()
     await race.aclose()
     return Seen(outcome, decided_at, race, budget, world, result, wakes)
+
+
+# -- the same world behind the proxy -----------------------------------------------------------
+
+
+class RecordingStats(Stats):
+    """The real stats, keeping each summary it was given (and when, virtually)."""
+
+    def __init__(self, pool: PoolRuntime, clock: VirtualLoop) -> None:
+        super().__init__({pool.settings.name: [b.name for b in pool.settings.backends]},
+                         now=clock.time())
+        self._loop = clock
+        self.summaries: list[tuple[float, RequestSummary]] = []
+
+    def record(self, summary: RequestSummary) -> None:
+        self.summaries.append((self._loop.time(), summary))
+        super().record(summary)
+
+
+class SequencedProvider:
+    """A backend's provider for the proxy: the n-th upstream opened follows step n."""
+
+    name = "sequenced"
+
+    def __init__(self, world: World, script: Sequence[Step]) -> None:
+        self.world, self.script = world, script
+
+    async def open(self, call: UpstreamCall) -> FakeStream:
+        world = self.world
+        index = len(world.opened) + len(world.refused)
+        step = self.script[index]
+        if step.what in ("400", "503"):
+            world.refused.append(index)
+        return await FakeProvider(world, index, step).open(call)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def proxy_for(setup: Setup, loop: VirtualLoop, world: World) -> tuple[Proxy, PoolRuntime]:
+    """A `Proxy` over a pool whose backends follow `setup.script`, on the virtual clock."""
+    pool, _ = build_pool(setup)
+    pool.inflight_requests = 0  # the proxy counts its own requests
+    provider = SequencedProvider(world, setup.script)
+    pool.providers = {b.name: provider for b in pool.settings.backends}
+    pool.delays = delays_for(setup)
+    pool.whole_delays = {endpoint: delays_for(setup) for endpoint in pool.whole_delays}
+    stats = RecordingStats(pool, loop)
+    return Proxy(ServerSettings(), stats, loop.time, Drain(loop.time)), pool
+
+
+def http_request() -> Request:
+    """A Starlette request whose client never sends another message (nor leaves)."""
+
+    async def receive() -> Message:
+        await asyncio.get_running_loop().create_future()
+        raise AssertionError("unreachable")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [], "query_string": b""}
+    return Request(scope, receive)
+
+
+def logical_request(stream: bool) -> LogicalRequest:
+    body = {"model": "pool", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    return LogicalRequest("req", "chat/completions", body, stream, {})
