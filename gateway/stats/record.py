@@ -45,7 +45,7 @@ CLOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 #: ends of a relayed stream that are not errors
 CLEAN_ENDS = (None, "done")
 STREAM_ENDS = ("upstream_error", "truncated", "failed", "too_long", "client_gone",
-               "stuck_client")
+               "stuck_client", "internal_error")
 
 
 @dataclass(slots=True)
