@@ -192,6 +192,10 @@ class Race:
         for task in sorted(done, key=lambda t: self._tasks[t].index):
             record = self._tasks.pop(task)
             self._finished(record)
+            if task.cancelled():  # not by us (we pop before cancelling): count it as failed
+                failures += 1
+                self._failed(record, UpstreamError("attempt cancelled"), backend_fault=False)
+                continue
             exc = task.exception()
             if exc is None:
                 winners.append((task, record))

@@ -45,7 +45,7 @@ TOKEN = SSEEvent(b'{"choices":[{"index":0,"delta":{"content":"x"}}]}')
 #: how long the winner's stream lasts after commit (and an error answer is read), virtually
 STREAM_FOR = 5.0
 
-What = Literal["token", "gone+token", "hang", "reset", "400", "503"]
+What = Literal["token", "gone+token", "hang", "reset", "400", "503", "cancelled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +136,9 @@ class FakeProvider:
 
     async def open(self, call: UpstreamCall) -> FakeStream:
         step = self.step
+        if step.what == "cancelled":  # the attempt's task cancelled by something not the race
+            await asyncio.sleep(step.at)
+            raise asyncio.CancelledError
         if step.what in ("400", "503"):
             await asyncio.sleep(step.at)
             raise UpstreamStatusError(int(step.what))

@@ -76,6 +76,9 @@ ROWS = [
     Row("every attempt fails: 502, max_attempts counted once",
         Setup([Step("503", 0.125), Step("reset", 0.125)]), "502",
         ((P, 0.0), (F, 0.125)), spent=1, suppressed={"max_attempts": 1}, restarts=1),
+    Row("an attempt cancelled by something else than the race counts as failed",
+        Setup([Step("cancelled", 0.125), tok(0.125)]), "commit 1", ((P, 0.0), (F, 0.125)),
+        spent=1, restarts=1),
     # -- the hedge timer and failovers -------------------------------------------------------
     Row("failover then hedge: the timer restarts at the failover",
         Setup([Step("503", 0.125), HANG, tok(0.125)], max_attempts=3), "commit 2",
