@@ -20,7 +20,7 @@ OpenAI error JSON itself is built in one place, `error_body`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import ClassVar
 
 
@@ -61,6 +61,9 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.should_retry = should_retry
+        #: what must run once this error was answered (the end of the logical request: reap
+        #: its attempts, record it); the HTTP error handler runs it after sending the answer
+        self.after_response: Callable[[], Awaitable[None]] | None = None
 
     def body(self, request_id: str | None = None) -> dict[str, object]:
         return error_body(self.message, type=self.type, code=self.code, param=self.param,

@@ -28,7 +28,7 @@ from gateway.errors import (
     Unauthorized,
 )
 from gateway.pool import PoolRuntime
-from gateway.proxy import LogicalRequest, Proxy
+from gateway.proxy import AnswerThen, LogicalRequest, Proxy
 from gateway.settings import Settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
@@ -84,7 +84,10 @@ async def read_body(request: Request, limit: int) -> bytes:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_gateway_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        return error_response(exc, request_id_of(request))
+        response = error_response(exc, request_id_of(request))
+        if exc.after_response is not None:  # answer first, then end the logical request
+            return AnswerThen(response, exc.after_response)
+        return response
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
