@@ -76,10 +76,30 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class RequestTimeout(GatewayError):
+    """The request's head and body did not arrive within `server.body_timeout` (SPEC §18)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class HeadersTooLarge(GatewayError):
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
+
+
 class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "overloaded"
+
+
+class TooManyConnections(Overloaded):
+    """A new connection past `server.max_connections` (SPEC §18)."""
+
+    code = "too_many_connections"
 
 
 class AllAttemptsFailed(GatewayError):

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import (
@@ -23,6 +24,7 @@ from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
     Unauthorized,
 )
 from gateway.pool import PoolRuntime
@@ -74,11 +76,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            parts.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by `server.body_timeout` (the 408 is out)
+        raise RequestTimeout("the request body did not arrive") from None
     return b"".join(parts)
 
 
