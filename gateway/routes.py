@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from gateway.drain import Drain
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -196,6 +197,7 @@ def build_ops_router(
     *,
     stats: Stats,
     metrics: Metrics,
+    drain: Drain,
 ) -> APIRouter:
     ops = APIRouter()
 
@@ -205,13 +207,16 @@ def build_ops_router(
 
     @ops.get("/readyz")
     async def readyz() -> Response:
+        """Unready only while draining or when no pool can serve at all: a load balancer
+        that drops every replica for one dead pool would take the healthy pools down too."""
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         now = clock()
         unready = [name for name, pool in pools.items() if not pool.balancer.usable(now)]
-        if unready:
-            return JSONResponse(
-                {"status": "unready", "pools_without_usable_backend": unready}, status_code=503
-            )
-        return JSONResponse({"status": "ready"})
+        body = {"pools_without_usable_backend": unready}
+        if len(unready) == len(pools):
+            return JSONResponse({"status": "unready", **body}, status_code=503)
+        return JSONResponse({"status": "ready", **body})
 
     @ops.get("/hedge/stats")
     async def hedge_stats() -> JSONResponse:

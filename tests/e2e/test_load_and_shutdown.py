@@ -133,7 +133,8 @@ def test_beyond_the_concurrency_limit_503_at_once_while_admitted_streams_flow(
             assert not gate.is_open
             assert refused.status_code == 503
             assert refused.headers["retry-after"] == "1"
-            assert refused.headers["x-should-retry"] == "false"
+            assert refused.headers["retry-after-ms"] == "1000"
+            assert "x-should-retry" not in refused.headers  # retryable (SPEC §18)
             error = refused.json()["error"]
             assert error["code"] == "overloaded" and error["type"] == "server_error"
             assert len(upstream.requests) == 2  # the refused request never went upstream
