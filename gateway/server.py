@@ -1,5 +1,5 @@
-"""How `hedge-gateway serve` runs the app under uvicorn: shutdown and the client
-connection.
+"""How `hedge-gateway serve` runs the app under uvicorn: shutdown, the client connection,
+the open-file limit.
 
 What plain `uvicorn.run` does not do the way a gateway needs:
 
@@ -13,6 +13,7 @@ What plain `uvicorn.run` does not do the way a gateway needs:
 - The connection: `gateway.protocol.GatewayHttpProtocol` bounds request heads, aborts stuck
   clients, closes lingering after an early refusal, and enforces `server.body_timeout` and
   `server.max_connections`.
+- Descriptors: `raise_open_file_limit` lifts the soft open-file limit to the hard one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import resource
 import signal
 import threading
 from collections.abc import Generator
@@ -94,3 +96,19 @@ def build_server(
     )
     return GatewayServer(config, drain)
 
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's open-file soft limit to its hard limit; return (before, after).
+
+    Every client stream holds two descriptors (client and upstream sockets), so the common
+    soft default of 1024 caps a gateway near 500 streams long before `max_connections`. The
+    hard limit is what an unprivileged process may take; where it is unlimited (never on
+    Linux), the soft limit stays as it is. A refusal leaves the limit unchanged."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft >= hard:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, hard
