@@ -84,7 +84,7 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, pools, proxy))
-    app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics))
+    app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics, drain=drain))
     app.state.pools = pools
     app.state.stats = stats
     app.state.proxy = proxy

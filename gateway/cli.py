@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.server import build_server
+    from gateway.server import build_server, raise_open_file_limit
     from gateway.settings.load import ConfigError, default_settings, load_settings
 
     try:
@@ -34,6 +34,9 @@ def _serve(ns: argparse.Namespace) -> int:
             port=ns.port if ns.port is not None else server.port,
         )
         settings = replace(settings, server=server)
+    before, after = raise_open_file_limit()  # a stream holds two descriptors
+    raised = f" (raised from {before})" if after != before else ""
+    print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)

@@ -112,6 +112,14 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class RequestTimeout(GatewayError):
+    """The request's head and body did not arrive within `server.body_timeout` (SPEC §18)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class HeadersTooLarge(GatewayError):
     """The request line and headers crossed `server.max_headers` (sent by the server itself,
     before any route runs)."""
@@ -125,6 +133,12 @@ class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "overloaded"
+
+
+class TooManyConnections(Overloaded):
+    """A new connection past `server.max_connections` (SPEC §18)."""
+
+    code = "too_many_connections"
 
 
 class AllAttemptsFailed(GatewayError):

@@ -59,10 +59,9 @@ class Admission:
         self.active = 0
 
     def enter(self) -> None:
+        # retryable (no `x-should-retry: false`): SDKs come back after the pause (SPEC §18)
         if self.active >= self.limit:
-            raise Overloaded(
-                "the gateway is at its concurrency limit", retry_after=1.0, should_retry=False
-            )
+            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
         self.active += 1
 
     def leave(self) -> None:

@@ -16,14 +16,17 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from gateway.drain import Drain
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
     RouteNotFound,
     Unauthorized,
 )
@@ -73,11 +76,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            parts.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by `server.body_timeout` (the 408 is out)
+        raise RequestTimeout("the request body did not arrive") from None
     return b"".join(parts)
 
 
@@ -190,6 +196,7 @@ def build_ops_router(
     *,
     stats: Stats,
     metrics: Metrics,
+    drain: Drain,
 ) -> APIRouter:
     ops = APIRouter()
 
@@ -199,13 +206,16 @@ def build_ops_router(
 
     @ops.get("/readyz")
     async def readyz() -> Response:
+        """Unready only while draining or when no pool can serve at all: a load balancer
+        that drops every replica for one dead pool would take the healthy pools down too."""
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         now = clock()
         unready = [name for name, pool in pools.items() if not pool.balancer.usable(now)]
-        if unready:
-            return JSONResponse(
-                {"status": "unready", "pools_without_usable_backend": unready}, status_code=503
-            )
-        return JSONResponse({"status": "ready"})
+        body = {"pools_without_usable_backend": unready}
+        if len(unready) == len(pools):
+            return JSONResponse({"status": "unready", **body}, status_code=503)
+        return JSONResponse({"status": "ready", **body})
 
     @ops.get("/hedge/stats")
     async def hedge_stats() -> JSONResponse:

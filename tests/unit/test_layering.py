@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.race", "gateway.relay", "gateway.sseresponse"),
     ("gateway.stats",),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.server"),
+    ("gateway.routes", "gateway.server", "gateway.protocol"),
     ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
 )
