@@ -228,6 +228,7 @@ class Proxy:
         body = relay(
             result.prefix,
             request_id=req.request_id,
+            idle=timeouts.idle,
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,

@@ -42,7 +42,9 @@ from tests.harness import (
     Send,
     Step,
     UpstreamFactory,
+    comment,
     error_obj,
+    finish_chunk,
     hang_script,
     json_script,
     role_chunk,
@@ -157,6 +159,47 @@ def test_a_stream_broken_after_commit_ends_with_a_final_error_event(
     if isinstance(script.steps[-1], Hang):  # the upstream would wait forever: we hang up
         assert upstream.wait_closed(request), "the gateway never closed the upstream"
     end = "stream_truncated" if code == "stream_truncated" else "stream_failed"
+    assert pool_errors(gateway.root, POOL, settle={end: 1}) == {end: 1}
+
+
+def chatty_then_token(comments: int, every: float) -> Script:
+    """Committed ("a", "b"), then only `: ping` comments every `every` s, then "c" and
+    `[DONE]`: an upstream that keeps the socket busy without sending any event."""
+    pings: list[Step] = [Send(comment("ping"), every) for _ in range(comments)]
+    return committed(*pings, Send(token_chunk("c")), Send(finish_chunk()), Send(DONE))
+
+
+#: name -> (timeouts, the final event's code, words its message holds, the stats' end)
+PER_EVENT_DEADLINES: dict[str, tuple[Timeouts, str, str, str]] = {
+    "idle": (Timeouts(idle=0.5), "upstream_failed", "read timeout", "stream_failed"),
+    "max_stream": (
+        Timeouts(idle=30.0, max_stream=1.0), "stream_timeout", "maximum duration",
+        "stream_too_long",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_EVENT_DEADLINES))
+def test_comments_after_commit_neither_reset_idle_nor_outlast_max_stream(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, case: str
+) -> None:
+    """SPEC §18: the deadlines after commit are per event. Comments every 0.1 s restart
+    httpx's read timeout on every byte, so only a deadline per event ends this stream before
+    the upstream's late "c" (after 6 s of comments)."""
+    timeouts, code, words, end = PER_EVENT_DEADLINES[case]
+    gateway, (upstream,) = start(
+        loop_thread, scripted_upstream, lambda _: chatty_then_token(60, 0.1), max_attempts=1,
+        timeouts=timeouts,
+    )
+    text, error, request_id = read_stream(gateway)
+    (request,) = upstream.requests
+    assert upstream.wait_closed(request), "the gateway never closed the upstream"
+    # causality: the gateway hung up while the upstream was still sending only comments
+    assert request.events_written == 3 and request.outcome != "complete", request.outcome
+    assert text == "ab"
+    assert error is not None, "the stream outlived its deadline"
+    assert error.code == code
+    assert words in error.message and request_id in error.message
     assert pool_errors(gateway.root, POOL, settle={end: 1}) == {end: 1}
 
 
