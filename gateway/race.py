@@ -180,7 +180,7 @@ class Race:
                 self._failed(record, UpstreamError(f"internal error ({type(exc).__name__})"),
                              backend_fault=False)
                 continue
-            self._failed(record, exc)
+            self._failed(record, exc, backend_fault=exc.backend_fault)
             if not exc.replaceable and isinstance(exc, UpstreamStatusError):
                 raise UpstreamClientError(exc.status, record.backend)
         if winners:

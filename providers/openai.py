@@ -19,6 +19,7 @@ import anyio
 import httpx
 
 from gateway.errors import (
+    GatewayPoolFull,
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
@@ -89,7 +90,9 @@ def parse_retry_after(headers: httpx.Headers) -> float | None:
 
 def translate(exc: httpx.HTTPError) -> UpstreamError:
     """Map an httpx exception to our error tree, keeping no URL or body in the reason."""
-    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+    if isinstance(exc, httpx.PoolTimeout):  # our own pool is full: not the backend's fault
+        return GatewayPoolFull("no free upstream connection in the gateway's pool")
+    if isinstance(exc, httpx.ConnectTimeout):
         return UpstreamConnectError("connect timeout")
     if isinstance(exc, httpx.ConnectError):
         return UpstreamConnectError("connect error")
