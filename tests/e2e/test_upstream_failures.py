@@ -42,6 +42,7 @@ from tests.harness import (
     Send,
     Step,
     UpstreamFactory,
+    chat_completion_obj,
     comment,
     error_obj,
     finish_chunk,
@@ -201,6 +202,51 @@ def test_comments_after_commit_neither_reset_idle_nor_outlast_max_stream(
     assert error.code == code
     assert words in error.message and request_id in error.message
     assert pool_errors(gateway.root, POOL, settle={end: 1}) == {end: 1}
+
+
+EMBEDDING = {
+    "object": "list",
+    "data": [{"object": "embedding", "index": 0, "embedding": [0.25, -0.5]}],
+    "model": "model-0",
+    "usage": {"prompt_tokens": 1, "total_tokens": 1},
+}
+
+
+def non_streaming(gateway: Gateway, endpoint: str) -> Any:
+    with sdk(gateway.v1) as client:
+        if endpoint == "embeddings":
+            return client.embeddings.create(model=POOL, input="x")
+        return client.chat.completions.create(model=POOL, messages=MESSAGES)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "embeddings"])
+def test_a_non_streaming_answer_is_bounded_by_the_pool_timeout_not_first_token(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, endpoint: str
+) -> None:
+    """SPEC §18: a whole body is its own "first token"; `timeouts.first_token` and the idle
+    gap between reads must not cut off an answer the pool's `timeout` allows."""
+    body = EMBEDDING if endpoint == "embeddings" else chat_completion_obj("slow but fine")
+    slow = json_script(body, delay=1.2)
+    short = Timeouts(first_token=0.4, idle=0.4)
+    gateway, (upstream,) = start(
+        loop_thread, scripted_upstream, lambda _: slow, max_attempts=1, timeout=5.0,
+        timeouts=short,
+    )
+    answer = non_streaming(gateway, endpoint)
+    if endpoint == "embeddings":
+        assert answer.data[0].embedding == [0.25, -0.5]
+    else:
+        assert answer.choices[0].message.content == "slow but fine"
+    # the pool's `timeout` still bounds the whole response
+    gateway, (upstream,) = start(
+        loop_thread, scripted_upstream, lambda _: json_script(body, delay=3.0),
+        max_attempts=1, timeout=0.8, timeouts=short,
+    )
+    with pytest.raises(openai.APIStatusError) as info:
+        non_streaming(gateway, endpoint)
+    assert info.value.status_code == 504
+    (request,) = upstream.requests
+    assert upstream.wait_closed(request)
 
 
 # ---- before commit: failover, or 502/504 ------------------------------------------------------
