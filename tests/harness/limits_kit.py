@@ -29,6 +29,7 @@ from gateway.app import create_app
 from gateway.server import GatewayServer, build_server
 from gateway.settings import Settings
 from tests.harness import LoopThread
+from tests.harness.leaks import gateway_in_use
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
@@ -93,6 +94,7 @@ class GatewayFactory:
             sock.close()
 
         self._lt.add_cleanup(stop)
+        self._lt.add_live_check(lambda: gateway_in_use(gateway.app))
         return gateway
 
 
