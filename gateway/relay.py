@@ -2,8 +2,10 @@
 
 The hot path of the gateway. Per event it does one bytes comparison, one substring test and one
 concatenation: no JSON parsing (except for the rare event that mentions "error"), no logging,
-no allocation beyond the output bytes. Upstream `id:`/`retry:` fields and comments were already
-dropped by the decoder; keep-alive comments are the response's own.
+no allocation beyond the output bytes. Per upstream read it stores one clock reading: the idle
+and max_stream deadlines are one timer per stream (`_Deadlines`), never a timer per event.
+Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
+comments are the response's own.
 
 A stream that ends without `[DONE]` and without an error event is a truncation: the client gets
 a final error event in OpenAI shape, never a silent success.
