@@ -27,7 +27,7 @@ import openai
 import pytest
 
 import providers.openai
-from gateway.settings import Timeouts
+from gateway.settings import ServerSettings, Timeouts
 from tests.harness import (
     DONE,
     SSE_HEADERS,
@@ -583,3 +583,27 @@ def test_a_hostile_deeply_nested_event_after_commit_does_not_break_the_relay(
     assert body.endswith(DONE) and b'"c"' in body
     assert error_logs(caplog) == []
     assert loop_thread.errors == []
+
+
+def test_a_full_gateway_pool_is_not_held_against_the_backend(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Issue 10, risk 12. One admitted request, so the shared client has two upstream
+    connections; the primary and the first hedge hold them, the second hedge waits for a
+    free one past `timeouts.connect` (httpx's PoolTimeout). That backend was never asked:
+    it must not get a failure on its health record."""
+    silent = Script(headers=SSE_HEADERS, steps=[Head(), Send(role_chunk()), Hang()])
+    gateway, upstreams = start(
+        loop_thread, scripted_upstream, lambda _: silent, count=3, delay=0.1, max_attempts=3,
+        timeout=1.5, timeouts=Timeouts(connect=0.3),
+        server=ServerSettings(max_concurrent_requests=1),
+    )
+    error = status_error(gateway)
+    assert error.status_code == 504
+    assert "no free upstream connection" in error.message
+    asked = {f"b{i}" for i, u in enumerate(upstreams) if u.requests}
+    (never_asked,) = {"b0", "b1", "b2"} - asked
+    pool = gateway.app.state.pools[POOL]
+    assert pool.balancer._backends[never_asked].failures == 0  # type: ignore[attr-defined]
+    for name in asked:  # the silent ones timed out: the deadline, not a failure either
+        assert pool.balancer.state(name, 0.0)[0] == "ok"
