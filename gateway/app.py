@@ -90,4 +90,6 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     app.state.proxy = proxy
     #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`
     app.state.drain = drain
+    #: the shared upstream client (the test harness checks that no connection stays in use)
+    app.state.http_client = client
     return app

@@ -259,6 +259,9 @@ class UpstreamError(Exception):
     code: str = "upstream_error"
     #: whether another backend could succeed where this one failed
     replaceable: bool = True
+    #: whether the failure counts against the backend's health (SPEC §7); False when the
+    #: gateway itself failed the attempt
+    backend_fault: bool = True
 
     def __init__(self, reason: str, *, retry_after: float | None = None) -> None:
         super().__init__(reason)
@@ -282,6 +285,17 @@ class UpstreamConnectTimeout(UpstreamConnectError):
     """No connection (or no free pooled connection) within `timeouts.connect`."""
 
     code = "connect_timeout"
+
+
+class GatewayPoolFull(UpstreamError):
+    """No free connection in the gateway's own upstream pool in time (httpx `PoolTimeout`).
+
+    The backend was never asked, so this must not eject it: a full pool on our side would
+    otherwise take healthy backends out one after another. Another backend may still be
+    tried (the pool is shared, but a connection may free up meanwhile)."""
+
+    code = "gateway_pool_full"
+    backend_fault = False
 
 
 class UpstreamTimeout(UpstreamError):

@@ -221,7 +221,7 @@ class Race:
                 self._failed(record, InternalAttemptError(f"internal error ({type(exc).__name__})"),
                              backend_fault=False)
                 continue
-            self._failed(record, exc)
+            self._failed(record, exc, backend_fault=exc.backend_fault)
             if isinstance(exc, UpstreamRejectedRequest) and rejected is None:
                 rejected = UpstreamClientError.of(exc.status, record.backend)
         if winners:  # a token beats a same-tick 4xx; the attempt started first wins

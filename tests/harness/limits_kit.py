@@ -44,6 +44,7 @@ from tests.harness import (
     role_chunk,
     token_chunk,
 )
+from tests.harness.leaks import gateway_in_use
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
@@ -108,6 +109,7 @@ class GatewayFactory:
             sock.close()
 
         self._lt.add_cleanup(stop)
+        self._lt.add_live_check(lambda: gateway_in_use(gateway.app))
         return gateway
 
 

@@ -157,7 +157,7 @@ def test_the_readme_lists_every_failure_code_and_stream_end() -> None:
 def test_transport_errors_translate_to_their_classes() -> None:
     cases = {
         httpx.ConnectTimeout("x"): "connect_timeout",
-        httpx.PoolTimeout("x"): "connect_timeout",
+        httpx.PoolTimeout("x"): "gateway_pool_full",
         httpx.ConnectError("x"): "connect_error",
         httpx.ReadTimeout("x"): "read_timeout",
         httpx.RemoteProtocolError("x"): "connection_reset",
