@@ -36,6 +36,7 @@ from tests.harness.limits_kit import (
     request_head,
     sdk,
     verbose_logs,
+    wait_for,
 )
 
 GOOD: dict[str, Any] = {"model": POOL, "messages": MESSAGES}
@@ -499,7 +500,8 @@ def test_keys_stay_out_of_the_request_log_for_proxied_requests(
     gateway, upstream = keyed(loop_thread, scripted_upstream)
     with sdk(gateway.v1, api_key=KEYS[0]) as client:
         client.chat.completions.create(model=POOL, messages=MESSAGES)
-    assert any(r.name == "hedge_gateway.requests" for r in caplog.records)
+    # the line is written once the answer is out (the client is answered first)
+    assert wait_for(lambda: any(r.name == "hedge_gateway.requests" for r in caplog.records))
     Canary(KEYS[0], "sk-backend-0003").assert_absent_everywhere(gateway.root, caplog)
     assert len(upstream.requests) == 1
 
