@@ -11,7 +11,6 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
@@ -22,23 +21,19 @@ from gateway.routes import build_ops_router, build_router, install_error_handler
 from gateway.settings import Settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
+from providers.http import UpstreamClient
 from providers.registry import build_provider
 
 
-def make_http_client(settings: Settings) -> httpx.AsyncClient:
+def make_http_client(settings: Settings) -> UpstreamClient:
     """One client for every upstream: bounded pool, no redirects, no env proxies."""
-    cap = settings.server.max_concurrent_requests * 2
-    return httpx.AsyncClient(
-        limits=httpx.Limits(
-            max_connections=cap, max_keepalive_connections=64, keepalive_expiry=30.0
-        ),
-        follow_redirects=False,
-        trust_env=False,
+    return UpstreamClient(
+        max_connections=settings.server.max_concurrent_requests * 2, keepalive_expiry=30.0
     )
 
 
 def build_pools(
-    settings: Settings, client: httpx.AsyncClient, clock: Clock, rng: random.Random
+    settings: Settings, client: UpstreamClient, clock: Clock, rng: random.Random
 ) -> dict[str, PoolRuntime]:
     pools: dict[str, PoolRuntime] = {}
     now = clock()

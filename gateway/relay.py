@@ -1,9 +1,12 @@
 """After commit: the winner's buffered events, then pass-through until `[DONE]` (SPEC §4).
 
-The hot path of the gateway. Per event it does one bytes comparison, one substring test and one
-concatenation: no JSON parsing (except for the rare event that mentions "error"), no logging,
-no allocation beyond the output bytes. Per upstream read it stores one clock reading: the idle
-and max_stream deadlines are one timer per stream (`_Deadlines`), never a timer per event.
+The hot path of the gateway. An upstream read made only of whole plain `data:` events
+(`SSEBatch.raw`, the usual case) goes out as the bytes that arrived: two substring scans of the
+read for `[DONE]` and error markers, nothing per event, no allocation. Any other read is
+re-framed from the decoder's events: per event one bytes comparison, one substring test and one
+concatenation, with JSON parsed only for the rare event that mentions "error". No logging, no
+lock. Per upstream read it stores one clock reading: the idle and max_stream deadlines are one
+timer per stream (`_Deadlines`), never a timer per event.
 Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
 comments are the response's own.
 
@@ -22,7 +25,7 @@ from typing import Literal
 
 from gateway.attempt import Prefix
 from gateway.errors import UpstreamError, error_body
-from gateway.sse import SSEEvent, encode_event
+from gateway.sse import SSEBatch, SSEEvent, encode_event
 from gateway.streamend import StreamEnd
 
 DONE = b"data: [DONE]\n\n"
@@ -60,7 +63,7 @@ def _encode(event: SSEEvent) -> bytes:
     return encode_event(data, event.event)
 
 
-async def _drain(batches: AsyncIterator[list[SSEEvent]]) -> None:
+async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
     """Read the rest of a finished stream (normally just the body's terminator), briefly.
 
     A response closed before its body ended cannot go back to the connection pool, so without
@@ -80,8 +83,18 @@ class RelayOutcome:
     end: StreamEnd = StreamEnd.CLIENT_GONE
 
 
-def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
-    """The client's bytes for one upstream read; sets `outcome.end` when the stream is over."""
+def _encode_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> bytes:
+    """The client's bytes for one upstream read; sets `outcome.end` when the stream is over.
+
+    Plain bytes without `[DONE]` or an error marker are the answer as they are; everything
+    else (including a plain read that holds the end of the stream) takes the event path."""
+    raw = batch.raw
+    if raw is not None and b"[DONE]" not in raw and b'"error"' not in raw:
+        return raw
+    return _encode_events(batch.events, request_id, outcome)
+
+
+def _encode_events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
     parts: list[bytes] = []
     for event in batch:
         data = event.data
@@ -176,14 +189,14 @@ async def relay(
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream."""
     deadlines: _Deadlines | None = None
     try:
-        yield _encode_batch(prefix.buffered, request_id, outcome)
+        yield _encode_events(prefix.buffered, request_id, outcome)
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
             batches = prefix.batches.__aiter__()
             while True:
                 deadlines.reading = True
                 try:
-                    batch: list[SSEEvent] | None = await batches.__anext__()
+                    batch: SSEBatch | None = await batches.__anext__()
                 except StopAsyncIteration:
                     batch = None
                 except asyncio.CancelledError:

@@ -1,11 +1,11 @@
-"""Any OpenAI-compatible upstream (vLLM, SGLang, llama.cpp, Ollama, TGI, OpenAI) over httpx.
+"""Any OpenAI-compatible upstream (vLLM, SGLang, llama.cpp, Ollama, TGI, OpenAI).
 
-One shared `httpx.AsyncClient` (owned by the app) carries every attempt; this adapter only
-builds requests and translates httpx's exceptions into our error tree. It never follows
-redirects, never forwards the client's credentials, and keeps only allowlisted response
-headers. Closing a response that is still streaming drops its connection (HTTP/1.1 cannot
-reuse a half-read connection), which is exactly what a cancelled hedge needs: the upstream
-sees the disconnect and stops generating.
+One shared `UpstreamClient` (aiohttp underneath, owned by the app; `providers.http`) carries
+every attempt, and translates the library's exceptions into our error tree; this adapter only
+builds requests and reads answers. It never follows redirects, never forwards the client's
+credentials, and keeps only allowlisted response headers. Closing a response that is still
+streaming drops its connection (HTTP/1.1 cannot reuse a half-read connection), which is
+exactly what a cancelled hedge needs: the upstream sees the disconnect and stops generating.
 """
 
 from __future__ import annotations
@@ -15,22 +15,13 @@ import math
 import re
 from collections.abc import AsyncIterator, Mapping
 
-import anyio
-import httpx
+import aiohttp
 
-from gateway.errors import (
-    GatewayPoolFull,
-    UpstreamConnectError,
-    UpstreamConnectTimeout,
-    UpstreamDisconnected,
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamStatusError,
-    UpstreamTimeout,
-)
+from gateway.errors import UpstreamProtocolError, UpstreamStatusError
 from gateway.settings import BackendSettings, Timeouts
-from gateway.sse import SSEDecoder, SSEEvent, SSEProtocolError
+from gateway.sse import SSEBatch, SSEDecoder, SSEEvent, SSEProtocolError
 from providers.base import UpstreamCall
+from providers.http import UpstreamClient, UpstreamResponse
 
 #: response headers a client may see from an upstream; everything else stays behind
 PASS_HEADERS = frozenset(
@@ -58,9 +49,6 @@ MAX_EVENT_BYTES = 16 * 1024 * 1024
 #: not take itself out of the pool for hours with one header
 MAX_RETRY_AFTER = 300.0
 
-#: closing must finish quickly even when cancelled; past this the socket is abandoned to GC
-CLOSE_TIMEOUT = 2.0
-
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,40}/[A-Za-z0-9!#$&^_.+-]{1,60}")
 
 
@@ -71,7 +59,7 @@ def media_type(content_type: str) -> str:
     return bare.lower() if _MEDIA_TYPE.fullmatch(bare) else "unknown"
 
 
-def parse_retry_after(headers: httpx.Headers) -> float | None:
+def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     """Seconds from `retry-after-ms` or `Retry-After` (delta-seconds form only), at most
     `MAX_RETRY_AFTER`; None when absent or not a finite number."""
     raw_ms = headers.get("retry-after-ms")
@@ -90,48 +78,31 @@ def parse_retry_after(headers: httpx.Headers) -> float | None:
     return min(max(0.0, seconds), MAX_RETRY_AFTER)
 
 
-def translate(exc: httpx.HTTPError) -> UpstreamError:
-    """Map an httpx exception to our error tree, keeping no URL or body in the reason."""
-    if isinstance(exc, httpx.PoolTimeout):  # our own pool is full: not the backend's fault
-        return GatewayPoolFull("no free upstream connection in the gateway's pool")
-    if isinstance(exc, httpx.ConnectTimeout):
-        return UpstreamConnectTimeout("connect timeout")
-    if isinstance(exc, httpx.ConnectError):
-        return UpstreamConnectError("connect error")
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamTimeout("read timeout")
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return UpstreamDisconnected("connection closed or reset by upstream")
-    if isinstance(exc, httpx.ReadError):
-        return UpstreamDisconnected("connection reset by upstream")
-    return UpstreamProtocolError(f"transport error ({type(exc).__name__})")
-
-
-class HttpxStream:
+class AiohttpStream:
     """An open 200 response; `batches()` decodes it incrementally."""
 
-    def __init__(self, response: httpx.Response, *, stream: bool) -> None:
+    def __init__(self, response: UpstreamResponse, *, stream: bool) -> None:
         self._response = response
         self._stream = stream
         # From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes
-        # with): httpx's own str values may hold UTF-8-decoded characters that cannot be
-        # written back into a header, which made a hostile upstream's header a 500.
+        # with): a str decoded as UTF-8 may hold characters that cannot be written back into
+        # a header, which made a hostile upstream's header a 500.
         self.headers: Mapping[str, str] = {
             name.decode("latin-1").lower(): value.decode("latin-1")
-            for name, value in response.headers.raw
+            for name, value in response.raw_headers
             if name.decode("latin-1").lower() in PASS_HEADERS
         }
 
-    def batches(self) -> AsyncIterator[list[SSEEvent]]:
+    def batches(self) -> AsyncIterator[SSEBatch]:
         return self._sse() if self._stream else self._whole_body()
 
-    async def _sse(self) -> AsyncIterator[list[SSEEvent]]:
+    async def _sse(self) -> AsyncIterator[SSEBatch]:
         decoder = SSEDecoder()
         pending = 0  # bytes since the last completed event
         try:
-            async for chunk in self._response.aiter_raw():
-                events = decoder.feed(chunk)
-                if not events:
+            async for chunk in self._response.chunks():
+                batch = decoder.feed_batch(chunk)
+                if batch is None:
                     pending += len(chunk)
                     if pending > MAX_EVENT_BYTES:
                         raise UpstreamProtocolError(
@@ -139,96 +110,83 @@ class HttpxStream:
                         )
                     continue
                 pending = 0
-                yield events
-        except httpx.HTTPError as exc:
-            raise translate(exc) from None
+                yield batch
         except SSEProtocolError as exc:
             raise UpstreamProtocolError(f"malformed stream: {exc}") from None
 
-    async def _whole_body(self) -> AsyncIterator[list[SSEEvent]]:
+    async def _whole_body(self) -> AsyncIterator[SSEBatch]:
         parts: list[bytes] = []
         size = 0
-        try:
-            async for chunk in self._response.aiter_raw():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise UpstreamProtocolError("response body too large")
-                parts.append(chunk)
-        except httpx.HTTPError as exc:
-            raise translate(exc) from None
-        yield [SSEEvent(b"".join(parts))]
+        async for chunk in self._response.chunks():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise UpstreamProtocolError("response body too large")
+            parts.append(chunk)
+        yield SSEBatch([SSEEvent(b"".join(parts))])
 
     async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-            await self._response.aclose()
+        self._response.close()
 
 
 class OpenAIProvider:
     """A backend that speaks the OpenAI HTTP API."""
 
     def __init__(
-        self, settings: BackendSettings, client: httpx.AsyncClient, timeouts: Timeouts
+        self, settings: BackendSettings, client: UpstreamClient, timeouts: Timeouts
     ) -> None:
         if settings.base_url is None:  # the config loader already refuses this
             raise ValueError(f"backend {settings.name}: base_url is required")
         self.name = settings.name
         self._client = client
         self._base_url = settings.base_url.rstrip("/")
+        self._urls = {
+            endpoint: f"{self._base_url}/{endpoint}"
+            for endpoint in ("chat/completions", "completions", "embeddings")
+        }
         self._headers = {"accept-encoding": "identity", "content-type": "application/json"}
         if settings.api_key:
             self._headers["authorization"] = f"Bearer {settings.api_key}"
+        self._connect = timeouts.connect
         # The read timeout bounds the gap between two reads: before the first token the
-        # race's deadline is tighter; after commit it is the idle timeout (SPEC §8).
-        self._timeout = httpx.Timeout(
-            connect=timeouts.connect,
-            read=timeouts.idle,
-            write=timeouts.connect,
-            pool=timeouts.connect,
+        # race's deadline is tighter; after commit the relay's per-event idle deadline is
+        # (SPEC §18), this is its backstop.
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=timeouts.connect, sock_read=timeouts.idle
         )
 
-    def _whole_body_timeout(self, call: UpstreamCall) -> httpx.Timeout:
-        """A non-streaming body may take the request's whole deadline (the pool's `timeout`,
-        SPEC §18) to start: the idle timeout between reads must not cut it off first."""
-        read = self._timeout.read or 0.0
-        if call.first_byte_timeout <= read:
-            return self._timeout
-        return httpx.Timeout(
-            connect=self._timeout.connect,
-            read=call.first_byte_timeout,
-            write=self._timeout.write,
-            pool=self._timeout.pool,
+    def _whole_body_timeout(self, call: UpstreamCall) -> aiohttp.ClientTimeout:
+        """A non-streaming body may take the request's whole remaining deadline (the pool's
+        `timeout`, SPEC §18) to start: the idle timeout between reads must not cut it off."""
+        return aiohttp.ClientTimeout(
+            total=None, sock_connect=self._connect,
+            sock_read=max(call.first_byte_timeout, 0.001),
         )
 
-    async def open(self, call: UpstreamCall) -> HttpxStream:
-        headers = dict(self._headers)
-        headers["x-request-id"] = call.request_id
-        headers.update(call.extra_headers)
-        request = self._client.build_request(
-            "POST",
-            f"{self._base_url}/{call.endpoint}",
-            content=json.dumps(call.body, separators=(",", ":")).encode(),
+    async def open(self, call: UpstreamCall) -> AiohttpStream:
+        headers = {**self._headers, "x-request-id": call.request_id, **call.extra_headers}
+        content = call.content or json.dumps(call.body, separators=(",", ":")).encode()
+        response = await self._client.post(
+            self._urls[call.endpoint],
+            content=content,
             headers=headers,
             timeout=self._timeout if call.stream else self._whole_body_timeout(call),
+            pool_timeout=self._connect,
         )
-        try:
-            response = await self._client.send(request, stream=True, follow_redirects=False)
-        except httpx.HTTPError as exc:
-            raise translate(exc) from None
-        if response.status_code != 200:
+        if response.status != 200:
             retry_after = parse_retry_after(response.headers)
-            await HttpxStream(response, stream=False).aclose()
-            raise UpstreamStatusError.of(response.status_code, retry_after=retry_after)
+            response.close()
+            raise UpstreamStatusError.of(response.status, retry_after=retry_after)
         content_type = media_type(response.headers.get("content-type", ""))
         expected = "text/event-stream" if call.stream else "application/json"
         if content_type != expected:
-            await HttpxStream(response, stream=False).aclose()
+            response.close()
             raise UpstreamProtocolError(f"unexpected content type {content_type}")
         if (response.headers.get("content-encoding") or "identity").lower() != "identity":
             # we asked for identity and relay raw bytes: compressed bytes would reach the
             # client as garbage
-            await HttpxStream(response, stream=False).aclose()
+            response.close()
             raise UpstreamProtocolError("unexpected content encoding")
-        return HttpxStream(response, stream=call.stream)
+        return AiohttpStream(response, stream=call.stream)
 
     async def aclose(self) -> None:
         """Nothing to release: the shared client belongs to the app."""

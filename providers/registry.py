@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import random
 
-import httpx
-
 from gateway.settings import BackendSettings, Timeouts
 from providers.base import Provider
+from providers.http import UpstreamClient
 from providers.openai import OpenAIProvider
 from providers.sim import SimProvider
 
 
 def build_provider(
     settings: BackendSettings,
-    client: httpx.AsyncClient,
+    client: UpstreamClient,
     timeouts: Timeouts,
     rng: random.Random,
 ) -> Provider:
