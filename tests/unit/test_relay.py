@@ -5,7 +5,7 @@ a fixed clock: no deadline can pass)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from gateway.attempt import Prefix
 from gateway.relay import DONE, RelayOutcome, relay
@@ -18,7 +18,7 @@ TOKEN = b'{"choices":[{"delta":{"content":"x"}}]}'
 
 class Upstream:
     def __init__(self) -> None:
-        self.headers: dict[str, str] = {}
+        self.headers: Mapping[str, str] = {}
         self.closed = 0
 
     def batches(self) -> AsyncIterator[SSEBatch]:  # pragma: no cover - Prefix holds its own
