@@ -9,7 +9,10 @@ request), and the relay needs exact control over three things that response does
   how long the pending send has been stuck);
 - on shutdown, a live stream gets `grace` seconds to finish, then a final error event.
 
-Per event the pump does one lock acquire (uncontended, no await) and two stores.
+Per upstream read the pump does one clock reading and three stores, and takes no lock: the
+lock only orders the rare sends (keep-alives, the final message, the shutdown event) among
+themselves. A pump send may overlap a keep-alive; the server writes each message whole, and
+a comment between two events is harmless.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import anyio
+import anyio.abc
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -53,6 +57,7 @@ class SSEResponse(Response):
         shutdown_event: bytes,
         on_close: Callable[[StreamEnd | None], Awaitable[None]],
         clock: Callable[[], float],
+        client_gone: asyncio.Future[None] | None = None,
     ) -> None:
         self.status_code = 200
         self.body_iterator = body
@@ -68,6 +73,9 @@ class SSEResponse(Response):
         self.shutdown_event = shutdown_event
         self.on_close = on_close
         self.clock = clock
+        #: a task already watching the client (the proxy's, from the race on): it ends when
+        #: the client disconnects; without one the response watches the client itself
+        self.client_gone = client_gone
         self._lock = asyncio.Lock()
         self._last_send = 0.0
         #: when the send in progress started (None: no send in progress)
@@ -87,7 +95,7 @@ class SSEResponse(Response):
             await self._send(send, {"type": "http.response.start", "status": 200,
                                     "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_client, receive, tg.cancel_scope)
+                self._watch(receive, tg)
                 tg.start_soon(self._tick, send, tg.cancel_scope)
                 tg.start_soon(self._watch_drain, send, tg.cancel_scope)
                 await self._pump(send)
@@ -129,15 +137,30 @@ class SSEResponse(Response):
                 self._completed = True
 
     async def _pump(self, send: Send) -> None:
-        lock = self._lock
         clock = self.clock
         async for chunk in self.body_iterator:
-            async with lock:
-                self._sending_since = clock()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                self._sending_since = None
-                self._last_send = clock()
+            # one reading: when the send started is also when the stream last showed life
+            self._sending_since = self._last_send = clock()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._sending_since = None
         self._exhausted = True
+
+    def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> None:
+        """End the stream when the client disconnects: through the proxy's watcher when
+        there is one (a done-callback, no task of ours), else with a task of our own."""
+        gone = self.client_gone
+        if gone is None:
+            tg.start_soon(self._watch_client, receive, tg.cancel_scope)
+            return
+        scope = tg.cancel_scope
+
+        def on_gone(task: asyncio.Future[None]) -> None:
+            if task.cancelled():  # the request ended: not the client's doing
+                return
+            self.end = self.end or StreamEnd.CLIENT_GONE
+            scope.cancel()
+
+        gone.add_done_callback(on_gone)
 
     async def _watch_client(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while True:
