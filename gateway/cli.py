@@ -112,7 +112,7 @@ def _bench(ns: argparse.Namespace) -> int:
 
     plan = BenchPlan(workloads=tuple(w for w in WORKLOADS if ns.workload in ("all", w.name)),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
-                     tables=sys.stdout)
+                     tables=sys.stdout, baseline_src=ns.baseline_src)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
@@ -276,6 +276,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
     parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--baseline-src", metavar="DIR",
+                        help="another hedge-gateway checkout: its gateway runs as an extra "
+                             "mode, `baseline`, side by side in the same run")
 
 
 def bench_upstream_main(argv: Sequence[str] | None = None) -> int:
