@@ -147,11 +147,11 @@ class OpenAIProvider:
         if settings.api_key:
             self._headers["authorization"] = f"Bearer {settings.api_key}"
         self._connect = timeouts.connect
-        # The read timeout bounds the gap between two reads: before the first token the
-        # race's deadline is tighter; after commit the relay's per-event idle deadline is
-        # (SPEC §18), this is its backstop.
+        # No read timeout on a stream: before the first token the race's deadline bounds
+        # every read, after commit the relay's per-event idle and max_stream deadlines do
+        # (SPEC §18). A socket read timeout would only re-arm a timer on every chunk.
         self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=timeouts.connect, sock_read=timeouts.idle
+            total=None, sock_connect=timeouts.connect, sock_read=None
         )
 
     def _whole_body_timeout(self, call: UpstreamCall) -> aiohttp.ClientTimeout:
