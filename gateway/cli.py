@@ -50,9 +50,10 @@ def _serve(ns: argparse.Namespace) -> int:
 def logging_config(level: str) -> dict[str, object]:
     """Our request log at INFO on stderr; libraries that log URLs or headers kept quiet.
 
-    httpx logs every upstream URL at INFO and httpcore every response header at DEBUG:
-    neither belongs in an operator's log (a URL can carry a tenant, a header a key). The
-    request log (`hedge_gateway.requests`) replaces uvicorn's access log.
+    httpx logs every upstream URL at INFO and httpcore every response header at DEBUG, and
+    aiohttp's client logs at DEBUG too: none of it belongs in an operator's log (a URL can
+    carry a tenant, a header a key). The request log (`hedge_gateway.requests`) replaces
+    uvicorn's access log.
     """
     upper = level.upper()
     return {
@@ -75,6 +76,7 @@ def logging_config(level: str) -> dict[str, object]:
                                        "propagate": False},
             "httpx": {"level": "WARNING"},
             "httpcore": {"level": "WARNING"},
+            "aiohttp": {"level": "WARNING"},
         },
         "root": {"handlers": ["stderr"], "level": "WARNING"},
     }
