@@ -91,23 +91,31 @@ class SSEResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ended = False
+        forget_drain: Callable[[], None] | None = None
         try:
             await self._send(send, {"type": "http.response.start", "status": 200,
                                     "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
                 self._watch(receive, tg)
                 tg.start_soon(self._tick, send, tg.cancel_scope)
-                tg.start_soon(self._watch_drain, send, tg.cancel_scope)
+                forget_drain = self.drain.call_at_grace_end(
+                    self.grace, self._on_grace_end(tg.cancel_scope))
                 await self._pump(send)
                 # inside the group: the ticker still watches a client stuck at the very end
                 await self._send(send, {"type": "http.response.body", "body": b"",
                                         "more_body": False})
                 tg.cancel_scope.cancel()
+            if self.end is StreamEnd.SHUTDOWN:  # the grace ended: a final error event
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    await self._send(send, {"type": "http.response.body",
+                                            "body": self.shutdown_event, "more_body": False})
             ended = True
         except* OSError:  # the socket broke under a send (the task group wraps it in a group)
             self.end = self.end or StreamEnd.CLIENT_GONE
             ended = True
         finally:
+            if forget_drain is not None:
+                forget_drain()
             if not ended and self.end is None and not _being_cancelled():
                 # something else escaped (a bug of ours in the relay): it propagates, and the
                 # stats must not call it a client that left
@@ -185,14 +193,16 @@ class SSEResponse(Response):
                 await self._send(send, {"type": "http.response.body", "body": KEEPALIVE,
                                         "more_body": True})
 
-    async def _watch_drain(self, send: Send, scope: anyio.CancelScope) -> None:
-        """On shutdown: `grace` seconds to finish, then a final error event and the end."""
-        await self.drain.wait_grace(self.grace)
-        self.end = StreamEnd.SHUTDOWN
-        scope.cancel()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-            await self._send(send, {"type": "http.response.body", "body": self.shutdown_event,
-                                    "more_body": False})
+    def _on_grace_end(self, scope: anyio.CancelScope) -> Callable[[], None]:
+        """On shutdown: `grace` seconds to finish (a callback of the drain's, not a task per
+        stream), then the stream stops and `__call__` sends a final error event."""
+
+        def stop() -> None:
+            if not self._completed:
+                self.end = self.end or StreamEnd.SHUTDOWN
+                scope.cancel()
+
+        return stop
 
 
 def _being_cancelled() -> bool:
