@@ -86,9 +86,17 @@ _TIMEOUTS: Mapping[str, Parser] = MappingProxyType({
 _HEDGING: Mapping[str, Parser] = MappingProxyType(
     {"enabled": cv.boolean, "max_attempts": cv.integer(1, 5)}
 )
+_open_unit = cv.number(0, 1, open_low=True, open_high=True)
+
+
+def _quantile(value: object) -> float | Literal["auto"]:
+    """`delay.quantile`: `auto` (follow the budget, SPEC §20) or a number in (0, 1)."""
+    return "auto" if value == "auto" else _open_unit(value)
+
+
 _DELAY: Mapping[str, Parser] = MappingProxyType({
     "mode": cv.choice(("adaptive", "fixed")),
-    "quantile": cv.number(0, 1, open_low=True, open_high=True),
+    "quantile": _quantile,
     "min": cv.duration(zero=True), "max": cv.duration(), "initial": cv.duration(zero=True),
     "window": cv.duration(), "min_samples": cv.integer(1), "value": cv.duration(zero=True),
 })
@@ -303,7 +311,8 @@ def describe_pools(settings: Settings) -> list[str]:
         if delay.mode == "fixed":
             timing = f"delay fixed {_duration_text(delay.value)}"
         else:
-            timing = (f"delay adaptive p{delay.quantile * 100:g} in "
+            q = "auto" if delay.quantile == "auto" else f"p{delay.quantile * 100:g}"
+            timing = (f"delay adaptive {q} in "
                       f"[{_duration_text(delay.min)}, {_duration_text(delay.max)}], "
                       f"initial {_duration_text(delay.initial)}")
         count = len(pool.backends)

@@ -18,7 +18,8 @@ class DelaySettings:
     """How long the race waits for a first token before it starts a hedge (SPEC §5.2)."""
 
     mode: Literal["adaptive", "fixed"] = "adaptive"
-    quantile: float = 0.95
+    #: a number in (0, 1) pins the quantile; "auto" derives it from the budget (SPEC §20)
+    quantile: float | Literal["auto"] = "auto"
     min: float = 0.050
     max: float = 5.0
     initial: float = 0.5
