@@ -323,6 +323,11 @@ def format_workload(result: Mapping[str, Any]) -> str:
                          f"+{_cell(paired['ttft_p50_ms'], 2)} ms median, "
                          f"+{_cell(paired['ttft_p90_ms'], 2)} ms p90; total "
                          f"+{_cell(paired['total_p50_ms'], 2)} ms median")
+    if c.get("single_hedge"):
+        best = c["single_hedge"]
+        lines.append(f"   best single hedge at ratio {best['ratio']} (same draws): delay "
+                     f"{_cell(best['delay_ms'])} ms, {best['hedged']} hedged, TTFT p50 "
+                     f"{_cell(best['ttft_p50_ms'])} ms, p99 {_cell(best['ttft_p99_ms'])} ms")
     if "hedging_ttft_p99_reduction_pct" in c:
         p99 = -c["hedging_ttft_p99_reduction_pct"]
         p999 = -c.get("hedging_ttft_p99.9_reduction_pct", math.nan)
