@@ -35,6 +35,18 @@ FAILOVER_SHARE = 0.2
 #: hedge would be the rule rather than the exception; above 0.995 the window holds too few
 #: samples past the threshold to place it
 AUTO_QUANTILE_RANGE = (0.5, 0.995)
+#: auto's feedback on the pool's recent hedge win rate: below LOW, most hedges go to requests
+#: the primary still wins (the tail is thin: few stragglers), so the delay moves later; above
+#: HIGH, hedges pay off and it moves back towards the budget's quantile, one step per refresh
+#: that saw new hedge outcomes. LOW is above the efficacy guard's default (0.15), so that a
+#: thin tail makes the delay later rather than tripping the guard.
+AUTO_WIN_LOW = 0.35
+AUTO_WIN_HIGH = 0.55
+#: the factor applied to the hedged share (1 - q) per step
+AUTO_STEP = 0.85
+#: the fallback for a quiet window keeps at least this many of the newest samples: a tail
+#: quantile of only `min_samples` (20) values would be little more than their maximum
+RECENT_SAMPLES = 100
 
 
 def min_useful(median: float | None) -> float:
@@ -87,8 +99,9 @@ class HedgeDelay:
 
     Quiet backends: `min_samples` are needed before the quantile counts. When the time window
     holds fewer (a pool with a few requests a minute), the quantile comes from the newest
-    `min_samples` values however old they are (`RecentSketch`), so a quiet pool leaves
-    `initial` after its first `min_samples` requests and keeps what it learned while idle.
+    values however old they are (`RecentSketch`, at least RECENT_SAMPLES of them once that
+    many came), so a quiet pool leaves `initial` after its first `min_samples` requests and
+    keeps what it learned while idle.
 
     In `fixed` mode the delay is always `settings.value`, but observations are still recorded:
     the median feeds `min_useful` and stats show the TTFT quantiles either way.
@@ -97,10 +110,12 @@ class HedgeDelay:
     __slots__ = (
         "_adaptive",
         "_added",
+        "_base_tail",
         "_epoch",
         "_median",
         "_recent",
         "_sketch",
+        "_steered_at",
         "_threshold",
         "censored_count",
         "censored_dropped",
@@ -111,12 +126,16 @@ class HedgeDelay:
 
     def __init__(self, settings: DelaySettings, *, budget_ratio: float = 0.1) -> None:
         self.settings = settings
-        #: the quantile in force: the configured one, or `auto_quantile(budget_ratio)`
+        #: the quantile in force: the configured one, or under auto, between
+        #: `auto_quantile(budget_ratio)` and the top of AUTO_QUANTILE_RANGE (see `steer`)
         self.quantile = (
             auto_quantile(budget_ratio) if settings.quantile == "auto" else settings.quantile
         )
+        #: auto: the largest share of requests the delay may target (1 - the budget's quantile)
+        self._base_tail = 1.0 - self.quantile
+        self._steered_at = 0
         self._sketch = WindowedSketch(settings.window)
-        self._recent = RecentSketch(settings.min_samples)
+        self._recent = RecentSketch(max(settings.min_samples, RECENT_SAMPLES))
         self._threshold = settings.value if settings.mode == "fixed" else settings.initial
         self._adaptive = False
         self._median: float | None = None
@@ -146,6 +165,33 @@ class HedgeDelay:
         self._recent.add(ttft)
         self.observations += 1
         self._added += 1
+
+    def steer(self, win_rate: float | None, recorded: int) -> None:
+        """`quantile: auto` only: move the quantile on the pool's recent hedge win rate.
+
+        `win_rate` is the budget's (the efficacy guard's window), `recorded` its count of hedge
+        outcomes so far: nothing moves unless new outcomes arrived since the last step, so a
+        pool that stopped hedging does not drift. Why steer at all: the budget's quantile is
+        the earliest delay the budget pays for, and early is right when stragglers fill the
+        hedged share (most hedges win). When they do not (a thin tail: 1 % stragglers and a q92
+        delay hedge seven requests in eight for nothing), the hedges are waste, and a win rate
+        that low would also trip the efficacy guard, which then stops the hedges that did
+        help. Moving the delay later raises the win rate; the hedge rate never exceeds the
+        budget's share.
+        """
+        if self.settings.quantile != "auto" or win_rate is None or recorded == self._steered_at:
+            return
+        self._steered_at = recorded
+        tail = 1.0 - self.quantile
+        if win_rate < AUTO_WIN_LOW:
+            tail = max(tail * AUTO_STEP, 1.0 - AUTO_QUANTILE_RANGE[1])
+        elif win_rate > AUTO_WIN_HIGH:
+            tail = min(tail / AUTO_STEP, self._base_tail)
+        else:
+            return
+        if tail != 1.0 - self.quantile:
+            self.quantile = 1.0 - tail
+            self._epoch = None  # recompute at the next refresh
 
     def refresh(self, now: float) -> None:
         """Recompute the threshold and median (a merge of the window's sketches).

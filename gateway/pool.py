@@ -69,9 +69,10 @@ class PoolRuntime:
 
     def refresh_delays(self, now: float) -> None:
         """Recompute every hedge delay of the pool (SPEC §5.2: off the request path; the
-        composition root calls this periodically)."""
-        for delay in self.delays.values():
-            delay.refresh(now)
-        for delays in self.whole_delays.values():
+        composition root calls this periodically). `quantile: auto` delays first take in the
+        budget's recent hedge win rate (see `HedgeDelay.steer`)."""
+        win_rate, recorded = self.budget.win_rate(), self.budget.hedges_recorded
+        for delays in (self.delays, *self.whole_delays.values()):
             for delay in delays.values():
+                delay.steer(win_rate, recorded)
                 delay.refresh(now)

@@ -77,9 +77,9 @@ _STRAGGLERS = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probabilit
 
 #: the slow shares of SPEC §20's straggler workloads
 SLOW_SHARES = (3, 6, 10)
-#: their delay window: 3,000 requests at about 100 a second span several windows of 10 s, so
+#: their delay window: 4,000 requests at 30 to 100 a second span 2 to 7 windows of 20 s, so
 #: the delay settles and the run measures the settled rule, not the first minute
-SHARE_DELAY_WINDOW = 10.0
+SHARE_DELAY_WINDOW = 20.0
 
 
 def _share_workload(percent: int) -> Workload:
@@ -87,7 +87,7 @@ def _share_workload(percent: int) -> Workload:
         f"stragglers-{percent}", f"as stragglers, with {percent} % stragglers +1500 ms; "
         f"delay.window {SHARE_DELAY_WINDOW:g} s",
         dataclasses.replace(_STRAGGLERS, straggler_probability=percent / 100),
-        requests=3000, concurrency=20, quick_requests=300,
+        requests=4000, concurrency=20, quick_requests=300,
         modes=("hedging-off", "hedging-on"), delay_window=SHARE_DELAY_WINDOW, single_hedge=True)
 
 

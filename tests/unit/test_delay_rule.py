@@ -20,9 +20,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.bench.oracle import best_single_hedge
-from gateway.budget import HedgeBudget
-from gateway.policy import HedgeDelay
-from gateway.settings import BudgetSettings, DelaySettings
+from gateway.pool import PoolRuntime
+from gateway.settings import (
+    BackendSettings,
+    BudgetSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+)
 
 BODY_MEDIAN, BODY_SIGMA, STRAGGLE = 0.150, 0.25, 1.5
 RATE = 50.0  # requests per virtual second
@@ -75,9 +80,12 @@ def simulate(
     quantile: float | str = "auto",
     seed: int = 1,
 ) -> list[PhaseResult]:
-    settings = DelaySettings(quantile=quantile, window=WINDOW)  # type: ignore[arg-type]
-    delays = {b: HedgeDelay(settings, budget_ratio=ratio) for b in "ab"}
-    budget = HedgeBudget(BudgetSettings(ratio=ratio), now=0.0)
+    pool = PoolRuntime.build(
+        PoolSettings("p", tuple(BackendSettings(b, "sim", "m") for b in "ab"), hedging=(
+            HedgingSettings(delay=DelaySettings(quantile=quantile, window=WINDOW),  # type: ignore[arg-type]
+                            budget=BudgetSettings(ratio=ratio)))),
+        {}, global_hedging=True, now=0.0, rng=random.Random(seed))
+    delays, budget = pool.delays, pool.budget
     rng = random.Random(seed)
     now, next_refresh, index = 0.0, 0.0, 0
     out: list[PhaseResult] = []
@@ -87,8 +95,7 @@ def simulate(
         for _ in range(phase.requests):
             now += phase.gap
             while next_refresh <= now:
-                for delay in delays.values():
-                    delay.refresh(next_refresh)
+                pool.refresh_delays(next_refresh)
                 result.delays.append(delays["a"].delay(next_refresh))
                 next_refresh += 1.0
             primary, other = ("a", "b") if index % 2 == 0 else ("b", "a")
@@ -142,9 +149,11 @@ def _inverse_normal_tail(p: float) -> float:
 
 # ------------------------------------------------------------------------- one slow share
 
-#: share, where the auto delay (q92 at ratio 0.1) should settle (None: inside the slow mode)
+#: share, where the auto delay should settle (None: inside the slow mode). At ratio 0.1 the
+#: budget's quantile is q92; with no stragglers at all, hedges never win and the win-rate
+#: feedback moves the quantile to the top of its range, q99.5
 SHARES = [
-    (0.00, body_quantile(0.0, 0.08)),
+    (0.00, body_quantile(0.0, 0.005)),
     (0.03, body_quantile(0.03, 0.08)),
     (0.06, body_quantile(0.06, 0.08)),
     (0.10, None),
@@ -208,11 +217,12 @@ def test_a_pool_that_goes_quiet_keeps_its_delay_and_hedges_at_the_same_rate() ->
         Phase(400, 0.03, gap=10.0),  # then one request every 10 s: 6 per window
     ])
     learnt = busy.settled()
-    assert silence.delays and all(d == pytest.approx(learnt, rel=0.1) for d in silence.delays)
-    # the window never holds min_samples again; the newest samples still set the delay
-    assert trickle.settled() == pytest.approx(learnt, rel=0.15)
-    assert trickle.settled() < 0.5  # not back to `initial`
-    assert 0.04 <= trickle.hedge_rate <= 0.14
+    # the window empties; the newest 100+ samples keep the delay (not `initial`, 500 ms)
+    assert silence.delays and all(d == pytest.approx(learnt, rel=0.15) for d in silence.delays)
+    # the window never holds min_samples again; the newest samples still set the delay, and
+    # the win-rate feedback, fed by few hedges, moves it within the body of the TTFT
+    assert 0.8 * learnt <= trickle.settled() <= 2.0 * learnt < 0.5
+    assert 0.02 <= trickle.hedge_rate <= 0.1
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.005])

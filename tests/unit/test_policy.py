@@ -236,3 +236,38 @@ def test_min_useful() -> None:
     assert min_useful(0.001) == 0.01
     assert min_useful(0.0) == 0.01
     assert min_useful(0.25) == 0.25
+
+
+def test_auto_steers_later_on_losing_hedges_and_back_on_winning_ones() -> None:
+    delay = HedgeDelay(DelaySettings(quantile="auto"), budget_ratio=0.1)
+    assert delay.quantile == pytest.approx(0.92)
+    delay.steer(0.1, recorded=5)  # hedges mostly lose: hedge fewer requests, later
+    assert delay.quantile == pytest.approx(1 - 0.08 * 0.85)
+    delay.steer(0.1, recorded=5)  # no new outcome since: no step
+    assert delay.quantile == pytest.approx(1 - 0.08 * 0.85)
+    for n in range(6, 100):
+        delay.steer(0.0, recorded=n)
+    assert delay.quantile == pytest.approx(0.995)  # the top of the range
+    delay.steer(0.45, recorded=100)  # inside the band: hold
+    assert delay.quantile == pytest.approx(0.995)
+    for n in range(101, 200):
+        delay.steer(0.9, recorded=n)  # hedges win: back to the budget's quantile, no further
+    assert delay.quantile == pytest.approx(0.92)
+    delay.steer(None, recorded=300)  # no hedge outcome yet
+    assert delay.quantile == pytest.approx(0.92)
+
+
+def test_a_pinned_quantile_is_not_steered() -> None:
+    delay = HedgeDelay(SETTINGS)
+    delay.steer(0.0, recorded=10)
+    assert delay.quantile == 0.95
+
+
+def test_a_steered_quantile_takes_effect_at_the_next_refresh() -> None:
+    delay, now = fed(DelaySettings(quantile="auto"), [i / 1000 for i in range(1, 1001)],
+                     step=0.001)
+    assert delay.delay(now) == pytest.approx(0.92, rel=0.02)
+    delay.steer(0.0, recorded=1)
+    assert delay.delay(now) == pytest.approx(0.92, rel=0.02)
+    delay.refresh(now)  # nothing new in the window, but the quantile moved
+    assert delay.delay(now) == pytest.approx(1 - 0.08 * 0.85, rel=0.02)
