@@ -91,7 +91,11 @@ _open_unit = cv.number(0, 1, open_low=True, open_high=True)
 
 def _quantile(value: object) -> float | Literal["auto"]:
     """`delay.quantile`: `auto` (follow the budget, SPEC §20) or a number in (0, 1)."""
-    return "auto" if value == "auto" else _open_unit(value)
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str) and not value.strip()[:1].isdigit():
+        raise cv.Invalid(f"must be auto or a number in (0, 1), got {cv.show(value)}")
+    return _open_unit(value)
 
 
 _DELAY: Mapping[str, Parser] = MappingProxyType({
