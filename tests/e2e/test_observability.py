@@ -499,4 +499,6 @@ def test_the_delay_is_learnt_by_the_refresher_not_by_requests(
     assert learnt, "the refresher never turned the samples into a delay"
     for backend in learnt:
         assert backend["hedge_delay_ms"] < 1000.0  # the 10 ms TTFTs, not the 5 s initial
-        assert (backend["hedge_delay_quantile"], backend["hedge_delay_rule"]) == (0.92, "auto")
+        # auto: the budget's q92, or later if the hedges of the 10 ms TTFTs lost
+        assert backend["hedge_delay_rule"] == "auto"
+        assert 0.92 <= backend["hedge_delay_quantile"] <= 0.995
