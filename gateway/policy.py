@@ -13,7 +13,9 @@ the pool's hedge budget: `q = 1 - 0.8 x ratio`, so the delay targets the hedge r
 pays for (8 % of requests at the default ratio 0.1) and leaves a fifth of the budget to failure
 replacements. A fixed q95 breaks once more than 5 % of requests straggle: the quantile then
 lands inside the slow mode and every hedge starts after the straggler would have answered.
-Tying q to the budget spends what the operator already agreed to pay, and no more.
+Tying q to the budget spends what the operator already agreed to pay, and no more. With few
+stragglers most of those hedges would be wasted, so auto also moves q later while the pool's
+hedges mostly lose (`HedgeDelay.steer`), never earlier than the budget's quantile.
 
 The threshold is a cached number, recomputed only by `refresh(now)`: never on the request path
 (SPEC §5.2). The shell calls `refresh` periodically (`gateway.app` runs one task for every
