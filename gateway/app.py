@@ -7,8 +7,9 @@ constructs these; nothing holds module-level state.
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import httpx
@@ -56,7 +57,29 @@ def build_pools(
     return pools
 
 
-def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None = None) -> FastAPI:
+#: how often the hedge delays are recomputed (seconds); SPEC §5.2 wants it off the request path
+DELAY_REFRESH_INTERVAL = 1.0
+
+
+async def refresh_delays(
+    pools: Mapping[str, PoolRuntime], clock: Clock, interval: float
+) -> None:
+    """Recompute every pool's hedge delays now and then every `interval` seconds, until
+    cancelled. The one place a delay's quantile is computed: requests only read the result."""
+    while True:
+        now = clock()
+        for pool in pools.values():
+            pool.refresh_delays(now)
+        await asyncio.sleep(interval)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    clock: Clock = monotonic,
+    seed: int | None = None,
+    delay_refresh: float = DELAY_REFRESH_INTERVAL,
+) -> FastAPI:
     rng = random.Random(seed)
     client = make_http_client(settings)
     pools = build_pools(settings, client, clock, rng)
@@ -67,9 +90,14 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        refresher = asyncio.create_task(
+            refresh_delays(pools, clock, delay_refresh), name="hedge-delay-refresh"
+        )
         try:
             yield
         finally:
+            refresher.cancel()
+            await asyncio.wait([refresher])
             for pool in pools.values():
                 for provider in pool.providers.values():
                     await provider.aclose()

@@ -62,6 +62,7 @@ class HedgeBudget:
         "_tokens",
         "_updated",
         "_wins",
+        "hedges_recorded",
         "settings",
     )
 
@@ -75,6 +76,8 @@ class HedgeBudget:
         self._wins = 0
         #: when the last hedge was let through while the guard was on
         self._last_probe: float | None = None
+        #: hedge outcomes recorded since start (readers tell a new win rate from an old one)
+        self.hedges_recorded = 0
 
     # -- tokens ---------------------------------------------------------------------------
 
@@ -147,6 +150,7 @@ class HedgeBudget:
         if len(outcomes) == outcomes.maxlen and outcomes[0]:
             self._wins -= 1
         outcomes.append(won)
+        self.hedges_recorded += 1
         if won:
             self._wins += 1
 

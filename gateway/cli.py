@@ -108,9 +108,11 @@ def _sim(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from gateway.bench.run import WORKLOADS, BenchPlan, run_bench_command
+    from gateway.bench.run import WORKLOAD_GROUPS, WORKLOADS, BenchPlan, run_bench_command
 
-    plan = BenchPlan(workloads=tuple(w for w in WORKLOADS if ns.workload in ("all", w.name)),
+    wanted = WORKLOAD_GROUPS.get(ns.workload, (ns.workload,))
+    plan = BenchPlan(workloads=tuple(w for w in WORKLOADS
+                                     if ns.workload == "all" or w.name in wanted),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
                      tables=sys.stdout)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
@@ -262,11 +264,12 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from gateway.bench.run import WORKLOADS
+    from gateway.bench.run import WORKLOAD_GROUPS, WORKLOADS
 
     names = [w.name for w in WORKLOADS]
-    parser.add_argument("--workload", choices=[*names, "all"], default="all",
-                        help="which workload to run (default: all)")
+    parser.add_argument("--workload", choices=[*names, *WORKLOAD_GROUPS, "all"], default="all",
+                        help="which workload to run (default: all); slow-shares: "
+                             + ", ".join(WORKLOAD_GROUPS["slow-shares"]))
     parser.add_argument("--requests", type=_positive,
                         help="requests per mode (default: per workload)")
     parser.add_argument("--concurrency", type=_positive,

@@ -46,14 +46,17 @@ class PoolRuntime:
         now: float,
         rng: random.Random,
     ) -> PoolRuntime:
+        delay, ratio = settings.hedging.delay, settings.hedging.budget.ratio
         return cls(
             settings=settings,
             providers=providers,
             balancer=Balancer(settings.backends, settings.health, rng),
             budget=HedgeBudget(settings.hedging.budget, now),
-            delays={b.name: HedgeDelay(settings.hedging.delay) for b in settings.backends},
+            delays={b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends},
             whole_delays={
-                endpoint: {b.name: HedgeDelay(settings.hedging.delay) for b in settings.backends}
+                endpoint: {
+                    b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends
+                }
                 for endpoint in ("chat/completions", "completions", "embeddings")
             },
             groups={b.name: b.group for b in settings.backends},
@@ -63,3 +66,13 @@ class PoolRuntime:
 
     def delays_for(self, endpoint: str, stream: bool) -> Mapping[str, HedgeDelay]:
         return self.delays if stream else self.whole_delays[endpoint]
+
+    def refresh_delays(self, now: float) -> None:
+        """Recompute every hedge delay of the pool (SPEC §5.2: off the request path; the
+        composition root calls this periodically). `quantile: auto` delays first take in the
+        budget's recent hedge win rate (see `HedgeDelay.steer`)."""
+        win_rate, recorded = self.budget.win_rate(), self.budget.hedges_recorded
+        for delays in (self.delays, *self.whole_delays.values()):
+            for delay in delays.values():
+                delay.steer(win_rate, recorded)
+                delay.refresh(now)

@@ -45,6 +45,8 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `group` / `inflight` | the configured group; attempts running there now |
 | `hedge_delay_ms` | hedge delay in force for requests whose primary is here |
 | `hedge_delay_mode` | `adaptive` (TTFT quantile), `initial` (too few samples), `fixed` |
+| `hedge_delay_quantile` | the TTFT quantile the delay follows (null in `fixed` mode) |
+| `hedge_delay_rule` | `auto` (quantile from the budget ratio), `pinned` (configured), `fixed` |
 | `<scope>.attempts` | attempts sent to the backend |
 | `<scope>.primaries` / `.hedges` / `.failovers` | the same, by kind |
 | `<scope>.won` / `.lost` / `.failed` / `.cancelled` | the same, by outcome |
@@ -159,10 +161,12 @@ def backend_view(
         state, reason = runtime.balancer.state(name, now)
         left = runtime.balancer.seconds_left(name, now)
         delay = runtime.delays[name]
-        if delay.settings.mode == "fixed":
-            mode = "fixed"
+        fixed = delay.settings.mode == "fixed"
+        if fixed:
+            mode = rule = "fixed"
         else:
             mode = "adaptive" if delay.adaptive(now) else "initial"
+            rule = "auto" if delay.settings.quantile == "auto" else "pinned"
         out.update(
             state=state,
             reason=reason,
@@ -171,6 +175,8 @@ def backend_view(
             inflight=runtime.balancer.inflight(name),
             hedge_delay_ms=round(delay.delay(now) * 1000, 3),
             hedge_delay_mode=mode,
+            hedge_delay_quantile=None if fixed else round(delay.quantile, 4),
+            hedge_delay_rule=rule,
         )
     for scope in SCOPES:
         c = bs.counts.view(scope, now)

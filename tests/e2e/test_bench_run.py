@@ -82,3 +82,22 @@ def test_cli_refuses_sizes_below_one_before_starting_anything(
             main(["bench", option, "0"])
         assert info.value.code == 2
         assert "0 is not at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_share_workload_runs_off_and_on_and_reports_the_single_hedge_bound() -> None:
+    import dataclasses
+
+    share = dataclasses.replace(TINY, name="stragglers-6", outage_extra=0.0,
+                                modes=("hedging-off", "hedging-on"), delay_window=5.0,
+                                single_hedge=True)
+    report = bench.run_bench(bench.BenchPlan(workloads=(share,), seed=3))
+    (workload,) = report["workloads"]
+    assert [row["mode"] for row in workload["modes"]] == ["hedging-off", "hedging-on"]
+    for row in workload["modes"]:
+        assert row["ok"] + row["errors"] == 20
+    best = workload["comparison"]["single_hedge"]
+    assert best["ratio"] == 0.1 and best["hedged"] == 2  # 10 % of 20 requests
+    assert [t["target"] for t in workload["targets"]] == [
+        "TTFT p99 <= 1.15 x best single hedge", "TTFT p99 hedging on <= off",
+        "extra attempts <= 12 % of requests"]
