@@ -76,6 +76,20 @@ class HedgeBudget:
         #: when the last hedge was let through while the guard was on
         self._last_probe: float | None = None
 
+    def reconfigure(self, settings: BudgetSettings, now: float) -> None:
+        """New settings from a reload. The bucket keeps its level (capped at the new `burst`),
+        its extra attempts in flight and its recent hedge outcomes: a reload must not hand a
+        pool a fresh burst of hedges, nor forget that hedging was not winning."""
+        if settings == self.settings:
+            return
+        self._accrue(now)
+        self.settings = settings
+        self._tokens = min(self._tokens, settings.burst)
+        size = max(1, settings.win_window)
+        if self._outcomes.maxlen != size:
+            self._outcomes = deque(self._outcomes, maxlen=size)
+            self._wins = sum(self._outcomes)
+
     # -- tokens ---------------------------------------------------------------------------
 
     def _level(self, now: float) -> float:

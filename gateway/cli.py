@@ -6,19 +6,29 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from time import monotonic
 
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
+    from gateway.live import ConfigOrigin
     from gateway.server import build_server
     from gateway.settings.load import ConfigError, default_settings, load_settings
 
     try:
-        settings = load_settings(ns.config) if ns.config else default_settings()
+        if ns.config:
+            with open(ns.config, "rb") as file:
+                origin: ConfigOrigin | None = ConfigOrigin.of_file(file.read(), now=monotonic())
+            settings = load_settings(ns.config)
+        else:
+            origin, settings = None, default_settings()
     except ConfigError as exc:
         print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    server = settings.server
+    except OSError as exc:
+        print(f"hedge-gateway: cannot read {ns.config}: {exc.strerror}", file=sys.stderr)
+        return 2
+    file_server = server = settings.server
     if ns.host is not None or ns.port is not None:
         server = replace(
             server,
@@ -29,9 +39,16 @@ def _serve(ns: argparse.Namespace) -> int:
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
-    app = create_app(settings)
-    # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop
-    runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level))
+    app = create_app(settings, origin=origin)
+    path, reloader = ns.config, app.state.reloader
+
+    def reload() -> bool:  # SIGHUP: re-read the file; an invalid one changes nothing
+        return bool(reloader.reload_file(path, started_server=file_server))
+
+    # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop,
+    # reloads the configuration on SIGHUP
+    runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level),
+                          on_hangup=reload if path else None)
     runner.run()
     return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
 
@@ -62,6 +79,8 @@ def logging_config(level: str) -> dict[str, object]:
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
             "hedge_gateway.requests": {"handlers": ["requests"], "level": upper,
                                        "propagate": False},
+            "hedge_gateway.config": {"handlers": ["stderr"], "level": upper,
+                                     "propagate": False},
             "httpx": {"level": "WARNING"},
             "httpcore": {"level": "WARNING"},
         },

@@ -88,6 +88,20 @@ class HedgeDelay:
         #: observations that were lower bounds (attempt cancelled before its first token)
         self.censored_count = 0
 
+    def adopt(self, settings: DelaySettings) -> HedgeDelay:
+        """This backend's delay under reloaded settings: itself when they are unchanged, else
+        a delay with the new settings over the same sketch (what was learnt survives). A
+        changed `window` starts a fresh sketch: the ring's slices are sized by the window."""
+        if settings == self.settings:
+            return self
+        fresh = HedgeDelay(settings, refresh_every=self._refresh_every,
+                           refresh_interval=self._refresh_interval)
+        if settings.window == self.settings.window:
+            fresh._sketch = self._sketch
+            fresh.observations = self.observations
+            fresh.censored_count = self.censored_count
+        return fresh
+
     def observe(self, ttft: float, now: float, *, censored: bool = False) -> None:
         """Record one attempt's TTFT, measured from that attempt's own start (seconds).
 

@@ -10,7 +10,7 @@ import hashlib
 import hmac
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -25,7 +25,7 @@ from gateway.errors import (
     PayloadTooLarge,
     Unauthorized,
 )
-from gateway.pool import PoolRuntime
+from gateway.live import Live
 from gateway.proxy import LogicalRequest, Proxy
 from gateway.settings import Settings
 from gateway.stats import Stats
@@ -134,9 +134,10 @@ def make_auth_guard(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[
     return guard
 
 
-def build_router(
-    settings: Settings, pools: Mapping[str, PoolRuntime], proxy: Proxy
-) -> APIRouter:
+def build_router(settings: Settings, live: Live, proxy: Proxy) -> APIRouter:
+    """The API routes. `settings.server` is bound here (keys, body limit: start-time keys);
+    the pools are read from `live` once per request, so a request keeps the generation it
+    started with through a reload."""
     guard = make_auth_guard(settings.server.api_keys)
     guarded = APIRouter(dependencies=[Depends(guard)])
     limit = settings.server.max_body_bytes
@@ -150,7 +151,7 @@ def build_router(
         model, stream = check_body(body, needs_prompt=needs)
         if endpoint == "embeddings" and stream:
             raise InvalidRequest("embeddings cannot be streamed", param="stream")
-        pool = pools.get(model)
+        pool = live.current.pools.get(model)
         if pool is None:
             raise ModelNotFound(
                 "the model does not exist in this gateway; GET /v1/models lists them",
@@ -178,7 +179,7 @@ def build_router(
             "object": "list",
             "data": [
                 {"id": name, "object": "model", "created": 0, "owned_by": "hedge-gateway"}
-                for name in pools
+                for name in live.current.pools
             ],
         }
 
@@ -186,7 +187,7 @@ def build_router(
 
 
 def build_ops_router(
-    pools: Mapping[str, PoolRuntime],
+    live: Live,
     clock: Callable[[], float],
     *,
     stats: Stats,
@@ -201,6 +202,7 @@ def build_ops_router(
     @ops.get("/readyz")
     async def readyz() -> Response:
         now = clock()
+        pools = live.current.pools
         unready = [name for name, pool in pools.items() if not pool.balancer.usable(now)]
         if unready:
             return JSONResponse(
@@ -210,7 +212,7 @@ def build_ops_router(
 
     @ops.get("/hedge/stats")
     async def hedge_stats() -> JSONResponse:
-        return JSONResponse(snapshot(stats, pools, clock()))
+        return JSONResponse(snapshot(stats, live.current.pools, clock(), live=live))
 
     @ops.get("/metrics")
     async def prometheus() -> Response:
