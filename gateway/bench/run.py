@@ -267,8 +267,10 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     names = [w.name for w in WORKLOADS]
-    parser.add_argument("--workload", choices=[*names, "all"], default="all",
-                        help="which workload to run (default: all)")
+    parser.add_argument("--workload", choices=[*names, "soak", "all"], default="all",
+                        help="which workload to run (default: all; `soak` only when named)")
+    parser.add_argument("--duration", type=float,
+                        help="soak: seconds of traffic (default 600; 20 with --quick)")
     parser.add_argument("--requests", type=int, help="requests per mode (default: per workload)")
     parser.add_argument("--concurrency", type=int,
                         help="requests in flight (default: per workload)")
@@ -289,6 +291,8 @@ def run_bench_command(ns: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"hedge-gateway bench: --{name} must be at least 1", file=sys.stderr)
             return 2
+    if ns.workload == "soak":
+        return _soak_command(ns)
     chosen = tuple(w for w in WORKLOADS if ns.workload in ("all", w.name))
     plan = BenchPlan(workloads=chosen, seed=ns.seed,
                      progress=None if ns.no_progress else sys.stderr, tables=sys.stdout)
@@ -314,3 +318,36 @@ def run_bench_command(ns: argparse.Namespace) -> int:
     print(f"JSON report: {out}")
     return 0
 
+
+
+def _soak_command(ns: argparse.Namespace) -> int:
+    """`--workload soak`: both gateways side by side under faults (`gateway.bench.soak`);
+    exit 1 when a request hung or ended silently."""
+    from gateway.bench import soak
+
+    duration = ns.duration if ns.duration is not None else (20.0 if ns.quick else 600.0)
+    if duration <= 0:
+        print("hedge-gateway bench: --duration must be positive", file=sys.stderr)
+        return 2
+    plan = soak.SoakPlan(duration=duration, concurrency=ns.concurrency or 8, seed=ns.seed,
+                         sample_every=max(1.0, min(10.0, duration / 60)),
+                         progress=None if ns.no_progress else sys.stderr)
+    out = ns.out or os.path.join("bench-results", "soak-" + time.strftime("%Y%m%d-%H%M%S")
+                                 + ".json")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hedge-soak-") as logdir:
+            result = soak.run_soak(plan, logdir)
+    except ChildFailed as exc:
+        print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nhedge-gateway bench: interrupted; every child process was stopped",
+              file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(soak.format_soak(result))
+    report.write_json(out, result)
+    print(f"JSON report: {out}")
+    return 0 if soak.clean(result) else 1

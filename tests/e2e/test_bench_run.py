@@ -70,3 +70,24 @@ def test_cli_writes_json_and_prints_the_table(
     _check_modes(workload, 12)
     assert len(workload["targets"]) == 2  # added median TTFT, throughput against direct
     assert '"_samples"' not in json.dumps(data)
+
+
+@pytest.mark.timeout(120)
+def test_tiny_soak_runs_both_gateways_through_the_faults(tmp_path: Path) -> None:
+    """A few seconds of the soak: every child really starts, sim-a is really killed and
+    restarted, and every request is accounted as ok or an explicit error (none silent, none
+    hung), with the gateways' RSS and descriptors sampled."""
+    from gateway.bench import soak
+
+    plan = soak.SoakPlan(duration=4.0, concurrency=2, pushback=0.1, stall=0.1,
+                         sample_every=0.5, request_timeout=30.0)
+    result = soak.run_soak(plan, str(tmp_path))
+    assert [m["mode"] for m in result["modes"]] == list(soak.MODES)
+    assert [e["event"] for e in result["events"]] == ["sim-a killed", "sim-a restarted"]
+    for mode in result["modes"]:
+        assert mode["requests"] > 0
+        assert mode["ok"] + mode["explicit"] + mode["silent"] + mode["hung"] == mode["requests"]
+        assert len(mode["series"]) >= 2
+        assert mode["rss_mb"]["max"] > 0 and mode["fds"]["max"] > 0
+    assert soak.clean(result), soak.format_soak(result)
+    assert "every request ended in success or an explicit error: yes" in soak.format_soak(result)
