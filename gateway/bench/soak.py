@@ -18,7 +18,10 @@ Every request ends in one of four ways, and the run is clean only without the la
 `ok`; `explicit` (an HTTP error status, or an SSE error event); `silent` (a stream that ends
 without `[DONE]` and without an error event, a `[DONE]` without content, a malformed body or
 a connection cut mid-response); `hung` (no end within `request_timeout`). RSS and open file
-descriptors of each gateway are sampled every `sample_every` seconds.
+descriptors of each gateway are sampled every `sample_every` seconds; after the load, each
+gateway idles past the upstream keep-alive expiry and is counted once more (`after_idle`:
+descriptors and sockets by TCP state; a socket left in CLOSE_WAIT is one the gateway never
+closed).
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class SoakPlan:
     restart_at: float = 1 / 2
     sample_every: float = 10.0
     request_timeout: float = 60.0
+    #: after the load, the gateways idle this long (past the upstream keep-alive expiry,
+    #: 30 s) and get one request each before the last descriptor count: idle upstream
+    #: connections are then closed, so what is left open is what a leak would hold
+    settle: float = 31.0
     seed: int = 1
     progress: TextIO | None = None
 
@@ -242,11 +249,28 @@ async def _soak(plan: SoakPlan, children: Children) -> dict[str, Any]:
             stop.set()
             await asyncio.gather(sampler, faults, return_exceptions=True)
         wall = time.monotonic() - start
+        idle = await _after_idle(runs, plan, control)
         results = []
         for run in runs:
             stats = (await control.get(f"{run.base}/hedge/stats")).json()
-            results.append(summarize(run, stats, wall))
+            results.append({**summarize(run, stats, wall), "after_idle": idle[run.mode]})
     return {"events": events, "modes": results}
+
+
+async def _after_idle(runs: list[_Run], plan: SoakPlan, control: httpx.AsyncClient
+                      ) -> dict[str, dict[str, Any]]:
+    """Descriptors and sockets by TCP state of each gateway once idle connections expired
+    (one request first: the upstream pool closes expired connections when next used)."""
+    psutil: Any = importlib.import_module("psutil")
+    await asyncio.sleep(plan.settle)
+    out = {}
+    for run in runs:
+        await whole_one(control, f"{run.base}/v1/embeddings", -1, EMBED_BODY, "data")
+        proc = psutil.Process(run.pid)
+        states = Counter(c.status for c in proc.net_connections(kind="tcp"))
+        out[run.mode] = {"fds": proc.num_fds(), "sockets": dict(sorted(states.items())),
+                         "rss_mb": round(proc.memory_info().rss / 2**20, 1)}
+    return out
 
 
 def summarize(run: _Run, stats: dict[str, Any], wall: float) -> dict[str, Any]:
@@ -290,13 +314,15 @@ def run_soak(plan: SoakPlan, logdir: str) -> dict[str, Any]:
                      "pushback": plan.pushback, "stall": plan.stall,
                      "kill_at_s": round(plan.kill_at * plan.duration, 1),
                      "restart_at_s": round(plan.restart_at * plan.duration, 1),
-                     "seed": plan.seed},
+                     "seed": plan.seed, "settle_s": plan.settle},
             **result}
 
 
 def clean(report: dict[str, Any]) -> bool:
-    """Every request of every mode ended in a success or an explicit error."""
-    return all(m["silent"] == 0 and m["hung"] == 0 for m in report["modes"])
+    """Every request of every mode ended in a success or an explicit error, and no socket
+    was left half-closed."""
+    return all(m["silent"] == 0 and m["hung"] == 0
+               and not m["after_idle"]["sockets"].get("CLOSE_WAIT") for m in report["modes"])
 
 
 def format_soak(report: dict[str, Any]) -> str:
@@ -318,6 +344,11 @@ def format_soak(report: dict[str, Any]) -> str:
             f"{rss['first']:>7}/{rss['last']}/{rss['max']} | "
             f"{fds['first']}/{fds['last']}/{fds['max']}")
     for m in report["modes"]:
+        idle = m["after_idle"]
+        sockets = ", ".join(f"{k} {v}" for k, v in idle["sockets"].items())
+        lines.append(f"   {m['mode']} after {plan['settle_s']:g} s idle: {idle['fds']} fds, "
+                     f"{idle['rss_mb']} MB; sockets {sockets}")
+    for m in report["modes"]:
         classes = ", ".join(f"{k} {v}" for k, v in m["errors_by_class"].items()) or "none"
         lines.append(f"   {m['mode']} errors by class: {classes}")
         lines.append(f"   {m['mode']} gateway /hedge/stats errors: "
@@ -325,6 +356,6 @@ def format_soak(report: dict[str, Any]) -> str:
                      f"failovers {m['failovers']}")
     lines.append("   events: " + ", ".join(f"{e['event']} at {e['t_s']} s"
                                             for e in report["events"]))
-    lines.append("   every request ended in success or an explicit error: "
-                 + ("yes" if clean(report) else "NO"))
+    lines.append("   every request ended in success or an explicit error, no socket left "
+                 "in CLOSE_WAIT: " + ("yes" if clean(report) else "NO"))
     return "\n".join(lines)

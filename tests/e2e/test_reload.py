@@ -183,6 +183,8 @@ def test_sighup_applies_a_new_file_keeps_learnt_state_and_finishes_inflight_stre
         assert json.loads(first[6:])["choices"][0]["delta"].get("content") is not None
         assert len((first + rest).split("tok")) - 1 == SLOW_TOKENS
 
+        metrics = side.get("/metrics").text  # the metrics follow the new layout too
+        assert 'pool="fresh"' in metrics and 'pool="slow"' not in metrics
         assert after["config"]["sha256"] == sha256(cfg) != old_sum
         assert set(after["pools"]) == {"chat", "fresh"}
         chat = after["pools"]["chat"]
