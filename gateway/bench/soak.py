@@ -249,7 +249,7 @@ async def _soak(plan: SoakPlan, children: Children) -> dict[str, Any]:
             stop.set()
             await asyncio.gather(sampler, faults, return_exceptions=True)
         wall = time.monotonic() - start
-        idle = await _after_idle(runs, plan, control)
+        idle = await _after_idle(runs, plan, control, {p: n for n, p in ports.items()})
         results = []
         for run in runs:
             stats = (await control.get(f"{run.base}/hedge/stats")).json()
@@ -257,18 +257,27 @@ async def _soak(plan: SoakPlan, children: Children) -> dict[str, Any]:
     return {"events": events, "modes": results}
 
 
-async def _after_idle(runs: list[_Run], plan: SoakPlan, control: httpx.AsyncClient
-                      ) -> dict[str, dict[str, Any]]:
+async def _after_idle(runs: list[_Run], plan: SoakPlan, control: httpx.AsyncClient,
+                      backends: dict[int, str]) -> dict[str, dict[str, Any]]:
     """Descriptors and sockets by TCP state of each gateway once idle connections expired
-    (one request first: the upstream pool closes expired connections when next used)."""
+    (a few requests first: the upstream pool closes expired connections when next used)."""
     psutil: Any = importlib.import_module("psutil")
     await asyncio.sleep(plan.settle)
     out = {}
     for run in runs:
-        await whole_one(control, f"{run.base}/v1/embeddings", -1, EMBED_BODY, "data")
+        for k in range(10):  # a few that reach an upstream (some may be pushed back)
+            sample = await whole_one(control, f"{run.base}/v1/embeddings", -1 - k, EMBED_BODY,
+                                     "data")
+            if sample.ok and k >= 2:
+                break
         proc = psutil.Process(run.pid)
-        states = Counter(c.status for c in proc.net_connections(kind="tcp"))
+        conns = proc.net_connections(kind="tcp")
+        states = Counter(c.status for c in conns)
+        #: whom each half-closed socket was talking to: a backend, or a client
+        half = Counter(backends.get(c.raddr.port, "client") for c in conns
+                       if c.status == "CLOSE_WAIT" and c.raddr)
         out[run.mode] = {"fds": proc.num_fds(), "sockets": dict(sorted(states.items())),
+                         "close_wait_peers": dict(sorted(half.items())),
                          "rss_mb": round(proc.memory_info().rss / 2**20, 1)}
     return out
 
@@ -347,7 +356,8 @@ def format_soak(report: dict[str, Any]) -> str:
         idle = m["after_idle"]
         sockets = ", ".join(f"{k} {v}" for k, v in idle["sockets"].items())
         lines.append(f"   {m['mode']} after {plan['settle_s']:g} s idle: {idle['fds']} fds, "
-                     f"{idle['rss_mb']} MB; sockets {sockets}")
+                     f"{idle['rss_mb']} MB; sockets {sockets}; CLOSE_WAIT peers "
+                     f"{json.dumps(idle['close_wait_peers'])}")
     for m in report["modes"]:
         classes = ", ".join(f"{k} {v}" for k, v in m["errors_by_class"].items()) or "none"
         lines.append(f"   {m['mode']} errors by class: {classes}")
