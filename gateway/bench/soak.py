@@ -10,9 +10,11 @@ answering `pushback` (3 %) of its requests with `429` and `Retry-After: 1`; `sim
 stalls `stall` (3 %) of its requests (headers and role chunk, then nothing); `sim-a` is killed
 (SIGKILL) at a third of the run and restarted on the same port at half of it. Two gateways
 run side by side against the same backends, one with hedging on and one with it off, each
-with its own closed-loop load of `concurrency` workers, so both see the same faults at the
-same moments. The mix per request index (seeded): 80 % streaming chat, 10 % non-streaming
-chat, 10 % embeddings.
+with its own load of `concurrency` paced workers (a request every `interval` seconds each,
+or as soon as the previous one ended when it took longer), so both see the same faults at
+the same moments and, since refusals do not speed a worker up, about the same number of
+requests. The mix per request index (seeded): 80 % streaming chat, 10 % non-streaming chat,
+10 % embeddings.
 
 Every request ends in one of four ways, and the run is clean only without the last two:
 `ok`; `explicit` (an HTTP error status, or an SSE error event); `silent` (a stream that ends
@@ -56,8 +58,10 @@ EMBED_BODY = {"model": POOL, "input": "Say something."}
 @dataclass(frozen=True, slots=True)
 class SoakPlan:
     duration: float = 600.0
-    #: workers per gateway (closed loop: each sends its next request when one ends)
+    #: workers per gateway; each starts a request every `interval` seconds, or when its
+    #: previous one ended if that took longer
     concurrency: int = 8
+    interval: float = 0.5
     #: share of each backend's requests answered 429 with Retry-After: 1
     pushback: float = 0.03
     #: share of sim-b's requests that stall after the role chunk
@@ -155,7 +159,12 @@ async def _load(run: _Run, plan: SoakPlan, end: float) -> None:
     counter = iter(range(sys.maxsize))
 
     async def worker(client: httpx.AsyncClient) -> None:
-        while time.monotonic() < end:
+        due = time.monotonic()
+        while due < end:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            # paced: a fast refusal does not make the next request come sooner, so both
+            # gateways get about the same requests and their served shares compare
+            due = max(due + plan.interval, time.monotonic())
             index = next(counter)
             try:
                 async with asyncio.timeout(plan.request_timeout):
@@ -320,6 +329,7 @@ def run_soak(plan: SoakPlan, logdir: str) -> dict[str, Any]:
     return {"workload": "soak", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "duration_s": round(time.time() - started, 1), "machine": machine(),
             "plan": {"duration_s": plan.duration, "concurrency_per_gateway": plan.concurrency,
+                     "interval_s": plan.interval,
                      "pushback": plan.pushback, "stall": plan.stall,
                      "kill_at_s": round(plan.kill_at * plan.duration, 1),
                      "restart_at_s": round(plan.restart_at * plan.duration, 1),
@@ -338,7 +348,8 @@ def format_soak(report: dict[str, Any]) -> str:
     plan = report["plan"]
     lines = [
         f"== soak: {plan['duration_s']:g} s, {plan['concurrency_per_gateway']} workers per "
-        "gateway; 80 % streaming chat, 10 % chat, 10 % embeddings",
+        f"gateway, one request each per {plan['interval_s']:g} s at most; 80 % streaming chat, "
+        "10 % chat, 10 % embeddings",
         f"   faults: every backend answers {plan['pushback'] * 100:g} % with 429 + "
         f"Retry-After: 1; sim-b stalls {plan['stall'] * 100:g} %; sim-a killed at "
         f"{plan['kill_at_s']:g} s, restarted at {plan['restart_at_s']:g} s",

@@ -79,7 +79,7 @@ def test_tiny_soak_runs_both_gateways_through_the_faults(tmp_path: Path) -> None
     hung), with the gateways' RSS and descriptors sampled."""
     from gateway.bench import soak
 
-    plan = soak.SoakPlan(duration=4.0, concurrency=2, pushback=0.1, stall=0.1,
+    plan = soak.SoakPlan(duration=4.0, concurrency=2, interval=0.1, pushback=0.1, stall=0.1,
                          sample_every=0.5, request_timeout=30.0, settle=0.0)
     result = soak.run_soak(plan, str(tmp_path))
     assert [m["mode"] for m in result["modes"]] == list(soak.MODES)
