@@ -79,6 +79,20 @@ class HedgeBudget:
         #: hedge outcomes recorded since start (readers tell a new win rate from an old one)
         self.hedges_recorded = 0
 
+    def reconfigure(self, settings: BudgetSettings, now: float) -> None:
+        """New settings from a reload. The bucket keeps its level (capped at the new `burst`),
+        its extra attempts in flight and its recent hedge outcomes: a reload must not hand a
+        pool a fresh burst of hedges, nor forget that hedging was not winning."""
+        if settings == self.settings:
+            return
+        self._accrue(now)
+        self.settings = settings
+        self._tokens = min(self._tokens, settings.burst)
+        size = max(1, settings.win_window)
+        if self._outcomes.maxlen != size:
+            self._outcomes = deque(self._outcomes, maxlen=size)
+            self._wins = sum(self._outcomes)
+
     # -- tokens ---------------------------------------------------------------------------
 
     def _level(self, now: float) -> float:

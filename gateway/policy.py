@@ -113,6 +113,7 @@ class HedgeDelay:
         "_adaptive",
         "_added",
         "_base_tail",
+        "_budget_ratio",
         "_epoch",
         "_median",
         "_recent",
@@ -128,6 +129,7 @@ class HedgeDelay:
 
     def __init__(self, settings: DelaySettings, *, budget_ratio: float = 0.1) -> None:
         self.settings = settings
+        self._budget_ratio = budget_ratio
         #: the quantile in force: the configured one, or under auto, between
         #: `auto_quantile(budget_ratio)` and the top of AUTO_QUANTILE_RANGE (see `steer`)
         self.quantile = (
@@ -150,6 +152,28 @@ class HedgeDelay:
         self.censored_count = 0
         #: lower bounds under the threshold in force, not recorded (see the class docstring)
         self.censored_dropped = 0
+
+    def adopt(self, settings: DelaySettings, *, budget_ratio: float, now: float) -> HedgeDelay:
+        """This backend's delay under reloaded settings: itself when nothing changed, else a
+        delay with the new settings over the same samples (what was learnt survives), already
+        refreshed so the reload never falls back to `initial`. A changed `window` starts a
+        fresh sketch: the ring's slices are sized by the window. The auto quantile's steering
+        carries over while the rule and the budget's ratio stay the same."""
+        same_rule = (settings.quantile == self.settings.quantile
+                     and budget_ratio == self._budget_ratio)
+        if settings == self.settings and same_rule:
+            return self
+        fresh = HedgeDelay(settings, budget_ratio=budget_ratio)
+        if settings.window == self.settings.window:
+            fresh._sketch = self._sketch
+            fresh._recent = self._recent
+            fresh.observations = self.observations
+            fresh.censored_count = self.censored_count
+            fresh.censored_dropped = self.censored_dropped
+        if same_rule:
+            fresh.quantile, fresh._steered_at = self.quantile, self._steered_at
+        fresh.refresh(now)
+        return fresh
 
     def observe(self, ttft: float, now: float, *, censored: bool = False) -> None:
         """Record one attempt's TTFT, measured from that attempt's own start (seconds).

@@ -358,3 +358,35 @@ def run_bench_command(plan: BenchPlan, *, out: str | None, requests: int | None 
     report.write_json(out, result)
     print(f"JSON report: {out}")
     return 0
+
+
+
+def run_soak_command(*, duration: float | None, quick: bool, concurrency: int | None, seed: int,
+                     out: str | None, progress: bool) -> int:
+    """`--workload soak`: both gateways side by side under faults (`gateway.bench.soak`);
+    exit 1 when a request hung or ended silently, or a socket was left behind."""
+    from gateway.bench import soak
+
+    seconds = duration if duration is not None else (20.0 if quick else 600.0)
+    plan = soak.SoakPlan(duration=seconds, concurrency=concurrency or 8, seed=seed,
+                         sample_every=max(1.0, min(10.0, seconds / 60)),
+                         progress=sys.stderr if progress else None)
+    out = out or os.path.join("bench-results", "soak-" + time.strftime("%Y%m%d-%H%M%S")
+                              + ".json")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hedge-soak-") as logdir:
+            result = soak.run_soak(plan, logdir)
+    except ChildFailed as exc:
+        print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nhedge-gateway bench: interrupted; every child process was stopped",
+              file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(soak.format_soak(result))
+    report.write_json(out, result)
+    print(f"JSON report: {out}")
+    return 0 if soak.clean(result) else 1

@@ -117,6 +117,12 @@ def render(stats: dict[str, Any], out: TextIO) -> None:
     """Print the stats document as tables."""
     print(f"window {_fmt(stats.get('window_s'))}s, uptime {_fmt(stats.get('uptime_s'))}s",
           file=out)
+    config = stats.get("config")
+    if isinstance(config, dict):
+        print(f"config: {config.get('source')}, sha256 {str(config.get('sha256'))[:16]}, "
+              f"loaded {config.get('loaded_at')} ({_fmt(config.get('loaded_s_ago'))}s ago), "
+              f"generation {_fmt(config.get('generation'))}, failed reloads "
+              f"{_fmt(config.get('failed_reloads'))}", file=out)
     for name, pool in stats.get("pools", {}).items():
         budget = pool.get("budget", {})
         print(file=out)
