@@ -42,64 +42,16 @@ import yaml
 
 from gateway.bench import report, speed
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
+from gateway.bench.oracle import best_single_hedge, format_shares, share_targets
 from gateway.bench.procs import ChildFailed, Children, ProcessMeter, free_port, machine, wait_ready
-from gateway.bench.upstream import profile_to_json
+from gateway.bench.upstream import profile_to_json, request_ttft
+from gateway.bench.workloads import Workload
 from gateway.server import raise_open_file_limit
-from gateway.settings import BudgetSettings, SimProfile
+from gateway.settings import BudgetSettings
 
 POOL = "bench"
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    name: str
-    description: str
-    profile: SimProfile
-    requests: int
-    concurrency: int
-    #: requests per mode with --quick
-    quick_requests: int
-    #: seconds added to every backend's TTFT for the middle of the run; 0 means no outage
-    outage_extra: float = 0.0
-    #: the outage covers these fractions of the request indexes
-    outage_span: tuple[float, float] = (1 / 3, 2 / 3)
-    #: simulated backends behind the gateway (the oracle races all of them)
-    backends: int = 2
-    #: the modes this workload runs (None: the plan's)
-    modes: tuple[str, ...] | None = None
-    #: requests of a pass at concurrency 1 before the main pass (0: none), and with --quick
-    c1_requests: int = 0
-    quick_c1_requests: int = 0
-    #: the gateway's `server.max_concurrent_requests` (None: its default)
-    max_concurrent_requests: int | None = None
-
-
-_STRAGGLERS = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.03,
-                         straggler_extra=1.5, tokens=30, inter_token=0.005)
-WORKLOADS: tuple[Workload, ...] = (
-    Workload("stragglers", "lognormal TTFT (median 150 ms, sigma 0.25), 3 % stragglers +1500 ms,"
-             " 30 tokens at 5 ms", _STRAGGLERS, requests=600, concurrency=20, quick_requests=100),
-    Workload("outage", "as stragglers, but both backends +1500 ms for the middle third",
-             _STRAGGLERS, requests=600, concurrency=20, quick_requests=60, outage_extra=1.5),
-    Workload("overhead", "zero-latency backends (TTFT 0, inter-token 0), 50 tokens; first "
-             "a pass at c=1 for the added TTFT",
-             SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
-                        straggler_extra=0.0, tokens=50, inter_token=0.0),
-             requests=2000, concurrency=50, quick_requests=300,
-             modes=("direct", "hedging-off", "hedging-on"), c1_requests=300,
-             quick_c1_requests=100),
-    Workload("streams", "1,000 concurrent streams: TTFT 50 ms, 20 tokens 200 ms apart",
-             SimProfile(ttft_median=0.05, ttft_sigma=0.0, straggler_probability=0.0,
-                        straggler_extra=0.0, tokens=20, inter_token=0.2),
-             requests=1000, concurrency=1000, quick_requests=1000,
-             modes=("direct", "hedging-on"), max_concurrent_requests=2048),
-    Workload("pushback", "3 backends, TTFT median 150 ms (no stragglers), each answering 3 % "
-             "with 503 + Retry-After: 1", SimProfile(
-                 ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.0,
-                 straggler_extra=0.0, tokens=30, inter_token=0.005, fail_probability=0.03,
-                 fail_status=503),
-             requests=600, concurrency=16, quick_requests=150, backends=3),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +69,7 @@ class BenchPlan:
 
 
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
+                   delay_window: float | None = None,
                    max_concurrent_requests: int | None = None) -> str:
     backends = [
         {"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
@@ -126,8 +79,10 @@ def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
     server: dict[str, Any] = {"host": "127.0.0.1", "port": port}
     if max_concurrent_requests is not None:
         server["max_concurrent_requests"] = max_concurrent_requests
-    config = {"server": server, "hedging": {"enabled": hedging},
-              "pools": [{"name": POOL, "backends": backends}]}
+    pool: dict[str, Any] = {"name": POOL, "backends": backends}
+    if delay_window is not None:
+        pool["hedging"] = {"delay": {"window": delay_window}}
+    config = {"server": server, "hedging": {"enabled": hedging}, "pools": [pool]}
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -152,6 +107,7 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
     with open(path, "w", encoding="utf-8") as file:
         file.write(gateway_config(port, ctx.sim_ports[:workload.backends],
                                   hedging=mode in ("hedging-on", "baseline"),
+                                  delay_window=workload.delay_window,
                                   max_concurrent_requests=workload.max_concurrent_requests))
     env = None
     if mode == "baseline" and ctx.plan.baseline_src:
@@ -274,6 +230,8 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
         for _, proc in gateways.values():
             ctx.children.stop(proc)
     comparison = report.compare(rows) | speed.compare_costs(rows)
+    if workload.single_hedge:
+        comparison["single_hedge"] = _single_hedge(workload, requests, ctx.plan.seed)
     result: dict[str, Any] = {
         "name": workload.name, "description": workload.description,
         "requests": requests, "concurrency": concurrency, "seed": ctx.plan.seed,
@@ -282,7 +240,8 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                    if workload.outage_extra > 0 else None),
         "modes": list(rows.values()), "comparison": comparison,
         "targets": report.targets(workload.name, rows, comparison, BudgetSettings())
-        + speed.targets(workload.name, rows, comparison),
+        + speed.targets(workload.name, rows, comparison)
+        + (share_targets(workload.name, rows, comparison) if workload.single_hedge else []),
     }
     if workload.outage_extra > 0 and "hedging-on" in rows:
         result["outage_phases"] = report.outage_phases(rows["hedging-on"], requests,
@@ -291,6 +250,19 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
         table = "\n".join([report.format_workload(result), *speed.format_lines(result)])
         print(table + "\n", file=ctx.plan.tables, flush=True)
     return result
+
+
+def _single_hedge(workload: Workload, requests: int, seed: int) -> dict[str, Any]:
+    """The best single-hedge policy at the default budget over this run's seeded draws:
+    backend a's TTFT as the primary, backend b's as the hedge (SPEC §20)."""
+    pairs = [(request_ttft(workload.profile, seed, "a", i), request_ttft(workload.profile, seed,
+                                                                          "b", i))
+             for i in range(requests)]
+    ratio = BudgetSettings().ratio
+    best = best_single_hedge(pairs, ratio, (0.5, 0.99))
+    return {"ratio": ratio, "delay_ms": round(best.delay * 1000.0, 3), "hedged": best.hedged,
+            "ttft_p50_ms": round(best.ttft[0] * 1000.0, 3),
+            "ttft_p99_ms": round(best.ttft[1] * 1000.0, 3)}
 
 
 async def _run(plan: BenchPlan, children: Children, sizes: Sequence[tuple[int, int]],
@@ -364,6 +336,41 @@ def run_bench_command(plan: BenchPlan, *, out: str | None, requests: int | None 
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+    shares = format_shares(result["workloads"])
+    if shares:
+        print(shares)
     report.write_json(out, result)
     print(f"JSON report: {out}")
     return 0
+
+
+
+def run_soak_command(*, duration: float | None, quick: bool, concurrency: int | None, seed: int,
+                     out: str | None, progress: bool) -> int:
+    """`--workload soak`: both gateways side by side under faults (`gateway.bench.soak`);
+    exit 1 when a request hung or ended silently, or a socket was left behind."""
+    from gateway.bench import soak
+
+    seconds = duration if duration is not None else (20.0 if quick else 600.0)
+    plan = soak.SoakPlan(duration=seconds, concurrency=concurrency or 8, seed=seed,
+                         sample_every=max(1.0, min(10.0, seconds / 60)),
+                         progress=sys.stderr if progress else None)
+    out = out or os.path.join("bench-results", "soak-" + time.strftime("%Y%m%d-%H%M%S")
+                              + ".json")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hedge-soak-") as logdir:
+            result = soak.run_soak(plan, logdir)
+    except ChildFailed as exc:
+        print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nhedge-gateway bench: interrupted; every child process was stopped",
+              file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(soak.format_soak(result))
+    report.write_json(out, result)
+    print(f"JSON report: {out}")
+    return 0 if soak.clean(result) else 1

@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.firsttoken", "gateway.validate", "gateway.policy", "gateway.budget",
      "gateway.balancer"),
     ("providers",),
-    ("gateway.pool", "gateway.attempt"),
+    ("gateway.pool", "gateway.attempt", "gateway.live"),
     ("gateway.race", "gateway.relay", "gateway.sseresponse"),
     ("gateway.stats",),
     ("gateway.proxy",),
