@@ -66,9 +66,9 @@ class PoolRuntime:
             },
             groups={b.name: b.group for b in settings.backends},
             hedging_enabled=global_hedging and settings.hedging.enabled,
-            models={b.name: b.model for b in settings.backends},
-            models_json={b.name: json.dumps(b.model).encode() for b in settings.backends},
             rng=rng,
+            models=_models(settings),
+            models_json=_models_json(settings),
         )
 
     def carried_over(
@@ -110,6 +110,8 @@ class PoolRuntime:
             groups={b.name: b.group for b in settings.backends},
             hedging_enabled=global_hedging and settings.hedging.enabled,
             rng=self.rng,
+            models=_models(settings),
+            models_json=_models_json(settings),
         )
 
     def delays_for(self, endpoint: str, stream: bool) -> Mapping[str, HedgeDelay]:
@@ -124,3 +126,13 @@ class PoolRuntime:
             for delay in delays.values():
                 delay.steer(win_rate, recorded)
                 delay.refresh(now)
+
+
+def _models(settings: PoolSettings) -> dict[str, str]:
+    """Backend -> its own model name, built once per configuration."""
+    return {b.name: b.model for b in settings.backends}
+
+
+def _models_json(settings: PoolSettings) -> dict[str, bytes]:
+    """Backend -> its model name as JSON, spliced into each attempt's serialized body."""
+    return {b.name: json.dumps(b.model).encode() for b in settings.backends}

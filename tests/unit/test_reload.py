@@ -3,6 +3,7 @@ fresh. Fake clock, no sockets (the upstream client is built but never used: sim 
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -103,6 +104,9 @@ def test_build_pools_carries_runtimes_over_by_name() -> None:
     assert p_new.delays["c"].samples(5.0) == 0
     assert set(second) == {"p", "r"}
     assert p_old.settings.hedging.delay.initial == 0.5  # the old generation is untouched
+    # the per-configuration maps every attempt reads follow the new backends
+    assert set(p_new.models) == set(p_new.models_json) == {"a", "c"}
+    assert p_new.models_json["c"] == json.dumps(p_new.models["c"]).encode()
 
 
 def _live(settings: Settings) -> tuple[Live, Stats, Reloader]:
