@@ -9,10 +9,12 @@ request), and the relay needs exact control over three things that response does
   how long the pending send has been stuck);
 - on shutdown, a live stream gets `grace` seconds to finish, then a final error event.
 
-Per upstream read the pump does one clock reading and three stores, and takes no lock: the
-lock only orders the rare sends (keep-alives, the final message, the shutdown event) among
-themselves. A pump send may overlap a keep-alive; the server writes each message whole, and
-a comment between two events is harmless.
+Per upstream read the pump does three stores, reads no clock and takes no lock: the ticker,
+which wakes a few times per keep-alive period, reads the clock and compares a send counter
+with what it saw last time (activity for the keep-alive, the same send still pending for the
+stuck-client check). The lock only orders the rare sends (keep-alives, the final message, the
+shutdown event) among themselves. A pump send may overlap a keep-alive; the server writes
+each message whole, and a comment between two events is harmless.
 """
 
 from __future__ import annotations
@@ -77,9 +79,14 @@ class SSEResponse(Response):
         #: the client disconnects; without one the response watches the client itself
         self.client_gone = client_gone
         self._lock = asyncio.Lock()
-        self._last_send = 0.0
-        #: when the send in progress started (None: no send in progress)
-        self._sending_since: float | None = None
+        #: sends started so far, and whether one is in progress (the pump's only bookkeeping)
+        self._sends = 0
+        self._in_send = False
+        #: what the ticker saw: the send count, when it last changed, and (for a pending send)
+        #: since when the ticker has seen that same send pending
+        self._seen_sends = 0
+        self._active_at = clock()
+        self._pending_since: float | None = None
         #: why the stream ended early: client gone, stuck client, shutdown, or an exception
         #: of ours that escaped the relay (internal error)
         self.end: StreamEnd | None = None
@@ -137,20 +144,19 @@ class SSEResponse(Response):
         async with self._lock:
             if self._completed:  # a racing final message (shutdown vs. normal end)
                 return
-            self._sending_since = self.clock()
+            self._sends += 1
+            self._in_send = True
             await send(message)
-            self._sending_since = None
-            self._last_send = self.clock()
+            self._in_send = False
             if not message.get("more_body", False) and message["type"] == "http.response.body":
                 self._completed = True
 
     async def _pump(self, send: Send) -> None:
-        clock = self.clock
         async for chunk in self.body_iterator:
-            # one reading: when the send started is also when the stream last showed life
-            self._sending_since = self._last_send = clock()
+            self._sends += 1
+            self._in_send = True
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            self._sending_since = None
+            self._in_send = False
         self._exhausted = True
 
     def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> None:
@@ -184,12 +190,20 @@ class SSEResponse(Response):
         while True:
             await anyio.sleep(period)
             now = self.clock()
-            since = self._sending_since
-            if since is not None and now - since >= self.stuck_client:
-                self.end = StreamEnd.STUCK_CLIENT
-                scope.cancel()
-                return
-            if since is None and now - self._last_send >= self.keepalive:
+            sends = self._sends
+            if sends != self._seen_sends:  # something went out (or started to) since then
+                self._seen_sends = sends
+                self._active_at = now
+                self._pending_since = now if self._in_send else None
+                continue
+            if self._in_send:
+                since = self._pending_since if self._pending_since is not None else now
+                self._pending_since = since
+                if now - since >= self.stuck_client:
+                    self.end = StreamEnd.STUCK_CLIENT
+                    scope.cancel()
+                    return
+            elif now - self._active_at >= self.keepalive:
                 await self._send(send, {"type": "http.response.body", "body": KEEPALIVE,
                                         "more_body": True})
 
