@@ -88,13 +88,17 @@ class UpstreamResponse:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive; aiohttp exceptions are translated."""
-        content = self._response.content
+        read = self.read_chunk
+        while chunk := await read():
+            yield chunk
+
+    async def read_chunk(self) -> bytes:
+        """The next bytes of the body as they arrive (b"" at its end), translated errors.
+
+        A plain coroutine rather than only the generator above, so the stream decoder reads
+        with one await per chunk and no extra generator in between (the hot path)."""
         try:
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    return
-                yield chunk
+            return await self._response.content.readany()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise translate(exc) from None
 

@@ -98,10 +98,11 @@ class AiohttpStream:
 
     async def _sse(self) -> AsyncIterator[SSEBatch]:
         decoder = SSEDecoder()
+        feed, read = decoder.feed_batch, self._response.read_chunk
         pending = 0  # bytes since the last completed event
         try:
-            async for chunk in self._response.chunks():
-                batch = decoder.feed_batch(chunk)
+            while chunk := await read():
+                batch = feed(chunk)
                 if batch is None:
                     pending += len(chunk)
                     if pending > MAX_EVENT_BYTES:
