@@ -9,8 +9,10 @@ request), and the relay needs exact control over three things that response does
   how long the pending send has been stuck);
 - on shutdown, a live stream gets `grace` seconds to finish, then a final error event.
 
-Per upstream read the pump does three stores, reads no clock and takes no lock: the ticker,
-which wakes a few times per keep-alive period, reads the clock and compares a send counter
+Per stream: the response's own task and nothing else until one tick period has passed (the
+ticker task starts from a timer then; the client watcher and the shutdown drain are
+callbacks). Per upstream read the pump does three stores, reads no clock and takes no lock:
+the ticker, which wakes a few times per keep-alive period, reads the clock and compares a send counter
 with what it saw last time (activity for the keep-alive, the same send still pending for the
 stuck-client check). The lock only orders the rare sends (keep-alives, the final message, the
 shutdown event) among themselves. A pump send may overlap a keep-alive; the server writes
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -33,6 +37,7 @@ from gateway.drain import Drain
 from gateway.streamend import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
+log = logging.getLogger("hedge_gateway.sse")
 #: ASGI scope extension through which the server offers `abort()`: drop the connection now,
 #: unsent bytes and all (see gateway.server). Without it, a stuck client's connection can only
 #: be left to the server, which waits for the unsent bytes to drain before it closes.
@@ -99,12 +104,13 @@ class SSEResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ended = False
         forget_drain: Callable[[], None] | None = None
+        ticker = _Ticker()
         try:
             await self._send(send, {"type": "http.response.start", "status": 200,
                                     "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
                 self._watch(receive, tg)
-                tg.start_soon(self._tick, send, tg.cancel_scope)
+                ticker.arm(self._period(), lambda: self._tick(send, tg.cancel_scope))
                 forget_drain = self.drain.call_at_grace_end(
                     self.grace, self._on_grace_end(tg.cancel_scope))
                 await self._pump(send)
@@ -121,6 +127,8 @@ class SSEResponse(Response):
             self.end = self.end or StreamEnd.CLIENT_GONE
             ended = True
         finally:
+            with anyio.CancelScope(shield=True):
+                await ticker.stop()
             if forget_drain is not None:
                 forget_drain()
             if not ended and self.end is None and not _being_cancelled():
@@ -184,19 +192,21 @@ class SSEResponse(Response):
                 scope.cancel()
                 return
 
+    def _period(self) -> float:
+        return max(0.01, min(self.keepalive, self.stuck_client) / 4)
+
     async def _tick(self, send: Send, scope: anyio.CancelScope) -> None:
-        """Keep-alive comments when idle; give up on a client that stopped reading."""
-        period = max(0.01, min(self.keepalive, self.stuck_client) / 4)
+        """Keep-alive comments when idle; give up on a client that stopped reading. Runs
+        from one period into the stream (`_Ticker`), then checks once per period."""
+        period = self._period()
         while True:
-            await anyio.sleep(period)
             now = self.clock()
             sends = self._sends
             if sends != self._seen_sends:  # something went out (or started to) since then
                 self._seen_sends = sends
                 self._active_at = now
                 self._pending_since = now if self._in_send else None
-                continue
-            if self._in_send:
+            elif self._in_send:
                 since = self._pending_since if self._pending_since is not None else now
                 self._pending_since = since
                 if now - since >= self.stuck_client:
@@ -204,8 +214,14 @@ class SSEResponse(Response):
                     scope.cancel()
                     return
             elif now - self._active_at >= self.keepalive:
-                await self._send(send, {"type": "http.response.body", "body": KEEPALIVE,
-                                        "more_body": True})
+                try:
+                    await self._send(send, {"type": "http.response.body", "body": KEEPALIVE,
+                                            "more_body": True})
+                except OSError:  # the socket broke: the client is gone
+                    self.end = self.end or StreamEnd.CLIENT_GONE
+                    scope.cancel()
+                    return
+            await anyio.sleep(period)
 
     def _on_grace_end(self, scope: anyio.CancelScope) -> Callable[[], None]:
         """On shutdown: `grace` seconds to finish (a callback of the drain's, not a task per
@@ -240,3 +256,31 @@ async def _await_disconnect(scope: Scope, receive: Receive) -> None:
     with anyio.move_on_after(1.0):
         while (await receive())["type"] != "http.disconnect":
             pass
+
+
+class _Ticker:
+    """The stream's ticker task, started one period in by a timer: a stream that ends sooner
+    (most of them at high request rates) costs a timer, not a task. `stop()` ends either and
+    waits for the task, so nothing outlives the response."""
+
+    def __init__(self) -> None:
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def arm(self, delay: float, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        def start() -> None:
+            self._timer = None
+            self._task = asyncio.get_running_loop().create_task(run())
+
+        self._timer = asyncio.get_running_loop().call_later(delay, start)
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:  # a bug of ours
+                log.error("the stream's ticker failed", exc_info=task.exception())
