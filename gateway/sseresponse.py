@@ -12,11 +12,11 @@ request), and the relay needs exact control over three things that response does
 Per stream: the response's own task and nothing else until one tick period has passed (the
 ticker task starts from a timer then; the client watcher and the shutdown drain are
 callbacks). Per upstream read the pump does three stores, reads no clock and takes no lock:
-the ticker, which wakes a few times per keep-alive period, reads the clock and compares a send counter
-with what it saw last time (activity for the keep-alive, the same send still pending for the
-stuck-client check). The lock only orders the rare sends (keep-alives, the final message, the
-shutdown event) among themselves. A pump send may overlap a keep-alive; the server writes
-each message whole, and a comment between two events is harmless.
+the ticker, which wakes a few times per keep-alive period, reads the clock and compares a
+send counter with what it saw last time (activity for the keep-alive, the same send still
+pending for the stuck-client check). The lock only orders the rare sends (keep-alives, the
+final message, the shutdown event) among themselves. A pump send may overlap a keep-alive;
+the server writes each message whole, and a comment between two events is harmless.
 """
 
 from __future__ import annotations
