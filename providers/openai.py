@@ -15,7 +15,7 @@ import json
 import math
 import re
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import httpx
@@ -127,11 +127,18 @@ class HttpxStream:
     def batches(self) -> AsyncIterator[list[SSEEvent]]:
         return self._sse() if self._stream else self._whole_body()
 
+    def _body(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive. Not httpx's `aiter_raw`: that one closes the
+        response itself at the body's end, unshielded, and a cancel landing in that close (a
+        non-streaming loser whose body just ended) left the connection in use for ever;
+        `aclose` closes it instead, whatever cancel comes."""
+        return cast(httpx.AsyncByteStream, self._response.stream).__aiter__()
+
     async def _sse(self) -> AsyncIterator[list[SSEEvent]]:
         decoder = SSEDecoder()
         pending = 0  # bytes since the last completed event
         try:
-            async for chunk in self._response.aiter_raw():
+            async for chunk in self._body():
                 events = decoder.feed(chunk)
                 if not events:
                     pending += len(chunk)
@@ -151,7 +158,7 @@ class HttpxStream:
         parts: list[bytes] = []
         size = 0
         try:
-            async for chunk in self._response.aiter_raw():
+            async for chunk in self._body():
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
                     raise UpstreamProtocolError("response body too large")
@@ -187,6 +194,28 @@ async def close_orphaned_connections(client: httpx.AsyncClient) -> None:
     for connection in list(getattr(pool, "connections", ())):
         if ", NEW," in connection.info():
             await connection.aclose()
+
+
+def guard_pool_closes(client: httpx.AsyncClient) -> None:
+    """Make the client's pool finish closing the connections it drops, despite a cancel.
+
+    Why: before each request httpcore's pool closes, one after the other, the connections it
+    finds dead (the upstream closed them while idle) or expired. The first close awaits once;
+    a cancel landing there (a hedge cancelled as it starts) skips the rest, which have left
+    the pool already: nothing closes their sockets any more (CLOSE_WAIT for ever). httpcore
+    shields that loop with an anyio shield, which a native `Task.cancel()` goes through.
+    """
+    # httpx keeps its transport's pool private; this wraps one method of httpcore's pool
+    pool: Any = getattr(getattr(client, "_transport", None), "_pool", None)
+    close_connections = getattr(pool, "_close_connections", None)
+    if close_connections is None:
+        return
+
+    async def close_all(closing: list[Any]) -> None:
+        if closing:
+            await finish_despite_cancel(close_connections(closing))
+
+    pool._close_connections = close_all
 
 
 class OpenAIProvider:

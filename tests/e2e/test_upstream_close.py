@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,7 +29,16 @@ from gateway.attempt import Prefix, open_until_first_token, open_whole_response
 from gateway.clock import monotonic
 from gateway.errors import UpstreamError
 from providers.base import Provider, UpstreamCall
-from tests.harness import LoopThread, RecordedRequest, Script, UpstreamFactory, json_script
+from tests.harness import (
+    Head,
+    LoopThread,
+    RecordedRequest,
+    Script,
+    Send,
+    Sleep,
+    UpstreamFactory,
+    json_script,
+)
 from tests.harness.builders import POOL, gateway_settings
 
 _psutil: Any = importlib.import_module("psutil")
@@ -112,3 +122,60 @@ def test_an_attempt_cancelled_at_any_moment_leaves_no_upstream_socket(
     assert left == [], f"cancelled after {ticks} loop iterations, left open: {left}"
     assert ticks < MAX_TICKS, "the attempt never finished on its own: the sweep is incomplete"
     assert len(upstream.requests) > FINISHED_IN_A_ROW
+
+
+def test_a_request_cancelled_while_its_pool_drops_dead_connections_closes_them_all(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+) -> None:
+    """A request first closes the pooled connections the upstream has closed meanwhile; a
+    cancel landing after the first of several such closes must not orphan the others (they
+    left the pool already, so nothing would ever close their sockets: CLOSE_WAIT)."""
+    def respond(_request: RecordedRequest) -> Script:
+        # the upstream says keep-alive, then closes once the client is done with the response:
+        # the client finds out only when it next uses its pool
+        body = json.dumps({"data": [{"embedding": [0.0]}]}).encode()
+        return Script(headers={"content-type": "application/json", "connection": "keep-alive"},
+                      steps=[Head(), Send(body), Sleep(0.1)], framing="length")
+
+    upstream = scripted_upstream.one(responder=respond)
+    settings = gateway_settings([upstream.base_url])
+    call = UpstreamCall("embeddings", {"model": "m", "input": "x"}, False, "r-1", 10.0)
+
+    async def build() -> tuple[Provider, Callable[[], Awaitable[None]]]:
+        client = make_http_client(settings)
+        pools = build_pools(settings, client, monotonic, random.Random(1))
+        return next(iter(pools[POOL].providers.values())), client.aclose
+
+    provider, close_client = loop_thread.run(build())
+    loop_thread.add_cleanup(close_client)
+
+    async def one() -> None:
+        prefix = await open_whole_response(provider, call, lambda: False)
+        await prefix.aclose()
+
+    async def sweep_dead() -> tuple[int, list[str]]:
+        in_a_row = 0
+        for ticks in range(MAX_TICKS):
+            await asyncio.gather(one(), one(), one())  # three idle connections...
+            await upstream.until(lambda: upstream.open_connections == 0)  # ...now dead
+            attempt = asyncio.create_task(one())
+            for _ in range(ticks):
+                await asyncio.sleep(0)
+            in_a_row = in_a_row + 1 if attempt.done() else 0
+            attempt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+                await attempt
+            await upstream.until(lambda: upstream.open_connections == 0)
+            await one()  # its pool closes whatever dead connection it still holds
+            await upstream.until(lambda: upstream.open_connections == 0)
+            left = sockets_to(upstream.port)
+            if len(left) > 1:  # the last request's own connection may stay (CLOSE_WAIT)
+                return ticks, left
+            if in_a_row >= FINISHED_IN_A_ROW:
+                return ticks, []
+        return MAX_TICKS, []
+
+    ticks, left = loop_thread.run(sweep_dead(), timeout=120.0)
+
+    assert left == [], f"cancelled after {ticks} loop iterations, left open: {left}"
+    assert ticks < MAX_TICKS, "the attempt never finished on its own: the sweep is incomplete"
