@@ -19,7 +19,7 @@ import contextlib
 import importlib
 import json
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -48,7 +48,7 @@ MAX_TICKS = 400
 #: the sweep ends once the attempt finished before its cancel this many times in a row
 FINISHED_IN_A_ROW = 3
 
-Opener = Callable[[Provider, UpstreamCall, Callable[[], bool]], Awaitable[Prefix]]
+Opener = Callable[[Provider, UpstreamCall, Callable[[], bool]], Coroutine[Any, Any, Prefix]]
 
 
 def sockets_to(port: int) -> list[str]:
