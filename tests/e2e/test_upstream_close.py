@@ -19,7 +19,7 @@ import contextlib
 import importlib
 import json
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
