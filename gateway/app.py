@@ -7,6 +7,8 @@ constructs these; nothing holds module-level state.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,6 +24,7 @@ from gateway.routes import build_ops_router, build_router, install_error_handler
 from gateway.settings import Settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
+from gateway.stats.shared import Peers, StatsSource
 from providers.registry import build_provider
 
 
@@ -56,20 +59,29 @@ def build_pools(
     return pools
 
 
-def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None = None) -> FastAPI:
+def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None = None,
+               peers: Peers | None = None) -> FastAPI:
+    """`peers`: under `serve --workers N`, this worker's view of the shared stats directory, so
+    that its stats endpoints show the whole server (`gateway.stats.shared`)."""
     rng = random.Random(seed)
     client = make_http_client(settings)
     pools = build_pools(settings, client, clock, rng)
     stats = Stats.for_pools(pools, now=clock())
-    metrics = Metrics(stats, pools, clock)
+    source = StatsSource(stats, pools, clock, peers)
+    metrics = Metrics(stats, pools, clock, read=source.reading)
     drain = Drain()
     proxy = Proxy(settings.server, stats, clock, drain)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        publisher = asyncio.create_task(source.publish_forever()) if peers else None
         try:
             yield
         finally:
+            if publisher is not None:
+                publisher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await publisher
             for pool in pools.values():
                 for provider in pool.providers.values():
                     await provider.aclose()
@@ -84,7 +96,7 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, pools, proxy))
-    app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics))
+    app.include_router(build_ops_router(pools, clock, stats=source, metrics=metrics))
     app.state.pools = pools
     app.state.stats = stats
     app.state.proxy = proxy

@@ -13,7 +13,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.settings import SimProfile
+    from gateway.settings import Settings, SimProfile
+
+
+DEFAULT_STATS_URL = "http://127.0.0.1:8080"
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -26,15 +29,16 @@ def _serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    settings = _with_overrides(settings, ns)
     server = settings.server
-    if ns.host is not None or ns.port is not None:
-        server = replace(
-            server,
-            host=ns.host if ns.host is not None else server.host,
-            port=ns.port if ns.port is not None else server.port,
-        )
-        settings = replace(settings, server=server)
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
+    if server.workers > 1:
+        from gateway.supervisor import Supervisor
+
+        print(f"hedge-gateway: serving {source}", file=sys.stderr)
+        reload = (lambda: _with_overrides(load_settings(ns.config), ns)) if ns.config else None
+        return Supervisor(settings, server.workers, log_config=logging_config(ns.log_level),
+                          reload=reload).run()
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
     app = create_app(settings)
@@ -42,6 +46,14 @@ def _serve(ns: argparse.Namespace) -> int:
     runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level))
     runner.run()
     return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
+
+
+def _with_overrides(settings: Settings, ns: argparse.Namespace) -> Settings:
+    """The settings with the command line's --host, --port and --workers applied."""
+    server = settings.server
+    changes = {key: getattr(ns, key) for key in ("host", "port", "workers")
+               if getattr(ns, key) is not None}
+    return replace(settings, server=replace(server, **changes)) if changes else settings
 
 
 def logging_config(level: str) -> dict[str, object]:
@@ -115,9 +127,13 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 def _stats(ns: argparse.Namespace) -> int:
+    if len(ns.url) > 1:
+        from gateway.stats.replicas import print_merged
+
+        return print_merged(ns.url, sys.stdout, sys.stderr)
     from gateway.stats.table import print_stats
 
-    return print_stats(ns.url, sys.stdout, sys.stderr)
+    return print_stats(ns.url[0] if ns.url else DEFAULT_STATS_URL, sys.stdout, sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML file; without it, the embedded demo pool")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--workers", type=_positive,
+                       help="processes serving the address (default: server.workers, 1)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
@@ -152,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
 
-    stats = sub.add_parser("stats", help="print a running gateway's hedge stats as a table")
-    stats.add_argument("url", nargs="?", default="http://127.0.0.1:8080")
+    stats = sub.add_parser("stats", help="print a running gateway's hedge stats as a table; "
+                           "with several URLs, the replicas' stats merged into one view")
+    stats.add_argument("url", nargs="*", help=f"gateway root URL (default {DEFAULT_STATS_URL})")
     stats.set_defaults(func=_stats)
     return parser
 

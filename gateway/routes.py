@@ -30,9 +30,8 @@ from gateway.errors import (
 from gateway.pool import PoolRuntime
 from gateway.proxy import AnswerThen, LogicalRequest, Proxy
 from gateway.settings import Settings
-from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
-from gateway.stats.view import snapshot
+from gateway.stats.shared import StatsSource
 from gateway.validate import check_body, parse_body
 from providers.base import Endpoint
 
@@ -188,7 +187,7 @@ def build_ops_router(
     pools: Mapping[str, PoolRuntime],
     clock: Callable[[], float],
     *,
-    stats: Stats,
+    stats: StatsSource,
     metrics: Metrics,
 ) -> APIRouter:
     ops = APIRouter()
@@ -208,8 +207,9 @@ def build_ops_router(
         return JSONResponse({"status": "ready"})
 
     @ops.get("/hedge/stats")
-    async def hedge_stats() -> JSONResponse:
-        return JSONResponse(snapshot(stats, pools, clock()))
+    async def hedge_stats(mergeable: bool = False) -> JSONResponse:
+        """`?mergeable=1`: the export `hedge-gateway stats URL URL` merges across replicas."""
+        return JSONResponse(stats.mergeable() if mergeable else stats.document())
 
     @ops.get("/metrics")
     async def prometheus() -> Response:

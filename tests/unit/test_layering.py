@@ -25,6 +25,7 @@ PURE = (
     "gateway.sse",
     "gateway.firsttoken",
     "gateway.validate",
+    "gateway.workers",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 
@@ -34,14 +35,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.streamend", "gateway.clock", "gateway.settings", "gateway.sse",
      "gateway.latency", "gateway.drain", "gateway.stats.table"),
     ("gateway.firsttoken", "gateway.validate", "gateway.policy", "gateway.budget",
-     "gateway.balancer"),
+     "gateway.balancer", "gateway.workers"),
     ("providers",),
     ("gateway.pool", "gateway.attempt"),
     ("gateway.race", "gateway.relay", "gateway.sseresponse"),
     ("gateway.stats",),
     ("gateway.proxy",),
     ("gateway.routes", "gateway.server"),
-    ("gateway.app",),
+    ("gateway.app", "gateway.supervisor"),
     ("gateway.cli", "gateway.bench"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer

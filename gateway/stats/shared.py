@@ -1,0 +1,137 @@
+"""What `/hedge/stats` and `/metrics` read: this process, or the whole server (SPEC §16).
+
+Without workers, `StatsSource` reads this process's `Stats` and pools, as it always did. Under
+`serve --workers N` each worker also *publishes* its mergeable export
+(`gateway.stats.merge.export`) to a private directory the supervisor created (and removes at
+exit): every `PUBLISH_INTERVAL` seconds, from a task of its own rather than on the request path,
+written to a temporary file and renamed so a reader never sees half of one. Whichever worker a
+scrape reaches merges its own fresh export with its peers' files, so the answer covers the
+whole server and no number in it is older than `MAX_AGE`: a file older than that (a worker
+stopped, hung, or gone) is left out, and its absence shows as a missing entry in `workers`.
+
+Why files and not shared memory or a socket between workers: a worker stays a plain uvicorn
+process with no lock and no peer protocol on its hot path; a dead worker cannot corrupt what
+the others read; and the cost is one small write per worker per half second. Timestamps are
+the app clock (`time.monotonic`, system-wide on Linux), so ages compare across the workers of
+one host.
+
+The pure parts (export, merge, document) live in `gateway.stats.merge`; this module only reads
+and writes files and picks which numbers an endpoint shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gateway.stats.merge import document, export, merge, rebuild
+from gateway.stats.prometheus import Reading
+from gateway.stats.view import live_view, snapshot
+
+if TYPE_CHECKING:
+    from gateway.pool import PoolRuntime
+    from gateway.stats.record import Stats
+
+PUBLISH_INTERVAL = 0.5
+#: peers' numbers older than this are left out (SPEC §16: at most 2 s stale)
+MAX_AGE = 2.0
+_PREFIX = "worker-"
+
+
+class Peers:
+    """The shared directory as one worker sees it: its own file and its peers'."""
+
+    def __init__(self, directory: Path, index: int, pid: int | None = None) -> None:
+        self.directory = directory
+        self.index = index
+        self.pid = os.getpid() if pid is None else pid
+
+    def _path(self, index: int) -> Path:
+        return self.directory / f"{_PREFIX}{index}.json"
+
+    def publish(self, item: Mapping[str, Any], now: float) -> None:
+        """Replace this worker's file with `item`, stamped `now`, atomically."""
+        target = self._path(self.index)
+        temp = target.with_suffix(f".{self.pid}.tmp")
+        temp.write_text(json.dumps({"written_at": now, "export": item}, allow_nan=False))
+        os.replace(temp, target)
+
+    def read(self, now: float) -> list[dict[str, Any]]:
+        """The peers' exports no older than `MAX_AGE` at `now` (their `workers` entries
+        carrying `age_s`); unreadable, torn or stale files are left out."""
+        out: list[dict[str, Any]] = []
+        for path in sorted(self.directory.glob(f"{_PREFIX}*.json")):
+            if path == self._path(self.index):
+                continue
+            try:
+                wrapper = json.loads(path.read_text())
+                age = now - float(wrapper["written_at"])
+                item = wrapper["export"]
+                for worker in item["workers"]:
+                    worker["age_s"] = round(max(0.0, age), 3)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # removed or replaced under us; the next read sees the new one
+            if age <= MAX_AGE:
+                out.append(item)
+        return out
+
+    def remove(self) -> None:
+        """Remove this worker's file (it stops publishing)."""
+        self._path(self.index).unlink(missing_ok=True)
+
+
+class StatsSource:
+    """The numbers behind `/hedge/stats` (plain or mergeable) and `/metrics`."""
+
+    def __init__(self, stats: Stats, pools: Mapping[str, PoolRuntime],
+                 clock: Callable[[], float], peers: Peers | None = None) -> None:
+        self._stats = stats
+        self._pools = pools
+        self._clock = clock
+        self.peers = peers
+
+    def _own(self, now: float) -> dict[str, Any]:
+        peers = self.peers
+        identity = {"worker": 0 if peers is None else peers.index,
+                    "pid": os.getpid() if peers is None else peers.pid}
+        return export(self._stats, live_view(self._pools, now), now, identity)
+
+    def mergeable(self) -> dict[str, Any]:
+        """This process's export, or the whole server's merged one under workers."""
+        now = self._clock()
+        own = self._own(now)
+        if self.peers is None:
+            return own
+        return merge([own, *self.peers.read(now)])
+
+    def document(self) -> dict[str, Any]:
+        """The `/hedge/stats` document: this process's, or the whole server's."""
+        if self.peers is None:
+            return snapshot(self._stats, self._pools, self._clock())
+        return document(self.mergeable())
+
+    def reading(self) -> Reading:
+        """What a Prometheus scrape reads: this process's, or the whole server's."""
+        if self.peers is None:
+            return self._stats, live_view(self._pools, self._clock())
+        stats, live, _now = rebuild(self.mergeable())
+        return stats, live
+
+    async def publish_forever(self, interval: float = PUBLISH_INTERVAL) -> None:
+        """Publish this worker's export every `interval` seconds until cancelled."""
+        peers = self.peers
+        if peers is None:
+            return
+        try:
+            while True:
+                now = self._clock()
+                with contextlib.suppress(OSError):  # the directory is going away: shutdown
+                    peers.publish(self._own(now), now)
+                await asyncio.sleep(interval)
+        finally:
+            peers.remove()
