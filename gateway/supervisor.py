@@ -50,7 +50,7 @@ from gateway.app import create_app
 from gateway.server import build_server, graceful_timeout
 from gateway.settings import Settings
 from gateway.settings.fields import ConfigError
-from gateway.stats.shared import Peers
+from gateway.stats.shared import Peers, retire
 from gateway.workers import RestartLimiter, worker_settings
 
 #: how long after uvicorn's own hard shutdown limit the supervisor SIGKILLs a worker
@@ -200,9 +200,10 @@ class Supervisor:
                     continue
                 proc.join()
                 del slots[index]
-                Peers(stats_dir, index).remove()
                 if stopping:
+                    Peers(stats_dir, index).remove()
                     continue
+                retire(stats_dir, index)  # its lifetime counts stay in the whole server's
                 self._say(f"worker {index} (pid {proc.pid}) exited with status "
                           f"{proc.exitcode}")
                 if self._limiter.allow(self._clock()):

@@ -172,6 +172,22 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "workers": workers}
 
 
+def lifetime_only(item: Mapping[str, Any]) -> dict[str, Any]:
+    """An export reduced to its lifetime numbers and no process: what a worker that died
+    leaves behind, so the server's lifetime counters never go down (a Prometheus counter that
+    did would read as a reset and a spike)."""
+    out = merge([item])
+    for pool in out["pools"].values():
+        pool["window"] = {}
+        for key in POOL_SERIES:
+            pool[key]["window"] = merge_states([])
+        for backend in pool["backends"].values():
+            backend["window"] = {}
+            backend["ttft"]["window"] = merge_states([])
+    out["workers"] = []
+    return out
+
+
 # -- the document -----------------------------------------------------------------------------
 
 

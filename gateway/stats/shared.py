@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.stats.merge import document, export, merge, rebuild
+from gateway.stats.merge import document, export, lifetime_only, merge, rebuild
 from gateway.stats.prometheus import Reading
 from gateway.stats.view import live_view, snapshot
 
@@ -41,6 +41,8 @@ PUBLISH_INTERVAL = 0.5
 #: peers' numbers older than this are left out (SPEC §16: at most 2 s stale)
 MAX_AGE = 2.0
 _PREFIX = "worker-"
+#: the lifetime numbers of workers that died, merged into one file by the supervisor
+RETIRED = "retired.json"
 
 
 class Peers:
@@ -56,10 +58,7 @@ class Peers:
 
     def publish(self, item: Mapping[str, Any], now: float) -> None:
         """Replace this worker's file with `item`, stamped `now`, atomically."""
-        target = self._path(self.index)
-        temp = target.with_suffix(f".{self.pid}.tmp")
-        temp.write_text(json.dumps({"written_at": now, "export": item}, allow_nan=False))
-        os.replace(temp, target)
+        _write(self._path(self.index), item, now)
 
     def read(self, now: float) -> list[dict[str, Any]]:
         """The peers' exports no older than `MAX_AGE` at `now` (their `workers` entries
@@ -78,11 +77,46 @@ class Peers:
                 continue  # removed or replaced under us; the next read sees the new one
             if age <= MAX_AGE:
                 out.append(item)
+        retired = _load(self.directory / RETIRED)
+        if retired is not None:
+            out.append(retired)
         return out
 
     def remove(self) -> None:
         """Remove this worker's file (it stops publishing)."""
         self._path(self.index).unlink(missing_ok=True)
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        item: dict[str, Any] = json.loads(path.read_text())["export"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return item
+
+
+def _write(path: Path, item: Mapping[str, Any], now: float) -> None:
+    temp = path.with_suffix(f".{os.getpid()}.tmp")
+    temp.write_text(json.dumps({"written_at": now, "export": item}, allow_nan=False))
+    os.replace(temp, path)
+
+
+def retire(directory: Path, index: int) -> None:
+    """A worker died (the supervisor calls this): fold the lifetime numbers of its last file
+    into the directory's retired file, which every worker adds to the whole server, and
+    remove its file. The requests it served in its last moments, after its last publish,
+    are lost with it."""
+    path = directory / f"{_PREFIX}{index}.json"
+    dead = _load(path)
+    path.unlink(missing_ok=True)
+    if dead is None:
+        return
+    before = _load(directory / RETIRED)
+    try:
+        folded = merge([lifetime_only(dead), *([] if before is None else [before])])
+    except ValueError:
+        return  # not ours to repair: the retired numbers stay as they were
+    _write(directory / RETIRED, folded, 0.0)
 
 
 class StatsSource:
@@ -127,11 +161,8 @@ class StatsSource:
         peers = self.peers
         if peers is None:
             return
-        try:
-            while True:
-                now = self._clock()
-                with contextlib.suppress(OSError):  # the directory is going away: shutdown
-                    peers.publish(self._own(now), now)
-                await asyncio.sleep(interval)
-        finally:
-            peers.remove()
+        while True:  # the file stays when this ends: the supervisor retires or removes it
+            now = self._clock()
+            with contextlib.suppress(OSError):  # the directory is going away: shutdown
+                peers.publish(self._own(now), now)
+            await asyncio.sleep(interval)

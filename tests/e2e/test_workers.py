@@ -75,6 +75,11 @@ def chat(root: str, model: str = "quick") -> str:
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
+def requests_of(root: str) -> int:
+    count: int = stats(root)["pools"]["quick"]["lifetime"]["requests"]
+    return count
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -155,6 +160,9 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
     two_workers: tuple[subprocess.Popen[bytes], str, Path],
 ) -> None:
     proc, root, log = two_workers
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: chat(root), range(8))) == [QUICK_CONTENT] * 8
+    eventually(lambda: requests_of(root) == 8, "8 requests counted")
     before = {w["pid"] for w in stats(root)["workers"]}
     victim = min(before)
     os.kill(victim, signal.SIGKILL)
@@ -165,7 +173,10 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
 
     after = eventually(replaced, "the killed worker replaced by a new one")
     assert not alive(victim)
+    # the dead worker's lifetime counts stay in the whole server's (counters never go down)
+    assert requests_of(root) == 8
     assert [chat(root) for _ in range(6)] == [QUICK_CONTENT] * 6  # serving continues
+    eventually(lambda: requests_of(root) == 14, "14 requests counted")
     assert f"(pid {victim}) exited with status -9" in log.read_text()
 
     # a stream in flight when SIGTERM arrives finishes within the grace

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.latency import LifetimeSketch, WindowedSketch, merge_states, quantiles_of
 from gateway.stats import Stats
-from gateway.stats.merge import combined_live, document, export, merge
+from gateway.stats.merge import combined_live, document, export, lifetime_only, merge
 from gateway.stats.prometheus import Metrics
+from gateway.stats.shared import MAX_AGE, Peers, retire
 from gateway.stats.view import live_view, snapshot
 from tests.unit.test_stats import LAYOUT, hedge_lost, hedge_won, plain, pool_runtime
 
@@ -172,3 +174,27 @@ def test_windowed_absorb_counts_at_now_and_ages_out() -> None:
 def test_foreign_or_malformed_sketch_states_are_refused(state: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         merge_states([state])
+
+
+def test_a_dead_workers_lifetime_stays_and_its_window_goes() -> None:
+    dead = export(fed(traffic(1, 40)), {}, NOW, {"worker": 0, "pid": 1})
+    live = export(fed(traffic(2, 10)), {}, NOW, {"worker": 1, "pid": 2})
+    doc = document(merge([live, lifetime_only(dead)]))
+    chat = doc["pools"]["chat"]
+    assert chat["lifetime"]["requests"] == 50 and chat["lifetime"]["ttft_ms"]["count"] == 50
+    assert chat["window"]["requests"] == document(live)["pools"]["chat"]["window"]["requests"]
+    assert [w["pid"] for w in doc["workers"]] == [2]  # no live state of the dead one
+
+
+def test_peers_read_fresh_files_and_the_retired_numbers(tmp_path: Path) -> None:
+    """The file shell: a worker sees its peers' files no older than MAX_AGE, never its own,
+    plus the lifetime numbers of retired workers."""
+    mine, peer, dead = (Peers(tmp_path, i, pid=10 + i) for i in range(3))
+    for index, p in enumerate((mine, peer, dead)):
+        p.publish(export(fed(traffic(index, 5 + index)), {}, NOW, {"worker": index}), NOW)
+    assert sorted(w["worker"] for item in mine.read(NOW + 1.0) for w in item["workers"]) == [1, 2]
+    assert mine.read(NOW + MAX_AGE + 0.1) == []  # too old: left out
+    retire(tmp_path, 2)
+    items = mine.read(NOW + 1.0)
+    assert [w["worker"] for item in items for w in item["workers"]] == [1]
+    assert document(merge(items))["pools"]["chat"]["lifetime"]["requests"] == 6 + 7
