@@ -121,7 +121,7 @@ def _bench(ns: argparse.Namespace) -> int:
 
     plan = BenchPlan(workloads=tuple(w for w in WORKLOADS if ns.workload in ("all", w.name)),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
-                     tables=sys.stdout)
+                     tables=sys.stdout, workers=ns.workers)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
@@ -292,6 +292,8 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
     parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--workers", type=_positive, default=1,
+                        help="serve the gateway under test with --workers N (default 1)")
 
 
 def bench_upstream_main(argv: Sequence[str] | None = None) -> int:

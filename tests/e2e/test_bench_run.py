@@ -82,3 +82,17 @@ def test_cli_refuses_sizes_below_one_before_starting_anything(
             main(["bench", option, "0"])
         assert info.value.code == 2
         assert "0 is not at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_bench_with_two_gateway_workers_counts_every_request_once() -> None:
+    """`bench --workers 2`: the gateway under test serves with two workers, and its
+    whole-server `/hedge/stats` lists both and counts each measured request once (SPEC §16)."""
+    plan = bench.BenchPlan(workloads=(TINY,), seed=3, modes=("direct", "hedging-off"),
+                           workers=2)
+    (workload,) = bench.run_bench(plan)["workloads"]
+    assert workload["gateway_workers"] == 2
+    row = next(r for r in workload["modes"] if r["mode"] == "hedging-off")
+    assert row["ok"] == 20
+    assert row["gateway_counted"] == {"requests": 20, "workers": 2}
+    assert row["gateway_process"]["cpu_s"] > 0
