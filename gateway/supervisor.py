@@ -15,7 +15,8 @@ and then only waits: for a worker to exit (it is replaced, at a bounded rate) or
   the supervisor creates and removes at exit.
 - A worker that dies (crash, OOM kill, SIGKILL) is replaced in the same slot at once, at most
   `MAX_RESTARTS` times per `RESTART_WINDOW`; past that the supervisor stops the server and
-  exits 1 rather than fork in a loop.
+  exits 1 rather than fork in a loop. Its last published lifetime numbers are kept
+  (`gateway.stats.shared.retire`), so the server's counters never go down.
 - SIGTERM or SIGINT: every worker gets SIGTERM and drains as a single process does (new
   requests refused, live streams get `shutdown_grace`, then a final error event). The
   supervisor closes its own socket, waits for all of them, SIGKILLs any still alive well after
@@ -24,8 +25,10 @@ and then only waits: for a worker to exit (it is replaced, at a bounded rate) or
   there, e.g. a config reload). With `reload` given, the supervisor also re-reads the settings
   first, so a worker started later runs the same configuration as the reloaded ones.
 
-Signals are blocked around each fork, so a forwarded signal can never reach a new worker
-before it has replaced the supervisor's handlers with its own.
+A worker whose supervisor disappears (SIGKILL) notices within a second and drains as on
+SIGTERM, so no worker outlives its supervisor. Signals are blocked around each fork, so a
+forwarded signal can never reach a new worker before it has replaced the supervisor's handlers
+with its own.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -58,21 +62,40 @@ KILL_MARGIN = 5.0
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: exit status of a worker whose server could not start (as the single-process `serve`)
 NOT_STARTED = 3
+#: how often a worker checks that its supervisor is still there, seconds
+ORPHAN_POLL = 1.0
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) with SO_REUSEPORT, not yet listening."""
+def reuseport_socket(host: str, port: int, *, reuse_port: bool = True) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEADDR (and SO_REUSEPORT unless told
+    otherwise), not yet listening."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def claim(host: str, port: int) -> socket.socket:
+    """The supervisor's hold on the address: a bound, never-listening SO_REUSEPORT socket.
+
+    SO_REUSEPORT would let a second gateway started on the same port by mistake join the group
+    and silently take half the connections. So the address is first bound *without* it, which
+    fails as a single-process `serve` would while anything listens there (another gateway and
+    its workers included), and resolves a port of 0; the reuse-port socket is bound to that
+    port while the first still holds it, so nothing can slip in between."""
+    probe = reuseport_socket(host, port, reuse_port=False)
+    try:
+        return reuseport_socket(host, probe.getsockname()[1])
+    finally:
+        probe.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +114,22 @@ def _worker_main(plan: WorkerPlan, index: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until something here handles it (reload)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
+    threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True,
+                     name="hedge-gateway-orphan-watch").start()
     server = plan.settings.server
     sock = reuseport_socket(server.host, server.port)
     app = create_app(plan.settings, peers=Peers(plan.stats_dir, index))
     runner = build_server(app, server, app.state.drain, log_config=plan.log_config)
     runner.run(sockets=[sock])
     sys.exit(0 if runner.started else NOT_STARTED)
+
+
+def _orphan_watch(parent: int) -> None:
+    """A worker whose supervisor is gone (SIGKILLed, crashed) drains and exits like on
+    SIGTERM instead of serving on unsupervised. Polls, as no portable signal reports it."""
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_POLL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Supervisor:
@@ -143,7 +176,7 @@ class Supervisor:
         had to be killed, 3 when the address cannot be bound."""
         server = self.settings.server
         try:
-            reserved = reuseport_socket(server.host, server.port)
+            reserved = claim(server.host, server.port)
         except OSError as exc:
             self._say(f"cannot listen on {server.host}:{server.port}: {exc.strerror or exc}")
             return NOT_STARTED

@@ -154,6 +154,14 @@ def test_two_workers_serve_one_address_and_report_as_one_server(
     assert total == sent
     assert proc.poll() is None, log.read_text()
 
+    # SO_REUSEPORT must not let a second gateway on the same port take half the connections
+    port = root.rsplit(":", 1)[1]
+    second = subprocess.run([*command(), "serve", "--port", port, "--workers", "2"],
+                            capture_output=True, text=True, timeout=60, env=keyless_env())
+    assert second.returncode == 3, second.stderr
+    assert "Address already in use" in second.stderr
+    assert "Started server process" not in second.stderr  # refused before any worker forked
+
 
 @pytest.mark.timeout(120)
 def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
@@ -202,6 +210,18 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
     assert not any(alive(pid) for pid in after)
     with pytest.raises(httpx.ConnectError):
         httpx.get(root + "/healthz", timeout=2.0, trust_env=False)
+
+
+@pytest.mark.timeout(60)
+def test_workers_do_not_outlive_a_killed_supervisor(
+    two_workers: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    proc, root, log = two_workers
+    pids = [w["pid"] for w in stats(root)["workers"]]
+    proc.kill()  # the supervisor only: its workers are left without it
+    proc.wait(5.0)
+    eventually(lambda: not any(alive(pid) for pid in pids), "the orphaned workers exit")
+    assert log.read_text().count("Application shutdown complete") == 2  # they drained
 
 
 def sim_settings(seed: int) -> Settings:
