@@ -8,6 +8,7 @@ And `hedge-gateway stats URL URL` over two single-process gateways in this proce
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -90,8 +91,8 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture
 def two_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    """`hedge-gateway serve --config F --workers 2` from an empty directory; killed (with
-    its workers) at teardown if the test did not stop it."""
+    """`hedge-gateway serve --config F --workers 2` from an empty directory, in a process group
+    of its own that is killed at teardown (any worker left included)."""
     port = free_port()
     config = tmp_path / "gateway.yaml"
     config.write_text(CONFIG.format(port=port))
@@ -109,10 +110,10 @@ def two_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, 
         # both workers up and publishing: the whole-server view lists two processes
         eventually(lambda: len(stats(root)["workers"]) == 2, "two workers in the stats")
         yield proc, root, log
-    finally:
-        if proc.poll() is None:
+    finally:  # the supervisor's process group: its workers too, even if it is gone
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5.0)
+        proc.wait(5.0)
 
 
 def _healthy(root: str) -> bool:
