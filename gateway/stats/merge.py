@@ -156,16 +156,18 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for item in exports:
         if not isinstance(item, Mapping) or item.get("format") != FORMAT:
             raise ValueError(f"not a mergeable stats export (format {FORMAT!r} expected)")
-        windows.add(float(item["window_s"]))
-        uptime = max(uptime, float(item["uptime_s"]))
         try:
+            windows.add(float(item["window_s"]))
+            uptime = max(uptime, float(item["uptime_s"]))
             for name, pool in item["pools"].items():
                 _merge_pool(pools.setdefault(str(name), {}), pool)
+            entries = list(item["workers"])
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed stats export: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(item["workers"], list):
-            raise ValueError("malformed stats export: workers must be a list")
-        workers.extend(item["workers"])
+        if not all(isinstance(w, Mapping) and isinstance(w.get("pools"), Mapping)
+                   for w in entries):
+            raise ValueError("malformed stats export: a worker entry without its pools")
+        workers.extend(entries)
     if len(windows) != 1:
         raise ValueError(f"exports cover different windows: {sorted(windows)} s")
     return {"format": FORMAT, "window_s": windows.pop(), "uptime_s": uptime, "pools": pools,

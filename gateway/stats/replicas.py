@@ -50,8 +50,9 @@ def merged_document(urls: Sequence[str]) -> dict[str, Any]:
         exports = [fetch_export(client, url) for url in urls]
     try:
         return document(merge(exports))
-    except ValueError as exc:
-        raise ReplicaError(f"the replicas' stats do not merge: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:  # a replica's document, not our bug
+        raise ReplicaError(f"the replicas' stats do not merge: {type(exc).__name__}: {exc}"
+                           ) from exc
 
 
 def print_merged(urls: Sequence[str], out: TextIO, err: TextIO) -> int:

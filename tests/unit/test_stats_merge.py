@@ -126,6 +126,9 @@ def test_prometheus_reads_the_merged_server() -> None:
      "pools": {"chat": {"lifetime": {"requests": -1}}}},
     {"format": "hedge-gateway-stats/1", "window_s": 60, "uptime_s": 1, "workers": [],
      "pools": {"chat": "x"}},
+    {"format": "hedge-gateway-stats/1", "pools": {}, "workers": []},
+    {"format": "hedge-gateway-stats/1", "window_s": 60, "uptime_s": 1, "pools": {},
+     "workers": ["x"]},
 ])
 def test_malformed_exports_are_refused_with_value_error(bad: dict[str, Any]) -> None:
     good = export(fed(traffic(1, 5)), {}, NOW, {"worker": 0, "pid": 0})
