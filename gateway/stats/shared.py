@@ -70,11 +70,11 @@ class Peers:
             try:
                 wrapper = json.loads(path.read_text())
                 age = now - float(wrapper["written_at"])
-                item = wrapper["export"]
+                item = merge([wrapper["export"]])  # checked: one bad file spoils no answer
                 for worker in item["workers"]:
                     worker["age_s"] = round(max(0.0, age), 3)
             except (OSError, ValueError, KeyError, TypeError):
-                continue  # removed or replaced under us; the next read sees the new one
+                continue  # removed under us, or not an export: left out
             if age <= MAX_AGE:
                 out.append(item)
         retired = _load(self.directory / RETIRED)
