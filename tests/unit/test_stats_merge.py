@@ -206,6 +206,7 @@ def test_peers_read_fresh_files_and_the_retired_numbers(tmp_path: Path) -> None:
 def test_a_bad_peer_file_is_left_out(tmp_path: Path) -> None:
     mine, peer = Peers(tmp_path, 0, pid=1), Peers(tmp_path, 1, pid=2)
     peer.publish(export(fed(traffic(1, 3)), {}, NOW, {"worker": 1}), NOW)
-    (tmp_path / "worker-2.json").write_text('{"written_at": 30.0, "export": {"format": "x"}}')
+    bad = {"written_at": NOW, "export": {"format": "x", "workers": [{"worker": 2, "pools": {}}]}}
+    (tmp_path / "worker-2.json").write_text(json.dumps(bad))
     (tmp_path / "worker-3.json").write_text("{not json")
     assert [w["worker"] for item in mine.read(NOW) for w in item["workers"]] == [1]
