@@ -209,10 +209,11 @@ def build_ops_router(
     @ops.get("/hedge/stats")
     async def hedge_stats(mergeable: bool = False) -> JSONResponse:
         """`?mergeable=1`: the export `hedge-gateway stats URL URL` merges across replicas."""
-        return JSONResponse(stats.mergeable() if mergeable else stats.document())
+        return JSONResponse(await (stats.mergeable_async() if mergeable
+                                   else stats.document_async()))
 
     @ops.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
+        return Response(await stats.metrics_async(metrics), media_type=metrics.content_type)
 
     return ops

@@ -223,6 +223,13 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(GatewayCollector(read or local))
 
+    def render_from(self, reading: Reading) -> bytes:
+        """The exposition text of a reading taken elsewhere (the whole server's, merged off
+        the event loop); the app's registry is not involved."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(GatewayCollector(lambda: reading))
+        return generate_latest(registry)
+
     def render(self) -> bytes:
         """The exposition text (generated under the caller's thread; no I/O)."""
         return generate_latest(self.registry)
