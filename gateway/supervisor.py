@@ -233,10 +233,9 @@ class Supervisor:
                     continue
                 proc.join()
                 del slots[index]
-                if stopping:
-                    Peers(stats_dir, index).remove()
-                    continue
                 retire(stats_dir, index)  # its lifetime counts stay in the whole server's
+                if stopping:
+                    continue
                 self._say(f"worker {index} (pid {proc.pid}) exited with status "
                           f"{proc.exitcode}")
                 if self._limiter.allow(self._clock()):

@@ -82,10 +82,6 @@ class Peers:
             out.append(retired)
         return out
 
-    def remove(self) -> None:
-        """Remove this worker's file (it stops publishing)."""
-        self._path(self.index).unlink(missing_ok=True)
-
 
 def _load(path: Path) -> dict[str, Any] | None:
     try:
