@@ -164,7 +164,9 @@ class StatsSource:
             return self.document()
         now = self._clock()
         own = self._own(now)
-        return await asyncio.to_thread(lambda: document(self._whole(own, now)))
+        doc = await asyncio.to_thread(lambda: document(self._whole(own, now)))
+        doc["answered_by"] = {k: own["workers"][0][k] for k in ("worker", "pid")}
+        return doc
 
     async def mergeable_async(self) -> dict[str, Any]:
         if self.peers is None:
