@@ -25,11 +25,11 @@ def _serve(ns: argparse.Namespace) -> int:
     from gateway.settings.load import ConfigError, default_settings, load_settings
 
     try:
-        settings = load_settings(ns.config) if ns.config else default_settings()
+        settings = _with_overrides(
+            load_settings(ns.config) if ns.config else default_settings(), ns)
     except ConfigError as exc:
         print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    settings = _with_overrides(settings, ns)
     server = settings.server
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     if server.workers > 1:
