@@ -10,9 +10,11 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from time import monotonic
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gateway.live import ConfigOrigin
     from gateway.settings import Settings, SimProfile
 
 
@@ -21,31 +23,65 @@ DEFAULT_STATS_URL = "http://127.0.0.1:8080"
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.server import build_server
-    from gateway.settings.load import ConfigError, default_settings, load_settings
+    from gateway.server import build_server, raise_open_file_limit
+    from gateway.settings.load import ConfigError
 
     try:
-        settings = _with_overrides(
-            load_settings(ns.config) if ns.config else default_settings(), ns)
+        origin, file_settings = _load(ns.config)
+        settings = _with_overrides(file_settings, ns)
     except ConfigError as exc:
         print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    server = settings.server
+    except OSError as exc:
+        print(f"hedge-gateway: cannot read {ns.config}: {exc.strerror}", file=sys.stderr)
+        return 2
+    file_server, server = file_settings.server, settings.server
+    before, after = raise_open_file_limit()  # a stream holds two descriptors (and workers
+    raised = f" (raised from {before})" if after != before else ""  # inherit the limit)
+    print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     if server.workers > 1:
-        from gateway.supervisor import Supervisor
+        from gateway.supervisor import ConfigSource, Supervisor
 
         print(f"hedge-gateway: serving {source}", file=sys.stderr)
-        reload = (lambda: _with_overrides(load_settings(ns.config), ns)) if ns.config else None
+        config = ConfigSource(ns.config, file_server, origin,
+                              reload=lambda: _reload_for_workers(ns))
         return Supervisor(settings, server.workers, log_config=logging_config(ns.log_level),
-                          reload=reload).run()
+                          config=config).run()
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
-    app = create_app(settings)
-    # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop
-    runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level))
+    app = create_app(settings, origin=origin)
+    path, reloader = ns.config, app.state.reloader
+
+    def reload() -> bool:  # SIGHUP: re-read the file; an invalid one changes nothing
+        return bool(reloader.reload_file(path, started_server=file_server))
+
+    # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop,
+    # reloads the configuration on SIGHUP
+    runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level),
+                          on_hangup=reload if path else None)
     runner.run()
     return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
+
+
+def _load(path: str | None) -> tuple[ConfigOrigin | None, Settings]:
+    """The configuration file's origin (checksum, load time) and settings; without a file,
+    the embedded default. ConfigError or OSError when it cannot be used."""
+    from gateway.live import ConfigOrigin
+    from gateway.settings.load import default_settings, load_settings
+
+    if not path:
+        return None, default_settings()
+    with open(path, "rb") as file:
+        origin = ConfigOrigin.of_file(file.read(), now=monotonic())
+    return origin, load_settings(path)
+
+
+def _reload_for_workers(ns: argparse.Namespace) -> tuple[ConfigOrigin | None, Settings]:
+    """SIGHUP under `--workers`: what a worker started from now on runs (the supervisor keeps
+    the server section it started with, as each worker's own reload does)."""
+    origin, settings = _load(ns.config)
+    return origin, _with_overrides(settings, ns)
 
 
 def _with_overrides(settings: Settings, ns: argparse.Namespace) -> Settings:
@@ -82,6 +118,8 @@ def logging_config(level: str) -> dict[str, object]:
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
             "hedge_gateway.requests": {"handlers": ["requests"], "level": upper,
                                        "propagate": False},
+            "hedge_gateway.config": {"handlers": ["stderr"], "level": upper,
+                                     "propagate": False},
             "httpx": {"level": "WARNING"},
             "httpcore": {"level": "WARNING"},
         },
@@ -117,9 +155,21 @@ def _sim(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from gateway.bench.run import WORKLOADS, BenchPlan, run_bench_command
+    from gateway.bench.run import (
+        WORKLOAD_GROUPS,
+        WORKLOADS,
+        BenchPlan,
+        run_bench_command,
+        run_soak_command,
+    )
 
-    plan = BenchPlan(workloads=tuple(w for w in WORKLOADS if ns.workload in ("all", w.name)),
+    if ns.workload == "soak":
+        return run_soak_command(duration=ns.duration, quick=ns.quick,
+                                concurrency=ns.concurrency, seed=ns.seed, out=ns.out,
+                                progress=not ns.no_progress)
+    wanted = WORKLOAD_GROUPS.get(ns.workload, (ns.workload,))
+    plan = BenchPlan(workloads=tuple(w for w in WORKLOADS
+                                     if ns.workload == "all" or w.name in wanted),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
                      tables=sys.stdout, workers=ns.workers)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
@@ -208,6 +258,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def _status(text: str) -> int:
     value = int(text)
     if not 400 <= value <= 599:
@@ -278,11 +335,15 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from gateway.bench.run import WORKLOADS
+    from gateway.bench.run import WORKLOAD_GROUPS, WORKLOADS
 
     names = [w.name for w in WORKLOADS]
-    parser.add_argument("--workload", choices=[*names, "all"], default="all",
-                        help="which workload to run (default: all)")
+    parser.add_argument("--workload", choices=[*names, *WORKLOAD_GROUPS, "soak", "all"],
+                        default="all",
+                        help="which workload to run (default: all; `soak` only when named); "
+                             "slow-shares: " + ", ".join(WORKLOAD_GROUPS["slow-shares"]))
+    parser.add_argument("--duration", type=_positive_seconds,
+                        help="soak: seconds of traffic (default 600; 20 with --quick)")
     parser.add_argument("--requests", type=_positive,
                         help="requests per mode (default: per workload)")
     parser.add_argument("--concurrency", type=_positive,

@@ -112,6 +112,14 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class RequestTimeout(GatewayError):
+    """The request's head and body did not arrive within `server.body_timeout` (SPEC §18)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class HeadersTooLarge(GatewayError):
     """The request line and headers crossed `server.max_headers` (sent by the server itself,
     before any route runs)."""
@@ -125,6 +133,12 @@ class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "overloaded"
+
+
+class TooManyConnections(Overloaded):
+    """A new connection past `server.max_connections` (SPEC §18)."""
+
+    code = "too_many_connections"
 
 
 class AllAttemptsFailed(GatewayError):
@@ -245,6 +259,9 @@ class UpstreamError(Exception):
     code: str = "upstream_error"
     #: whether another backend could succeed where this one failed
     replaceable: bool = True
+    #: whether the failure counts against the backend's health (SPEC §7); False when the
+    #: gateway itself failed the attempt
+    backend_fault: bool = True
 
     def __init__(self, reason: str, *, retry_after: float | None = None) -> None:
         super().__init__(reason)
@@ -268,6 +285,17 @@ class UpstreamConnectTimeout(UpstreamConnectError):
     """No connection (or no free pooled connection) within `timeouts.connect`."""
 
     code = "connect_timeout"
+
+
+class GatewayPoolFull(UpstreamError):
+    """No free connection in the gateway's own upstream pool in time (httpx `PoolTimeout`).
+
+    The backend was never asked, so this must not eject it: a full pool on our side would
+    otherwise take healthy backends out one after another. Another backend may still be
+    tried (the pool is shared, but a connection may free up meanwhile)."""
+
+    code = "gateway_pool_full"
+    backend_fault = False
 
 
 class UpstreamTimeout(UpstreamError):

@@ -59,10 +59,9 @@ class Admission:
         self.active = 0
 
     def enter(self) -> None:
+        # retryable (no `x-should-retry: false`): SDKs come back after the pause (SPEC §18)
         if self.active >= self.limit:
-            raise Overloaded(
-                "the gateway is at its concurrency limit", retry_after=1.0, should_retry=False
-            )
+            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
         self.active += 1
 
     def leave(self) -> None:
@@ -104,8 +103,14 @@ class Proxy:
         self.admission = Admission(server.max_concurrent_requests)
 
     def deadline(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> float:
-        """One absolute first-token deadline shared by every attempt (SPEC §5.6)."""
-        limits = [pool.settings.timeout, pool.settings.timeouts.first_token]
+        """One absolute first-token deadline shared by every attempt (SPEC §5.6).
+
+        A non-streaming response (and an embedding) has no token before its whole body, so
+        `timeouts.first_token` would cut off every answer that takes longer to generate: those
+        are bounded by the pool's `timeout`, for the whole response (SPEC §18)."""
+        limits = [pool.settings.timeout]
+        if req.stream:
+            limits.append(pool.settings.timeouts.first_token)
         for name in ("x-request-timeout", "x-stainless-read-timeout"):
             seconds = _header_seconds(req.headers, name)
             if seconds is not None:
@@ -236,6 +241,7 @@ class Proxy:
         body = relay(
             result.prefix,
             request_id=req.request_id,
+            idle=timeouts.idle,
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,

@@ -142,6 +142,8 @@ class Race:
     _delay: float = math.inf
     #: when the next hedge is considered (inf: hedging off, or every attempt started)
     _next_hedge: float = math.inf
+    #: the committed attempt, holding its backend slot until `aclose`
+    _streaming: AttemptRecord | None = None
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
@@ -202,15 +204,15 @@ class Race:
         rejected: UpstreamClientError | None = None
         for task in sorted(done, key=lambda t: self._tasks[t].index):
             record = self._tasks.pop(task)
+            if not task.cancelled() and task.exception() is None:
+                winners.append((task, record))  # accounted for in `_commit`
+                continue
             self._finished(record)
             if task.cancelled():  # not by us (we pop before cancelling): count it as failed
                 failures += 1
                 self._failed(record, UpstreamError("attempt cancelled"), backend_fault=False)
                 continue
             exc = task.exception()
-            if exc is None:
-                winners.append((task, record))
-                continue
             failures += 1
             if not isinstance(exc, UpstreamError):
                 # a bug of ours, not the backend's: log it, answer 502 without a trace, and
@@ -219,7 +221,7 @@ class Race:
                 self._failed(record, InternalAttemptError(f"internal error ({type(exc).__name__})"),
                              backend_fault=False)
                 continue
-            self._failed(record, exc)
+            self._failed(record, exc, backend_fault=exc.backend_fault)
             if isinstance(exc, UpstreamRejectedRequest) and rejected is None:
                 rejected = UpstreamClientError.of(exc.status, record.backend)
         if winners:  # a token beats a same-tick 4xx; the attempt started first wins
@@ -241,9 +243,15 @@ class Race:
         now = self.clock()
         self.committed = True
         record.outcome = "won"
+        # the winner keeps its backend slot while it streams (max_concurrency and the
+        # balancer's load count whole streams); `aclose` gives it back at the request's end
+        if record.spent_budget:
+            self.pool.budget.release()
+        self._streaming = record
         self.pool.balancer.on_success(record.backend, now)
         self._observe(record, censored=False)
         for loser, loser_record in same_tick:  # a real TTFT, but it lost: close it now
+            self._finished(loser_record)
             loser_record.outcome = "lost"
             loser_record.reason = CANCELLED_AFTER_TOKEN
             self._observe(loser_record, censored=False)
@@ -384,7 +392,11 @@ class Race:
         self._losers.append(closer)
 
     async def aclose(self) -> None:
-        """Wait (bounded) for the losers to finish closing their upstreams."""
+        """At the request's end: give back the winner's backend slot, and wait (bounded) for
+        the losers to finish closing their upstreams."""
+        if self._streaming is not None:
+            self.pool.balancer.on_finish(self._streaming.backend, probe=self._streaming.probe)
+            self._streaming = None
         losers, self._losers = self._losers, []
         if losers:
             await asyncio.wait(losers, timeout=REAP_TIMEOUT)

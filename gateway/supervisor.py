@@ -21,9 +21,10 @@ and then only waits: for a worker to exit (it is replaced, at a bounded rate) or
   requests refused, live streams get `shutdown_grace`, then a final error event). The
   supervisor closes its own socket, waits for all of them, SIGKILLs any still alive well after
   uvicorn's own hard limit, and exits 0 after a clean drain.
-- SIGHUP is forwarded to every worker (a worker ignores it unless something installs a handler
-  there, e.g. a config reload). With `reload` given, the supervisor also re-reads the settings
-  first, so a worker started later runs the same configuration as the reloaded ones.
+- SIGHUP is forwarded to every worker, and each reloads the configuration file itself as a
+  single process does (`gateway.app.Reloader`, with its budgets split again). The supervisor
+  re-reads the file first, so a worker started later runs the configuration the others
+  reloaded (the `server` section stays as started, as in every worker).
 
 A worker whose supervisor disappears (SIGKILL) notices within a second and drains as on
 SIGTERM, so no worker outlives its supervisor. Signals are blocked around each fork, so a
@@ -51,11 +52,12 @@ from types import FrameType
 from typing import Any, TextIO
 
 from gateway.app import create_app
+from gateway.live import ConfigOrigin
 from gateway.server import build_server, graceful_timeout
-from gateway.settings import Settings
+from gateway.settings import ServerSettings, Settings
 from gateway.settings.fields import ConfigError
 from gateway.stats.shared import Peers, retire
-from gateway.workers import RestartLimiter, worker_settings
+from gateway.workers import RestartLimiter
 
 #: how long after uvicorn's own hard shutdown limit the supervisor SIGKILLs a worker
 KILL_MARGIN = 5.0
@@ -99,12 +101,31 @@ def claim(host: str, port: int) -> socket.socket:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfigSource:
+    """Where the configuration came from, for reloads (SIGHUP)."""
+
+    #: the file (`serve --config`); None for the embedded default, which cannot be re-read
+    path: str | None
+    #: the file's `server` section before command-line overrides: a reload names what differs
+    file_server: ServerSettings
+    #: the checksum and load time of the configuration at start
+    origin: ConfigOrigin | None
+    #: re-reads the file: (its origin, its settings with the command line's overrides)
+    reload: Callable[[], tuple[ConfigOrigin | None, Settings]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerPlan:
     """What a forked worker needs; inherited through fork, never pickled."""
 
+    #: the whole server's settings; the worker's budget share is taken by `create_app`
     settings: Settings
+    workers: int
     stats_dir: Path
     log_config: dict[str, Any] | None
+    origin: ConfigOrigin | None = None
+    path: str | None = None
+    file_server: ServerSettings | None = None
 
 
 def _worker_main(plan: WorkerPlan, index: int) -> None:
@@ -112,14 +133,23 @@ def _worker_main(plan: WorkerPlan, index: int) -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until something here handles it (reload)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server's own handler (reload)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
     threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True,
                      name="hedge-gateway-orphan-watch").start()
     server = plan.settings.server
     sock = reuseport_socket(server.host, server.port)
-    app = create_app(plan.settings, peers=Peers(plan.stats_dir, index))
-    runner = build_server(app, server, app.state.drain, log_config=plan.log_config)
+    app = create_app(plan.settings, peers=Peers(plan.stats_dir, index), origin=plan.origin,
+                     workers=plan.workers)
+    hangup: Callable[[], object] | None = None
+    if plan.path is not None:  # SIGHUP: this worker re-reads the file, as a single process does
+        reloader, path, started = app.state.reloader, plan.path, plan.file_server
+
+        def hangup() -> bool:
+            return bool(reloader.reload_file(path, started_server=started))
+
+    runner = build_server(app, server, app.state.drain, log_config=plan.log_config,
+                          on_hangup=hangup)
     runner.run(sockets=[sock])
     sys.exit(0 if runner.started else NOT_STARTED)
 
@@ -141,14 +171,15 @@ class Supervisor:
         workers: int,
         *,
         log_config: dict[str, Any] | None,
-        reload: Callable[[], Settings] | None = None,
+        config: ConfigSource | None = None,
         out: TextIO = sys.stderr,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.count = workers
         self.log_config = log_config
-        self._reload = reload
+        self._config = config
+        self._origin = None if config is None else config.origin
         self._out = out
         self._clock = clock
         self._context = multiprocessing.get_context("fork")
@@ -202,7 +233,10 @@ class Supervisor:
             shutil.rmtree(stats_dir, ignore_errors=True)
 
     def _plan(self, stats_dir: Path) -> WorkerPlan:
-        return WorkerPlan(worker_settings(self.settings, self.count), stats_dir, self.log_config)
+        config = self._config
+        return WorkerPlan(self.settings, self.count, stats_dir, self.log_config, self._origin,
+                          None if config is None else config.path,
+                          None if config is None else config.file_server)
 
     def _supervise(self, stats_dir: Path, waker: socket.socket, reserved: socket.socket) -> int:
         plan = self._plan(stats_dir)
@@ -262,15 +296,16 @@ class Supervisor:
 
     def _on_hangup(self, plan: WorkerPlan, stats_dir: Path,
                    slots: dict[int, BaseProcess]) -> WorkerPlan:
-        if self._reload is not None:
+        config = self._config
+        if config is not None and config.path is not None and config.reload is not None:
             try:
-                fresh = self._reload()
-            except ConfigError as exc:
-                self._say(f"SIGHUP: configuration not reloaded:\n{exc}")
-            else:
-                server = replace(fresh.server, host=self.settings.server.host,
-                                 port=self.settings.server.port)
-                self.settings = replace(fresh, server=server)
+                origin, fresh = config.reload()
+            except (ConfigError, OSError) as exc:
+                self._say(f"SIGHUP: workers started from now on keep the configuration in "
+                          f"force ({type(exc).__name__}: {exc})")
+            else:  # the server section stays as started, as each worker's reload keeps it
+                self.settings = replace(fresh, server=self.settings.server)
+                self._origin = origin
                 plan = self._plan(stats_dir)
         for proc in slots.values():
             if proc.pid is not None and proc.exitcode is None:

@@ -13,7 +13,8 @@ which `hedge-gateway stats URL URL` does), and `document` turns an export into t
 `/hedge/stats` JSON a single process serves (`gateway.stats.view`), plus:
 
 - `workers[]`: the processes merged: `worker` (index), `pid`, `age_s` (how old its numbers
-  are), and `replica` (its URL) when merged from several replicas;
+  are), `config` (its configuration in force), and `replica` (its URL) when merged from
+  several replicas;
 - `pools.<pool>.workers[]`: per process, `requests` (lifetime), `inflight_requests`,
   `budget`, and per backend its live fields;
 
@@ -21,8 +22,9 @@ and the pool's live fields summed or combined over the processes: `inflight_requ
 `budget.tokens`, `.burst`, `.min_per_second`, `.extra_in_flight` summed (the host's bucket);
 `budget.ineffective` true if any process's guard is on; `budget.recent_win_rate` the mean of the
 processes'; per backend `inflight` summed, `state`/`reason`/`seconds_left` of the worst process
-(`ejected` over `paused` over `ok`), `hedge_delay_ms` the largest, `hedge_delay_mode` the common
-one or `mixed`.
+(`ejected` over `paused` over `ok`), `hedge_delay_ms` and `hedge_delay_quantile` the largest,
+`hedge_delay_mode` and `hedge_delay_rule` the common one or `mixed`. `config` is the first
+process's (the worker that answered); each process's own is in its `workers[]` entry.
 
 Exports may come from other machines (`stats URL URL`): anything malformed raises ValueError.
 """
@@ -230,8 +232,11 @@ def document(item: Mapping[str, Any]) -> dict[str, Any]:
     """The `/hedge/stats` document of an export (fields: `gateway.stats.view`, plus the
     `workers` lists of this module's docstring)."""
     stats, live, now = rebuild(item)
-    doc = view_document(stats, live, now)
     workers = item["workers"]
+    # the configuration in force where the first export came from (the worker answering);
+    # every worker's own is in `workers[]` (a failed reload shows as a different generation)
+    config = next((w["config"] for w in workers if w.get("config") is not None), None)
+    doc = view_document(stats, live, now, config=config)
     for name, entry in doc["pools"].items():
         entry["workers"] = [
             {**_identity(w), **w["pools"][name]} for w in workers if name in w.get("pools", {})
@@ -279,6 +284,9 @@ def _combine_pool(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def _combine_backend(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     worst = max(entries, key=lambda e: _STATE_RANK.get(e["state"], 0))
     modes = {e["hedge_delay_mode"] for e in entries}
+    rules = {e.get("hedge_delay_rule") for e in entries}
+    quantiles = [e["hedge_delay_quantile"] for e in entries
+                 if e.get("hedge_delay_quantile") is not None]
     return {
         "state": worst["state"],
         "reason": worst["reason"],
@@ -287,4 +295,6 @@ def _combine_backend(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "inflight": sum(e["inflight"] for e in entries),
         "hedge_delay_ms": max(e["hedge_delay_ms"] for e in entries),
         "hedge_delay_mode": modes.pop() if len(modes) == 1 else "mixed",
+        "hedge_delay_quantile": max(quantiles) if quantiles else None,
+        "hedge_delay_rule": rules.pop() if len(rules) == 1 else "mixed",
     }

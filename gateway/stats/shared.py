@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.stats.merge import document, export, lifetime_only, merge, rebuild
 from gateway.stats.prometheus import Metrics, Reading
-from gateway.stats.view import live_view, snapshot
+from gateway.stats.view import config_view, live_view, snapshot
 
 if TYPE_CHECKING:
+    from gateway.live import Live
     from gateway.pool import PoolRuntime
     from gateway.stats.record import Stats
 
@@ -119,16 +120,22 @@ class StatsSource:
     """The numbers behind `/hedge/stats` (plain or mergeable) and `/metrics`."""
 
     def __init__(self, stats: Stats, pools: Mapping[str, PoolRuntime],
-                 clock: Callable[[], float], peers: Peers | None = None) -> None:
+                 clock: Callable[[], float], peers: Peers | None = None, *,
+                 live: Live | None = None) -> None:
+        """`pools`: a view that follows reloads (`LivePools`); `live`: for the `config`
+        section (the configuration in force)."""
         self._stats = stats
         self._pools = pools
         self._clock = clock
         self.peers = peers
+        self._live = live
 
     def _own(self, now: float) -> dict[str, Any]:
         peers = self.peers
-        identity = {"worker": 0 if peers is None else peers.index,
-                    "pid": os.getpid() if peers is None else peers.pid}
+        identity: dict[str, Any] = {"worker": 0 if peers is None else peers.index,
+                                    "pid": os.getpid() if peers is None else peers.pid}
+        if self._live is not None:
+            identity["config"] = config_view(self._live, now)
         return export(self._stats, live_view(self._pools, now), now, identity)
 
     def _whole(self, own: dict[str, Any], now: float) -> dict[str, Any]:
@@ -145,7 +152,7 @@ class StatsSource:
     def document(self) -> dict[str, Any]:
         """The `/hedge/stats` document: this process's, or the whole server's."""
         if self.peers is None:
-            return snapshot(self._stats, self._pools, self._clock())
+            return snapshot(self._stats, self._pools, self._clock(), live=self._live)
         return document(self.mergeable())
 
     def reading(self) -> Reading:

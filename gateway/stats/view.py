@@ -8,7 +8,17 @@ changes what it reads.
 denominator, a quantile with no data). `<scope>` is `lifetime` or `window` (same fields).
 
 Top level: `window_s` (length of the recent window), `uptime_s` (since the stats started),
-`pools.<pool>` (one entry per configured pool):
+`config` (the configuration in force, below), `pools.<pool>` (one entry per configured pool):
+
+| field under `config.` | meaning |
+|---|---|
+| `loaded_at` | when the configuration in force was loaded (ISO 8601, UTC) |
+| `loaded_s_ago` | seconds since then |
+| `sha256` | checksum of the file's bytes (`source: file`) or of the embedded default |
+| `source` | `file` (`serve --config`) or `embedded` |
+| `generation` | 1 at start, +1 per successful reload (SIGHUP) |
+| `failed_reloads` | reloads refused because the new file was invalid |
+
 
 | field under `pools.<pool>.` | meaning |
 |---|---|
@@ -45,6 +55,8 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `group` / `inflight` | the configured group; attempts running there now |
 | `hedge_delay_ms` | hedge delay in force for requests whose primary is here |
 | `hedge_delay_mode` | `adaptive` (TTFT quantile), `initial` (too few samples), `fixed` |
+| `hedge_delay_quantile` | the TTFT quantile the delay follows (null in `fixed` mode) |
+| `hedge_delay_rule` | `auto` (quantile from the budget ratio), `pinned` (configured), `fixed` |
 | `<scope>.attempts` | attempts sent to the backend |
 | `<scope>.primaries` / `.hedges` / `.failovers` | the same, by kind |
 | `<scope>.won` / `.lost` / `.failed` / `.cancelled` | the same, by outcome |
@@ -63,6 +75,7 @@ from gateway.budget import SuppressReason
 from gateway.errors import NoBackendAvailable
 
 if TYPE_CHECKING:
+    from gateway.live import Live
     from gateway.pool import PoolRuntime
     from gateway.stats.record import BackendStats, PoolStats, Stats
 
@@ -70,10 +83,14 @@ QUANTILES = (0.5, 0.9, 0.95, 0.99)
 SCOPES = ("lifetime", "window")
 
 
-def snapshot(stats: Stats, pools: Mapping[str, PoolRuntime], now: float) -> dict[str, Any]:
+def snapshot(
+    stats: Stats, pools: Mapping[str, PoolRuntime], now: float, *, live: Live | None = None
+) -> dict[str, Any]:
     """The `/hedge/stats` document (fields in the module docstring): the counts of `stats` plus
-    live state (budget, balancer, hedge delays) read from `pools` at `now`."""
-    return document(stats, live_view(pools, now), now)
+    live state (budget, balancer, hedge delays) read from `pools` at `now`, and the
+    configuration in force when `live` is given."""
+    config = None if live is None else config_view(live, now)
+    return document(stats, live_view(pools, now), now, config=config)
 
 
 def live_view(pools: Mapping[str, PoolRuntime], now: float) -> dict[str, dict[str, Any]]:
@@ -90,27 +107,44 @@ def live_view(pools: Mapping[str, PoolRuntime], now: float) -> dict[str, dict[st
     }
 
 
-def document(stats: Stats, live: Mapping[str, Mapping[str, Any]], now: float) -> dict[str, Any]:
+def document(stats: Stats, state: Mapping[str, Mapping[str, Any]], now: float, *,
+             config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `/hedge/stats` document from counts and already-read live state (`live_view`, or
-    the merge of several processes' live states)."""
+    the merge of several processes' live states) and the `config` section, if any."""
     out: dict[str, Any] = {}
     for name, ps in stats.pools.items():
-        state = live.get(name)
+        pool_state = state.get(name)
         entry: dict[str, Any] = {}
-        if state is not None:
-            entry["inflight_requests"] = state["inflight_requests"]
-            entry["budget"] = state["budget"]
+        if pool_state is not None:
+            entry["inflight_requests"] = pool_state["inflight_requests"]
+            entry["budget"] = pool_state["budget"]
         for scope in SCOPES:
             entry[scope] = pool_view(ps, scope, now, stats.error_classes)
-        backends = {} if state is None else state["backends"]
+        backends = {} if pool_state is None else pool_state["backends"]
         entry["backends"] = {
             b: backend_view(bs, backends.get(b), now) for b, bs in ps.backends.items()
         }
         out[name] = entry
-    return {
+    doc: dict[str, Any] = {
         "window_s": stats.window,
         "uptime_s": round(max(0.0, now - stats.started), 3),
-        "pools": out,
+    }
+    if config is not None:
+        doc["config"] = dict(config)
+    doc["pools"] = out
+    return doc
+
+
+def config_view(live: Live, now: float) -> dict[str, Any]:
+    """When the configuration in force was loaded, its checksum, and the reload counts."""
+    origin = live.current.origin
+    return {
+        "loaded_at": origin.loaded_wall,
+        "loaded_s_ago": round(max(0.0, now - origin.loaded_at), 3),
+        "sha256": origin.sha256,
+        "source": origin.source,
+        "generation": live.current.number,
+        "failed_reloads": live.failed_reloads,
     }
 
 
@@ -177,10 +211,12 @@ def backend_live(runtime: PoolRuntime, name: str, now: float) -> dict[str, Any]:
     state, reason = runtime.balancer.state(name, now)
     left = runtime.balancer.seconds_left(name, now)
     delay = runtime.delays[name]
-    if delay.settings.mode == "fixed":
-        mode = "fixed"
+    fixed = delay.settings.mode == "fixed"
+    if fixed:
+        mode = rule = "fixed"
     else:
         mode = "adaptive" if delay.adaptive(now) else "initial"
+        rule = "auto" if delay.settings.quantile == "auto" else "pinned"
     return {
         "state": state,
         "reason": reason,
@@ -189,6 +225,8 @@ def backend_live(runtime: PoolRuntime, name: str, now: float) -> dict[str, Any]:
         "inflight": runtime.balancer.inflight(name),
         "hedge_delay_ms": round(delay.delay(now) * 1000, 3),
         "hedge_delay_mode": mode,
+        "hedge_delay_quantile": None if fixed else round(delay.quantile, 4),
+        "hedge_delay_rule": rule,
     }
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from gateway import supervisor as sup
 from gateway.settings import BackendSettings, PoolSettings, ServerSettings, Settings
-from gateway.workers import MAX_RESTARTS
+from gateway.workers import MAX_RESTARTS, worker_settings
 
 WAIT = 20.0
 
@@ -78,16 +78,17 @@ def test_sighup_reloads_then_reaches_every_worker_and_sigterm_stops_them(
         signal.signal(signal.SIGHUP, lambda s, f: mark("hup"))
         signal.signal(signal.SIGTERM, lambda s, f: os._exit(0))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP, signal.SIGTERM))
-        mark(f"up {os.getpid()} burst={plan.settings.pools[0].hedging.budget.burst}")
+        share = worker_settings(plan.settings, plan.workers).pools[0].hedging.budget.burst
+        mark(f"up {os.getpid()} burst={share}")
         while True:
             time.sleep(0.05)
 
     monkeypatch.setattr(sup, "_worker_main", recorder)
     reloads: list[int] = []
 
-    def reload() -> Settings:
+    def reload() -> tuple[None, Settings]:
         reloads.append(1)
-        return settings(burst=20.0)
+        return None, settings(burst=20.0)
 
     def read(index: int) -> str:
         path = tmp_path / f"worker-{index}"
@@ -104,7 +105,8 @@ def test_sighup_reloads_then_reaches_every_worker_and_sigterm_stops_them(
     helper = threading.Thread(target=operator, daemon=True)
     helper.start()
     out = io.StringIO()
-    code = sup.Supervisor(settings(), 2, log_config=None, out=out, reload=reload).run()
+    config = sup.ConfigSource("unused.yaml", settings().server, None, reload=reload)
+    code = sup.Supervisor(settings(), 2, log_config=None, out=out, config=config).run()
     helper.join(WAIT)
     assert code == 0, out.getvalue()
     assert reloads == [1]  # the supervisor re-read the settings before forwarding

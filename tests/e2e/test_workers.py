@@ -238,6 +238,42 @@ def test_workers_do_not_outlive_a_killed_supervisor(
     assert log.read_text().count("Application shutdown complete") == 2  # they drained
 
 
+@pytest.mark.timeout(90)
+def test_sighup_to_the_supervisor_reloads_every_worker(
+    two_workers: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    """SPEC §16 with §18: one SIGHUP to the supervisor, every worker on the new file, each
+    budget split again (burst 30 over 2 workers: 15 each)."""
+    proc, root, log = two_workers
+    config = log.parent / "gateway.yaml"
+    config.write_text(config.read_text() + _EXTRA_POOL)
+    proc.send_signal(signal.SIGHUP)
+
+    def reloaded() -> dict[str, Any] | None:
+        doc = stats(root)
+        extra = doc["pools"].get("extra")
+        if extra is None or len(extra.get("workers", [])) != 2:
+            return None
+        generations = {w["config"]["generation"] for w in doc["workers"]}
+        return doc if generations == {2} else None
+
+    doc = eventually(reloaded, "both workers on the reloaded file")
+    extra = doc["pools"]["extra"]
+    assert [w["budget"]["burst"] for w in extra["workers"]] == [15.0, 15.0]
+    assert extra["budget"]["burst"] == 30.0
+    assert chat(root, model="extra") == QUICK_CONTENT
+    assert proc.poll() is None and "exited with status" not in log.read_text()
+
+
+_EXTRA_POOL = """
+  - name: extra
+    hedging: {budget: {burst: 30}}
+    backends:
+      - {name: e, provider: sim, sim: {ttft_median: 10ms, straggler_probability: 0,
+          tokens: 5, inter_token: 1ms}}
+"""
+
+
 def sim_settings(seed: int) -> Settings:
     profile = SimProfile(ttft_median=0.005, straggler_probability=0.0, tokens=3,
                          inter_token=0.0, seed=seed)

@@ -37,11 +37,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.firsttoken", "gateway.validate", "gateway.policy", "gateway.budget",
      "gateway.balancer", "gateway.workers"),
     ("providers",),
-    ("gateway.pool", "gateway.attempt"),
+    ("gateway.pool", "gateway.attempt", "gateway.live"),
     ("gateway.race", "gateway.relay", "gateway.sseresponse"),
     ("gateway.stats",),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.server"),
+    ("gateway.routes", "gateway.server", "gateway.protocol"),
     ("gateway.app", "gateway.supervisor"),
     ("gateway.cli", "gateway.bench"),
 )

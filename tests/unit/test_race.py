@@ -215,3 +215,25 @@ async def test_a_paused_one_backend_pool_is_tried_in_panic() -> None:
     result = await race.run()
     await race.aclose()
     assert result.winner.backend == "b0" and race.panic
+
+
+async def test_the_winner_holds_its_backend_slot_until_the_request_ends() -> None:
+    """`max_concurrency` and the balancer's load count whole streams, not only the wait for
+    the first token: the winner's slot is given back when the request ends (`aclose`)."""
+    pool = pool_of(backends=1)
+    pool.balancer._backends["b0"].max_concurrency = 1
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        await asyncio.sleep(0)
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    result = await race.run()
+    now = time.monotonic()
+    assert result.winner.backend == "b0"
+    assert pool.balancer.inflight("b0") == 1  # still streaming
+    assert pool.balancer.usable(now) == []  # at its cap: a second request is not sent there
+    await race.aclose()
+    assert pool.balancer.inflight("b0") == 0
+    assert pool.balancer.usable(now) == ["b0"]
