@@ -158,6 +158,11 @@ def test_two_workers_serve_one_address_and_report_as_one_server(
     eventually(metrics_total, f"/metrics counts {sent} requests")
     assert proc.poll() is None, log.read_text()
 
+    # `hedge-gateway stats URL` on a multi-worker server: one table for the whole server
+    table = subprocess.run([*command(), "stats", root], capture_output=True, text=True,
+                           timeout=60, env=keyless_env())
+    assert table.returncode == 0 and "processes: 2 (" in table.stdout, table.stderr
+
     # SO_REUSEPORT must not let a second gateway on the same port take half the connections
     port = root.rsplit(":", 1)[1]
     second = subprocess.run([*command(), "serve", "--port", port, "--workers", "2"],
