@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from gateway.clock import Clock, monotonic
 from gateway.drain import Drain
 from gateway.pool import PoolRuntime
+from gateway.protoroutes import build_protocol_router
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
 from gateway.settings import Settings
@@ -84,6 +85,7 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, pools, proxy))
+    app.include_router(build_protocol_router(settings, pools, proxy))
     app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics))
     app.state.pools = pools
     app.state.stats = stats

@@ -70,6 +70,22 @@ class ModelNotFound(GatewayError):
     code = "model_not_found"
 
 
+class RouteNotServed(GatewayError):
+    """The pool has no backend whose provider serves the request's route (SPEC §15)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "route_not_served"
+
+
+class ResponseNotFound(GatewayError):
+    """A stored-response id this gateway did not relay (or has forgotten) (SPEC §15)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "response_not_found"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"

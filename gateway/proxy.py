@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -24,11 +24,14 @@ from gateway.attempt import Prefix, open_until_first_token, open_whole_response
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.drain import Drain
-from gateway.errors import GatewayError, Overloaded
+from gateway.errors import GatewayError, Overloaded, RouteNotServed, UpstreamStatusError
 from gateway.pool import PoolRuntime
+from gateway.protocols import CHAT, WireProtocol, serves
 from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
-from gateway.relay import RelayOutcome, error_event, relay
+from gateway.relay import RelayOutcome, relay
+from gateway.relaynamed import named_encoder
 from gateway.settings import ServerSettings
+from gateway.sse import SSEEvent
 from gateway.sseresponse import SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
@@ -42,6 +45,22 @@ class LogicalRequest:
     body: Mapping[str, Any]
     stream: bool
     headers: Mapping[str, str]
+    #: the route's wire rules: first token, end of stream, error shapes (SPEC §15)
+    protocol: WireProtocol = CHAT
+    #: delay-triggered hedges refused by the route's own rule (the Responses store rules)
+    stateful: bool = False
+    #: one backend at a time, not hedged and not counted as refused (count_tokens)
+    single: bool = False
+    #: the only backend this request may use (the one holding its stored response)
+    pinned: str | None = None
+    #: upstream call details beyond the body (method, path, query, passed-through headers)
+    method: str = "POST"
+    path: str | None = None
+    query: Mapping[str, str] = field(default_factory=dict)
+    forward_headers: Mapping[str, str] = field(default_factory=dict)
+    #: called once at commit with the winner's backend and buffered events (remembers the
+    #: response id of a Responses request)
+    on_commit: Callable[[str, list[SSEEvent]], None] | None = None
 
 
 class Admission:
@@ -79,9 +98,23 @@ def hedge_refusal(pool: PoolRuntime, req: LogicalRequest) -> SuppressReason | No
         return SuppressReason.DISABLED
     if req.headers.get("x-hedge", "").lower() == "off":
         return SuppressReason.DISABLED
-    if req.body.get("store") is True or "idempotency-key" in req.headers:
+    if req.body.get("store") is True or "idempotency-key" in req.headers or req.stateful:
         return SuppressReason.DISABLED
     return None
+
+
+def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
+    """The pool's backends this request may not use: those whose provider does not serve its
+    route, and all but the pinned one. RouteNotServed (404) when none is left."""
+    excluded = frozenset(
+        b.name for b in pool.settings.backends
+        if not serves(b.provider, req.endpoint) or (req.pinned not in (None, b.name))
+    )
+    if len(excluded) == len(pool.settings.backends):
+        raise RouteNotServed(
+            f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
+        )
+    return excluded
 
 
 class Proxy:
@@ -106,6 +139,7 @@ class Proxy:
         return start + min(limits)
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
+        excluded = excluded_backends(pool, req)
         try:
             if self.drain.draining:
                 raise Overloaded("the gateway is shutting down", retry_after=1.0)
@@ -117,7 +151,7 @@ class Proxy:
         pool.inflight_requests += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start)
-        refusal = hedge_refusal(pool, req)
+        refusal = None if req.single else hedge_refusal(pool, req)
         deadline = self.deadline(pool, req, start)
         race = Race(
             pool,
@@ -125,8 +159,9 @@ class Proxy:
             RaceOptions(
                 deadline,
                 pool.delays_for(req.endpoint, req.stream),
-                refusal is None,
+                refusal is None and not req.single,
                 refusal,
+                excluded,
             ),
             self.clock,
         )
@@ -139,6 +174,8 @@ class Proxy:
                 summary.error = "client_disconnected"
                 return Response(status_code=499)
             winner = result.prefix
+            if req.on_commit is not None:
+                req.on_commit(result.winner.backend, winner.buffered)
             headers = {
                 **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
                 "x-request-id": req.request_id,
@@ -159,7 +196,7 @@ class Proxy:
                 await self._finish(pool, race, winner, summary)
 
     def _runner(self, pool: PoolRuntime, req: LogicalRequest, deadline: float) -> AttemptRunner:
-        open_prefix = open_until_first_token if req.stream else open_whole_response
+        protocol = req.protocol
         body = dict(req.body)
         models = {b.name: b.model for b in pool.settings.backends}
 
@@ -172,12 +209,27 @@ class Proxy:
 
             call = UpstreamCall(
                 endpoint=req.endpoint,
-                body={**body, "model": models[backend]},
+                body={**body, "model": models[backend]} if req.path is None else body,
                 stream=req.stream,
                 request_id=req.request_id,
                 first_byte_timeout=max(0.0, deadline - self.clock()),
+                extra_headers=req.forward_headers,
+                method=req.method,
+                path=req.path,
+                query=req.query,
             )
-            return await open_prefix(pool.providers[backend], call, is_lost)
+            provider = pool.providers[backend]
+            try:
+                if req.stream:
+                    return await open_until_first_token(
+                        provider, call, is_lost, protocol.classify
+                    )
+                return await open_whole_response(provider, call, is_lost, protocol.classify_body)
+            except UpstreamStatusError as exc:
+                if req.pinned is not None and exc.status < 500:
+                    # no other backend holds this state: its 4xx (404 unknown id) is the answer
+                    exc.replaceable = False
+                raise
 
         return run
 
@@ -225,12 +277,15 @@ class Proxy:
     ) -> Response:
         outcome = RelayOutcome()
         timeouts = pool.settings.timeouts
+        protocol = req.protocol
         body = relay(
             result.prefix,
             request_id=req.request_id,
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
+            encode_batch=named_encoder(protocol) if protocol.ends else None,
+            error_event=protocol.error_event,
         )
 
         async def finish(early_end: str | None) -> None:
@@ -244,7 +299,7 @@ class Proxy:
             stuck_client=timeouts.stuck_client,
             drain=self.drain,
             grace=self.server.shutdown_grace,
-            shutdown_event=error_event(
+            shutdown_event=protocol.error_event(
                 "the gateway is shutting down", "gateway_shutdown", req.request_id
             ),
             on_close=finish,

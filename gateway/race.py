@@ -96,6 +96,9 @@ class RaceOptions:
     hedging: bool
     #: when hedging was refused for this request, the reason counted once (`disabled`)
     refused_reason: SuppressReason | None = None
+    #: backends this request may not use: they do not serve its route, or the request is
+    #: pinned to the backend that holds its stored state (SPEC §15)
+    excluded: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -119,7 +122,9 @@ class Race:
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
         delays = self.options.delays
-        primary = pool.balancer.pick(now, ttft=lambda name: delays[name].median(now))
+        primary = pool.balancer.pick(
+            now, exclude=self.options.excluded, ttft=lambda name: delays[name].median(now)
+        )
         if primary is None:
             raise AllAttemptsFailed(["no usable backend in the pool"])
         self._start(primary, "primary", spent_budget=False)
@@ -218,7 +223,7 @@ class Race:
         if len(self.attempts) >= self._max_attempts():
             return SuppressReason.MAX_ATTEMPTS
         in_flight = {r.backend for r in self._tasks.values()}
-        tried = {r.backend for r in self.attempts}
+        tried = {r.backend for r in self.attempts} | self.options.excluded
         running_groups = {pool.groups[b] for b in in_flight}
 
         def ttft(name: str) -> float | None:
@@ -228,7 +233,9 @@ class Race:
             now, exclude=in_flight | tried, avoid_groups=running_groups, ttft=ttft
         )
         if backend is None and not hedge:
-            backend = pool.balancer.pick(now, exclude=in_flight, ttft=ttft)
+            backend = pool.balancer.pick(
+                now, exclude=in_flight | self.options.excluded, ttft=ttft
+            )
         if backend is None:
             return SuppressReason.NO_BACKEND
         remaining = self.options.deadline - now
@@ -242,7 +249,8 @@ class Race:
 
     def _max_attempts(self) -> int:
         configured = min(self.pool.settings.hedging.max_attempts, 5)
-        return max(1, min(configured, len(self.pool.settings.backends)))
+        eligible = len(self.pool.settings.backends) - len(self.options.excluded)
+        return max(1, min(configured, eligible))
 
     def _start(self, backend: str, kind: AttemptKind, *, spent_budget: bool) -> None:
         record = AttemptRecord(len(self.attempts), backend, kind, self.clock(), spent_budget)

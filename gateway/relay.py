@@ -119,13 +119,20 @@ async def relay(
     max_stream_deadline: float,
     clock: Callable[[], float],
     outcome: RelayOutcome,
+    encode_batch: Callable[[list[SSEEvent], str, RelayOutcome], bytes] | None = None,
+    error_event: Callable[[str, str, str], bytes] = error_event,
 ) -> AsyncIterator[bytes]:
-    """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream."""
+    """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
+
+    `encode_batch` and `error_event` are the protocol's (SPEC §15: the Responses API and
+    Messages end at named events, not `[DONE]`, and shape their errors their own way); the
+    defaults are the chat rules."""
+    encode = _encode_batch if encode_batch is None else encode_batch
     try:
-        yield _encode_batch(prefix.buffered, request_id, outcome)
+        yield encode(prefix.buffered, request_id, outcome)
         if outcome.end == "client_gone":
             async for batch in prefix.batches:
-                yield _encode_batch(batch, request_id, outcome)
+                yield encode(batch, request_id, outcome)
                 if outcome.end != "client_gone":
                     break
                 if clock() > max_stream_deadline:
