@@ -257,10 +257,12 @@ def test_messages_errors_are_anthropic_shaped(
             client.messages.create(model=POOL, max_tokens=8,
                                    messages=[{"role": "user", "content": "x" * 4096}])
         assert too_large.value.status_code == 413
-        with pytest.raises(anthropic.APIStatusError) as truncated:
-            with client.messages.stream(model=POOL, max_tokens=8, messages=MESSAGES) as stream:
-                "".join(stream.text_stream)
-        assert "stream" in str(truncated.value.message) or truncated.value.body
+        with pytest.raises(anthropic.APIStatusError) as truncated, client.messages.stream(
+            model=POOL, max_tokens=8, messages=MESSAGES
+        ) as stream:
+            "".join(stream.text_stream)
+        assert truncated.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+        assert "stream_truncated" in truncated.value.body["error"]["message"]  # type: ignore[index]
     with claude(root, key="wrong") as client, pytest.raises(anthropic.AuthenticationError):
         client.messages.create(model=POOL, max_tokens=8, messages=MESSAGES)
     # Bearer works too on /v1/messages
@@ -276,9 +278,9 @@ def test_messages_first_token_timeout_is_a_timeout_error(
 ) -> None:
     upstreams = scripted_upstream(1, responder=lambda r: messages_script(["late"], ttft=5.0))
     root = serve(asgi_server, settings_for(anthropic_backends(upstreams), timeout=0.5))
-    with claude(root) as client, pytest.raises(anthropic.APIStatusError) as caught:
-        with client.messages.stream(model=POOL, max_tokens=8, messages=MESSAGES) as stream:
-            "".join(stream.text_stream)
+    with claude(root) as client, pytest.raises(anthropic.APIStatusError) as caught, \
+            client.messages.stream(model=POOL, max_tokens=8, messages=MESSAGES) as stream:
+        "".join(stream.text_stream)
     assert caught.value.status_code == 504
     assert caught.value.body["error"]["type"] == "timeout_error"  # type: ignore[index]
 
