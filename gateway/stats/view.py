@@ -35,6 +35,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.cancelled` | attempts cancelled as the request ended without a winner |
 | `<scope>.latency_saved_ms.p50/p99` / `.count` | hedge won: primary's tokenless time at commit |
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
+| `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
@@ -57,6 +58,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gateway.budget import SuppressReason
+from gateway.stats.record import ROUTES
 
 if TYPE_CHECKING:
     from gateway.pool import PoolRuntime
@@ -137,6 +139,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             "events_received_after_commit": c["late_events"],
         },
         "cancelled": c["cancelled"],
+        "routes": {route: c[f"route.{route}"] for route in ROUTES},
         "latency_saved_ms": saved,
         "errors": {
             k[8:]: v for k, v in sorted(c.items())

@@ -126,6 +126,17 @@ def test_messages_hedge_wins_the_early_headers_trap(
         assert request.headers["anthropic-beta"] == "tools-2024-04-04"
         assert "authorization" not in request.headers
         assert request.body["model"] == f"claude-{index}"
+    # observability: the route is a label from a fixed set, in stats and metrics; the stats
+    # are recorded once the stream has fully ended, so poll briefly
+    deadline = time.monotonic() + 5.0
+    while True:
+        stats = httpx.get(f"{root}/hedge/stats").json()["pools"][POOL]["lifetime"]
+        if stats["routes"]["messages"] == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert stats["routes"]["messages"] == 1 and stats["routes"]["chat/completions"] == 0
+    metrics = httpx.get(f"{root}/metrics").text
+    assert f'hedge_gateway_route_requests_total{{pool="{POOL}",route="messages"}} 1.0' in metrics
 
 
 def test_responses_hedge_wins_the_early_headers_trap(
