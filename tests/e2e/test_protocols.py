@@ -21,8 +21,10 @@ from gateway.settings import (
     PoolSettings,
     ServerSettings,
     Settings,
+    SimProfile,
     Timeouts,
 )
+from providers.sim.server import create_sim_app
 from tests.harness import (
     AsgiServerFactory,
     Head,
@@ -345,3 +347,41 @@ def test_classic_azure_shape_sends_api_key_query_and_headers(
 def test_responses_head_is_not_a_token() -> None:
     """Sanity of the shared wire data the tests above script."""
     assert len(responses_head()) == 4
+
+
+# --- the simulator speaks both protocols, trap included -----------------------------------------
+
+
+def test_simulator_trap_in_both_protocols_the_hedge_wins(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    """Two loopback simulators, one whose first text comes 5 s after its scaffolding: whichever
+    is the primary, the answer comes from the fast one and the slow one's streams are cut."""
+    slow = SimProfile(ttft_median=5.0, ttft_sigma=0.0, straggler_probability=0.0, tokens=3)
+    fast = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0, tokens=3)
+    sims = [asgi_server(create_sim_app(profile, seed=1)) for profile in (slow, fast)]
+    backends = [BackendSettings(name=f"b{i}", provider="openai",
+                                base_url=sim.v1, model="m", group=f"g{i}")
+                for i, sim in enumerate(sims)]
+    anthropic_side = [BackendSettings(name=f"a{i}", provider="anthropic", base_url=sim.base_url,
+                                      model="m", group=f"g{i}") for i, sim in enumerate(sims)]
+    root = serve(asgi_server, settings_for([*backends, *anthropic_side], delay=0.2))
+    with claude(root) as client:
+        for _ in range(2):
+            with client.messages.with_streaming_response.create(
+                model=POOL, max_tokens=8, messages=MESSAGES, stream=True
+            ) as response:
+                assert response.headers["x-hedge-backend"] == "a1"
+                assert sum(1 for _ in response.parse()) > 3
+        assert client.messages.count_tokens(model=POOL, messages=MESSAGES).input_tokens == 1
+    with gpt(root) as client:
+        for _ in range(2):
+            with client.responses.with_streaming_response.create(
+                model=POOL, input="hi", store=False, stream=True
+            ) as response:
+                assert response.headers["x-hedge-backend"] == "b1"
+                kinds = [event.type for event in response.parse()]
+            assert kinds[-1] == "response.completed"
+    slow_stats = httpx.get(sims[0].url("/sim/stats")).json()
+    assert slow_stats["streams_completed"] == 0
+    assert slow_stats["streams_closed_early"] == slow_stats["streams_started"]
