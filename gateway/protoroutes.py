@@ -11,7 +11,7 @@ path), and the gateway key may come there as `x-api-key` as well as Bearer.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -84,7 +84,7 @@ def build_protocol_router(
     def headers_of(request: Request) -> dict[str, str]:
         return {k.lower(): v for k, v in request.headers.items()}
 
-    def remember(pool: str, stream: bool) -> Any:
+    def remember(pool: str, stream: bool) -> Callable[[str, list[SSEEvent]], None]:
         def on_commit(backend: str, events: list[SSEEvent]) -> None:
             response_id = response_id_of(events, stream=stream)
             if response_id is not None:
