@@ -41,7 +41,6 @@ from tests.harness.protocol_wire import (
     message_start,
     messages_script,
     response_obj,
-    responses_head,
     responses_script,
     text_block_start,
     text_delta,
