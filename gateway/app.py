@@ -86,10 +86,12 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     install_error_handlers(app)
     app.include_router(build_router(settings, pools, proxy))
     app.include_router(build_protocol_router(settings, pools, proxy))
-    app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics))
+    app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics, drain=drain))
     app.state.pools = pools
     app.state.stats = stats
     app.state.proxy = proxy
     #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`
     app.state.drain = drain
+    #: the shared upstream client (the test harness checks that no connection stays in use)
+    app.state.http_client = client
     return app

@@ -1,16 +1,24 @@
-"""`hedge-gateway`: serve, check-config, sim, bench, stats (SPEC §12). Argument parsing only."""
+"""`hedge-gateway`: serve, check-config, sim, bench, stats (SPEC §12), and the bench's child
+simulator (`python -m gateway.bench.upstream`). Every command-line option lives here: the
+commands behind them take parsed values (a `SimProfile`, a `BenchPlan`), never argparse objects.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.settings import SimProfile
 
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.server import build_server
+    from gateway.server import build_server, raise_open_file_limit
     from gateway.settings.load import ConfigError, default_settings, load_settings
 
     try:
@@ -26,6 +34,9 @@ def _serve(ns: argparse.Namespace) -> int:
             port=ns.port if ns.port is not None else server.port,
         )
         settings = replace(settings, server=server)
+    before, after = raise_open_file_limit()  # a stream holds two descriptors
+    raised = f" (raised from {before})" if after != before else ""
+    print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
@@ -85,16 +96,25 @@ def _schema(ns: argparse.Namespace) -> int:
 
 
 def _sim(ns: argparse.Namespace) -> int:
-    from providers.sim.server import profile_from_args, run_sim
+    from providers.sim.server import run_sim
 
-    run_sim(ns.host, ns.port, profile_from_args(ns), ns.seed)
+    try:
+        profile = sim_profile(ns)
+    except ValueError as exc:
+        print(f"hedge-gateway sim: {exc}", file=sys.stderr)
+        return 2
+    run_sim(ns.host, ns.port, profile, ns.seed)
     return 0
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from gateway.bench import run_bench_command
+    from gateway.bench.run import WORKLOADS, BenchPlan, run_bench_command
 
-    return run_bench_command(ns)
+    plan = BenchPlan(workloads=tuple(w for w in WORKLOADS if ns.workload in ("all", w.name)),
+                     seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
+                     tables=sys.stdout)
+    return run_bench_command(plan, out=ns.out, requests=ns.requests,
+                             concurrency=ns.concurrency, quick=ns.quick)
 
 
 def _stats(ns: argparse.Namespace) -> int:
@@ -128,21 +148,146 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="run a simulated OpenAI-compatible upstream")
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=int, default=9001)
-    from providers.sim.server import add_sim_arguments
-
-    add_sim_arguments(sim)
+    _add_sim_arguments(sim)
     sim.set_defaults(func=_sim)
 
     bench = sub.add_parser("bench", help="benchmark hedging off / on / best-of-two (SPEC §14)")
-    from gateway.bench.run import add_bench_arguments
-
-    add_bench_arguments(bench)
+    _add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
 
     stats = sub.add_parser("stats", help="print a running gateway's hedge stats as a table")
     stats.add_argument("url", nargs="?", default="http://127.0.0.1:8080")
     stats.set_defaults(func=_stats)
     return parser
+
+
+# --- value types ------------------------------------------------------------------------------
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a probability in [0, 1]")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a count >= 0")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not at least 1")
+    return value
+
+
+def _status(text: str) -> int:
+    value = int(text)
+    if not 400 <= value <= 599:
+        raise argparse.ArgumentTypeError(f"{text} is not an error status (400-599)")
+    return value
+
+
+# --- sim ---------------------------------------------------------------------------------------
+
+
+def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """The profile options of `hedge-gateway sim` (defaults: the SPEC §14 standard workload)."""
+    from gateway.settings import SimProfile
+
+    d = SimProfile()
+    opt = parser.add_argument
+    opt("--ttft-median-ms", type=_non_negative, default=d.ttft_median * 1000,
+        help="median time to first token (lognormal body), ms (default %(default)s)")
+    opt("--ttft-sigma", type=_non_negative, default=d.ttft_sigma,
+        help="sigma of the lognormal TTFT (default %(default)s)")
+    opt("--straggler-probability", type=_probability, default=d.straggler_probability,
+        help="share of requests that get the straggler delay on top (default %(default)s)")
+    opt("--straggler-extra-ms", type=_non_negative, default=d.straggler_extra * 1000,
+        help="extra TTFT of a straggler, ms (default %(default)s)")
+    opt("--tokens", type=_count, default=d.tokens,
+        help="tokens per response, capped by max_tokens (default %(default)s)")
+    opt("--inter-token-ms", type=_non_negative, default=d.inter_token * 1000,
+        help="delay between tokens, ms (default %(default)s)")
+    opt("--no-usage", dest="usage", action="store_false",
+        help="send a usage chunk only when the request asks (stream_options.include_usage)")
+    opt("--fail-probability", type=_probability, default=d.fail_probability,
+        help="share of requests answered with --fail-status (default %(default)s)")
+    opt("--fail-status", type=_status, default=d.fail_status,
+        help="status of a simulated failure (default %(default)s)")
+    opt("--hang-probability", type=_probability, default=d.hang_probability,
+        help="share of streams that send the role chunk and then nothing (default %(default)s)")
+    opt("--midstream-error-probability", type=_probability,
+        default=d.midstream_error_probability,
+        help="share of streams that end with an in-band error event (default %(default)s)")
+    opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
+
+
+def sim_profile(ns: argparse.Namespace) -> SimProfile:
+    """The profile the `sim` options describe. ValueError if the fault probabilities add up to
+    more than 1 (they are mutually exclusive per request)."""
+    from gateway.settings import SimProfile
+
+    faults = ns.fail_probability + ns.hang_probability + ns.midstream_error_probability
+    if faults > 1.0:
+        raise ValueError("fail, hang and midstream-error probabilities add up to more than 1")
+    return SimProfile(
+        ttft_median=ns.ttft_median_ms / 1000,
+        ttft_sigma=ns.ttft_sigma,
+        straggler_probability=ns.straggler_probability,
+        straggler_extra=ns.straggler_extra_ms / 1000,
+        tokens=ns.tokens,
+        inter_token=ns.inter_token_ms / 1000,
+        usage=ns.usage,
+        fail_probability=ns.fail_probability,
+        fail_status=ns.fail_status,
+        hang_probability=ns.hang_probability,
+        midstream_error_probability=ns.midstream_error_probability,
+        seed=ns.seed,
+    )
+
+
+# --- bench -------------------------------------------------------------------------------------
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from gateway.bench.run import WORKLOADS
+
+    names = [w.name for w in WORKLOADS]
+    parser.add_argument("--workload", choices=[*names, "all"], default="all",
+                        help="which workload to run (default: all)")
+    parser.add_argument("--requests", type=_positive,
+                        help="requests per mode (default: per workload)")
+    parser.add_argument("--concurrency", type=_positive,
+                        help="requests in flight (default: per workload)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer requests per mode: a smoke run of about a minute")
+    parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
+    parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def bench_upstream_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m gateway.bench.upstream --port N`: one of the bench's child backends."""
+    from gateway.bench.upstream import serve_bench_sim
+
+    parser = argparse.ArgumentParser(prog="hedge-gateway-bench-sim")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    ns = parser.parse_args(argv)
+    serve_bench_sim(ns.host, ns.port)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

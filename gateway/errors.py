@@ -7,11 +7,38 @@ provider boundary; nothing above `providers/` ever sees an httpx exception.
 
 Messages never contain provider keys, upstream URLs or upstream error bodies: an upstream's
 body can hold internal hostnames or echo a key, so we keep only its status and a short class.
+
+Two trees, and each class carries its facts as class attributes:
+- `GatewayError`: what a client is answered with: `status`, `type`, `code` (the OpenAI error
+  fields; the code is also the request's error class in stats and metrics);
+- `UpstreamError`: why one attempt failed: `code` (the failure class counted per backend)
+  and `replaceable` (whether another backend could do better).
+An instance adds only its own detail (message, reason, retry_after). Where a fact depends on a
+value, as an upstream status does, a factory (`of`) picks the subclass that states it. The
+OpenAI error JSON itself is built in one place, `error_body`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import ClassVar
+
+
+def error_body(
+    message: str,
+    *,
+    type: str,
+    code: str | None,
+    param: str | None = None,
+    request_id: str | None = None,
+) -> dict[str, object]:
+    """The OpenAI error object `{"error": {message, type, param, code}}`, which the SDKs parse
+    into their exceptions. Every error the gateway (or its simulator) sends is built here:
+    HTTP answers, final in-stream events, the server's 431. `request_id`, when given, is
+    quoted in the message, for the failures a client reports to an operator."""
+    if request_id is not None:
+        message = f"{message} (request id {request_id})"
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class GatewayError(Exception):
@@ -34,16 +61,13 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.should_retry = should_retry
+        #: what must run once this error was answered (the end of the logical request: reap
+        #: its attempts, record it); the HTTP error handler runs it after sending the answer
+        self.after_response: Callable[[], Awaitable[None]] | None = None
 
-    def body(self) -> dict[str, object]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+    def body(self, request_id: str | None = None) -> dict[str, object]:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param,
+                          request_id=request_id)
 
 
 class InvalidRequest(GatewayError):
@@ -86,16 +110,51 @@ class ResponseNotFound(GatewayError):
     code = "response_not_found"
 
 
+class RouteNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
 
 
+class RequestTimeout(GatewayError):
+    """The request's head and body did not arrive within `server.body_timeout` (SPEC §18)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class HeadersTooLarge(GatewayError):
+    """The request line and headers crossed `server.max_headers` (sent by the server itself,
+    before any route runs)."""
+
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
+
+
 class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "overloaded"
+
+
+class TooManyConnections(Overloaded):
+    """A new connection past `server.max_connections` (SPEC §18)."""
+
+    code = "too_many_connections"
 
 
 class AllAttemptsFailed(GatewayError):
@@ -111,18 +170,81 @@ class AllAttemptsFailed(GatewayError):
         self.reasons = tuple(reasons)
 
 
-class UpstreamClientError(GatewayError):
-    """An upstream refused the request itself (400/413/422): it would fail everywhere."""
+class UpstreamPushback(GatewayError):
+    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After (SPEC
+    §19). The client gets 429 when all were 429, else 503, and the smallest pause as its own
+    Retry-After, without `x-should-retry: false`: the upstreams said when to come back, and
+    an SDK that waits that long and retries is what they asked for. Build it with `of`."""
 
+    status = 503
+    type = "server_error"
+    code = "upstream_pushback"
+
+    def __init__(self, reasons: Sequence[str], retry_after: float) -> None:
+        detail = "; ".join(reasons)
+        super().__init__(
+            f"every upstream asked to retry later: {detail}", retry_after=retry_after
+        )
+        self.reasons = tuple(reasons)
+
+    @classmethod
+    def of(cls, status: int, reasons: Sequence[str], retry_after: float) -> UpstreamPushback:
+        kind = UpstreamRateLimitedEverywhere if status == 429 else UpstreamPushback
+        return kind(reasons, retry_after)
+
+
+class UpstreamRateLimitedEverywhere(UpstreamPushback):
+    """Every attempt answered 429 with a Retry-After: the client gets 429 too."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
+class NoBackendAvailable(GatewayError):
+    """No backend could take the request (all at `max_concurrency`), so nothing was tried:
+    503 with `Retry-After: 1` (SPEC §19), never 502, since no upstream failed."""
+
+    status = 503
+    type = "server_error"
+    code = "no_backend_available"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "no backend of the pool can take the request now (all at their concurrency limit)",
+            retry_after=1.0,
+        )
+
+
+class UpstreamClientError(GatewayError):
+    """An upstream refused the request itself (400/413/422): it would fail everywhere.
+
+    The client gets the upstream's status: one subclass per status, chosen by `of`."""
+
+    status = 400
     type = "invalid_request_error"
     code = "upstream_rejected_request"
 
-    def __init__(self, status: int, backend: str) -> None:
+    def __init__(self, backend: str) -> None:
         super().__init__(
-            f"the upstream rejected the request with status {status} (backend {backend})",
+            f"the upstream rejected the request with status {self.status} (backend {backend})",
             should_retry=False,
         )
-        self.status = status
+
+    @classmethod
+    def of(cls, status: int, backend: str) -> UpstreamClientError:
+        """The error for an upstream status that describes the request (400 if unknown)."""
+        for sub in UpstreamClientError.__subclasses__():
+            if sub.status == status:
+                return sub(backend)
+        return UpstreamClientError(backend)
+
+
+class UpstreamRejectedTooLarge(UpstreamClientError):
+    status = 413
+
+
+class UpstreamRejectedUnprocessable(UpstreamClientError):
+    status = 422
 
 
 class FirstTokenTimeout(GatewayError):
@@ -139,13 +261,23 @@ class FirstTokenTimeout(GatewayError):
 
 
 # --- attempt-level failures, raised by providers and the attempt runner --------------------
+#
+# Each class carries its `code`: the failure class the stats count per backend
+# (`failures.<code>`), `/metrics` labels (`attempt_failures_total{code}`) and the request log
+# writes (`attempts[].failure`). One code per class, so the set is bounded by this tree
+# (`failure_codes()`); the README's Observability section lists it. The `reason` is the
+# human-readable detail, for the client's 502 and the request log, never for counting.
 
 
 class UpstreamError(Exception):
     """One attempt failed. Not sent to clients as such: the race decides what to do."""
 
+    code: str = "upstream_error"
     #: whether another backend could succeed where this one failed
     replaceable: bool = True
+    #: whether the failure counts against the backend's health (SPEC §7); False when the
+    #: gateway itself failed the attempt
+    backend_fault: bool = True
 
     def __init__(self, reason: str, *, retry_after: float | None = None) -> None:
         super().__init__(reason)
@@ -153,31 +285,160 @@ class UpstreamError(Exception):
         self.retry_after = retry_after
 
 
+class InternalAttemptError(UpstreamError):
+    """A bug of the gateway's inside an attempt: not the backend's fault."""
+
+    code = "internal_error"
+
+
 class UpstreamConnectError(UpstreamError):
-    """Connection refused, DNS failure, connect timeout."""
+    """Connection refused, DNS failure."""
+
+    code = "connect_error"
+
+
+class UpstreamConnectTimeout(UpstreamConnectError):
+    """No connection (or no free pooled connection) within `timeouts.connect`."""
+
+    code = "connect_timeout"
+
+
+class GatewayPoolFull(UpstreamError):
+    """No free connection in the gateway's own upstream pool in time (httpx `PoolTimeout`).
+
+    The backend was never asked, so this must not eject it: a full pool on our side would
+    otherwise take healthy backends out one after another. Another backend may still be
+    tried (the pool is shared, but a connection may free up meanwhile)."""
+
+    code = "gateway_pool_full"
+    backend_fault = False
 
 
 class UpstreamTimeout(UpstreamError):
     """A read or write on the upstream took longer than allowed."""
 
+    code = "read_timeout"
+
 
 class UpstreamStatusError(UpstreamError):
-    """The upstream answered with a status other than 200."""
+    """The upstream answered with a status other than 200. Build it with `of(status)`, which
+    picks the subclass that says what the status means (and whether it is replaceable);
+    this class itself is every status no subclass claims (redirects, 408, other 4xx)."""
+
+    code = "bad_status"
+    #: the statuses a subclass stands for
+    statuses: ClassVar[frozenset[int]] = frozenset()
 
     def __init__(self, status: int, *, retry_after: float | None = None) -> None:
         super().__init__(f"status {status}", retry_after=retry_after)
         self.status = status
-        # 400/413/422 describe the request, not the backend: it would fail everywhere.
-        self.replaceable = status not in (400, 413, 422)
+
+    @classmethod
+    def of(cls, status: int, *, retry_after: float | None = None) -> UpstreamStatusError:
+        for sub in UpstreamStatusError.__subclasses__():
+            if status in sub.statuses:
+                return sub(status, retry_after=retry_after)
+        return UpstreamStatusError(status, retry_after=retry_after)
+
+
+class UpstreamRejectedRequest(UpstreamStatusError):
+    """400/413/422 describe the request, not the backend: it would fail everywhere."""
+
+    code = "request_rejected"
+    replaceable = False
+    statuses = frozenset({400, 413, 422})
+
+
+class UpstreamAuthFailed(UpstreamStatusError):
+    """401/403: this backend's key or permissions are wrong."""
+
+    code = "auth_failed"
+    statuses = frozenset({401, 403})
+
+
+class UpstreamNotFound(UpstreamStatusError):
+    """404: this backend does not serve the route or the model (a configuration error)."""
+
+    code = "not_found"
+    statuses = frozenset({404})
+
+
+class UpstreamRateLimited(UpstreamStatusError):
+    code = "rate_limited"
+    statuses = frozenset({429})
+
+
+class UpstreamUnavailable(UpstreamStatusError):
+    code = "unavailable"
+    statuses = frozenset({503})
+
+
+class UpstreamServerError(UpstreamStatusError):
+    """Any other 5xx."""
+
+    code = "server_error"
+    statuses = frozenset(range(500, 600)) - {503}
 
 
 class UpstreamProtocolError(UpstreamError):
-    """The upstream broke the stream: reset, bad framing, wrong content type, oversize line."""
+    """The upstream broke the protocol: bad framing, wrong content type or encoding, an
+    oversize line or body, a body that is not JSON."""
+
+    code = "protocol_error"
+
+
+class UpstreamDisconnected(UpstreamProtocolError):
+    """The upstream closed or reset the connection before the response was complete."""
+
+    code = "connection_reset"
 
 
 class UpstreamInBandError(UpstreamError):
     """The upstream reported an error inside the stream (error event, finish_reason error)."""
 
+    code = "error_event"
+
 
 class UpstreamNoToken(UpstreamError):
     """The stream ended before any token."""
+
+    code = "no_token"
+
+
+def failure_codes() -> frozenset[str]:
+    """Every attempt failure code: one per class of the `UpstreamError` tree."""
+    codes: set[str] = set()
+    pending: list[type[UpstreamError]] = [UpstreamError]
+    while pending:
+        cls = pending.pop()
+        codes.add(cls.code)
+        pending.extend(cls.__subclasses__())
+    return frozenset(codes)
+
+# --- the answer when every attempt failed ----------------------------------------------------
+
+
+#: upstream statuses whose Retry-After is a pushback: "busy, come back later"
+PUSHBACK_STATUSES = (429, 503)
+
+
+def all_attempts_failed(
+    reasons: Sequence[str],
+    failures: Sequence[UpstreamError],
+    cap: Callable[[float], float],
+) -> GatewayError:
+    """The answer when every attempt failed before its first token (SPEC §5.4, §19).
+
+    All pushbacks: `UpstreamPushback` with the smallest pause, bounded by `cap` (the pool's
+    `max_pause`); anything else among them (a reset, a 500, a pushback without Retry-After):
+    502 `AllAttemptsFailed`, since retrying soon would likely fail the same way.
+    """
+    pauses = [
+        f.retry_after for f in failures
+        if isinstance(f, UpstreamStatusError) and f.status in PUSHBACK_STATUSES
+        and f.retry_after is not None
+    ]
+    if not failures or len(pauses) != len(failures):
+        return AllAttemptsFailed(reasons)
+    only_429 = all(isinstance(f, UpstreamStatusError) and f.status == 429 for f in failures)
+    return UpstreamPushback.of(429 if only_429 else 503, reasons, cap(min(pauses)))

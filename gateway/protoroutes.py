@@ -20,7 +20,13 @@ from starlette.responses import Response
 
 from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
 from gateway.pool import PoolRuntime
-from gateway.protocols import (
+from gateway.proxy import LogicalRequest, Proxy
+from gateway.responseids import ResponseDirectory
+from gateway.routes import _JSON_TYPES, make_auth_guard, read_body, request_id_of
+from gateway.settings import Settings
+from gateway.sse import SSEEvent
+from gateway.validate import check_body, parse_body
+from gateway.wireformat import (
     COUNT_TOKENS,
     MESSAGES,
     RESPONSES,
@@ -28,12 +34,6 @@ from gateway.protocols import (
     WireProtocol,
     response_id_of,
 )
-from gateway.proxy import LogicalRequest, Proxy
-from gateway.responseids import ResponseDirectory
-from gateway.routes import _JSON_TYPES, make_auth_guard, read_body, request_id_of
-from gateway.settings import Settings
-from gateway.sse import SSEEvent
-from gateway.validate import check_body, parse_body
 from providers.base import Endpoint
 
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")

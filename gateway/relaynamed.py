@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from gateway.protocols import WireProtocol
 from gateway.relay import RelayOutcome
 from gateway.sse import SSEEvent, encode_event
+from gateway.streamend import StreamEnd
+from gateway.wireformat import WireProtocol
 
 EncodeBatch = Callable[[list[SSEEvent], str, RelayOutcome], bytes]
 
@@ -50,10 +51,10 @@ def named_encoder(protocol: WireProtocol) -> EncodeBatch:
                 parts.append(encode_event(data, name))
             kind = name if name is not None else event_name(event)
             if kind in ERROR_NAMES:
-                outcome.end = "upstream_error"
+                outcome.end = StreamEnd.UPSTREAM_ERROR
                 break
             if kind in ends:
-                outcome.end = "done"
+                outcome.end = StreamEnd.DONE
                 break
         return b"".join(parts)
 

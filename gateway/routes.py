@@ -16,23 +16,28 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from gateway.drain import Drain
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
+    MethodNotAllowed,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
+    RouteNotFound,
     Unauthorized,
 )
 from gateway.pool import PoolRuntime
-from gateway.protocols import protocol_for_path
-from gateway.proxy import LogicalRequest, Proxy
+from gateway.proxy import AnswerThen, LogicalRequest, Proxy
 from gateway.settings import Settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.view import snapshot
 from gateway.validate import check_body, parse_body
+from gateway.wireformat import protocol_for_path
 from providers.base import Endpoint
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -76,31 +81,34 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            parts.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by `server.body_timeout` (the 408 is out)
+        raise RequestTimeout("the request body did not arrive") from None
     return b"".join(parts)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_gateway_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        return error_response(exc, request_id_of(request), request.url.path)
+        response = error_response(exc, request_id_of(request), request.url.path)
+        if exc.after_response is not None:  # answer first, then end the logical request
+            return AnswerThen(response, exc.after_response)
+        return response
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         error: GatewayError
         if exc.status_code == 404:
-            error = InvalidRequest("no such route")
-            error.status, error.code = 404, "not_found"
+            error = RouteNotFound("no such route")
         elif exc.status_code == 405:
-            error = InvalidRequest("method not allowed")
-            error.status, error.code = 405, "method_not_allowed"
-        else:
+            error = MethodNotAllowed("method not allowed")
+        else:  # the framework refused the request in some other way
             error = InvalidRequest(str(exc.detail))
-            error.status = exc.status_code
         return error_response(error, request_id_of(request), request.url.path)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
@@ -201,6 +209,7 @@ def build_ops_router(
     *,
     stats: Stats,
     metrics: Metrics,
+    drain: Drain,
 ) -> APIRouter:
     ops = APIRouter()
 
@@ -210,13 +219,16 @@ def build_ops_router(
 
     @ops.get("/readyz")
     async def readyz() -> Response:
+        """Unready only while draining or when no pool can serve at all: a load balancer
+        that drops every replica for one dead pool would take the healthy pools down too."""
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         now = clock()
         unready = [name for name, pool in pools.items() if not pool.balancer.usable(now)]
-        if unready:
-            return JSONResponse(
-                {"status": "unready", "pools_without_usable_backend": unready}, status_code=503
-            )
-        return JSONResponse({"status": "ready"})
+        body = {"pools_without_usable_backend": unready}
+        if len(unready) == len(pools):
+            return JSONResponse({"status": "unready", **body}, status_code=503)
+        return JSONResponse({"status": "ready", **body})
 
     @ops.get("/hedge/stats")
     async def hedge_stats() -> JSONResponse:

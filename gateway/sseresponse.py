@@ -24,12 +24,15 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.drain import Drain
+from gateway.streamend import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
 #: ASGI scope extension through which the server offers `abort()`: drop the connection now,
 #: unsent bytes and all (see gateway.server). Without it, a stuck client's connection can only
 #: be left to the server, which waits for the unsent bytes to drain before it closes.
 ABORT_EXTENSION = "hedge_gateway.abort"
+#: early ends after which the connection is dropped rather than completed
+_ABORTED = (StreamEnd.STUCK_CLIENT, StreamEnd.SHUTDOWN)
 
 
 class SSEResponse(Response):
@@ -48,7 +51,7 @@ class SSEResponse(Response):
         drain: Drain,
         grace: float,
         shutdown_event: bytes,
-        on_close: Callable[[str | None], Awaitable[None]],
+        on_close: Callable[[StreamEnd | None], Awaitable[None]],
         clock: Callable[[], float],
     ) -> None:
         self.status_code = 200
@@ -69,8 +72,9 @@ class SSEResponse(Response):
         self._last_send = 0.0
         #: when the send in progress started (None: no send in progress)
         self._sending_since: float | None = None
-        #: why the stream ended early: "client_gone", "stuck_client", "shutdown"
-        self.end: str | None = None
+        #: why the stream ended early: client gone, stuck client, shutdown, or an exception
+        #: of ours that escaped the relay (internal error)
+        self.end: StreamEnd | None = None
         #: the last body message (`more_body: False`) went out
         self._completed = False
         #: every byte of `body` was handed to the server: the stream did not end early, even
@@ -78,6 +82,7 @@ class SSEResponse(Response):
         self._exhausted = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ended = False
         try:
             await self._send(send, {"type": "http.response.start", "status": 200,
                                     "headers": self.raw_headers})
@@ -90,11 +95,17 @@ class SSEResponse(Response):
                 await self._send(send, {"type": "http.response.body", "body": b"",
                                         "more_body": False})
                 tg.cancel_scope.cancel()
-        except OSError:
-            self.end = self.end or "client_gone"  # the socket broke under a send
+            ended = True
+        except* OSError:  # the socket broke under a send (the task group wraps it in a group)
+            self.end = self.end or StreamEnd.CLIENT_GONE
+            ended = True
         finally:
+            if not ended and self.end is None and not _being_cancelled():
+                # something else escaped (a bug of ours in the relay): it propagates, and the
+                # stats must not call it a client that left
+                self.end = StreamEnd.INTERNAL_ERROR
             with anyio.CancelScope(shield=True):
-                if not self._completed and self.end in ("stuck_client", "shutdown"):
+                if not self._completed and self.end in _ABORTED:
                     abort = _abort_of(scope)
                     if abort is not None:
                         abort()
@@ -103,7 +114,7 @@ class SSEResponse(Response):
                     with contextlib.suppress(RuntimeError):
                         await aclose()
                 await self.on_close(None if self._exhausted else self.end)
-                if not self._completed and self.end in ("stuck_client", "shutdown"):
+                if not self._completed and self.end in _ABORTED:
                     await _await_disconnect(scope, receive)
 
     async def _send(self, send: Send, message: Message) -> None:
@@ -132,7 +143,7 @@ class SSEResponse(Response):
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                self.end = self.end or "client_gone"
+                self.end = self.end or StreamEnd.CLIENT_GONE
                 scope.cancel()
                 return
 
@@ -144,7 +155,7 @@ class SSEResponse(Response):
             now = self.clock()
             since = self._sending_since
             if since is not None and now - since >= self.stuck_client:
-                self.end = "stuck_client"
+                self.end = StreamEnd.STUCK_CLIENT
                 scope.cancel()
                 return
             if since is None and now - self._last_send >= self.keepalive:
@@ -154,11 +165,17 @@ class SSEResponse(Response):
     async def _watch_drain(self, send: Send, scope: anyio.CancelScope) -> None:
         """On shutdown: `grace` seconds to finish, then a final error event and the end."""
         await self.drain.wait_grace(self.grace)
-        self.end = "shutdown"
+        self.end = StreamEnd.SHUTDOWN
         scope.cancel()
         with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
             await self._send(send, {"type": "http.response.body", "body": self.shutdown_event,
                                     "more_body": False})
+
+
+def _being_cancelled() -> bool:
+    """Whether this task is being cancelled from outside (the server shutting down)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _abort_of(scope: Scope) -> Callable[[], object] | None:

@@ -19,7 +19,10 @@ import anyio
 import httpx
 
 from gateway.errors import (
+    GatewayPoolFull,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamDisconnected,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -89,16 +92,18 @@ def parse_retry_after(headers: httpx.Headers) -> float | None:
 
 def translate(exc: httpx.HTTPError) -> UpstreamError:
     """Map an httpx exception to our error tree, keeping no URL or body in the reason."""
-    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-        return UpstreamConnectError("connect timeout")
+    if isinstance(exc, httpx.PoolTimeout):  # our own pool is full: not the backend's fault
+        return GatewayPoolFull("no free upstream connection in the gateway's pool")
+    if isinstance(exc, httpx.ConnectTimeout):
+        return UpstreamConnectTimeout("connect timeout")
     if isinstance(exc, httpx.ConnectError):
         return UpstreamConnectError("connect error")
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout("read timeout")
     if isinstance(exc, httpx.RemoteProtocolError):
-        return UpstreamProtocolError("connection closed or reset by upstream")
+        return UpstreamDisconnected("connection closed or reset by upstream")
     if isinstance(exc, httpx.ReadError):
-        return UpstreamProtocolError("connection reset by upstream")
+        return UpstreamDisconnected("connection reset by upstream")
     return UpstreamProtocolError(f"transport error ({type(exc).__name__})")
 
 
@@ -213,6 +218,19 @@ class OpenAIProvider:
         """`{base_url}/{route}`: the OpenAI SDK's base URL includes `/v1`."""
         return f"{self._base_url}/{call.path or call.endpoint}"
 
+    def _whole_body_timeout(self, call: UpstreamCall) -> httpx.Timeout:
+        """A non-streaming body may take the request's whole deadline (the pool's `timeout`,
+        SPEC §18) to start: the idle timeout between reads must not cut it off first."""
+        read = self._timeout.read or 0.0
+        if call.first_byte_timeout <= read:
+            return self._timeout
+        return httpx.Timeout(
+            connect=self._timeout.connect,
+            read=call.first_byte_timeout,
+            write=self._timeout.write,
+            pool=self._timeout.pool,
+        )
+
     async def open(self, call: UpstreamCall) -> HttpxStream:
         headers = dict(call.extra_headers)
         headers.update(self._headers)  # ours win: a client cannot replace the credential
@@ -225,7 +243,7 @@ class OpenAIProvider:
             content=json.dumps(call.body, separators=(",", ":")).encode() if has_body else None,
             headers=headers if has_body else {k: v for k, v in headers.items()
                                               if k != "content-type"},
-            timeout=self._timeout,
+            timeout=self._timeout if call.stream else self._whole_body_timeout(call),
         )
         try:
             response = await self._client.send(request, stream=True, follow_redirects=False)
@@ -234,7 +252,7 @@ class OpenAIProvider:
         if response.status_code != 200:
             retry_after = parse_retry_after(response.headers)
             await HttpxStream(response, stream=False).aclose()
-            raise UpstreamStatusError(response.status_code, retry_after=retry_after)
+            raise UpstreamStatusError.of(response.status_code, retry_after=retry_after)
         content_type = media_type(response.headers.get("content-type", ""))
         expected = "text/event-stream" if call.stream else "application/json"
         if content_type != expected:

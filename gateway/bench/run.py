@@ -20,12 +20,12 @@ the difference of medians against `direct`, and the median of per-request differ
 the requests the gateway served from backend A with one attempt (the same draw on both sides).
 
 Children (`gateway.bench.procs`) are always ended (terminate, then kill) when the bench ends,
-fails, or gets Ctrl-C or SIGTERM. The numbers and tables are `gateway.bench.report`'s.
+fails, or gets Ctrl-C or SIGTERM. The numbers and tables are `gateway.bench.report`'s, the
+command line `gateway.cli`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -62,6 +62,8 @@ class Workload:
     outage_extra: float = 0.0
     #: the outage covers these fractions of the request indexes
     outage_span: tuple[float, float] = (1 / 3, 2 / 3)
+    #: simulated backends behind the gateway (the oracle races all of them)
+    backends: int = 2
 
 
 _STRAGGLERS = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.03,
@@ -75,6 +77,12 @@ WORKLOADS: tuple[Workload, ...] = (
              SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
                         straggler_extra=0.0, tokens=50, inter_token=0.0),
              requests=2000, concurrency=50, quick_requests=150),
+    Workload("pushback", "3 backends, TTFT median 150 ms (no stragglers), each answering 3 % "
+             "with 503 + Retry-After: 1", SimProfile(
+                 ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.0,
+                 straggler_extra=0.0, tokens=30, inter_token=0.005, fail_probability=0.03,
+                 fail_status=503),
+             requests=600, concurrency=16, quick_requests=150, backends=3),
 )
 
 
@@ -111,11 +119,12 @@ class _Context:
     sim_pids: list[int]
 
 
-async def _start_gateway(ctx: _Context, mode: str) -> tuple[str, subprocess.Popen[bytes]]:
+async def _start_gateway(ctx: _Context, mode: str, backends: int
+                         ) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
     with open(path, "w", encoding="utf-8") as file:
-        file.write(gateway_config(port, ctx.sim_ports, hedging=mode == "hedging-on"))
+        file.write(gateway_config(port, ctx.sim_ports[:backends], hedging=mode == "hedging-on"))
     proc = ctx.children.start(f"gateway-{mode}", [
         sys.executable, "-m", "gateway.cli", "serve", "--config", path, "--host", "127.0.0.1",
         "--port", str(port), "--log-level", "warning"])
@@ -134,7 +143,7 @@ async def _hedge_stats(client: httpx.AsyncClient, base: str) -> object:
 async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
                     concurrency: int, gateway: tuple[str, subprocess.Popen[bytes]] | None,
                     ) -> dict[str, Any]:
-    client = ctx.client
+    client, sims = ctx.client, ctx.sims[:workload.backends]
     outage = {"start": int(requests * workload.outage_span[0]),
               "end": int(requests * workload.outage_span[1]),
               "extra_ms": workload.outage_extra * 1000.0}
@@ -142,7 +151,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         client.post(f"{s}/bench/reset", json={
             "profile": profile_to_json(workload.profile), "seed": ctx.plan.seed,
             "backend": chr(97 + k), "outage": outage})
-        for k, s in enumerate(ctx.sims)))
+        for k, s in enumerate(sims)))
     for response in resets:
         response.raise_for_status()
     direct_body = {**CHAT_BODY, "model": "sim"}
@@ -151,14 +160,15 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         url = f"{ctx.sims[0]}/v1/chat/completions"
         send = lambda c, i: stream_one(c, url, i, body=direct_body)  # noqa: E731
     elif mode == "oracle":
-        urls = [f"{s}/v1/chat/completions" for s in ctx.sims]
+        urls = [f"{s}/v1/chat/completions" for s in sims]
         send = lambda c, i: best_of(c, urls, i, body=direct_body)  # noqa: E731
     elif gateway is not None:
         gw_url, gw_body = f"{gateway[0]}/v1/chat/completions", {**CHAT_BODY, "model": POOL}
         send = lambda c, i: stream_one(c, gw_url, i, body=gw_body)  # noqa: E731
     else:
         raise ValueError(f"unknown mode {mode!r}")
-    pids = {"client": os.getpid(), **{f"sim-{chr(97 + k)}": p for k, p in enumerate(ctx.sim_pids)}}
+    pids = {"client": os.getpid(),
+            **{f"sim-{chr(97 + k)}": p for k, p in enumerate(ctx.sim_pids[:len(sims)])}}
     if gateway is not None:
         pids["gateway"] = gateway[1].pid
     done = asyncio.Event()
@@ -183,7 +193,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
             await task
     processes = meters[0].result()
     await asyncio.sleep(0.3)  # let the losers' closes reach the simulators' logs
-    logs = [(await client.get(f"{s}/bench/log")).json() for s in ctx.sims]
+    logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
     hedge_stats = await _hedge_stats(client, gateway[0]) if gateway is not None else None
     row = report.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
                                 hedge_stats=hedge_stats,
@@ -204,7 +214,7 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
     try:
         for mode in ctx.plan.modes:
             if mode in report.GATEWAY_MODES:
-                gateways[mode] = await _start_gateway(ctx, mode)
+                gateways[mode] = await _start_gateway(ctx, mode, workload.backends)
         await asyncio.gather(*(wait_ready(ctx.client, f"{url}/healthz", proc, ctx.children)
                                for url, proc in gateways.values()))
         rows = {mode: await _run_mode(ctx, workload, mode, requests, concurrency,
@@ -235,7 +245,7 @@ async def _run(plan: BenchPlan, children: Children, sizes: Sequence[tuple[int, i
                ) -> list[dict[str, Any]]:
     """Start the simulators, then run each workload; the load uses its own clients."""
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:  # control calls
-        ports = [free_port(), free_port()]
+        ports = [free_port() for _ in range(max(w.backends for w in plan.workloads))]
         procs = [children.start(f"sim-{chr(97 + k)}", [
             sys.executable, "-m", "gateway.bench.upstream", "--port", str(p)])
             for k, p in enumerate(ports)]
@@ -265,42 +275,23 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
             "workloads": workloads}
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    names = [w.name for w in WORKLOADS]
-    parser.add_argument("--workload", choices=[*names, "all"], default="all",
-                        help="which workload to run (default: all)")
-    parser.add_argument("--requests", type=int, help="requests per mode (default: per workload)")
-    parser.add_argument("--concurrency", type=int,
-                        help="requests in flight (default: per workload)")
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer requests per mode: a smoke run of about a minute")
-    parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
-    parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_bench_command(ns: argparse.Namespace) -> int:
-    for name in ("requests", "concurrency"):
-        value = getattr(ns, name)
-        if value is not None and value < 1:
-            print(f"hedge-gateway bench: --{name} must be at least 1", file=sys.stderr)
-            return 2
-    chosen = tuple(w for w in WORKLOADS if ns.workload in ("all", w.name))
-    plan = BenchPlan(workloads=chosen, seed=ns.seed,
-                     progress=None if ns.no_progress else sys.stderr, tables=sys.stdout)
-    out = ns.out or os.path.join("bench-results", time.strftime("%Y%m%d-%H%M%S") + ".json")
+def run_bench_command(plan: BenchPlan, *, out: str | None, requests: int | None = None,
+                      concurrency: int | None = None, quick: bool = False) -> int:
+    """`hedge-gateway bench` once its options are parsed: run `plan`, print the tables, write
+    the JSON report to `out` (default bench-results/<time>.json); the exit status."""
+    out = out or os.path.join("bench-results", time.strftime("%Y%m%d-%H%M%S") + ".json")
     info = machine()
-    print(f"hedge-gateway bench: {', '.join(w.name for w in chosen)}; {info['nproc']} CPUs "
-          f"({info['cpu_model']}), Python {info['python']}", file=sys.stderr)
+    print(f"hedge-gateway bench: {', '.join(w.name for w in plan.workloads)}; "
+          f"{info['nproc']} CPUs ({info['cpu_model']}), Python {info['python']}",
+          file=sys.stderr)
     # SIGTERM ends the bench like Ctrl-C does, so that its children are stopped too.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = run_bench(plan, requests=ns.requests, concurrency=ns.concurrency,
-                           quick=ns.quick)
+        result = run_bench(plan, requests=requests, concurrency=concurrency, quick=quick)
     except ChildFailed as exc:
         print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
         return 1
@@ -313,4 +304,3 @@ def run_bench_command(ns: argparse.Namespace) -> int:
     report.write_json(out, result)
     print(f"JSON report: {out}")
     return 0
-

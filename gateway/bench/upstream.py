@@ -25,12 +25,11 @@ be measured apart) and needs what `hedge-gateway sim` alone does not give it:
   id, it tells which attempt of a logical request came second (the hedge) and which won (the
   one that completed), without trusting the gateway's own accounting.
 
-Run as a child: `python -c 'from gateway.bench.upstream import main; main()' --port N`.
+Run as a child: `python -m gateway.bench.upstream --port N` (its options are `gateway.cli`'s).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import random
@@ -157,15 +156,12 @@ class BenchSim:
         await response(scope, receive, send)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hedge-gateway-bench-sim")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    ns = parser.parse_args(argv)
+def serve_bench_sim(host: str, port: int) -> None:
+    """Serve one benchmark backend until terminated."""
     uvicorn.run(
         BenchSim(),
-        host=ns.host,
-        port=ns.port,
+        host=host,
+        port=port,
         log_level="warning",
         access_log=False,
         lifespan="off",
@@ -174,4 +170,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from gateway.cli import bench_upstream_main
+
+    raise SystemExit(bench_upstream_main())

@@ -9,8 +9,9 @@ one process, and two gateways must not share series.
 
 Bounded labels: `pool` and `backend` come from the configuration only (the collector walks
 the configured pools, never request data); `outcome`, `kind`, `reason`, `state` are fixed
-enumerations; a request outcome is `ok` or one of the error classes `Stats` folds into a
-fixed set. Nothing a client sends can create a series.
+enumerations; `code` is an attempt failure code (one per `UpstreamError` class); a request
+outcome is `ok` or one of the error classes `Stats` folds into a fixed set. Nothing a client
+sends can create a series.
 
 Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 
@@ -23,9 +24,12 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `hedges_won_total` | counter | pool | hedges whose stream won |
 | `hedges_suppressed_total` | counter | pool, reason | hedges/failovers not started |
 | `failovers_total` | counter | pool | replacement attempts after failures |
+| `panic_total` | counter | pool | requests whose backend choice ran in panic mode |
+| `refused_no_backend_total` | counter | pool | requests refused untried: no backend had room |
 | `losers_cancelled_total` | counter | pool | attempts cancelled because another won |
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
 | `attempt_ttft_censored_total` | counter | pool, backend | attempts cancelled before a token |
+| `attempt_failures_total` | counter | pool, backend, code | failed attempts by failure code |
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
@@ -52,6 +56,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gateway.budget import SuppressReason
+from gateway.errors import NoBackendAvailable
 from gateway.pool import PoolRuntime
 from gateway.stats.record import ROUTES, BucketHistogram, Stats
 
@@ -98,12 +103,17 @@ class GatewayCollector(Collector):
         suppressed = _counter("hedges_suppressed", "Hedges or failovers not started, by reason.",
                               ["pool", "reason"])
         failovers = _counter("failovers", "Replacement attempts after failures.", ["pool"])
+        panic = _counter("panic", "Requests whose backend choice ran in panic mode.", ["pool"])
+        refused = _counter("refused_no_backend",
+                           "Requests refused untried: no backend could take them.", ["pool"])
         losers = _counter("losers_cancelled", "Attempts cancelled because another won.",
                           ["pool"])
         late = _counter("loser_events_after_commit", "Events losers read after the commit.",
                         ["pool"])
         censored = _counter("attempt_ttft_censored",
                             "Attempts cancelled before their first token.", ["pool", "backend"])
+        failures = _counter("attempt_failures", "Failed attempts by failure code.",
+                            ["pool", "backend", "code"])
         for pool, ps in self._stats.pools.items():
             c = ps.counts.lifetime
             outcomes = {"ok": c["outcome.ok"]}
@@ -119,6 +129,8 @@ class GatewayCollector(Collector):
             for reason in SuppressReason:
                 suppressed.add_metric([pool, reason.value], c[f"suppressed.{reason.value}"])
             failovers.add_metric([pool], c["failovers"])
+            panic.add_metric([pool], c["panic"])
+            refused.add_metric([pool], c[f"outcome.{NoBackendAvailable.code}"])
             losers.add_metric([pool], c["losers"])
             late.add_metric([pool], c["late_events"])
             for backend, bs in ps.backends.items():
@@ -128,8 +140,11 @@ class GatewayCollector(Collector):
                         value = bc[f"kind.{kind}.{outcome}"]
                         attempts.add_metric([pool, backend, kind, outcome], value)
                 censored.add_metric([pool, backend], bc["ttft_censored"])
-        yield from (requests, routes, attempts, started, won, suppressed, failovers, losers, late,
-                    censored)
+                for key, value in sorted(bc.items()):
+                    if key.startswith("failure.") and value > 0:
+                        failures.add_metric([pool, backend, key[8:]], value)
+        yield from (requests, routes, attempts, started, won, suppressed, failovers, panic, refused,
+                    losers, late, censored, failures)
 
     def _latencies(self) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

@@ -20,7 +20,6 @@ The JSON document built from these numbers (`GET /hedge/stats`, its fields) is
 from __future__ import annotations
 
 import math
-import re
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,9 +27,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.budget import SuppressReason
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, failure_codes
 from gateway.latency import LifetimeSketch, WindowedSketch
 from gateway.race import CANCELLED_BEFORE_TOKEN
+from gateway.streamend import ERROR_ENDS, StreamEnd
 from providers.base import ENDPOINTS
 
 #: the values a `route` label takes (SPEC §15): the API paths below /v1/
@@ -47,9 +47,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1
                 5.0, 10.0, 30.0)
 CLOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 #: ends of a relayed stream that are not errors
-CLEAN_ENDS = (None, "done")
-STREAM_ENDS = ("upstream_error", "truncated", "failed", "too_long", "client_gone",
-               "stuck_client")
+CLEAN_ENDS = (None, StreamEnd.DONE)
 
 
 @dataclass(slots=True)
@@ -67,7 +65,9 @@ class RequestSummary:
     committed_at: float | None = None
     ended: float | None = None
     error: str | None = None
-    relay_end: str | None = None
+    relay_end: StreamEnd | None = None
+    #: a backend choice of this request ran in panic mode (SPEC §19)
+    panic: bool = False
 
     def attach(
         self,
@@ -99,7 +99,7 @@ def _error_classes() -> frozenset[str]:
         if cls.code:
             names.add(cls.code)
         pending.extend(cls.__subclasses__())
-    names.update(f"stream_{end}" for end in STREAM_ENDS)
+    names.update(f"stream_{end}" for end in ERROR_ENDS)
     return frozenset(names)
 
 
@@ -124,17 +124,13 @@ def request_class(summary: RequestSummary, known: frozenset[str]) -> str:
     return cls if cls in known else "other"
 
 
-_CUT = re.compile(r"[:(\"']")
-_NON_WORD = re.compile(r"[^a-z0-9]+")
-
-
-def failure_class(reason: str | None) -> str:
-    """A short, bounded class for an attempt's failure reason: the reason up to any detail
-    (`malformed stream: ...` -> `malformed_stream`, `status 503` -> `status_503`)."""
-    if not reason:
+def failure_class(attempt: AttemptRecord, known: frozenset[str]) -> str:
+    """A failed attempt's class: its error's code (`unavailable`, `connect_error`, ...);
+    a code outside the known set is `other`, a failure without one `unknown`."""
+    code = attempt.failure
+    if code is None:
         return "unknown"
-    head = _CUT.split(reason, maxsplit=1)[0].strip().lower()
-    return _NON_WORD.sub("_", head).strip("_")[:40] or "unknown"
+    return code if code in known else "other"
 
 
 # -- building blocks -------------------------------------------------------------------------
@@ -276,6 +272,7 @@ class Stats:
         self.started = now
         self.pools = {name: PoolStats(backends, window) for name, backends in layout.items()}
         self.error_classes = _error_classes()
+        self.failure_codes = failure_codes()
         #: summaries for a pool not in the layout (a bug elsewhere; never a new key)
         self.unrecorded = 0
 
@@ -296,6 +293,7 @@ class Stats:
         pc: Counter[str] = Counter(requests=1, attempts=len(summary.attempts))
         pc[f"attempts={len(summary.attempts)}"] += 1
         pc[f"outcome.{request_class(summary, self.error_classes)}"] += 1
+        pc["panic"] += summary.panic
         pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:
             pc[f"suppressed.{SuppressReason(reason).value}"] += 1
@@ -309,9 +307,8 @@ class Stats:
             pool.saved.add(saved, now)
         pool.counts.add(pc, now)
 
-    @staticmethod
     def _record_attempt(
-        pool: PoolStats, attempt: AttemptRecord, won: bool, pc: Counter[str], now: float
+        self, pool: PoolStats, attempt: AttemptRecord, won: bool, pc: Counter[str], now: float
     ) -> None:
         outcome = attempt.outcome or "unknown"
         censored = attempt.reason == CANCELLED_BEFORE_TOKEN
@@ -336,7 +333,7 @@ class Stats:
         if attempt.kind == "hedge":
             bc["hedges_won"] += won
         if outcome == "failed":
-            bc[f"failure.{failure_class(attempt.reason)}"] += 1
+            bc[f"failure.{failure_class(attempt, self.failure_codes)}"] += 1
         if attempt.ttft is not None:
             if censored:
                 bc["ttft_censored"] += 1

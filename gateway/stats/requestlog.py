@@ -8,8 +8,9 @@ event.
 What it holds: ids, pool, endpoint, each attempt's backend/kind/start/TTFT/outcome/reason,
 the winner, the suppressed hedge reasons, the error class and stream end, timings. What it
 never holds: prompt or completion content, request or upstream bodies, headers, keys, URLs.
-Attempt reasons are the gateway's own short failure classes (`status 503`, `connect error`),
-the same text the client's 502 carries.
+Attempt reasons are the gateway's own short descriptions (`status 503`, `connect error`), the
+same text the client's 502 carries; `failure` is the failed attempt's code (`unavailable`,
+`connect_error`), the class the stats count it under.
 
 Fields: `id`, `pool`, `endpoint`, `stream`, `outcome` (`ok` or the error class),
 `error` (error code or null), `relay_end` (how a stream ended: `done`, `truncated`, ...),
@@ -17,7 +18,7 @@ Fields: `id`, `pool`, `endpoint`, `stream`, `outcome` (`ok` or the error class),
 `suppressed` (reasons, in order), `ttft_ms` (client-observed, null without a token),
 `total_ms`, `attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
 `ttft_ms` (from the attempt's start; for a cancelled attempt its elapsed time then),
-`outcome`, `reason`, `close_ms`, `late_events`}].
+`outcome`, `failure`, `reason`, `close_ms`, `late_events`}].
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def _attempt(a: AttemptRecord, start: float) -> dict[str, Any]:
         "start_ms": _ms(a.started - start),
         "ttft_ms": _ms(a.ttft),
         "outcome": a.outcome,
+        "failure": a.failure,
         "reason": a.reason,
         "close_ms": _ms(a.close_s),
         "late_events": a.late_events,

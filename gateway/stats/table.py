@@ -70,6 +70,8 @@ def _pool_rows(pool: dict[str, Any]) -> list[list[str]]:
             _fmt(ttft.get("p99"), "ms"),
             _fmt(losers.get("cancelled")),
             _fmt(losers.get("close_ms", {}).get("p99"), "ms"),
+            _fmt(v.get("panic")),
+            _fmt(v.get("refused_no_backend")),
             _errors(v.get("errors", {})),
         ])
     return rows
@@ -80,6 +82,8 @@ def _backend_rows(backends: dict[str, Any]) -> list[list[str]]:
     for name, b in backends.items():
         w, life = b.get("window", {}), b.get("lifetime", {})
         state = b.get("state", "?")
+        if b.get("seconds_left") is not None:
+            state = f"{state} {b['seconds_left']:.1f}s"
         if b.get("reason"):
             state = f"{state} ({b['reason']})"
         rows.append([
@@ -115,7 +119,8 @@ def render(stats: dict[str, Any], out: TextIO) -> None:
         )
         _table(
             ["scope", "requests", "att/req", "hedges", "won", "win%", "issue%", "suppressed",
-             "failovers", "ttft p50", "ttft p99", "losers", "close p99", "errors"],
+             "failovers", "ttft p50", "ttft p99", "losers", "close p99", "panic", "no backend",
+             "errors"],
             _pool_rows(pool),
             out,
         )

@@ -35,11 +35,14 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.cancelled` | attempts cancelled as the request ended without a winner |
 | `<scope>.latency_saved_ms.p50/p99` / `.count` | hedge won: primary's tokenless time at commit |
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
+| `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
+| `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
 | `state` / `reason` | `ok`, `ejected` or `paused`, and why (null when ok) |
+| `seconds_left` | until the pause or cool-down ends (0: awaiting its probe; null when ok) |
 | `group` / `inflight` | the configured group; attempts running there now |
 | `hedge_delay_ms` | hedge delay in force for requests whose primary is here |
 | `hedge_delay_mode` | `adaptive` (TTFT quantile), `initial` (too few samples), `fixed` |
@@ -49,7 +52,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.hedges_won` | hedges on this backend that won |
 | `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | attempt TTFT (own start), attempts with a token |
 | `<scope>.ttft_censored` | attempts cancelled before a token; kept out of `ttft_ms` |
-| `<scope>.failures.<class>` | failed attempts by `failure_class` (`status_503`, ...) |
+| `<scope>.failures.<code>` | failed attempts by failure code (`unavailable`, ...) |
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gateway.budget import SuppressReason
+from gateway.errors import NoBackendAvailable
 from gateway.stats.record import ROUTES
 
 if TYPE_CHECKING:
@@ -145,6 +149,8 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             k[8:]: v for k, v in sorted(c.items())
             if k.startswith("outcome.") and k != "outcome.ok" and v > 0
         },
+        "panic": c["panic"],
+        "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
     }
 
 
@@ -154,6 +160,7 @@ def backend_view(
     out: dict[str, Any] = {}
     if runtime is not None:
         state, reason = runtime.balancer.state(name, now)
+        left = runtime.balancer.seconds_left(name, now)
         delay = runtime.delays[name]
         if delay.settings.mode == "fixed":
             mode = "fixed"
@@ -162,6 +169,7 @@ def backend_view(
         out.update(
             state=state,
             reason=reason,
+            seconds_left=None if left is None else round(left, 3),
             group=runtime.groups.get(name, ""),
             inflight=runtime.balancer.inflight(name),
             hedge_delay_ms=round(delay.delay(now) * 1000, 3),

@@ -138,10 +138,10 @@ class SimProvider:
         try:
             override = parse_ttft_override(call.extra_headers.get(TTFT_HEADER))
         except ValueError:
-            raise UpstreamStatusError(400) from None
+            raise UpstreamStatusError.of(400) from None
         plan = self.model.plan(call.body, ttft_override=override)
         if plan.status != 200:
-            raise UpstreamStatusError(plan.status, retry_after=retry_after_for(plan.status))
+            raise UpstreamStatusError.of(plan.status, retry_after=retry_after_for(plan.status))
         created = int(time.time())
         if call.endpoint in protocols.ROUTES:
             return await self._open_protocol(call, plan, created)
@@ -166,7 +166,7 @@ class SimProvider:
             raise UpstreamTimeout("no response before the first-byte timeout")
         await asyncio.sleep(wait)
         if plan.midstream_error_after is not None:
-            raise UpstreamStatusError(500)
+            raise UpstreamStatusError.of(500)
         body = sim_response(plan, call.endpoint, self._model_name, call.request_id, created)
         return _SimBody(wire_json(body))
 

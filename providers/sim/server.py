@@ -1,5 +1,7 @@
 """The simulator as a real OpenAI-compatible HTTP server on loopback (`hedge-gateway sim`).
 
+It takes a parsed `SimProfile`; the command line that describes one is `gateway.cli`'s.
+
 Integration tests and benchmarks need an upstream with real sockets, real framing and real
 disconnects; this serves the same plans and bytes (`providers.sim.wire`) as the in-process
 `SimProvider` (`providers.sim`). Each event is flushed as soon as it is produced, so TTFT on the
@@ -14,7 +16,6 @@ closed a losing attempt: a stream the client drops before its end counts as `clo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -33,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway.errors import error_body
 from gateway.settings import SimProfile
 from gateway.sse import encode_event
 from providers.base import Endpoint
@@ -72,7 +74,7 @@ def _error(status: int, message: str) -> Response:
         kind = "invalid_request_error"
     else:
         kind = "server_error"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    body = error_body(message, type=kind, code=None)
     headers: dict[str, str] = {}
     retry_after = retry_after_for(status)
     if retry_after is not None:
@@ -262,132 +264,6 @@ async def serve_sim(host: str, port: int, profile: SimProfile, seed: int | None 
 
 def run_sim(host: str, port: int, profile: SimProfile, seed: int | None = None) -> None:
     asyncio.run(serve_sim(host, port, profile, seed))
-
-
-# --- command line -----------------------------------------------------------------------------
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not a probability in [0, 1]")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a count >= 0")
-    return value
-
-
-def _status(text: str) -> int:
-    value = int(text)
-    if not 400 <= value <= 599:
-        raise argparse.ArgumentTypeError(f"{text} is not an error status (400-599)")
-    return value
-
-
-def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
-    """The profile options of `hedge-gateway sim` (defaults: the SPEC §14 standard workload)."""
-    d = SimProfile()
-    opt = parser.add_argument
-    opt(
-        "--ttft-median-ms",
-        type=_non_negative,
-        default=d.ttft_median * 1000,
-        help="median time to first token (lognormal body), ms (default %(default)s)",
-    )
-    opt(
-        "--ttft-sigma",
-        type=_non_negative,
-        default=d.ttft_sigma,
-        help="sigma of the lognormal TTFT (default %(default)s)",
-    )
-    opt(
-        "--straggler-probability",
-        type=_probability,
-        default=d.straggler_probability,
-        help="share of requests that get the straggler delay on top (default %(default)s)",
-    )
-    opt(
-        "--straggler-extra-ms",
-        type=_non_negative,
-        default=d.straggler_extra * 1000,
-        help="extra TTFT of a straggler, ms (default %(default)s)",
-    )
-    opt(
-        "--tokens",
-        type=_count,
-        default=d.tokens,
-        help="tokens per response, capped by max_tokens (default %(default)s)",
-    )
-    opt(
-        "--inter-token-ms",
-        type=_non_negative,
-        default=d.inter_token * 1000,
-        help="delay between tokens, ms (default %(default)s)",
-    )
-    opt(
-        "--no-usage",
-        dest="usage",
-        action="store_false",
-        help="send a usage chunk only when the request asks (stream_options.include_usage)",
-    )
-    opt(
-        "--fail-probability",
-        type=_probability,
-        default=d.fail_probability,
-        help="share of requests answered with --fail-status (default %(default)s)",
-    )
-    opt(
-        "--fail-status",
-        type=_status,
-        default=d.fail_status,
-        help="status of a simulated failure (default %(default)s)",
-    )
-    opt(
-        "--hang-probability",
-        type=_probability,
-        default=d.hang_probability,
-        help="share of streams that send the role chunk and then nothing (default %(default)s)",
-    )
-    opt(
-        "--midstream-error-probability",
-        type=_probability,
-        default=d.midstream_error_probability,
-        help="share of streams that end with an in-band error event (default %(default)s)",
-    )
-    opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
-
-
-def profile_from_args(ns: argparse.Namespace) -> SimProfile:
-    """The profile the options of `add_sim_arguments` describe. ValueError if the fault
-    probabilities add up to more than 1 (they are mutually exclusive per request)."""
-    faults = ns.fail_probability + ns.hang_probability + ns.midstream_error_probability
-    if faults > 1.0:
-        raise ValueError("fail, hang and midstream-error probabilities add up to more than 1")
-    return SimProfile(
-        ttft_median=ns.ttft_median_ms / 1000,
-        ttft_sigma=ns.ttft_sigma,
-        straggler_probability=ns.straggler_probability,
-        straggler_extra=ns.straggler_extra_ms / 1000,
-        tokens=ns.tokens,
-        inter_token=ns.inter_token_ms / 1000,
-        usage=ns.usage,
-        fail_probability=ns.fail_probability,
-        fail_status=ns.fail_status,
-        hang_probability=ns.hang_probability,
-        midstream_error_probability=ns.midstream_error_probability,
-        seed=ns.seed,
-    )
 
 
 def stats_of(app: Starlette) -> Mapping[str, Any]:

@@ -28,6 +28,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.errors import error_body
 from gateway.settings import SimProfile
 from gateway.sse import encode_event
 from providers.base import Endpoint
@@ -37,9 +38,8 @@ Sleep = Callable[[float], Awaitable[None]]
 TTFT_HEADER = "x-sim-ttft-ms"
 EMBEDDING_DIMENSIONS = 8
 DONE = b"[DONE]"
-MIDSTREAM_ERROR: Mapping[str, Any] = {
-    "error": {"message": "simulated failure", "type": "server_error", "param": None, "code": None}
-}
+MIDSTREAM_ERROR: Mapping[str, Any] = error_body("simulated failure", type="server_error",
+                                                code=None)
 
 
 @dataclass(frozen=True, slots=True)

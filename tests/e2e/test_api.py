@@ -590,6 +590,11 @@ def test_error_responses_carry_the_request_id(
             headers={"x-request-id": "client-req-43"},
         )
         generated = client.post(gateway.url("/v1/chat/completions"), content=b"[]")
+        no_route = client.get(gateway.url("/v1/nowhere"))
+        wrong_method = client.get(gateway.url("/v1/chat/completions"))
+    assert (no_route.status_code, no_route.json()["error"]["code"]) == (404, "not_found")
+    assert (wrong_method.status_code, wrong_method.json()["error"]["code"]) == (
+        405, "method_not_allowed")
     assert echoed.status_code == 404 and echoed.headers["x-request-id"] == "client-req-43"
     assert generated.status_code == 400
     assert GENERATED_ID.match(generated.headers["x-request-id"])
@@ -660,8 +665,10 @@ FORBIDDEN: dict[str, tuple[dict[str, Any], str]] = {
         {**GOOD, "extra_body": {"targets": [{"ok": 1}, {"url": "http://evil.example"}]}},
         "extra_body.targets[1].url",
     ),
-    "metadata_headers": (
-        {**GOOD, "metadata": {"headers": {"authorization": "Bearer x"}}}, "metadata.headers"
+    # metadata is free-form (`headers` passes there, SPEC §18), but not for credentials
+    "metadata_api_key": (
+        {**GOOD, "metadata": {"tenant": {"api_key": "sk-someone-else"}}},
+        "metadata.tenant.api_key",
     ),
 }
 

@@ -70,3 +70,15 @@ def test_cli_writes_json_and_prints_the_table(
     _check_modes(workload, 12)
     assert len(workload["targets"]) == 2  # added median TTFT, throughput against direct
     assert '"_samples"' not in json.dumps(data)
+
+
+def test_cli_refuses_sizes_below_one_before_starting_anything(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.cli import main
+
+    for option in ("--requests", "--concurrency"):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", option, "0"])
+        assert info.value.code == 2
+        assert "0 is not at least 1" in capsys.readouterr().err

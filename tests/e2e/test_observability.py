@@ -403,6 +403,19 @@ def test_provider_key_never_reaches_stats_metrics_or_logs(
     metrics = httpx.get(running.url("/metrics"), timeout=5.0).text
     log_lines = [r for r in caplog.records if r.name == LOGGER_NAME]
     assert len(log_lines) == 5
+    # every failed attempt is counted by its code, the same in stats, metrics and the log
+    backends = stats["pools"][POOL]["backends"]
+    failed = sum(b["lifetime"]["failed"] for b in backends.values())
+    assert failed >= 4
+    assert [b["lifetime"]["failures"] for b in backends.values()] == [
+        {"server_error": b["lifetime"]["failed"]} for b in backends.values()]
+    by_code = [(labels["backend"], labels["code"], v) for (name, _), labels, v
+               in _samples(metrics) if name == "hedge_gateway_attempt_failures_total"]
+    assert sorted(by_code) == [(name, "server_error", b["lifetime"]["failed"])
+                               for name, b in sorted(backends.items())]
+    logged = [(a["failure"], a["reason"]) for r in log_lines
+              for a in r.hedge_request["attempts"] if a["outcome"] == "failed"]  # type: ignore[attr-defined]
+    assert logged == [("server_error", "status 500")] * failed
     assert canary not in json.dumps(stats)
     assert canary not in metrics
     assert canary not in caplog.text

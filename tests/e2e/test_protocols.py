@@ -308,7 +308,7 @@ def test_truncated_responses_stream_ends_with_an_error_event(
         events = list(client.responses.create(model=POOL, input="hi", store=False,
                                               stream=True))
     assert events[-1].type == "error"
-    assert events[-1].code == "stream_truncated"  # type: ignore[union-attr]
+    assert events[-1].code == "stream_truncated"
 
 
 def test_a_route_without_backends_is_404_naming_it(

@@ -24,7 +24,7 @@ PURE = (
     "gateway.latency",
     "gateway.sse",
     "gateway.firsttoken",
-    "gateway.protocols",
+    "gateway.wireformat",
     "gateway.responseids",
     "gateway.validate",
 )
@@ -33,16 +33,16 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 #: bottom to top; a module may import only from its own layer or lower ones. A name stands for
 #: the module and everything below it in the package tree.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("gateway.errors", "gateway.clock", "gateway.settings", "gateway.sse", "gateway.latency",
-     "gateway.drain", "gateway.stats.table"),
-    ("gateway.firsttoken", "gateway.protocols", "gateway.responseids", "gateway.validate",
+    ("gateway.errors", "gateway.streamend", "gateway.clock", "gateway.settings", "gateway.sse",
+     "gateway.latency", "gateway.drain", "gateway.stats.table"),
+    ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
      "gateway.policy", "gateway.budget", "gateway.balancer"),
     ("providers",),
     ("gateway.pool", "gateway.attempt"),
     ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
     ("gateway.stats",),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.protoroutes", "gateway.server"),
+    ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol"),
     ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
 )

@@ -10,7 +10,11 @@ import pytest
 
 from gateway.errors import FirstTokenTimeout, Overloaded, PayloadTooLarge
 from gateway.firsttoken import Kind
-from gateway.protocols import (
+from gateway.relay import RelayOutcome
+from gateway.relaynamed import named_encoder
+from gateway.responseids import ResponseDirectory
+from gateway.sse import SSEDecoder, SSEEvent
+from gateway.wireformat import (
     MESSAGES,
     RESPONSES,
     WireProtocol,
@@ -22,10 +26,6 @@ from gateway.protocols import (
     responses_error_event,
     serves,
 )
-from gateway.relay import RelayOutcome
-from gateway.relaynamed import named_encoder
-from gateway.responseids import ResponseDirectory
-from gateway.sse import SSEDecoder, SSEEvent
 from tests.harness.protocol_wire import (
     PING,
     anthropic_error,

@@ -3,7 +3,6 @@ loopback server driven by the official OpenAI SDK."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -13,13 +12,13 @@ from typing import Any
 
 import pytest
 
+from gateway.cli import build_parser, main, sim_profile
 from gateway.errors import UpstreamStatusError, UpstreamTimeout
 from gateway.firsttoken import Kind, classify
 from gateway.settings import BackendSettings, SimProfile
 from gateway.sse import SSEDecoder, SSEEvent
 from providers.base import Endpoint, UpstreamCall
 from providers.sim import SimProvider
-from providers.sim.server import add_sim_arguments, profile_from_args
 from providers.sim.wire import (
     SimModel,
     SimPlan,
@@ -321,12 +320,12 @@ async def test_provider_non_streaming_and_timeouts() -> None:
     assert info.value.status == 400
 
 
-def test_profile_from_command_line_options() -> None:
-    parser = argparse.ArgumentParser()
-    add_sim_arguments(parser)
-    assert profile_from_args(parser.parse_args([])) == SimProfile()
+def test_profile_from_command_line_options(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert sim_profile(parser.parse_args(["sim"])) == SimProfile()
     ns = parser.parse_args(
         [
+            "sim",
             "--ttft-median-ms",
             "80",
             "--straggler-extra-ms",
@@ -339,12 +338,14 @@ def test_profile_from_command_line_options() -> None:
             "4",
         ]
     )
-    profile = profile_from_args(ns)
+    profile = sim_profile(ns)
     assert (profile.ttft_median, profile.straggler_extra, profile.inter_token) == (0.08, 0.9, 0.002)
     assert (profile.fail_status, profile.seed) == (429, 4)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--hang-probability", "1.5"])
+        parser.parse_args(["sim", "--hang-probability", "1.5"])
+    too_many = ["sim", "--fail-probability", "0.6", "--hang-probability", "0.6"]
     with pytest.raises(ValueError):
-        profile_from_args(
-            parser.parse_args(["--fail-probability", "0.6", "--hang-probability", "0.6"])
-        )
+        sim_profile(parser.parse_args(too_many))
+    # the command says so and exits 2 (no traceback, no server started)
+    assert main(too_many) == 2
+    assert "add up to more than 1" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.budget import SuppressReason
+from gateway.errors import failure_codes
 from gateway.pool import PoolRuntime
 from gateway.race import (
     CANCELLED_AFTER_TOKEN,
@@ -32,6 +33,7 @@ from gateway.stats import (
     latency_saved,
 )
 from gateway.stats.view import snapshot
+from gateway.streamend import StreamEnd
 
 LAYOUT = {"chat": ["a", "b"]}
 
@@ -47,6 +49,7 @@ def attempt(
     reason: str | None = None,
     close_s: float | None = None,
     late_events: int = 0,
+    failure: str | None = None,
 ) -> AttemptRecord:
     return AttemptRecord(
         index,
@@ -59,6 +62,7 @@ def attempt(
         reason,
         close_s,
         late_events,
+        failure=failure,
     )
 
 
@@ -81,7 +85,7 @@ def summary(
         s.winner = attempts[winner]
         s.committed_at = started + (client_ttft if client_ttft is not None else 0.1)
     s.error = error
-    s.relay_end = relay_end if winner is not None else None
+    s.relay_end = StreamEnd(relay_end) if winner is not None and relay_end else None
     s.ended = ended if ended is not None else started + 1.0
     return s
 
@@ -262,7 +266,8 @@ def test_suppressed_by_reason_and_failovers() -> None:
         summary(
             2.0,
             [
-                attempt(0, "a", "primary", 2.0, "failed", reason="status 503"),
+                attempt(0, "a", "primary", 2.0, "failed", reason="status 503",
+                        failure="unavailable"),
                 attempt(1, "b", "failover", 2.01, "won", ttft=0.1),
             ],
             winner=1,
@@ -280,7 +285,7 @@ def test_suppressed_by_reason_and_failovers() -> None:
     assert v["failovers"] == 1 and v["failovers_won"] == 1
     assert v["hedges"]["started"] == 0
     a = snapshot(stats, {}, 5.0)["pools"]["chat"]["backends"]["a"]["lifetime"]
-    assert a["failed"] == 1 and a["failures"] == {"status_503": 1}
+    assert a["failed"] == 1 and a["failures"] == {"unavailable": 1}
 
 
 def test_errors_by_class_are_bounded() -> None:
@@ -312,6 +317,16 @@ def test_errors_by_class_are_bounded() -> None:
     }
     assert v["cancelled"] == 1
     assert v["losers"]["cancelled"] == 0
+
+
+@pytest.mark.parametrize("end", ["shutdown", "stuck_client", "client_gone", "too_long",
+                                 "failed", "truncated", "upstream_error"])
+def test_every_early_stream_end_has_its_own_error_class(end: str) -> None:
+    """A stream cut by a graceful shutdown (or ended any other early way) is counted as
+    `stream_<end>`, never folded into `other`."""
+    stats = Stats(LAYOUT, now=0.0)
+    stats.record(summary(0.0, [attempt(0, "a", "primary", 0.0, "won", ttft=0.1)], relay_end=end))
+    assert view(stats, 5.0)["errors"] == {f"stream_{end}": 1}
 
 
 def test_unknown_pool_and_backend_never_become_keys() -> None:
@@ -360,7 +375,7 @@ def test_latency_saved_only_when_a_hedge_beat_a_running_primary() -> None:
 
 def test_snapshot_reads_live_pool_state() -> None:
     runtime = pool_runtime(DelaySettings(mode="fixed", value=0.25))
-    runtime.balancer.pause("b", 30.0)
+    runtime.balancer.pause("b", 30.0, 0.0)
     runtime.inflight_requests = 3
     stats = Stats.for_pools({"chat": runtime}, now=0.0)
     snap = snapshot(stats, {"chat": runtime}, 10.0)
@@ -389,14 +404,27 @@ def test_delay_mode_initial_then_adaptive() -> None:
     assert a["hedge_delay_ms"] == pytest.approx(200, rel=0.02)
 
 
-def test_failure_class() -> None:
-    assert failure_class("status 503") == "status_503"
-    assert failure_class("connect error") == "connect_error"
-    assert failure_class("malformed stream: SSE line longer than 10 bytes") == "malformed_stream"
-    assert failure_class("unexpected content type 'text/html'") == "unexpected_content_type"
-    assert failure_class("internal error (KeyError)") == "internal_error"
-    assert failure_class(None) == "unknown"
-    assert failure_class("::") == "unknown"
+def test_failures_are_counted_by_their_code_not_their_text() -> None:
+    stats = Stats(LAYOUT, now=0.0)
+    failed = [
+        ("malformed stream: SSE line longer than 10 bytes", "protocol_error"),
+        ("unexpected content type text/html", "protocol_error"),
+        ("status 502", "server_error"),
+        ("status 500", "server_error"),
+        ("connect error", "connect_error"),
+        ("made up by a provider", "not_a_code"),
+        ("no code at all", None),
+    ]
+    for i, (reason, code) in enumerate(failed):
+        stats.record(summary(float(i), [
+            attempt(0, "a", "primary", float(i), "failed", reason=reason, failure=code)
+        ], winner=None, error="upstream_failed"))
+    a = snapshot(stats, {}, 10.0)["pools"]["chat"]["backends"]["a"]["lifetime"]
+    assert a["failures"] == {"protocol_error": 2, "server_error": 2, "connect_error": 1,
+                             "other": 1, "unknown": 1}
+    known = failure_codes()
+    assert failure_class(attempt(0, "a", "primary", 0.0, "failed", failure="unavailable"),
+                         known) == "unavailable"
 
 
 def test_counter_ring_drops_stale_and_old() -> None:
@@ -448,3 +476,45 @@ def test_metrics_are_per_app_and_read_at_scrape_time() -> None:
     runtime.inflight_requests = 4  # gauges are read live
     assert value(metrics_2, "hedge_gateway_inflight_requests", pool="chat") == 4
     assert b"hedge_gateway" not in generate_latest(REGISTRY)
+
+
+def test_panic_refusals_and_time_left_are_counted_and_shown() -> None:
+    """SPEC §19: `panic` and `refused_no_backend` per pool (stats and metrics); per backend
+    its state with the seconds left (stats and the `stats` command's table)."""
+    import io
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.stats.prometheus import Metrics
+    from gateway.stats.table import render
+
+    runtime = pool_runtime()
+    stats = Stats.for_pools({"chat": runtime}, now=0.0)
+    panicked = plain(1.0)
+    panicked.panic = True
+    stats.record(panicked)
+    stats.record(summary(2.0, [], winner=None, error="no_backend_available"))
+    runtime.balancer.pause("b", 12.5, 0.0)
+    snap = snapshot(stats, {"chat": runtime}, 2.5)
+    pool = snap["pools"]["chat"]
+    for scope in ("lifetime", "window"):
+        assert pool[scope]["panic"] == 1 and pool[scope]["refused_no_backend"] == 1
+    a, b = pool["backends"]["a"], pool["backends"]["b"]
+    assert (a["state"], a["seconds_left"]) == ("ok", None)
+    assert (b["state"], b["seconds_left"]) == ("paused", 10.0)
+
+    samples = {
+        (s.name, s.labels.get("pool")): s.value
+        for family in text_string_to_metric_families(
+            Metrics(stats, {"chat": runtime}, lambda: 2.5).render().decode()
+        )
+        for s in family.samples
+    }
+    assert samples[("hedge_gateway_panic_total", "chat")] == 1
+    assert samples[("hedge_gateway_refused_no_backend_total", "chat")] == 1
+
+    out = io.StringIO()
+    render(json.loads(json.dumps(snap)), out)
+    table = out.getvalue()
+    assert "paused 10.0s (retry-after)" in table
+    assert "panic" in table and "no backend" in table

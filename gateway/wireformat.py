@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, error_body
 from gateway.firsttoken import Kind, classify, classify_payload
 from gateway.sse import SSEEvent, encode_event
 
@@ -152,8 +152,7 @@ def _json(obj: object) -> bytes:
 
 def openai_error_event(message: str, code: str, request_id: str) -> bytes:
     """A final in-stream error in OpenAI chat shape; the SDKs raise it as an APIError."""
-    payload = {"error": {"message": f"{message} (request id {request_id})",
-                         "type": "upstream_error", "param": None, "code": code}}
+    payload = error_body(message, type="upstream_error", code=code, request_id=request_id)
     return b"data: " + _json(payload) + b"\n\n"
 
 
@@ -191,8 +190,7 @@ def anthropic_error_body(status: int, message: str) -> dict[str, object]:
 
 
 def openai_error_body(exc: GatewayError, message: str) -> dict[str, object]:
-    return {"error": {"message": message, "type": exc.type, "param": exc.param,
-                      "code": exc.code}}
+    return error_body(message, type=exc.type, code=exc.code, param=exc.param)
 
 
 # --- the description a request carries ------------------------------------------------------------
