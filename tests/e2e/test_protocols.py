@@ -28,10 +28,12 @@ from providers.sim.server import create_sim_app
 from tests.harness import (
     AsgiServerFactory,
     Head,
+    RecordedRequest,
     Script,
     ScriptedUpstream,
     Send,
     UpstreamFactory,
+    error_script,
     json_script,
 )
 from tests.harness.builders import POOL, InOrder
@@ -381,3 +383,63 @@ def test_simulator_trap_in_both_protocols_the_hedge_wins(
     slow_stats = httpx.get(sims[0].url("/sim/stats")).json()
     assert slow_stats["streams_completed"] == 0
     assert slow_stats["streams_closed_early"] == slow_stats["streams_started"]
+
+
+# --- more upstream shapes: JSON bodies, count_tokens, an egress proxy --------------------------
+
+
+def test_messages_json_and_count_tokens_through_the_anthropic_provider(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    def responder(request: RecordedRequest) -> Script:
+        if request.path.endswith("/count_tokens"):
+            return json_script({"input_tokens": 7})
+        return json_script({"id": "msg_9", "type": "message", "role": "assistant",
+                            "model": "claude-0", "stop_reason": "end_turn",
+                            "stop_sequence": None,
+                            "content": [{"type": "text", "text": "whole answer"}],
+                            "usage": {"input_tokens": 3, "output_tokens": 2}})
+
+    upstreams = scripted_upstream(2, responder=responder)
+    root = serve(asgi_server, settings_for(anthropic_backends(upstreams), delay=5.0))
+    with claude(root) as client:
+        message = client.messages.create(model=POOL, max_tokens=8, messages=MESSAGES)
+        counted = client.messages.count_tokens(model=POOL, messages=MESSAGES)
+    assert message.content[0].type == "text" and message.content[0].text == "whole answer"
+    assert counted.input_tokens == 7
+    requests = [r for u in upstreams for r in u.requests]
+    assert sorted(r.path for r in requests) == ["/v1/messages", "/v1/messages/count_tokens"]
+    counting = next(r for r in requests if r.path.endswith("count_tokens"))
+    assert counting.body["model"] in ("claude-0", "claude-1")
+
+
+def test_a_stored_responses_request_still_fails_over_before_its_first_token(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    order = InOrder(error_script(503), responses_script(["after failover"]))
+    upstreams = scripted_upstream(2, responder=order)
+    root = serve(asgi_server, settings_for(openai_backends(upstreams), delay=5.0))
+    with gpt(root) as client:
+        events = list(client.responses.create(model=POOL, input="hi", stream=True))
+    assert events[-1].type == "response.completed"
+    assert len(order.arrivals) == 2
+    assert owner(upstreams, order.arrivals[0]) != owner(upstreams, order.arrivals[1])
+
+
+def test_a_backend_proxy_carries_its_requests(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """`proxy:` sends the backend's requests through an egress proxy (here a scripted upstream
+    that answers as the proxy would), on the backend's own client."""
+    (proxy,) = scripted_upstream(1, responder=lambda r: responses_script(["via proxy"]))
+    backend = BackendSettings(name="far", provider="openai",
+                              base_url="http://upstream.invalid:8000/v1", api_key="k",
+                              proxy=proxy.root_url)
+    root = serve(asgi_server, settings_for([backend]))
+    with gpt(root) as client:
+        events = list(client.responses.create(model=POOL, input="hi", store=False,
+                                              stream=True))
+    assert events[-1].type == "response.completed"
+    (request,) = proxy.requests
+    assert request.path == "http://upstream.invalid:8000/v1/responses"  # absolute form
+    assert request.headers["authorization"] == "Bearer k"
