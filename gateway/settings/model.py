@@ -278,8 +278,8 @@ class ServerSettings(Checked):
     port: int = field(default=8080, metadata=scalar(
         cv.integer(0, 65535), "port to listen on (0: any free port)"))
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
-        cv.keys, "keys clients must send as `Authorization: Bearer KEY`; empty: no "
-        "authentication"))
+        cv.keys, "keys clients must send as `Authorization: Bearer KEY` (or `x-api-key: KEY` "
+        "on /v1/messages); empty: no authentication"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
         cv.size, "larger request bodies get 413", key="max_body"))
     max_header_bytes: int = field(default=16 * 1024, metadata=scalar(
