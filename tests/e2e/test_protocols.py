@@ -5,6 +5,7 @@ SDKs as clients, unchanged. Each test ends with the automatic leak check."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 
@@ -27,12 +28,14 @@ from gateway.settings import (
 from providers.sim.server import create_sim_app
 from tests.harness import (
     AsgiServerFactory,
+    Gate,
     Head,
     RecordedRequest,
     Script,
     ScriptedUpstream,
     Send,
     UpstreamFactory,
+    Wait,
     error_script,
     json_script,
 )
@@ -443,3 +446,43 @@ def test_a_backend_proxy_carries_its_requests(
     (request,) = proxy.requests
     assert request.path == "http://upstream.invalid:8000/v1/responses"  # absolute form
     assert request.headers["authorization"] == "Bearer k"
+
+
+def test_messages_overload_is_an_overloaded_error(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """The gateway at its concurrency cap answers /v1/messages with Anthropic's
+    `overloaded_error` (and the retry headers), not the OpenAI shape."""
+    gate = Gate()
+    held = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(message_start()), Wait(gate), *[Send(b) for b in (text_delta("x"),)]])
+    (upstream,) = scripted_upstream(1, responder=lambda r: held)
+    settings = settings_for(anthropic_backends([upstream]))
+    settings = Settings(pools=settings.pools, server=ServerSettings(
+        api_keys=(KEY,), max_concurrent_requests=1))
+    root = serve(asgi_server, settings)
+    outcome: list[object] = []
+
+    def first() -> None:
+        with claude(root) as client:
+            try:  # held before its first token until the gate opens; then cut short
+                outcome.extend(client.messages.create(model=POOL, max_tokens=8,
+                                                      messages=MESSAGES, stream=True))
+            except anthropic.APIError as exc:
+                outcome.append(exc)
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    try:
+        assert upstream.wait_requests(1)
+        with claude(root) as client, pytest.raises(anthropic.APIStatusError) as caught:
+            client.messages.create(model=POOL, max_tokens=8, messages=MESSAGES)
+        assert caught.value.status_code == 503
+        body = caught.value.body
+        assert isinstance(body, dict) and body["type"] == "error"
+        assert body["error"]["type"] == "overloaded_error"
+        assert body["error"]["message"].startswith("the gateway is at its concurrency limit")
+        assert caught.value.response.headers["retry-after"]
+    finally:
+        gate.open()
+        worker.join(10)
