@@ -98,9 +98,9 @@ def classify_responses_body(obj: object) -> Kind:
         return Kind.OTHER
     if obj.get("status") == "failed" or obj.get("type") == "error":
         return Kind.ERROR
-    error = obj.get("error")
-    return Kind.ERROR if isinstance(error, dict) and obj.get("object") != "response" \
-        else Kind.TOKEN
+    if obj.get("object") != "response" and isinstance(obj.get("error"), dict):
+        return Kind.ERROR  # an error body in OpenAI shape that came with a 200
+    return Kind.TOKEN
 
 
 def classify_messages(event: SSEEvent) -> Kind:
