@@ -247,6 +247,18 @@ class UpstreamRejectedUnprocessable(UpstreamClientError):
     status = 422
 
 
+class UpstreamRejectedNotFound(UpstreamClientError):
+    """The one backend holding a stored response no longer has it (SPEC §15)."""
+
+    status = 404
+
+
+class UpstreamRejectedConflict(UpstreamClientError):
+    """The one backend holding a stored response refused the operation (SPEC §15)."""
+
+    status = 409
+
+
 class FirstTokenTimeout(GatewayError):
     """No first token before the request's deadline (504)."""
 

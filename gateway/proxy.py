@@ -30,7 +30,13 @@ from gateway.attempt import Prefix, open_until_first_token, open_whole_response
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.drain import Drain
-from gateway.errors import GatewayError, Overloaded, RouteNotServed, UpstreamStatusError
+from gateway.errors import (
+    GatewayError,
+    Overloaded,
+    RouteNotServed,
+    UpstreamRejectedRequest,
+    UpstreamStatusError,
+)
 from gateway.pool import PoolRuntime
 from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
 from gateway.relay import RelayOutcome, relay
@@ -68,6 +74,11 @@ class LogicalRequest:
     #: called once at commit with the winner's backend and buffered events (remembers the
     #: response id of a Responses request)
     on_commit: Callable[[str, list[SSEEvent]], None] | None = None
+
+
+#: statuses of the one backend holding a stored response that answer the client as they are
+#: (a 401 or 429 there says nothing about the client's request: those stay a 502)
+PINNED_ANSWERS = frozenset({400, 404, 409, 422})
 
 
 class Admission:
@@ -239,9 +250,10 @@ class Proxy:
                     )
                 return await open_whole_response(provider, call, is_lost, protocol.classify_body)
             except UpstreamStatusError as exc:
-                if req.pinned is not None and exc.status < 500:
-                    # no other backend holds this state: its 4xx (404 unknown id) is the answer
-                    exc.replaceable = False
+                if req.pinned is not None and exc.status in PINNED_ANSWERS:
+                    # no other backend holds this state: its verdict on the request (404: it
+                    # no longer has the response) is the answer, not a 502
+                    raise UpstreamRejectedRequest(exc.status) from None
                 raise
 
         return run

@@ -486,3 +486,21 @@ def test_messages_overload_is_an_overloaded_error(
     finally:
         gate.open()
         worker.join(10)
+
+
+def test_the_backend_holding_a_response_answers_its_404_itself(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """The one backend that made a response says it no longer has it: the client gets that
+    404, not a 502, and no other backend is asked."""
+    made = json_script(response_obj("resp_7", "completed", "stored"))
+    order = InOrder(made, error_script(404, "no such response"))
+    upstreams = scripted_upstream(2, responder=order)
+    root = serve(asgi_server, settings_for(openai_backends(upstreams)))
+    with gpt(root) as client:
+        client.responses.create(model=POOL, input="hi")
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.responses.retrieve("resp_7")
+    assert caught.value.body["code"] == "upstream_rejected_request"  # type: ignore[index]
+    maker, getter = order.arrivals
+    assert owner(upstreams, maker) == owner(upstreams, getter)
