@@ -119,6 +119,17 @@ class _SimBody:
         self._body = None
 
 
+async def _await_whole(plan: SimPlan, wait: float, call: UpstreamCall) -> None:
+    """A non-streaming answer: status and headers come with the whole body, as over HTTP,
+    after `wait`; past the first-byte timeout it times out; a mid-stream fault is a 500."""
+    if wait > call.first_byte_timeout:
+        await asyncio.sleep(call.first_byte_timeout)
+        raise UpstreamTimeout("no response before the first-byte timeout")
+    await asyncio.sleep(wait)
+    if plan.midstream_error_after is not None:
+        raise UpstreamStatusError.of(500)
+
+
 class SimProvider:
     """A simulated backend inside the gateway's process: no sockets, same wire content.
 
@@ -159,14 +170,7 @@ class SimProvider:
                 )
 
             return _SimStream(payloads)
-        # Non-streaming: status and headers come with the whole body, as over HTTP.
-        wait = plan.response_time(call.endpoint)
-        if wait > call.first_byte_timeout:
-            await asyncio.sleep(call.first_byte_timeout)
-            raise UpstreamTimeout("no response before the first-byte timeout")
-        await asyncio.sleep(wait)
-        if plan.midstream_error_after is not None:
-            raise UpstreamStatusError.of(500)
+        await _await_whole(plan, plan.response_time(call.endpoint), call)
         body = sim_response(plan, call.endpoint, self._model_name, call.request_id, created)
         return _SimBody(wire_json(body))
 
@@ -184,13 +188,7 @@ class SimProvider:
                 )
 
             return _SimStream(payloads)
-        wait = protocols.response_time(plan, call.endpoint)
-        if wait > call.first_byte_timeout:
-            await asyncio.sleep(call.first_byte_timeout)
-            raise UpstreamTimeout("no response before the first-byte timeout")
-        await asyncio.sleep(wait)
-        if plan.midstream_error_after is not None:
-            raise UpstreamStatusError(500)
+        await _await_whole(plan, protocols.response_time(plan, call.endpoint), call)
         body = protocols.protocol_body(
             plan, call.endpoint, method=call.method, path=call.path, model=self._model_name,
             request_id=call.request_id, created=created,
