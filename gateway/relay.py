@@ -8,7 +8,10 @@ Upstream `id:`/`retry:` fields and comments were already dropped by the decoder;
 comments are the response's own.
 
 A stream that ends without `[DONE]` and without an error event is a truncation: the client gets
-a final error event in OpenAI shape, never a silent success.
+a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
+Responses API and Messages end at named events and shape their errors their own way, so the
+proxy passes their per-batch encoder (`gateway.relaynamed`) and error builder
+(`gateway.wireformat`) in; the deadlines, the drain and the closing stay the same.
 """
 
 from __future__ import annotations
