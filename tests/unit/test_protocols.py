@@ -200,3 +200,26 @@ def test_event_without_name_uses_the_payload_type() -> None:
 
     assert event_name(SSEEvent(b'{"type":"message_stop"}')) == b"message_stop"
     assert event_name(SSEEvent(b"[1]")) is None
+
+
+def test_relay_passes_named_events_through_unparsed() -> None:
+    """After commit the payload is never parsed: even one that is not JSON goes through as
+    it came (with its name), and only a name ends the stream."""
+    wire = b"event: content_block_delta\ndata: {not json\n\n"
+    out, end = relayed(MESSAGES, wire)
+    assert out == wire and end == "client_gone"
+
+
+@pytest.mark.parametrize(("body", "stateful"), [
+    ({"store": False}, False),
+    ({}, True),  # the API stores by default
+    ({"store": True}, True),
+    ({"store": False, "previous_response_id": "resp_1"}, True),
+    ({"store": False, "conversation": "conv_1"}, True),
+    ({"store": False, "background": True}, True),
+    ({"store": False, "background": False}, False),
+])
+def test_responses_store_rules(body: dict[str, object], stateful: bool) -> None:
+    from gateway.protoroutes import responses_stateful
+
+    assert responses_stateful(body) is stateful
