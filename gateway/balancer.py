@@ -89,6 +89,20 @@ class Balancer:
         self._health = health
         self._rng = rng
 
+    def adopt(self, backends: Sequence[BackendSettings], health: HealthSettings) -> Balancer:
+        """A balancer for a reloaded pool: backends that keep their name keep their state
+        object (health, pauses, attempts in flight), with the new weight, group and
+        `max_concurrency`; new ones start fresh. Shared objects, not copies: attempts of
+        requests that started before the reload end on this balancer and must still count."""
+        fresh = Balancer(backends, health, self._rng)
+        for name, state in fresh._backends.items():
+            kept = self._backends.get(name)
+            if kept is not None:
+                kept.group, kept.weight = state.group, state.weight
+                kept.max_concurrency = state.max_concurrency
+                fresh._backends[name] = kept
+        return fresh
+
     # -- queries --------------------------------------------------------------------------
 
     @property

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
+from gateway.live import Live
 from gateway.pool import PoolRuntime
 from gateway.proxy import LogicalRequest, Proxy
 from gateway.responseids import ResponseDirectory
@@ -56,10 +57,13 @@ def responses_stateful(body: Mapping[str, Any]) -> bool:
 
 def build_protocol_router(
     settings: Settings,
-    pools: Mapping[str, PoolRuntime],
+    live: Live,
     proxy: Proxy,
     directory: ResponseDirectory | None = None,
 ) -> APIRouter:
+    """The routes of SPEC §15. Like `gateway.routes.build_router`, the pools are read from
+    `live` once per request (a reload never changes a running request's rules); a stored
+    response whose backend a reload removed is unknown from then on."""
     origins = directory if directory is not None else ResponseDirectory()
     bearer = make_auth_guard(settings.server.api_keys)
     either = make_auth_guard(settings.server.api_keys, x_api_key=True)
@@ -73,7 +77,7 @@ def build_protocol_router(
         return parse_body(await read_body(request, limit))
 
     def pool_of(model: str) -> PoolRuntime:
-        pool = pools.get(model)
+        pool = live.current.pools.get(model)
         if pool is None:
             raise ModelNotFound(
                 "the model does not exist in this gateway; GET /v1/models lists them",
@@ -105,7 +109,8 @@ def build_protocol_router(
             previous = body.get("previous_response_id")
             if previous is not None:
                 origin = origins.find(previous) if isinstance(previous, str) else None
-                if origin is None or origin.pool != pool.settings.name:
+                if origin is None or origin.pool != pool.settings.name \
+                        or origin.backend not in pool.providers:
                     raise ResponseNotFound(f"no response {str(previous)[:200]!r} is known "
                                            "to this gateway", param="previous_response_id")
                 pinned = origin.backend
@@ -122,8 +127,8 @@ def build_protocol_router(
     async def stored(request: Request, response_id: str, method: str, suffix: str) -> Response:
         """A stored response's operation, sent to the backend that made it."""
         origin = origins.find(response_id) if _RESPONSE_ID.fullmatch(response_id) else None
-        pool = pools.get(origin.pool) if origin is not None else None
-        if origin is None or pool is None:
+        pool = live.current.pools.get(origin.pool) if origin is not None else None
+        if origin is None or pool is None or origin.backend not in pool.providers:
             raise ResponseNotFound(f"no response {response_id[:200]!r} is known to this "
                                    "gateway", param="response_id")
         query = {k: v for k, v in request.query_params.items() if k in _ITEM_QUERY}

@@ -10,7 +10,7 @@ import hashlib
 import hmac
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -30,7 +30,7 @@ from gateway.errors import (
     RouteNotFound,
     Unauthorized,
 )
-from gateway.pool import PoolRuntime
+from gateway.live import Live
 from gateway.proxy import AnswerThen, LogicalRequest, Proxy
 from gateway.settings import Settings
 from gateway.stats import Stats
@@ -152,9 +152,10 @@ def make_auth_guard(
     return guard
 
 
-def build_router(
-    settings: Settings, pools: Mapping[str, PoolRuntime], proxy: Proxy
-) -> APIRouter:
+def build_router(settings: Settings, live: Live, proxy: Proxy) -> APIRouter:
+    """The API routes. `settings.server` is bound here (keys, body limit: start-time keys);
+    the pools are read from `live` once per request, so a request keeps the generation it
+    started with through a reload."""
     guard = make_auth_guard(settings.server.api_keys)
     guarded = APIRouter(dependencies=[Depends(guard)])
     limit = settings.server.max_body_bytes
@@ -168,7 +169,7 @@ def build_router(
         model, stream = check_body(body, needs_prompt=needs)
         if endpoint == "embeddings" and stream:
             raise InvalidRequest("embeddings cannot be streamed", param="stream")
-        pool = pools.get(model)
+        pool = live.current.pools.get(model)
         if pool is None:
             raise ModelNotFound(
                 "the model does not exist in this gateway; GET /v1/models lists them",
@@ -196,7 +197,7 @@ def build_router(
             "object": "list",
             "data": [
                 {"id": name, "object": "model", "created": 0, "owned_by": "hedge-gateway"}
-                for name in pools
+                for name in live.current.pools
             ],
         }
 
@@ -204,7 +205,7 @@ def build_router(
 
 
 def build_ops_router(
-    pools: Mapping[str, PoolRuntime],
+    live: Live,
     clock: Callable[[], float],
     *,
     stats: Stats,
@@ -224,6 +225,7 @@ def build_ops_router(
         if drain.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         now = clock()
+        pools = live.current.pools
         unready = [name for name, pool in pools.items() if not pool.balancer.usable(now)]
         body = {"pools_without_usable_backend": unready}
         if len(unready) == len(pools):
@@ -232,7 +234,7 @@ def build_ops_router(
 
     @ops.get("/hedge/stats")
     async def hedge_stats() -> JSONResponse:
-        return JSONResponse(snapshot(stats, pools, clock()))
+        return JSONResponse(snapshot(stats, live.current.pools, clock(), live=live))
 
     @ops.get("/metrics")
     async def prometheus() -> Response:

@@ -14,17 +14,22 @@ What plain `uvicorn.run` does not do the way a gateway needs:
   clients, closes lingering after an early refusal, and enforces `server.body_timeout` and
   `server.max_connections`.
 - Descriptors: `raise_open_file_limit` lifts the soft open-file limit to the hard one.
+
+It also installs the SIGHUP handler (reload the configuration, SPEC §18) on the running loop
+while it serves: the loop runs the reload between requests, so none sees half of it. Without
+a handler SIGHUP would kill the process, so one is installed even with nothing to reload.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import resource
 import signal
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import FrameType
 from typing import Any
 
@@ -40,16 +45,41 @@ SHUTDOWN_MARGIN = 3.0
 
 
 class GatewayServer(uvicorn.Server):
-    """uvicorn.Server that drains the app on the first SIGTERM/SIGINT and exits 0."""
+    """uvicorn.Server that drains the app on the first SIGTERM/SIGINT and exits 0, and calls
+    `on_hangup` on SIGHUP."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Drain,
+        on_hangup: Callable[[], object] | None = None,
+    ) -> None:
         super().__init__(config)
         self.drain = drain
+        self.on_hangup = on_hangup
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets: list[Any] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets=sockets)
+        self._loop = loop = asyncio.get_running_loop()
+        hangup = threading.current_thread() is threading.main_thread()
+        if hangup:
+            loop.add_signal_handler(signal.SIGHUP, self._hangup)
+        try:
+            await super().serve(sockets=sockets)
+        finally:
+            if hangup:
+                loop.remove_signal_handler(signal.SIGHUP)
+
+    def _hangup(self) -> None:
+        """SIGHUP, run by the loop: reload, or say there is nothing to reload."""
+        if self.drain.draining:
+            return
+        if self.on_hangup is None:
+            logging.getLogger("hedge_gateway.config").warning(
+                "SIGHUP: no configuration file to re-read (serve was started without --config)"
+            )
+            return
+        self.on_hangup()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         loop = self._loop
@@ -80,7 +110,12 @@ def graceful_timeout(server: ServerSettings) -> int:
 
 
 def build_server(
-    app: Any, server: ServerSettings, drain: Drain, *, log_config: dict[str, Any] | None
+    app: Any,
+    server: ServerSettings,
+    drain: Drain,
+    *,
+    log_config: dict[str, Any] | None,
+    on_hangup: Callable[[], object] | None = None,
 ) -> GatewayServer:
     config = GatewayConfig(
         app,
@@ -94,7 +129,7 @@ def build_server(
         ws="none",
         lifespan="on",
     )
-    return GatewayServer(config, drain)
+    return GatewayServer(config, drain, on_hangup)
 
 
 def raise_open_file_limit() -> tuple[int, int]:

@@ -335,6 +335,11 @@ def format_workload(result: Mapping[str, Any]) -> str:
               if f"{mode}_served_pct" in c]
     if served:
         lines.append(f"   requests served: {', '.join(served)}")
+    if c.get("single_hedge"):
+        best = c["single_hedge"]
+        lines.append(f"   best single hedge at ratio {best['ratio']} (same draws): delay "
+                     f"{_cell(best['delay_ms'])} ms, {best['hedged']} hedged, TTFT p50 "
+                     f"{_cell(best['ttft_p50_ms'])} ms, p99 {_cell(best['ttft_p99_ms'])} ms")
     if "hedging_ttft_p99_reduction_pct" in c:
         p99 = -c["hedging_ttft_p99_reduction_pct"]
         p999 = -c.get("hedging_ttft_p99.9_reduction_pct", math.nan)

@@ -9,7 +9,8 @@ default 60 s). Counts in the window come from a ring of count buckets (one per w
 seconds, recycled lazily like the latency sketches); quantiles from `WindowedSketch`. A
 window view therefore covers between 5/6 and all of `window_s`, never anything older.
 
-Only configured pools and backends are ever keys (the layout is fixed at construction), and
+Only configured pools and backends are ever keys (the layout comes from the configuration,
+at construction and at each reload through `Stats.adopt`), and
 error classes are folded into a fixed set, so nothing a client sends becomes a key here or a
 label in `/metrics`. No prompt, body, key or URL is stored.
 
@@ -281,6 +282,18 @@ class Stats:
                   window: float = WINDOW) -> Stats:
         layout = {name: [b.name for b in p.settings.backends] for name, p in pools.items()}
         return cls(layout, now=now, window=window)
+
+    def adopt(self, layout: Mapping[str, Sequence[str]]) -> None:
+        """Take a reloaded configuration's layout (pool name -> backend names): pools and
+        backends that keep their name keep their counters and sketches, new ones start at
+        zero, removed ones disappear (a request of a removed pool that ends later is counted
+        in `unrecorded`, like any summary outside the layout)."""
+        pools: dict[str, PoolStats] = {}
+        for name, backends in layout.items():
+            ps = self.pools.get(name) or PoolStats((), self.window)
+            ps.backends = {b: ps.backends.get(b) or BackendStats(self.window) for b in backends}
+            pools[name] = ps
+        self.pools = pools
 
     def record(self, summary: RequestSummary) -> None:
         """Account for one logical request that has fully ended."""

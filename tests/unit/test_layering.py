@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
      "gateway.policy", "gateway.budget", "gateway.balancer"),
     ("providers",),
-    ("gateway.pool", "gateway.attempt"),
+    ("gateway.pool", "gateway.attempt", "gateway.live"),
     ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
     ("gateway.stats",),
     ("gateway.proxy",),

@@ -399,9 +399,19 @@ def test_delay_mode_initial_then_adaptive() -> None:
     assert (a["hedge_delay_ms"], a["hedge_delay_mode"]) == (500.0, "initial")
     for i in range(40):
         runtime.delays["a"].observe(0.2, 1.0 + i * 0.01)
+    runtime.refresh_delays(5.0)
     a = snapshot(stats, {"chat": runtime}, 5.0)["pools"]["chat"]["backends"]["a"]
     assert a["hedge_delay_mode"] == "adaptive"
     assert a["hedge_delay_ms"] == pytest.approx(200, rel=0.02)
+    # the default quantile is auto: 1 - 0.8 x the budget ratio (0.1)
+    assert (a["hedge_delay_quantile"], a["hedge_delay_rule"]) == (0.92, "auto")
+
+
+def test_a_pinned_quantile_shows_as_such() -> None:
+    runtime = pool_runtime(DelaySettings(quantile=0.99))
+    stats = Stats.for_pools({"chat": runtime}, now=0.0)
+    a = snapshot(stats, {"chat": runtime}, 1.0)["pools"]["chat"]["backends"]["a"]
+    assert (a["hedge_delay_quantile"], a["hedge_delay_rule"]) == (0.99, "pinned")
 
 
 def test_failures_are_counted_by_their_code_not_their_text() -> None:
