@@ -30,6 +30,7 @@ from tests.harness import (
     AsgiServerFactory,
     Gate,
     Head,
+    LoopThread,
     RecordedRequest,
     Script,
     ScriptedUpstream,
@@ -40,6 +41,7 @@ from tests.harness import (
     json_script,
 )
 from tests.harness.builders import POOL, InOrder
+from tests.harness.limits_kit import GatewayFactory
 from tests.harness.protocol_wire import (
     SSE_HEADERS,
     anthropic_error,
@@ -259,12 +261,15 @@ def test_messages_error_event_before_the_first_token_fails_over(
 
 
 def test_messages_errors_are_anthropic_shaped(
-    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
+    """Under the production server (its lingering close lets a client that is still uploading
+    read the 413)."""
     cut = Script(headers=SSE_HEADERS, steps=[
         Head(), Send(message_start()), Send(text_block_start()), Send(text_delta("part"))])
     upstreams = scripted_upstream(1, responder=lambda request: cut)
-    root = serve(asgi_server, settings_for(anthropic_backends(upstreams), max_body=2048))
+    settings = settings_for(anthropic_backends(upstreams), max_body=2048)
+    root = GatewayFactory(loop_thread)(settings).root
     with claude(root) as client:
         with pytest.raises(anthropic.NotFoundError) as not_found:
             client.messages.create(model="no-such-pool", max_tokens=8, messages=MESSAGES)
