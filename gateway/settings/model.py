@@ -198,8 +198,9 @@ class BackendSettings(Checked):
         cv.version, "the anthropic-version header (provider anthropic)"))
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
         cv.headers, "static request headers {name: value}; ${VAR} allowed; never logged"))
-    query: tuple[tuple[str, str], ...] = field(default=(), metadata=scalar(
-        cv.query, "static query parameters {name: value} (classic Azure's api-version)"))
+    query: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
+        cv.query, "static query parameters {name: value} (classic Azure's api-version); "
+        "never logged (some APIs take a key there)"))
     tls: TlsSettings = field(default_factory=TlsSettings, metadata=section(
         TlsSettings, "certificate checks of this upstream"))
     proxy: str | None = field(default=None, repr=False, metadata=scalar(
