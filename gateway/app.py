@@ -28,19 +28,22 @@ from gateway.routes import build_ops_router, build_router, install_error_handler
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
+from providers.openai import guard_pool_closes
 from providers.registry import build_provider
 
 
 def make_http_client(settings: Settings) -> httpx.AsyncClient:
     """One client for every upstream: bounded pool, no redirects, no env proxies."""
     cap = settings.server.max_concurrent_requests * 2
-    return httpx.AsyncClient(
+    client = httpx.AsyncClient(
         limits=httpx.Limits(
             max_connections=cap, max_keepalive_connections=64, keepalive_expiry=30.0
         ),
         follow_redirects=False,
         trust_env=False,
     )
+    guard_pool_closes(client)
+    return client
 
 
 #: reload outcomes go to the operator's log (configured by `hedge-gateway serve`)

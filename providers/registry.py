@@ -16,7 +16,7 @@ from gateway.settings import BackendSettings, Timeouts
 from gateway.settings.model import TlsSettings
 from providers.anthropic import AnthropicProvider
 from providers.base import Provider
-from providers.openai import OpenAIProvider
+from providers.openai import OpenAIProvider, guard_pool_closes
 from providers.sim import SimProvider
 
 #: connection limits of a backend's own client (the shared one is sized by the app)
@@ -33,13 +33,15 @@ def own_client(settings: BackendSettings) -> httpx.AsyncClient:
     verify: ssl.SSLContext | bool = settings.tls.verify
     if settings.tls.verify and settings.tls.ca_file is not None:
         verify = ssl.create_default_context(cafile=settings.tls.ca_file)
-    return httpx.AsyncClient(
+    client = httpx.AsyncClient(
         limits=OWN_LIMITS,
         follow_redirects=False,
         verify=verify,
         proxy=settings.proxy,
         trust_env=settings.trust_env,
     )
+    guard_pool_closes(client)  # the same cancel-safe closing as the shared client
+    return client
 
 
 def build_provider(
