@@ -22,6 +22,7 @@ from gateway.clock import Clock, monotonic
 from gateway.drain import Drain
 from gateway.live import ConfigOrigin, Generation, Live, LivePools
 from gateway.pool import PoolRuntime
+from gateway.protoroutes import build_protocol_router
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
@@ -218,6 +219,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, live, proxy))
+    app.include_router(build_protocol_router(settings, live, proxy))
     app.include_router(build_ops_router(live, clock, stats=stats, metrics=metrics, drain=drain))
     #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools
