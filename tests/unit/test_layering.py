@@ -33,8 +33,8 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 #: bottom to top; a module may import only from its own layer or lower ones. A name stands for
 #: the module and everything below it in the package tree.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("gateway.errors", "gateway.streamend", "gateway.clock", "gateway.settings", "gateway.sse",
-     "gateway.latency", "gateway.drain", "gateway.stats.table"),
+    ("gateway.errors", "gateway.failures", "gateway.streamend", "gateway.clock",
+     "gateway.settings", "gateway.sse", "gateway.latency", "gateway.drain", "gateway.stats.table"),
     ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
      "gateway.policy", "gateway.budget", "gateway.balancer"),
     ("providers",),
