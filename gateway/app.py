@@ -23,6 +23,7 @@ from gateway.clock import Clock, monotonic
 from gateway.drain import Drain
 from gateway.live import ConfigOrigin, Generation, Live, LivePools
 from gateway.pool import PoolRuntime
+from gateway.protoroutes import build_protocol_router
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
@@ -30,19 +31,22 @@ from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.shared import Peers, StatsSource
 from gateway.workers import worker_settings
+from providers.openai import guard_pool_closes
 from providers.registry import build_provider
 
 
 def make_http_client(settings: Settings) -> httpx.AsyncClient:
     """One client for every upstream: bounded pool, no redirects, no env proxies."""
     cap = settings.server.max_concurrent_requests * 2
-    return httpx.AsyncClient(
+    client = httpx.AsyncClient(
         limits=httpx.Limits(
             max_connections=cap, max_keepalive_connections=64, keepalive_expiry=30.0
         ),
         follow_redirects=False,
         trust_env=False,
     )
+    guard_pool_closes(client)
+    return client
 
 
 #: reload outcomes go to the operator's log (configured by `hedge-gateway serve`)
@@ -235,6 +239,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, live, proxy))
+    app.include_router(build_protocol_router(settings, live, proxy))
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
     #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools

@@ -8,18 +8,15 @@ on the way out, shielded from the cancellation that caused it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import anyio
-
 from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
 from gateway.firsttoken import Kind, classify, classify_payload
 from gateway.sse import SSEEvent
-from providers.base import Provider, UpstreamCall, UpstreamStream
+from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
 #: events an upstream may send before its first token (role chunks, empty deltas)
 MAX_PRE_TOKEN_EVENTS = 1024
@@ -41,25 +38,11 @@ class Prefix:
 async def close_quietly(
     stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None
 ) -> None:
-    """Close the batch iterator and the upstream, even from a cancelled task.
-
-    The close runs in a task of its own, awaited under `asyncio.shield` until it is over: a
-    native `Task.cancel()` of the caller (the race cancelling a loser that is already closing
-    after a failure) is held back until the response is closed, then re-raised. An anyio
-    shield alone does not stop a native cancel, and an interrupted close leaks httpcore's pool
-    slot. The anyio shield stays so that a cancelled anyio scope does not keep re-delivering.
-    """
-    with anyio.CancelScope(shield=True):
-        closing = asyncio.ensure_future(_close(stream, batches))
-        interrupted: asyncio.CancelledError | None = None
-        while not closing.done():
-            try:
-                await asyncio.shield(closing)
-            except asyncio.CancelledError as exc:
-                interrupted = exc
-        closing.result()
-    if interrupted is not None:
-        raise interrupted
+    """Close the batch iterator and the upstream, even from a cancelled task: a native
+    `Task.cancel()` of the caller (the race cancelling a loser that is already closing after a
+    failure) is held back until both are closed, then re-raised (an interrupted close leaks
+    the HTTP client's connection)."""
+    await finish_despite_cancel(_close(stream, batches))
 
 
 async def _close(stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None) -> None:
@@ -72,9 +55,13 @@ async def _close(stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] 
 
 
 async def open_until_first_token(
-    provider: Provider, call: UpstreamCall, is_lost: Callable[[], bool]
+    provider: Provider,
+    call: UpstreamCall,
+    is_lost: Callable[[], bool],
+    classify: Callable[[SSEEvent], Kind] = classify,
 ) -> Prefix:
-    """Open a streaming attempt and read until its first token (SPEC §4)."""
+    """Open a streaming attempt and read until its first token (SPEC §4; `classify` is the
+    route's predicate, SPEC §15)."""
     stream = await provider.open(call)
     batches = stream.batches()
     try:
@@ -101,7 +88,10 @@ async def open_until_first_token(
 
 
 async def open_whole_response(
-    provider: Provider, call: UpstreamCall, is_lost: Callable[[], bool]
+    provider: Provider,
+    call: UpstreamCall,
+    is_lost: Callable[[], bool],
+    classify_body: Callable[[object], Kind] = classify_payload,
 ) -> Prefix:
     """Open a non-streaming attempt and read its whole body: its 'first token'."""
     stream = await provider.open(call)
@@ -115,7 +105,7 @@ async def open_whole_response(
                 raise UpstreamProtocolError("response body is not JSON") from None
             if not isinstance(payload, dict):
                 raise UpstreamProtocolError("response body is not a JSON object")
-            if classify_payload(payload) is Kind.ERROR:
+            if classify_body(payload) is Kind.ERROR:
                 raise UpstreamInBandError("error in the response body")
             return Prefix(stream, batches, [event])
         raise UpstreamNoToken("empty response")

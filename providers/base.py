@@ -11,13 +11,35 @@ the connection rather than draining it) and safe to call from a cancelled task.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import anyio
+
 from gateway.sse import SSEEvent
 
-Endpoint = Literal["chat/completions", "completions", "embeddings"]
+Endpoint = Literal[
+    "chat/completions",
+    "completions",
+    "embeddings",
+    "responses",
+    #: `GET`/`DELETE /responses/{id}`, `/cancel`, `/input_items`: the path is `UpstreamCall.path`
+    "responses/item",
+    "messages",
+    "messages/count_tokens",
+]
+#: every route, in a fixed order: the only values a `route` label in stats or metrics takes
+ENDPOINTS: tuple[Endpoint, ...] = (
+    "chat/completions",
+    "completions",
+    "embeddings",
+    "responses",
+    "responses/item",
+    "messages",
+    "messages/count_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +53,12 @@ class UpstreamCall:
     #: seconds the upstream may take before its first byte (the remaining deadline)
     first_byte_timeout: float
     extra_headers: Mapping[str, str] = field(default_factory=dict)
+    #: the HTTP method; GET and DELETE send no body
+    method: str = "POST"
+    #: the path below the API root when it is not `endpoint` (`responses/resp_1/cancel`)
+    path: str | None = None
+    #: query parameters the client sent that the upstream should see (`limit`, `after`)
+    query: Mapping[str, str] = field(default_factory=dict)
 
 
 class UpstreamStream(Protocol):
@@ -48,7 +76,8 @@ class UpstreamStream(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Release the response and its connection at once. Idempotent."""
+        """Release the response and its connection at once. Idempotent; it completes even
+        when the caller is cancelled meanwhile (see `finish_despite_cancel`)."""
         ...
 
 
@@ -68,3 +97,28 @@ class Provider(Protocol):
     async def aclose(self) -> None:
         """Release what the provider holds (not the shared HTTP client)."""
         ...
+
+
+async def finish_despite_cancel(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` (a close) to its end even if the caller is cancelled meanwhile, then re-raise
+    that cancellation.
+
+    Why: the race cancels a losing attempt with a native `Task.cancel()`, which an anyio (or
+    httpcore) shield does not hold back. A close interrupted at its first await leaves the
+    HTTP client's connection marked in use for ever: the upstream later closes its side and
+    the gateway's socket stays in CLOSE_WAIT (the soak found one per ~1,000 hedged requests,
+    a loser cancelled while it was closing a 429). So the close runs in a task of its own,
+    awaited under `asyncio.shield` until it is over. The anyio shield stays so that a
+    cancelled anyio scope does not keep re-delivering its cancellation meanwhile.
+    """
+    with anyio.CancelScope(shield=True):
+        closing = asyncio.ensure_future(work)
+        interrupted: asyncio.CancelledError | None = None
+        while not closing.done():
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError as exc:
+                interrupted = exc
+        closing.result()
+    if interrupted is not None:
+        raise interrupted

@@ -10,10 +10,12 @@ sees the disconnect and stops generating.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 from collections.abc import AsyncIterator, Mapping
+from typing import Any, cast
 
 import anyio
 import httpx
@@ -30,7 +32,7 @@ from gateway.errors import (
 )
 from gateway.settings import BackendSettings, Timeouts
 from gateway.sse import SSEDecoder, SSEEvent, SSEProtocolError
-from providers.base import UpstreamCall
+from providers.base import UpstreamCall, finish_despite_cancel
 
 #: response headers a client may see from an upstream; everything else stays behind
 PASS_HEADERS = frozenset(
@@ -110,7 +112,9 @@ def translate(exc: httpx.HTTPError) -> UpstreamError:
 class HttpxStream:
     """An open 200 response; `batches()` decodes it incrementally."""
 
-    def __init__(self, response: httpx.Response, *, stream: bool) -> None:
+    def __init__(
+        self, response: httpx.Response, *, stream: bool, allowed: frozenset[str] = PASS_HEADERS
+    ) -> None:
         self._response = response
         self._stream = stream
         # From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes
@@ -119,17 +123,24 @@ class HttpxStream:
         self.headers: Mapping[str, str] = {
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in response.headers.raw
-            if name.decode("latin-1").lower() in PASS_HEADERS
+            if name.decode("latin-1").lower() in allowed
         }
 
     def batches(self) -> AsyncIterator[list[SSEEvent]]:
         return self._sse() if self._stream else self._whole_body()
 
+    def _body(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive. Not httpx's `aiter_raw`: that one closes the
+        response itself at the body's end, unshielded, and a cancel landing in that close (a
+        non-streaming loser whose body just ended) left the connection in use for ever;
+        `aclose` closes it instead, whatever cancel comes."""
+        return cast(httpx.AsyncByteStream, self._response.stream).__aiter__()
+
     async def _sse(self) -> AsyncIterator[list[SSEEvent]]:
         decoder = SSEDecoder()
         pending = 0  # bytes since the last completed event
         try:
-            async for chunk in self._response.aiter_raw():
+            async for chunk in self._body():
                 events = decoder.feed(chunk)
                 if not events:
                     pending += len(chunk)
@@ -149,7 +160,7 @@ class HttpxStream:
         parts: list[bytes] = []
         size = 0
         try:
-            async for chunk in self._response.aiter_raw():
+            async for chunk in self._body():
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
                     raise UpstreamProtocolError("response body too large")
@@ -159,24 +170,96 @@ class HttpxStream:
         yield [SSEEvent(b"".join(parts))]
 
     async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+        # `open` closes a non-200 response itself, outside `attempt.close_quietly`: this close
+        # must survive the race's cancel on its own
+        await finish_despite_cancel(self._close())
+
+    async def _close(self) -> None:
+        with anyio.move_on_after(CLOSE_TIMEOUT):
             await self._response.aclose()
 
 
+#: where each `auth` mode puts the key
+AUTH_HEADERS = {"bearer": "authorization", "api-key": "api-key", "x-api-key": "x-api-key"}
+
+
+def upstream_headers(settings: BackendSettings) -> dict[str, str]:
+    """The headers every request to this backend carries: the configured static ones, then
+    the key as `auth` says (so a static header cannot be mistaken for the credential)."""
+    headers = {name.lower(): value for name, value in settings.headers}
+    headers["accept-encoding"] = "identity"
+    headers["content-type"] = "application/json"
+    target = AUTH_HEADERS.get(settings.auth or "none")
+    if settings.api_key and target is not None:
+        value = settings.api_key
+        headers[target] = f"Bearer {value}" if target == "authorization" else value
+    return headers
+
+
+async def close_orphaned_connections(client: httpx.AsyncClient) -> None:
+    """Close the client's connections that are connected but carry no request (httpcore's
+    state `NEW`).
+
+    Why: httpcore 1.0.x has a one-iteration window between a new connection's TCP connect and
+    the start of its first request (the connection's state lock) where a cancellation leaves
+    the connection in state `NEW` for ever: never used, never expired, its socket open until
+    the upstream closes it, and then in CLOSE_WAIT (the soak's leak, with hedge losers and
+    504s cancelled while they connect). Called after a cancelled `send`. A `NEW` connection
+    that another request is about to use is safe to close too: that request gets httpcore's
+    `ConnectionNotAvailable` and its pool opens another connection.
+    """
+    # httpx keeps its transport's pool private; httpcore's `connections` and `info()` are public
+    pool: Any = getattr(getattr(client, "_transport", None), "_pool", None)
+    for connection in list(getattr(pool, "connections", ())):
+        if ", NEW," in connection.info():
+            await connection.aclose()
+
+
+def guard_pool_closes(client: httpx.AsyncClient) -> None:
+    """Make the client's pool finish closing the connections it drops, despite a cancel.
+
+    Why: before each request httpcore's pool closes, one after the other, the connections it
+    finds dead (the upstream closed them while idle) or expired. The first close awaits once;
+    a cancel landing there (a hedge cancelled as it starts) skips the rest, which have left
+    the pool already: nothing closes their sockets any more (CLOSE_WAIT for ever). httpcore
+    shields that loop with an anyio shield, which a native `Task.cancel()` goes through.
+    """
+    # httpx keeps its transport's pool private; this wraps one method of httpcore's pool
+    pool: Any = getattr(getattr(client, "_transport", None), "_pool", None)
+    close_connections = getattr(pool, "_close_connections", None)
+    if close_connections is None:
+        return
+
+    async def close_all(closing: list[Any]) -> None:
+        if closing:
+            await finish_despite_cancel(close_connections(closing))
+
+    pool._close_connections = close_all
+
+
 class OpenAIProvider:
-    """A backend that speaks the OpenAI HTTP API."""
+    """A backend that speaks the OpenAI HTTP API.
+
+    `owns_client`: the client is this backend's own (its TLS or proxy settings differ from
+    the shared client's) and is closed with the provider."""
 
     def __init__(
-        self, settings: BackendSettings, client: httpx.AsyncClient, timeouts: Timeouts
+        self,
+        settings: BackendSettings,
+        client: httpx.AsyncClient,
+        timeouts: Timeouts,
+        *,
+        owns_client: bool = False,
     ) -> None:
         if settings.base_url is None:  # the config loader already refuses this
             raise ValueError(f"backend {settings.name}: base_url is required")
         self.name = settings.name
         self._client = client
+        self._owns_client = owns_client
         self._base_url = settings.base_url.rstrip("/")
-        self._headers = {"accept-encoding": "identity", "content-type": "application/json"}
-        if settings.api_key:
-            self._headers["authorization"] = f"Bearer {settings.api_key}"
+        self._headers = upstream_headers(settings)
+        self._query = dict(settings.query)
+        self.pass_headers = PASS_HEADERS
         # The read timeout bounds the gap between two reads: before the first token the
         # race's deadline is tighter; after commit it is the idle timeout (SPEC §8).
         self._timeout = httpx.Timeout(
@@ -185,6 +268,10 @@ class OpenAIProvider:
             write=timeouts.connect,
             pool=timeouts.connect,
         )
+
+    def url(self, call: UpstreamCall) -> str:
+        """`{base_url}/{route}`: the OpenAI SDK's base URL includes `/v1`."""
+        return f"{self._base_url}/{call.path or call.endpoint}"
 
     def _whole_body_timeout(self, call: UpstreamCall) -> httpx.Timeout:
         """A non-streaming body may take the request's whole deadline (the pool's `timeout`,
@@ -200,20 +287,26 @@ class OpenAIProvider:
         )
 
     async def open(self, call: UpstreamCall) -> HttpxStream:
-        headers = dict(self._headers)
+        headers = dict(call.extra_headers)
+        headers.update(self._headers)  # ours win: a client cannot replace the credential
         headers["x-request-id"] = call.request_id
-        headers.update(call.extra_headers)
+        has_body = call.method not in ("GET", "DELETE")
         request = self._client.build_request(
-            "POST",
-            f"{self._base_url}/{call.endpoint}",
-            content=json.dumps(call.body, separators=(",", ":")).encode(),
-            headers=headers,
+            call.method,
+            self.url(call),
+            params={**call.query, **self._query} or None,
+            content=json.dumps(call.body, separators=(",", ":")).encode() if has_body else None,
+            headers=headers if has_body else {k: v for k, v in headers.items()
+                                              if k != "content-type"},
             timeout=self._timeout if call.stream else self._whole_body_timeout(call),
         )
         try:
             response = await self._client.send(request, stream=True, follow_redirects=False)
         except httpx.HTTPError as exc:
             raise translate(exc) from None
+        except asyncio.CancelledError:
+            await finish_despite_cancel(close_orphaned_connections(self._client))
+            raise
         if response.status_code != 200:
             retry_after = parse_retry_after(response.headers)
             await HttpxStream(response, stream=False).aclose()
@@ -228,7 +321,9 @@ class OpenAIProvider:
             # client as garbage
             await HttpxStream(response, stream=False).aclose()
             raise UpstreamProtocolError("unexpected content encoding")
-        return HttpxStream(response, stream=call.stream)
+        return HttpxStream(response, stream=call.stream, allowed=self.pass_headers)
 
     async def aclose(self) -> None:
-        """Nothing to release: the shared client belongs to the app."""
+        """Close the backend's own client; the shared one belongs to the app."""
+        if self._owns_client:
+            await self._client.aclose()

@@ -24,6 +24,8 @@ PURE = (
     "gateway.latency",
     "gateway.sse",
     "gateway.firsttoken",
+    "gateway.wireformat",
+    "gateway.responseids",
     "gateway.validate",
     "gateway.workers",
 )
@@ -32,16 +34,16 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 #: bottom to top; a module may import only from its own layer or lower ones. A name stands for
 #: the module and everything below it in the package tree.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("gateway.errors", "gateway.streamend", "gateway.clock", "gateway.settings", "gateway.sse",
-     "gateway.latency", "gateway.drain", "gateway.stats.table"),
-    ("gateway.firsttoken", "gateway.validate", "gateway.policy", "gateway.budget",
-     "gateway.balancer", "gateway.workers"),
+    ("gateway.errors", "gateway.failures", "gateway.streamend", "gateway.clock",
+     "gateway.settings", "gateway.sse", "gateway.latency", "gateway.drain", "gateway.stats.table"),
+    ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
+     "gateway.policy", "gateway.budget", "gateway.balancer", "gateway.workers"),
     ("providers",),
     ("gateway.pool", "gateway.attempt", "gateway.live"),
-    ("gateway.race", "gateway.relay", "gateway.sseresponse"),
+    ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
     ("gateway.stats",),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.server", "gateway.protocol"),
+    ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol"),
     ("gateway.app", "gateway.supervisor"),
     ("gateway.cli", "gateway.bench"),
 )
