@@ -33,9 +33,8 @@ from gateway.errors import (
 from gateway.live import Live
 from gateway.proxy import AnswerThen, LogicalRequest, Proxy
 from gateway.settings import Settings
-from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
-from gateway.stats.view import snapshot
+from gateway.stats.shared import StatsSource
 from gateway.validate import check_body, parse_body
 from gateway.wireformat import protocol_for_path
 from providers.base import Endpoint
@@ -208,7 +207,7 @@ def build_ops_router(
     live: Live,
     clock: Callable[[], float],
     *,
-    stats: Stats,
+    stats: StatsSource,
     metrics: Metrics,
     drain: Drain,
 ) -> APIRouter:
@@ -233,11 +232,13 @@ def build_ops_router(
         return JSONResponse({"status": "ready", **body})
 
     @ops.get("/hedge/stats")
-    async def hedge_stats() -> JSONResponse:
-        return JSONResponse(snapshot(stats, live.current.pools, clock(), live=live))
+    async def hedge_stats(mergeable: bool = False) -> JSONResponse:
+        """`?mergeable=1`: the export `hedge-gateway stats URL URL` merges across replicas."""
+        return JSONResponse(await (stats.mergeable_async() if mergeable
+                                   else stats.document_async()))
 
     @ops.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
+        return Response(await stats.metrics_async(metrics), media_type=metrics.content_type)
 
     return ops

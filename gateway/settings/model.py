@@ -297,6 +297,9 @@ class ServerSettings(Checked):
         cv.duration(), "a request whose head and body take longer to arrive gets 408 (SPEC §18)"))
     max_connections: int = field(default=4096, metadata=scalar(
         cv.integer(1), "open client connections; a new one past this gets 503 (SPEC §18)"))
+    workers: int = field(default=1, metadata=scalar(
+        cv.integer(1, 256), "processes accepting on the address, each with its own races, "
+        "budget (burst / workers) and sketches; stats show the whole server (SPEC §16)"))
 
 
 @dataclass(frozen=True, slots=True)

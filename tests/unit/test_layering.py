@@ -27,6 +27,7 @@ PURE = (
     "gateway.wireformat",
     "gateway.responseids",
     "gateway.validate",
+    "gateway.workers",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 
@@ -36,14 +37,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.failures", "gateway.streamend", "gateway.clock",
      "gateway.settings", "gateway.sse", "gateway.latency", "gateway.drain", "gateway.stats.table"),
     ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
-     "gateway.policy", "gateway.budget", "gateway.balancer"),
+     "gateway.policy", "gateway.budget", "gateway.balancer", "gateway.workers"),
     ("providers",),
     ("gateway.pool", "gateway.attempt", "gateway.live"),
     ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
     ("gateway.stats",),
     ("gateway.proxy",),
     ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol"),
-    ("gateway.app",),
+    ("gateway.app", "gateway.supervisor"),
     ("gateway.cli", "gateway.bench"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer
