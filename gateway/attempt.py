@@ -12,11 +12,44 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
 from gateway.firsttoken import Kind, classify, classify_payload
 from gateway.sse import SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
+
+AttemptKind = Literal["primary", "hedge", "failover"]
+Outcome = Literal["won", "lost", "failed", "cancelled"]
+
+
+@dataclass(slots=True)
+class AttemptRecord:
+    """What happened to one attempt; the stats and the request log read these."""
+
+    index: int
+    backend: str
+    kind: AttemptKind
+    started: float
+    spent_budget: bool
+    outcome: Outcome | None = None
+    #: seconds from this attempt's start to its first token (or to its cancellation)
+    ttft: float | None = None
+    reason: str | None = None
+    #: seconds it took to close a cancelled attempt's upstream
+    close_s: float | None = None
+    #: events a cancelled attempt read after the commit (should stay 0)
+    late_events: int = 0
+    #: a failed attempt's `UpstreamError.code` (bounded; `reason` has the detail)
+    failure: str | None = None
+    #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
+    probe: bool = False
+
+
+#: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)
+CANCELLED_BEFORE_TOKEN = "cancelled before its first token"
+CANCELLED_AFTER_TOKEN = "cancelled after its first token"
+
 
 #: events an upstream may send before its first token (role chunks, empty deltas)
 MAX_PRE_TOKEN_EVENTS = 1024

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.attempt import Prefix, open_until_first_token, open_whole_response
+from gateway.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.drain import Drain
@@ -38,7 +38,7 @@ from gateway.errors import (
     UpstreamStatusError,
 )
 from gateway.pool import PoolRuntime
-from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
+from gateway.race import AttemptRunner, Race, RaceOptions, RaceResult
 from gateway.relay import RelayOutcome, relay
 from gateway.relaynamed import named_encoder
 from gateway.settings import ServerSettings

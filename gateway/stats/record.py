@@ -27,10 +27,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gateway.attempt import CANCELLED_BEFORE_TOKEN
 from gateway.budget import SuppressReason
 from gateway.errors import GatewayError, failure_codes
 from gateway.latency import LifetimeSketch, WindowedSketch
-from gateway.race import CANCELLED_BEFORE_TOKEN
 from gateway.streamend import ERROR_ENDS, StreamEnd
 from providers.base import ENDPOINTS
 
@@ -38,8 +38,9 @@ from providers.base import ENDPOINTS
 ROUTES: tuple[str, ...] = ENDPOINTS
 
 if TYPE_CHECKING:
+    from gateway.attempt import AttemptRecord
     from gateway.pool import PoolRuntime
-    from gateway.race import AttemptRecord, RaceResult
+    from gateway.race import RaceResult
 
 WINDOW = 60.0
 SLICES = 6

@@ -27,7 +27,7 @@ import json
 import logging
 from typing import Any
 
-from gateway.race import AttemptRecord
+from gateway.attempt import AttemptRecord
 from gateway.stats.record import RequestSummary, request_class
 
 LOGGER_NAME = "hedge_gateway.requests"
