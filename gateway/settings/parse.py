@@ -1,5 +1,5 @@
-"""Value parsers for the configuration: durations, sizes, bounded numbers, names, upstream URLs,
-and `${VAR}` substitution.
+"""Value parsers for the configuration: durations, sizes, bounded numbers, names, upstream URLs
+and options (`${VAR}` substitution, which runs before them, is `gateway.settings.env`).
 
 Each parser is a `Parser`: a function from one raw YAML value to the typed value (raising
 `Invalid` with a message that says what is wrong), paired with the JSON Schema of the YAML values
@@ -61,45 +61,6 @@ def _or_env(schema: Schema) -> Schema:
 def join(path: str, key: object) -> str:
     """The key path of `key` inside the mapping at `path` ("" is the top level)."""
     return f"{path}.{key}" if path else str(key)
-
-
-# --------------------------------------------------------------------------- ${VAR}
-
-_REFERENCE = re.compile(r"\$\$\{|\$\{([^{}]*)\}|\$\{")
-_REFERENCE_BODY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
-
-
-def substitute(node: object, path: str, env: Mapping[str, str], errors: list[str]) -> object:
-    """Return a copy of the YAML tree with `${...}` replaced in every string value."""
-    if isinstance(node, dict):
-        return {k: substitute(v, join(path, k), env, errors) for k, v in node.items()}
-    if isinstance(node, list):
-        return [substitute(v, f"{path}[{i}]", env, errors) for i, v in enumerate(node)]
-    if not isinstance(node, str) or "${" not in node:
-        return node
-    replaced = False
-
-    def replace(match: re.Match[str]) -> str:
-        nonlocal replaced
-        if match.group(0) == "$${":
-            return "${"
-        body = match.group(1)
-        parsed = _REFERENCE_BODY.fullmatch(body) if body is not None else None
-        if parsed is None:
-            errors.append(f"{path}: malformed reference {match.group(0)!r}; use ${{NAME}}")
-            return ""
-        replaced = True
-        variable, default = parsed.group(1), parsed.group(2)
-        value = env.get(variable)
-        if default is not None:
-            return value if value else default
-        if value is None:
-            errors.append(f"{path}: environment variable {variable} is not set")
-            return ""
-        return value
-
-    result = _REFERENCE.sub(replace, node)
-    return Substituted(result) if replaced else result
 
 
 # --------------------------------------------------------------------------- value parsers

@@ -21,8 +21,9 @@ import yaml
 
 from gateway.cli import main
 from gateway.settings import ConfigError, Settings, parse_settings
+from gateway.settings.env import substitute
 from gateway.settings.fields import Checked, default_of, specs, yaml_key
-from gateway.settings.parse import Parser, substitute
+from gateway.settings.parse import Parser
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 REFERENCE = CONFIG_DIR / "full-reference.yaml"
