@@ -7,6 +7,9 @@ constructs these; nothing holds module-level state.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,6 +18,7 @@ import httpx
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
+from gateway.dashboard import build_dashboard_router, run_sampler
 from gateway.drain import Drain
 from gateway.pool import PoolRuntime
 from gateway.proxy import Proxy
@@ -22,6 +26,8 @@ from gateway.routes import build_ops_router, build_router, install_error_handler
 from gateway.settings import Settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
+from gateway.stats.series import Series
+from gateway.tracing import Tracing, build_tracing
 from providers.registry import build_provider
 
 
@@ -56,20 +62,37 @@ def build_pools(
     return pools
 
 
-def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    *,
+    clock: Clock = monotonic,
+    seed: int | None = None,
+    tracing: Tracing | None = None,
+) -> FastAPI:
+    """The app. `tracing`: injected (tests); else built from `server.tracing` and the
+    OTEL_* variables, None when off."""
     rng = random.Random(seed)
+    if tracing is None:
+        tracing = build_tracing(settings.server.tracing, os.environ)
     client = make_http_client(settings)
     pools = build_pools(settings, client, clock, rng)
     stats = Stats.for_pools(pools, now=clock())
     metrics = Metrics(stats, pools, clock)
+    series = Series(stats, pools)
     drain = Drain()
-    proxy = Proxy(settings.server, stats, clock, drain)
+    proxy = Proxy(settings.server, stats, clock, drain, tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sampler = asyncio.create_task(run_sampler(series, clock), name="series-sampler")
         try:
             yield
         finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            if tracing is not None:
+                tracing.shutdown()
             for pool in pools.values():
                 for provider in pool.providers.values():
                     await provider.aclose()
@@ -85,6 +108,7 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, seed: int | None
     install_error_handlers(app)
     app.include_router(build_router(settings, pools, proxy))
     app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics))
+    app.include_router(build_dashboard_router(stats, series))
     app.state.pools = pools
     app.state.stats = stats
     app.state.proxy = proxy

@@ -10,10 +10,11 @@ the stats and writes the one log line.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
@@ -33,7 +34,11 @@ from gateway.sseresponse import SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.streamend import StreamEnd
+from gateway.usage import ask_for_usage, body_usage
 from providers.base import Endpoint, UpstreamCall
+
+if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
+    from gateway.tracing import RequestTrace, Tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +94,12 @@ class Proxy:
     """Runs logical requests against pools. One per app."""
 
     def __init__(
-        self, server: ServerSettings, stats: Stats, clock: Clock, drain: Drain
+        self, server: ServerSettings, stats: Stats, clock: Clock, drain: Drain,
+        tracing: Tracing | None = None,
     ) -> None:
         self.server = server
+        #: None when tracing is off: then a request pays one `is None` test for it
+        self.tracing = tracing
         self.drain = drain
         self.stats = stats
         self.clock = clock
@@ -120,9 +128,12 @@ class Proxy:
                                  start)
         refusal = hedge_refusal(pool, req)
         deadline = self.deadline(pool, req, start)
+        upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
+        trace = None if self.tracing is None else self.tracing.start(
+            req.headers, pool.settings.name, req.endpoint)
         race = Race(
             pool,
-            self._runner(pool, req, deadline),
+            self._runner(pool, dataclasses.replace(req, body=upstream_body), deadline, trace),
             RaceOptions(
                 deadline,
                 pool.delays_for(req.endpoint, req.stream),
@@ -148,18 +159,22 @@ class Proxy:
             }
             if not req.stream:
                 body = result.prefix.buffered[0].data
+                summary.usage = body_usage(body)
                 return Response(body, media_type="application/json", headers=headers)
             handed_off = True
-            return self._streaming_response(pool, req, race, result, summary, headers)
+            return self._streaming_response(pool, req, race, result, summary, headers,
+                                            strip_usage, trace)
         except GatewayError as exc:
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
             raise
         finally:
             if not handed_off:
-                await self._finish(pool, race, winner, summary)
+                await self._finish(pool, race, winner, summary, trace)
 
-    def _runner(self, pool: PoolRuntime, req: LogicalRequest, deadline: float) -> AttemptRunner:
+    def _runner(
+        self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
+    ) -> AttemptRunner:
         open_prefix = open_until_first_token if req.stream else open_whole_response
         body = dict(req.body)
         models = {b.name: b.model for b in pool.settings.backends}
@@ -178,7 +193,14 @@ class Proxy:
                 request_id=req.request_id,
                 first_byte_timeout=max(0.0, deadline - self.clock()),
             )
-            return await open_prefix(pool.providers[backend], call, is_lost)
+            if trace is not None:
+                call = dataclasses.replace(call, extra_headers=trace.attempt_started(record))
+            try:
+                return await open_prefix(pool.providers[backend], call, is_lost)
+            finally:
+                record.ended = self.clock()
+                if trace is not None:
+                    trace.attempt_ended(record)
 
         return run
 
@@ -223,8 +245,10 @@ class Proxy:
         result: RaceResult,
         summary: RequestSummary,
         headers: dict[str, str],
+        strip_usage: bool,
+        trace: RequestTrace | None,
     ) -> Response:
-        outcome = RelayOutcome()
+        outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
         body = relay(
             result.prefix,
@@ -236,7 +260,8 @@ class Proxy:
 
         async def finish(early_end: StreamEnd | None) -> None:
             summary.relay_end = early_end or outcome.end
-            await self._finish(pool, race, result.prefix, summary)
+            summary.usage = outcome.usage
+            await self._finish(pool, race, result.prefix, summary, trace)
 
         return SSEResponse(
             body,
@@ -253,7 +278,8 @@ class Proxy:
         )
 
     async def _finish(
-        self, pool: PoolRuntime, race: Race, prefix: Prefix | None, summary: RequestSummary
+        self, pool: PoolRuntime, race: Race, prefix: Prefix | None, summary: RequestSummary,
+        trace: RequestTrace | None,
     ) -> None:
         with anyio.CancelScope(shield=True):
             if prefix is not None:
@@ -264,6 +290,8 @@ class Proxy:
             summary.ended = self.clock()
             self.stats.record(summary)
             log_request(summary, self.stats.error_classes)
+            if trace is not None:
+                trace.end(summary, self.stats.error_classes)
 
 
 def _saw_disconnect(task: asyncio.Future[None]) -> bool:

@@ -61,6 +61,8 @@ class AttemptRecord:
     late_events: int = 0
     #: a failed attempt's `UpstreamError.code` (bounded; `reason` has the detail)
     failure: str | None = None
+    #: when its runner returned or raised (the proxy sets it; the dashboard's timeline)
+    ended: float | None = None
 
 
 @dataclass(slots=True)

@@ -35,6 +35,8 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.cancelled` | attempts cancelled as the request ended without a winner |
 | `<scope>.latency_saved_ms.p50/p99` / `.count` | hedge won: primary's tokenless time at commit |
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
+| `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
+| `<scope>.tokens.hedge_input` | hedge cost: input tokens again per extra attempt that got sent |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
@@ -49,6 +51,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | attempt TTFT (own start), attempts with a token |
 | `<scope>.ttft_censored` | attempts cancelled before a token; kept out of `ttft_ms` |
 | `<scope>.failures.<code>` | failed attempts by failure code (`unavailable`, ...) |
+| `<scope>.tokens.input` / `.output` | tokens reported by the requests this backend won |
 """
 
 from __future__ import annotations
@@ -142,6 +145,11 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             k[8:]: v for k, v in sorted(c.items())
             if k.startswith("outcome.") and k != "outcome.ok" and v > 0
         },
+        "tokens": {
+            "input": c["tokens.input"],
+            "output": c["tokens.output"],
+            "hedge_input": c["tokens.hedge_input"],
+        },
     }
 
 
@@ -181,5 +189,6 @@ def backend_view(
             "failures": {
                 k[8:]: v for k, v in sorted(c.items()) if k.startswith("failure.") and v > 0
             },
+            "tokens": {"input": c["tokens.input"], "output": c["tokens.output"]},
         }
     return out

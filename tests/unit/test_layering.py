@@ -25,6 +25,7 @@ PURE = (
     "gateway.sse",
     "gateway.firsttoken",
     "gateway.validate",
+    "gateway.usage",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 
@@ -32,15 +33,15 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 #: the module and everything below it in the package tree.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.streamend", "gateway.clock", "gateway.settings", "gateway.sse",
-     "gateway.latency", "gateway.drain", "gateway.stats.table"),
+     "gateway.latency", "gateway.drain", "gateway.stats.table", "gateway.usage"),
     ("gateway.firsttoken", "gateway.validate", "gateway.policy", "gateway.budget",
      "gateway.balancer"),
     ("providers",),
     ("gateway.pool", "gateway.attempt"),
     ("gateway.race", "gateway.relay", "gateway.sseresponse"),
-    ("gateway.stats",),
+    ("gateway.stats", "gateway.tracing"),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.server"),
+    ("gateway.routes", "gateway.server", "gateway.dashboard"),
     ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
 )
