@@ -116,8 +116,10 @@
     const box = el("div", { class: "races" });
     box.appendChild(el("h3", {}, `recent races (last ${races.length}): ` +
       "bar = attempt from its start to its first token, failure or cancellation; ● winner"));
-    const W = 1060, L = 150, R = 10, ROW = 11, T = 4, B = 18;
-    const H = T + B + ROW * Math.max(1, races.length);
+    // each attempt has its own lane; a race's lanes are grouped, races a little apart
+    const W = 1060, L = 150, R = 30, LANE = 7, GAP = 4, T = 4, B = 18;
+    const lanes = races.reduce((n, race) => n + Math.max(1, race.attempts.length), 0);
+    const H = T + B + LANE * lanes + GAP * races.length;
     const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, class: "timeline" });
     let msMax = 0;
     for (const race of races) {
@@ -128,22 +130,25 @@
     for (let i = 0; i <= 4; i++) {
       const ms = (xMax * i) / 4;
       svg.appendChild(svgEl("line", { class: "axis", x1: x(ms), x2: x(ms), y1: T, y2: H - B }));
-      const label = svgEl("text", { x: x(ms), y: H - 5, "text-anchor": "middle" });
+      const label = svgEl("text", { x: x(ms), y: H - 5, "text-anchor": i === 4 ? "end" :
+        i === 0 ? "start" : "middle" });
       label.textContent = `${fmt(ms)} ms`;
       svg.appendChild(label);
     }
     const newestFirst = races.slice().reverse();
-    newestFirst.forEach((race, row) => {
-      const y = T + row * ROW;
-      const label = svgEl("text", { x: 2, y: y + ROW - 3 });
+    let top = T;
+    newestFirst.forEach((race) => {
+      const rowHeight = LANE * Math.max(1, race.attempts.length);
+      const label = svgEl("text", { x: 2, y: top + rowHeight / 2 + 3.5 });
       const kinds = race.attempts.map((a) => a.kind[0]).join("");
       label.textContent = `${race.id.slice(-10)} ${kinds} ${race.outcome}`;
       svg.appendChild(label);
       race.attempts.forEach((a, index) => {
         const won = race.winner === index;
+        const y = top + index * LANE;
         const width = Math.max(1.5, x(a.end_ms) - x(a.start_ms));
         const bar = svgEl("rect", {
-          x: x(a.start_ms), y: y + 1, width, height: ROW - 3, rx: 1.5,
+          x: x(a.start_ms), y: y + 0.5, width, height: LANE - 1.5, rx: 1.5,
           class: `bar bar-${a.kind} bar-${a.outcome || "open"}${won ? " winner" : ""}`,
         });
         const tip = svgEl("title", {});
@@ -153,10 +158,11 @@
         svg.appendChild(bar);
         if (won) {
           svg.appendChild(svgEl("circle", {
-            class: "winmark", cx: x(a.end_ms), cy: y + ROW / 2 - 0.5, r: 3,
+            class: "winmark", cx: x(a.end_ms), cy: y + LANE / 2 - 0.25, r: 3,
           }));
         }
       });
+      top += rowHeight + GAP;
     });
     box.appendChild(svg);
     const legend = el("div", { class: "legend" });
@@ -249,13 +255,15 @@
         values: points.map((p) => [p.t, (p.suppressed || {})[reason] ?? 0]) });
     }
     grid.appendChild(lineChart("budget and suppressed hedges", "", budgetLines));
-    grid.appendChild(lineChart("loser close p99 and tokens", "", [
-      { name: "loser close p99 ms", color: "#c2417a", values: points.map(
+    grid.appendChild(lineChart("losers: cancel to upstream closed, p99", "ms", [
+      { name: "loser close p99", color: "#c2417a", values: points.map(
         (p) => [p.t, p.loser_close_ms_p99]) },
-      { name: "output tokens /s ÷ 100", color: "#2f9e57", values: points.map(
-        (p) => [p.t, p.tokens_output / 100]) },
-      { name: "hedge input tokens /s ÷ 100", color: "#e07b1f", dash: true, values: points.map(
-        (p) => [p.t, p.hedge_input_tokens / 100]) },
+    ]));
+    grid.appendChild(lineChart("tokens per second and hedge cost", "/s", [
+      { name: "output", color: "#2f9e57", values: points.map((p) => [p.t, p.tokens_output]) },
+      { name: "input", color: "#3b6fd8", values: points.map((p) => [p.t, p.tokens_input]) },
+      { name: "hedge input (paid again)", color: "#e07b1f", dash: true, values: points.map(
+        (p) => [p.t, p.hedge_input_tokens]) },
     ]));
     section.appendChild(grid);
     section.appendChild(backendTable(name, stats.backends || {}));
