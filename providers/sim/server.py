@@ -61,6 +61,14 @@ class SimStats:
     #: streams the client dropped before their end (including every hang)
     streams_closed_early: int = 0
     open_streams: int = 0
+    #: token usage the server reported in full (a usage chunk of a completed stream, or a
+    #: chat/completions body): what a gateway's token counters must add up to
+    usage_input_tokens: int = 0
+    usage_output_tokens: int = 0
+
+    def add_usage(self, plan: SimPlan) -> None:
+        self.usage_input_tokens += plan.prompt_tokens
+        self.usage_output_tokens += len(plan.tokens)
 
 
 def _error(status: int, message: str) -> Response:
@@ -126,6 +134,8 @@ class _SimServer:
                 stats.streams_errored += 1
             else:
                 stats.streams_completed += 1
+                if plan.usage:
+                    stats.add_usage(plan)
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         self.stats.requests += 1
@@ -155,6 +165,8 @@ class _SimServer:
             return Response(status_code=499)  # nobody is listening any more
         if plan.midstream_error_after is not None:
             return _error(500, "simulated failure")
+        if endpoint != "embeddings":
+            self.stats.add_usage(plan)
         return JSONResponse(sim_response(plan, endpoint, model, request_id), headers=headers)
 
     async def chat(self, request: Request) -> Response:
