@@ -9,6 +9,7 @@ usage must not see the usage chunk the gateway asked for.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -81,7 +82,7 @@ def metric_values(gateway: RunningServer) -> dict[tuple[str, tuple[tuple[str, st
 def test_token_counters_equal_what_the_simulators_reported(
     asgi_server: AsgiServerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sims = [asgi_server.build(lambda seed=seed: create_sim_app(PROFILE, seed=seed))
+    sims = [asgi_server.build(functools.partial(create_sim_app, PROFILE, seed=seed))
             for seed in (21, 22)]
     gateway = asgi_server.build(lambda: create_app(settings_for(sims), seed=4))
     plain, asked, whole = 12, 6, 4
