@@ -4,7 +4,10 @@ Plain numbers as the clock; no sockets."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -184,3 +187,15 @@ def test_tracing_is_off_unless_configured() -> None:
         assert resource["service.name"] == "gw"
     finally:
         tracing.shutdown()
+
+
+def test_every_dashboard_file_ships_as_package_data() -> None:
+    """A wheel (non-editable install) must carry the page, script and style: each file under
+    gateway/dashboard/static matches a package-data glob, and subpackages are found too."""
+    root = Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["packages"]["find"]["include"] == ["gateway*", "providers*"]
+    globs = config["package-data"]["gateway.dashboard"]
+    static = root / "gateway" / "dashboard" / "static"
+    files = sorted(p.relative_to(static.parent).as_posix() for p in static.iterdir())
+    assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
