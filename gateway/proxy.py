@@ -133,7 +133,8 @@ class Proxy:
             req.headers, pool.settings.name, req.endpoint)
         race = Race(
             pool,
-            self._runner(pool, dataclasses.replace(req, body=upstream_body), deadline, trace),
+            self._runner(pool, req if upstream_body is req.body else
+                         dataclasses.replace(req, body=upstream_body), deadline, trace),
             RaceOptions(
                 deadline,
                 pool.delays_for(req.endpoint, req.stream),

@@ -93,7 +93,8 @@ def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome)
             parts.append(DONE)
             break
         if b'"usage"' in data and (found := read_usage(data)) is not None:
-            outcome.usage, usage_only = found
+            usage, usage_only = found
+            outcome.usage = usage.merge(outcome.usage)
             if usage_only and outcome.strip_usage:
                 continue
         if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):

@@ -34,6 +34,13 @@ class Usage:
     input: int
     output: int
 
+    def merge(self, later: Usage | None) -> Usage:
+        """Combine two reports of one stream: Anthropic sends input tokens in `message_start`
+        and output tokens in `message_delta`; counts only grow, so the larger one is right."""
+        if later is None:
+            return self
+        return Usage(max(self.input, later.input), max(self.output, later.output))
+
 
 def _count(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -96,6 +96,15 @@ def test_relay_drops_the_usage_chunk_it_asked_for_and_keeps_its_numbers() -> Non
     assert mixed in _encode_batch(batch(mixed), "r", RelayOutcome(strip_usage=True))
 
 
+def test_relay_merges_anthropic_style_usage_reports() -> None:
+    start = b'{"type":"message_start","message":{"usage":{"input_tokens":12,"output_tokens":1}}}'
+    delta = b'{"type":"message_delta","usage":{"output_tokens":30}}'
+    outcome = RelayOutcome()
+    _encode_batch(batch(start), "r", outcome)
+    _encode_batch(batch(delta), "r", outcome)
+    assert outcome.usage == Usage(12, 30)
+
+
 def test_hedge_cost_counts_extra_attempts_that_reached_a_backend() -> None:
     s = hedge_won(0.0)
     s.usage = Usage(40, 10)
