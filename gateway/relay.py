@@ -92,7 +92,10 @@ def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome)
             outcome.end = StreamEnd.DONE
             parts.append(DONE)
             break
-        if b'"usage"' in data and (found := read_usage(data)) is not None:
+        # OpenAI repeats `"usage":null` in every chunk once usage is asked for: two byte
+        # tests, no call, for those
+        if b'"usage"' in data and b'"usage":null' not in data \
+                and (found := read_usage(data)) is not None:
             usage, usage_only = found
             outcome.usage = usage.merge(outcome.usage)
             if usage_only and outcome.strip_usage:
