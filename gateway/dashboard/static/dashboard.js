@@ -61,7 +61,7 @@
       const v = (yMax * i) / 4;
       svg.appendChild(svgEl("line", { class: "axis", x1: L, x2: W - R, y1: y(v), y2: y(v) }));
       const label = svgEl("text", { x: L - 4, y: y(v) + 3, "text-anchor": "end" });
-      label.textContent = fmt(v, yMax < 4 ? 1 : 0);
+      label.textContent = fmt(v, Number.isInteger(v) ? 0 : 1);
       svg.appendChild(label);
     }
     const span = tMax - tMin;
@@ -248,13 +248,14 @@
       { name: "won", color: "#2f9e57", values: points.map((p) => [p.t, p.hedges_won]) },
       { name: "failovers", color: "#8a5cc7", values: points.map((p) => [p.t, p.failovers]) },
     ]));
-    const budgetLines = [{ name: "budget tokens", color: "#3b6fd8", width: 2,
-      values: points.map((p) => [p.t, p.budget_tokens ?? null]) }];
-    for (const [reason, color] of Object.entries(SUPPRESS_COLORS)) {
-      budgetLines.push({ name: `suppressed: ${reason} /s`, color, dash: true,
-        values: points.map((p) => [p.t, (p.suppressed || {})[reason] ?? 0]) });
-    }
-    grid.appendChild(lineChart("budget and suppressed hedges", "", budgetLines));
+    grid.appendChild(lineChart("hedge budget", "tokens", [
+      { name: "budget", color: "#3b6fd8", width: 2,
+        values: points.map((p) => [p.t, p.budget_tokens ?? null]) },
+    ]));
+    const suppressed = Object.entries(SUPPRESS_COLORS).map(([reason, color]) => ({
+      name: reason, color, values: points.map((p) => [p.t, (p.suppressed || {})[reason] ?? 0]),
+    }));
+    grid.appendChild(lineChart("hedges suppressed per second, by reason", "/s", suppressed));
     grid.appendChild(lineChart("losers: cancel to upstream closed, p99", "ms", [
       { name: "loser close p99", color: "#c2417a", values: points.map(
         (p) => [p.t, p.loser_close_ms_p99]) },
