@@ -37,7 +37,11 @@ def _serve(ns: argparse.Namespace) -> int:
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ConfigError as exc:  # what only building can tell (tracing from OTEL_* variables)
+        print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
     # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop
     runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level))
     runner.run()

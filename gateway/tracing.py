@@ -24,6 +24,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from gateway.settings import ConfigError
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
@@ -35,8 +37,9 @@ if TYPE_CHECKING:
 DEFAULT_SERVICE_NAME = "hedge-gateway"
 
 
-class TracingUnavailable(RuntimeError):
-    """Tracing was asked for but cannot run (the OTLP exporter is not installed)."""
+class TracingUnavailable(ConfigError):
+    """Tracing was asked for in a way that cannot run (an unknown exporter, or the OTLP
+    exporter not installed): a configuration error, reported as one at start."""
 
 
 def exporter_name(settings: TracingSettings, env: Mapping[str, str]) -> str:
@@ -47,7 +50,7 @@ def exporter_name(settings: TracingSettings, env: Mapping[str, str]) -> str:
     first = raw.split(",")[0].strip()
     if first not in ("none", "console", "otlp"):
         raise TracingUnavailable(
-            f"OTEL_TRACES_EXPORTER={raw!r} is not supported (use otlp, console or none)"
+            f"OTEL_TRACES_EXPORTER: {raw!r} is not supported (use otlp, console or none)"
         )
     return first
 
@@ -83,7 +86,8 @@ def _otlp_exporter(endpoint: str | None) -> Any:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
         raise TracingUnavailable(
-            "tracing exporter otlp needs the OTLP exporter: pip install 'hedge-gateway[otlp]'"
+            "server.tracing.exporter: otlp needs the OTLP exporter: "
+            "pip install 'hedge-gateway[otlp]'"
         ) from None
     if endpoint is None:
         return OTLPSpanExporter()

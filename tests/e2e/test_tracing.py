@@ -167,3 +167,12 @@ def test_no_opentelemetry_sdk_when_tracing_is_off() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=60, check=True)
     assert out.stdout.strip() == "None []"
+
+
+def test_serve_refuses_an_unknown_traces_exporter_clearly() -> None:
+    env = {"PATH": "/usr/bin:/bin", "OTEL_TRACES_EXPORTER": "zipkin"}
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", "0"],
+                          capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "invalid configuration" in done.stderr and "OTEL_TRACES_EXPORTER" in done.stderr
+    assert "Traceback" not in done.stderr
