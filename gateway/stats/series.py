@@ -12,7 +12,9 @@ Per pool, each point (`seq` counts points, `t` is seconds since the gateway star
   `client_ttft_ms.p50/p99`, `loser_close_ms_p99`, and per backend `ttft_ms.p50/p99`;
 - gauges: `budget_tokens`, `inflight`, per backend `state` and `inflight`.
 
-Bounded: at most `capacity` points per pool (a deque drops the oldest).
+Bounded: at most `capacity` points per pool (a deque drops the oldest), and only the pools the
+stats hold now: after a configuration reload a new pool starts its own series and a removed
+one's is dropped.
 """
 
 from __future__ import annotations
@@ -61,15 +63,16 @@ class Series:
         self._pools = pools
         self.capacity = capacity
         self.seq = 0
-        self._points: dict[str, deque[dict[str, Any]]] = {
-            name: deque(maxlen=capacity) for name in stats.pools
-        }
+        self._points: dict[str, deque[dict[str, Any]]] = {}
         #: the counters and time of the previous point, per pool, for the rates
         self._last: dict[str, tuple[float, dict[str, int]]] = {}
 
     def sample(self, now: float) -> None:
         """Add one point per pool for the moment `now`."""
         self.seq += 1
+        for gone in set(self._points) - set(self._stats.pools):
+            del self._points[gone]
+            self._last.pop(gone, None)
         for name, ps in self._stats.pools.items():
             counts = ps.counts.lifetime
             current = {key: counts[key] for key in RATES.values()}
@@ -106,7 +109,10 @@ class Series:
                     entry["inflight"] = runtime.balancer.inflight(backend)
                 backends[backend] = entry
             point["backends"] = backends
-            self._points[name].append(point)
+            points = self._points.get(name)
+            if points is None:
+                points = self._points[name] = deque(maxlen=self.capacity)
+            points.append(point)
 
     def view(self, since: int = 0) -> dict[str, Any]:
         """The points newer than `since` (a `seq`; 0: all kept), oldest first, per pool."""

@@ -17,7 +17,7 @@ from gateway.settings import TracingSettings
 from gateway.sse import SSEEvent
 from gateway.stats import Stats
 from gateway.stats.races import RecentRaces
-from gateway.stats.record import hedge_input_tokens
+from gateway.stats.record import PoolStats, hedge_input_tokens
 from gateway.stats.series import Series
 from gateway.stats.view import snapshot
 from gateway.streamend import StreamEnd
@@ -208,3 +208,18 @@ def test_every_dashboard_file_ships_as_package_data() -> None:
     static = root / "gateway" / "dashboard" / "static"
     files = sorted(p.relative_to(static.parent).as_posix() for p in static.iterdir())
     assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
+
+
+def test_series_follows_the_pools_the_stats_hold() -> None:
+    """After a reload the stats hold other pools: a new one starts its series, a removed
+    one's is dropped (never a series for a pool that no longer exists)."""
+    stats = Stats({"chat": ["a"], "old": ["x"]}, now=0.0)
+    series = Series(stats, {})
+    series.sample(1.0)
+    assert set(series.view()["pools"]) == {"chat", "old"}
+    del stats.pools["old"]
+    stats.pools["new"] = PoolStats(["y"], stats.window)
+    series.sample(2.0)
+    pools = series.view()["pools"]
+    assert set(pools) == {"chat", "new"}
+    assert [p["seq"] for p in pools["new"]] == [2] and len(pools["chat"]) == 2
