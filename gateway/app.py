@@ -2,16 +2,18 @@
 
 `create_app(settings)` builds the shared HTTP client, one provider per backend, one
 `PoolRuntime` per pool, the stats and the proxy, and hands each what it needs. Nothing else
-constructs these; nothing holds module-level state.
+constructs these; nothing holds module-level state. A reload (`Reloader`, on SIGHUP) builds
+the next generation here too, carrying over what the surviving pools and backends learnt.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
+import logging
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import httpx
@@ -20,10 +22,11 @@ from fastapi import FastAPI
 from gateway.clock import Clock, monotonic
 from gateway.dashboard import build_dashboard_router, run_sampler
 from gateway.drain import Drain
+from gateway.live import ConfigOrigin, Generation, Live, LivePools
 from gateway.pool import PoolRuntime
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
-from gateway.settings import Settings
+from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
@@ -43,23 +46,133 @@ def make_http_client(settings: Settings) -> httpx.AsyncClient:
     )
 
 
+#: reload outcomes go to the operator's log (configured by `hedge-gateway serve`)
+LOGGER = logging.getLogger("hedge_gateway.config")
+
+
 def build_pools(
-    settings: Settings, client: httpx.AsyncClient, clock: Clock, rng: random.Random
+    settings: Settings,
+    client: httpx.AsyncClient,
+    clock: Clock,
+    rng: random.Random,
+    previous: Mapping[str, PoolRuntime] | None = None,
 ) -> dict[str, PoolRuntime]:
+    """One runtime per configured pool. With `previous` (a reload), a pool that keeps its
+    name carries over its learnt state (`PoolRuntime.carried_over`) and a backend whose
+    settings and pool timeouts are unchanged keeps its provider."""
     pools: dict[str, PoolRuntime] = {}
     now = clock()
     for pool in settings.pools:
+        before = (previous or {}).get(pool.name)
+        kept: Mapping[str, object] = {}
+        if before is not None and before.settings.timeouts == pool.timeouts:
+            kept = {b.name: b for b in before.settings.backends}
         providers = {
-            b.name: build_provider(b, client, pool.timeouts, rng) for b in pool.backends
+            b.name: before.providers[b.name]
+            if before is not None and kept.get(b.name) == b
+            else build_provider(b, client, pool.timeouts, rng)
+            for b in pool.backends
         }
-        pools[pool.name] = PoolRuntime.build(
-            pool,
-            providers,
-            global_hedging=settings.hedging_enabled,
-            now=now,
-            rng=random.Random(rng.random()),
-        )
+        if before is None:
+            pools[pool.name] = PoolRuntime.build(
+                pool,
+                providers,
+                global_hedging=settings.hedging_enabled,
+                now=now,
+                rng=random.Random(rng.random()),
+            )
+        else:
+            pools[pool.name] = before.carried_over(
+                pool, providers, global_hedging=settings.hedging_enabled, now=now
+            )
     return pools
+
+
+#: how often the hedge delays are recomputed (seconds); SPEC §5.2 wants it off the request path
+DELAY_REFRESH_INTERVAL = 1.0
+
+
+async def refresh_delays(live: Live, clock: Clock, interval: float) -> None:
+    """Recompute the hedge delays of every pool of the current generation now and then every
+    `interval` seconds, until cancelled. The one place a delay's quantile is computed:
+    requests only read the result. Reading `live.current` each time follows reloads."""
+    while True:
+        now = clock()
+        for pool in live.current.pools.values():
+            pool.refresh_delays(now)
+        await asyncio.sleep(interval)
+
+
+def _layout(pools: Mapping[str, PoolRuntime]) -> dict[str, list[str]]:
+    return {name: [b.name for b in p.settings.backends] for name, p in pools.items()}
+
+
+class Reloader:
+    """Re-reads the configuration file and swaps in the next generation (SPEC §18).
+
+    Runs on the event loop (from the SIGHUP handler), synchronously: reading and validating
+    a configuration file takes milliseconds, and doing it in one step means no request can
+    see a half-built generation. An invalid file changes nothing: the error, with every key
+    path, goes to the log and `failed_reloads` counts it. The `server` section is bound at
+    start (the listening socket, the connection and concurrency limits): a reload that
+    changes it keeps the running values and says which keys need a restart.
+    """
+
+    def __init__(
+        self,
+        live: Live,
+        stats: Stats,
+        client: httpx.AsyncClient,
+        clock: Clock,
+        rng: random.Random,
+    ) -> None:
+        self.live = live
+        self.stats = stats
+        self._client = client
+        self._clock = clock
+        self._rng = rng
+
+    def reload_file(self, path: str, *, started_server: ServerSettings | None = None) -> bool:
+        """Load `path`; on success swap it in and return True. `started_server`: the file's
+        `server` section as loaded at start (before command-line overrides), to name the
+        server keys a reload cannot change."""
+        try:
+            with open(path, "rb") as file:
+                data = file.read()
+            settings = load_settings(path)
+        except (ConfigError, OSError) as exc:
+            self.live.failed_reloads += 1
+            errors = exc.errors if isinstance(exc, ConfigError) else [f"{path}: {exc.strerror}"]
+            LOGGER.error("configuration reload refused, the running configuration is "
+                         "unchanged (%d error%s):\n  %s", len(errors),
+                         "" if len(errors) == 1 else "s", "\n  ".join(errors))
+            return False
+        running = self.live.current.settings.server
+        changed = _changed_keys(started_server or running, settings.server)
+        if changed:
+            LOGGER.warning("configuration reload: server.%s take%s effect only after a "
+                           "restart; the running values stay", ", server.".join(changed),
+                           "s" if len(changed) == 1 else "")
+        self.apply(dataclasses.replace(settings, server=running),
+                   ConfigOrigin.of_file(data, now=self._clock()))
+        current = self.live.current
+        LOGGER.info("configuration reloaded from %s: generation %d, sha256 %s, pools %s",
+                       path, current.number, current.origin.sha256[:12],
+                       ", ".join(current.pools) or "none")
+        return True
+
+    def apply(self, settings: Settings, origin: ConfigOrigin) -> None:
+        """Swap in a validated configuration: new runtimes carrying over the learnt state,
+        the stats re-laid, then the one assignment that new requests will see."""
+        old = self.live.current
+        pools = build_pools(settings, self._client, self._clock, self._rng, old.pools)
+        self.stats.adopt(_layout(pools))
+        self.live.swap(Generation(settings, pools, origin, old.number + 1))
+
+
+def _changed_keys(before: ServerSettings, after: ServerSettings) -> list[str]:
+    return [f.name for f in dataclasses.fields(before)
+            if getattr(before, f.name) != getattr(after, f.name)]
 
 
 def create_app(
@@ -67,35 +180,43 @@ def create_app(
     *,
     clock: Clock = monotonic,
     seed: int | None = None,
+    delay_refresh: float = DELAY_REFRESH_INTERVAL,
+    origin: ConfigOrigin | None = None,
     tracing: Tracing | None = None,
 ) -> FastAPI:
-    """The app. `tracing`: injected (tests); else built from `server.tracing` and the
-    OTEL_* variables, None when off."""
+    """The app for `settings`. `origin`: where they came from (a file's checksum); by default
+    they count as embedded and are checksummed by their `repr`. `delay_refresh`: seconds
+    between recomputations of the hedge delays. `tracing`: injected (tests); else built from
+    `server.tracing` and the OTEL_* variables, None when off."""
     rng = random.Random(seed)
     if tracing is None:
         tracing = build_tracing(settings.server.tracing, os.environ)
     client = make_http_client(settings)
     pools = build_pools(settings, client, clock, rng)
     stats = Stats.for_pools(pools, now=clock())
-    metrics = Metrics(stats, pools, clock)
-    series = Series(stats, pools)
+    live = Live(Generation(settings, pools, origin or ConfigOrigin.embedded(settings,
+                                                                            now=clock())))
+    metrics = Metrics(stats, LivePools(live), clock)
+    series = Series(stats, LivePools(live))
     drain = Drain()
     proxy = Proxy(settings.server, stats, clock, drain, tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        refresher = asyncio.create_task(
+            refresh_delays(live, clock, delay_refresh), name="hedge-delay-refresh"
+        )
         sampler = asyncio.create_task(run_sampler(series, clock), name="series-sampler")
         try:
             yield
         finally:
+            refresher.cancel()
             sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+            await asyncio.wait([refresher, sampler])
             if tracing is not None:
                 tracing.shutdown()
-            for pool in pools.values():
-                for provider in pool.providers.values():
-                    await provider.aclose()
+            for provider in live.providers():
+                await provider.aclose()
             await client.aclose()
 
     app = FastAPI(
@@ -106,12 +227,18 @@ def create_app(
         openapi_url=None,
     )
     install_error_handlers(app)
-    app.include_router(build_router(settings, pools, proxy))
-    app.include_router(build_ops_router(pools, clock, stats=stats, metrics=metrics))
+    app.include_router(build_router(settings, live, proxy))
+    app.include_router(build_ops_router(live, clock, stats=stats, metrics=metrics, drain=drain))
     app.include_router(build_dashboard_router(stats, series))
+    #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools
+    app.state.live = live
+    #: `reloader.reload_file(path)` on SIGHUP (wired by `hedge-gateway serve`)
+    app.state.reloader = Reloader(live, stats, client, clock, rng)
     app.state.stats = stats
     app.state.proxy = proxy
     #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`
     app.state.drain = drain
+    #: the shared upstream client (the test harness checks that no connection stays in use)
+    app.state.http_client = client
     return app

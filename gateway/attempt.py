@@ -8,6 +8,7 @@ on the way out, shielded from the cancellation that caused it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -40,14 +41,34 @@ class Prefix:
 async def close_quietly(
     stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None
 ) -> None:
-    """Close the batch iterator and the upstream, even from a cancelled task."""
+    """Close the batch iterator and the upstream, even from a cancelled task.
+
+    The close runs in a task of its own, awaited under `asyncio.shield` until it is over: a
+    native `Task.cancel()` of the caller (the race cancelling a loser that is already closing
+    after a failure) is held back until the response is closed, then re-raised. An anyio
+    shield alone does not stop a native cancel, and an interrupted close leaks httpcore's pool
+    slot. The anyio shield stays so that a cancelled anyio scope does not keep re-delivering.
+    """
     with anyio.CancelScope(shield=True):
-        aclose = getattr(batches, "aclose", None)
-        if aclose is not None:
-            # "already running" or a broken stream: the response close below suffices
-            with contextlib.suppress(RuntimeError, UpstreamProtocolError):
-                await aclose()
-        await stream.aclose()
+        closing = asyncio.ensure_future(_close(stream, batches))
+        interrupted: asyncio.CancelledError | None = None
+        while not closing.done():
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError as exc:
+                interrupted = exc
+        closing.result()
+    if interrupted is not None:
+        raise interrupted
+
+
+async def _close(stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None) -> None:
+    aclose = getattr(batches, "aclose", None)
+    if aclose is not None:
+        # "already running" or a broken stream: the response close below suffices
+        with contextlib.suppress(RuntimeError, UpstreamProtocolError):
+            await aclose()
+    await stream.aclose()
 
 
 async def open_until_first_token(

@@ -16,7 +16,15 @@ doubles with each repeated ejection (capped at `max_cooldown`). After the cool-d
 exactly one probe attempt; while that probe runs it takes nothing else. A success anywhere
 resets the failure and ejection counts; a failed probe ejects again, for longer. The caller
 decides what counts as a failure of the *backend* (a 400 from a bad request does not).
-`Retry-After` pauses a backend until a given time, independently of ejection.
+`Retry-After` pauses a backend, independently of ejection, for at most `max_pause`: it is
+the upstream's advice, and one answer must not take a backend out for minutes.
+
+Panic routing (SPEC §19, Envoy's panic threshold): when the backends that are neither paused nor
+ejected hold less than `panic_below` of the pool's weight, health stops being trusted. Paused
+and ejected backends become candidates again, behind the healthy ones, the one whose pause or
+cool-down ends soonest first. Without it, a few pushbacks (or a one-backend pool's single one)
+refuse every request without an upstream attempt, although most would succeed. Panic never
+overrides `max_concurrency`: a full backend stays full.
 """
 
 from __future__ import annotations
@@ -81,6 +89,20 @@ class Balancer:
         self._health = health
         self._rng = rng
 
+    def adopt(self, backends: Sequence[BackendSettings], health: HealthSettings) -> Balancer:
+        """A balancer for a reloaded pool: backends that keep their name keep their state
+        object (health, pauses, attempts in flight), with the new weight, group and
+        `max_concurrency`; new ones start fresh. Shared objects, not copies: attempts of
+        requests that started before the reload end on this balancer and must still count."""
+        fresh = Balancer(backends, health, self._rng)
+        for name, state in fresh._backends.items():
+            kept = self._backends.get(name)
+            if kept is not None:
+                kept.group, kept.weight = state.group, state.weight
+                kept.max_concurrency = state.max_concurrency
+                fresh._backends[name] = kept
+        return fresh
+
     # -- queries --------------------------------------------------------------------------
 
     @property
@@ -96,30 +118,62 @@ class Balancer:
         """Attempts currently running on the backend (between on_start and on_finish)."""
         return self._backends[name].inflight
 
-    def _usable(self, b: _Backend, now: float) -> bool:
+    @staticmethod
+    def _healthy(b: _Backend, now: float) -> bool:
+        """Neither paused nor ejected (a backend whose cool-down is over and whose probe is not
+        taken yet counts: it may take the probe)."""
         if b.paused_until is not None and now < b.paused_until:
             return False
-        if b.ejected_until is not None and (now < b.ejected_until or b.probing):
-            return False
+        return b.ejected_until is None or (now >= b.ejected_until and not b.probing)
+
+    @staticmethod
+    def _has_room(b: _Backend) -> bool:
         return b.max_concurrency is None or b.inflight < b.max_concurrency
+
+    def _usable(self, b: _Backend, now: float) -> bool:
+        return self._healthy(b, now) and self._has_room(b)
+
+    def panic(self, now: float) -> bool:
+        """Whether selection is in panic mode: the healthy backends hold less than
+        `panic_below` of the pool's weight (of its backend count when every weight is 0)."""
+        backends = list(self._backends.values())
+        total = sum(b.weight for b in backends)
+        if total > 0:
+            healthy = sum(b.weight for b in backends if self._healthy(b, now))
+        else:
+            total = float(len(backends))
+            healthy = float(sum(1 for b in backends if self._healthy(b, now)))
+        return healthy < self._health.panic_below * total
+
+    def _ready_at(self, b: _Backend, now: float) -> float:
+        """When the backend's pause and cool-down are both over (`now` if they are)."""
+        return max(now, b.paused_until or now, b.ejected_until or now)
 
     def usable(self, now: float) -> list[str]:
         """Backends that may take a new attempt now, in configuration order: not ejected (or
         cool-down over and its probe not yet taken), not paused, under max_concurrency."""
         return [b.name for b in self._backends.values() if self._usable(b, now)]
 
+    def seconds_left(self, name: str, now: float) -> float | None:
+        """Seconds until the backend's pause or cool-down ends (0.0 when an ejected backend
+        only waits for its probe), None when it is ok. For stats, like `state`."""
+        b = self._backends[name]
+        if b.ejected_until is None and (b.paused_until is None or now >= b.paused_until):
+            return None
+        return self._ready_at(b, now) - now
+
     def state(self, name: str, now: float) -> tuple[str, str | None]:
-        """("ok" | "ejected" | "paused", reason) for stats. Ejection wins over a pause."""
+        """("ok" | "ejected" | "paused", reason) for stats. Ejection wins over a pause. The
+        time left is `seconds_left`'s."""
         b = self._backends[name]
         if b.ejected_until is not None:
             if now < b.ejected_until:
-                left = b.ejected_until - now
-                return ("ejected", f"{b.failures} consecutive failures, {left:.1f}s left")
+                return ("ejected", f"{b.failures} consecutive failures")
             if b.probing:
                 return ("ejected", "probe in flight")
             return ("ejected", "cool-down over, awaiting probe")
         if b.paused_until is not None and now < b.paused_until:
-            return ("paused", f"retry-after, {b.paused_until - now:.1f}s left")
+            return ("paused", "retry-after")
         return ("ok", None)
 
     # -- selection ------------------------------------------------------------------------
@@ -134,6 +188,8 @@ class Balancer:
     ) -> str | None:
         """Choose a backend for a new attempt, or None when no usable one is left.
 
+        In panic mode (see `panic`), when no healthy candidate is left, the paused or ejected
+        candidate below its `max_concurrency` whose pause or cool-down ends soonest is chosen.
         `exclude`: backends that must not be chosen (those already running an attempt of this
         request). `avoid_groups`: groups to stay out of if any usable candidate lies outside
         them (hedge to another zone or provider). `ttft(name)`: that backend's recent TTFT in
@@ -141,20 +197,33 @@ class Balancer:
         (explore it), so the comparison then rests on load alone.
         Does not count the attempt: call `on_start` when it actually starts.
         """
-        candidates = [
-            b for b in self._backends.values() if b.name not in exclude and self._usable(b, now)
+        open_ = [
+            b for b in self._backends.values() if b.name not in exclude and self._has_room(b)
         ]
+        candidates = self._prefer_elsewhere(
+            [b for b in open_ if self._healthy(b, now)], avoid_groups
+        )
+        if candidates:
+            if len(candidates) == 1:
+                return candidates[0].name
+            first = self._sample(candidates)
+            second = self._sample([b for b in candidates if b is not first])
+            return self._better(first, second, ttft).name
+        if not open_ or not self.panic(now):
+            return None
+        rest = self._prefer_elsewhere(open_, avoid_groups)
+        return min(rest, key=lambda b: (self._ready_at(b, now), b.inflight)).name
+
+    @staticmethod
+    def _prefer_elsewhere(
+        candidates: list[_Backend], avoid_groups: Collection[str]
+    ) -> list[_Backend]:
+        """The candidates outside `avoid_groups`, or all of them when none is."""
         if avoid_groups:
             elsewhere = [b for b in candidates if b.group not in avoid_groups]
             if elsewhere:
-                candidates = elsewhere
-        if not candidates:
-            return None
-        if len(candidates) == 1:
-            return candidates[0].name
-        first = self._sample(candidates)
-        second = self._sample([b for b in candidates if b is not first])
-        return self._better(first, second, ttft).name
+                return elsewhere
+        return candidates
 
     def _sample(self, candidates: list[_Backend]) -> _Backend:
         weights = [b.weight for b in candidates]
@@ -180,24 +249,30 @@ class Balancer:
 
     # -- events ---------------------------------------------------------------------------
 
-    def on_start(self, name: str) -> None:
-        """An attempt starts on the backend. If it is the post-cool-down probe, mark it so no
-        other attempt goes there until the probe ends."""
+    def on_start(self, name: str) -> bool:
+        """An attempt starts on the backend. Returns whether it is the probe of an ejected
+        backend: then no other attempt goes there until it ends (outside panic mode), and the
+        caller hands the flag back to `on_finish` for that attempt."""
         b = self._backends[name]
         b.inflight += 1
-        if b.ejected_until is not None:
+        if b.ejected_until is not None and not b.probing:
             b.probing = True
+            return True
+        return False
 
-    def on_finish(self, name: str) -> None:
+    def on_finish(self, name: str, *, probe: bool = False) -> None:
         """An attempt on the backend ended, whatever the outcome (also after cancellation).
 
-        A probe that ends without a verdict (cancelled as a loser) frees the probe slot, so the
-        next attempt becomes the probe.
+        Only the probe's own end frees the probe slot (`probe`: what `on_start` returned for
+        this attempt); an older attempt ending meanwhile must not let a second probe in. A
+        probe that ends without a verdict (cancelled as a loser) frees the slot, so the next
+        attempt becomes the probe.
         """
         b = self._backends[name]
         if b.inflight > 0:
             b.inflight -= 1
-        b.probing = False
+        if probe:
+            b.probing = False
 
     def on_success(self, name: str, now: float) -> None:
         """The backend served an attempt: it is healthy; forget failures and ejections."""
@@ -218,8 +293,7 @@ class Balancer:
         b.failures += 1
         if b.ejected_until is not None:
             if now >= b.ejected_until:
-                b.probing = False
-                self._eject(b, now)
+                self._eject(b, now)  # the probe slot stays taken until the probe itself ends
             return
         if b.failures >= self._health.eject_after:
             self._eject(b, now)
@@ -230,9 +304,14 @@ class Balancer:
         cooldown = self._health.cooldown * 2.0 ** min(b.ejections - 1, 62)
         b.ejected_until = now + min(cooldown, self._health.max_cooldown)
 
-    def pause(self, name: str, until: float) -> None:
-        """Keep the backend out of selection until `until` (from a Retry-After). A shorter
-        pause never cuts a longer one short."""
+    def capped_pause(self, seconds: float) -> float:
+        """A Retry-After's pause as the gateway applies it: at most `max_pause`, never < 0."""
+        return min(max(0.0, seconds), self._health.max_pause)
+
+    def pause(self, name: str, seconds: float, now: float) -> None:
+        """Keep the backend out of selection (outside panic mode) for `seconds` from `now`, at
+        most `max_pause` (from a Retry-After). A shorter pause never cuts a longer one short."""
         b = self._backends[name]
+        until = now + self.capped_pause(seconds)
         if b.paused_until is None or until > b.paused_until:
             b.paused_until = until

@@ -62,6 +62,7 @@ class HedgeBudget:
         "_tokens",
         "_updated",
         "_wins",
+        "hedges_recorded",
         "settings",
     )
 
@@ -75,6 +76,22 @@ class HedgeBudget:
         self._wins = 0
         #: when the last hedge was let through while the guard was on
         self._last_probe: float | None = None
+        #: hedge outcomes recorded since start (readers tell a new win rate from an old one)
+        self.hedges_recorded = 0
+
+    def reconfigure(self, settings: BudgetSettings, now: float) -> None:
+        """New settings from a reload. The bucket keeps its level (capped at the new `burst`),
+        its extra attempts in flight and its recent hedge outcomes: a reload must not hand a
+        pool a fresh burst of hedges, nor forget that hedging was not winning."""
+        if settings == self.settings:
+            return
+        self._accrue(now)
+        self.settings = settings
+        self._tokens = min(self._tokens, settings.burst)
+        size = max(1, settings.win_window)
+        if self._outcomes.maxlen != size:
+            self._outcomes = deque(self._outcomes, maxlen=size)
+            self._wins = sum(self._outcomes)
 
     # -- tokens ---------------------------------------------------------------------------
 
@@ -147,6 +164,7 @@ class HedgeBudget:
         if len(outcomes) == outcomes.maxlen and outcomes[0]:
             self._wins -= 1
         outcomes.append(won)
+        self.hedges_recorded += 1
         if won:
             self._wins += 1
 

@@ -10,6 +10,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from time import monotonic
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,15 +19,24 @@ if TYPE_CHECKING:
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.server import build_server
+    from gateway.live import ConfigOrigin
+    from gateway.server import build_server, raise_open_file_limit
     from gateway.settings.load import ConfigError, default_settings, load_settings
 
     try:
-        settings = load_settings(ns.config) if ns.config else default_settings()
+        if ns.config:
+            with open(ns.config, "rb") as file:
+                origin: ConfigOrigin | None = ConfigOrigin.of_file(file.read(), now=monotonic())
+            settings = load_settings(ns.config)
+        else:
+            origin, settings = None, default_settings()
     except ConfigError as exc:
         print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    server = settings.server
+    except OSError as exc:
+        print(f"hedge-gateway: cannot read {ns.config}: {exc.strerror}", file=sys.stderr)
+        return 2
+    file_server = server = settings.server
     if ns.host is not None or ns.port is not None:
         server = replace(
             server,
@@ -34,16 +44,26 @@ def _serve(ns: argparse.Namespace) -> int:
             port=ns.port if ns.port is not None else server.port,
         )
         settings = replace(settings, server=server)
+    before, after = raise_open_file_limit()  # a stream holds two descriptors
+    raised = f" (raised from {before})" if after != before else ""
+    print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
     try:
-        app = create_app(settings)
+        app = create_app(settings, origin=origin)
     except ConfigError as exc:  # what only building can tell (tracing from OTEL_* variables)
         print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop
-    runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level))
+    path, reloader = ns.config, app.state.reloader
+
+    def reload() -> bool:  # SIGHUP: re-read the file; an invalid one changes nothing
+        return bool(reloader.reload_file(path, started_server=file_server))
+
+    # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop,
+    # reloads the configuration on SIGHUP
+    runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level),
+                          on_hangup=reload if path else None)
     runner.run()
     return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
 
@@ -74,6 +94,8 @@ def logging_config(level: str) -> dict[str, object]:
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
             "hedge_gateway.requests": {"handlers": ["requests"], "level": upper,
                                        "propagate": False},
+            "hedge_gateway.config": {"handlers": ["stderr"], "level": upper,
+                                     "propagate": False},
             "httpx": {"level": "WARNING"},
             "httpcore": {"level": "WARNING"},
         },
@@ -109,9 +131,21 @@ def _sim(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from gateway.bench.run import WORKLOADS, BenchPlan, run_bench_command
+    from gateway.bench.run import (
+        WORKLOAD_GROUPS,
+        WORKLOADS,
+        BenchPlan,
+        run_bench_command,
+        run_soak_command,
+    )
 
-    plan = BenchPlan(workloads=tuple(w for w in WORKLOADS if ns.workload in ("all", w.name)),
+    if ns.workload == "soak":
+        return run_soak_command(duration=ns.duration, quick=ns.quick,
+                                concurrency=ns.concurrency, seed=ns.seed, out=ns.out,
+                                progress=not ns.no_progress)
+    wanted = WORKLOAD_GROUPS.get(ns.workload, (ns.workload,))
+    plan = BenchPlan(workloads=tuple(w for w in WORKLOADS
+                                     if ns.workload == "all" or w.name in wanted),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
                      tables=sys.stdout)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
@@ -193,6 +227,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def _status(text: str) -> int:
     value = int(text)
     if not 400 <= value <= 599:
@@ -263,11 +304,15 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from gateway.bench.run import WORKLOADS
+    from gateway.bench.run import WORKLOAD_GROUPS, WORKLOADS
 
     names = [w.name for w in WORKLOADS]
-    parser.add_argument("--workload", choices=[*names, "all"], default="all",
-                        help="which workload to run (default: all)")
+    parser.add_argument("--workload", choices=[*names, *WORKLOAD_GROUPS, "soak", "all"],
+                        default="all",
+                        help="which workload to run (default: all; `soak` only when named); "
+                             "slow-shares: " + ", ".join(WORKLOAD_GROUPS["slow-shares"]))
+    parser.add_argument("--duration", type=_positive_seconds,
+                        help="soak: seconds of traffic (default 600; 20 with --quick)")
     parser.add_argument("--requests", type=_positive,
                         help="requests per mode (default: per workload)")
     parser.add_argument("--concurrency", type=_positive,

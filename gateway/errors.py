@@ -20,7 +20,7 @@ OpenAI error JSON itself is built in one place, `error_body`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import ClassVar
 
 
@@ -61,6 +61,9 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.should_retry = should_retry
+        #: what must run once this error was answered (the end of the logical request: reap
+        #: its attempts, record it); the HTTP error handler runs it after sending the answer
+        self.after_response: Callable[[], Awaitable[None]] | None = None
 
     def body(self, request_id: str | None = None) -> dict[str, object]:
         return error_body(self.message, type=self.type, code=self.code, param=self.param,
@@ -109,6 +112,14 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class RequestTimeout(GatewayError):
+    """The request's head and body did not arrive within `server.body_timeout` (SPEC §18)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class HeadersTooLarge(GatewayError):
     """The request line and headers crossed `server.max_headers` (sent by the server itself,
     before any route runs)."""
@@ -124,6 +135,12 @@ class Overloaded(GatewayError):
     code = "overloaded"
 
 
+class TooManyConnections(Overloaded):
+    """A new connection past `server.max_connections` (SPEC §18)."""
+
+    code = "too_many_connections"
+
+
 class AllAttemptsFailed(GatewayError):
     """Every attempt of a logical request failed before its first token (502)."""
 
@@ -135,6 +152,51 @@ class AllAttemptsFailed(GatewayError):
         detail = "; ".join(reasons) if reasons else "no backend available"
         super().__init__(f"all upstream attempts failed: {detail}", should_retry=False)
         self.reasons = tuple(reasons)
+
+
+class UpstreamPushback(GatewayError):
+    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After (SPEC
+    §19). The client gets 429 when all were 429, else 503, and the smallest pause as its own
+    Retry-After, without `x-should-retry: false`: the upstreams said when to come back, and
+    an SDK that waits that long and retries is what they asked for. Build it with `of`."""
+
+    status = 503
+    type = "server_error"
+    code = "upstream_pushback"
+
+    def __init__(self, reasons: Sequence[str], retry_after: float) -> None:
+        detail = "; ".join(reasons)
+        super().__init__(
+            f"every upstream asked to retry later: {detail}", retry_after=retry_after
+        )
+        self.reasons = tuple(reasons)
+
+    @classmethod
+    def of(cls, status: int, reasons: Sequence[str], retry_after: float) -> UpstreamPushback:
+        kind = UpstreamRateLimitedEverywhere if status == 429 else UpstreamPushback
+        return kind(reasons, retry_after)
+
+
+class UpstreamRateLimitedEverywhere(UpstreamPushback):
+    """Every attempt answered 429 with a Retry-After: the client gets 429 too."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
+class NoBackendAvailable(GatewayError):
+    """No backend could take the request (all at `max_concurrency`), so nothing was tried:
+    503 with `Retry-After: 1` (SPEC §19), never 502, since no upstream failed."""
+
+    status = 503
+    type = "server_error"
+    code = "no_backend_available"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "no backend of the pool can take the request now (all at their concurrency limit)",
+            retry_after=1.0,
+        )
 
 
 class UpstreamClientError(GatewayError):
@@ -197,6 +259,9 @@ class UpstreamError(Exception):
     code: str = "upstream_error"
     #: whether another backend could succeed where this one failed
     replaceable: bool = True
+    #: whether the failure counts against the backend's health (SPEC §7); False when the
+    #: gateway itself failed the attempt
+    backend_fault: bool = True
 
     def __init__(self, reason: str, *, retry_after: float | None = None) -> None:
         super().__init__(reason)
@@ -220,6 +285,17 @@ class UpstreamConnectTimeout(UpstreamConnectError):
     """No connection (or no free pooled connection) within `timeouts.connect`."""
 
     code = "connect_timeout"
+
+
+class GatewayPoolFull(UpstreamError):
+    """No free connection in the gateway's own upstream pool in time (httpx `PoolTimeout`).
+
+    The backend was never asked, so this must not eject it: a full pool on our side would
+    otherwise take healthy backends out one after another. Another backend may still be
+    tried (the pool is shared, but a connection may free up meanwhile)."""
+
+    code = "gateway_pool_full"
+    backend_fault = False
 
 
 class UpstreamTimeout(UpstreamError):
@@ -322,3 +398,31 @@ def failure_codes() -> frozenset[str]:
         codes.add(cls.code)
         pending.extend(cls.__subclasses__())
     return frozenset(codes)
+
+# --- the answer when every attempt failed ----------------------------------------------------
+
+
+#: upstream statuses whose Retry-After is a pushback: "busy, come back later"
+PUSHBACK_STATUSES = (429, 503)
+
+
+def all_attempts_failed(
+    reasons: Sequence[str],
+    failures: Sequence[UpstreamError],
+    cap: Callable[[float], float],
+) -> GatewayError:
+    """The answer when every attempt failed before its first token (SPEC §5.4, §19).
+
+    All pushbacks: `UpstreamPushback` with the smallest pause, bounded by `cap` (the pool's
+    `max_pause`); anything else among them (a reset, a 500, a pushback without Retry-After):
+    502 `AllAttemptsFailed`, since retrying soon would likely fail the same way.
+    """
+    pauses = [
+        f.retry_after for f in failures
+        if isinstance(f, UpstreamStatusError) and f.status in PUSHBACK_STATUSES
+        and f.retry_after is not None
+    ]
+    if not failures or len(pauses) != len(failures):
+        return AllAttemptsFailed(reasons)
+    only_429 = all(isinstance(f, UpstreamStatusError) and f.status == 429 for f in failures)
+    return UpstreamPushback.of(429 if only_429 else 503, reasons, cap(min(pauses)))

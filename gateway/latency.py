@@ -99,6 +99,11 @@ class WindowedSketch:
     def _slice(self, now: float) -> int:
         return math.floor(now / self._width)
 
+    def epoch(self, now: float) -> int:
+        """The number of the time slice `now` falls in: while it and the values stay the same,
+        every read gives the same answer (a reader can skip recomputing)."""
+        return self._slice(now)
+
     def _live(self, current: int) -> list[int]:
         """Slots holding a slice within the window that ends at slice `current`."""
         oldest = current - self._slices + 1
@@ -170,3 +175,48 @@ class LifetimeSketch:
     def count(self) -> int:
         """How many values were added (a property, unlike `WindowedSketch.count(now)`)."""
         return int(self._sketch.count)
+
+
+class RecentSketch:
+    """Quantiles of roughly the last `capacity` values, however long ago they came (pure).
+
+    The time window of `WindowedSketch` forgets a quiet backend: with fewer values per window
+    than a reader needs, it never has enough. This is the fallback that widens the window until
+    it holds enough: a ring of `slices` sub-sketches filled by *count*, `per_slice` values each.
+    A read merges them all, so it sees between `capacity` and `capacity + per_slice` of the
+    newest values once that many were ever added. Memory is bounded by the slice count.
+    """
+
+    __slots__ = ("_accuracy", "_current", "_merged", "_per_slice", "_sketches")
+
+    def __init__(self, capacity: int, slices: int = 4, relative_accuracy: float = 0.01) -> None:
+        if capacity < 1 or slices < 2:
+            raise ValueError(f"need capacity >= 1 and slices >= 2, got {capacity}, {slices}")
+        self._per_slice = -(-capacity // (slices - 1))  # ceil: slices-1 full ones hold capacity
+        self._accuracy = relative_accuracy
+        self._sketches = [_new_sketch(relative_accuracy) for _ in range(slices)]
+        self._current = 0
+        self._merged: LogCollapsingLowestDenseDDSketch | None = None
+
+    def add(self, value: float) -> None:
+        """Record one latency in seconds (>= 0); the oldest slice is recycled when full."""
+        value = _clean(value)
+        if self._sketches[self._current].count >= self._per_slice:
+            self._current = (self._current + 1) % len(self._sketches)
+            self._sketches[self._current] = _new_sketch(self._accuracy)
+        self._sketches[self._current].add(value)
+        self._merged = None
+
+    def quantiles(self, qs: Sequence[float]) -> list[float | None]:
+        """Several quantiles from one merge (cached until the next add)."""
+        if self._merged is None:
+            merged = _new_sketch(self._accuracy)
+            for sketch in self._sketches:
+                merged.merge(sketch)
+            self._merged = merged
+        return _read(self._merged, qs)
+
+    @property
+    def count(self) -> int:
+        """How many values the ring holds (at most capacity + one slice)."""
+        return int(sum(sketch.count for sketch in self._sketches))

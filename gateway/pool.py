@@ -46,14 +46,17 @@ class PoolRuntime:
         now: float,
         rng: random.Random,
     ) -> PoolRuntime:
+        delay, ratio = settings.hedging.delay, settings.hedging.budget.ratio
         return cls(
             settings=settings,
             providers=providers,
             balancer=Balancer(settings.backends, settings.health, rng),
             budget=HedgeBudget(settings.hedging.budget, now),
-            delays={b.name: HedgeDelay(settings.hedging.delay) for b in settings.backends},
+            delays={b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends},
             whole_delays={
-                endpoint: {b.name: HedgeDelay(settings.hedging.delay) for b in settings.backends}
+                endpoint: {
+                    b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends
+                }
                 for endpoint in ("chat/completions", "completions", "embeddings")
             },
             groups={b.name: b.group for b in settings.backends},
@@ -61,5 +64,56 @@ class PoolRuntime:
             rng=rng,
         )
 
+    def carried_over(
+        self,
+        settings: PoolSettings,
+        providers: Mapping[str, Provider],
+        *,
+        global_hedging: bool,
+        now: float,
+    ) -> PoolRuntime:
+        """The runtime of this pool under a reloaded configuration (SPEC §18).
+
+        What was learnt survives for every backend that keeps its name: its health and load
+        (the balancer shares the backend's state object, so attempts of requests that started
+        before the reload still count against it), its hedge-delay sketches, and the pool's
+        budget (the same bucket, re-limited to the new settings). New backends start fresh;
+        removed ones are dropped from selection. This runtime is left untouched, so requests
+        that started on it finish under the configuration they started with."""
+        self.budget.reconfigure(settings.hedging.budget, now)
+        delay, ratio = settings.hedging.delay, settings.hedging.budget.ratio
+
+        def carried(old: Mapping[str, HedgeDelay]) -> dict[str, HedgeDelay]:
+            return {
+                b.name: old[b.name].adopt(delay, budget_ratio=ratio, now=now) if b.name in old
+                else HedgeDelay(delay, budget_ratio=ratio)
+                for b in settings.backends
+            }
+
+        return PoolRuntime(
+            settings=settings,
+            providers=providers,
+            balancer=self.balancer.adopt(settings.backends, settings.health),
+            budget=self.budget,
+            delays=carried(self.delays),
+            whole_delays={
+                endpoint: carried(self.whole_delays.get(endpoint, {}))
+                for endpoint in ("chat/completions", "completions", "embeddings")
+            },
+            groups={b.name: b.group for b in settings.backends},
+            hedging_enabled=global_hedging and settings.hedging.enabled,
+            rng=self.rng,
+        )
+
     def delays_for(self, endpoint: str, stream: bool) -> Mapping[str, HedgeDelay]:
         return self.delays if stream else self.whole_delays[endpoint]
+
+    def refresh_delays(self, now: float) -> None:
+        """Recompute every hedge delay of the pool (SPEC §5.2: off the request path; the
+        composition root calls this periodically). `quantile: auto` delays first take in the
+        budget's recent hedge win rate (see `HedgeDelay.steer`)."""
+        win_rate, recorded = self.budget.win_rate(), self.budget.hedges_recorded
+        for delays in (self.delays, *self.whole_delays.values()):
+            for delay in delays.values():
+                delay.steer(win_rate, recorded)
+                delay.refresh(now)

@@ -2,9 +2,15 @@
 
 This is the shell around the race. It decides whether a request may be hedged (SPEC §5.7),
 computes its deadline (§5.6), runs the race while watching for the client's disconnect, and
-answers: a streaming response that relays the winner, a JSON body, or an error. Whatever way
-the request ends, `_finish` runs exactly once: it closes the winner, reaps the losers, records
-the stats and writes the one log line.
+answers: a streaming response that relays the winner, a JSON body, or an error.
+
+One owner ends every request, whatever path it takes: `RequestEnd`. It runs exactly once:
+it releases the admission slot, closes the winner, reaps the losers, records the stats and
+writes the one log line. The client is answered first: a JSON body or an error is sent, then
+the response (`AnswerThen`, or the error handler through `GatewayError.after_response`) runs
+the end in the same request task, bounded by the race's reap timeout; a stream runs it when
+the relay is over. Only when no response will carry it (a bug of ours raised, or the request
+task is cancelled) does `handle` run it inline.
 """
 
 from __future__ import annotations
@@ -12,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from gateway.attempt import Prefix, open_until_first_token, open_whole_response
 from gateway.budget import SuppressReason
@@ -58,10 +64,9 @@ class Admission:
         self.active = 0
 
     def enter(self) -> None:
+        # retryable (no `x-should-retry: false`): SDKs come back after the pause (SPEC §18)
         if self.active >= self.limit:
-            raise Overloaded(
-                "the gateway is at its concurrency limit", retry_after=1.0, should_retry=False
-            )
+            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
         self.active += 1
 
     def leave(self) -> None:
@@ -106,8 +111,14 @@ class Proxy:
         self.admission = Admission(server.max_concurrent_requests)
 
     def deadline(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> float:
-        """One absolute first-token deadline shared by every attempt (SPEC §5.6)."""
-        limits = [pool.settings.timeout, pool.settings.timeouts.first_token]
+        """One absolute first-token deadline shared by every attempt (SPEC §5.6).
+
+        A non-streaming response (and an embedding) has no token before its whole body, so
+        `timeouts.first_token` would cut off every answer that takes longer to generate: those
+        are bounded by the pool's `timeout`, for the whole response (SPEC §18)."""
+        limits = [pool.settings.timeout]
+        if req.stream:
+            limits.append(pool.settings.timeouts.first_token)
         for name in ("x-request-timeout", "x-stainless-read-timeout"):
             seconds = _header_seconds(req.headers, name)
             if seconds is not None:
@@ -143,15 +154,14 @@ class Proxy:
             ),
             self.clock,
         )
-        handed_off = False
-        winner: Prefix | None = None
+        end = RequestEnd(self, pool, race, summary, trace)
         try:
             result = await self._race_or_disconnect(race, request.receive)
             summary.attach(race.attempts, race.suppressed, result)
             if result is None:  # the client went away before the first token
                 summary.error = "client_disconnected"
-                return Response(status_code=499)
-            winner = result.prefix
+                return AnswerThen(Response(status_code=499), end)
+            end.prefix = winner = result.prefix
             headers = {
                 **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
                 "x-request-id": req.request_id,
@@ -159,19 +169,21 @@ class Proxy:
                 "x-hedge-attempts": str(len(race.attempts)),
             }
             if not req.stream:
-                body = result.prefix.buffered[0].data
+                body = winner.buffered[0].data
                 summary.usage = body_usage(body)
-                return Response(body, media_type="application/json", headers=headers)
-            handed_off = True
-            return self._streaming_response(pool, req, race, result, summary, headers,
-                                            strip_usage, trace)
+                return AnswerThen(
+                    Response(body, media_type="application/json", headers=headers), end
+                )
+            return self._streaming_response(pool, req, result, summary, headers, end,
+                                            strip_usage)
         except GatewayError as exc:
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
+            exc.after_response = end  # the error handler answers, then ends the request
             raise
-        finally:
-            if not handed_off:
-                await self._finish(pool, race, winner, summary, trace)
+        except BaseException:
+            await end()  # no response will carry the end (a bug of ours, a cancellation)
+            raise
 
     def _runner(
         self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
@@ -242,18 +254,18 @@ class Proxy:
         self,
         pool: PoolRuntime,
         req: LogicalRequest,
-        race: Race,
         result: RaceResult,
         summary: RequestSummary,
         headers: dict[str, str],
+        end: RequestEnd,
         strip_usage: bool,
-        trace: RequestTrace | None,
     ) -> Response:
         outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
         body = relay(
             result.prefix,
             request_id=req.request_id,
+            idle=timeouts.idle,
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
@@ -262,7 +274,7 @@ class Proxy:
         async def finish(early_end: StreamEnd | None) -> None:
             summary.relay_end = early_end or outcome.end
             summary.usage = outcome.usage
-            await self._finish(pool, race, result.prefix, summary, trace)
+            await end()
 
         return SSEResponse(
             body,
@@ -278,21 +290,61 @@ class Proxy:
             clock=self.clock,
         )
 
-    async def _finish(
-        self, pool: PoolRuntime, race: Race, prefix: Prefix | None, summary: RequestSummary,
-        trace: RequestTrace | None,
+class RequestEnd:
+    """The one owner of the end of a logical request: callable any number of times, does its
+    work once (see the module docstring for who calls it on which path)."""
+
+    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix", "trace")
+
+    def __init__(
+        self, proxy: Proxy, pool: PoolRuntime, race: Race, summary: RequestSummary,
+        trace: RequestTrace | None = None,
     ) -> None:
+        self._proxy, self._pool, self._race, self._summary = proxy, pool, race, summary
+        #: the request's spans when tracing is on (SPEC §17), ended after the log line
+        self.trace = trace
+        #: the winner's upstream, once there is one: closed by the end
+        self.prefix: Prefix | None = None
+        self._done = False
+
+    async def __call__(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        proxy, pool, summary = self._proxy, self._pool, self._summary
         with anyio.CancelScope(shield=True):
-            if prefix is not None:
-                await prefix.aclose()
-            await race.aclose()
+            # first, before any await: the answer is out, the request no longer counts (so a
+            # client's next request on the same connection never meets its predecessor's slot)
             pool.inflight_requests -= 1
-            self.admission.leave()
-            summary.ended = self.clock()
-            self.stats.record(summary)
-            log_request(summary, self.stats.error_classes)
-            if trace is not None:
-                trace.end(summary, self.stats.error_classes)
+            proxy.admission.leave()
+            if self.prefix is not None:
+                await self.prefix.aclose()
+            await self._race.aclose()
+            summary.panic = self._race.panic
+            summary.ended = proxy.clock()
+            proxy.stats.record(summary)
+            log_request(summary, proxy.stats.error_classes)
+            if self.trace is not None:
+                self.trace.end(summary, proxy.stats.error_classes)
+
+
+class AnswerThen(Response):
+    """Sends `inner` to the client, then runs `then` (shielded), whatever happens to the
+    sending: the client gets its answer before losers are reaped and stats recorded."""
+
+    def __init__(self, inner: Response, then: Callable[[], Awaitable[None]]) -> None:
+        self.inner = inner
+        self.then = then
+        self.status_code = inner.status_code
+        self.raw_headers = inner.raw_headers
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.then()
 
 
 def _saw_disconnect(task: asyncio.Future[None]) -> bool:

@@ -4,7 +4,22 @@ The race starts the primary, waits for a first token, a failure, the hedge delay
 deadline, and starts further attempts under the rules of §5.3 and §5.4. The first attempt
 to hand back a `Prefix` (its events up to and including the first token) commits; every other
 attempt is cancelled at once. Each attempt task closes its own upstream, shielded from the
-cancellation, so a loser's socket is closed within a loop iteration of the commit.
+cancellation, so a loser's socket is closed within a loop iteration of the commit. A loser that
+already holds a token (it finished in the same tick as the winner, or before the race picked it
+up) has nothing left to cancel: the race closes its `Prefix` in a task of its own at commit
+(SPEC §18), so the client never waits for it and `close_s` counts it.
+
+Rules where several things land in one tick (one `asyncio.wait` wake-up):
+- every attempt that finished is accounted for before anything is decided, so none is left
+  neither committed nor reaped;
+- a token beats a 400/413/422 from another attempt: the token proves the request is not one
+  that "would fail everywhere", and a fast refusal must not win over a success (§5.4);
+- among several tokens the attempt started first wins.
+
+The hedge timer: the next hedge is considered one delay after the last hedge check, and a
+failover restarts it with the replacement's delay from the replacement's start (§18). Once
+every allowed attempt has started, nothing can start any more: `max_attempts` is counted once
+and the timer stops waking the race.
 
 The race knows no HTTP framework and no wire format: what an attempt does is the `AttemptRunner`
 it is given, and "token" means "the runner returned".
@@ -15,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,12 +38,13 @@ from gateway.attempt import Prefix
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.errors import (
-    AllAttemptsFailed,
     FirstTokenTimeout,
     InternalAttemptError,
+    NoBackendAvailable,
     UpstreamClientError,
     UpstreamError,
     UpstreamRejectedRequest,
+    all_attempts_failed,
 )
 from gateway.policy import HedgeDelay, min_useful
 from gateway.pool import PoolRuntime
@@ -63,6 +79,8 @@ class AttemptRecord:
     failure: str | None = None
     #: when its runner returned or raised (the proxy sets it; the dashboard's timeline)
     ended: float | None = None
+    #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
+    probe: bool = False
 
 
 @dataclass(slots=True)
@@ -83,10 +101,10 @@ CANCELLED_AFTER_TOKEN = "cancelled after its first token"
 
 def _close_timer(
     record: AttemptRecord, clock: Clock, cancelled_at: float
-) -> Callable[[asyncio.Task[Prefix]], None]:
+) -> Callable[[asyncio.Future[Any]], None]:
     """A done-callback that stores how long a cancelled attempt took to close (stats)."""
 
-    def done(_task: asyncio.Task[Prefix]) -> None:
+    def done(_task: asyncio.Future[Any]) -> None:
         record.close_s = max(0.0, clock() - cancelled_at)
 
     return done
@@ -114,9 +132,20 @@ class Race:
     attempts: list[AttemptRecord] = field(default_factory=list)
     suppressed: list[SuppressReason] = field(default_factory=list)
     _tasks: dict[asyncio.Task[Prefix], AttemptRecord] = field(default_factory=dict)
-    _losers: list[asyncio.Task[Prefix]] = field(default_factory=list)
+    _losers: list[asyncio.Future[Any]] = field(default_factory=list)
     _reasons: list[str] = field(default_factory=list)
+    _failures: list[UpstreamError] = field(default_factory=list)
     committed: bool = False
+    #: some backend choice of this request ran in panic mode (SPEC §19; counted per pool)
+    panic: bool = False
+    #: how many times a failover restarted the hedge timer (§18)
+    timer_restarts: int = 0
+    #: the hedge delay in force (the primary's, then the latest replacement's)
+    _delay: float = math.inf
+    #: when the next hedge is considered (inf: hedging off, or every attempt started)
+    _next_hedge: float = math.inf
+    #: the committed attempt, holding its backend slot until `aclose`
+    _streaming: AttemptRecord | None = None
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
@@ -124,15 +153,15 @@ class Race:
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
         delays = self.options.delays
-        primary = pool.balancer.pick(now, ttft=lambda name: delays[name].median(now))
+        primary = self._pick(now, ttft=lambda name: delays[name].median(now))
         if primary is None:
-            raise AllAttemptsFailed(["no usable backend in the pool"])
+            raise NoBackendAvailable()
         self._start(primary, "primary", spent_budget=False)
-        delay = self.options.delays[primary].delay(now)
-        next_hedge = now + delay if self.options.hedging else math.inf
+        self._delay = delays[primary].delay(now)
+        self._next_hedge = now + self._delay if self.options.hedging else math.inf
         try:
             while True:
-                wake = min(next_hedge, self.options.deadline)
+                wake = min(self._next_hedge, self.options.deadline)
                 done: set[asyncio.Task[Prefix]] = set()
                 if self._tasks:
                     done, _ = await asyncio.wait(
@@ -146,37 +175,46 @@ class Race:
                 now = self.clock()
                 if now >= self.options.deadline:
                     raise FirstTokenTimeout(self._reasons)
-                if now >= next_hedge:
+                if now >= self._next_hedge:
+                    self._next_hedge = now + self._delay
                     self._try_extra("hedge", now)
-                    next_hedge = now + delay
                 if not self._tasks:
-                    raise AllAttemptsFailed(self._reasons)
-        except asyncio.CancelledError:
-            self._cancel_all()  # the client left: say nothing of the hedges' efficacy
-            raise
+                    raise all_attempts_failed(
+                        self._reasons, self._failures, pool.balancer.capped_pause
+                    )
         except BaseException:
+            # a client that left (CancelledError), a 400, a 502 or a 504: no token decided
+            # the race, so it says nothing of the hedges' efficacy (only `_commit` feeds it)
             self._cancel_all()
-            self._record_hedges()
             raise
 
     def _record_hedges(self) -> None:
-        """Feed the efficacy guard: each hedge started won or it did not."""
+        """Feed the efficacy guard: each hedge started won or it did not. Only a race decided
+        by a token says that; a race that ended in a 400, a 502 or a 504 does not."""
         now = self.clock()
         for attempt in self.attempts:
             if attempt.kind == "hedge":
                 self.pool.budget.record_hedge(attempt.outcome == "won", now)
 
     def _settle(self, done: set[asyncio.Task[Prefix]]) -> RaceResult | None:
-        """Handle finished attempts: a token commits; failures start replacements."""
+        """Handle finished attempts: a token commits; failures start replacements.
+
+        Every task in `done` is accounted for before anything is decided (see the module
+        docstring for the same-tick rules)."""
         winners: list[tuple[asyncio.Task[Prefix], AttemptRecord]] = []
         failures = 0
-        for task in done:
+        rejected: UpstreamClientError | None = None
+        for task in sorted(done, key=lambda t: self._tasks[t].index):
             record = self._tasks.pop(task)
-            self._finished(record)
-            exc = task.exception()
-            if exc is None:
-                winners.append((task, record))
+            if not task.cancelled() and task.exception() is None:
+                winners.append((task, record))  # accounted for in `_commit`
                 continue
+            self._finished(record)
+            if task.cancelled():  # not by us (we pop before cancelling): count it as failed
+                failures += 1
+                self._failed(record, UpstreamError("attempt cancelled"), backend_fault=False)
+                continue
+            exc = task.exception()
             failures += 1
             if not isinstance(exc, UpstreamError):
                 # a bug of ours, not the backend's: log it, answer 502 without a trace, and
@@ -185,37 +223,64 @@ class Race:
                 self._failed(record, InternalAttemptError(f"internal error ({type(exc).__name__})"),
                              backend_fault=False)
                 continue
-            self._failed(record, exc)
-            if isinstance(exc, UpstreamRejectedRequest):
-                raise UpstreamClientError.of(exc.status, record.backend)
-        if winners:
-            winners.sort(key=lambda pair: pair[1].index)
-            for task, record in winners[1:]:  # tokens in the same tick: the earlier attempt wins
-                record.outcome = "lost"
-                self._observe(record, censored=False)
-                self._losers.append(task)
-            return self._commit(*winners[0])
+            self._failed(record, exc, backend_fault=exc.backend_fault)
+            if isinstance(exc, UpstreamRejectedRequest) and rejected is None:
+                rejected = UpstreamClientError.of(exc.status, record.backend)
+        if winners:  # a token beats a same-tick 4xx; the attempt started first wins
+            return self._commit(winners[0], winners[1:])
+        if rejected is not None:
+            raise rejected
         now = self.clock()
         for _ in range(failures):
             if now < self.options.deadline:
                 self._try_extra("failover", now)
         return None
 
-    def _commit(self, task: asyncio.Task[Prefix], record: AttemptRecord) -> RaceResult:
+    def _commit(
+        self,
+        winner: tuple[asyncio.Task[Prefix], AttemptRecord],
+        same_tick: list[tuple[asyncio.Task[Prefix], AttemptRecord]],
+    ) -> RaceResult:
+        task, record = winner
         now = self.clock()
         self.committed = True
         record.outcome = "won"
+        # the winner keeps its backend slot while it streams (max_concurrency and the
+        # balancer's load count whole streams); `aclose` gives it back at the request's end
+        if record.spent_budget:
+            self.pool.budget.release()
+        self._streaming = record
         self.pool.balancer.on_success(record.backend, now)
         self._observe(record, censored=False)
+        for loser, loser_record in same_tick:  # a real TTFT, but it lost: close it now
+            self._finished(loser_record)
+            loser_record.outcome = "lost"
+            loser_record.reason = CANCELLED_AFTER_TOKEN
+            self._observe(loser_record, censored=False)
+            self._close_prefix(loser, loser_record, now)
         self._cancel_all()
         self._record_hedges()
         return RaceResult(record, task.result(), self.attempts, self.suppressed, now)
 
     def _try_extra(self, kind: AttemptKind, now: float) -> None:
-        """Start a hedge or a failover if §5.3 allows it; else count why not."""
+        """Start a hedge or a failover if §5.3 allows it; else count why not.
+
+        A failover that starts restarts the hedge timer with the replacement's delay (§18).
+        `max_attempts` is final (attempts only ever grow): it is counted once per request and
+        the hedge timer stops, so the race no longer wakes up for hedges."""
         reason = self._start_extra(kind, now)
-        if reason is not None:
-            self.suppressed.append(reason)
+        if reason is None:
+            if kind == "failover" and self.options.hedging:
+                replacement = self.attempts[-1]
+                self._delay = self.options.delays[replacement.backend].delay(now)
+                self._next_hedge = replacement.started + self._delay
+                self.timer_restarts += 1
+            return
+        if reason is SuppressReason.MAX_ATTEMPTS:
+            self._next_hedge = math.inf
+            if reason in self.suppressed:
+                return
+        self.suppressed.append(reason)
 
     def _start_extra(self, kind: AttemptKind, now: float) -> SuppressReason | None:
         pool = self.pool
@@ -229,11 +294,11 @@ class Race:
         def ttft(name: str) -> float | None:
             return self.options.delays[name].median(now)
 
-        backend = pool.balancer.pick(
+        backend = self._pick(
             now, exclude=in_flight | tried, avoid_groups=running_groups, ttft=ttft
         )
         if backend is None and not hedge:
-            backend = pool.balancer.pick(now, exclude=in_flight, ttft=ttft)
+            backend = self._pick(now, exclude=in_flight, ttft=ttft)
         if backend is None:
             return SuppressReason.NO_BACKEND
         remaining = self.options.deadline - now
@@ -252,7 +317,7 @@ class Race:
     def _start(self, backend: str, kind: AttemptKind, *, spent_budget: bool) -> None:
         record = AttemptRecord(len(self.attempts), backend, kind, self.clock(), spent_budget)
         self.attempts.append(record)
-        self.pool.balancer.on_start(backend)
+        record.probe = self.pool.balancer.on_start(backend)
         task = asyncio.create_task(
             self.runner(backend, record), name=f"attempt-{record.index}-{backend}"
         )
@@ -260,7 +325,7 @@ class Race:
 
     def _finished(self, record: AttemptRecord) -> None:
         """Bookkeeping common to every way an attempt ends."""
-        self.pool.balancer.on_finish(record.backend)
+        self.pool.balancer.on_finish(record.backend, probe=record.probe)
         if record.spent_budget:
             self.pool.budget.release()
 
@@ -272,10 +337,23 @@ class Race:
         record.reason = exc.reason
         record.failure = exc.code
         self._reasons.append(f"{record.backend}: {exc.reason}")
+        self._failures.append(exc)
         if exc.replaceable and backend_fault:
             self.pool.balancer.on_failure(record.backend, now)
         if exc.retry_after is not None:
-            self.pool.balancer.pause(record.backend, now + exc.retry_after)
+            self.pool.balancer.pause(record.backend, exc.retry_after, now)
+
+    def _pick(
+        self,
+        now: float,
+        *,
+        exclude: Collection[str] = (),
+        avoid_groups: Collection[str] = (),
+        ttft: Callable[[str], float | None],
+    ) -> str | None:
+        """`Balancer.pick`, noting whether the choice was made in panic mode (for stats)."""
+        self.panic = self.panic or self.pool.balancer.panic(now)
+        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft)
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()
@@ -287,27 +365,43 @@ class Race:
 
         For the stats, each cancelled record gets a `reason` saying whether the attempt had
         already found its token (its task finished in the same tick, not yet picked up), and
-        a done-callback sets `close_s`: how long its task took to close the upstream.
+        `close_s`: how long it took to close the upstream. A task that already holds a token
+        cannot be cancelled (`Task.cancel()` does nothing to a finished task): its `Prefix`
+        is closed by a task of its own, started here.
         """
         cancelled_at = self.clock()
         for task, record in self._tasks.items():
             had_token = task.done() and not task.cancelled() and task.exception() is None
-            task.cancel()
             self._finished(record)
             record.outcome = "lost" if self.committed else "cancelled"
             record.reason = CANCELLED_AFTER_TOKEN if had_token else CANCELLED_BEFORE_TOKEN
-            self._observe(record, censored=True)
+            self._observe(record, censored=not had_token)
+            if had_token:
+                self._close_prefix(task, record, cancelled_at)
+                continue
+            task.cancel()  # the runner closes its upstream, shielded (attempt.close_quietly)
             if not task.done():
                 task.add_done_callback(_close_timer(record, self.clock, cancelled_at))
             self._losers.append(task)
         self._tasks.clear()
 
+    def _close_prefix(
+        self, task: asyncio.Task[Prefix], record: AttemptRecord, cancelled_at: float
+    ) -> None:
+        """Close a loser that holds a token, in a task the race owns and `aclose` reaps."""
+        closer = asyncio.ensure_future(task.result().aclose())
+        closer.add_done_callback(_close_timer(record, self.clock, cancelled_at))
+        self._losers.append(closer)
+
     async def aclose(self) -> None:
-        """Wait (bounded) for cancelled attempts to finish closing their upstreams."""
+        """At the request's end: give back the winner's backend slot, and wait (bounded) for
+        the losers to finish closing their upstreams."""
+        if self._streaming is not None:
+            self.pool.balancer.on_finish(self._streaming.backend, probe=self._streaming.probe)
+            self._streaming = None
         losers, self._losers = self._losers, []
         if losers:
             await asyncio.wait(losers, timeout=REAP_TIMEOUT)
-            for task in losers:
-                # a loser that found its token in the same tick: close what it opened
-                if task.done() and not task.cancelled() and task.exception() is None:
-                    await task.result().aclose()
+            for task in losers:  # a loser's own failure while closing is no news: retrieve it
+                if task.done() and not task.cancelled():
+                    task.exception()

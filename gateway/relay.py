@@ -3,6 +3,8 @@
 The hot path of the gateway. Per event it does one bytes comparison, two substring tests and one
 concatenation: no JSON parsing (except for the rare event that mentions "error", and the one
 holding a usage object, see `gateway.usage`), no logging, no allocation beyond the output bytes.
+Per upstream read it stores one clock reading: the idle and max_stream deadlines are one timer
+per stream (`_Deadlines`), never a timer per event.
 Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
 comments are the response's own.
 
@@ -17,6 +19,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from gateway.attempt import Prefix
 from gateway.errors import UpstreamError, error_body
@@ -117,32 +120,116 @@ def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome)
     return b"".join(parts)
 
 
+class _Deadlines:
+    """`timeouts.idle` and `timeouts.max_stream` as deadlines per event (SPEC §8, §18).
+
+    httpx's read timeout restarts on every byte, so an upstream that sends only comments
+    would never trip it; these deadlines move only when an event arrives. Per batch the relay
+    stores one clock reading in `last` and tests `expired`: one timer per stream, armed for
+    the earliest possible expiry and re-armed when it fires early (events came in meanwhile).
+    Only a read that waits on the upstream is interrupted: the timer cancels the relay's task
+    and the relay takes the cancellation back (as `asyncio.timeout` does). A deadline that
+    passes while the client is being written to is seen in `expired` right after that write."""
+
+    def __init__(
+        self, idle: float, max_stream_deadline: float, clock: Callable[[], float]
+    ) -> None:
+        self.idle = idle
+        self.max_at = max_stream_deadline
+        self.clock = clock
+        self.last = clock()
+        #: the relay is awaiting the upstream (only then may the timer cancel it)
+        self.reading = False
+        #: why the stream must end (None: it need not)
+        self.expired: Literal["idle", "too_long"] | None = None
+        self._task = asyncio.current_task()
+        self._cancelled = False
+        self._handle: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        delay = max(0.0, min(self.last + self.idle, self.max_at) - self.clock())
+        self._handle = asyncio.get_running_loop().call_later(delay, self._fire)
+
+    def _fire(self) -> None:
+        now = self.clock()
+        if now >= self.max_at:
+            self.expired = "too_long"
+        elif now - self.last >= self.idle:
+            self.expired = "idle"
+        else:
+            self._arm()
+            return
+        self._handle = None
+        if self.reading and self._task is not None:
+            self._cancelled = True
+            self._task.cancel()
+
+    def took_back(self) -> bool:
+        """On a CancelledError from the read: whether it was ours alone (else re-raise)."""
+        if not self._cancelled or self._task is None:
+            return False
+        self._cancelled = False
+        return self._task.uncancel() == 0
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 async def relay(
     prefix: Prefix,
     *,
     request_id: str,
+    idle: float,
     max_stream_deadline: float,
     clock: Callable[[], float],
     outcome: RelayOutcome,
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream."""
+    deadlines: _Deadlines | None = None
     try:
         yield _encode_batch(prefix.buffered, request_id, outcome)
         if outcome.end == StreamEnd.CLIENT_GONE:
-            async for batch in prefix.batches:
-                yield _encode_batch(batch, request_id, outcome)
-                if outcome.end != StreamEnd.CLIENT_GONE:
+            deadlines = _Deadlines(idle, max_stream_deadline, clock)
+            batches = prefix.batches.__aiter__()
+            while True:
+                deadlines.reading = True
+                try:
+                    batch: list[SSEEvent] | None = await batches.__anext__()
+                except StopAsyncIteration:
+                    batch = None
+                except asyncio.CancelledError:
+                    if not deadlines.took_back():
+                        raise
                     break
-                if clock() > max_stream_deadline:
-                    outcome.end = StreamEnd.TOO_LONG
+                finally:  # no yield may happen while `reading` is set
+                    deadlines.reading = False
+                if batch is None:
+                    outcome.end = StreamEnd.TRUNCATED
                     yield error_event(
-                        "stream exceeded the maximum duration", "stream_timeout", request_id
+                        "upstream stream ended before completion", "stream_truncated",
+                        request_id,
                     )
                     return
-            else:
-                outcome.end = StreamEnd.TRUNCATED
+                deadlines.last = clock()
+                yield _encode_batch(batch, request_id, outcome)
+                if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
+                    break
+            if outcome.end != StreamEnd.CLIENT_GONE:
+                pass
+            elif deadlines.expired == "too_long":
+                outcome.end = StreamEnd.TOO_LONG
                 yield error_event(
-                    "upstream stream ended before completion", "stream_truncated", request_id
+                    "stream exceeded the maximum duration", "stream_timeout", request_id
+                )
+                return
+            elif deadlines.expired == "idle":
+                outcome.end = StreamEnd.FAILED
+                yield error_event(
+                    f"upstream failed mid-stream: read timeout (no event within {idle:g} s)",
+                    "upstream_failed", request_id,
                 )
                 return
         if outcome.end == StreamEnd.DONE:
@@ -153,4 +240,6 @@ async def relay(
             f"upstream failed mid-stream: {exc.reason}", "upstream_failed", request_id
         )
     finally:
+        if deadlines is not None:
+            deadlines.close()
         await prefix.aclose()

@@ -10,25 +10,28 @@ import hashlib
 import hmac
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from gateway.drain import Drain
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
     RouteNotFound,
     Unauthorized,
 )
-from gateway.pool import PoolRuntime
-from gateway.proxy import LogicalRequest, Proxy
+from gateway.live import Live
+from gateway.proxy import AnswerThen, LogicalRequest, Proxy
 from gateway.settings import Settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
@@ -73,18 +76,24 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            parts.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by `server.body_timeout` (the 408 is out)
+        raise RequestTimeout("the request body did not arrive") from None
     return b"".join(parts)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_gateway_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        return error_response(exc, request_id_of(request))
+        response = error_response(exc, request_id_of(request))
+        if exc.after_response is not None:  # answer first, then end the logical request
+            return AnswerThen(response, exc.after_response)
+        return response
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -130,9 +139,10 @@ def make_auth_guard(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[
     return guard
 
 
-def build_router(
-    settings: Settings, pools: Mapping[str, PoolRuntime], proxy: Proxy
-) -> APIRouter:
+def build_router(settings: Settings, live: Live, proxy: Proxy) -> APIRouter:
+    """The API routes. `settings.server` is bound here (keys, body limit: start-time keys);
+    the pools are read from `live` once per request, so a request keeps the generation it
+    started with through a reload."""
     guard = make_auth_guard(settings.server.api_keys)
     guarded = APIRouter(dependencies=[Depends(guard)])
     limit = settings.server.max_body_bytes
@@ -146,7 +156,7 @@ def build_router(
         model, stream = check_body(body, needs_prompt=needs)
         if endpoint == "embeddings" and stream:
             raise InvalidRequest("embeddings cannot be streamed", param="stream")
-        pool = pools.get(model)
+        pool = live.current.pools.get(model)
         if pool is None:
             raise ModelNotFound(
                 "the model does not exist in this gateway; GET /v1/models lists them",
@@ -174,7 +184,7 @@ def build_router(
             "object": "list",
             "data": [
                 {"id": name, "object": "model", "created": 0, "owned_by": "hedge-gateway"}
-                for name in pools
+                for name in live.current.pools
             ],
         }
 
@@ -182,11 +192,12 @@ def build_router(
 
 
 def build_ops_router(
-    pools: Mapping[str, PoolRuntime],
+    live: Live,
     clock: Callable[[], float],
     *,
     stats: Stats,
     metrics: Metrics,
+    drain: Drain,
 ) -> APIRouter:
     ops = APIRouter()
 
@@ -196,17 +207,21 @@ def build_ops_router(
 
     @ops.get("/readyz")
     async def readyz() -> Response:
+        """Unready only while draining or when no pool can serve at all: a load balancer
+        that drops every replica for one dead pool would take the healthy pools down too."""
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         now = clock()
+        pools = live.current.pools
         unready = [name for name, pool in pools.items() if not pool.balancer.usable(now)]
-        if unready:
-            return JSONResponse(
-                {"status": "unready", "pools_without_usable_backend": unready}, status_code=503
-            )
-        return JSONResponse({"status": "ready"})
+        body = {"pools_without_usable_backend": unready}
+        if len(unready) == len(pools):
+            return JSONResponse({"status": "unready", **body}, status_code=503)
+        return JSONResponse({"status": "ready", **body})
 
     @ops.get("/hedge/stats")
     async def hedge_stats() -> JSONResponse:
-        return JSONResponse(snapshot(stats, pools, clock()))
+        return JSONResponse(snapshot(stats, live.current.pools, clock(), live=live))
 
     @ops.get("/metrics")
     async def prometheus() -> Response:

@@ -72,7 +72,8 @@ class SSEResponse(Response):
         self._last_send = 0.0
         #: when the send in progress started (None: no send in progress)
         self._sending_since: float | None = None
-        #: why the stream ended early: client gone, stuck client or shutdown
+        #: why the stream ended early: client gone, stuck client, shutdown, or an exception
+        #: of ours that escaped the relay (internal error)
         self.end: StreamEnd | None = None
         #: the last body message (`more_body: False`) went out
         self._completed = False
@@ -81,6 +82,7 @@ class SSEResponse(Response):
         self._exhausted = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ended = False
         try:
             await self._send(send, {"type": "http.response.start", "status": 200,
                                     "headers": self.raw_headers})
@@ -93,9 +95,15 @@ class SSEResponse(Response):
                 await self._send(send, {"type": "http.response.body", "body": b"",
                                         "more_body": False})
                 tg.cancel_scope.cancel()
-        except OSError:
-            self.end = self.end or StreamEnd.CLIENT_GONE  # the socket broke under a send
+            ended = True
+        except* OSError:  # the socket broke under a send (the task group wraps it in a group)
+            self.end = self.end or StreamEnd.CLIENT_GONE
+            ended = True
         finally:
+            if not ended and self.end is None and not _being_cancelled():
+                # something else escaped (a bug of ours in the relay): it propagates, and the
+                # stats must not call it a client that left
+                self.end = StreamEnd.INTERNAL_ERROR
             with anyio.CancelScope(shield=True):
                 if not self._completed and self.end in _ABORTED:
                     abort = _abort_of(scope)
@@ -162,6 +170,12 @@ class SSEResponse(Response):
         with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
             await self._send(send, {"type": "http.response.body", "body": self.shutdown_event,
                                     "more_body": False})
+
+
+def _being_cancelled() -> bool:
+    """Whether this task is being cancelled from outside (the server shutting down)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _abort_of(scope: Scope) -> Callable[[], object] | None:

@@ -29,6 +29,8 @@ class StreamEnd(StrEnum):
     STUCK_CLIENT = "stuck_client"
     #: the shutdown grace ended while the stream was live
     SHUTDOWN = "shutdown"
+    #: an exception of ours escaped the relay (a bug, logged; never a client that left)
+    INTERNAL_ERROR = "internal_error"
 
 
 #: the ends that are errors, each counted as `stream_<end>`

@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.errors import ForbiddenField, InvalidRequest
 
 #: keys that choose a destination or a credential, refused at the top level and at any depth
-#: inside `extra_body` and `metadata`
+#: inside `extra_body`
 ROUTING_FIELDS = frozenset(
     {"api_base", "base_url", "api_key", "api_version", "extra_headers", "headers", "url"}
 )
 #: the same names as compared: case, `_` and `-` ignored, so `baseURL`, `API-KEY` and
 #: `extraHeaders` (spellings other SDKs and proxies accept) are refused too
 _ROUTING_NORMALIZED = frozenset(name.replace("_", "") for name in ROUTING_FIELDS)
-NESTED_SCANNED = ("extra_body", "metadata")
+NESTED_SCANNED = ("extra_body",)
+#: OpenAI's `metadata` is free-form (tags a client attaches, `url` and `headers` included): in
+#: it only the names proxies use to pick a destination or credential are refused (SPEC §18)
+METADATA_FIELDS = frozenset({"apibase", "baseurl", "apikey", "apiversion", "azureendpoint"})
+#: ... and every name that starts with one of these words (`aws_region`, `vertexProject`)
+METADATA_PREFIXES = ("aws", "vertex")
+#: a key split into words at separators and camelCase humps: `AWSRegion` -> AWS, Region
+_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 #: guards the recursive scan against hostile nesting
 MAX_SCAN_DEPTH = 32
 
@@ -63,20 +71,26 @@ def is_routing_field(key: str) -> bool:
     return key.replace("_", "").replace("-", "").lower() in _ROUTING_NORMALIZED
 
 
-def _scan(value: object, path: str, depth: int) -> None:
+def is_metadata_routing_field(key: str) -> bool:
+    """A destination or credential name inside `metadata`, in any case or separator."""
+    words = [word.lower() for word in _WORDS.findall(key)]
+    return bool(words) and ("".join(words) in METADATA_FIELDS or words[0] in METADATA_PREFIXES)
+
+
+def _scan(value: object, path: str, depth: int, refused: Callable[[str], bool]) -> None:
     if depth > MAX_SCAN_DEPTH:
         raise InvalidRequest(f"{path} is nested too deeply", param=path)
     if isinstance(value, Mapping):
         for key, inner in value.items():
             where = f"{path}.{key}"
-            if is_routing_field(key):
+            if refused(key):
                 raise ForbiddenField(
                     f"field {where!r} may not choose a destination or credential", param=where
                 )
-            _scan(inner, where, depth + 1)
+            _scan(inner, where, depth + 1, refused)
     elif isinstance(value, list):
         for i, inner in enumerate(value):
-            _scan(inner, f"{path}[{i}]", depth + 1)
+            _scan(inner, f"{path}[{i}]", depth + 1, refused)
 
 
 def check_body(body: Mapping[str, Any], *, needs_prompt: str | None) -> tuple[str, bool]:
@@ -88,7 +102,9 @@ def check_body(body: Mapping[str, Any], *, needs_prompt: str | None) -> tuple[st
             )
     for key in NESTED_SCANNED:
         if key in body:
-            _scan(body[key], key, 0)
+            _scan(body[key], key, 0, is_routing_field)
+    if "metadata" in body:
+        _scan(body["metadata"], "metadata", 0, is_metadata_routing_field)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string", param="model")

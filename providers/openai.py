@@ -19,6 +19,7 @@ import anyio
 import httpx
 
 from gateway.errors import (
+    GatewayPoolFull,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamDisconnected,
@@ -91,7 +92,9 @@ def parse_retry_after(headers: httpx.Headers) -> float | None:
 
 def translate(exc: httpx.HTTPError) -> UpstreamError:
     """Map an httpx exception to our error tree, keeping no URL or body in the reason."""
-    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+    if isinstance(exc, httpx.PoolTimeout):  # our own pool is full: not the backend's fault
+        return GatewayPoolFull("no free upstream connection in the gateway's pool")
+    if isinstance(exc, httpx.ConnectTimeout):
         return UpstreamConnectTimeout("connect timeout")
     if isinstance(exc, httpx.ConnectError):
         return UpstreamConnectError("connect error")
@@ -183,6 +186,19 @@ class OpenAIProvider:
             pool=timeouts.connect,
         )
 
+    def _whole_body_timeout(self, call: UpstreamCall) -> httpx.Timeout:
+        """A non-streaming body may take the request's whole deadline (the pool's `timeout`,
+        SPEC §18) to start: the idle timeout between reads must not cut it off first."""
+        read = self._timeout.read or 0.0
+        if call.first_byte_timeout <= read:
+            return self._timeout
+        return httpx.Timeout(
+            connect=self._timeout.connect,
+            read=call.first_byte_timeout,
+            write=self._timeout.write,
+            pool=self._timeout.pool,
+        )
+
     async def open(self, call: UpstreamCall) -> HttpxStream:
         headers = dict(self._headers)
         headers["x-request-id"] = call.request_id
@@ -192,7 +208,7 @@ class OpenAIProvider:
             f"{self._base_url}/{call.endpoint}",
             content=json.dumps(call.body, separators=(",", ":")).encode(),
             headers=headers,
-            timeout=self._timeout,
+            timeout=self._timeout if call.stream else self._whole_body_timeout(call),
         )
         try:
             response = await self._client.send(request, stream=True, follow_redirects=False)

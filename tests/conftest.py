@@ -100,9 +100,12 @@ def _leak_guard(request: pytest.FixtureRequest) -> Iterator[LeakBaseline | None]
     """Every test that uses `loop_thread` (directly or through another fixture) is checked.
 
     Autouse, so the baseline is taken before any other fixture of the test opens a server.
-    At teardown the loop's registered cleanups (upstreams, ASGI servers) run first, whatever
-    the fixture order, then nothing beyond the baseline may remain. Skipped when the test
-    body already failed (that failure is the news) or with `@pytest.mark.no_leak_check`."""
+    At teardown, first the live checks, while every server still runs: no gateway request,
+    upstream response or upstream connection may still be in use (stopping the servers would
+    close those and hide the leak). Then the loop's registered cleanups (upstreams, ASGI
+    servers) run, whatever the fixture order, and nothing beyond the baseline may remain.
+    Skipped when the test body already failed (that failure is the news) or with
+    `@pytest.mark.no_leak_check`."""
     if "loop_thread" not in request.fixturenames or request.node.get_closest_marker(
         "no_leak_check"
     ):
@@ -111,8 +114,13 @@ def _leak_guard(request: pytest.FixtureRequest) -> Iterator[LeakBaseline | None]
     lt: LoopThread = request.getfixturevalue("loop_thread")
     baseline = LeakBaseline(lt)
     yield baseline
-    lt.run_cleanups()
-    if not request.node.stash.get(_CALL_FAILED, False):
+    failed = request.node.stash.get(_CALL_FAILED, False)
+    try:
+        if not failed:  # while the servers run: stopping them would close what leaked
+            baseline.check_live(LEAK_SETTLE_TIMEOUT)
+    finally:
+        lt.run_cleanups()
+    if not failed:
         baseline.check(LEAK_SETTLE_TIMEOUT)
 
 

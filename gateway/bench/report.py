@@ -231,6 +231,9 @@ def compare(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             out[f"{mode}_ttft_p50_ratio"] = round(p50 / direct, 3) if direct > 0 else None
         if direct_rps and rps:
             out[f"{mode}_throughput_ratio_direct_over_gateway"] = round(direct_rps / rps, 3)
+    for mode, row in rows.items():
+        if row.get("requests"):
+            out[f"{mode}_served_pct"] = round(100.0 * row["ok"] / row["requests"], 2)
     for q in ("p99", "p99.9"):
         off, on = _get(rows, "hedging-off", "ttft_ms", q), _get(rows, "hedging-on", "ttft_ms", q)
         if off and on is not None:
@@ -270,6 +273,11 @@ def targets(
         ratio = comparison.get("hedging-on_throughput_ratio_direct_over_gateway")
         add("gateway throughput within 3x of direct", ratio,
             None if ratio is None else ratio <= 3.0)
+    elif workload == "pushback":
+        for mode in GATEWAY_MODES:
+            served = comparison.get(f"{mode}_served_pct")
+            add(f"{mode}: >= 95 % of requests served", served,
+                None if served is None else served >= 95.0)
     return result
 
 
@@ -323,6 +331,15 @@ def format_workload(result: Mapping[str, Any]) -> str:
                          f"+{_cell(paired['ttft_p50_ms'], 2)} ms median, "
                          f"+{_cell(paired['ttft_p90_ms'], 2)} ms p90; total "
                          f"+{_cell(paired['total_p50_ms'], 2)} ms median")
+    served = [f"{mode} {c[f'{mode}_served_pct']:.1f} %" for mode in MODES
+              if f"{mode}_served_pct" in c]
+    if served:
+        lines.append(f"   requests served: {', '.join(served)}")
+    if c.get("single_hedge"):
+        best = c["single_hedge"]
+        lines.append(f"   best single hedge at ratio {best['ratio']} (same draws): delay "
+                     f"{_cell(best['delay_ms'])} ms, {best['hedged']} hedged, TTFT p50 "
+                     f"{_cell(best['ttft_p50_ms'])} ms, p99 {_cell(best['ttft_p99_ms'])} ms")
     if "hedging_ttft_p99_reduction_pct" in c:
         p99 = -c["hedging_ttft_p99_reduction_pct"]
         p999 = -c.get("hedging_ttft_p99.9_reduction_pct", math.nan)

@@ -27,6 +27,7 @@ command line `gateway.cli`'s.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -42,8 +43,9 @@ import yaml
 
 from gateway.bench import report
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
+from gateway.bench.oracle import best_single_hedge, format_shares, share_targets
 from gateway.bench.procs import ChildFailed, Children, ProcessMeter, free_port, machine, wait_ready
-from gateway.bench.upstream import profile_to_json
+from gateway.bench.upstream import profile_to_json, request_ttft
 from gateway.settings import BudgetSettings, SimProfile
 
 POOL = "bench"
@@ -62,10 +64,35 @@ class Workload:
     outage_extra: float = 0.0
     #: the outage covers these fractions of the request indexes
     outage_span: tuple[float, float] = (1 / 3, 2 / 3)
+    #: simulated backends behind the gateway (the oracle races all of them)
+    backends: int = 2
+    #: the modes this workload runs (None: the plan's)
+    modes: tuple[str, ...] | None = None
+    #: the gateway's `delay.window` in seconds (None: the default 60 s)
+    delay_window: float | None = None
+    #: report the best single-hedge policy at the budget, from the seeded draws (SPEC §20)
+    single_hedge: bool = False
 
 
 _STRAGGLERS = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.03,
                          straggler_extra=1.5, tokens=30, inter_token=0.005)
+
+#: the slow shares of SPEC §20's straggler workloads
+SLOW_SHARES = (3, 6, 10)
+#: their delay window: 4,000 requests at 30 to 100 a second span 2 to 7 windows of 20 s, so
+#: the delay settles and the run measures the settled rule, not the first minute
+SHARE_DELAY_WINDOW = 20.0
+
+
+def _share_workload(percent: int) -> Workload:
+    return Workload(
+        f"stragglers-{percent}", f"as stragglers, with {percent} % stragglers +1500 ms; "
+        f"delay.window {SHARE_DELAY_WINDOW:g} s",
+        dataclasses.replace(_STRAGGLERS, straggler_probability=percent / 100),
+        requests=4000, concurrency=20, quick_requests=300,
+        modes=("hedging-off", "hedging-on"), delay_window=SHARE_DELAY_WINDOW, single_hedge=True)
+
+
 WORKLOADS: tuple[Workload, ...] = (
     Workload("stragglers", "lognormal TTFT (median 150 ms, sigma 0.25), 3 % stragglers +1500 ms,"
              " 30 tokens at 5 ms", _STRAGGLERS, requests=600, concurrency=20, quick_requests=100),
@@ -75,7 +102,16 @@ WORKLOADS: tuple[Workload, ...] = (
              SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
                         straggler_extra=0.0, tokens=50, inter_token=0.0),
              requests=2000, concurrency=50, quick_requests=150),
+    Workload("pushback", "3 backends, TTFT median 150 ms (no stragglers), each answering 3 % "
+             "with 503 + Retry-After: 1", SimProfile(
+                 ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.0,
+                 straggler_extra=0.0, tokens=30, inter_token=0.005, fail_probability=0.03,
+                 fail_status=503),
+             requests=600, concurrency=16, quick_requests=150, backends=3),
+    *(_share_workload(percent) for percent in SLOW_SHARES),
 )
+#: `--workload` names that stand for several workloads
+WORKLOAD_GROUPS = {"slow-shares": tuple(f"stragglers-{p}" for p in SLOW_SHARES)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +126,18 @@ class BenchPlan:
     request_timeout: float = 60.0
 
 
-def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool) -> str:
+def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
+                   delay_window: float | None = None) -> str:
     backends = [
         {"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
          "base_url": f"http://127.0.0.1:{p}/v1", "group": f"zone-{chr(97 + k)}"}
         for k, p in enumerate(sim_ports)
     ]
+    pool: dict[str, Any] = {"name": POOL, "backends": backends}
+    if delay_window is not None:
+        pool["hedging"] = {"delay": {"window": delay_window}}
     config = {"server": {"host": "127.0.0.1", "port": port}, "hedging": {"enabled": hedging},
-              "pools": [{"name": POOL, "backends": backends}]}
+              "pools": [pool]}
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -111,11 +151,14 @@ class _Context:
     sim_pids: list[int]
 
 
-async def _start_gateway(ctx: _Context, mode: str) -> tuple[str, subprocess.Popen[bytes]]:
+async def _start_gateway(ctx: _Context, mode: str, workload: Workload
+                         ) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
     with open(path, "w", encoding="utf-8") as file:
-        file.write(gateway_config(port, ctx.sim_ports, hedging=mode == "hedging-on"))
+        file.write(gateway_config(port, ctx.sim_ports[:workload.backends],
+                                  hedging=mode == "hedging-on",
+                                  delay_window=workload.delay_window))
     proc = ctx.children.start(f"gateway-{mode}", [
         sys.executable, "-m", "gateway.cli", "serve", "--config", path, "--host", "127.0.0.1",
         "--port", str(port), "--log-level", "warning"])
@@ -134,7 +177,7 @@ async def _hedge_stats(client: httpx.AsyncClient, base: str) -> object:
 async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
                     concurrency: int, gateway: tuple[str, subprocess.Popen[bytes]] | None,
                     ) -> dict[str, Any]:
-    client = ctx.client
+    client, sims = ctx.client, ctx.sims[:workload.backends]
     outage = {"start": int(requests * workload.outage_span[0]),
               "end": int(requests * workload.outage_span[1]),
               "extra_ms": workload.outage_extra * 1000.0}
@@ -142,7 +185,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         client.post(f"{s}/bench/reset", json={
             "profile": profile_to_json(workload.profile), "seed": ctx.plan.seed,
             "backend": chr(97 + k), "outage": outage})
-        for k, s in enumerate(ctx.sims)))
+        for k, s in enumerate(sims)))
     for response in resets:
         response.raise_for_status()
     direct_body = {**CHAT_BODY, "model": "sim"}
@@ -151,14 +194,15 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         url = f"{ctx.sims[0]}/v1/chat/completions"
         send = lambda c, i: stream_one(c, url, i, body=direct_body)  # noqa: E731
     elif mode == "oracle":
-        urls = [f"{s}/v1/chat/completions" for s in ctx.sims]
+        urls = [f"{s}/v1/chat/completions" for s in sims]
         send = lambda c, i: best_of(c, urls, i, body=direct_body)  # noqa: E731
     elif gateway is not None:
         gw_url, gw_body = f"{gateway[0]}/v1/chat/completions", {**CHAT_BODY, "model": POOL}
         send = lambda c, i: stream_one(c, gw_url, i, body=gw_body)  # noqa: E731
     else:
         raise ValueError(f"unknown mode {mode!r}")
-    pids = {"client": os.getpid(), **{f"sim-{chr(97 + k)}": p for k, p in enumerate(ctx.sim_pids)}}
+    pids = {"client": os.getpid(),
+            **{f"sim-{chr(97 + k)}": p for k, p in enumerate(ctx.sim_pids[:len(sims)])}}
     if gateway is not None:
         pids["gateway"] = gateway[1].pid
     done = asyncio.Event()
@@ -183,7 +227,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
             await task
     processes = meters[0].result()
     await asyncio.sleep(0.3)  # let the losers' closes reach the simulators' logs
-    logs = [(await client.get(f"{s}/bench/log")).json() for s in ctx.sims]
+    logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
     hedge_stats = await _hedge_stats(client, gateway[0]) if gateway is not None else None
     row = report.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
                                 hedge_stats=hedge_stats,
@@ -201,19 +245,22 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
 async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                         concurrency: int) -> dict[str, Any]:
     gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
+    modes = [m for m in ctx.plan.modes if workload.modes is None or m in workload.modes]
     try:
-        for mode in ctx.plan.modes:
+        for mode in modes:
             if mode in report.GATEWAY_MODES:
-                gateways[mode] = await _start_gateway(ctx, mode)
+                gateways[mode] = await _start_gateway(ctx, mode, workload)
         await asyncio.gather(*(wait_ready(ctx.client, f"{url}/healthz", proc, ctx.children)
                                for url, proc in gateways.values()))
         rows = {mode: await _run_mode(ctx, workload, mode, requests, concurrency,
                                       gateways.get(mode))
-                for mode in ctx.plan.modes}
+                for mode in modes}
     finally:
         for _, proc in gateways.values():
             ctx.children.stop(proc)
     comparison = report.compare(rows)
+    if workload.single_hedge:
+        comparison["single_hedge"] = _single_hedge(workload, requests, ctx.plan.seed)
     result: dict[str, Any] = {
         "name": workload.name, "description": workload.description,
         "requests": requests, "concurrency": concurrency, "seed": ctx.plan.seed,
@@ -221,7 +268,8 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
         "outage": ({"extra_ms": workload.outage_extra * 1000, "span": workload.outage_span}
                    if workload.outage_extra > 0 else None),
         "modes": list(rows.values()), "comparison": comparison,
-        "targets": report.targets(workload.name, rows, comparison, BudgetSettings()),
+        "targets": report.targets(workload.name, rows, comparison, BudgetSettings())
+        + (share_targets(workload.name, rows, comparison) if workload.single_hedge else []),
     }
     if workload.outage_extra > 0 and "hedging-on" in rows:
         result["outage_phases"] = report.outage_phases(rows["hedging-on"], requests,
@@ -231,11 +279,24 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
     return result
 
 
+def _single_hedge(workload: Workload, requests: int, seed: int) -> dict[str, Any]:
+    """The best single-hedge policy at the default budget over this run's seeded draws:
+    backend a's TTFT as the primary, backend b's as the hedge (SPEC §20)."""
+    pairs = [(request_ttft(workload.profile, seed, "a", i), request_ttft(workload.profile, seed,
+                                                                          "b", i))
+             for i in range(requests)]
+    ratio = BudgetSettings().ratio
+    best = best_single_hedge(pairs, ratio, (0.5, 0.99))
+    return {"ratio": ratio, "delay_ms": round(best.delay * 1000.0, 3), "hedged": best.hedged,
+            "ttft_p50_ms": round(best.ttft[0] * 1000.0, 3),
+            "ttft_p99_ms": round(best.ttft[1] * 1000.0, 3)}
+
+
 async def _run(plan: BenchPlan, children: Children, sizes: Sequence[tuple[int, int]]
                ) -> list[dict[str, Any]]:
     """Start the simulators, then run each workload; the load uses its own clients."""
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:  # control calls
-        ports = [free_port(), free_port()]
+        ports = [free_port() for _ in range(max(w.backends for w in plan.workloads))]
         procs = [children.start(f"sim-{chr(97 + k)}", [
             sys.executable, "-m", "gateway.bench.upstream", "--port", str(p)])
             for k, p in enumerate(ports)]
@@ -291,6 +352,41 @@ def run_bench_command(plan: BenchPlan, *, out: str | None, requests: int | None 
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+    shares = format_shares(result["workloads"])
+    if shares:
+        print(shares)
     report.write_json(out, result)
     print(f"JSON report: {out}")
     return 0
+
+
+
+def run_soak_command(*, duration: float | None, quick: bool, concurrency: int | None, seed: int,
+                     out: str | None, progress: bool) -> int:
+    """`--workload soak`: both gateways side by side under faults (`gateway.bench.soak`);
+    exit 1 when a request hung or ended silently, or a socket was left behind."""
+    from gateway.bench import soak
+
+    seconds = duration if duration is not None else (20.0 if quick else 600.0)
+    plan = soak.SoakPlan(duration=seconds, concurrency=concurrency or 8, seed=seed,
+                         sample_every=max(1.0, min(10.0, seconds / 60)),
+                         progress=sys.stderr if progress else None)
+    out = out or os.path.join("bench-results", "soak-" + time.strftime("%Y%m%d-%H%M%S")
+                              + ".json")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hedge-soak-") as logdir:
+            result = soak.run_soak(plan, logdir)
+    except ChildFailed as exc:
+        print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nhedge-gateway bench: interrupted; every child process was stopped",
+              file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(soak.format_soak(result))
+    report.write_json(out, result)
+    print(f"JSON report: {out}")
+    return 0 if soak.clean(result) else 1

@@ -264,7 +264,8 @@ def describe_pools(settings: Settings) -> list[str]:
         if delay.mode == "fixed":
             timing = f"delay fixed {_duration_text(delay.value)}"
         else:
-            timing = (f"delay adaptive p{delay.quantile * 100:g} in "
+            q = "auto" if delay.quantile == "auto" else f"p{delay.quantile * 100:g}"
+            timing = (f"delay adaptive {q} in "
                       f"[{_duration_text(delay.min)}, {_duration_text(delay.max)}], "
                       f"initial {_duration_text(delay.initial)}")
         count = len(pool.backends)

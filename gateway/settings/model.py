@@ -32,9 +32,10 @@ class DelaySettings(Checked):
 
     mode: Literal["adaptive", "fixed"] = field(default="adaptive", metadata=scalar(
         cv.choice(("adaptive", "fixed")), "adaptive: a quantile of recent TTFT; fixed: `value`"))
-    quantile: float = field(default=0.95, metadata=scalar(
-        cv.number(0, 1, open_low=True, open_high=True),
-        "the TTFT quantile the adaptive delay follows, strictly between 0 and 1"))
+    quantile: float | Literal["auto"] = field(default="auto", metadata=scalar(
+        cv.auto_or_fraction(),
+        "auto: follow the hedge rate the budget pays for (SPEC §20); a number strictly "
+        "between 0 and 1 pins the quantile"))
     min: float = field(default=0.050, metadata=scalar(
         cv.duration(zero=True), "lower clamp of the adaptive delay (0 allowed)"))
     max: float = field(default=5.0, metadata=scalar(

@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 T = TypeVar("T")
@@ -268,6 +268,21 @@ def choice(options: tuple[T, ...]) -> Parser[T]:
         return options[options.index(value)]  # the option itself, never a `Substituted`
 
     return Parser(parse, _or_env({"enum": list(options)}))
+
+
+def auto_or_fraction() -> Parser[float | Literal["auto"]]:
+    """`auto`, or a number strictly between 0 and 1 (`delay.quantile`, SPEC §20). A word other
+    than `auto` is told both forms; a number out of range only the range."""
+    fraction = number(0, 1, open_low=True, open_high=True)
+
+    def parse(value: object) -> float | Literal["auto"]:
+        if value == "auto":
+            return "auto"
+        if isinstance(value, str) and not value.strip()[:1].isdigit():
+            raise Invalid(f"must be auto or a number in (0, 1), got {show(value)}")
+        return fraction(value)
+
+    return Parser(parse, {"anyOf": [{"const": "auto"}, fraction.schema]})
 
 
 def either(first: Parser[A], second: Parser[B]) -> Parser[A | B]:

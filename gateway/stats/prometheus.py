@@ -23,6 +23,8 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `hedges_won_total` | counter | pool | hedges whose stream won |
 | `hedges_suppressed_total` | counter | pool, reason | hedges/failovers not started |
 | `failovers_total` | counter | pool | replacement attempts after failures |
+| `panic_total` | counter | pool | requests whose backend choice ran in panic mode |
+| `refused_no_backend_total` | counter | pool | requests refused untried: no backend had room |
 | `losers_cancelled_total` | counter | pool | attempts cancelled because another won |
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
 | `attempt_ttft_censored_total` | counter | pool, backend | attempts cancelled before a token |
@@ -55,6 +57,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gateway.budget import SuppressReason
+from gateway.errors import NoBackendAvailable
 from gateway.pool import PoolRuntime
 from gateway.stats.record import BucketHistogram, Stats
 
@@ -100,6 +103,9 @@ class GatewayCollector(Collector):
         suppressed = _counter("hedges_suppressed", "Hedges or failovers not started, by reason.",
                               ["pool", "reason"])
         failovers = _counter("failovers", "Replacement attempts after failures.", ["pool"])
+        panic = _counter("panic", "Requests whose backend choice ran in panic mode.", ["pool"])
+        refused = _counter("refused_no_backend",
+                           "Requests refused untried: no backend could take them.", ["pool"])
         losers = _counter("losers_cancelled", "Attempts cancelled because another won.",
                           ["pool"])
         late = _counter("loser_events_after_commit", "Events losers read after the commit.",
@@ -126,6 +132,8 @@ class GatewayCollector(Collector):
             for reason in SuppressReason:
                 suppressed.add_metric([pool, reason.value], c[f"suppressed.{reason.value}"])
             failovers.add_metric([pool], c["failovers"])
+            panic.add_metric([pool], c["panic"])
+            refused.add_metric([pool], c[f"outcome.{NoBackendAvailable.code}"])
             losers.add_metric([pool], c["losers"])
             late.add_metric([pool], c["late_events"])
             hedge_cost.add_metric([pool], c["tokens.hedge_input"])
@@ -141,8 +149,8 @@ class GatewayCollector(Collector):
                 for key, value in sorted(bc.items()):
                     if key.startswith("failure.") and value > 0:
                         failures.add_metric([pool, backend, key[8:]], value)
-        yield from (requests, attempts, started, won, suppressed, failovers, losers, late,
-                    censored, failures, tokens, hedge_cost)
+        yield from (requests, attempts, started, won, suppressed, failovers, panic, refused,
+                    losers, late, censored, failures, tokens, hedge_cost)
 
     def _latencies(self) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

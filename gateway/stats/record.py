@@ -9,7 +9,8 @@ default 60 s). Counts in the window come from a ring of count buckets (one per w
 seconds, recycled lazily like the latency sketches); quantiles from `WindowedSketch`. A
 window view therefore covers between 5/6 and all of `window_s`, never anything older.
 
-Only configured pools and backends are ever keys (the layout is fixed at construction), and
+Only configured pools and backends are ever keys (the layout comes from the configuration,
+at construction and at each reload through `Stats.adopt`), and
 error classes are folded into a fixed set, so nothing a client sends becomes a key here or a
 label in `/metrics`. No prompt, body, key or URL is stored.
 
@@ -66,6 +67,8 @@ class RequestSummary:
     relay_end: StreamEnd | None = None
     #: tokens of the winning attempt, when its response reported usage (SPEC §17)
     usage: Usage | None = None
+    #: a backend choice of this request ran in panic mode (SPEC §19)
+    panic: bool = False
 
     def attach(
         self,
@@ -277,6 +280,18 @@ class Stats:
         layout = {name: [b.name for b in p.settings.backends] for name, p in pools.items()}
         return cls(layout, now=now, window=window)
 
+    def adopt(self, layout: Mapping[str, Sequence[str]]) -> None:
+        """Take a reloaded configuration's layout (pool name -> backend names): pools and
+        backends that keep their name keep their counters and sketches, new ones start at
+        zero, removed ones disappear (a request of a removed pool that ends later is counted
+        in `unrecorded`, like any summary outside the layout)."""
+        pools: dict[str, PoolStats] = {}
+        for name, backends in layout.items():
+            ps = self.pools.get(name) or PoolStats((), self.window)
+            ps.backends = {b: ps.backends.get(b) or BackendStats(self.window) for b in backends}
+            pools[name] = ps
+        self.pools = pools
+
     def record(self, summary: RequestSummary) -> None:
         """Account for one logical request that has fully ended."""
         pool = self.pools.get(summary.pool)
@@ -289,6 +304,7 @@ class Stats:
         pc[f"attempts={len(summary.attempts)}"] += 1
         outcome = request_class(summary, self.error_classes)
         pc[f"outcome.{outcome}"] += 1
+        pc["panic"] += summary.panic
         self.races.add(summary, outcome)
         for reason in summary.suppressed:
             pc[f"suppressed.{SuppressReason(reason).value}"] += 1

@@ -7,7 +7,7 @@ gateway cannot be reached or answers with something that is not its stats.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 import httpx
@@ -24,6 +24,17 @@ def _fmt(value: Any, unit: str = "") -> str:
     if isinstance(value, float):
         return f"{value:.1f}{unit}" if unit == "ms" else f"{value:.3g}{unit}"
     return f"{value}{unit}"
+
+
+def _delay_cell(backend: Mapping[str, Any]) -> str:
+    """`232.0ms adaptive p92 auto`: the delay in force, its mode, quantile and rule."""
+    parts = [_fmt(backend.get("hedge_delay_ms"), "ms"), str(backend.get("hedge_delay_mode", ""))]
+    quantile = backend.get("hedge_delay_quantile")
+    if isinstance(quantile, int | float):
+        parts.append(f"p{quantile * 100:g}")
+    if backend.get("hedge_delay_rule") == "auto":
+        parts.append("auto")
+    return " ".join(p for p in parts if p)
 
 
 def _pct(value: Any) -> str:
@@ -70,6 +81,8 @@ def _pool_rows(pool: dict[str, Any]) -> list[list[str]]:
             _fmt(ttft.get("p99"), "ms"),
             _fmt(losers.get("cancelled")),
             _fmt(losers.get("close_ms", {}).get("p99"), "ms"),
+            _fmt(v.get("panic")),
+            _fmt(v.get("refused_no_backend")),
             _errors(v.get("errors", {})),
         ])
     return rows
@@ -80,12 +93,14 @@ def _backend_rows(backends: dict[str, Any]) -> list[list[str]]:
     for name, b in backends.items():
         w, life = b.get("window", {}), b.get("lifetime", {})
         state = b.get("state", "?")
+        if b.get("seconds_left") is not None:
+            state = f"{state} {b['seconds_left']:.1f}s"
         if b.get("reason"):
             state = f"{state} ({b['reason']})"
         rows.append([
             name,
             state,
-            f"{_fmt(b.get('hedge_delay_ms'), 'ms')} {b.get('hedge_delay_mode', '')}".strip(),
+            _delay_cell(b),
             _fmt(b.get("inflight")),
             _fmt(w.get("ttft_ms", {}).get("p50"), "ms"),
             _fmt(w.get("ttft_ms", {}).get("p99"), "ms"),
@@ -102,6 +117,12 @@ def render(stats: dict[str, Any], out: TextIO) -> None:
     """Print the stats document as tables."""
     print(f"window {_fmt(stats.get('window_s'))}s, uptime {_fmt(stats.get('uptime_s'))}s",
           file=out)
+    config = stats.get("config")
+    if isinstance(config, dict):
+        print(f"config: {config.get('source')}, sha256 {str(config.get('sha256'))[:16]}, "
+              f"loaded {config.get('loaded_at')} ({_fmt(config.get('loaded_s_ago'))}s ago), "
+              f"generation {_fmt(config.get('generation'))}, failed reloads "
+              f"{_fmt(config.get('failed_reloads'))}", file=out)
     for name, pool in stats.get("pools", {}).items():
         budget = pool.get("budget", {})
         print(file=out)
@@ -122,7 +143,8 @@ def render(stats: dict[str, Any], out: TextIO) -> None:
         )
         _table(
             ["scope", "requests", "att/req", "hedges", "won", "win%", "issue%", "suppressed",
-             "failovers", "ttft p50", "ttft p99", "losers", "close p99", "errors"],
+             "failovers", "ttft p50", "ttft p99", "losers", "close p99", "panic", "no backend",
+             "errors"],
             _pool_rows(pool),
             out,
         )

@@ -8,7 +8,17 @@ changes what it reads.
 denominator, a quantile with no data). `<scope>` is `lifetime` or `window` (same fields).
 
 Top level: `window_s` (length of the recent window), `uptime_s` (since the stats started),
-`pools.<pool>` (one entry per configured pool):
+`config` (the configuration in force, below), `pools.<pool>` (one entry per configured pool):
+
+| field under `config.` | meaning |
+|---|---|
+| `loaded_at` | when the configuration in force was loaded (ISO 8601, UTC) |
+| `loaded_s_ago` | seconds since then |
+| `sha256` | checksum of the file's bytes (`source: file`) or of the embedded default |
+| `source` | `file` (`serve --config`) or `embedded` |
+| `generation` | 1 at start, +1 per successful reload (SIGHUP) |
+| `failed_reloads` | reloads refused because the new file was invalid |
+
 
 | field under `pools.<pool>.` | meaning |
 |---|---|
@@ -35,15 +45,20 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.cancelled` | attempts cancelled as the request ended without a winner |
 | `<scope>.latency_saved_ms.p50/p99` / `.count` | hedge won: primary's tokenless time at commit |
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
+| `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
+| `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
 | `<scope>.tokens.hedge_input` | hedge cost: input tokens again per extra attempt that got sent |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
 | `state` / `reason` | `ok`, `ejected` or `paused`, and why (null when ok) |
+| `seconds_left` | until the pause or cool-down ends (0: awaiting its probe; null when ok) |
 | `group` / `inflight` | the configured group; attempts running there now |
 | `hedge_delay_ms` | hedge delay in force for requests whose primary is here |
 | `hedge_delay_mode` | `adaptive` (TTFT quantile), `initial` (too few samples), `fixed` |
+| `hedge_delay_quantile` | the TTFT quantile the delay follows (null in `fixed` mode) |
+| `hedge_delay_rule` | `auto` (quantile from the budget ratio), `pinned` (configured), `fixed` |
 | `<scope>.attempts` | attempts sent to the backend |
 | `<scope>.primaries` / `.hedges` / `.failovers` | the same, by kind |
 | `<scope>.won` / `.lost` / `.failed` / `.cancelled` | the same, by outcome |
@@ -60,8 +75,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gateway.budget import SuppressReason
+from gateway.errors import NoBackendAvailable
 
 if TYPE_CHECKING:
+    from gateway.live import Live
     from gateway.pool import PoolRuntime
     from gateway.stats.record import BackendStats, PoolStats, Stats
 
@@ -69,9 +86,12 @@ QUANTILES = (0.5, 0.9, 0.95, 0.99)
 SCOPES = ("lifetime", "window")
 
 
-def snapshot(stats: Stats, pools: Mapping[str, PoolRuntime], now: float) -> dict[str, Any]:
+def snapshot(
+    stats: Stats, pools: Mapping[str, PoolRuntime], now: float, *, live: Live | None = None
+) -> dict[str, Any]:
     """The `/hedge/stats` document (fields in the module docstring): the counts of `stats` plus
-    live state (budget, balancer, hedge delays) read from `pools` at `now`."""
+    live state (budget, balancer, hedge delays) read from `pools` at `now`, and the
+    configuration in force when `live` is given."""
     out: dict[str, Any] = {}
     for name, ps in stats.pools.items():
         runtime = pools.get(name)
@@ -85,10 +105,26 @@ def snapshot(stats: Stats, pools: Mapping[str, PoolRuntime], now: float) -> dict
             b: backend_view(bs, runtime, b, now) for b, bs in ps.backends.items()
         }
         out[name] = entry
-    return {
+    doc: dict[str, Any] = {
         "window_s": stats.window,
         "uptime_s": round(max(0.0, now - stats.started), 3),
-        "pools": out,
+    }
+    if live is not None:
+        doc["config"] = config_view(live, now)
+    doc["pools"] = out
+    return doc
+
+
+def config_view(live: Live, now: float) -> dict[str, Any]:
+    """When the configuration in force was loaded, its checksum, and the reload counts."""
+    origin = live.current.origin
+    return {
+        "loaded_at": origin.loaded_wall,
+        "loaded_s_ago": round(max(0.0, now - origin.loaded_at), 3),
+        "sha256": origin.sha256,
+        "source": origin.source,
+        "generation": live.current.number,
+        "failed_reloads": live.failed_reloads,
     }
 
 
@@ -145,6 +181,8 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             k[8:]: v for k, v in sorted(c.items())
             if k.startswith("outcome.") and k != "outcome.ok" and v > 0
         },
+        "panic": c["panic"],
+        "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
         "tokens": {
             "input": c["tokens.input"],
             "output": c["tokens.output"],
@@ -159,18 +197,24 @@ def backend_view(
     out: dict[str, Any] = {}
     if runtime is not None:
         state, reason = runtime.balancer.state(name, now)
+        left = runtime.balancer.seconds_left(name, now)
         delay = runtime.delays[name]
-        if delay.settings.mode == "fixed":
-            mode = "fixed"
+        fixed = delay.settings.mode == "fixed"
+        if fixed:
+            mode = rule = "fixed"
         else:
             mode = "adaptive" if delay.adaptive(now) else "initial"
+            rule = "auto" if delay.settings.quantile == "auto" else "pinned"
         out.update(
             state=state,
             reason=reason,
+            seconds_left=None if left is None else round(left, 3),
             group=runtime.groups.get(name, ""),
             inflight=runtime.balancer.inflight(name),
             hedge_delay_ms=round(delay.delay(now) * 1000, 3),
             hedge_delay_mode=mode,
+            hedge_delay_quantile=None if fixed else round(delay.quantile, 4),
+            hedge_delay_rule=rule,
         )
     for scope in SCOPES:
         c = bs.counts.view(scope, now)

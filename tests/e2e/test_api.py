@@ -670,8 +670,10 @@ FORBIDDEN: dict[str, tuple[dict[str, Any], str]] = {
         {**GOOD, "extra_body": {"targets": [{"ok": 1}, {"url": "http://evil.example"}]}},
         "extra_body.targets[1].url",
     ),
-    "metadata_headers": (
-        {**GOOD, "metadata": {"headers": {"authorization": "Bearer x"}}}, "metadata.headers"
+    # metadata is free-form (`headers` passes there, SPEC §18), but not for credentials
+    "metadata_api_key": (
+        {**GOOD, "metadata": {"tenant": {"api_key": "sk-someone-else"}}},
+        "metadata.tenant.api_key",
     ),
 }
 

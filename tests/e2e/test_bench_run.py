@@ -82,3 +82,47 @@ def test_cli_refuses_sizes_below_one_before_starting_anything(
             main(["bench", option, "0"])
         assert info.value.code == 2
         assert "0 is not at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_share_workload_runs_off_and_on_and_reports_the_single_hedge_bound() -> None:
+    import dataclasses
+
+    share = dataclasses.replace(TINY, name="stragglers-6", outage_extra=0.0,
+                                modes=("hedging-off", "hedging-on"), delay_window=5.0,
+                                single_hedge=True)
+    report = bench.run_bench(bench.BenchPlan(workloads=(share,), seed=3))
+    (workload,) = report["workloads"]
+    assert [row["mode"] for row in workload["modes"]] == ["hedging-off", "hedging-on"]
+    for row in workload["modes"]:
+        assert row["ok"] + row["errors"] == 20
+    best = workload["comparison"]["single_hedge"]
+    assert best["ratio"] == 0.1 and best["hedged"] == 2  # 10 % of 20 requests
+    assert [t["target"] for t in workload["targets"]] == [
+        "TTFT p99 <= 1.15 x best single hedge", "TTFT p99 hedging on <= off",
+        "extra attempts <= 12 % of requests"]
+
+
+@pytest.mark.timeout(120)
+def test_tiny_soak_runs_both_gateways_through_the_faults(tmp_path: Path) -> None:
+    """A few seconds of the soak: every child really starts, sim-a is really killed and
+    restarted, and every request is accounted as ok or an explicit error (none silent, none
+    hung), with the gateways' RSS and descriptors sampled."""
+    from gateway.bench import soak
+
+    plan = soak.SoakPlan(duration=4.0, concurrency=2, interval=0.1, pushback=0.1, stall=0.1,
+                         sample_every=0.5, request_timeout=30.0, settle=0.0)
+    result = soak.run_soak(plan, str(tmp_path))
+    assert [m["mode"] for m in result["modes"]] == list(soak.MODES)
+    assert [e["event"] for e in result["events"]] == ["sim-a killed", "sim-a restarted"]
+    for mode in result["modes"]:
+        assert mode["requests"] > 0
+        assert mode["ok"] + mode["explicit"] + mode["silent"] + mode["hung"] == mode["requests"]
+        assert len(mode["series"]) >= 2
+        assert mode["rss_mb"]["max"] > 0 and mode["fds"]["max"] > 0
+        assert mode["after_idle"]["fds"] > 0
+    # with no idle period here, pooled connections whose backend closed them can still sit
+    # in CLOSE_WAIT: `soak.clean`'s socket check is for the full run; this is the requests'
+    assert all(m["silent"] == 0 and m["hung"] == 0 for m in result["modes"]), \
+        soak.format_soak(result)
+    assert "no socket left in CLOSE_WAIT:" in soak.format_soak(result)

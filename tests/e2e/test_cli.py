@@ -8,13 +8,15 @@ console script, the argument parsing, uvicorn's own signal handling and exit sta
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -72,10 +74,12 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     pytest.fail(f"serve did not answer {url} within {START_TIMEOUT}s:\n{log.read_text()}")
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+@contextlib.contextmanager
+def serving(
+    tmp_path: Path, *, preexec_fn: Callable[[], None] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """`hedge-gateway serve --port N`, run from an empty directory (no config file nearby);
-    killed at teardown if the test did not stop it."""
+    killed at the end if the test did not stop it."""
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
@@ -86,6 +90,7 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )
     try:
         yield proc, f"http://127.0.0.1:{port}", log
@@ -93,6 +98,12 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]
         if proc.poll() is None:
             proc.kill()
             proc.wait(5.0)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    with serving(tmp_path) as started:
+        yield started
 
 
 def test_serve_with_no_config_streams_the_demo_pool_and_stops_on_sigterm(
@@ -134,6 +145,42 @@ def test_serve_exits_with_status_0_after_a_graceful_sigterm(
     wait_healthy(proc, root + "/healthz", log)
     code, output = terminate(proc, log)
     assert "Application shutdown complete" in output, output
+    assert code == 0, output
+
+
+#: the soft open-file limit many systems start a service with is 1024; lower still here
+LOW_SOFT_LIMIT = 256
+
+
+def _lower_open_file_limit() -> None:
+    """Runs in the child before `exec`: a small soft limit under the unchanged hard one."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (LOW_SOFT_LIMIT, hard))
+
+
+def open_file_limits(pid: int) -> tuple[str, str]:
+    """(soft, hard) open-file limits of a running process, as the kernel reports them."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return soft, hard
+    raise AssertionError(f"no open-file limit for process {pid}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="needs Linux /proc")
+def test_serve_raises_its_open_file_soft_limit_to_the_hard_limit(tmp_path: Path) -> None:
+    """1,000 streams hold 2,000 sockets: a gateway left at a 1024 soft limit would fail to
+    accept or connect long before `max_connections`."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard <= LOW_SOFT_LIMIT:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves nothing to raise to")
+    with serving(tmp_path, preexec_fn=_lower_open_file_limit) as (proc, root, log):
+        wait_healthy(proc, root + "/healthz", log)
+        soft_now, hard_now = open_file_limits(proc.pid)
+        assert soft_now == hard_now, log.read_text()
+        assert int(soft_now) > LOW_SOFT_LIMIT
+        code, output = terminate(proc, log)
+    assert f"open-file limit {soft_now} (raised from {LOW_SOFT_LIMIT})" in output
     assert code == 0, output
 
 

@@ -580,3 +580,30 @@ def test_fixtures_leak_check_end_to_end(tmp_path: Path) -> None:
     assert "PASSED test_inner.py::test_fixture_order_does_not_matter" in out
     assert "FAILED test_inner.py::test_failing_test_is_not_double_reported" in out
     assert "ERROR test_inner.py::test_failing_test_is_not_double_reported" not in out
+
+
+def test_the_live_check_sees_a_response_still_held_while_the_servers_run(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """The leak check looks before the cleanups: stopping the servers would close a response
+    a gateway leaked, and a check after that would see nothing."""
+    held = Script(headers=SSE_H, steps=[Head(), Send(role_chunk()), Hang()])
+    upstream = scripted_upstream.one(responder=lambda _: held)
+    baseline = LeakBaseline(loop_thread)
+
+    async def open_and_hold() -> tuple[httpx.AsyncClient, httpx.Response]:
+        client = httpx.AsyncClient()
+        request = client.build_request("POST", upstream.base_url + "/chat/completions",
+                                       json={})
+        return client, await client.send(request, stream=True)
+
+    client, response = loop_thread.run(open_and_hold())
+    with pytest.raises(AssertionError, match=r"request 0 .* still open"):
+        baseline.check_live(settle_timeout=0.2)
+
+    async def release() -> None:
+        await response.aclose()
+        await client.aclose()
+
+    loop_thread.run(release())
+    baseline.check_live()

@@ -23,6 +23,7 @@ from gateway.settings import BudgetSettings, Settings, Timeouts
 from tests.harness import (
     DONE,
     AsgiServerFactory,
+    Gate,
     Hang,
     Head,
     RecordedRequest,
@@ -33,6 +34,7 @@ from tests.harness import (
     Sleep,
     Step,
     UpstreamFactory,
+    Wait,
     comment,
     error_script,
     finish_chunk,
@@ -109,15 +111,58 @@ def stream_content(client: openai.OpenAI, **extra: object) -> tuple[str, dict[st
 # --- 1. the hedge wins a trap; the reversed trap leaves the primary winning ---------------
 
 
+def gated_winner(first: str, rest: Sequence[str], gate: Gate, token_after: float) -> Script:
+    """Role chunk at once, `first` after `token_after`, then nothing more until `gate` opens:
+    the winner's stream is provably still going while the test looks at the loser."""
+    steps: list[Step] = [
+        Head(), Send(role_chunk()), Send(token_chunk(first), token_after), Wait(gate),
+        *[Send(token_chunk(t)) for t in rest], Send(finish_chunk()), Send(DONE),
+    ]
+    return Script(headers=SSE, steps=steps)
+
+
+class LoserWatch:
+    """A thread that waits for the race's two arrivals, then for the loser's upstream to see
+    its connection closed, and only then opens the winner's gate. `closed_first` says whether
+    the loser was closed while the winner was held (SPEC §5.5: at commit, not at the end of
+    the winner's stream)."""
+
+    def __init__(self, order: InOrder, upstreams: Sequence[ScriptedUpstream], loser: int,
+                 gate: Gate) -> None:
+        self.closed_first = False
+        self._order, self._upstreams, self._loser, self._gate = order, upstreams, loser, gate
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            deadline = time.monotonic() + 10.0
+            while len(self._order.arrivals) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling, not a timing assertion
+            if len(self._order.arrivals) >= 2:
+                loser = self._order.arrivals[self._loser]
+                owner = next(u for u in self._upstreams if loser in u.requests)
+                self.closed_first = owner.wait_closed(loser, 5.0)
+        finally:
+            self._gate.open()
+
+    def join(self) -> None:
+        self._thread.join(15.0)
+
+
 def test_hedge_after_delay_wins_and_primary_is_closed(
     asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
 ) -> None:
-    order = InOrder(slow_trap(2.0, "slow"), stream_script(["fast", " answer"], ttft=0.05))
+    gate = Gate()
+    order = InOrder(slow_trap(2.0, "slow"), gated_winner("fast", [" answer"], gate, 0.05))
     upstreams, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
-    with sdk(v1) as client:
-        sent = time.monotonic()
-        text, headers = stream_content(client)
-    ended = time.monotonic()
+    watch = LoserWatch(order, upstreams, 0, gate)
+    try:
+        with sdk(v1) as client:
+            sent = time.monotonic()
+            text, headers = stream_content(client)
+    finally:
+        watch.join()
 
     assert text == "fast answer"
     primary, hedge = order.arrivals
@@ -127,27 +172,35 @@ def test_hedge_after_delay_wins_and_primary_is_closed(
     # causality: the hedge went out after the 300 ms delay (counted from no later than the
     # client's send), not before
     assert hedge.received_at - sent >= 0.3
-    # the primary's upstream saw its connection closed before the client's stream ended
-    assert primary.closed_at is not None and primary.closed_at <= ended
+    # the primary's upstream saw its connection closed while the winner was still held
+    # before its second token
+    assert watch.closed_first, "the loser was not closed while the winner streamed"
+    assert primary.closed_at is not None and primary.closed_at <= hedge.event_times[2]
     assert primary.events_written < 5  # it never got to send its late token
 
 
 def test_reversed_trap_primary_wins_and_hedge_is_closed(
     asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
 ) -> None:
-    order = InOrder(slow_trap(0.6, "primary"), slow_trap(2.0, "hedge"))
+    gate = Gate()
+    order = InOrder(gated_winner("primary", [" more", " tokens"], gate, 0.6),
+                    slow_trap(2.0, "hedge"))
     upstreams, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
-    with sdk(v1) as client:
-        sent = time.monotonic()
-        text, headers = stream_content(client)
-    ended = time.monotonic()
+    watch = LoserWatch(order, upstreams, 1, gate)
+    try:
+        with sdk(v1) as client:
+            sent = time.monotonic()
+            text, headers = stream_content(client)
+    finally:
+        watch.join()
 
     assert text == "primary more tokens"
     primary, hedge = order.arrivals
     assert headers["x-hedge-backend"] == backend_of(upstreams, primary)
     assert headers["x-hedge-attempts"] == "2"
     assert hedge.received_at - sent >= 0.3
-    assert hedge.closed_at is not None and hedge.closed_at <= ended
+    assert watch.closed_first, "the loser was not closed while the winner streamed"
+    assert hedge.closed_at is not None and hedge.closed_at <= primary.event_times[2]
 
 
 def test_no_hedge_when_the_first_token_beats_the_delay(
@@ -291,30 +344,48 @@ def test_all_backends_failing_gives_502_with_reasons_and_no_secret(
 def test_no_first_token_by_the_deadline_gives_504(
     asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
 ) -> None:
+    """One deadline for every attempt (SPEC §5.6). The hedge starts at 0.4 s and would find
+    its token 0.6 s later: after the request's deadline (0.8 s), before a deadline of its
+    own. A shared deadline gives 504 and closes the hedge before its token; a per-attempt
+    deadline would let the hedge win."""
     hang = Script(headers=SSE, steps=[Head(), Send(role_chunk()), Hang()])
-    order = InOrder(hang)
+    late = Script(headers=SSE, steps=[Head(), Send(role_chunk()), Sleep(0.6),
+                                      Send(token_chunk("too late")), Send(DONE)])
+    order = InOrder(hang, late)
     upstreams, v1, _ = start(
         asgi_server,
         scripted_upstream,
         order,
-        lambda urls: gateway_settings(urls, delay=0.1, timeout=0.8),
+        lambda urls: gateway_settings(urls, delay=0.4, timeout=0.8),
     )
     with sdk(v1) as client, pytest.raises(openai.APIStatusError) as info:
         stream_content(client)
     assert info.value.status_code == 504
     assert info.value.response.headers["x-should-retry"] == "false"
+    _, hedge = order.arrivals
     for request in order.arrivals:
         assert any(u.wait_closed(request, 2.0) for u in upstreams if request in u.requests)
+    assert hedge.events_written == 1 and hedge.outcome == "client_closed"
 
 
+@pytest.mark.parametrize("header", ["x-request-timeout", "x-stainless-read-timeout"])
 def test_client_timeout_header_shortens_the_deadline(
-    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory, header: str
 ) -> None:
+    """The pool allows 25 s and the client waits 8 s: only the header (0.5 s) can turn the
+    silent upstream into a 504 before the client gives up on its own."""
     order = InOrder(Script(headers=SSE, steps=[Head(), Send(role_chunk()), Hang()]))
-    _, v1, _ = start(asgi_server, scripted_upstream, order, gateway_settings)
-    with sdk(v1) as client, pytest.raises(openai.APIStatusError) as info:
-        stream_content(client, extra_headers={"x-request-timeout": "0.5"})
+    upstreams, v1, _ = start(
+        asgi_server, scripted_upstream, order,
+        lambda urls: gateway_settings(urls, delay=5.0, timeout=25.0),
+    )
+    with openai.OpenAI(base_url=v1, api_key="sk-client", max_retries=0,
+                       timeout=openai.Timeout(8.0)) as client, \
+            pytest.raises(openai.APIStatusError) as info:
+        stream_content(client, extra_headers={header: "0.5"})
     assert info.value.status_code == 504
+    (request,) = order.arrivals
+    assert any(u.wait_closed(request) for u in upstreams if request in u.requests)
 
 
 def test_max_attempts_one_means_no_failover(
@@ -489,11 +560,19 @@ def run_outage(
 def test_outage_extra_attempts_stay_within_the_budget(
     asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
 ) -> None:
-    budget = BudgetSettings()  # ratio 0.1, burst 10, reserve 0.5/s
-    requests = 120
-    extra, elapsed, _ = run_outage(asgi_server, scripted_upstream, budget, requests, 10)
-    bound = budget.ratio * requests + budget.burst + budget.min_per_second * elapsed
-    assert 0 < extra <= bound, (extra, bound)
+    """The bucket alone: no efficacy guard (`min_win_rate` 0), no time reserve, a small
+    burst, and enough requests that ratio x N (20) dominates it (2). Every request wants a
+    hedge, so the extra attempts are what the deposits allow: about ratio x N + burst, and
+    far fewer than N."""
+    budget = BudgetSettings(ratio=0.1, burst=2.0, min_per_second=0.0, min_win_rate=0.0)
+    requests = 200
+    extra, _, app = run_outage(asgi_server, scripted_upstream, budget, requests, 10)
+    bound = budget.ratio * requests + budget.burst
+    assert extra <= bound, (extra, bound)
+    # the deposits were spent: the bucket, not something else, set the number
+    assert extra >= budget.ratio * requests * 0.75, (extra, bound)
+    pool = app.state.pools[POOL]  # type: ignore[attr-defined]
+    assert not pool.budget.ineffective(time.monotonic())
 
 
 @pytest.mark.timeout(90)

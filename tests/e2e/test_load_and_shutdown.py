@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +27,14 @@ import pytest
 
 from gateway.settings import ServerSettings, Timeouts
 from tests.harness import (
-    DONE,
     SSE_HEADERS,
     Gate,
     Head,
     LoopThread,
     Script,
     Send,
-    Step,
     UpstreamFactory,
     Wait,
-    finish_chunk,
     role_chunk,
     stream_script,
     token_chunk,
@@ -48,11 +44,14 @@ from tests.harness.limits_kit import (
     MESSAGES,
     GatewayFactory,
     connect,
+    data_lines,
     error_logs,
+    held_stream,
     pool_errors,
     request_head,
     sdk,
     stats_of,
+    wait_for,
 )
 
 _psutil: Any = importlib.import_module("psutil")
@@ -73,15 +72,6 @@ def server_side_of(sock: socket.socket, gateway_port: int) -> bool:
                 and conn.raddr.port == client_port:
             return True
     return False
-
-
-def wait_for(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)  # polling, not a timing assertion
-    return True
 
 
 # ---- a client that stops reading but keeps its socket -----------------------------------------
@@ -122,24 +112,6 @@ def test_stuck_client_closes_the_upstream_and_is_counted_without_an_error_log(
 # ---- admission control ------------------------------------------------------------------------
 
 
-def held_stream(gate: Gate) -> Script:
-    """A stream that sends its first token, then waits for `gate`, then ends properly."""
-    steps: list[Step] = [Head(), Send(role_chunk()), Send(token_chunk("first")), Wait(gate),
-             Send(token_chunk(" second")), Send(finish_chunk()), Send(DONE)]
-    return Script(headers=SSE_HEADERS, steps=steps)
-
-
-def data_lines(lines: Iterator[str], until: str) -> list[str]:
-    """Read SSE `data:` lines up to and including the first that contains `until`."""
-    seen = []
-    for line in lines:
-        if line.startswith("data:"):
-            seen.append(line)
-            if until in line:
-                return seen
-    raise AssertionError(f"stream ended before {until!r}: {seen}")
-
-
 def test_beyond_the_concurrency_limit_503_at_once_while_admitted_streams_flow(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
@@ -161,7 +133,8 @@ def test_beyond_the_concurrency_limit_503_at_once_while_admitted_streams_flow(
             assert not gate.is_open
             assert refused.status_code == 503
             assert refused.headers["retry-after"] == "1"
-            assert refused.headers["x-should-retry"] == "false"
+            assert refused.headers["retry-after-ms"] == "1000"
+            assert "x-should-retry" not in refused.headers  # retryable (SPEC §18)
             error = refused.json()["error"]
             assert error["code"] == "overloaded" and error["type"] == "server_error"
             assert len(upstream.requests) == 2  # the refused request never went upstream

@@ -55,7 +55,9 @@ from tests.harness import (
 )
 
 POOL = "chat"
-DELAY = 0.3
+#: long enough that a fast primary never misses it on a busy machine (an unplanned hedge
+#: would break the exact counts below); the slow requests pay it, ten of them
+DELAY = 0.6
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 #: the DDSketch relative accuracy used by gateway.latency
 SKETCH_ACCURACY = 0.01
@@ -442,6 +444,7 @@ def test_stats_command_prints_tables_for_a_running_gateway(
     assert err.getvalue() == ""
     assert f"pool {POOL}:" in text
     assert "win%" in text and "ttft p99" in text and "hedge delay" in text
+    assert "config: embedded, sha256 " in text and "generation 1" in text
     assert "tokens (lifetime): input " in text and "hedge cost 0 input tokens" in text
     rows = [line.split() for line in text.splitlines()]
     lifetime = next(r for r in rows if r and r[0] == "lifetime")
@@ -465,3 +468,54 @@ def test_stats_command_fails_clearly_when_unreachable() -> None:
     assert print_stats("http://127.0.0.1:1", out, err) == 1
     assert "cannot reach http://127.0.0.1:1/hedge/stats" in err.getvalue()
     assert out.getvalue() == ""
+
+
+def adaptive_settings(upstreams: list[ScriptedUpstream]) -> Settings:
+    backends = tuple(
+        BackendSettings(name, "openai", "upstream-model", base_url=up.base_url, group=name)
+        for name, up in zip("ab", upstreams, strict=False)
+    )
+    delay = DelaySettings(initial=5.0, min=0.001, min_samples=4)  # quantile: auto
+    hedging = HedgingSettings(max_attempts=2, delay=delay)
+    return Settings((PoolSettings(POOL, backends, hedging=hedging),))
+
+
+def backend_delays(running: RunningServer) -> list[dict[str, Any]]:
+    stats = get_stats(running)
+    return [stats["pools"][POOL]["backends"][name] for name in "ab"]
+
+
+@pytest.mark.parametrize("refresh", [0.02, 3600.0])
+def test_the_delay_is_learnt_by_the_refresher_not_by_requests(
+    scripted_upstream: UpstreamFactory, asgi_server: AsgiServerFactory, refresh: float
+) -> None:
+    """SPEC §5.2: the quantile is computed off the request path. Requests only record their
+    TTFT; the periodic refresher of the app turns the samples into a delay, so with a refresh
+    interval of an hour the delay stays `initial` whatever the traffic."""
+    ups = [
+        scripted_upstream.one(responder=lambda _r: stream_script(["x"], ttft=0.01), name=n)
+        for n in "ab"
+    ]
+    settings = adaptive_settings(ups)
+    running = asgi_server.build(lambda: create_app(settings, seed=7, delay_refresh=refresh))
+    with sdk(running) as client:
+        for _ in range(12):
+            stream = client.chat.completions.create(model=POOL, messages=MESSAGES, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "x"
+    get_stats(running, requests=12)
+    if refresh > 60:
+        for backend in backend_delays(running):
+            assert (backend["hedge_delay_mode"], backend["hedge_delay_ms"]) == ("initial", 5000.0)
+        return
+    deadline = time.monotonic() + 5.0
+    while True:
+        learnt = [b for b in backend_delays(running) if b["hedge_delay_mode"] == "adaptive"]
+        if learnt or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert learnt, "the refresher never turned the samples into a delay"
+    for backend in learnt:
+        assert backend["hedge_delay_ms"] < 1000.0  # the 10 ms TTFTs, not the 5 s initial
+        # auto: the budget's q92, or later if the hedges of the 10 ms TTFTs lost
+        assert backend["hedge_delay_rule"] == "auto"
+        assert 0.92 <= backend["hedge_delay_quantile"] <= 0.995

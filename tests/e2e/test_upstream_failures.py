@@ -27,7 +27,7 @@ import openai
 import pytest
 
 import providers.openai
-from gateway.settings import Timeouts
+from gateway.settings import ServerSettings, Timeouts
 from tests.harness import (
     DONE,
     SSE_HEADERS,
@@ -42,7 +42,10 @@ from tests.harness import (
     Send,
     Step,
     UpstreamFactory,
+    chat_completion_obj,
+    comment,
     error_obj,
+    finish_chunk,
     hang_script,
     json_script,
     role_chunk,
@@ -158,6 +161,92 @@ def test_a_stream_broken_after_commit_ends_with_a_final_error_event(
         assert upstream.wait_closed(request), "the gateway never closed the upstream"
     end = "stream_truncated" if code == "stream_truncated" else "stream_failed"
     assert pool_errors(gateway.root, POOL, settle={end: 1}) == {end: 1}
+
+
+def chatty_then_token(comments: int, every: float) -> Script:
+    """Committed ("a", "b"), then only `: ping` comments every `every` s, then "c" and
+    `[DONE]`: an upstream that keeps the socket busy without sending any event."""
+    pings: list[Step] = [Send(comment("ping"), every) for _ in range(comments)]
+    return committed(*pings, Send(token_chunk("c")), Send(finish_chunk()), Send(DONE))
+
+
+#: name -> (timeouts, the final event's code, words its message holds, the stats' end)
+PER_EVENT_DEADLINES: dict[str, tuple[Timeouts, str, str, str]] = {
+    "idle": (Timeouts(idle=0.5), "upstream_failed", "read timeout", "stream_failed"),
+    "max_stream": (
+        Timeouts(idle=30.0, max_stream=1.0), "stream_timeout", "maximum duration",
+        "stream_too_long",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_EVENT_DEADLINES))
+def test_comments_after_commit_neither_reset_idle_nor_outlast_max_stream(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, case: str
+) -> None:
+    """SPEC §18: the deadlines after commit are per event. Comments every 0.1 s restart
+    httpx's read timeout on every byte, so only a deadline per event ends this stream before
+    the upstream's late "c" (after 6 s of comments)."""
+    timeouts, code, words, end = PER_EVENT_DEADLINES[case]
+    gateway, (upstream,) = start(
+        loop_thread, scripted_upstream, lambda _: chatty_then_token(60, 0.1), max_attempts=1,
+        timeouts=timeouts,
+    )
+    text, error, request_id = read_stream(gateway)
+    (request,) = upstream.requests
+    assert upstream.wait_closed(request), "the gateway never closed the upstream"
+    # causality: the gateway hung up while the upstream was still sending only comments
+    assert request.events_written == 3 and request.outcome != "complete", request.outcome
+    assert text == "ab"
+    assert error is not None, "the stream outlived its deadline"
+    assert error.code == code
+    assert words in error.message and request_id in error.message
+    assert pool_errors(gateway.root, POOL, settle={end: 1}) == {end: 1}
+
+
+EMBEDDING = {
+    "object": "list",
+    "data": [{"object": "embedding", "index": 0, "embedding": [0.25, -0.5]}],
+    "model": "model-0",
+    "usage": {"prompt_tokens": 1, "total_tokens": 1},
+}
+
+
+def non_streaming(gateway: Gateway, endpoint: str) -> Any:
+    with sdk(gateway.v1) as client:
+        if endpoint == "embeddings":
+            return client.embeddings.create(model=POOL, input="x")
+        return client.chat.completions.create(model=POOL, messages=MESSAGES)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "embeddings"])
+def test_a_non_streaming_answer_is_bounded_by_the_pool_timeout_not_first_token(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, endpoint: str
+) -> None:
+    """SPEC §18: a whole body is its own "first token"; `timeouts.first_token` and the idle
+    gap between reads must not cut off an answer the pool's `timeout` allows."""
+    body = EMBEDDING if endpoint == "embeddings" else chat_completion_obj("slow but fine")
+    slow = json_script(body, delay=1.2)
+    short = Timeouts(first_token=0.4, idle=0.4)
+    gateway, (upstream,) = start(
+        loop_thread, scripted_upstream, lambda _: slow, max_attempts=1, timeout=5.0,
+        timeouts=short,
+    )
+    answer = non_streaming(gateway, endpoint)
+    if endpoint == "embeddings":
+        assert answer.data[0].embedding == [0.25, -0.5]
+    else:
+        assert answer.choices[0].message.content == "slow but fine"
+    # the pool's `timeout` still bounds the whole response
+    gateway, (upstream,) = start(
+        loop_thread, scripted_upstream, lambda _: json_script(body, delay=3.0),
+        max_attempts=1, timeout=0.8, timeouts=short,
+    )
+    with pytest.raises(openai.APIStatusError) as info:
+        non_streaming(gateway, endpoint)
+    assert info.value.status_code == 504
+    (request,) = upstream.requests
+    assert upstream.wait_closed(request)
 
 
 # ---- before commit: failover, or 502/504 ------------------------------------------------------
@@ -388,6 +477,11 @@ def test_an_upstream_error_body_never_reaches_the_client(
         if status in (400, 422):  # fails everywhere: the client's own error, with the status
             assert error.status_code == status
             assert error.code == "upstream_rejected_request"
+        elif status in (429, 503):  # pushback everywhere, with a Retry-After (SPEC §19)
+            assert error.status_code == status
+            assert error.code == "upstream_pushback"
+            assert f"status {status}" in error.message
+            assert error.response.headers["x-request-id"] == request_id
         else:
             assert error.status_code == 502
             assert f"status {status}" in error.message and request_id in error.message
@@ -494,3 +588,27 @@ def test_a_hostile_deeply_nested_event_after_commit_does_not_break_the_relay(
     assert body.endswith(DONE) and b'"c"' in body
     assert error_logs(caplog) == []
     assert loop_thread.errors == []
+
+
+def test_a_full_gateway_pool_is_not_held_against_the_backend(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Issue 10, risk 12. One admitted request, so the shared client has two upstream
+    connections; the primary and the first hedge hold them, the second hedge waits for a
+    free one past `timeouts.connect` (httpx's PoolTimeout). That backend was never asked:
+    it must not get a failure on its health record."""
+    silent = Script(headers=SSE_HEADERS, steps=[Head(), Send(role_chunk()), Hang()])
+    gateway, upstreams = start(
+        loop_thread, scripted_upstream, lambda _: silent, count=3, delay=0.1, max_attempts=3,
+        timeout=1.5, timeouts=Timeouts(connect=0.3),
+        server=ServerSettings(max_concurrent_requests=1),
+    )
+    error = status_error(gateway)
+    assert error.status_code == 504
+    assert "no free upstream connection" in error.message
+    asked = {f"b{i}" for i, u in enumerate(upstreams) if u.requests}
+    (never_asked,) = {"b0", "b1", "b2"} - asked
+    pool = gateway.app.state.pools[POOL]
+    assert pool.balancer._backends[never_asked].failures == 0
+    for name in asked:  # the silent ones timed out: the deadline, not a failure either
+        assert pool.balancer.state(name, 0.0)[0] == "ok"

@@ -27,6 +27,13 @@ Modules, each importing only the ones above it in this list:
 - `leaks`: `LeakBaseline`, the task/fd/socket leak check.
 - `factories`: `UpstreamFactory` and `AsgiServerFactory` behind the conftest fixtures.
 
+Two modules for the unit tests, imported by path (no sockets beyond the loop's own pipe):
+
+- `virtualtime`: `VirtualLoop`, an event loop whose clock moves only when nothing is ready,
+  and `run_virtual`, which runs a test on it and fails on a task left behind.
+- `raceworld`: scripted attempts (`Step`: token, status, reset, hang, at a virtual time) for
+  the race (`play`) and for the whole proxy (`proxy_for`).
+
 This package re-exports the public names, so tests import from `tests.harness` only.
 """
 

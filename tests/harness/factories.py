@@ -13,6 +13,7 @@ from typing import Any
 from starlette.types import ASGIApp
 
 from tests.harness.asgi import RunningServer, serve_asgi
+from tests.harness.leaks import gateway_in_use
 from tests.harness.loop import LoopThread
 from tests.harness.records import Responder
 from tests.harness.upstream import ScriptedUpstream
@@ -38,6 +39,7 @@ class UpstreamFactory:
 
         upstream = self._loop_thread.run(create())
         self._loop_thread.add_cleanup(upstream.stop)
+        self._loop_thread.add_live_check(upstream.unfinished)
         return upstream
 
 
@@ -57,4 +59,5 @@ class AsgiServerFactory:
 
         running = self._loop_thread.run(create(), 30.0)
         self._loop_thread.add_cleanup(running.stop)
+        self._loop_thread.add_live_check(lambda: gateway_in_use(running.server.config.app))
         return running

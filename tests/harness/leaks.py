@@ -47,6 +47,33 @@ def _describe_task(task: asyncio.Task[Any]) -> str:
     return f"task {task.get_name()!r}: {task.get_coro()!r}{where}"
 
 
+def gateway_in_use(app: Any) -> list[str]:
+    """What a gateway app still holds (empty for any other app): admitted requests, in-flight
+    counts, and upstream connections of its shared httpx client that are not idle.
+
+    Checked while the servers still run: stopping the gateway closes its client, and with it
+    any upstream response it leaked, so a check after the cleanups would see nothing."""
+    state = getattr(app, "state", None)
+    proxy = getattr(state, "proxy", None)
+    if proxy is None:
+        return []
+    problems: list[str] = []
+    if proxy.admission.active:
+        problems.append(f"gateway: {proxy.admission.active} admitted requests still active")
+    for name, pool in getattr(state, "pools", {}).items():
+        if pool.inflight_requests:
+            problems.append(f"gateway: pool {name} has {pool.inflight_requests} requests in flight")
+    client = getattr(state, "http_client", None)
+    # httpx keeps its connection pool private; httpcore's pool and connections are public
+    connections = getattr(getattr(getattr(client, "_transport", None), "_pool", None),
+                          "connections", [])
+    # ACTIVE: a response on it was never read to its end nor closed. (A connect cancelled
+    # midway can leave an entry without a socket behind, "CONNECTING": not a socket leak.)
+    busy = [c for c in connections if "ACTIVE" in c.info()]
+    problems += [f"gateway: upstream connection in use: {c!r}" for c in busy]
+    return problems
+
+
 class LeakBaseline:
     """What was open when a test started: tasks of the loop thread's loop, file descriptors,
     TCP sockets of this process. `check()` fails if anything beyond that is still open.
@@ -81,6 +108,20 @@ class LeakBaseline:
             if (local, remote) not in self.tcp
         ]
         return sorted(problems)
+
+    def check_live(self, settle_timeout: float = 2.0) -> None:
+        """Before the servers stop: poll until every live check of the loop thread passes
+        (no gateway request, upstream response or upstream connection still in use), or
+        raise AssertionError listing what is still held. Run it before the cleanups, which
+        close clients and upstreams and would hide what the gateway leaked."""
+        if self._loop_thread is None:
+            return
+        deadline = time.monotonic() + settle_timeout
+        while problems := self._loop_thread.live_problems():
+            if time.monotonic() >= deadline:
+                listing = "\n  ".join(problems)
+                raise AssertionError(f"still in use after the test:\n  {listing}")
+            time.sleep(0.02)
 
     def check(self, settle_timeout: float = 2.0) -> None:
         """Poll until nothing is left over (closing is asynchronous), or raise AssertionError

@@ -6,6 +6,8 @@ tests/test_security.py, tests/test_lifecycle.py).
   test's loop thread, stopped at teardown like the harness's servers.
 - raw HTTP/1.1 over a socket, for what the SDKs cannot do (lie about lengths, never read).
 - `Canary`: one secret string and a scan of every place it must never appear.
+- `held_stream`/`data_lines`: a stream that waits on a gate after its first token, and a
+  reader of its SSE lines; `wait_for` polls for a condition within a bound.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,21 @@ from fastapi import FastAPI
 from gateway.app import create_app
 from gateway.server import GatewayServer, build_server
 from gateway.settings import Settings
-from tests.harness import LoopThread
+from tests.harness import (
+    DONE,
+    SSE_HEADERS,
+    Gate,
+    Head,
+    LoopThread,
+    Script,
+    Send,
+    Step,
+    Wait,
+    finish_chunk,
+    role_chunk,
+    token_chunk,
+)
+from tests.harness.leaks import gateway_in_use
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
@@ -93,6 +109,7 @@ class GatewayFactory:
             sock.close()
 
         self._lt.add_cleanup(stop)
+        self._lt.add_live_check(lambda: gateway_in_use(gateway.app))
         return gateway
 
 
@@ -120,6 +137,37 @@ def pool_errors(root: str, pool: str, *, settle: Mapping[str, int] | None = None
         if time.monotonic() > deadline:
             return errors
         time.sleep(0.02)  # polling, not a timing assertion
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll until `predicate()` holds; False if it did not within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)  # polling, not a timing assertion
+    return True
+
+
+# ---- held streams -----------------------------------------------------------------------------
+
+
+def held_stream(gate: Gate) -> Script:
+    """A stream that sends its first token, then waits for `gate`, then ends properly."""
+    steps: list[Step] = [Head(), Send(role_chunk()), Send(token_chunk("first")), Wait(gate),
+                         Send(token_chunk(" second")), Send(finish_chunk()), Send(DONE)]
+    return Script(headers=SSE_HEADERS, steps=steps)
+
+
+def data_lines(lines: Iterator[str], until: str) -> list[str]:
+    """Read SSE `data:` lines up to and including the first that contains `until`."""
+    seen = []
+    for line in lines:
+        if line.startswith("data:"):
+            seen.append(line)
+            if until in line:
+                return seen
+    raise AssertionError(f"stream ended before {until!r}: {seen}")
 
 
 # ---- raw HTTP/1.1 -----------------------------------------------------------------------------

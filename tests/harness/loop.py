@@ -30,6 +30,8 @@ class LoopThread:
         self.errors: list[dict[str, Any]] = []
         self._thread: threading.Thread | None = None
         self._cleanups: list[Callable[[], Awaitable[object]]] = []
+        #: what must hold while the servers still run (see `live_problems`)
+        self._live_checks: list[Callable[[], list[str]]] = []
         self._lock = threading.Lock()
 
     def start(self) -> LoopThread:
@@ -93,6 +95,18 @@ class LoopThread:
     def add_cleanup(self, fn: Callable[[], Awaitable[object]]) -> None:
         with self._lock:
             self._cleanups.append(fn)
+
+    def add_live_check(self, fn: Callable[[], list[str]]) -> None:
+        """Register a check that runs in the loop before the cleanups: it returns what is
+        still in use (one line each) that should not be once the test is over."""
+        with self._lock:
+            self._live_checks.append(fn)
+
+    def live_problems(self) -> list[str]:
+        """Every registered live check's findings, run in the loop (a consistent view)."""
+        with self._lock:
+            checks = list(self._live_checks)
+        return self.call(lambda: [line for check in checks for line in check()])
 
     def run_cleanups(self, timeout: float = 15.0) -> None:
         """Run registered cleanups LIFO; each runs even if an earlier one raised (the first

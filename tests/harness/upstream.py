@@ -127,6 +127,16 @@ class ScriptedUpstream:
         with self._cond:
             return self._total
 
+    def unfinished(self) -> list[str]:
+        """Requests whose response is still in progress: after a test, that is a client (the
+        gateway) holding an upstream response it should have read to the end or closed."""
+        with self._cond:
+            return [
+                f"{self.name}:{self.port} request {r.index} ({r.method} {r.path}) still open"
+                for r in self._requests
+                if r.finished_at is None
+            ]
+
     def wait_until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
         """Block the calling (test) thread until `predicate()` holds; False on timeout."""
         if threading.get_ident() == self._loop_thread_id:

@@ -147,10 +147,12 @@ def test_on_finish_never_goes_negative() -> None:
 
 
 def fail(bal: Balancer, name: str, now: float, times: int) -> None:
+    """`times` attempts on `name`, one after the other, each failing (the race's order: the
+    attempt ends, then its failure counts)."""
     for _ in range(times):
-        bal.on_start(name)
+        probe = bal.on_start(name)
+        bal.on_finish(name, probe=probe)
         bal.on_failure(name, now)
-        bal.on_finish(name)
 
 
 def test_ejection_after_consecutive_failures() -> None:
@@ -175,12 +177,12 @@ def test_single_probe_after_cooldown() -> None:
     fail(bal, "a", 0.0, 3)
     assert bal.state("a", 5.0) == ("ejected", "cool-down over, awaiting probe")
     assert bal.pick(5.0, exclude={"b"}, ttft=unknown) == "a"
-    bal.on_start("a")  # the probe
+    assert bal.on_start("a")  # the probe
     assert bal.state("a", 5.0) == ("ejected", "probe in flight")
     assert bal.usable(5.0) == ["b"]
     assert bal.pick(5.0, exclude={"b"}, ttft=unknown) is None
     bal.on_success("a", 5.5)
-    bal.on_finish("a")
+    bal.on_finish("a", probe=True)
     assert bal.state("a", 5.5) == ("ok", None)
     assert bal.usable(5.5) == ["a", "b"]
 
@@ -188,8 +190,8 @@ def test_single_probe_after_cooldown() -> None:
 def test_probe_cancelled_without_verdict_frees_the_slot() -> None:
     bal = make(backend("a"))
     fail(bal, "a", 0.0, 3)
-    bal.on_start("a")
-    bal.on_finish("a")  # cancelled as a loser: neither success nor failure
+    probe = bal.on_start("a")
+    bal.on_finish("a", probe=probe)  # cancelled as a loser: neither success nor failure
     assert bal.usable(6.0) == ["a"]
     assert bal.state("a", 6.0) == ("ejected", "cool-down over, awaiting probe")
 
@@ -243,13 +245,12 @@ def test_very_long_outage_does_not_overflow() -> None:
 
 def test_pause_and_expiry() -> None:
     bal = make(backend("a"), backend("b"))
-    bal.pause("a", until=30.0)
-    state, reason = bal.state("a", 10.0)
-    assert state == "paused"
-    assert reason == "retry-after, 20.0s left"
+    bal.pause("a", 20.0, now=10.0)
+    assert bal.state("a", 10.0) == ("paused", "retry-after")
+    assert bal.seconds_left("a", 10.0) == 20.0
     assert bal.usable(10.0) == ["b"]
     assert bal.pick(10.0, exclude={"b"}, ttft=unknown) is None
-    bal.pause("a", until=20.0)  # a shorter pause does not cut the longer one short
+    bal.pause("a", 10.0, now=10.0)  # a shorter pause does not cut the longer one short
     assert bal.usable(25.0) == ["b"]
     assert bal.usable(30.0) == ["a", "b"]
     assert bal.state("a", 30.0) == ("ok", None)
@@ -257,7 +258,7 @@ def test_pause_and_expiry() -> None:
 
 def test_ejection_reported_over_pause() -> None:
     bal = make(backend("a"))
-    bal.pause("a", until=100.0)
+    bal.pause("a", 20.0, now=0.0)
     fail(bal, "a", 0.0, 3)
     assert bal.state("a", 1.0)[0] == "ejected"
     # after the cool-down and a successful probe, the pause still applies
@@ -272,3 +273,120 @@ def test_deterministic_with_a_seed() -> None:
         return [bal.pick(0.0, ttft=unknown) for _ in range(30)]
 
     assert run(7) == run(7)
+
+
+# -- SPEC §19: bounded pauses, panic routing, one probe -------------------------------------
+
+
+def make_health(*backends: BackendSettings, **health: float) -> Balancer:
+    return Balancer(backends, HealthSettings(**health), random.Random(1))  # type: ignore[arg-type]
+
+
+def test_a_pause_is_at_most_max_pause() -> None:
+    bal = make_health(backend("a"), backend("b"), max_pause=30.0)
+    bal.pause("a", 999999.0, now=100.0)
+    assert bal.seconds_left("a", 100.0) == 30.0
+    assert bal.usable(129.9) == ["b"]
+    assert bal.usable(130.0) == ["a", "b"]
+    assert bal.capped_pause(999999.0) == 30.0
+    assert bal.capped_pause(-3.0) == 0.0
+    assert bal.capped_pause(1.5) == 1.5
+
+
+def test_seconds_left_for_every_state() -> None:
+    bal = make(backend("a"), backend("b"))
+    assert bal.seconds_left("a", 0.0) is None
+    fail(bal, "a", 0.0, 3)  # ejected for 5 s
+    assert bal.seconds_left("a", 1.0) == 4.0
+    assert bal.seconds_left("a", 7.0) == 0.0  # cool-down over: only the probe is awaited
+    bal.pause("b", 2.5, now=1.0)
+    assert bal.seconds_left("b", 2.0) == 1.5
+    assert bal.seconds_left("b", 3.5) is None
+
+
+def test_a_one_backend_pool_is_never_refused_for_health() -> None:
+    bal = make(backend("a"))
+    bal.pause("a", 30.0, now=0.0)
+    assert bal.panic(1.0)
+    assert bal.pick(1.0, ttft=unknown) == "a"
+    fail(bal, "a", 2.0, 3)  # ejected as well
+    assert bal.pick(3.0, ttft=unknown) == "a"
+    bal.on_start("a")  # the probe, in flight
+    assert bal.pick(3.0, ttft=unknown) == "a"
+
+
+def test_panic_needs_fewer_healthy_than_the_threshold_by_weight() -> None:
+    bal = make(backend("a", weight=1.0), backend("b", weight=1.0), backend("c", weight=2.0))
+    bal.pause("c", 10.0, now=0.0)
+    assert not bal.panic(0.0)  # a and b: half the weight, not below it
+    assert bal.pick(0.0, exclude={"a", "b"}, ttft=unknown) is None
+    bal.pause("b", 10.0, now=0.0)
+    assert bal.panic(0.0)  # a alone: a quarter of the weight
+    assert bal.pick(0.0, exclude={"a"}, ttft=unknown) in {"b", "c"}
+    assert not bal.panic(10.0)
+
+
+def test_panic_prefers_healthy_then_the_soonest_end() -> None:
+    bal = make(backend("a"), backend("b"), backend("c"), backend("d"))
+    bal.pause("a", 9.0, now=0.0)
+    bal.pause("b", 3.0, now=0.0)
+    fail(bal, "c", 0.0, 3)  # ejected until 5.0
+    assert bal.panic(1.0)
+    assert {bal.pick(1.0, ttft=unknown) for _ in range(20)} == {"d"}
+    assert bal.pick(1.0, exclude={"d"}, ttft=unknown) == "b"
+    assert bal.pick(1.0, exclude={"d", "b"}, ttft=unknown) == "c"
+    assert bal.pick(1.0, exclude={"d", "b", "c"}, ttft=unknown) == "a"
+
+
+def test_panic_keeps_max_concurrency() -> None:
+    bal = make(backend("a", max_concurrency=1), backend("b", max_concurrency=1))
+    bal.pause("a", 5.0, now=0.0)
+    bal.pause("b", 9.0, now=0.0)
+    bal.on_start("a")
+    assert bal.pick(1.0, ttft=unknown) == "b"  # a ends sooner, but it is full
+    bal.on_start("b")
+    assert bal.pick(1.0, ttft=unknown) is None
+
+
+def test_panic_below_zero_switches_panic_off() -> None:
+    bal = make_health(backend("a"), panic_below=0.0)
+    bal.pause("a", 5.0, now=0.0)
+    assert not bal.panic(1.0)
+    assert bal.pick(1.0, ttft=unknown) is None
+
+
+def test_panic_prefers_another_group_among_the_unhealthy() -> None:
+    bal = make(backend("a1", group="east"), backend("a2", group="east"),
+               backend("b1", group="west"))
+    bal.pause("a2", 1.0, now=0.0)
+    bal.pause("b1", 2.0, now=0.0)
+    assert bal.pick(0.5, exclude={"a1"}, avoid_groups={"east"}, ttft=unknown) == "b1"
+
+
+def test_only_the_probe_ending_frees_the_probe_slot() -> None:
+    """Issue 10, risk 13: an attempt that was already running when its backend was ejected
+    ends while the probe runs; that must not let a second probe in (SPEC §7: one probe)."""
+    bal = make(backend("a"), backend("b"))
+    old = bal.on_start("a")  # running when the failures come in
+    assert not old
+    fail(bal, "a", 0.0, 3)  # ejected until 5.0
+    assert bal.pick(5.0, exclude={"b"}, ttft=unknown) == "a"
+    assert bal.on_start("a") is True  # the probe
+    bal.on_finish("a", probe=old)  # the old attempt ends, the probe still runs
+    assert bal.state("a", 5.0) == ("ejected", "probe in flight")
+    assert bal.pick(5.0, exclude={"b"}, ttft=unknown) is None
+    assert not bal.on_start("b")
+    bal.on_finish("a", probe=True)  # the probe ends without a verdict
+    assert bal.pick(5.0, exclude={"b"}, ttft=unknown) == "a"
+
+
+def test_a_failure_after_the_cooldown_keeps_the_probe_slot_taken() -> None:
+    bal = make(backend("a"), backend("b"))
+    old = bal.on_start("a")
+    fail(bal, "a", 0.0, 3)  # ejected until 5.0
+    probe = bal.on_start("a")
+    bal.on_finish("a", probe=old)
+    bal.on_failure("a", 6.0)  # the old attempt's failure: ejected again, until 16.0
+    assert bal.usable(16.0) == ["b"]  # the probe is still running
+    bal.on_finish("a", probe=probe)
+    assert bal.usable(16.0) == ["a", "b"]

@@ -105,6 +105,22 @@ def test_summary_comparison_and_targets() -> None:
     json.dumps(public(result))  # the private fields (samples) are dropped
 
 
+def test_pushback_reports_the_share_served_side_by_side() -> None:
+    off = [_sample(i, 0.1, ok=i != 0) for i in range(20)]
+    on = [_sample(i, 0.1) for i in range(20)]
+    rows = {"hedging-off": summarize_mode("hedging-off", off, 1.0, [[]]),
+            "hedging-on": summarize_mode("hedging-on", on, 1.0, [[]])}
+    c = compare(rows)
+    assert (c["hedging-off_served_pct"], c["hedging-on_served_pct"]) == (95.0, 100.0)
+    met = {t["target"]: (t["value"], t["met"])
+           for t in targets("pushback", rows, c, BudgetSettings())}
+    assert met == {"hedging-off: >= 95 % of requests served": (95.0, True),
+                   "hedging-on: >= 95 % of requests served": (100.0, True)}
+    result = {"name": "pushback", "description": "d", "requests": 20, "concurrency": 2,
+              "seed": 1, "modes": list(rows.values()), "comparison": c, "targets": []}
+    assert "requests served: hedging-off 95.0 %, hedging-on 100.0 %" in format_workload(result)
+
+
 def test_paired_differences_skip_hedged_and_other_backend() -> None:
     direct = {0: _sample(0, 0.1), 1: _sample(1, 0.2), 2: _sample(2, 0.3)}
     gateway = {0: _sample(0, 0.102, backend="sim-a", attempts=1),

@@ -270,3 +270,12 @@ def test_outage_budget_bound_without_the_guard() -> None:
     assert granted <= settings.ratio * n + settings.burst + settings.min_per_second * elapsed
     # and the bucket is actually used, not starved
     assert granted >= settings.ratio * n
+
+
+def test_hedge_outcomes_are_counted_for_readers_of_the_win_rate() -> None:
+    budget = HedgeBudget(BudgetSettings(), now=0.0)
+    assert (budget.hedges_recorded, budget.win_rate()) == (0, None)
+    for won in (True, False, False):
+        budget.record_hedge(won, 1.0)
+    assert budget.hedges_recorded == 3
+    assert budget.win_rate() == pytest.approx(1 / 3)

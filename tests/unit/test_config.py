@@ -396,6 +396,18 @@ def test_max_attempts_six() -> None:
     assert found == ["pools[0].hedging.max_attempts: must be between 1 and 5, got 6"]
 
 
+def test_quantile_auto_is_the_default_and_a_number_pins_it() -> None:
+    def delay(body: str) -> DelaySettings:
+        return parse(pool_with(body + ONE_BACKEND)).pools[0].hedging.delay
+
+    assert delay("").quantile == "auto"
+    assert delay("hedging: {delay: {quantile: auto}}\n").quantile == "auto"
+    assert delay("hedging: {delay: {quantile: 0.99}}\n").quantile == 0.99
+    found = errors(pool_with("hedging: {delay: {quantile: fast}}\n" + ONE_BACKEND))
+    assert found == ["pools[0].hedging.delay.quantile: must be auto or a number in (0, 1), "
+                     "got 'fast'"]
+
+
 def test_quantile_one_and_a_half() -> None:
     found = errors(pool_with("hedging: {delay: {quantile: 1.5}}\n" + ONE_BACKEND))
     assert found == ["pools[0].hedging.delay.quantile: must be in (0, 1), got 1.5"]

@@ -11,6 +11,7 @@ import httpx
 
 from gateway.errors import (
     AllAttemptsFailed,
+    HeadersTooLarge,
     InvalidRequest,
     UpstreamClientError,
     UpstreamError,
@@ -19,9 +20,9 @@ from gateway.errors import (
     error_body,
     failure_codes,
 )
+from gateway.protocol import raw_error_response
 from gateway.relay import error_event
 from gateway.routes import error_response
-from gateway.server import _head_too_large_response
 from gateway.streamend import ERROR_ENDS
 from providers.openai import translate
 
@@ -65,7 +66,7 @@ def test_the_builder_and_its_callers_agree() -> None:
         "upstream stream ended", type="upstream_error", code="stream_truncated", request_id="r2"
     )
     # the server's 431, written before any app code runs
-    raw = _head_too_large_response(100)
+    raw = raw_error_response(HeadersTooLarge("request line and headers exceed 100 bytes"))
     head, _, payload = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ")
     assert json.loads(payload) == error_body(
@@ -156,7 +157,7 @@ def test_the_readme_lists_every_failure_code_and_stream_end() -> None:
 def test_transport_errors_translate_to_their_classes() -> None:
     cases = {
         httpx.ConnectTimeout("x"): "connect_timeout",
-        httpx.PoolTimeout("x"): "connect_timeout",
+        httpx.PoolTimeout("x"): "gateway_pool_full",
         httpx.ConnectError("x"): "connect_error",
         httpx.ReadTimeout("x"): "read_timeout",
         httpx.RemoteProtocolError("x"): "connection_reset",

@@ -37,11 +37,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.firsttoken", "gateway.validate", "gateway.policy", "gateway.budget",
      "gateway.balancer"),
     ("providers",),
-    ("gateway.pool", "gateway.attempt"),
+    ("gateway.pool", "gateway.attempt", "gateway.live"),
     ("gateway.race", "gateway.relay", "gateway.sseresponse"),
     ("gateway.stats", "gateway.tracing"),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.server", "gateway.dashboard"),
+    ("gateway.routes", "gateway.server", "gateway.protocol", "gateway.dashboard"),
     ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
 )

@@ -14,12 +14,16 @@ import pytest
 from gateway.attempt import Prefix
 from gateway.errors import (
     AllAttemptsFailed,
+    NoBackendAvailable,
     UpstreamClientError,
     UpstreamConnectError,
+    UpstreamError,
+    UpstreamPushback,
     UpstreamStatusError,
+    all_attempts_failed,
 )
 from gateway.pool import PoolRuntime
-from gateway.race import AttemptRecord, Race, RaceOptions
+from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions
 from gateway.sse import SSEEvent
 from tests.harness.builders import gateway_settings
 
@@ -117,3 +121,119 @@ async def test_a_status_that_describes_the_request_reaches_the_client_as_is(stat
     await race.aclose()
     assert info.value.status == status and info.value.code == "upstream_rejected_request"
     assert [(r.failure, r.outcome) for r in race.attempts] == [("request_rejected", "failed")]
+
+
+# -- SPEC §19: honest refusals, panic -----------------------------------------------------------
+
+
+def failing(*errors: UpstreamError) -> AttemptRunner:
+    """A runner whose n-th attempt raises errors[n]."""
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        await asyncio.sleep(0)
+        raise errors[record.index]
+
+    return runner
+
+
+async def race_error(pool: PoolRuntime, *errors: UpstreamError) -> Exception:
+    race = Race(pool, failing(*errors), RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    with pytest.raises(Exception) as info:
+        await race.run()
+    await race.aclose()
+    assert len(race.attempts) == len(errors)
+    return info.value
+
+
+def test_pushback_everywhere_is_a_pushback_with_the_smallest_pause_capped() -> None:
+    def cap(seconds: float) -> float:
+        return min(seconds, 30.0)
+
+    def pushback(status: int, seconds: float | None) -> UpstreamStatusError:
+        return UpstreamStatusError.of(status, retry_after=seconds)
+
+    both_429 = all_attempts_failed(["x", "y"], [pushback(429, 40.0), pushback(429, 35.0)], cap)
+    assert isinstance(both_429, UpstreamPushback)
+    assert (both_429.status, both_429.retry_after, both_429.should_retry) == (429, 30.0, None)
+    assert both_429.type == "rate_limit_error"
+    mixed = all_attempts_failed(["x", "y"], [pushback(429, 4.0), pushback(503, 2.0)], cap)
+    assert (mixed.status, mixed.retry_after) == (503, 2.0)
+    for others in (
+        [pushback(429, 4.0), pushback(500, 2.0)],  # a 500 among them
+        [pushback(503, None)],  # a 503 without Retry-After
+        [pushback(429, 1.0), UpstreamConnectError("connect error")],
+        [],
+    ):
+        error = all_attempts_failed(["x"], others, cap)
+        assert isinstance(error, AllAttemptsFailed), others
+        assert (error.status, error.should_retry, error.retry_after) == (502, False, None)
+
+
+async def test_the_race_answers_a_pushback_when_every_attempt_pushed_back() -> None:
+    pool = pool_of()
+    error = await race_error(pool, UpstreamStatusError.of(503, retry_after=300.0),
+                             UpstreamStatusError.of(429, retry_after=120.0))
+    assert isinstance(error, UpstreamPushback)
+    assert (error.status, error.retry_after) == (503, 30.0)  # health.max_pause
+    now = time.monotonic()
+    for name in pool.balancer.names:
+        left = pool.balancer.seconds_left(name, now)
+        assert left is not None and 29.0 < left <= 30.0  # each pause capped too
+
+
+async def test_a_request_no_backend_can_take_is_refused_untried() -> None:
+    pool = pool_of()
+    for name in pool.balancer.names:  # max_concurrency 1 each, and both busy
+        pool.balancer._backends[name].max_concurrency = 1
+        pool.balancer.on_start(name)
+    calls: list[str] = []
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        calls.append(backend)
+        raise AssertionError("no attempt may start")
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    with pytest.raises(NoBackendAvailable) as info:
+        await race.run()
+    await race.aclose()
+    assert (info.value.status, info.value.retry_after, info.value.should_retry) == (503, 1.0, None)
+    assert calls == [] and not race.panic
+
+
+async def test_a_paused_one_backend_pool_is_tried_in_panic() -> None:
+    pool = pool_of(backends=1)
+    pool.balancer.pause("b0", 30.0, time.monotonic())
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        await asyncio.sleep(0)
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    result = await race.run()
+    await race.aclose()
+    assert result.winner.backend == "b0" and race.panic
+
+
+async def test_the_winner_holds_its_backend_slot_until_the_request_ends() -> None:
+    """`max_concurrency` and the balancer's load count whole streams, not only the wait for
+    the first token: the winner's slot is given back when the request ends (`aclose`)."""
+    pool = pool_of(backends=1)
+    pool.balancer._backends["b0"].max_concurrency = 1
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        await asyncio.sleep(0)
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    result = await race.run()
+    now = time.monotonic()
+    assert result.winner.backend == "b0"
+    assert pool.balancer.inflight("b0") == 1  # still streaming
+    assert pool.balancer.usable(now) == []  # at its cap: a second request is not sent there
+    await race.aclose()
+    assert pool.balancer.inflight("b0") == 0
+    assert pool.balancer.usable(now) == ["b0"]

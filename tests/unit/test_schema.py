@@ -176,7 +176,7 @@ def test_every_key_has_a_type_and_a_one_line_description() -> None:
 
 def test_defaults_are_the_model_defaults() -> None:
     delay = SCHEMA["$defs"]["DelaySettings"]["properties"]
-    assert delay["quantile"]["default"] == 0.95 and delay["min"]["default"] == 0.05
+    assert delay["quantile"]["default"] == "auto" and delay["min"]["default"] == 0.05
     server = SCHEMA["$defs"]["ServerSettings"]["properties"]
     assert server["max_body"]["default"] == 4 * 1024 * 1024
     assert server["api_keys"]["default"] == []

@@ -375,7 +375,7 @@ def test_latency_saved_only_when_a_hedge_beat_a_running_primary() -> None:
 
 def test_snapshot_reads_live_pool_state() -> None:
     runtime = pool_runtime(DelaySettings(mode="fixed", value=0.25))
-    runtime.balancer.pause("b", 30.0)
+    runtime.balancer.pause("b", 30.0, 0.0)
     runtime.inflight_requests = 3
     stats = Stats.for_pools({"chat": runtime}, now=0.0)
     snap = snapshot(stats, {"chat": runtime}, 10.0)
@@ -399,9 +399,19 @@ def test_delay_mode_initial_then_adaptive() -> None:
     assert (a["hedge_delay_ms"], a["hedge_delay_mode"]) == (500.0, "initial")
     for i in range(40):
         runtime.delays["a"].observe(0.2, 1.0 + i * 0.01)
+    runtime.refresh_delays(5.0)
     a = snapshot(stats, {"chat": runtime}, 5.0)["pools"]["chat"]["backends"]["a"]
     assert a["hedge_delay_mode"] == "adaptive"
     assert a["hedge_delay_ms"] == pytest.approx(200, rel=0.02)
+    # the default quantile is auto: 1 - 0.8 x the budget ratio (0.1)
+    assert (a["hedge_delay_quantile"], a["hedge_delay_rule"]) == (0.92, "auto")
+
+
+def test_a_pinned_quantile_shows_as_such() -> None:
+    runtime = pool_runtime(DelaySettings(quantile=0.99))
+    stats = Stats.for_pools({"chat": runtime}, now=0.0)
+    a = snapshot(stats, {"chat": runtime}, 1.0)["pools"]["chat"]["backends"]["a"]
+    assert (a["hedge_delay_quantile"], a["hedge_delay_rule"]) == (0.99, "pinned")
 
 
 def test_failures_are_counted_by_their_code_not_their_text() -> None:
@@ -476,3 +486,45 @@ def test_metrics_are_per_app_and_read_at_scrape_time() -> None:
     runtime.inflight_requests = 4  # gauges are read live
     assert value(metrics_2, "hedge_gateway_inflight_requests", pool="chat") == 4
     assert b"hedge_gateway" not in generate_latest(REGISTRY)
+
+
+def test_panic_refusals_and_time_left_are_counted_and_shown() -> None:
+    """SPEC §19: `panic` and `refused_no_backend` per pool (stats and metrics); per backend
+    its state with the seconds left (stats and the `stats` command's table)."""
+    import io
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.stats.prometheus import Metrics
+    from gateway.stats.table import render
+
+    runtime = pool_runtime()
+    stats = Stats.for_pools({"chat": runtime}, now=0.0)
+    panicked = plain(1.0)
+    panicked.panic = True
+    stats.record(panicked)
+    stats.record(summary(2.0, [], winner=None, error="no_backend_available"))
+    runtime.balancer.pause("b", 12.5, 0.0)
+    snap = snapshot(stats, {"chat": runtime}, 2.5)
+    pool = snap["pools"]["chat"]
+    for scope in ("lifetime", "window"):
+        assert pool[scope]["panic"] == 1 and pool[scope]["refused_no_backend"] == 1
+    a, b = pool["backends"]["a"], pool["backends"]["b"]
+    assert (a["state"], a["seconds_left"]) == ("ok", None)
+    assert (b["state"], b["seconds_left"]) == ("paused", 10.0)
+
+    samples = {
+        (s.name, s.labels.get("pool")): s.value
+        for family in text_string_to_metric_families(
+            Metrics(stats, {"chat": runtime}, lambda: 2.5).render().decode()
+        )
+        for s in family.samples
+    }
+    assert samples[("hedge_gateway_panic_total", "chat")] == 1
+    assert samples[("hedge_gateway_refused_no_backend_total", "chat")] == 1
+
+    out = io.StringIO()
+    render(json.loads(json.dumps(snap)), out)
+    table = out.getvalue()
+    assert "paused 10.0s (retry-after)" in table
+    assert "panic" in table and "no backend" in table

@@ -1,0 +1,107 @@
+"""The configuration in force: an immutable generation (settings + pool runtimes) and the one
+reference a reload swaps (SPEC §18, reload without a restart).
+
+Why a swapped snapshot rather than settings mutated in place: a request reads `Live.current`
+once, at its start, and keeps that `Generation` (its pool runtime, its timeouts, its hedging
+switch) to the end, so a reload never changes the rules under a request that is already
+running. A new generation shares the learnt state of the pools and backends that keep their
+name (balancer health, budget, hedge-delay sketches: see `PoolRuntime.carried_over`), so what
+changes is the configuration, not what the gateway has learnt.
+
+No I/O here: building a generation is the composition root's job (`gateway.app`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from gateway.pool import PoolRuntime
+from gateway.settings import Settings
+from providers.base import Provider
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigOrigin:
+    """Where a generation's configuration came from, for `/hedge/stats` and the log."""
+
+    #: "file" (`serve --config`) or "embedded" (the built-in default or an in-process object)
+    source: str
+    #: sha256 of the file's bytes; for an embedded configuration, of its `repr` (which never
+    #: holds a key: `BackendSettings` hides it)
+    sha256: str
+    #: monotonic time of the load (for "seconds ago")
+    loaded_at: float
+    #: the same instant on the wall clock, ISO 8601 in UTC
+    loaded_wall: str
+
+    @classmethod
+    def of_file(cls, data: bytes, *, now: float, wall: datetime | None = None) -> ConfigOrigin:
+        return cls("file", hashlib.sha256(data).hexdigest(), now, _iso(wall))
+
+    @classmethod
+    def embedded(cls, settings: Settings, *, now: float,
+                 wall: datetime | None = None) -> ConfigOrigin:
+        digest = hashlib.sha256(repr(settings).encode()).hexdigest()
+        return cls("embedded", digest, now, _iso(wall))
+
+
+def _iso(wall: datetime | None) -> str:
+    moment = wall if wall is not None else datetime.now(UTC)
+    return moment.isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One loaded configuration and the runtimes built for it. Never changed once built."""
+
+    settings: Settings
+    pools: Mapping[str, PoolRuntime]
+    origin: ConfigOrigin
+    #: 1 for the configuration loaded at start, +1 per successful reload
+    number: int = 1
+
+
+@dataclass(slots=True)
+class Live:
+    """The current generation, swapped whole by a reload (one attribute assignment on the
+    event loop, so a reader sees the old or the new generation, never a mix)."""
+
+    current: Generation
+    #: reloads refused because the file was invalid (the generation in force stayed)
+    failed_reloads: int = 0
+    #: providers of earlier generations that no generation uses any more; requests that
+    #: started before the reload may still hold them, so they are closed at shutdown
+    retired: list[Provider] = field(default_factory=list)
+
+    def swap(self, generation: Generation) -> None:
+        in_use = {id(p) for pool in generation.pools.values() for p in pool.providers.values()}
+        for pool in self.current.pools.values():
+            self.retired.extend(p for p in pool.providers.values() if id(p) not in in_use)
+        self.current = generation
+
+    def providers(self) -> list[Provider]:
+        """Every provider to close at shutdown: the current ones and the retired ones."""
+        current = [p for pool in self.current.pools.values() for p in pool.providers.values()]
+        return [*current, *self.retired]
+
+
+class LivePools(Mapping[str, PoolRuntime]):
+    """A read-only view of the current generation's pools, for readers that look once per
+    scrape (`/metrics`), not once per request."""
+
+    __slots__ = ("_live",)
+
+    def __init__(self, live: Live) -> None:
+        self._live = live
+
+    def __getitem__(self, name: str) -> PoolRuntime:
+        return self._live.current.pools[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live.current.pools)
+
+    def __len__(self) -> int:
+        return len(self._live.current.pools)

@@ -1,0 +1,306 @@
+"""The HTTP/1.1 connection under `hedge-gateway serve`: what uvicorn's httptools protocol
+leaves to a proxy in front, done here (SPEC §8, §18).
+
+- A bound on the request head. uvicorn applies `h11_max_incomplete_event_size` only to its
+  h11 parser; with httptools (the fast parser `uvicorn[standard]` installs and prefers) a
+  client can send an endless header line or URL and the server buffers all of it.
+  `GatewayHttpProtocol` counts head bytes as they arrive and answers 431 past the limit.
+- Aborting a stuck client. A response that stops because its client stopped reading cannot
+  complete, and uvicorn then only `close()`s the transport, which waits for the unsent
+  buffer to drain: forever, for a client that never reads. The protocol puts an `abort`
+  callable into the ASGI scope (extension `ABORT_EXTENSION`) that drops the connection at
+  once; `SSEResponse` uses it when present.
+- A lingering close. A response that closes the connection before the request body has fully
+  arrived (a 413) must not simply close: a close with unread bytes makes the kernel send a
+  reset, which destroys the response before a client that is still uploading (`AsyncOpenAI`,
+  `httpx.AsyncClient`) reads it. The protocol sends its FIN, keeps reading and discarding the
+  rest of the body for a bounded while (nginx's "lingering close"), then closes.
+- Slow and numerous clients. A request whose head and body have not arrived within
+  `server.body_timeout` gets 408; a new connection past `server.max_connections` gets 503.
+  Both are answered here, below the app, in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
+from gateway.settings import ServerSettings
+from gateway.sseresponse import ABORT_EXTENSION
+
+DEFAULT_HEAD_LIMIT = 16 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What one client connection may cost (SPEC §18); the lingering bounds are nginx's."""
+
+    #: the head and body of a request must have arrived this many seconds after its first byte
+    body_timeout: float = 30.0
+    #: open client connections (those being refused count too); past it: 503
+    max_connections: int = 4096
+    #: after a response that ends the connection early, at most this much more is read ...
+    linger_bytes: int = 64 * 1024 * 1024
+    #: ... for at most this long, before the connection is closed regardless
+    linger_seconds: float = 5.0
+
+    @classmethod
+    def of(cls, server: ServerSettings) -> ConnectionLimits:
+        return cls(body_timeout=server.body_timeout, max_connections=server.max_connections)
+
+
+class GatewayConfig(uvicorn.Config):
+    """uvicorn's config plus the connection limits `GatewayHttpProtocol` enforces."""
+
+    def __init__(self, app: Any, *, limits: ConnectionLimits, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.limits = limits
+
+
+class HeadTooLarge(Exception):
+    """Raised inside the parser callback to stop parsing a head that is over the limit."""
+
+
+def raw_error_response(error: GatewayError) -> bytes:
+    """A complete `connection: close` response in the OpenAI error shape, for answers given
+    below the app (no request id: the request never reached it)."""
+    body = json.dumps(error.body()).encode()
+    lines = [
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
+    if error.retry_after is not None:
+        lines += [f"retry-after: {max(1, round(error.retry_after))}",
+                  f"retry-after-ms: {int(error.retry_after * 1000)}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
+
+
+class _CloseHook(asyncio.Transport):
+    """The transport as one request/response cycle sees it: its `close()` (uvicorn calls it
+    after a `connection: close` response) goes to the protocol, which may linger first."""
+
+    def __init__(self, transport: asyncio.Transport, on_close: Callable[[], None]) -> None:
+        super().__init__()
+        self._transport = transport
+        self._on_close = on_close
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._on_close()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bounded request head, an abort extension, a
+    lingering close, a deadline for each request's head and body, and a connection cap.
+
+    The head limit is the config's `h11_max_incomplete_event_size` (the same setting h11 uses).
+    While a head is being read, every received chunk counts against the limit (an upper
+    bound: a chunk may also hold body bytes), so memory stays bounded by the limit plus one
+    read; when the head completes, its exact size is checked too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_limit = self.config.h11_max_incomplete_event_size or DEFAULT_HEAD_LIMIT
+        config = self.config
+        self._limits = config.limits if isinstance(config, GatewayConfig) else ConnectionLimits()
+        self._reading_head = True
+        self._head_bytes = 0
+        self._refused = False
+        # the request being received: its declared length, body bytes seen, whether complete
+        self._declared: int | None = None
+        self._body_seen = 0
+        self._body_done = True
+        self._body_timer: asyncio.TimerHandle | None = None
+        # the lingering close: at most this many more bytes are read, until its deadline
+        self._lingering = False
+        self._linger_left = 0
+        self._linger_timer: asyncio.TimerHandle | None = None
+
+    # ---- connection life -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self._limits.max_connections:
+            self._refused = True
+            self.transport.write(raw_error_response(TooManyConnections(
+                "the gateway has too many open connections", retry_after=1.0
+            )))
+            self._linger()
+            return
+        self._start_body_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_body_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        super().connection_lost(exc)
+
+    def eof_received(self) -> None:
+        if self._lingering:  # the client is done sending: nothing more to wait for
+            self._end_linger()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            self._discard(len(data))
+            return
+        if self._refused:
+            return
+        if self._reading_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._reading_head and self._head_bytes > self._head_limit and not self._refused:
+            self._refuse()
+
+    # ---- parser callbacks ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._body_done = False
+        self._body_seen = 0
+        self._declared = None
+        self._start_body_timer()
+        extensions = self.scope.get("extensions") or {}
+        extensions[ABORT_EXTENSION] = {"abort": self._abort}
+        self.scope["extensions"] = extensions
+
+    def on_headers_complete(self) -> None:
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self._head_limit:
+            self._refused = True
+            raise HeadTooLarge  # httptools wraps it; uvicorn calls send_400_response
+        self._reading_head = False
+        self._head_bytes = 0
+        for name, value in self.headers:
+            if name == b"content-length" and value.isdigit():
+                self._declared = int(value)
+        super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = _CloseHook(self.transport, self._close_after_response)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_seen += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._body_done = True
+        self._cancel_body_timer()
+        super().on_message_complete()
+        self._reading_head = True
+        self._head_bytes = 0
+
+    def on_response_complete(self) -> None:
+        if self._lingering:  # no keep-alive timer, no pipelined request: the linger decides
+            self.server_state.total_requests += 1
+            return
+        super().on_response_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refused:
+            self._refuse()
+            return
+        super().send_400_response(msg)
+
+    # ---- refusing, timing out, lingering ---------------------------------------------------
+
+    def _refuse(self) -> None:
+        self._refused = True
+        if not self.transport.is_closing():
+            self.transport.write(raw_error_response(HeadersTooLarge(
+                f"request line and headers exceed {self._head_limit} bytes"
+            )))
+            self.transport.close()
+
+    def _abort(self) -> None:
+        """Drop the connection now, unsent bytes and all (a client that stopped reading)."""
+        self.transport.abort()
+
+    def _start_body_timer(self) -> None:
+        if self._body_timer is None:
+            self._body_timer = self.loop.call_later(
+                self._limits.body_timeout, self._body_timed_out
+            )
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        """The request's head or body is late: 408 unless a response is already under way
+        (the app answered before reading the body); either way the connection ends."""
+        self._body_timer = None
+        if self.transport.is_closing() or self._lingering:
+            return
+        cycle = self.cycle
+        if self.pipeline or (self._reading_head and cycle and not cycle.response_complete):
+            # an earlier response is still being sent: the delay is ours, not the client's
+            self._start_body_timer()
+            return
+        if self._reading_head or cycle is None or not cycle.response_started:
+            if cycle is not None and not self._reading_head:  # the app waits for the body:
+                cycle.disconnected = True  # it sees a disconnect, and answers nothing
+                cycle.message_event.set()
+            self.transport.write(raw_error_response(RequestTimeout(
+                f"the request did not arrive within {self._limits.body_timeout:g} s"
+            )))
+        self._linger()
+
+    def _close_after_response(self) -> None:
+        """A response asked to close the connection: at once if the request has been read
+        to its end, else only after lingering."""
+        if self._body_done or self.transport.is_closing():
+            self.transport.close()
+        else:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Send our FIN, then read and drop what the client still sends (the rest of the
+        declared body, or until its EOF), bounded in bytes and time, then close. A close
+        with unread bytes would reset the connection and destroy the response unread."""
+        if self._lingering or self.transport.is_closing():
+            return
+        self._lingering = True
+        self._cancel_body_timer()
+        left = self._limits.linger_bytes
+        if self._declared is not None and not self._body_done and not self._reading_head:
+            left = min(left, max(0, self._declared - self._body_seen))
+            if left == 0:
+                self.transport.close()
+                return
+        self._linger_left = left
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(self._limits.linger_seconds, self._end_linger)
+
+    def _discard(self, size: int) -> None:
+        self._linger_left -= size
+        if self._linger_left <= 0:
+            self._end_linger()
+
+    def _end_linger(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()

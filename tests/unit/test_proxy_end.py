@@ -1,0 +1,111 @@
+"""The end of a logical request through the proxy, in virtual time: one owner ends it on every
+path, and the client is answered before losers are reaped and stats recorded (issue 10,
+risks 10 and 11). The race itself is in test_race_table.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gateway.errors import UpstreamClientError
+from tests.harness.raceworld import (
+    HANG,
+    Setup,
+    Step,
+    World,
+    http_request,
+    logical_request,
+    proxy_for,
+)
+from tests.harness.virtualtime import VirtualLoop, run_virtual
+
+#: a loser's upstream takes this long to close (virtual seconds): long enough to see who waits
+SLOW_CLOSE = 3.0
+
+
+def test_an_error_is_answered_before_the_losers_are_reaped() -> None:
+    """The hedge's 400 at 0.375 s is the answer; the primary (cancelled) takes 3 s to close.
+    The proxy must raise at once and leave the reaping and the stats to `after_response`,
+    which the error handler runs after sending the error."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop, close_takes=SLOW_CLOSE)
+        proxy, pool = proxy_for(Setup([HANG, Step("400", 0.125)]), loop, world)
+        with pytest.raises(UpstreamClientError) as info:
+            await proxy.handle(http_request(), pool, logical_request(stream=True))
+        assert loop.time() == 0.375  # answered at the 400, not after the slow close
+        assert proxy.stats.summaries == []  # type: ignore[attr-defined]
+        end = info.value.after_response
+        assert end is not None
+        await end()
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
+        [(recorded_at, summary)] = proxy.stats.summaries  # type: ignore[attr-defined]
+        assert recorded_at == 0.375 + SLOW_CLOSE  # after the loser closed: close_ms counts it
+        assert summary.attempts[0].close_s == SLOW_CLOSE
+        assert set(world.closed) == set(world.opened)
+
+    run_virtual(main)
+
+
+def test_a_json_answer_is_sent_before_the_losers_are_reaped() -> None:
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop, close_takes=SLOW_CLOSE)
+        proxy, pool = proxy_for(Setup([HANG, Step("token", 0.125)]), loop, world)
+        response = await proxy.handle(http_request(), pool, logical_request(stream=False))
+        assert loop.time() == 0.375  # the race was decided: nothing else delays the answer
+        sent: list[tuple[float, dict[str, Any]]] = []
+
+        async def send(message: Any) -> None:
+            sent.append((loop.time(), message))
+
+        async def receive() -> Any:
+            return {"type": "http.disconnect"}
+
+        await response({"type": "http"}, receive, send)
+        assert [m["type"] for _, m in sent] == ["http.response.start", "http.response.body"]
+        assert all(at == 0.375 for at, _ in sent)
+        [(recorded_at, summary)] = proxy.stats.summaries  # type: ignore[attr-defined]
+        assert recorded_at > 0.375 and summary.winner is not None
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
+        assert set(world.closed) == set(world.opened)
+
+    run_virtual(main)
+
+
+def test_a_failure_building_the_stream_still_ends_the_request() -> None:
+    """If building the streaming response raises after the race committed, the winner's
+    upstream is closed and the admission slot and in-flight count are given back."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([Step("token", 0.125)]), loop, world)
+
+        def broken(*_: object, **__: object) -> object:
+            raise RuntimeError("a bug while building the response")
+
+        proxy._streaming_response = broken  # type: ignore[method-assign,assignment]
+        with pytest.raises(RuntimeError):
+            await proxy.handle(http_request(), pool, logical_request(stream=True))
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
+        assert set(world.closed) == set(world.opened) == {0}
+        assert len(proxy.stats.summaries) == 1  # type: ignore[attr-defined]
+
+    run_virtual(main)
+
+
+def test_a_cancelled_request_task_ends_the_request_inline() -> None:
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([HANG, HANG]), loop, world)
+        task = asyncio.ensure_future(
+            proxy.handle(http_request(), pool, logical_request(stream=True))
+        )
+        loop.call_at(0.375, task.cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
+        assert set(world.closed) == set(world.opened) == {0, 1}
+
+    run_virtual(main)

@@ -1,0 +1,140 @@
+"""Reload carry-over (SPEC §18), pure parts: what survives a new generation and what starts
+fresh. Fake clock, no sockets (the httpx client is built but never used: sim backends)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.app import Reloader, build_pools
+from gateway.balancer import Balancer
+from gateway.budget import HedgeBudget
+from gateway.live import ConfigOrigin, Generation, Live
+from gateway.policy import HedgeDelay
+from gateway.settings import (
+    BackendSettings,
+    BudgetSettings,
+    DelaySettings,
+    HealthSettings,
+    HedgingSettings,
+    PoolSettings,
+    Settings,
+    SimProfile,
+)
+from gateway.stats import Stats
+from gateway.stats.view import snapshot
+
+
+def backend(name: str, weight: float = 1.0) -> BackendSettings:
+    return BackendSettings(name=name, provider="sim", model="m", weight=weight,
+                           sim=SimProfile(seed=1))
+
+
+def pool(name: str, *names: str, initial: float = 0.5) -> PoolSettings:
+    hedging = HedgingSettings(delay=DelaySettings(initial=initial))
+    return PoolSettings(name=name, backends=tuple(backend(n) for n in names), hedging=hedging)
+
+
+def test_balancer_adopt_keeps_health_and_inflight_of_survivors() -> None:
+    health = HealthSettings(eject_after=1)
+    old = Balancer([backend("a"), backend("b")], health, random.Random(1))
+    old.on_failure("a", 0.0)  # ejected
+    old.on_start("b")
+    new = old.adopt([backend("b", weight=3.0), backend("c")], health)
+    assert new.names == ["b", "c"]
+    assert new.inflight("b") == 1
+    old.on_finish("b")  # an attempt of a request that started before the reload ends
+    assert new.inflight("b") == 0
+    assert new.state("c", 0.1) == ("ok", None)
+    carried = old.adopt([backend("a")], health)
+    assert carried.state("a", 0.1)[0] == "ejected"
+
+
+def test_hedge_delay_adopt_keeps_the_sketch_and_applies_new_settings() -> None:
+    settings = DelaySettings(initial=0.3, min_samples=5, min=0.0)
+    delay = HedgeDelay(settings)
+    for _ in range(10):
+        delay.observe(0.1, 1.0)
+    assert delay.adopt(settings, budget_ratio=0.1, now=1.0) is delay
+    changed = delay.adopt(replace(settings, initial=0.2, max=0.05), budget_ratio=0.1, now=1.0)
+    assert changed.samples(1.0) == 10
+    assert changed.adaptive(1.0)
+    assert changed.delay(1.0) == pytest.approx(0.05)  # the new `max` clamps the quantile
+    fresh = delay.adopt(replace(settings, window=120.0), budget_ratio=0.1, now=1.0)  # new sketch
+    assert fresh.samples(1.0) == 0
+
+
+def test_budget_reconfigure_keeps_level_inflight_and_outcomes() -> None:
+    budget = HedgeBudget(BudgetSettings(burst=10, min_per_second=0.0), 0.0)
+    assert budget.try_spend(0.0, inflight_requests=1, hedge=False) is None
+    budget.record_hedge(True, 0.0)
+    budget.reconfigure(BudgetSettings(burst=4, min_per_second=0.0), 1.0)
+    assert budget.tokens(1.0) == 4  # capped at the new burst, not refilled
+    assert budget.extra_in_flight == 1
+    assert budget.win_rate() == 1.0
+
+
+def test_stats_adopt_keeps_survivors_and_drops_removed() -> None:
+    stats = Stats({"p": ["a", "b"], "gone": ["x"]}, now=0.0)
+    pool_stats, a_stats = stats.pools["p"], stats.pools["p"].backends["a"]
+    stats.adopt({"p": ["a", "c"], "new": ["n"]})
+    assert stats.pools["p"] is pool_stats
+    assert stats.pools["p"].backends["a"] is a_stats
+    assert set(stats.pools["p"].backends) == {"a", "c"}
+    assert set(stats.pools) == {"p", "new"}
+
+
+def test_build_pools_carries_runtimes_over_by_name() -> None:
+    client = httpx.AsyncClient()
+    clock = lambda: 5.0  # noqa: E731
+    rng = random.Random(1)
+    first = build_pools(Settings(pools=(pool("p", "a", "b"), pool("q", "x"))), client, clock,
+                        rng)
+    second = build_pools(Settings(pools=(pool("p", "a", "c", initial=0.2), pool("r", "y"))),
+                         client, clock, rng, first)
+    p_old, p_new = first["p"], second["p"]
+    assert p_new is not p_old and p_new.budget is p_old.budget
+    assert p_new.providers["a"] is p_old.providers["a"]  # unchanged backend: same provider
+    assert p_new.delays["a"].delay(5.0) == 0.2  # same sketch, new settings
+    assert p_new.delays["c"].samples(5.0) == 0
+    assert set(second) == {"p", "r"}
+    assert p_old.settings.hedging.delay.initial == 0.5  # the old generation is untouched
+
+
+def _live(settings: Settings) -> tuple[Live, Stats, Reloader]:
+    client = httpx.AsyncClient()
+    pools = build_pools(settings, client, lambda: 0.0, random.Random(1))
+    stats = Stats.for_pools(pools, now=0.0)
+    live = Live(Generation(settings, pools, ConfigOrigin.embedded(settings, now=0.0)))
+    return live, stats, Reloader(live, stats, client, lambda: 10.0, random.Random(2))
+
+
+def test_reloader_refuses_an_invalid_file_and_changes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    live, stats, reloader = _live(Settings(pools=(pool("p", "a"),)))
+    before = live.current
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  - name: p\n    timeout: soon\n    backends: []\n")
+    assert not reloader.reload_file(str(bad))
+    assert live.current is before and live.failed_reloads == 1
+    assert "pools[0].timeout" in caplog.text
+    doc = snapshot(stats, live.current.pools, 12.0, live=live)
+    assert doc["config"]["failed_reloads"] == 1 and doc["config"]["generation"] == 1
+
+
+def test_reloader_swaps_a_valid_file_with_its_checksum(tmp_path: Path) -> None:
+    live, stats, reloader = _live(Settings(pools=(pool("p", "a"),)))
+    good = tmp_path / "good.yaml"
+    good.write_bytes(b"pools:\n  - name: q\n    backends:\n"
+                     b"      - {name: b, provider: sim}\n")
+    assert reloader.reload_file(str(good))
+    doc = snapshot(stats, live.current.pools, 12.5, live=live)
+    assert doc["config"]["sha256"] == ConfigOrigin.of_file(good.read_bytes(), now=0).sha256
+    assert doc["config"]["generation"] == 2 and doc["config"]["loaded_s_ago"] == 2.5
+    assert list(doc["pools"]) == ["q"]
+    assert len(live.retired) == 1  # the removed backend's provider, closed at shutdown

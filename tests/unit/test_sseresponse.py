@@ -1,0 +1,70 @@
+"""How the SSE response classifies the end of a stream (issue 10, risk 14), in virtual time
+and without sockets: a socket that breaks under a send is a client that left; an exception of
+ours in the relay is not, and is not swallowed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from gateway.drain import Drain
+from gateway.sseresponse import SSEResponse
+from tests.harness.virtualtime import VirtualLoop, run_virtual
+
+
+def response(loop: VirtualLoop, body: AsyncIterator[bytes], ends: list[str | None]) -> SSEResponse:
+    async def on_close(end: str | None) -> None:
+        ends.append(end)
+
+    return SSEResponse(body, headers={}, keepalive=15.0, stuck_client=30.0,
+                       drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
+                       on_close=on_close, clock=loop.time)
+
+
+async def never() -> Any:
+    await asyncio.get_running_loop().create_future()
+
+
+async def chunks(fail: BaseException | None = None) -> AsyncIterator[bytes]:
+    for i in range(3):
+        await asyncio.sleep(0.1)
+        if fail is not None and i == 1:
+            raise fail
+        yield b"data: x\n\n"
+
+
+def test_a_socket_that_breaks_under_a_send_is_a_client_that_left() -> None:
+    async def main(loop: VirtualLoop) -> list[str | None]:
+        ends: list[str | None] = []
+        bodies = 0
+
+        async def send(message: Any) -> None:
+            nonlocal bodies
+            if message["type"] == "http.response.body":
+                bodies += 1
+                if bodies == 2:
+                    raise BrokenPipeError("the client's socket is gone")
+
+        await response(loop, chunks(), ends)({"type": "http"}, never, send)  # no exception
+        return ends
+
+    assert run_virtual(main) == ["client_gone"]
+
+
+def test_a_bug_in_the_relay_propagates_and_is_not_a_client_that_left() -> None:
+    async def main(loop: VirtualLoop) -> list[str | None]:
+        ends: list[str | None] = []
+
+        async def send(message: Any) -> None:
+            return None
+
+        with pytest.raises(BaseExceptionGroup) as info:
+            await response(loop, chunks(RuntimeError("a bug")), ends)({"type": "http"},
+                                                                      never, send)
+        assert info.group_contains(RuntimeError)
+        return ends
+
+    assert run_virtual(main) == ["internal_error"]

@@ -1,0 +1,42 @@
+"""`metadata` is free-form (SPEC §18): only destination and credential names are refused in it,
+in any case or separator; the stricter top-level and `extra_body` rules stay (SPEC §3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import ForbiddenField
+from gateway.validate import check_body, is_metadata_routing_field
+
+REFUSED = ["api_base", "base_url", "api_key", "api_version", "azure_endpoint", "baseURL",
+           "API-KEY", "APIBase", "api.version", "AzureEndpoint", "aws", "aws_region",
+           "AWS-SECRET-ACCESS-KEY", "awsRegion", "AWSRegion", "vertex_project", "VertexLocation",
+           "VERTEX_CREDENTIALS", "vertexAI"]
+PASSED = ["url", "headers", "extra_headers", "URL", "user_id", "awesome", "vertexai", "x_aws",
+          "base", "key", "", "_", "123"]
+
+
+@pytest.mark.parametrize("key", REFUSED)
+def test_destination_and_credential_names_are_refused_in_metadata(key: str) -> None:
+    assert is_metadata_routing_field(key)
+
+
+@pytest.mark.parametrize("key", PASSED)
+def test_other_names_pass_in_metadata(key: str) -> None:
+    assert not is_metadata_routing_field(key)
+
+
+def test_metadata_is_scanned_at_any_depth_and_names_the_path() -> None:
+    body = {"model": "m", "messages": [], "metadata": {"a": [{"b": {"aws_region": "x"}}]}}
+    with pytest.raises(ForbiddenField) as info:
+        check_body(body, needs_prompt="messages")
+    assert info.value.param == "metadata.a[0].b.aws_region"
+
+
+def test_url_and_headers_stay_refused_at_the_top_level_and_in_extra_body() -> None:
+    free = {"model": "m", "messages": [], "metadata": {"url": "u", "headers": {"h": "v"}}}
+    assert check_body(free, needs_prompt="messages") == ("m", False)
+    bodies: tuple[dict[str, object], ...] = ({"url": "u"}, {"extra_body": {"x": {"headers": {}}}})
+    for body in bodies:
+        with pytest.raises(ForbiddenField):
+            check_body({"model": "m", "messages": [], **body}, needs_prompt="messages")
