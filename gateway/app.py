@@ -31,19 +31,22 @@ from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
 from gateway.tracing import Tracing, build_tracing
+from providers.openai import guard_pool_closes
 from providers.registry import build_provider
 
 
 def make_http_client(settings: Settings) -> httpx.AsyncClient:
     """One client for every upstream: bounded pool, no redirects, no env proxies."""
     cap = settings.server.max_concurrent_requests * 2
-    return httpx.AsyncClient(
+    client = httpx.AsyncClient(
         limits=httpx.Limits(
             max_connections=cap, max_keepalive_connections=64, keepalive_expiry=30.0
         ),
         follow_redirects=False,
         trust_env=False,
     )
+    guard_pool_closes(client)
+    return client
 
 
 #: reload outcomes go to the operator's log (configured by `hedge-gateway serve`)

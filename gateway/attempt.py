@@ -8,18 +8,15 @@ on the way out, shielded from the cancellation that caused it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import anyio
-
 from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
 from gateway.firsttoken import Kind, classify, classify_payload
 from gateway.sse import SSEEvent
-from providers.base import Provider, UpstreamCall, UpstreamStream
+from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
 #: events an upstream may send before its first token (role chunks, empty deltas)
 MAX_PRE_TOKEN_EVENTS = 1024
@@ -41,25 +38,11 @@ class Prefix:
 async def close_quietly(
     stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None
 ) -> None:
-    """Close the batch iterator and the upstream, even from a cancelled task.
-
-    The close runs in a task of its own, awaited under `asyncio.shield` until it is over: a
-    native `Task.cancel()` of the caller (the race cancelling a loser that is already closing
-    after a failure) is held back until the response is closed, then re-raised. An anyio
-    shield alone does not stop a native cancel, and an interrupted close leaks httpcore's pool
-    slot. The anyio shield stays so that a cancelled anyio scope does not keep re-delivering.
-    """
-    with anyio.CancelScope(shield=True):
-        closing = asyncio.ensure_future(_close(stream, batches))
-        interrupted: asyncio.CancelledError | None = None
-        while not closing.done():
-            try:
-                await asyncio.shield(closing)
-            except asyncio.CancelledError as exc:
-                interrupted = exc
-        closing.result()
-    if interrupted is not None:
-        raise interrupted
+    """Close the batch iterator and the upstream, even from a cancelled task: a native
+    `Task.cancel()` of the caller (the race cancelling a loser that is already closing after a
+    failure) is held back until both are closed, then re-raised (an interrupted close leaks
+    the HTTP client's connection)."""
+    await finish_despite_cancel(_close(stream, batches))
 
 
 async def _close(stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None) -> None:

@@ -11,9 +11,12 @@ the connection rather than draining it) and safe to call from a cancelled task.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+import anyio
 
 from gateway.sse import SSEEvent
 
@@ -48,7 +51,8 @@ class UpstreamStream(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Release the response and its connection at once. Idempotent."""
+        """Release the response and its connection at once. Idempotent; it completes even
+        when the caller is cancelled meanwhile (see `finish_despite_cancel`)."""
         ...
 
 
@@ -68,3 +72,28 @@ class Provider(Protocol):
     async def aclose(self) -> None:
         """Release what the provider holds (not the shared HTTP client)."""
         ...
+
+
+async def finish_despite_cancel(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` (a close) to its end even if the caller is cancelled meanwhile, then re-raise
+    that cancellation.
+
+    Why: the race cancels a losing attempt with a native `Task.cancel()`, which an anyio (or
+    httpcore) shield does not hold back. A close interrupted at its first await leaves the
+    HTTP client's connection marked in use for ever: the upstream later closes its side and
+    the gateway's socket stays in CLOSE_WAIT (the soak found one per ~1,000 hedged requests,
+    a loser cancelled while it was closing a 429). So the close runs in a task of its own,
+    awaited under `asyncio.shield` until it is over. The anyio shield stays so that a
+    cancelled anyio scope does not keep re-delivering its cancellation meanwhile.
+    """
+    with anyio.CancelScope(shield=True):
+        closing = asyncio.ensure_future(work)
+        interrupted: asyncio.CancelledError | None = None
+        while not closing.done():
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError as exc:
+                interrupted = exc
+        closing.result()
+    if interrupted is not None:
+        raise interrupted

@@ -10,10 +10,12 @@ sees the disconnect and stops generating.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 from collections.abc import AsyncIterator, Mapping
+from typing import Any, cast
 
 import anyio
 import httpx
@@ -30,7 +32,7 @@ from gateway.errors import (
 )
 from gateway.settings import BackendSettings, Timeouts
 from gateway.sse import SSEDecoder, SSEEvent, SSEProtocolError
-from providers.base import UpstreamCall
+from providers.base import UpstreamCall, finish_despite_cancel
 
 #: response headers a client may see from an upstream; everything else stays behind
 PASS_HEADERS = frozenset(
@@ -125,11 +127,18 @@ class HttpxStream:
     def batches(self) -> AsyncIterator[list[SSEEvent]]:
         return self._sse() if self._stream else self._whole_body()
 
+    def _body(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive. Not httpx's `aiter_raw`: that one closes the
+        response itself at the body's end, unshielded, and a cancel landing in that close (a
+        non-streaming loser whose body just ended) left the connection in use for ever;
+        `aclose` closes it instead, whatever cancel comes."""
+        return cast(httpx.AsyncByteStream, self._response.stream).__aiter__()
+
     async def _sse(self) -> AsyncIterator[list[SSEEvent]]:
         decoder = SSEDecoder()
         pending = 0  # bytes since the last completed event
         try:
-            async for chunk in self._response.aiter_raw():
+            async for chunk in self._body():
                 events = decoder.feed(chunk)
                 if not events:
                     pending += len(chunk)
@@ -149,7 +158,7 @@ class HttpxStream:
         parts: list[bytes] = []
         size = 0
         try:
-            async for chunk in self._response.aiter_raw():
+            async for chunk in self._body():
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
                     raise UpstreamProtocolError("response body too large")
@@ -159,8 +168,54 @@ class HttpxStream:
         yield [SSEEvent(b"".join(parts))]
 
     async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+        # `open` closes a non-200 response itself, outside `attempt.close_quietly`: this close
+        # must survive the race's cancel on its own
+        await finish_despite_cancel(self._close())
+
+    async def _close(self) -> None:
+        with anyio.move_on_after(CLOSE_TIMEOUT):
             await self._response.aclose()
+
+
+async def close_orphaned_connections(client: httpx.AsyncClient) -> None:
+    """Close the client's connections that are connected but carry no request (httpcore's
+    state `NEW`).
+
+    Why: httpcore 1.0.x has a one-iteration window between a new connection's TCP connect and
+    the start of its first request (the connection's state lock) where a cancellation leaves
+    the connection in state `NEW` for ever: never used, never expired, its socket open until
+    the upstream closes it, and then in CLOSE_WAIT (the soak's leak, with hedge losers and
+    504s cancelled while they connect). Called after a cancelled `send`. A `NEW` connection
+    that another request is about to use is safe to close too: that request gets httpcore's
+    `ConnectionNotAvailable` and its pool opens another connection.
+    """
+    # httpx keeps its transport's pool private; httpcore's `connections` and `info()` are public
+    pool: Any = getattr(getattr(client, "_transport", None), "_pool", None)
+    for connection in list(getattr(pool, "connections", ())):
+        if ", NEW," in connection.info():
+            await connection.aclose()
+
+
+def guard_pool_closes(client: httpx.AsyncClient) -> None:
+    """Make the client's pool finish closing the connections it drops, despite a cancel.
+
+    Why: before each request httpcore's pool closes, one after the other, the connections it
+    finds dead (the upstream closed them while idle) or expired. The first close awaits once;
+    a cancel landing there (a hedge cancelled as it starts) skips the rest, which have left
+    the pool already: nothing closes their sockets any more (CLOSE_WAIT for ever). httpcore
+    shields that loop with an anyio shield, which a native `Task.cancel()` goes through.
+    """
+    # httpx keeps its transport's pool private; this wraps one method of httpcore's pool
+    pool: Any = getattr(getattr(client, "_transport", None), "_pool", None)
+    close_connections = getattr(pool, "_close_connections", None)
+    if close_connections is None:
+        return
+
+    async def close_all(closing: list[Any]) -> None:
+        if closing:
+            await finish_despite_cancel(close_connections(closing))
+
+    pool._close_connections = close_all
 
 
 class OpenAIProvider:
@@ -214,6 +269,9 @@ class OpenAIProvider:
             response = await self._client.send(request, stream=True, follow_redirects=False)
         except httpx.HTTPError as exc:
             raise translate(exc) from None
+        except asyncio.CancelledError:
+            await finish_despite_cancel(close_orphaned_connections(self._client))
+            raise
         if response.status_code != 200:
             retry_after = parse_retry_after(response.headers)
             await HttpxStream(response, stream=False).aclose()
