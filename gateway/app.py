@@ -24,6 +24,7 @@ from gateway.dashboard import build_dashboard_router, run_sampler
 from gateway.drain import Drain
 from gateway.live import ConfigOrigin, Generation, Live, LivePools
 from gateway.pool import PoolRuntime
+from gateway.protoroutes import build_protocol_router
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
@@ -231,6 +232,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, live, proxy))
+    app.include_router(build_protocol_router(settings, live, proxy))
     app.include_router(build_ops_router(live, clock, stats=stats, metrics=metrics, drain=drain))
     app.include_router(build_dashboard_router(stats, series))
     #: the pools at start; after a reload, `app.state.live.current.pools`

@@ -55,9 +55,13 @@ async def _close(stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] 
 
 
 async def open_until_first_token(
-    provider: Provider, call: UpstreamCall, is_lost: Callable[[], bool]
+    provider: Provider,
+    call: UpstreamCall,
+    is_lost: Callable[[], bool],
+    classify: Callable[[SSEEvent], Kind] = classify,
 ) -> Prefix:
-    """Open a streaming attempt and read until its first token (SPEC §4)."""
+    """Open a streaming attempt and read until its first token (SPEC §4; `classify` is the
+    route's predicate, SPEC §15)."""
     stream = await provider.open(call)
     batches = stream.batches()
     try:
@@ -84,7 +88,10 @@ async def open_until_first_token(
 
 
 async def open_whole_response(
-    provider: Provider, call: UpstreamCall, is_lost: Callable[[], bool]
+    provider: Provider,
+    call: UpstreamCall,
+    is_lost: Callable[[], bool],
+    classify_body: Callable[[object], Kind] = classify_payload,
 ) -> Prefix:
     """Open a non-streaming attempt and read its whole body: its 'first token'."""
     stream = await provider.open(call)
@@ -98,7 +105,7 @@ async def open_whole_response(
                 raise UpstreamProtocolError("response body is not JSON") from None
             if not isinstance(payload, dict):
                 raise UpstreamProtocolError("response body is not a JSON object")
-            if classify_payload(payload) is Kind.ERROR:
+            if classify_body(payload) is Kind.ERROR:
                 raise UpstreamInBandError("error in the response body")
             return Prefix(stream, batches, [event])
         raise UpstreamNoToken("empty response")

@@ -94,6 +94,22 @@ class ModelNotFound(GatewayError):
     code = "model_not_found"
 
 
+class RouteNotServed(GatewayError):
+    """The pool has no backend whose provider serves the request's route (SPEC §15)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "route_not_served"
+
+
+class ResponseNotFound(GatewayError):
+    """A stored-response id this gateway did not relay (or has forgotten) (SPEC §15)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "response_not_found"
+
+
 class RouteNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -229,6 +245,18 @@ class UpstreamRejectedTooLarge(UpstreamClientError):
 
 class UpstreamRejectedUnprocessable(UpstreamClientError):
     status = 422
+
+
+class UpstreamRejectedNotFound(UpstreamClientError):
+    """The one backend holding a stored response no longer has it (SPEC §15)."""
+
+    status = 404
+
+
+class UpstreamRejectedConflict(UpstreamClientError):
+    """The one backend holding a stored response refused the operation (SPEC §15)."""
+
+    status = 409
 
 
 class FirstTokenTimeout(GatewayError):

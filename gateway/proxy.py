@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -31,16 +31,25 @@ from gateway.attempt import Prefix, open_until_first_token, open_whole_response
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.drain import Drain
-from gateway.errors import GatewayError, Overloaded
+from gateway.errors import (
+    GatewayError,
+    Overloaded,
+    RouteNotServed,
+    UpstreamRejectedRequest,
+    UpstreamStatusError,
+)
 from gateway.pool import PoolRuntime
 from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
-from gateway.relay import RelayOutcome, error_event, relay
+from gateway.relay import RelayOutcome, relay
+from gateway.relaynamed import named_encoder
 from gateway.settings import ServerSettings
+from gateway.sse import SSEEvent
 from gateway.sseresponse import SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.streamend import StreamEnd
 from gateway.usage import ask_for_usage, body_usage
+from gateway.wireformat import CHAT, WireProtocol, serves
 from providers.base import Endpoint, UpstreamCall
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
@@ -54,6 +63,27 @@ class LogicalRequest:
     body: Mapping[str, Any]
     stream: bool
     headers: Mapping[str, str]
+    #: the route's wire rules: first token, end of stream, error shapes (SPEC §15)
+    protocol: WireProtocol = CHAT
+    #: delay-triggered hedges refused by the route's own rule (the Responses store rules)
+    stateful: bool = False
+    #: one backend at a time, not hedged and not counted as refused (count_tokens)
+    single: bool = False
+    #: the only backend this request may use (the one holding its stored response)
+    pinned: str | None = None
+    #: upstream call details beyond the body (method, path, query, passed-through headers)
+    method: str = "POST"
+    path: str | None = None
+    query: Mapping[str, str] = field(default_factory=dict)
+    forward_headers: Mapping[str, str] = field(default_factory=dict)
+    #: called once at commit with the winner's backend and buffered events (remembers the
+    #: response id of a Responses request)
+    on_commit: Callable[[str, list[SSEEvent]], None] | None = None
+
+
+#: statuses of the one backend holding a stored response that answer the client as they are
+#: (a 401 or 429 there says nothing about the client's request: those stay a 502)
+PINNED_ANSWERS = frozenset({400, 404, 409, 422})
 
 
 class Admission:
@@ -90,9 +120,23 @@ def hedge_refusal(pool: PoolRuntime, req: LogicalRequest) -> SuppressReason | No
         return SuppressReason.DISABLED
     if req.headers.get("x-hedge", "").lower() == "off":
         return SuppressReason.DISABLED
-    if req.body.get("store") is True or "idempotency-key" in req.headers:
+    if req.body.get("store") is True or "idempotency-key" in req.headers or req.stateful:
         return SuppressReason.DISABLED
     return None
+
+
+def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
+    """The pool's backends this request may not use: those whose provider does not serve its
+    route, and all but the pinned one. RouteNotServed (404) when none is left."""
+    excluded = frozenset(
+        b.name for b in pool.settings.backends
+        if not serves(b.provider, req.endpoint) or (req.pinned not in (None, b.name))
+    )
+    if len(excluded) == len(pool.settings.backends):
+        raise RouteNotServed(
+            f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
+        )
+    return excluded
 
 
 class Proxy:
@@ -126,6 +170,7 @@ class Proxy:
         return start + min(limits)
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
+        excluded = excluded_backends(pool, req)
         try:
             if self.drain.draining:
                 raise Overloaded("the gateway is shutting down", retry_after=1.0)
@@ -137,7 +182,7 @@ class Proxy:
         pool.inflight_requests += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start)
-        refusal = hedge_refusal(pool, req)
+        refusal = None if req.single else hedge_refusal(pool, req)
         deadline = self.deadline(pool, req, start)
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
@@ -149,8 +194,9 @@ class Proxy:
             RaceOptions(
                 deadline,
                 pool.delays_for(req.endpoint, req.stream),
-                refusal is None,
+                refusal is None and not req.single,
                 refusal,
+                excluded,
             ),
             self.clock,
         )
@@ -162,6 +208,8 @@ class Proxy:
                 summary.error = "client_disconnected"
                 return AnswerThen(Response(status_code=499), end)
             end.prefix = winner = result.prefix
+            if req.on_commit is not None:
+                req.on_commit(result.winner.backend, winner.buffered)
             headers = {
                 **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
                 "x-request-id": req.request_id,
@@ -188,7 +236,7 @@ class Proxy:
     def _runner(
         self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
     ) -> AttemptRunner:
-        open_prefix = open_until_first_token if req.stream else open_whole_response
+        protocol = req.protocol
         body = dict(req.body)
         models = {b.name: b.model for b in pool.settings.backends}
 
@@ -201,15 +249,31 @@ class Proxy:
 
             call = UpstreamCall(
                 endpoint=req.endpoint,
-                body={**body, "model": models[backend]},
+                body={**body, "model": models[backend]} if req.path is None else body,
                 stream=req.stream,
                 request_id=req.request_id,
                 first_byte_timeout=max(0.0, deadline - self.clock()),
+                extra_headers=req.forward_headers,
+                method=req.method,
+                path=req.path,
+                query=req.query,
             )
             if trace is not None:
-                call = dataclasses.replace(call, extra_headers=trace.attempt_started(record))
+                call = dataclasses.replace(
+                    call, extra_headers={**call.extra_headers, **trace.attempt_started(record)})
+            provider = pool.providers[backend]
             try:
-                return await open_prefix(pool.providers[backend], call, is_lost)
+                if req.stream:
+                    return await open_until_first_token(
+                        provider, call, is_lost, protocol.classify
+                    )
+                return await open_whole_response(provider, call, is_lost, protocol.classify_body)
+            except UpstreamStatusError as exc:
+                if req.pinned is not None and exc.status in PINNED_ANSWERS:
+                    # no other backend holds this state: its verdict on the request (404: it
+                    # no longer has the response) is the answer, not a 502
+                    raise UpstreamRejectedRequest(exc.status) from None
+                raise
             finally:
                 record.ended = self.clock()
                 if trace is not None:
@@ -262,6 +326,7 @@ class Proxy:
     ) -> Response:
         outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
+        protocol = req.protocol
         body = relay(
             result.prefix,
             request_id=req.request_id,
@@ -269,6 +334,8 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
+            encode_batch=named_encoder(protocol) if protocol.ends else None,
+            error_event=protocol.error_event,
         )
 
         async def finish(early_end: StreamEnd | None) -> None:
@@ -283,7 +350,7 @@ class Proxy:
             stuck_client=timeouts.stuck_client,
             drain=self.drain,
             grace=self.server.shutdown_grace,
-            shutdown_event=error_event(
+            shutdown_event=protocol.error_event(
                 "the gateway is shutting down", "gateway_shutdown", req.request_id
             ),
             on_close=finish,

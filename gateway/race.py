@@ -119,6 +119,9 @@ class RaceOptions:
     hedging: bool
     #: when hedging was refused for this request, the reason counted once (`disabled`)
     refused_reason: SuppressReason | None = None
+    #: backends this request may not use: they do not serve its route, or the request is
+    #: pinned to the backend that holds its stored state (SPEC §15)
+    excluded: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -312,7 +315,8 @@ class Race:
 
     def _max_attempts(self) -> int:
         configured = min(self.pool.settings.hedging.max_attempts, 5)
-        return max(1, min(configured, len(self.pool.settings.backends)))
+        eligible = len(self.pool.settings.backends) - len(self.options.excluded)
+        return max(1, min(configured, eligible))
 
     def _start(self, backend: str, kind: AttemptKind, *, spent_budget: bool) -> None:
         record = AttemptRecord(len(self.attempts), backend, kind, self.clock(), spent_budget)
@@ -351,8 +355,11 @@ class Race:
         avoid_groups: Collection[str] = (),
         ttft: Callable[[str], float | None],
     ) -> str | None:
-        """`Balancer.pick`, noting whether the choice was made in panic mode (for stats)."""
+        """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
+        never a backend this request may not use (`RaceOptions.excluded`)."""
         self.panic = self.panic or self.pool.balancer.panic(now)
+        if self.options.excluded:
+            exclude = {*exclude, *self.options.excluded}
         return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft)
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:

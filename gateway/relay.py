@@ -9,7 +9,10 @@ Upstream `id:`/`retry:` fields and comments were already dropped by the decoder;
 comments are the response's own.
 
 A stream that ends without `[DONE]` and without an error event is a truncation: the client gets
-a final error event in OpenAI shape, never a silent success.
+a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
+Responses API and Messages end at named events and shape their errors their own way, so the
+proxy passes their per-batch encoder (`gateway.relaynamed`) and error builder
+(`gateway.wireformat`) in; the deadlines, the drain and the closing stay the same.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.attempt import Prefix
-from gateway.errors import UpstreamError, error_body
+from gateway.errors import UpstreamError
 from gateway.sse import SSEEvent, encode_event
 from gateway.streamend import StreamEnd
 from gateway.usage import Usage, read_usage
+from gateway.wireformat import openai_error_event
 
 DONE = b"data: [DONE]\n\n"
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
@@ -33,10 +37,8 @@ DRAIN_TIMEOUT = 0.05
 DRAIN_READS = 8
 
 
-def error_event(message: str, code: str, request_id: str) -> bytes:
-    """A final in-stream error in OpenAI shape; the SDKs raise it as an APIError."""
-    payload = error_body(message, type="upstream_error", code=code, request_id=request_id)
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+#: a final in-stream error in OpenAI shape (the chat rule; each protocol has its own)
+error_event = openai_error_event
 
 
 def _error_kind(event: SSEEvent) -> int:
@@ -186,11 +188,18 @@ async def relay(
     max_stream_deadline: float,
     clock: Callable[[], float],
     outcome: RelayOutcome,
+    encode_batch: Callable[[list[SSEEvent], str, RelayOutcome], bytes] | None = None,
+    error_event: Callable[[str, str, str], bytes] = error_event,
 ) -> AsyncIterator[bytes]:
-    """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream."""
+    """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
+
+    `encode_batch` and `error_event` are the protocol's (SPEC §15: the Responses API and
+    Messages end at named events, not `[DONE]`, and shape their errors their own way); the
+    defaults are the chat rules."""
+    encode = _encode_batch if encode_batch is None else encode_batch
     deadlines: _Deadlines | None = None
     try:
-        yield _encode_batch(prefix.buffered, request_id, outcome)
+        yield encode(prefix.buffered, request_id, outcome)
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
             batches = prefix.batches.__aiter__()
@@ -214,7 +223,7 @@ async def relay(
                     )
                     return
                 deadlines.last = clock()
-                yield _encode_batch(batch, request_id, outcome)
+                yield encode(batch, request_id, outcome)
                 if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
                     break
             if outcome.end != StreamEnd.CLIENT_GONE:

@@ -112,7 +112,9 @@ def translate(exc: httpx.HTTPError) -> UpstreamError:
 class HttpxStream:
     """An open 200 response; `batches()` decodes it incrementally."""
 
-    def __init__(self, response: httpx.Response, *, stream: bool) -> None:
+    def __init__(
+        self, response: httpx.Response, *, stream: bool, allowed: frozenset[str] = PASS_HEADERS
+    ) -> None:
         self._response = response
         self._stream = stream
         # From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes
@@ -121,7 +123,7 @@ class HttpxStream:
         self.headers: Mapping[str, str] = {
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in response.headers.raw
-            if name.decode("latin-1").lower() in PASS_HEADERS
+            if name.decode("latin-1").lower() in allowed
         }
 
     def batches(self) -> AsyncIterator[list[SSEEvent]]:
@@ -177,6 +179,23 @@ class HttpxStream:
             await self._response.aclose()
 
 
+#: where each `auth` mode puts the key
+AUTH_HEADERS = {"bearer": "authorization", "api-key": "api-key", "x-api-key": "x-api-key"}
+
+
+def upstream_headers(settings: BackendSettings) -> dict[str, str]:
+    """The headers every request to this backend carries: the configured static ones, then
+    the key as `auth` says (so a static header cannot be mistaken for the credential)."""
+    headers = {name.lower(): value for name, value in settings.headers}
+    headers["accept-encoding"] = "identity"
+    headers["content-type"] = "application/json"
+    target = AUTH_HEADERS.get(settings.auth or "none")
+    if settings.api_key and target is not None:
+        value = settings.api_key
+        headers[target] = f"Bearer {value}" if target == "authorization" else value
+    return headers
+
+
 async def close_orphaned_connections(client: httpx.AsyncClient) -> None:
     """Close the client's connections that are connected but carry no request (httpcore's
     state `NEW`).
@@ -219,19 +238,28 @@ def guard_pool_closes(client: httpx.AsyncClient) -> None:
 
 
 class OpenAIProvider:
-    """A backend that speaks the OpenAI HTTP API."""
+    """A backend that speaks the OpenAI HTTP API.
+
+    `owns_client`: the client is this backend's own (its TLS or proxy settings differ from
+    the shared client's) and is closed with the provider."""
 
     def __init__(
-        self, settings: BackendSettings, client: httpx.AsyncClient, timeouts: Timeouts
+        self,
+        settings: BackendSettings,
+        client: httpx.AsyncClient,
+        timeouts: Timeouts,
+        *,
+        owns_client: bool = False,
     ) -> None:
         if settings.base_url is None:  # the config loader already refuses this
             raise ValueError(f"backend {settings.name}: base_url is required")
         self.name = settings.name
         self._client = client
+        self._owns_client = owns_client
         self._base_url = settings.base_url.rstrip("/")
-        self._headers = {"accept-encoding": "identity", "content-type": "application/json"}
-        if settings.api_key:
-            self._headers["authorization"] = f"Bearer {settings.api_key}"
+        self._headers = upstream_headers(settings)
+        self._query = dict(settings.query)
+        self.pass_headers = PASS_HEADERS
         # The read timeout bounds the gap between two reads: before the first token the
         # race's deadline is tighter; after commit it is the idle timeout (SPEC §8).
         self._timeout = httpx.Timeout(
@@ -240,6 +268,10 @@ class OpenAIProvider:
             write=timeouts.connect,
             pool=timeouts.connect,
         )
+
+    def url(self, call: UpstreamCall) -> str:
+        """`{base_url}/{route}`: the OpenAI SDK's base URL includes `/v1`."""
+        return f"{self._base_url}/{call.path or call.endpoint}"
 
     def _whole_body_timeout(self, call: UpstreamCall) -> httpx.Timeout:
         """A non-streaming body may take the request's whole deadline (the pool's `timeout`,
@@ -255,14 +287,17 @@ class OpenAIProvider:
         )
 
     async def open(self, call: UpstreamCall) -> HttpxStream:
-        headers = dict(self._headers)
+        headers = dict(call.extra_headers)
+        headers.update(self._headers)  # ours win: a client cannot replace the credential
         headers["x-request-id"] = call.request_id
-        headers.update(call.extra_headers)
+        has_body = call.method not in ("GET", "DELETE")
         request = self._client.build_request(
-            "POST",
-            f"{self._base_url}/{call.endpoint}",
-            content=json.dumps(call.body, separators=(",", ":")).encode(),
-            headers=headers,
+            call.method,
+            self.url(call),
+            params={**call.query, **self._query} or None,
+            content=json.dumps(call.body, separators=(",", ":")).encode() if has_body else None,
+            headers=headers if has_body else {k: v for k, v in headers.items()
+                                              if k != "content-type"},
             timeout=self._timeout if call.stream else self._whole_body_timeout(call),
         )
         try:
@@ -286,7 +321,9 @@ class OpenAIProvider:
             # client as garbage
             await HttpxStream(response, stream=False).aclose()
             raise UpstreamProtocolError("unexpected content encoding")
-        return HttpxStream(response, stream=call.stream)
+        return HttpxStream(response, stream=call.stream, allowed=self.pass_headers)
 
     async def aclose(self) -> None:
-        """Nothing to release: the shared client belongs to the app."""
+        """Close the backend's own client; the shared one belongs to the app."""
+        if self._owns_client:
+            await self._client.aclose()

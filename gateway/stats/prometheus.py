@@ -18,6 +18,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | metric | type | labels | meaning |
 |---|---|---|---|
 | `requests_total` | counter | pool, outcome | logical requests; `ok` or the error class |
+| `route_requests_total` | counter | pool, route | logical requests per route (fixed set) |
 | `attempts_total` | counter | pool, backend, kind, outcome | upstream attempts |
 | `hedges_started_total` | counter | pool | delay-triggered hedges started |
 | `hedges_won_total` | counter | pool | hedges whose stream won |
@@ -59,7 +60,7 @@ from prometheus_client.registry import Collector
 from gateway.budget import SuppressReason
 from gateway.errors import NoBackendAvailable
 from gateway.pool import PoolRuntime
-from gateway.stats.record import BucketHistogram, Stats
+from gateway.stats.record import ROUTES, BucketHistogram, Stats
 
 PREFIX = "hedge_gateway_"
 KINDS = ("primary", "hedge", "failover")
@@ -96,6 +97,7 @@ class GatewayCollector(Collector):
 
     def _counts(self) -> Iterator[Metric]:
         requests = _counter("requests", "Logical requests by outcome.", ["pool", "outcome"])
+        routes = _counter("route_requests", "Logical requests by route.", ["pool", "route"])
         attempts = _counter("attempts", "Upstream attempts by kind and outcome.",
                             ["pool", "backend", "kind", "outcome"])
         started = _counter("hedges_started", "Delay-triggered hedges started.", ["pool"])
@@ -127,6 +129,8 @@ class GatewayCollector(Collector):
             )
             for outcome, value in sorted(outcomes.items()):
                 requests.add_metric([pool, outcome], value)
+            for route in ROUTES:
+                routes.add_metric([pool, route], c[f"route.{route}"])
             started.add_metric([pool], c["hedges"])
             won.add_metric([pool], c["hedges_won"])
             for reason in SuppressReason:
@@ -149,7 +153,7 @@ class GatewayCollector(Collector):
                 for key, value in sorted(bc.items()):
                     if key.startswith("failure.") and value > 0:
                         failures.add_metric([pool, backend, key[8:]], value)
-        yield from (requests, attempts, started, won, suppressed, failovers, panic, refused,
+        yield from (requests, routes, attempts, started, won, suppressed, failovers, panic, refused,
                     losers, late, censored, failures, tokens, hedge_cost)
 
     def _latencies(self) -> Iterator[Metric]:

@@ -34,6 +34,10 @@ from gateway.race import CANCELLED_BEFORE_TOKEN
 from gateway.stats.races import RecentRaces
 from gateway.streamend import ERROR_ENDS, StreamEnd
 from gateway.usage import Usage
+from providers.base import ENDPOINTS
+
+#: the values a `route` label takes (SPEC §15): the API paths below /v1/
+ROUTES: tuple[str, ...] = ENDPOINTS
 
 if TYPE_CHECKING:
     from gateway.pool import PoolRuntime
@@ -102,6 +106,11 @@ def _error_classes() -> frozenset[str]:
         pending.extend(cls.__subclasses__())
     names.update(f"stream_{end}" for end in ERROR_ENDS)
     return frozenset(names)
+
+
+def route_label(endpoint: str) -> str:
+    """The request's route as a label: one of `ROUTES` (a fixed set), else `other`."""
+    return endpoint if endpoint in ROUTES else "other"
 
 
 def request_class(summary: RequestSummary, known: frozenset[str]) -> str:
@@ -306,6 +315,7 @@ class Stats:
         pc[f"outcome.{outcome}"] += 1
         pc["panic"] += summary.panic
         self.races.add(summary, outcome)
+        pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:
             pc[f"suppressed.{SuppressReason(reason).value}"] += 1
         for attempt in summary.attempts:

@@ -47,6 +47,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
 | `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
+| `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
 | `<scope>.tokens.hedge_input` | hedge cost: input tokens again per extra attempt that got sent |
 
@@ -76,6 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.budget import SuppressReason
 from gateway.errors import NoBackendAvailable
+from gateway.stats.record import ROUTES
 
 if TYPE_CHECKING:
     from gateway.live import Live
@@ -176,6 +178,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             "events_received_after_commit": c["late_events"],
         },
         "cancelled": c["cancelled"],
+        "routes": {route: c[f"route.{route}"] for route in ROUTES},
         "latency_saved_ms": saved,
         "errors": {
             k[8:]: v for k, v in sorted(c.items())

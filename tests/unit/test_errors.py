@@ -48,8 +48,11 @@ def test_one_function_builds_the_openai_error_json() -> None:
         for path in sorted((ROOT / top).rglob("*.py"))
         if (lines := _error_dicts(path))
     }
-    assert list(found) == ["gateway/errors.py"], found
+    # the one other: the Responses API's own flat error event (`{"type": "error", "code",
+    # "message", "param"}`, SPEC §15), a different shape, built once in `gateway.wireformat`
+    assert list(found) == ["gateway/errors.py", "gateway/wireformat.py"], found
     assert len(found["gateway/errors.py"]) == 1
+    assert len(found["gateway/wireformat.py"]) == 1
 
 
 def test_the_builder_and_its_callers_agree() -> None:

@@ -24,6 +24,8 @@ PURE = (
     "gateway.latency",
     "gateway.sse",
     "gateway.firsttoken",
+    "gateway.wireformat",
+    "gateway.responseids",
     "gateway.validate",
     "gateway.usage",
 )
@@ -34,14 +36,15 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.streamend", "gateway.clock", "gateway.settings", "gateway.sse",
      "gateway.latency", "gateway.drain", "gateway.stats.table", "gateway.usage"),
-    ("gateway.firsttoken", "gateway.validate", "gateway.policy", "gateway.budget",
-     "gateway.balancer"),
+    ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
+     "gateway.policy", "gateway.budget", "gateway.balancer"),
     ("providers",),
     ("gateway.pool", "gateway.attempt", "gateway.live"),
-    ("gateway.race", "gateway.relay", "gateway.sseresponse"),
+    ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
     ("gateway.stats", "gateway.tracing"),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.server", "gateway.protocol", "gateway.dashboard"),
+    ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol",
+     "gateway.dashboard"),
     ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
 )
