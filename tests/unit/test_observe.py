@@ -223,3 +223,22 @@ def test_series_follows_the_pools_the_stats_hold() -> None:
     pools = series.view()["pools"]
     assert set(pools) == {"chat", "new"}
     assert [p["seq"] for p in pools["new"]] == [2] and len(pools["chat"]) == 2
+
+
+def test_named_protocols_read_usage_from_their_end_events() -> None:
+    """Responses: `response.completed`; Messages: `message_start` and `message_delta`."""
+    from gateway.relaynamed import named_encoder
+    from gateway.wireformat import MESSAGES, RESPONSES
+
+    outcome = RelayOutcome()
+    encode = named_encoder(MESSAGES)
+    encode([SSEEvent(b'{"type":"message_start","message":{"usage":{"input_tokens":9,'
+                     b'"output_tokens":1}}}', b"message_start")], "r", outcome)
+    encode([SSEEvent(b'{"type":"message_delta","usage":{"output_tokens":21}}',
+                     b"message_delta")], "r", outcome)
+    assert outcome.usage == Usage(9, 21)
+    outcome = RelayOutcome()
+    named_encoder(RESPONSES)([SSEEvent(
+        b'{"type":"response.completed","response":{"usage":{"input_tokens":4,'
+        b'"output_tokens":6}}}', b"response.completed")], "r", outcome)
+    assert outcome.usage == Usage(4, 6)
