@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ import httpx
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
+from gateway.dashboard import build_dashboard_router, run_sampler
 from gateway.drain import Drain
 from gateway.live import ConfigOrigin, Generation, Live, LivePools
 from gateway.pool import PoolRuntime
@@ -29,7 +31,9 @@ from gateway.routes import build_ops_router, build_router, install_error_handler
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
+from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
+from gateway.tracing import Tracing, build_tracing
 from gateway.workers import worker_settings
 from providers.openai import guard_pool_closes
 from providers.registry import build_provider
@@ -191,15 +195,19 @@ def create_app(
     origin: ConfigOrigin | None = None,
     peers: Peers | None = None,
     workers: int = 1,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """The app for `settings`. `origin`: where they came from (a file's checksum); by default
     they count as embedded and are checksummed by their `repr`. `delay_refresh`: seconds
     between recomputations of the hedge delays. Under `serve --workers N`: `workers` is N
     (each budget bucket holds burst / N, at start and after a reload) and `peers` this
     worker's view of the shared stats directory, so that its stats endpoints show the whole
-    server (`gateway.stats.shared`)."""
+    server (`gateway.stats.shared`). `tracing`: injected (tests); else built from
+    `server.tracing` and the OTEL_* variables, None when off."""
     settings = worker_settings(settings, workers)
     rng = random.Random(seed)
+    if tracing is None:
+        tracing = build_tracing(settings.server.tracing, os.environ)
     client = make_http_client(settings)
     pools = build_pools(settings, client, clock, rng)
     stats = Stats.for_pools(pools, now=clock())
@@ -207,8 +215,9 @@ def create_app(
                                                                             now=clock())))
     source = StatsSource(stats, LivePools(live), clock, peers, live=live)
     metrics = Metrics(stats, LivePools(live), clock, read=source.reading)
+    series = Series(stats, LivePools(live))
     drain = Drain()
-    proxy = Proxy(settings.server, stats, clock, drain)
+    proxy = Proxy(settings.server, stats, clock, drain, tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -217,15 +226,19 @@ def create_app(
         )
         publisher = asyncio.create_task(
             source.publish_forever(), name="stats-publish") if peers else None
+        sampler = asyncio.create_task(run_sampler(series, clock), name="series-sampler")
         try:
             yield
         finally:
             refresher.cancel()
-            await asyncio.wait([refresher])
+            sampler.cancel()
+            await asyncio.wait([refresher, sampler])
             if publisher is not None:
                 publisher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await publisher
+            if tracing is not None:
+                tracing.shutdown()
             for provider in live.providers():
                 await provider.aclose()
             await client.aclose()
@@ -241,6 +254,7 @@ def create_app(
     app.include_router(build_router(settings, live, proxy))
     app.include_router(build_protocol_router(settings, live, proxy))
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
+    app.include_router(build_dashboard_router(stats, series))
     #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools
     app.state.live = live

@@ -42,6 +42,8 @@ class AttemptRecord:
     late_events: int = 0
     #: a failed attempt's `UpstreamError.code` (bounded; `reason` has the detail)
     failure: str | None = None
+    #: when its runner returned or raised (the proxy sets it; the dashboard's timeline)
+    ended: float | None = None
     #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
     probe: bool = False
 

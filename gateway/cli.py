@@ -50,7 +50,11 @@ def _serve(ns: argparse.Namespace) -> int:
                           config=config).run()
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
-    app = create_app(settings, origin=origin)
+    try:
+        app = create_app(settings, origin=origin)
+    except ConfigError as exc:  # what only building can tell (tracing from OTEL_* variables)
+        print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
     path, reloader = ns.config, app.state.reloader
 
     def reload() -> bool:  # SIGHUP: re-read the file; an invalid one changes nothing

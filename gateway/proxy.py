@@ -16,10 +16,11 @@ task is cancelled) does `handle` run it inline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
@@ -47,8 +48,12 @@ from gateway.sseresponse import SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.streamend import StreamEnd
+from gateway.usage import ask_for_usage, body_usage
 from gateway.wireformat import CHAT, WireProtocol, serves
 from providers.base import Endpoint, UpstreamCall
+
+if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
+    from gateway.tracing import RequestTrace, Tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +143,12 @@ class Proxy:
     """Runs logical requests against pools. One per app."""
 
     def __init__(
-        self, server: ServerSettings, stats: Stats, clock: Clock, drain: Drain
+        self, server: ServerSettings, stats: Stats, clock: Clock, drain: Drain,
+        tracing: Tracing | None = None,
     ) -> None:
         self.server = server
+        #: None when tracing is off: then a request pays one `is None` test for it
+        self.tracing = tracing
         self.drain = drain
         self.stats = stats
         self.clock = clock
@@ -176,9 +184,13 @@ class Proxy:
                                  start)
         refusal = None if req.single else hedge_refusal(pool, req)
         deadline = self.deadline(pool, req, start)
+        upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
+        trace = None if self.tracing is None else self.tracing.start(
+            req.headers, pool.settings.name, req.endpoint)
         race = Race(
             pool,
-            self._runner(pool, req, deadline),
+            self._runner(pool, req if upstream_body is req.body else
+                         dataclasses.replace(req, body=upstream_body), deadline, trace),
             RaceOptions(
                 deadline,
                 pool.delays_for(req.endpoint, req.stream),
@@ -188,7 +200,7 @@ class Proxy:
             ),
             self.clock,
         )
-        end = RequestEnd(self, pool, race, summary)
+        end = RequestEnd(self, pool, race, summary, trace)
         try:
             result = await self._race_or_disconnect(race, request.receive)
             summary.attach(race.attempts, race.suppressed, result)
@@ -206,10 +218,12 @@ class Proxy:
             }
             if not req.stream:
                 body = winner.buffered[0].data
+                summary.usage = body_usage(body)
                 return AnswerThen(
                     Response(body, media_type="application/json", headers=headers), end
                 )
-            return self._streaming_response(pool, req, result, summary, headers, end)
+            return self._streaming_response(pool, req, result, summary, headers, end,
+                                            strip_usage)
         except GatewayError as exc:
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
@@ -219,7 +233,9 @@ class Proxy:
             await end()  # no response will carry the end (a bug of ours, a cancellation)
             raise
 
-    def _runner(self, pool: PoolRuntime, req: LogicalRequest, deadline: float) -> AttemptRunner:
+    def _runner(
+        self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
+    ) -> AttemptRunner:
         protocol = req.protocol
         body = dict(req.body)
         models = {b.name: b.model for b in pool.settings.backends}
@@ -242,6 +258,9 @@ class Proxy:
                 path=req.path,
                 query=req.query,
             )
+            if trace is not None:
+                call = dataclasses.replace(
+                    call, extra_headers={**call.extra_headers, **trace.attempt_started(record)})
             provider = pool.providers[backend]
             try:
                 if req.stream:
@@ -255,6 +274,10 @@ class Proxy:
                     # no longer has the response) is the answer, not a 502
                     raise UpstreamRejectedRequest(exc.status) from None
                 raise
+            finally:
+                record.ended = self.clock()
+                if trace is not None:
+                    trace.attempt_ended(record)
 
         return run
 
@@ -299,8 +322,9 @@ class Proxy:
         summary: RequestSummary,
         headers: dict[str, str],
         end: RequestEnd,
+        strip_usage: bool,
     ) -> Response:
-        outcome = RelayOutcome()
+        outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
         protocol = req.protocol
         body = relay(
@@ -316,6 +340,7 @@ class Proxy:
 
         async def finish(early_end: StreamEnd | None) -> None:
             summary.relay_end = early_end or outcome.end
+            summary.usage = outcome.usage
             await end()
 
         return SSEResponse(
@@ -336,12 +361,15 @@ class RequestEnd:
     """The one owner of the end of a logical request: callable any number of times, does its
     work once (see the module docstring for who calls it on which path)."""
 
-    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix")
+    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix", "trace")
 
     def __init__(
-        self, proxy: Proxy, pool: PoolRuntime, race: Race, summary: RequestSummary
+        self, proxy: Proxy, pool: PoolRuntime, race: Race, summary: RequestSummary,
+        trace: RequestTrace | None = None,
     ) -> None:
         self._proxy, self._pool, self._race, self._summary = proxy, pool, race, summary
+        #: the request's spans when tracing is on (SPEC §17), ended after the log line
+        self.trace = trace
         #: the winner's upstream, once there is one: closed by the end
         self.prefix: Prefix | None = None
         self._done = False
@@ -363,6 +391,8 @@ class RequestEnd:
             summary.ended = proxy.clock()
             proxy.stats.record(summary)
             log_request(summary, proxy.stats.error_classes)
+            if self.trace is not None:
+                self.trace.end(summary, proxy.stats.error_classes)
 
 
 class AnswerThen(Response):

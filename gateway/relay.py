@@ -1,9 +1,10 @@
 """After commit: the winner's buffered events, then pass-through until `[DONE]` (SPEC §4).
 
-The hot path of the gateway. Per event it does one bytes comparison, one substring test and one
-concatenation: no JSON parsing (except for the rare event that mentions "error"), no logging,
-no allocation beyond the output bytes. Per upstream read it stores one clock reading: the idle
-and max_stream deadlines are one timer per stream (`_Deadlines`), never a timer per event.
+The hot path of the gateway. Per event it does one bytes comparison, two substring tests and one
+concatenation: no JSON parsing (except for the rare event that mentions "error", and the one
+holding a usage object, see `gateway.usage`), no logging, no allocation beyond the output bytes.
+Per upstream read it stores one clock reading: the idle and max_stream deadlines are one timer
+per stream (`_Deadlines`), never a timer per event.
 Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
 comments are the response's own.
 
@@ -27,6 +28,7 @@ from gateway.attempt import Prefix
 from gateway.errors import UpstreamError
 from gateway.sse import SSEEvent, encode_event
 from gateway.streamend import StreamEnd
+from gateway.usage import Usage, read_usage
 from gateway.wireformat import openai_error_event
 
 DONE = b"data: [DONE]\n\n"
@@ -80,6 +82,10 @@ async def _drain(batches: AsyncIterator[list[SSEEvent]]) -> None:
 @dataclass(slots=True)
 class RelayOutcome:
     end: StreamEnd = StreamEnd.CLIENT_GONE
+    #: the usage the stream reported (SPEC §17), when it did
+    usage: Usage | None = None
+    #: drop the usage-only chunk: the gateway asked for it, the client did not
+    strip_usage: bool = False
 
 
 def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
@@ -91,6 +97,14 @@ def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome)
             outcome.end = StreamEnd.DONE
             parts.append(DONE)
             break
+        # OpenAI repeats `"usage":null` in every chunk once usage is asked for: two byte
+        # tests, no call, for those
+        if b'"usage"' in data and b'"usage":null' not in data \
+                and (found := read_usage(data)) is not None:
+            usage, usage_only = found
+            outcome.usage = usage.merge(outcome.usage)
+            if usage_only and outcome.strip_usage:
+                continue
         if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):
             # relayed as is when the SDKs can read it; otherwise our own error event, so
             # the client raises an API error instead of failing to parse the upstream's

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from gateway.relay import RelayOutcome
 from gateway.sse import SSEEvent, encode_event
 from gateway.streamend import StreamEnd
+from gateway.usage import read_usage
 from gateway.wireformat import WireProtocol
 
 EncodeBatch = Callable[[list[SSEEvent], str, RelayOutcome], bytes]
@@ -26,6 +27,8 @@ _TYPE = re.compile(rb'"type"\s*:\s*"([A-Za-z0-9_.]{1,80})"')
 _TYPE_WINDOW = 256
 #: event names that report a failure: relayed as they are, and the stream is over
 ERROR_NAMES = frozenset({b"error", b"response.failed"})
+#: the events that report token usage (SPEC §17): read once each, by name, never per delta
+USAGE_NAMES = frozenset({b"response.completed", b"message_start", b"message_delta"})
 
 
 def event_name(event: SSEEvent) -> bytes | None:
@@ -50,6 +53,8 @@ def named_encoder(protocol: WireProtocol) -> EncodeBatch:
             else:
                 parts.append(encode_event(data, name))
             kind = name if name is not None else event_name(event)
+            if kind in USAGE_NAMES and (found := read_usage(data)) is not None:
+                outcome.usage = found[0].merge(outcome.usage)
             if kind in ERROR_NAMES:
                 outcome.end = StreamEnd.UPSTREAM_ERROR
                 break

@@ -272,6 +272,21 @@ class PoolSettings(Checked):
 
 
 @dataclass(frozen=True, slots=True)
+class TracingSettings(Checked):
+    """OpenTelemetry traces (SPEC §17); off unless this or the OTEL_* variables say otherwise."""
+
+    exporter: Literal["env", "none", "console", "otlp"] = field(default="env", metadata=scalar(
+        cv.choice(("env", "none", "console", "otlp")),
+        "env: follow OTEL_TRACES_EXPORTER (unset: none); none: off; console; otlp (the `otlp` "
+        "extra)"))
+    endpoint: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.http_url), "OTLP/HTTP base URL; null: OTEL_EXPORTER_OTLP_ENDPOINT or "
+        "the exporter's default"))
+    service_name: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.nonempty_text), "service.name; null: OTEL_SERVICE_NAME or hedge-gateway"))
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSettings(Checked):
     """The listening side: address, client authentication and request limits."""
 
@@ -300,6 +315,8 @@ class ServerSettings(Checked):
     workers: int = field(default=1, metadata=scalar(
         cv.integer(1, 256), "processes accepting on the address, each with its own races, "
         "budget (burst / workers) and sketches; stats show the whole server (SPEC §16)"))
+    tracing: TracingSettings = field(default_factory=TracingSettings, metadata=section(
+        TracingSettings, "OpenTelemetry traces of each race (SPEC §17)"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,8 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
 | `attempt_ttft_censored_total` | counter | pool, backend | attempts cancelled before a token |
 | `attempt_failures_total` | counter | pool, backend, code | failed attempts by failure code |
+| `tokens_total` | counter | pool, backend, type | `input`/`output` tokens the winners reported |
+| `hedge_input_tokens_total` | counter | pool | input tokens paid again by extra attempts |
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
@@ -116,6 +118,11 @@ class GatewayCollector(Collector):
                             "Attempts cancelled before their first token.", ["pool", "backend"])
         failures = _counter("attempt_failures", "Failed attempts by failure code.",
                             ["pool", "backend", "code"])
+        tokens = _counter("tokens", "Tokens the winning attempts reported, by type.",
+                          ["pool", "backend", "type"])
+        hedge_cost = _counter("hedge_input_tokens",
+                              "Input tokens paid again by extra attempts that reached a backend.",
+                              ["pool"])
         for pool, ps in stats.pools.items():
             c = ps.counts.lifetime
             outcomes = {"ok": c["outcome.ok"]}
@@ -135,6 +142,7 @@ class GatewayCollector(Collector):
             refused.add_metric([pool], c[f"outcome.{NoBackendAvailable.code}"])
             losers.add_metric([pool], c["losers"])
             late.add_metric([pool], c["late_events"])
+            hedge_cost.add_metric([pool], c["tokens.hedge_input"])
             for backend, bs in ps.backends.items():
                 bc = bs.counts.lifetime
                 for kind in KINDS:
@@ -142,11 +150,13 @@ class GatewayCollector(Collector):
                         value = bc[f"kind.{kind}.{outcome}"]
                         attempts.add_metric([pool, backend, kind, outcome], value)
                 censored.add_metric([pool, backend], bc["ttft_censored"])
+                for kind in ("input", "output"):
+                    tokens.add_metric([pool, backend, kind], bc[f"tokens.{kind}"])
                 for key, value in sorted(bc.items()):
                     if key.startswith("failure.") and value > 0:
                         failures.add_metric([pool, backend, key[8:]], value)
         yield from (requests, routes, attempts, started, won, suppressed, failovers, panic, refused,
-                    losers, late, censored, failures)
+                    losers, late, censored, failures, tokens, hedge_cost)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

@@ -139,6 +139,13 @@ def render(stats: dict[str, Any], out: TextIO) -> None:
             f"{_fmt(budget.get('ineffective'))})",
             file=out,
         )
+        tokens = pool.get("lifetime", {}).get("tokens", {})
+        print(
+            f"tokens (lifetime): input {_fmt(tokens.get('input'))}, output "
+            f"{_fmt(tokens.get('output'))}, hedge cost {_fmt(tokens.get('hedge_input'))} "
+            "input tokens",
+            file=out,
+        )
         _table(
             ["scope", "requests", "att/req", "hedges", "won", "win%", "issue%", "suppressed",
              "failovers", "ttft p50", "ttft p99", "losers", "close p99", "panic", "no backend",

@@ -48,6 +48,8 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
+| `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
+| `<scope>.tokens.hedge_input` | hedge cost: input tokens again per extra attempt that got sent |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
@@ -65,6 +67,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | attempt TTFT (own start), attempts with a token |
 | `<scope>.ttft_censored` | attempts cancelled before a token; kept out of `ttft_ms` |
 | `<scope>.failures.<code>` | failed attempts by failure code (`unavailable`, ...) |
+| `<scope>.tokens.input` / `.output` | tokens reported by the requests this backend won |
 """
 
 from __future__ import annotations
@@ -206,6 +209,11 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         },
         "panic": c["panic"],
         "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
+        "tokens": {
+            "input": c["tokens.input"],
+            "output": c["tokens.output"],
+            "hedge_input": c["tokens.hedge_input"],
+        },
     }
 
 
@@ -252,5 +260,6 @@ def backend_view(bs: BackendStats, live: Mapping[str, Any] | None, now: float) -
             "failures": {
                 k[8:]: v for k, v in sorted(c.items()) if k.startswith("failure.") and v > 0
             },
+            "tokens": {"input": c["tokens.input"], "output": c["tokens.output"]},
         }
     return out

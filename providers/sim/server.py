@@ -65,6 +65,14 @@ class SimStats:
     #: streams the client dropped before their end (including every hang)
     streams_closed_early: int = 0
     open_streams: int = 0
+    #: token usage the server reported in full (a usage chunk of a completed stream, or a
+    #: chat/completions body): what a gateway's token counters must add up to
+    usage_input_tokens: int = 0
+    usage_output_tokens: int = 0
+
+    def add_usage(self, plan: SimPlan) -> None:
+        self.usage_input_tokens += plan.prompt_tokens
+        self.usage_output_tokens += len(plan.tokens)
 
 
 def _error(status: int, message: str) -> Response:
@@ -115,9 +123,10 @@ class _SimServer:
         self.stats = SimStats()
 
     async def _tracked(
-        self, events: AsyncGenerator[bytes, None], errored: bool
+        self, events: AsyncGenerator[bytes, None], errored: bool, plan: SimPlan | None = None
     ) -> AsyncGenerator[bytes, None]:
-        """Relay a stream's wire bytes and count how it ended (`errored`: the plan's fault)."""
+        """Relay a stream's wire bytes and count how it ended (`errored`: the plan's fault;
+        `plan`: an OpenAI-shaped stream whose usage chunk is counted when it completes)."""
         stats = self.stats
         stats.streams_started += 1
         stats.open_streams += 1
@@ -136,6 +145,8 @@ class _SimServer:
                 stats.streams_errored += 1
             else:
                 stats.streams_completed += 1
+                if plan is not None and plan.usage:
+                    stats.add_usage(plan)
 
     async def _plan(self, request: Request) -> tuple[dict[str, Any], SimPlan] | Response:
         """The request's body and plan, or the error response (bad input, simulated fault).
@@ -171,13 +182,15 @@ class _SimServer:
             events = sim_events(
                 plan, endpoint=endpoint, model=model, request_id=request_id, sleep=asyncio.sleep
             )
-            stream = self._tracked(events, plan.midstream_error_after is not None)
+            stream = self._tracked(events, plan.midstream_error_after is not None, plan)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         wait = plan.response_time(endpoint)
         if not await _sleep_while_connected(request, wait):
             return Response(status_code=499)  # nobody is listening any more
         if plan.midstream_error_after is not None:
             return _error(500, "simulated failure")
+        if endpoint != "embeddings":
+            self.stats.add_usage(plan)
         return JSONResponse(sim_response(plan, endpoint, model, request_id), headers=headers)
 
     async def handle_protocol(self, request: Request, endpoint: str) -> Response:

@@ -441,8 +441,10 @@ def walk_routes(routes: Iterable[object]) -> Iterator[Route]:
             yield from walk_routes(nested)
 
 
-#: routes that must answer without a key (liveness probes and scrapers)
-PUBLIC = {"/healthz", "/readyz", "/metrics", "/hedge/stats"}
+#: routes that must answer without a key (liveness probes and scrapers, and the dashboard
+#: with its data, which SPEC §17 exposes as `/hedge/stats` is)
+PUBLIC = {"/healthz", "/readyz", "/metrics", "/hedge/stats", "/hedge/series", "/hedge/races",
+          "/dashboard", "/dashboard/{name}"}
 
 
 def test_every_route_but_the_public_probes_requires_the_key(

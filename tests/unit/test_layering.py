@@ -28,6 +28,7 @@ PURE = (
     "gateway.responseids",
     "gateway.validate",
     "gateway.workers",
+    "gateway.usage",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 
@@ -35,15 +36,17 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 #: the module and everything below it in the package tree.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.failures", "gateway.streamend", "gateway.clock",
-     "gateway.settings", "gateway.sse", "gateway.latency", "gateway.drain", "gateway.stats.table"),
+     "gateway.settings", "gateway.sse", "gateway.latency", "gateway.drain", "gateway.stats.table",
+     "gateway.usage"),
     ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
      "gateway.policy", "gateway.budget", "gateway.balancer", "gateway.workers"),
     ("providers",),
     ("gateway.pool", "gateway.attempt", "gateway.live"),
     ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
-    ("gateway.stats",),
+    ("gateway.stats", "gateway.tracing"),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol"),
+    ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol",
+     "gateway.dashboard"),
     ("gateway.app", "gateway.supervisor"),
     ("gateway.cli", "gateway.bench"),
 )
