@@ -9,8 +9,10 @@ the next generation here too, carrying over what the surviving pools and backend
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import random
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -18,14 +20,20 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
+from gateway.dashboard import build_dashboard_router, run_sampler
 from gateway.drain import Drain
 from gateway.live import ConfigOrigin, Generation, Live, LivePools
 from gateway.pool import PoolRuntime
+from gateway.protoroutes import build_protocol_router
 from gateway.proxy import Proxy
 from gateway.routes import build_ops_router, build_router, install_error_handlers
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
+from gateway.stats.series import Series
+from gateway.stats.shared import Peers, StatsSource
+from gateway.tracing import Tracing, build_tracing
+from gateway.workers import worker_settings
 from providers.http import UpstreamClient
 from providers.registry import build_provider
 
@@ -116,12 +124,16 @@ class Reloader:
         client: UpstreamClient,
         clock: Clock,
         rng: random.Random,
+        workers: int = 1,
     ) -> None:
+        """`workers`: under `serve --workers N`, a reloaded file's budgets are split as at
+        start (`gateway.workers.worker_settings`)."""
         self.live = live
         self.stats = stats
         self._client = client
         self._clock = clock
         self._rng = rng
+        self._workers = workers
 
     def reload_file(self, path: str, *, started_server: ServerSettings | None = None) -> bool:
         """Load `path`; on success swap it in and return True. `started_server`: the file's
@@ -130,7 +142,7 @@ class Reloader:
         try:
             with open(path, "rb") as file:
                 data = file.read()
-            settings = load_settings(path)
+            settings = worker_settings(load_settings(path), self._workers)
         except (ConfigError, OSError) as exc:
             self.live.failed_reloads += 1
             errors = exc.errors if isinstance(exc, ConfigError) else [f"{path}: {exc.strerror}"]
@@ -173,30 +185,52 @@ def create_app(
     seed: int | None = None,
     delay_refresh: float = DELAY_REFRESH_INTERVAL,
     origin: ConfigOrigin | None = None,
+    peers: Peers | None = None,
+    workers: int = 1,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """The app for `settings`. `origin`: where they came from (a file's checksum); by default
     they count as embedded and are checksummed by their `repr`. `delay_refresh`: seconds
-    between recomputations of the hedge delays."""
+    between recomputations of the hedge delays. Under `serve --workers N`: `workers` is N
+    (each budget bucket holds burst / N, at start and after a reload) and `peers` this
+    worker's view of the shared stats directory, so that its stats endpoints show the whole
+    server (`gateway.stats.shared`). `tracing`: injected (tests); else built from
+    `server.tracing` and the OTEL_* variables, None when off."""
+    settings = worker_settings(settings, workers)
     rng = random.Random(seed)
+    if tracing is None:
+        tracing = build_tracing(settings.server.tracing, os.environ)
     client = make_http_client(settings)
     pools = build_pools(settings, client, clock, rng)
     stats = Stats.for_pools(pools, now=clock())
     live = Live(Generation(settings, pools, origin or ConfigOrigin.embedded(settings,
                                                                             now=clock())))
-    metrics = Metrics(stats, LivePools(live), clock)
+    source = StatsSource(stats, LivePools(live), clock, peers, live=live)
+    metrics = Metrics(stats, LivePools(live), clock, read=source.reading)
+    series = Series(stats, LivePools(live))
     drain = Drain()
-    proxy = Proxy(settings.server, stats, clock, drain)
+    proxy = Proxy(settings.server, stats, clock, drain, tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         refresher = asyncio.create_task(
             refresh_delays(live, clock, delay_refresh), name="hedge-delay-refresh"
         )
+        publisher = asyncio.create_task(
+            source.publish_forever(), name="stats-publish") if peers else None
+        sampler = asyncio.create_task(run_sampler(series, clock), name="series-sampler")
         try:
             yield
         finally:
             refresher.cancel()
-            await asyncio.wait([refresher])
+            sampler.cancel()
+            await asyncio.wait([refresher, sampler])
+            if publisher is not None:
+                publisher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await publisher
+            if tracing is not None:
+                tracing.shutdown()
             for provider in live.providers():
                 await provider.aclose()
             await client.aclose()
@@ -210,12 +244,14 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, live, proxy))
-    app.include_router(build_ops_router(live, clock, stats=stats, metrics=metrics, drain=drain))
+    app.include_router(build_protocol_router(settings, live, proxy))
+    app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
+    app.include_router(build_dashboard_router(stats, series))
     #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools
     app.state.live = live
     #: `reloader.reload_file(path)` on SIGHUP (wired by `hedge-gateway serve`)
-    app.state.reloader = Reloader(live, stats, client, clock, rng)
+    app.state.reloader = Reloader(live, stats, client, clock, rng, workers)
     app.state.stats = stats
     app.state.proxy = proxy
     #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`

@@ -12,11 +12,46 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
 from gateway.firsttoken import Kind, classify, classify_payload
 from gateway.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
+
+AttemptKind = Literal["primary", "hedge", "failover"]
+Outcome = Literal["won", "lost", "failed", "cancelled"]
+
+
+@dataclass(slots=True)
+class AttemptRecord:
+    """What happened to one attempt; the stats and the request log read these."""
+
+    index: int
+    backend: str
+    kind: AttemptKind
+    started: float
+    spent_budget: bool
+    outcome: Outcome | None = None
+    #: seconds from this attempt's start to its first token (or to its cancellation)
+    ttft: float | None = None
+    reason: str | None = None
+    #: seconds it took to close a cancelled attempt's upstream
+    close_s: float | None = None
+    #: events a cancelled attempt read after the commit (should stay 0)
+    late_events: int = 0
+    #: a failed attempt's `UpstreamError.code` (bounded; `reason` has the detail)
+    failure: str | None = None
+    #: when its runner returned or raised (the proxy sets it; the dashboard's timeline)
+    ended: float | None = None
+    #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
+    probe: bool = False
+
+
+#: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)
+CANCELLED_BEFORE_TOKEN = "cancelled before its first token"
+CANCELLED_AFTER_TOKEN = "cancelled after its first token"
+
 
 #: events an upstream may send before its first token (role chunks, empty deltas)
 MAX_PRE_TOKEN_EVENTS = 1024
@@ -55,9 +90,13 @@ async def _close(stream: UpstreamStream, batches: AsyncIterator[SSEBatch] | None
 
 
 async def open_until_first_token(
-    provider: Provider, call: UpstreamCall, is_lost: Callable[[], bool]
+    provider: Provider,
+    call: UpstreamCall,
+    is_lost: Callable[[], bool],
+    classify: Callable[[SSEEvent], Kind] = classify,
 ) -> Prefix:
-    """Open a streaming attempt and read until its first token (SPEC §4)."""
+    """Open a streaming attempt and read until its first token (SPEC §4; `classify` is the
+    route's predicate, SPEC §15)."""
     stream = await provider.open(call)
     batches = stream.batches()
     try:
@@ -85,7 +124,10 @@ async def open_until_first_token(
 
 
 async def open_whole_response(
-    provider: Provider, call: UpstreamCall, is_lost: Callable[[], bool]
+    provider: Provider,
+    call: UpstreamCall,
+    is_lost: Callable[[], bool],
+    classify_body: Callable[[object], Kind] = classify_payload,
 ) -> Prefix:
     """Open a non-streaming attempt and read its whole body: its 'first token'."""
     stream = await provider.open(call)
@@ -99,7 +141,7 @@ async def open_whole_response(
                 raise UpstreamProtocolError("response body is not JSON") from None
             if not isinstance(payload, dict):
                 raise UpstreamProtocolError("response body is not a JSON object")
-            if classify_payload(payload) is Kind.ERROR:
+            if classify_body(payload) is Kind.ERROR:
                 raise UpstreamInBandError("error in the response body")
             return Prefix(stream, batches, [event])
         raise UpstreamNoToken("empty response")

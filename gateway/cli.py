@@ -14,43 +14,47 @@ from time import monotonic
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.settings import SimProfile
+    from gateway.live import ConfigOrigin
+    from gateway.settings import Settings, SimProfile
+
+
+DEFAULT_STATS_URL = "http://127.0.0.1:8080"
 
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.live import ConfigOrigin
     from gateway.server import build_server, raise_open_file_limit
-    from gateway.settings.load import ConfigError, default_settings, load_settings
+    from gateway.settings.load import ConfigError
 
     try:
-        if ns.config:
-            with open(ns.config, "rb") as file:
-                origin: ConfigOrigin | None = ConfigOrigin.of_file(file.read(), now=monotonic())
-            settings = load_settings(ns.config)
-        else:
-            origin, settings = None, default_settings()
+        origin, file_settings = _load(ns.config)
+        settings = _with_overrides(file_settings, ns)
     except ConfigError as exc:
         print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"hedge-gateway: cannot read {ns.config}: {exc.strerror}", file=sys.stderr)
         return 2
-    file_server = server = settings.server
-    if ns.host is not None or ns.port is not None:
-        server = replace(
-            server,
-            host=ns.host if ns.host is not None else server.host,
-            port=ns.port if ns.port is not None else server.port,
-        )
-        settings = replace(settings, server=server)
-    before, after = raise_open_file_limit()  # a stream holds two descriptors
-    raised = f" (raised from {before})" if after != before else ""
+    file_server, server = file_settings.server, settings.server
+    before, after = raise_open_file_limit()  # a stream holds two descriptors (and workers
+    raised = f" (raised from {before})" if after != before else ""  # inherit the limit)
     print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
+    if server.workers > 1:
+        from gateway.supervisor import ConfigSource, Supervisor
+
+        print(f"hedge-gateway: serving {source}", file=sys.stderr)
+        config = ConfigSource(ns.config, file_server, origin,
+                              reload=lambda: _reload_for_workers(ns))
+        return Supervisor(settings, server.workers, log_config=logging_config(ns.log_level),
+                          config=config).run()
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
-    app = create_app(settings, origin=origin)
+    try:
+        app = create_app(settings, origin=origin)
+    except ConfigError as exc:  # what only building can tell (tracing from OTEL_* variables)
+        print(f"hedge-gateway: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
     path, reloader = ns.config, app.state.reloader
 
     def reload() -> bool:  # SIGHUP: re-read the file; an invalid one changes nothing
@@ -62,6 +66,34 @@ def _serve(ns: argparse.Namespace) -> int:
                           on_hangup=reload if path else None)
     runner.run()
     return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
+
+
+def _load(path: str | None) -> tuple[ConfigOrigin | None, Settings]:
+    """The configuration file's origin (checksum, load time) and settings; without a file,
+    the embedded default. ConfigError or OSError when it cannot be used."""
+    from gateway.live import ConfigOrigin
+    from gateway.settings.load import default_settings, load_settings
+
+    if not path:
+        return None, default_settings()
+    with open(path, "rb") as file:
+        origin = ConfigOrigin.of_file(file.read(), now=monotonic())
+    return origin, load_settings(path)
+
+
+def _reload_for_workers(ns: argparse.Namespace) -> tuple[ConfigOrigin | None, Settings]:
+    """SIGHUP under `--workers`: what a worker started from now on runs (the supervisor keeps
+    the server section it started with, as each worker's own reload does)."""
+    origin, settings = _load(ns.config)
+    return origin, _with_overrides(settings, ns)
+
+
+def _with_overrides(settings: Settings, ns: argparse.Namespace) -> Settings:
+    """The settings with the command line's --host, --port and --workers applied."""
+    server = settings.server
+    changes = {key: getattr(ns, key) for key in ("host", "port", "workers")
+               if getattr(ns, key) is not None}
+    return replace(settings, server=replace(server, **changes)) if changes else settings
 
 
 def logging_config(level: str) -> dict[str, object]:
@@ -140,15 +172,20 @@ def _bench(ns: argparse.Namespace) -> int:
     plan = BenchPlan(workloads=tuple(w for w in WORKLOADS
                                      if ns.workload == "all" or w.name in wanted),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
-                     tables=sys.stdout, baseline_src=ns.baseline_src)
+                     tables=sys.stdout, baseline_src=ns.baseline_src,
+                     workers=ns.workers)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
 
 def _stats(ns: argparse.Namespace) -> int:
+    if len(ns.url) > 1:
+        from gateway.stats.replicas import print_merged
+
+        return print_merged(ns.url, sys.stdout, sys.stderr)
     from gateway.stats.table import print_stats
 
-    return print_stats(ns.url, sys.stdout, sys.stderr)
+    return print_stats(ns.url[0] if ns.url else DEFAULT_STATS_URL, sys.stdout, sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML file; without it, the embedded demo pool")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--workers", type=_positive,
+                       help="processes serving the address (default: server.workers, 1)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(func=_serve)
@@ -183,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
 
-    stats = sub.add_parser("stats", help="print a running gateway's hedge stats as a table")
-    stats.add_argument("url", nargs="?", default="http://127.0.0.1:8080")
+    stats = sub.add_parser("stats", help="print a running gateway's hedge stats as a table; "
+                           "with several URLs, the replicas' stats merged into one view")
+    stats.add_argument("url", nargs="*", help=f"gateway root URL (default {DEFAULT_STATS_URL})")
     stats.set_defaults(func=_stats)
     return parser
 
@@ -318,6 +358,8 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-src", metavar="DIR",
                         help="another hedge-gateway checkout: its gateway runs as an extra "
                              "mode, `baseline`, side by side in the same run")
+    parser.add_argument("--workers", type=_positive, default=1,
+                        help="serve the gateway under test with --workers N (default 1)")
 
 
 def bench_upstream_main(argv: Sequence[str] | None = None) -> int:

@@ -22,9 +22,13 @@ Two quirks of ddsketch 3.x are handled here rather than by callers:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ddsketch import LogCollapsingLowestDenseDDSketch
+from ddsketch.ddsketch import BaseDDSketch
+from ddsketch.mapping import LogarithmicMapping
+from ddsketch.store import CollapsingLowestDenseStore
 
 #: every recorded value is at least this many seconds (see the module docstring)
 FLOOR = 1e-6
@@ -43,7 +47,74 @@ def _clean(value: float) -> float:
     return value if value > FLOOR else FLOOR
 
 
-def _read(sketch: LogCollapsingLowestDenseDDSketch, qs: Sequence[float]) -> list[float | None]:
+def state_of(sketch: BaseDDSketch, relative_accuracy: float) -> dict[str, Any]:
+    """A sketch in its mergeable, JSON-able form: the relative accuracy, the zero bucket and
+    the non-empty bins as `[key, count]` pairs. Two states of the same accuracy merge exactly
+    (bins add up), which is what lets separate processes report as one (SPEC §16).
+
+    ddsketch 3.x has no public accessor for its bins short of protobuf, so this reads the
+    positive store's dense array; values are floored above zero (`FLOOR`), so the negative
+    store is always empty."""
+    store = sketch._store
+    return {
+        "accuracy": relative_accuracy,
+        "zero": float(sketch._zero_count),
+        "bins": [[store.offset + i, c] for i, c in enumerate(store.bins) if c],
+    }
+
+
+def merge_states(states: Sequence[Mapping[str, Any]],
+                 relative_accuracy: float = 0.01) -> dict[str, Any]:
+    """The state of the union of the values of `states` (bins added up, exact).
+
+    ValueError if a state is malformed or of another accuracy (those cannot merge)."""
+    zero = 0.0
+    bins: dict[int, float] = {}
+    for state in states:
+        if state.get("accuracy") != relative_accuracy:
+            raise ValueError(f"sketch accuracy {state.get('accuracy')!r} is not "
+                             f"{relative_accuracy!r}")
+        zero += _weight(state.get("zero", 0.0), allow_zero=True)
+        for pair in state.get("bins", ()):
+            key, count = pair
+            if not isinstance(key, int) or isinstance(key, bool):
+                raise ValueError(f"sketch bin key {key!r} is not an integer")
+            bins[key] = bins.get(key, 0.0) + _weight(count)
+    return {"accuracy": relative_accuracy, "zero": zero,
+            "bins": [[key, bins[key]] for key in sorted(bins)]}
+
+
+def _weight(value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"sketch count {value!r} is not a positive number")
+    return float(value)
+
+
+def sketch_of(state: Mapping[str, Any]) -> BaseDDSketch:
+    """A sketch holding the values a state describes (for `merge` into a live one or for
+    quantiles). ValueError if the state is malformed."""
+    accuracy = state.get("accuracy")
+    if not isinstance(accuracy, float) or not 0.0 < accuracy < 1.0:
+        raise ValueError(f"sketch accuracy {accuracy!r} is not within (0, 1)")
+    clean = merge_states([state], accuracy)
+    store = CollapsingLowestDenseStore(_BIN_LIMIT)
+    for key, count in clean["bins"]:
+        store.add(key, count)
+    return BaseDDSketch(
+        mapping=LogarithmicMapping(accuracy),
+        store=store,
+        negative_store=CollapsingLowestDenseStore(_BIN_LIMIT),
+        zero_count=clean["zero"],
+    )
+
+
+def quantiles_of(state: Mapping[str, Any], qs: Sequence[float]) -> list[float | None]:
+    """Quantiles (seconds) of the values a state describes; None each when it is empty."""
+    return _read(sketch_of(state), qs)
+
+
+def _read(sketch: BaseDDSketch, qs: Sequence[float]) -> list[float | None]:
     for q in qs:
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"quantile must be within [0, 1], got {q!r}")
@@ -113,9 +184,10 @@ class WindowedSketch:
             if sid is not None and oldest <= sid <= current
         ]
 
-    def add(self, value: float, now: float) -> None:
-        """Record one latency (seconds, >= 0) observed at time `now`."""
-        value = _clean(value)
+    def _slot(self, now: float) -> int | None:
+        """The slot for values observed at `now`, recycled if it held an older slice; None
+        when `now` is older than the slot's slice (older than the whole window as seen from
+        the newest data: such a value could never be read, so it is dropped)."""
         sid = self._slice(now)
         slot = sid % self._slices
         held = self._ids[slot]
@@ -123,8 +195,14 @@ class WindowedSketch:
             self._sketches[slot] = _new_sketch(self._accuracy)
             self._ids[slot] = sid
         elif held > sid:
-            # A value stamped older than this slot's slice is older than the whole window as
-            # seen from the newest data: it could never be read, so it is dropped.
+            return None
+        return slot
+
+    def add(self, value: float, now: float) -> None:
+        """Record one latency (seconds, >= 0) observed at time `now`."""
+        value = _clean(value)
+        slot = self._slot(now)
+        if slot is None:
             return
         self._sketches[slot].add(value)
         self._merged = None
@@ -148,6 +226,19 @@ class WindowedSketch:
         """Several quantiles from one merge; each None when the window is empty."""
         return _read(self._merge(now), qs)
 
+    def state(self, now: float) -> dict[str, Any]:
+        """The window's values at `now` in mergeable form (see `state_of`)."""
+        return state_of(self._merge(now), self._accuracy)
+
+    def absorb(self, state: Mapping[str, Any], now: float) -> None:
+        """Add the values of a mergeable state as if they had been observed at `now`."""
+        other = sketch_of(state)
+        slot = self._slot(now)
+        if slot is None or other.count == 0:
+            return
+        self._sketches[slot].merge(other)
+        self._merged = None
+
     def count(self, now: float) -> int:
         """How many values the window holds at `now` (no merge: sums slice counts)."""
         return int(sum(self._sketches[slot].count for slot in self._live(self._slice(now))))
@@ -156,9 +247,10 @@ class WindowedSketch:
 class LifetimeSketch:
     """Quantiles over every value added since the process started (for /hedge/stats)."""
 
-    __slots__ = ("_sketch",)
+    __slots__ = ("_accuracy", "_sketch")
 
     def __init__(self, relative_accuracy: float = 0.01) -> None:
+        self._accuracy = relative_accuracy
         self._sketch = _new_sketch(relative_accuracy)
 
     def add(self, value: float) -> None:
@@ -167,6 +259,16 @@ class LifetimeSketch:
 
     def quantile(self, q: float) -> float | None:
         return _read(self._sketch, (q,))[0]
+
+    def state(self) -> dict[str, Any]:
+        """Every value so far in mergeable form (see `state_of`)."""
+        return state_of(self._sketch, self._accuracy)
+
+    def absorb(self, state: Mapping[str, Any]) -> None:
+        """Add the values of a mergeable state."""
+        other = sketch_of(state)
+        if other.count:
+            self._sketch.merge(other)
 
     def quantiles(self, qs: Sequence[float]) -> list[float | None]:
         return _read(self._sketch, qs)

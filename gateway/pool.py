@@ -15,7 +15,7 @@ from gateway.balancer import Balancer
 from gateway.budget import HedgeBudget
 from gateway.policy import HedgeDelay
 from gateway.settings import PoolSettings
-from providers.base import Provider
+from providers.base import ENDPOINTS, Provider
 
 
 @dataclass(slots=True)
@@ -62,7 +62,7 @@ class PoolRuntime:
                 endpoint: {
                     b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends
                 }
-                for endpoint in ("chat/completions", "completions", "embeddings")
+                for endpoint in ENDPOINTS
             },
             groups={b.name: b.group for b in settings.backends},
             hedging_enabled=global_hedging and settings.hedging.enabled,

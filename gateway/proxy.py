@@ -16,31 +16,45 @@ task is cancelled) does `handle` run it inline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.attempt import Prefix, open_until_first_token, open_whole_response
+from gateway.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.drain import Drain
-from gateway.errors import GatewayError, Overloaded
+from gateway.errors import (
+    GatewayError,
+    Overloaded,
+    RouteNotServed,
+    UpstreamRejectedRequest,
+    UpstreamStatusError,
+)
 from gateway.pool import PoolRuntime
-from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions, RaceResult
-from gateway.relay import RelayOutcome, error_event, relay
+from gateway.race import AttemptRunner, Race, RaceOptions, RaceResult
+from gateway.relay import RelayOutcome, relay
+from gateway.relaynamed import named_encoder
 from gateway.settings import ServerSettings
+from gateway.sse import SSEEvent
 from gateway.sseresponse import SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.streamend import StreamEnd
+from gateway.usage import ask_for_usage, body_usage
+from gateway.wireformat import CHAT, WireProtocol, serves
 from providers.base import Endpoint, UpstreamCall
+
+if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
+    from gateway.tracing import RequestTrace, Tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +64,27 @@ class LogicalRequest:
     body: Mapping[str, Any]
     stream: bool
     headers: Mapping[str, str]
+    #: the route's wire rules: first token, end of stream, error shapes (SPEC §15)
+    protocol: WireProtocol = CHAT
+    #: delay-triggered hedges refused by the route's own rule (the Responses store rules)
+    stateful: bool = False
+    #: one backend at a time, not hedged and not counted as refused (count_tokens)
+    single: bool = False
+    #: the only backend this request may use (the one holding its stored response)
+    pinned: str | None = None
+    #: upstream call details beyond the body (method, path, query, passed-through headers)
+    method: str = "POST"
+    path: str | None = None
+    query: Mapping[str, str] = field(default_factory=dict)
+    forward_headers: Mapping[str, str] = field(default_factory=dict)
+    #: called once at commit with the winner's backend and buffered events (remembers the
+    #: response id of a Responses request)
+    on_commit: Callable[[str, list[SSEEvent]], None] | None = None
+
+
+#: statuses of the one backend holding a stored response that answer the client as they are
+#: (a 401 or 429 there says nothing about the client's request: those stay a 502)
+PINNED_ANSWERS = frozenset({400, 404, 409, 422})
 
 
 class Admission:
@@ -86,18 +121,35 @@ def hedge_refusal(pool: PoolRuntime, req: LogicalRequest) -> SuppressReason | No
         return SuppressReason.DISABLED
     if req.headers.get("x-hedge", "").lower() == "off":
         return SuppressReason.DISABLED
-    if req.body.get("store") is True or "idempotency-key" in req.headers:
+    if req.body.get("store") is True or "idempotency-key" in req.headers or req.stateful:
         return SuppressReason.DISABLED
     return None
+
+
+def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
+    """The pool's backends this request may not use: those whose provider does not serve its
+    route, and all but the pinned one. RouteNotServed (404) when none is left."""
+    excluded = frozenset(
+        b.name for b in pool.settings.backends
+        if not serves(b.provider, req.endpoint) or (req.pinned not in (None, b.name))
+    )
+    if len(excluded) == len(pool.settings.backends):
+        raise RouteNotServed(
+            f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
+        )
+    return excluded
 
 
 class Proxy:
     """Runs logical requests against pools. One per app."""
 
     def __init__(
-        self, server: ServerSettings, stats: Stats, clock: Clock, drain: Drain
+        self, server: ServerSettings, stats: Stats, clock: Clock, drain: Drain,
+        tracing: Tracing | None = None,
     ) -> None:
         self.server = server
+        #: None when tracing is off: then a request pays one `is None` test for it
+        self.tracing = tracing
         self.drain = drain
         self.stats = stats
         self.clock = clock
@@ -119,6 +171,7 @@ class Proxy:
         return start + min(limits)
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
+        excluded = excluded_backends(pool, req)
         try:
             if self.drain.draining:
                 raise Overloaded("the gateway is shutting down", retry_after=1.0)
@@ -130,20 +183,25 @@ class Proxy:
         pool.inflight_requests += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start)
-        refusal = hedge_refusal(pool, req)
+        refusal = None if req.single else hedge_refusal(pool, req)
         deadline = self.deadline(pool, req, start)
+        upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
+        trace = None if self.tracing is None else self.tracing.start(
+            req.headers, pool.settings.name, req.endpoint)
         race = Race(
             pool,
-            self._runner(pool, req, deadline),
+            self._runner(pool, req if upstream_body is req.body else
+                         dataclasses.replace(req, body=upstream_body), deadline, trace),
             RaceOptions(
                 deadline,
                 pool.delays_for(req.endpoint, req.stream),
-                refusal is None,
+                refusal is None and not req.single,
                 refusal,
+                excluded,
             ),
             self.clock,
         )
-        end = RequestEnd(self, pool, race, summary)
+        end = RequestEnd(self, pool, race, summary, trace)
         try:
             result = await self._race_or_disconnect(race, request.receive, end)
             summary.attach(race.attempts, race.suppressed, result)
@@ -151,6 +209,8 @@ class Proxy:
                 summary.error = "client_disconnected"
                 return AnswerThen(Response(status_code=499), end)
             end.prefix = winner = result.prefix
+            if req.on_commit is not None:
+                req.on_commit(result.winner.backend, winner.buffered)
             headers = {
                 **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
                 "x-request-id": req.request_id,
@@ -159,10 +219,12 @@ class Proxy:
             }
             if not req.stream:
                 body = winner.buffered[0].data
+                summary.usage = body_usage(body)
                 return AnswerThen(
                     Response(body, media_type="application/json", headers=headers), end
                 )
-            return self._streaming_response(pool, req, result, summary, headers, end)
+            return self._streaming_response(pool, req, result, summary, headers, end,
+                                            strip_usage)
         except GatewayError as exc:
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
@@ -172,14 +234,19 @@ class Proxy:
             await end()  # no response will carry the end (a bug of ours, a cancellation)
             raise
 
-    def _runner(self, pool: PoolRuntime, req: LogicalRequest, deadline: float) -> AttemptRunner:
-        open_prefix = open_until_first_token if req.stream else open_whole_response
+    def _runner(
+        self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
+    ) -> AttemptRunner:
+        protocol = req.protocol
         body = req.body
         models = pool.models
-        # serialized once for every attempt: `{"model":` + the backend's model + the rest
-        rest = json.dumps({k: v for k, v in body.items() if k != "model"},
-                          separators=(",", ":")).encode()[1:]
-        rest = rest if rest == b"}" else b"," + rest
+        # serialized once for every attempt: `{"model":` + the backend's model + the rest;
+        # a request on a stored response (`path`) carries its body as the client sent it
+        rest = b""
+        if req.path is None:
+            rest = json.dumps({k: v for k, v in body.items() if k != "model"},
+                              separators=(",", ":")).encode()[1:]
+            rest = rest if rest == b"}" else b"," + rest
 
         async def run(backend: str, record: AttemptRecord) -> Prefix:
             def is_lost() -> bool:
@@ -190,13 +257,36 @@ class Proxy:
 
             call = UpstreamCall(
                 endpoint=req.endpoint,
-                body={**body, "model": models[backend]},
+                body={**body, "model": models[backend]} if req.path is None else body,
                 stream=req.stream,
                 request_id=req.request_id,
                 first_byte_timeout=max(0.0, deadline - self.clock()),
-                content=b'{"model":' + pool.models_json[backend] + rest,
+                content=b'{"model":' + pool.models_json[backend] + rest if rest else b"",
+                extra_headers=req.forward_headers,
+                method=req.method,
+                path=req.path,
+                query=req.query,
             )
-            return await open_prefix(pool.providers[backend], call, is_lost)
+            if trace is not None:
+                call = dataclasses.replace(
+                    call, extra_headers={**call.extra_headers, **trace.attempt_started(record)})
+            provider = pool.providers[backend]
+            try:
+                if req.stream:
+                    return await open_until_first_token(
+                        provider, call, is_lost, protocol.classify
+                    )
+                return await open_whole_response(provider, call, is_lost, protocol.classify_body)
+            except UpstreamStatusError as exc:
+                if req.pinned is not None and exc.status in PINNED_ANSWERS:
+                    # no other backend holds this state: its verdict on the request (404: it
+                    # no longer has the response) is the answer, not a 502
+                    raise UpstreamRejectedRequest(exc.status) from None
+                raise
+            finally:
+                record.ended = self.clock()
+                if trace is not None:
+                    trace.attempt_ended(record)
 
         return run
 
@@ -246,9 +336,11 @@ class Proxy:
         summary: RequestSummary,
         headers: dict[str, str],
         end: RequestEnd,
+        strip_usage: bool,
     ) -> Response:
-        outcome = RelayOutcome()
+        outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
+        protocol = req.protocol
         body = relay(
             result.prefix,
             request_id=req.request_id,
@@ -256,10 +348,13 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
+            encode_batch=named_encoder(protocol) if protocol.ends else None,
+            error_event=protocol.error_event,
         )
 
         async def finish(early_end: StreamEnd | None) -> None:
             summary.relay_end = early_end or outcome.end
+            summary.usage = outcome.usage
             await end()
 
         return SSEResponse(
@@ -269,7 +364,7 @@ class Proxy:
             stuck_client=timeouts.stuck_client,
             drain=self.drain,
             grace=self.server.shutdown_grace,
-            shutdown_event=error_event(
+            shutdown_event=protocol.error_event(
                 "the gateway is shutting down", "gateway_shutdown", req.request_id
             ),
             on_close=finish,
@@ -281,12 +376,15 @@ class RequestEnd:
     """The one owner of the end of a logical request: callable any number of times, does its
     work once (see the module docstring for who calls it on which path)."""
 
-    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix", "watcher")
+    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix", "trace", "watcher")
 
     def __init__(
-        self, proxy: Proxy, pool: PoolRuntime, race: Race, summary: RequestSummary
+        self, proxy: Proxy, pool: PoolRuntime, race: Race, summary: RequestSummary,
+        trace: RequestTrace | None = None,
     ) -> None:
         self._proxy, self._pool, self._race, self._summary = proxy, pool, race, summary
+        #: the request's spans when tracing is on (SPEC §17), ended after the log line
+        self.trace = trace
         #: the winner's upstream, once there is one: closed by the end
         self.prefix: Prefix | None = None
         #: the task watching the client for a disconnect, from the race to the last byte
@@ -312,6 +410,8 @@ class RequestEnd:
             summary.ended = proxy.clock()
             proxy.stats.record(summary)
             log_request(summary, proxy.stats.error_classes)
+            if self.trace is not None:
+                self.trace.end(summary, proxy.stats.error_classes)
 
 
 class AnswerThen(Response):

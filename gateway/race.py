@@ -32,9 +32,15 @@ import logging
 import math
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from gateway.attempt import Prefix
+from gateway.attempt import (
+    CANCELLED_AFTER_TOKEN,
+    CANCELLED_BEFORE_TOKEN,
+    AttemptKind,
+    AttemptRecord,
+    Prefix,
+)
 from gateway.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.errors import (
@@ -49,36 +55,10 @@ from gateway.errors import (
 from gateway.policy import HedgeDelay, min_useful
 from gateway.pool import PoolRuntime
 
-AttemptKind = Literal["primary", "hedge", "failover"]
-Outcome = Literal["won", "lost", "failed", "cancelled"]
-
 log = logging.getLogger("hedge_gateway.race")
 
 #: how long the race waits for cancelled attempts to finish closing before it gives up on them
 REAP_TIMEOUT = 5.0
-
-
-@dataclass(slots=True)
-class AttemptRecord:
-    """What happened to one attempt; the stats and the request log read these."""
-
-    index: int
-    backend: str
-    kind: AttemptKind
-    started: float
-    spent_budget: bool
-    outcome: Outcome | None = None
-    #: seconds from this attempt's start to its first token (or to its cancellation)
-    ttft: float | None = None
-    reason: str | None = None
-    #: seconds it took to close a cancelled attempt's upstream
-    close_s: float | None = None
-    #: events a cancelled attempt read after the commit (should stay 0)
-    late_events: int = 0
-    #: a failed attempt's `UpstreamError.code` (bounded; `reason` has the detail)
-    failure: str | None = None
-    #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
-    probe: bool = False
 
 
 @dataclass(slots=True)
@@ -91,11 +71,6 @@ class RaceResult:
 
 
 AttemptRunner = Callable[[str, AttemptRecord], Coroutine[Any, Any, Prefix]]
-
-#: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)
-CANCELLED_BEFORE_TOKEN = "cancelled before its first token"
-CANCELLED_AFTER_TOKEN = "cancelled after its first token"
-
 
 def _close_timer(
     record: AttemptRecord, clock: Clock, cancelled_at: float
@@ -117,6 +92,9 @@ class RaceOptions:
     hedging: bool
     #: when hedging was refused for this request, the reason counted once (`disabled`)
     refused_reason: SuppressReason | None = None
+    #: backends this request may not use: they do not serve its route, or the request is
+    #: pinned to the backend that holds its stored state (SPEC §15)
+    excluded: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -310,7 +288,8 @@ class Race:
 
     def _max_attempts(self) -> int:
         configured = min(self.pool.settings.hedging.max_attempts, 5)
-        return max(1, min(configured, len(self.pool.settings.backends)))
+        eligible = len(self.pool.settings.backends) - len(self.options.excluded)
+        return max(1, min(configured, eligible))
 
     def _start(self, backend: str, kind: AttemptKind, *, spent_budget: bool) -> None:
         record = AttemptRecord(len(self.attempts), backend, kind, self.clock(), spent_budget)
@@ -349,8 +328,11 @@ class Race:
         avoid_groups: Collection[str] = (),
         ttft: Callable[[str], float | None],
     ) -> str | None:
-        """`Balancer.pick`, noting whether the choice was made in panic mode (for stats)."""
+        """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
+        never a backend this request may not use (`RaceOptions.excluded`)."""
         self.panic = self.panic or self.pool.balancer.panic(now)
+        if self.options.excluded:
+            exclude = {*exclude, *self.options.excluded}
         return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft)
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:

@@ -1,17 +1,22 @@
 """After commit: the winner's buffered events, then pass-through until `[DONE]` (SPEC §4).
 
 The hot path of the gateway. An upstream read made only of whole plain `data:` events
-(`SSEBatch.raw`, the usual case) goes out as the bytes that arrived: two substring scans of the
-read for `[DONE]` and error markers, nothing per event, no allocation. Any other read is
-re-framed from the decoder's events: per event one bytes comparison, one substring test and one
-concatenation, with JSON parsed only for the rare event that mentions "error". No logging, no
-lock. Per upstream read it stores one clock reading: the idle and max_stream deadlines are one
-timer per stream (`_Deadlines`), never a timer per event.
+(`SSEBatch.raw`, the usual case) goes out as the bytes that arrived: a few substring scans of
+the read for `[DONE]`, error markers and a usage object, nothing per event, no allocation. Any
+other read (and every read of a named-event protocol, whose reads carry `event:` lines) is
+re-framed from the decoder's events: per event one bytes comparison, two substring tests and one
+concatenation, with JSON parsed only for the rare event that mentions "error" and the one holding
+a usage object (see `gateway.usage`). No logging, no lock. Per upstream read it stores one clock
+reading: the idle and max_stream deadlines are one timer per stream (`_Deadlines`), never a
+timer per event.
 Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
 comments are the response's own.
 
 A stream that ends without `[DONE]` and without an error event is a truncation: the client gets
-a final error event in OpenAI shape, never a silent success.
+a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
+Responses API and Messages end at named events and shape their errors their own way, so the
+proxy passes their per-batch encoder (`gateway.relaynamed`) and error builder
+(`gateway.wireformat`) in; the deadlines, the drain and the closing stay the same.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.attempt import Prefix
-from gateway.errors import UpstreamError, error_body
+from gateway.errors import UpstreamError
 from gateway.sse import SSEBatch, SSEEvent, encode_event
 from gateway.streamend import StreamEnd
+from gateway.usage import Usage, read_usage
+from gateway.wireformat import openai_error_event
 
 DONE = b"data: [DONE]\n\n"
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
@@ -34,10 +41,8 @@ DRAIN_TIMEOUT = 0.05
 DRAIN_READS = 8
 
 
-def error_event(message: str, code: str, request_id: str) -> bytes:
-    """A final in-stream error in OpenAI shape; the SDKs raise it as an APIError."""
-    payload = error_body(message, type="upstream_error", code=code, request_id=request_id)
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+#: a final in-stream error in OpenAI shape (the chat rule; each protocol has its own)
+error_event = openai_error_event
 
 
 def _error_kind(event: SSEEvent) -> int:
@@ -81,15 +86,22 @@ async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
 @dataclass(slots=True)
 class RelayOutcome:
     end: StreamEnd = StreamEnd.CLIENT_GONE
+    #: the usage the stream reported (SPEC §17), when it did
+    usage: Usage | None = None
+    #: drop the usage-only chunk: the gateway asked for it, the client did not
+    strip_usage: bool = False
 
 
 def _encode_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> bytes:
     """The client's bytes for one upstream read; sets `outcome.end` when the stream is over.
 
-    Plain bytes without `[DONE]` or an error marker are the answer as they are; everything
-    else (including a plain read that holds the end of the stream) takes the event path."""
+    Plain bytes without `[DONE]`, an error marker or a usage object are the answer as they
+    are; everything else (a plain read that holds the end of the stream or the usage the
+    gateway may have to strip) takes the event path."""
     raw = batch.raw
-    if raw is not None and b"[DONE]" not in raw and b'"error"' not in raw:
+    if raw is not None and b"[DONE]" not in raw and b'"error"' not in raw and (
+        b'"usage"' not in raw or raw.count(b'"usage"') == raw.count(b'"usage":null')
+    ):
         return raw
     return _encode_events(batch.events, request_id, outcome)
 
@@ -102,6 +114,14 @@ def _encode_events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome
             outcome.end = StreamEnd.DONE
             parts.append(DONE)
             break
+        # OpenAI repeats `"usage":null` in every chunk once usage is asked for: two byte
+        # tests, no call, for those
+        if b'"usage"' in data and b'"usage":null' not in data \
+                and (found := read_usage(data)) is not None:
+            usage, usage_only = found
+            outcome.usage = usage.merge(outcome.usage)
+            if usage_only and outcome.strip_usage:
+                continue
         if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):
             # relayed as is when the SDKs can read it; otherwise our own error event, so
             # the client raises an API error instead of failing to parse the upstream's
@@ -185,11 +205,18 @@ async def relay(
     max_stream_deadline: float,
     clock: Callable[[], float],
     outcome: RelayOutcome,
+    encode_batch: Callable[[list[SSEEvent], str, RelayOutcome], bytes] | None = None,
+    error_event: Callable[[str, str, str], bytes] = error_event,
 ) -> AsyncIterator[bytes]:
-    """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream."""
+    """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
+
+    `encode_batch` and `error_event` are the protocol's (SPEC §15: the Responses API and
+    Messages end at named events, not `[DONE]`, and shape their errors their own way); the
+    defaults are the chat rules."""
+    encode = _encode_events if encode_batch is None else encode_batch
     deadlines: _Deadlines | None = None
     try:
-        yield _encode_events(prefix.buffered, request_id, outcome)
+        yield encode(prefix.buffered, request_id, outcome)
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
             batches = prefix.batches.__aiter__()
@@ -213,7 +240,8 @@ async def relay(
                     )
                     return
                 deadlines.last = clock()
-                yield _encode_batch(batch, request_id, outcome)
+                yield (_encode_batch(batch, request_id, outcome) if encode_batch is None
+                       else encode_batch(batch.events, request_id, outcome))
                 if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
                     break
             if outcome.end != StreamEnd.CLIENT_GONE:

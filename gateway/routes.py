@@ -33,10 +33,10 @@ from gateway.errors import (
 from gateway.live import Live
 from gateway.proxy import AnswerThen, LogicalRequest, Proxy
 from gateway.settings import Settings
-from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
-from gateway.stats.view import snapshot
+from gateway.stats.shared import StatsSource
 from gateway.validate import check_body, parse_body
+from gateway.wireformat import protocol_for_path
 from providers.base import Endpoint
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -54,7 +54,9 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-def error_response(exc: GatewayError, request_id: str) -> JSONResponse:
+def error_response(exc: GatewayError, request_id: str, path: str = "") -> JSONResponse:
+    """The error as JSON in the shape of the route it answers (Anthropic's on /v1/messages,
+    OpenAI's elsewhere), with the retry headers the SDKs obey."""
     headers = {"x-request-id": request_id}
     if exc.should_retry is not None:
         headers["x-should-retry"] = "true" if exc.should_retry else "false"
@@ -63,8 +65,10 @@ def error_response(exc: GatewayError, request_id: str) -> JSONResponse:
         headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
     if isinstance(exc, PayloadTooLarge):
         headers["connection"] = "close"
-    # our failure or the upstreams': the id to quote to the operator
-    body = exc.body(request_id if exc.status >= 500 else None)
+    message = exc.message
+    if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
+        message = f"{exc.message} (request id {request_id})"
+    body = protocol_for_path(path).error_body(exc, message)
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
@@ -90,7 +94,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_gateway_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        response = error_response(exc, request_id_of(request))
+        response = error_response(exc, request_id_of(request), request.url.path)
         if exc.after_response is not None:  # answer first, then end the logical request
             return AnswerThen(response, exc.after_response)
         return response
@@ -104,18 +108,24 @@ def install_error_handlers(app: FastAPI) -> None:
             error = MethodNotAllowed("method not allowed")
         else:  # the framework refused the request in some other way
             error = InvalidRequest(str(exc.detail))
-        return error_response(error, request_id_of(request))
+        return error_response(error, request_id_of(request), request.url.path)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
-        return error_response(InvalidRequest("invalid request"), request_id_of(request))
+        return error_response(
+            InvalidRequest("invalid request"), request_id_of(request), request.url.path
+        )
 
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
 
 
-def make_auth_guard(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[None]]:
+def make_auth_guard(
+    api_keys: tuple[str, ...], *, x_api_key: bool = False
+) -> Callable[[Request], Awaitable[None]]:
     """A dependency that checks the gateway key in constant time; a no-op without keys.
+
+    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so, SPEC §15).
 
     Keys are compared as SHA-256 digests: `compare_digest` is constant-time only for inputs of
     equal length, so comparing the raw strings would tell a prober each key's length. Every
@@ -129,6 +139,8 @@ def make_auth_guard(api_keys: tuple[str, ...]) -> Callable[[Request], Awaitable[
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         supplied = token.strip() if scheme.lower() == "bearer" else ""
+        if not supplied and x_api_key:
+            supplied = request.headers.get("x-api-key", "").strip()
         digest = hashlib.sha256(supplied.encode("latin-1")).digest()  # the bytes as sent
         ok = False
         for key in digests:
@@ -197,7 +209,7 @@ def build_ops_router(
     live: Live,
     clock: Callable[[], float],
     *,
-    stats: Stats,
+    stats: StatsSource,
     metrics: Metrics,
     drain: Drain,
 ) -> APIRouter:
@@ -222,11 +234,13 @@ def build_ops_router(
         return JSONResponse({"status": "ready", **body})
 
     @ops.get("/hedge/stats")
-    async def hedge_stats() -> JSONResponse:
-        return JSONResponse(snapshot(stats, live.current.pools, clock(), live=live))
+    async def hedge_stats(mergeable: bool = False) -> JSONResponse:
+        """`?mergeable=1`: the export `hedge-gateway stats URL URL` merges across replicas."""
+        return JSONResponse(await (stats.mergeable_async() if mergeable
+                                   else stats.document_async()))
 
     @ops.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
+        return Response(await stats.metrics_async(metrics), media_type=metrics.content_type)
 
     return ops

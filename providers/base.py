@@ -20,7 +20,26 @@ import anyio
 
 from gateway.sse import SSEBatch
 
-Endpoint = Literal["chat/completions", "completions", "embeddings"]
+Endpoint = Literal[
+    "chat/completions",
+    "completions",
+    "embeddings",
+    "responses",
+    #: `GET`/`DELETE /responses/{id}`, `/cancel`, `/input_items`: the path is `UpstreamCall.path`
+    "responses/item",
+    "messages",
+    "messages/count_tokens",
+]
+#: every route, in a fixed order: the only values a `route` label in stats or metrics takes
+ENDPOINTS: tuple[Endpoint, ...] = (
+    "chat/completions",
+    "completions",
+    "embeddings",
+    "responses",
+    "responses/item",
+    "messages",
+    "messages/count_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +56,12 @@ class UpstreamCall:
     #: `body` as JSON bytes when the caller already has them (serialized once per logical
     #: request, `model` substituted per backend); empty: the provider encodes `body`
     content: bytes = b""
+    #: the HTTP method; GET and DELETE send no body
+    method: str = "POST"
+    #: the path below the API root when it is not `endpoint` (`responses/resp_1/cancel`)
+    path: str | None = None
+    #: query parameters the client sent that the upstream should see (`limit`, `after`)
+    query: Mapping[str, str] = field(default_factory=dict)
 
 
 class UpstreamStream(Protocol):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl as ssl_module
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -112,11 +113,28 @@ class UpstreamResponse:
 
 
 class UpstreamClient:
-    """One client for every upstream of the process: bounded, no redirects, no env proxies."""
+    """The upstream client: bounded, no redirects, no env proxies unless `trust_env`.
 
-    def __init__(self, *, max_connections: int, keepalive_expiry: float = 30.0) -> None:
+    The app's one shared client carries every backend with default TLS and proxy settings; a
+    backend with its own (`providers.registry.own_client`) gets a client of its own."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        keepalive_expiry: float = 30.0,
+        ssl: ssl_module.SSLContext | bool = True,
+        proxy: str | None = None,
+        trust_env: bool = False,
+    ) -> None:
         self.max_connections = max_connections
         self.keepalive_expiry = keepalive_expiry
+        #: TLS verification: True (system CAs), False (off) or a context (a backend's CA file)
+        self.ssl = ssl
+        #: every request goes through this proxy (aiohttp takes it per request)
+        self.proxy = proxy
+        #: honour HTTP(S)_PROXY / NO_PROXY and netrc from the environment
+        self.trust_env = trust_env
         #: responses open now (the leak check reads it; 0 when nothing is in flight)
         self.in_use = 0
         self._slots = asyncio.Semaphore(max_connections)
@@ -130,9 +148,10 @@ class UpstreamClient:
                 limit=self.max_connections,
                 limit_per_host=0,
                 keepalive_timeout=self.keepalive_expiry,
+                ssl=self.ssl,
             )
             session = self._session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, trust_env=False,
+                connector=connector, auto_decompress=False, trust_env=self.trust_env,
                 timeout=aiohttp.ClientTimeout(total=None),
             )
         return session
@@ -141,16 +160,18 @@ class UpstreamClient:
         self.in_use -= 1
         self._slots.release()
 
-    async def post(
+    async def request(
         self,
+        method: str,
         url: str,
         *,
-        content: bytes,
+        content: bytes | None,
         headers: Mapping[str, str],
         timeout: aiohttp.ClientTimeout,
         pool_timeout: float,
+        params: Mapping[str, str] | None = None,
     ) -> UpstreamResponse:
-        """Send a POST and return once its status and headers are in.
+        """Send a request and return once its status and headers are in.
 
         `timeout.sock_connect` bounds the connect, `timeout.sock_read` every read (the head
         included); `pool_timeout` bounds the wait for a free slot (then `GatewayPoolFull`)."""
@@ -166,8 +187,9 @@ class UpstreamClient:
             await self._slots.acquire()
         self.in_use += 1
         try:
-            response = await self._get_session().post(
-                url, data=content, headers=headers, timeout=timeout, allow_redirects=False
+            response = await self._get_session().request(
+                method, url, data=content, headers=headers, params=params, timeout=timeout,
+                allow_redirects=False, proxy=self.proxy,
             )
         except BaseException as exc:
             self.release()

@@ -81,7 +81,9 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
 class AiohttpStream:
     """An open 200 response; `batches()` decodes it incrementally."""
 
-    def __init__(self, response: UpstreamResponse, *, stream: bool) -> None:
+    def __init__(
+        self, response: UpstreamResponse, *, stream: bool, allowed: frozenset[str] = PASS_HEADERS
+    ) -> None:
         self._response = response
         self._stream = stream
         # From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes
@@ -90,7 +92,7 @@ class AiohttpStream:
         self.headers: Mapping[str, str] = {
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in response.raw_headers
-            if name.decode("latin-1").lower() in PASS_HEADERS
+            if name.decode("latin-1").lower() in allowed
         }
 
     def batches(self) -> AsyncIterator[SSEBatch]:
@@ -129,24 +131,46 @@ class AiohttpStream:
         self._response.close()
 
 
+#: where each `auth` mode puts the key
+AUTH_HEADERS = {"bearer": "authorization", "api-key": "api-key", "x-api-key": "x-api-key"}
+
+
+def upstream_headers(settings: BackendSettings) -> dict[str, str]:
+    """The headers every request to this backend carries: the configured static ones, then
+    the key as `auth` says (so a static header cannot be mistaken for the credential)."""
+    headers = {name.lower(): value for name, value in settings.headers}
+    headers["accept-encoding"] = "identity"
+    headers["content-type"] = "application/json"
+    target = AUTH_HEADERS.get(settings.auth or "none")
+    if settings.api_key and target is not None:
+        value = settings.api_key
+        headers[target] = f"Bearer {value}" if target == "authorization" else value
+    return headers
+
+
 class OpenAIProvider:
-    """A backend that speaks the OpenAI HTTP API."""
+    """A backend that speaks the OpenAI HTTP API.
+
+    `owns_client`: the client is this backend's own (its TLS or proxy settings differ from
+    the shared client's) and is closed with the provider."""
 
     def __init__(
-        self, settings: BackendSettings, client: UpstreamClient, timeouts: Timeouts
+        self,
+        settings: BackendSettings,
+        client: UpstreamClient,
+        timeouts: Timeouts,
+        *,
+        owns_client: bool = False,
     ) -> None:
         if settings.base_url is None:  # the config loader already refuses this
             raise ValueError(f"backend {settings.name}: base_url is required")
         self.name = settings.name
         self._client = client
+        self._owns_client = owns_client
         self._base_url = settings.base_url.rstrip("/")
-        self._urls = {
-            endpoint: f"{self._base_url}/{endpoint}"
-            for endpoint in ("chat/completions", "completions", "embeddings")
-        }
-        self._headers = {"accept-encoding": "identity", "content-type": "application/json"}
-        if settings.api_key:
-            self._headers["authorization"] = f"Bearer {settings.api_key}"
+        self._headers = upstream_headers(settings)
+        self._query = dict(settings.query)
+        self.pass_headers = PASS_HEADERS
         self._connect = timeouts.connect
         # No read timeout on a stream: before the first token the race's deadline bounds
         # every read, after commit the relay's per-event idle and max_stream deadlines do
@@ -154,6 +178,10 @@ class OpenAIProvider:
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect, sock_read=None
         )
+
+    def url(self, call: UpstreamCall) -> str:
+        """`{base_url}/{route}`: the OpenAI SDK's base URL includes `/v1`."""
+        return f"{self._base_url}/{call.path or call.endpoint}"
 
     def _whole_body_timeout(self, call: UpstreamCall) -> aiohttp.ClientTimeout:
         """A non-streaming body may take the request's whole remaining deadline (the pool's
@@ -164,10 +192,19 @@ class OpenAIProvider:
         )
 
     async def open(self, call: UpstreamCall) -> AiohttpStream:
-        headers = {**self._headers, "x-request-id": call.request_id, **call.extra_headers}
-        content = call.content or json.dumps(call.body, separators=(",", ":")).encode()
-        response = await self._client.post(
-            self._urls[call.endpoint],
+        headers = dict(call.extra_headers)
+        headers.update(self._headers)  # ours win: a client cannot replace the credential
+        headers["x-request-id"] = call.request_id
+        has_body = call.method not in ("GET", "DELETE")
+        content: bytes | None = None
+        if has_body:
+            content = call.content or json.dumps(call.body, separators=(",", ":")).encode()
+        else:
+            del headers["content-type"]
+        response = await self._client.request(
+            call.method,
+            self.url(call),
+            params={**call.query, **self._query} or None,
             content=content,
             headers=headers,
             timeout=self._timeout if call.stream else self._whole_body_timeout(call),
@@ -187,7 +224,9 @@ class OpenAIProvider:
             # client as garbage
             response.close()
             raise UpstreamProtocolError("unexpected content encoding")
-        return AiohttpStream(response, stream=call.stream)
+        return AiohttpStream(response, stream=call.stream, allowed=self.pass_headers)
 
     async def aclose(self) -> None:
-        """Nothing to release: the shared client belongs to the app."""
+        """Close the backend's own client; the shared one belongs to the app."""
+        if self._owns_client:
+            await self._client.aclose()

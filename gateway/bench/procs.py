@@ -108,7 +108,9 @@ class ProcessMeter:
     machine was meanwhile: on a shared machine, other work competes with the benchmark, and
     the numbers only mean something next to that. Without psutil the results are empty."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    def __init__(self, pids: dict[str, int], trees: tuple[str, ...] = ()) -> None:
+        """`trees`: names whose child processes count as theirs (a gateway's workers)."""
+        self._trees = trees
         self._procs: dict[str, Any] = {}
         self._psutil: Any = None
         try:
@@ -116,7 +118,7 @@ class ProcessMeter:
         except ImportError:
             return
         self._procs = {name: self._psutil.Process(pid) for name, pid in pids.items()}
-        self._cpu0 = {name: self._cpu(proc) for name, proc in self._procs.items()}
+        self._cpu0 = {name: self._cpu_of(name) for name in self._procs}
         self._machine0 = self._psutil.cpu_times()
         self._peak = dict.fromkeys(self._procs, 0)
         self._samples = 0
@@ -126,10 +128,37 @@ class ProcessMeter:
         times = proc.cpu_times()
         return float(times.user + times.system)
 
+    def _members(self, name: str) -> list[Any]:
+        proc = self._procs[name]
+        if name not in self._trees:
+            return [proc]
+        try:
+            return [proc, *proc.children(recursive=True)]
+        except self._psutil.Error:
+            return [proc]
+
+    def _cpu_of(self, name: str) -> float:
+        total = 0.0
+        for proc in self._members(name):
+            try:
+                total += self._cpu(proc)
+            except self._psutil.Error:
+                continue  # ended meanwhile
+        return total
+
+    def _rss_of(self, name: str) -> int:
+        total = 0
+        for proc in self._members(name):
+            try:
+                total += int(proc.memory_info().rss)
+            except self._psutil.Error:
+                continue
+        return total
+
     async def sample_until(self, done: asyncio.Event) -> None:
         while self._procs:
-            for name, proc in self._procs.items():
-                self._peak[name] = max(self._peak[name], int(proc.memory_info().rss))
+            for name in self._procs:
+                self._peak[name] = max(self._peak[name], self._rss_of(name))
             self._samples += 1
             try:
                 await asyncio.wait_for(done.wait(), 0.1)
@@ -142,10 +171,10 @@ class ProcessMeter:
         `cpu_s` of every process on the machine, ours included."""
         if self._psutil is None:
             return {}
-        out = {name: {"cpu_s": round(self._cpu(proc) - self._cpu0[name], 4),
+        out = {name: {"cpu_s": round(self._cpu_of(name) - self._cpu0[name], 3),
                       "peak_rss_mb": round(self._peak[name] / 2**20, 1),
                       "rss_samples": self._samples}
-               for name, proc in self._procs.items()}
+               for name in self._procs}
         end = self._psutil.cpu_times()
         total = sum(end) - sum(self._machine0)
         idle = (end.idle + getattr(end, "iowait", 0.0)) - (

@@ -66,6 +66,9 @@ class BenchPlan:
     request_timeout: float = 60.0
     #: another checkout of hedge-gateway whose gateway runs as an extra mode, `baseline`
     baseline_src: str | None = None
+    #: `serve --workers` of the gateway under test (SPEC §16): >1 checks that its workers
+    #: serve and report as one server, and sums their CPU and RSS
+    workers: int = 1
 
 
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
@@ -112,9 +115,11 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
     env = None
     if mode == "baseline" and ctx.plan.baseline_src:
         env = {"PYTHONPATH": os.path.abspath(ctx.plan.baseline_src)}
+    workers = ["--workers", str(ctx.plan.workers)] if ctx.plan.workers > 1 else []
     proc = ctx.children.start(f"gateway-{mode}", [
         sys.executable, "-m", "gateway.cli", "serve", "--config", path, "--host", "127.0.0.1",
-        "--port", str(port), "--log-level", "warning"], cpus=ctx.pinning.gateway, env=env)
+        "--port", str(port), "--log-level", "warning", *workers], cpus=ctx.pinning.gateway,
+        env=env)
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -125,6 +130,29 @@ async def _hedge_stats(client: httpx.AsyncClient, base: str) -> object:
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
+
+
+def _requests(stats: object) -> int:
+    """Lifetime requests of the bench pool in a `/hedge/stats` document (0 without one)."""
+    try:
+        return int(stats["pools"][POOL]["lifetime"]["requests"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return 0
+
+
+async def _counted_stats(client: httpx.AsyncClient, base: str, expect: int | None,
+                         workers: int) -> object:
+    """The gateway's stats; with workers, once every worker is in them and they count
+    `expect` requests (each worker publishes every 0.5 s), or after 5 s as they are."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        stats = await _hedge_stats(client, base)
+        complete = workers <= 1 or (
+            isinstance(stats, dict) and len(stats.get("workers", [])) >= workers
+            and (expect is None or _requests(stats) >= expect))
+        if complete or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
 
 
 async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
@@ -168,8 +196,10 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
 
     async def after_warmup() -> None:
         if gateway is not None:
-            baseline.append(await _hedge_stats(client, gateway[0]))
-        meters.append(ProcessMeter(pids))
+            # let the warm-up's last requests be counted (and, with workers, published)
+            await asyncio.sleep(1.0 if ctx.plan.workers > 1 else 0.3)
+            baseline.append(await _counted_stats(client, gateway[0], None, ctx.plan.workers))
+        meters.append(ProcessMeter(pids, trees=("gateway",)))
         samplers.append(asyncio.create_task(meters[0].sample_until(done)))
 
     c1: dict[str, Any] | None = None
@@ -194,7 +224,11 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     processes = meters[0].result()
     await asyncio.sleep(0.3)  # let the losers' closes reach the simulators' logs
     logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
-    hedge_stats = await _hedge_stats(client, gateway[0]) if gateway is not None else None
+    hedge_stats = None
+    if gateway is not None:
+        hedge_stats = await _counted_stats(client, gateway[0],
+                                           _requests(baseline[0]) + len(samples),
+                                           ctx.plan.workers)
     row = report.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
                                 hedge_stats=hedge_stats,
                                 hedge_stats_before=baseline[0] if baseline else None,
@@ -206,6 +240,11 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     row["warmup"] = {"requests": len(warmup), "errors": sum(not s.ok for s in warmup)}
     row["sim_stats"] = [entry["stats"] for entry in logs]
     row["hedge_stats"] = hedge_stats
+    if gateway is not None:  # the gateway's own count of the measured requests, all workers
+        row["gateway_counted"] = {
+            "requests": _requests(hedge_stats) - _requests(baseline[0]),
+            "workers": len(hedge_stats.get("workers", [])) if isinstance(hedge_stats, dict)
+            else None}
     progress.finish(f"ok {row['ok']}, errors {row['errors']}, "
                     f"TTFT p50 {row['ttft_ms']['p50']} ms, p99 {row['ttft_ms']['p99']} ms")
     return row
@@ -246,9 +285,19 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
     if workload.outage_extra > 0 and "hedging-on" in rows:
         result["outage_phases"] = report.outage_phases(rows["hedging-on"], requests,
                                                        workload.outage_span)
+    if ctx.plan.workers > 1:
+        result["gateway_workers"] = ctx.plan.workers
     if ctx.plan.tables is not None:
         table = "\n".join([report.format_workload(result), *speed.format_lines(result)])
-        print(table + "\n", file=ctx.plan.tables, flush=True)
+        print(table, file=ctx.plan.tables, flush=True)
+        for row in rows.values():
+            counted = row.get("gateway_counted")
+            if counted is not None and ctx.plan.workers > 1:
+                print(f"   {row['mode']}: gateway with {ctx.plan.workers} workers; its "
+                      f"/hedge/stats lists {counted['workers']} and counts "
+                      f"{counted['requests']} of {row['requests']} requests",
+                      file=ctx.plan.tables, flush=True)
+        print(file=ctx.plan.tables, flush=True)
     return result
 
 

@@ -26,6 +26,7 @@ from gateway.settings.model import (
     Settings,
     SimProfile,
     Timeouts,
+    TracingSettings,
 )
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Settings",
     "SimProfile",
     "Timeouts",
+    "TracingSettings",
     "check_config",
     "default_settings",
     "describe_pools",

@@ -32,6 +32,7 @@ from typing import Any, TextIO, TypeVar
 import yaml
 
 from gateway.settings import parse as cv
+from gateway.settings.env import substitute
 from gateway.settings.fields import (
     Checked,
     ConfigError,
@@ -108,7 +109,7 @@ def parse_settings(data: object, env: Mapping[str, str]) -> Settings:
     if data is None:
         raise ConfigError("(top level): the configuration is empty; it needs at least `pools`")
     errors: list[str] = []
-    settings = _build(Settings, cv.substitute(data, "", env, errors), "", errors)
+    settings = _build(Settings, substitute(data, "", env, errors), "", errors)
     if errors:
         raise ConfigError(errors)
     return settings

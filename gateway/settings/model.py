@@ -15,6 +15,7 @@ plain (slots), since the request path reads these per request.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -151,23 +152,62 @@ class SimProfile(Checked):
 
 
 @dataclass(frozen=True, slots=True)
+class TlsSettings(Checked):
+    """How the gateway checks an upstream's certificate (SPEC §15)."""
+
+    verify: bool = field(default=True, metadata=scalar(
+        cv.boolean, "false: do not check the certificate (testing only)"))
+    ca_file: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.nonempty_text), "a PEM bundle to trust instead of the system's"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if self.ca_file is not None and not os.path.isfile(self.ca_file):
+            yield f"{at('ca_file')}: no such file"
+
+
+#: how each provider sends `api_key` unless `auth` says otherwise
+DEFAULT_AUTH = {"openai": "bearer", "anthropic": "x-api-key", "sim": "none"}
+
+
+@dataclass(frozen=True, slots=True)
 class BackendSettings(Checked):
     """One upstream of a pool."""
 
     name: str = field(metadata=scalar(cv.name, "unique within the pool; same characters as "
                                      "pool names"))
-    provider: Literal["openai", "sim"] = field(default="openai", metadata=scalar(
-        cv.choice(("openai", "sim")),
-        "openai: any OpenAI-compatible HTTP API; sim: the built-in simulator"))
+    provider: Literal["openai", "anthropic", "sim"] = field(default="openai", metadata=scalar(
+        cv.choice(("openai", "anthropic", "sim")),
+        "openai: any OpenAI-compatible HTTP API (chat, completions, embeddings, responses); "
+        "anthropic: the Messages API; sim: the built-in simulator (every route)"))
     #: "" until the pool fills in its own name (`PoolSettings._complete`)
     model: str = field(default="", metadata=scalar(
         cv.nonempty_text, "the model name sent upstream; default: the pool name",
         default_shown=False))
     base_url: str | None = field(default=None, metadata=scalar(
-        cv.optional(cv.http_url), "required for openai: http(s), no user:pass@, no query; "
-        "/chat/completions is appended", default_shown=False))
+        cv.optional(cv.http_url), "required for openai and anthropic: http(s), no user:pass@, "
+        "no query; openai appends /chat/completions, anthropic /v1/messages",
+        default_shown=False))
     api_key: str | None = field(default=None, repr=False, metadata=scalar(
-        cv.secret, "sent as Bearer; empty or null: none. Never logged, never printed"))
+        cv.secret, "sent as `auth` says; empty or null: none. Never logged, never printed"))
+    auth: Literal["bearer", "api-key", "x-api-key", "none"] | None = field(
+        default=None, metadata=scalar(
+            cv.optional(cv.choice(("bearer", "api-key", "x-api-key", "none"))),
+            "how api_key is sent: bearer (openai's default), api-key (classic Azure), "
+            "x-api-key (anthropic's default), none", default_shown=False))
+    anthropic_version: str = field(default="2023-06-01", metadata=scalar(
+        cv.version, "the anthropic-version header (provider anthropic)"))
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
+        cv.headers, "static request headers {name: value}; ${VAR} allowed; never logged"))
+    query: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
+        cv.query, "static query parameters {name: value} (classic Azure's api-version); "
+        "never logged (some APIs take a key there)"))
+    tls: TlsSettings = field(default_factory=TlsSettings, metadata=section(
+        TlsSettings, "certificate checks of this upstream"))
+    proxy: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.optional(cv.proxy_url), "an egress proxy URL for this upstream; null: none"))
+    trust_env: bool = field(default=False, metadata=scalar(
+        cv.boolean, "true: also read HTTP(S)_PROXY, NO_PROXY and SSL_CERT_FILE from the "
+        "environment"))
     group: str = field(default="", metadata=scalar(
         cv.text, "label (zone, provider); hedges prefer another group"))
     weight: float = field(default=1.0, metadata=scalar(
@@ -187,9 +227,11 @@ class BackendSettings(Checked):
     def _complete(self) -> None:
         if self.provider == "sim" and self.sim is None:
             self._set("sim", SimProfile())
+        if self.auth is None:
+            self._set("auth", DEFAULT_AUTH[self.provider])
 
     def _rules(self, at: At) -> Iterator[str]:
-        if self.provider == "openai":
+        if self.provider in ("openai", "anthropic"):
             if self.base_url is None:
                 yield f"{at('base_url')}: required"
             if self.sim is not None:
@@ -230,6 +272,21 @@ class PoolSettings(Checked):
 
 
 @dataclass(frozen=True, slots=True)
+class TracingSettings(Checked):
+    """OpenTelemetry traces (SPEC §17); off unless this or the OTEL_* variables say otherwise."""
+
+    exporter: Literal["env", "none", "console", "otlp"] = field(default="env", metadata=scalar(
+        cv.choice(("env", "none", "console", "otlp")),
+        "env: follow OTEL_TRACES_EXPORTER (unset: none); none: off; console; otlp (the `otlp` "
+        "extra)"))
+    endpoint: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.http_url), "OTLP/HTTP base URL; null: OTEL_EXPORTER_OTLP_ENDPOINT or "
+        "the exporter's default"))
+    service_name: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.nonempty_text), "service.name; null: OTEL_SERVICE_NAME or hedge-gateway"))
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSettings(Checked):
     """The listening side: address, client authentication and request limits."""
 
@@ -238,8 +295,8 @@ class ServerSettings(Checked):
     port: int = field(default=8080, metadata=scalar(
         cv.integer(0, 65535), "port to listen on (0: any free port)"))
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
-        cv.keys, "keys clients must send as `Authorization: Bearer KEY`; empty: no "
-        "authentication"))
+        cv.keys, "keys clients must send as `Authorization: Bearer KEY` (or `x-api-key: KEY` "
+        "on /v1/messages); empty: no authentication"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
         cv.size, "larger request bodies get 413", key="max_body"))
     max_header_bytes: int = field(default=16 * 1024, metadata=scalar(
@@ -255,6 +312,11 @@ class ServerSettings(Checked):
         cv.duration(), "a request whose head and body take longer to arrive gets 408 (SPEC §18)"))
     max_connections: int = field(default=4096, metadata=scalar(
         cv.integer(1), "open client connections; a new one past this gets 503 (SPEC §18)"))
+    workers: int = field(default=1, metadata=scalar(
+        cv.integer(1, 256), "processes accepting on the address, each with its own races, "
+        "budget (burst / workers) and sketches; stats show the whole server (SPEC §16)"))
+    tracing: TracingSettings = field(default_factory=TracingSettings, metadata=section(
+        TracingSettings, "OpenTelemetry traces of each race (SPEC §17)"))
 
 
 @dataclass(frozen=True, slots=True)

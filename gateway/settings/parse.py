@@ -1,5 +1,5 @@
-"""Value parsers for the configuration: durations, sizes, bounded numbers, names, upstream URLs,
-and `${VAR}` substitution.
+"""Value parsers for the configuration: durations, sizes, bounded numbers, names, upstream URLs
+and options (`${VAR}` substitution, which runs before them, is `gateway.settings.env`).
 
 Each parser is a `Parser`: a function from one raw YAML value to the typed value (raising
 `Invalid` with a message that says what is wrong), paired with the JSON Schema of the YAML values
@@ -13,6 +13,7 @@ name the type only, so a misplaced key cannot leak through an error message.
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -60,45 +61,6 @@ def _or_env(schema: Schema) -> Schema:
 def join(path: str, key: object) -> str:
     """The key path of `key` inside the mapping at `path` ("" is the top level)."""
     return f"{path}.{key}" if path else str(key)
-
-
-# --------------------------------------------------------------------------- ${VAR}
-
-_REFERENCE = re.compile(r"\$\$\{|\$\{([^{}]*)\}|\$\{")
-_REFERENCE_BODY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
-
-
-def substitute(node: object, path: str, env: Mapping[str, str], errors: list[str]) -> object:
-    """Return a copy of the YAML tree with `${...}` replaced in every string value."""
-    if isinstance(node, dict):
-        return {k: substitute(v, join(path, k), env, errors) for k, v in node.items()}
-    if isinstance(node, list):
-        return [substitute(v, f"{path}[{i}]", env, errors) for i, v in enumerate(node)]
-    if not isinstance(node, str) or "${" not in node:
-        return node
-    replaced = False
-
-    def replace(match: re.Match[str]) -> str:
-        nonlocal replaced
-        if match.group(0) == "$${":
-            return "${"
-        body = match.group(1)
-        parsed = _REFERENCE_BODY.fullmatch(body) if body is not None else None
-        if parsed is None:
-            errors.append(f"{path}: malformed reference {match.group(0)!r}; use ${{NAME}}")
-            return ""
-        replaced = True
-        variable, default = parsed.group(1), parsed.group(2)
-        value = env.get(variable)
-        if default is not None:
-            return value if value else default
-        if value is None:
-            errors.append(f"{path}: environment variable {variable} is not set")
-            return ""
-        return value
-
-    result = _REFERENCE.sub(replace, node)
-    return Substituted(result) if replaced else result
 
 
 # --------------------------------------------------------------------------- value parsers
@@ -354,3 +316,80 @@ def _http_url(value: object) -> str:
 
 
 http_url = Parser(_http_url, _or_env({"type": "string", "pattern": "^https?://[^@?#]+$"}))
+
+
+# --------------------------------------------------------------------------- upstream options
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}")
+#: headers the HTTP client owns: a configured value would break framing or the routing
+_RESERVED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection",
+                               "content-type", "accept-encoding", "upgrade", "te"})
+
+
+def _pairs(value: object, what: str, check_name: Callable[[str], None]) -> tuple[
+        tuple[str, str], ...]:
+    """A mapping of names to string values (numbers allowed: `api-version: 2024-10-21` may
+    come out of YAML as a string either way), kept as ordered pairs so settings stay hashable.
+    Values are never shown in a message: they may be credentials."""
+    if isinstance(value, Mapping):
+        items: tuple[object, ...] = tuple(value.items())
+    elif isinstance(value, tuple):  # the parsed form, on settings built in code
+        items = value
+    else:
+        raise Invalid(f"must be a mapping of {what} names to values, got {type_name(value)}")
+    pairs: list[tuple[str, str]] = []
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise Invalid(f"must be a mapping of {what} names to values")
+        key, inner = item
+        if not isinstance(key, str):
+            raise Invalid(f"{what} names must be strings, got {type_name(key)}")
+        check_name(key)
+        if isinstance(inner, datetime.date):  # YAML reads `2024-10-21` as a date
+            inner = inner.isoformat()
+        if isinstance(inner, bool) or not isinstance(inner, str | int | float):
+            raise Invalid(f"{what} {key}: must be a string, got {type_name(inner)}")
+        text_value = str(inner)
+        if any(char in text_value for char in "\r\n\0"):
+            raise Invalid(f"{what} {key}: must not contain line breaks")
+        pairs.append((key, text_value))
+    return tuple(pairs)
+
+
+def _header_name(name: str) -> None:
+    if not _HEADER_NAME.fullmatch(name):
+        raise Invalid(f"{show(name)} is not a valid header name")
+    if name.lower() in _RESERVED_HEADERS:
+        raise Invalid(f"header {name} is set by the gateway and cannot be configured")
+
+
+def _query_name(name: str) -> None:
+    if not name or any(char.isspace() or char in "&=#" for char in name):
+        raise Invalid(f"{show(name)} is not a valid query parameter name")
+
+
+_MAP_SCHEMA: Schema = {"type": "object", "additionalProperties": {"type": ["string", "number"]}}
+headers = Parser(lambda value: _pairs(value, "header", _header_name), _MAP_SCHEMA)
+query = Parser(lambda value: _pairs(value, "query parameter", _query_name), _MAP_SCHEMA)
+
+
+def _proxy_url(value: object) -> str:
+    """An egress proxy: http(s), credentials allowed (corporate proxies ask for them), so the
+    value is never echoed."""
+    result = _text(value).strip()
+    parts = urlsplit(result)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise Invalid("must be an http(s) URL such as http://proxy.internal:3128")
+    if any(char.isspace() or not char.isprintable() for char in result):
+        raise Invalid("must not contain spaces or control characters")
+    return result
+
+
+proxy_url = Parser(_proxy_url, _or_env({"type": "string", "pattern": "^https?://"}))
+
+
+def _version(value: object) -> str:
+    """A dated version string (`2023-06-01`), which YAML reads as a date unless quoted."""
+    return value.isoformat() if isinstance(value, datetime.date) else _nonempty_text(value)
+
+
+version = Parser(_version, {"type": "string", "minLength": 1})

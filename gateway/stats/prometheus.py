@@ -18,6 +18,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | metric | type | labels | meaning |
 |---|---|---|---|
 | `requests_total` | counter | pool, outcome | logical requests; `ok` or the error class |
+| `route_requests_total` | counter | pool, route | logical requests per route (fixed set) |
 | `attempts_total` | counter | pool, backend, kind, outcome | upstream attempts |
 | `hedges_started_total` | counter | pool | delay-triggered hedges started |
 | `hedges_won_total` | counter | pool | hedges whose stream won |
@@ -29,6 +30,8 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
 | `attempt_ttft_censored_total` | counter | pool, backend | attempts cancelled before a token |
 | `attempt_failures_total` | counter | pool, backend, code | failed attempts by failure code |
+| `tokens_total` | counter | pool, backend, type | `input`/`output` tokens the winners reported |
+| `hedge_input_tokens_total` | counter | pool | input tokens paid again by extra attempts |
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
@@ -44,6 +47,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -57,7 +61,11 @@ from prometheus_client.registry import Collector
 from gateway.budget import SuppressReason
 from gateway.errors import NoBackendAvailable
 from gateway.pool import PoolRuntime
-from gateway.stats.record import BucketHistogram, Stats
+from gateway.stats.record import ROUTES, BucketHistogram, Stats
+from gateway.stats.view import live_view
+
+#: what a scrape reads: the counts, and each pool's live state as `view.live_view` gives it
+Reading = tuple[Stats, Mapping[str, Mapping[str, Any]]]
 
 PREFIX = "hedge_gateway_"
 KINDS = ("primary", "hedge", "failover")
@@ -78,22 +86,20 @@ def _histogram(family: HistogramMetricFamily, labels: list[str], h: BucketHistog
 
 
 class GatewayCollector(Collector):
-    """Reads `Stats` (lifetime counts) and the live pools on every scrape."""
+    """Reads the counts and the live pool state on every scrape, through `read`."""
 
-    def __init__(
-        self, stats: Stats, pools: Mapping[str, PoolRuntime], clock: Callable[[], float]
-    ) -> None:
-        self._stats = stats
-        self._pools = pools
-        self._clock = clock
+    def __init__(self, read: Callable[[], Reading]) -> None:
+        self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._counts()
-        yield from self._latencies()
-        yield from self._live(self._clock())
+        stats, live = self._read()
+        yield from self._counts(stats)
+        yield from self._latencies(stats)
+        yield from self._live(stats, live)
 
-    def _counts(self) -> Iterator[Metric]:
+    def _counts(self, stats: Stats) -> Iterator[Metric]:
         requests = _counter("requests", "Logical requests by outcome.", ["pool", "outcome"])
+        routes = _counter("route_requests", "Logical requests by route.", ["pool", "route"])
         attempts = _counter("attempts", "Upstream attempts by kind and outcome.",
                             ["pool", "backend", "kind", "outcome"])
         started = _counter("hedges_started", "Delay-triggered hedges started.", ["pool"])
@@ -112,7 +118,12 @@ class GatewayCollector(Collector):
                             "Attempts cancelled before their first token.", ["pool", "backend"])
         failures = _counter("attempt_failures", "Failed attempts by failure code.",
                             ["pool", "backend", "code"])
-        for pool, ps in self._stats.pools.items():
+        tokens = _counter("tokens", "Tokens the winning attempts reported, by type.",
+                          ["pool", "backend", "type"])
+        hedge_cost = _counter("hedge_input_tokens",
+                              "Input tokens paid again by extra attempts that reached a backend.",
+                              ["pool"])
+        for pool, ps in stats.pools.items():
             c = ps.counts.lifetime
             outcomes = {"ok": c["outcome.ok"]}
             outcomes.update(
@@ -120,6 +131,8 @@ class GatewayCollector(Collector):
             )
             for outcome, value in sorted(outcomes.items()):
                 requests.add_metric([pool, outcome], value)
+            for route in ROUTES:
+                routes.add_metric([pool, route], c[f"route.{route}"])
             started.add_metric([pool], c["hedges"])
             won.add_metric([pool], c["hedges_won"])
             for reason in SuppressReason:
@@ -129,6 +142,7 @@ class GatewayCollector(Collector):
             refused.add_metric([pool], c[f"outcome.{NoBackendAvailable.code}"])
             losers.add_metric([pool], c["losers"])
             late.add_metric([pool], c["late_events"])
+            hedge_cost.add_metric([pool], c["tokens.hedge_input"])
             for backend, bs in ps.backends.items():
                 bc = bs.counts.lifetime
                 for kind in KINDS:
@@ -136,13 +150,15 @@ class GatewayCollector(Collector):
                         value = bc[f"kind.{kind}.{outcome}"]
                         attempts.add_metric([pool, backend, kind, outcome], value)
                 censored.add_metric([pool, backend], bc["ttft_censored"])
+                for kind in ("input", "output"):
+                    tokens.add_metric([pool, backend, kind], bc[f"tokens.{kind}"])
                 for key, value in sorted(bc.items()):
                     if key.startswith("failure.") and value > 0:
                         failures.add_metric([pool, backend, key[8:]], value)
-        yield from (requests, attempts, started, won, suppressed, failovers, panic, refused,
-                    losers, late, censored, failures)
+        yield from (requests, routes, attempts, started, won, suppressed, failovers, panic, refused,
+                    losers, late, censored, failures, tokens, hedge_cost)
 
-    def _latencies(self) -> Iterator[Metric]:
+    def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(
             PREFIX + "attempt_ttft_seconds",
             "Attempt time to first token, from the attempt's own start (with a token).",
@@ -163,7 +179,7 @@ class GatewayCollector(Collector):
             "When a hedge won: how long the primary had run without a token (lower bound).",
             labels=["pool"],
         )
-        for pool, ps in self._stats.pools.items():
+        for pool, ps in stats.pools.items():
             _histogram(client, [pool], ps.client_ttft.histogram)
             _histogram(close, [pool], ps.close.histogram)
             _histogram(saved, [pool], ps.saved.histogram)
@@ -171,7 +187,7 @@ class GatewayCollector(Collector):
                 _histogram(attempt, [pool, backend], bs.ttft.histogram)
         yield from (attempt, client, close, saved)
 
-    def _live(self, now: float) -> Iterator[Metric]:
+    def _live(self, stats: Stats, live: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
         tokens = _gauge("budget_tokens", "Hedge budget tokens available.", ["pool"])
         guard = _gauge("budget_ineffective", "1 while the efficacy guard limits hedges.",
                        ["pool"])
@@ -180,19 +196,22 @@ class GatewayCollector(Collector):
         delay = _gauge("hedge_delay_seconds", "Hedge delay in force.", ["pool", "backend"])
         state = _gauge("backend_state", "1 for the backend's current state.",
                        ["pool", "backend", "state"])
-        for pool in self._stats.pools:
-            runtime = self._pools.get(pool)
-            if runtime is None:
+        for pool in stats.pools:
+            entry = live.get(pool)
+            if entry is None:
                 continue
-            tokens.add_metric([pool], runtime.budget.tokens(now))
-            guard.add_metric([pool], 1.0 if runtime.budget.ineffective(now) else 0.0)
-            inflight.add_metric([pool], runtime.inflight_requests)
-            for backend in self._stats.pools[pool].backends:
-                attempts.add_metric([pool, backend], runtime.balancer.inflight(backend))
-                delay.add_metric([pool, backend], runtime.delays[backend].delay(now))
-                current, _reason = runtime.balancer.state(backend, now)
+            budget = entry["budget"]
+            tokens.add_metric([pool], budget["tokens"])
+            guard.add_metric([pool], 1.0 if budget["ineffective"] else 0.0)
+            inflight.add_metric([pool], entry["inflight_requests"])
+            for backend in stats.pools[pool].backends:
+                b = entry["backends"].get(backend)
+                if b is None:
+                    continue
+                attempts.add_metric([pool, backend], b["inflight"])
+                delay.add_metric([pool, backend], b["hedge_delay_ms"] / 1000)
                 for name in STATES:
-                    state.add_metric([pool, backend, name], 1.0 if name == current else 0.0)
+                    state.add_metric([pool, backend, name], 1.0 if name == b["state"] else 0.0)
         yield from (tokens, guard, inflight, attempts, delay, state)
 
 
@@ -202,10 +221,28 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(
-        self, stats: Stats, pools: Mapping[str, PoolRuntime], clock: Callable[[], float]
+        self,
+        stats: Stats,
+        pools: Mapping[str, PoolRuntime],
+        clock: Callable[[], float],
+        *,
+        read: Callable[[], Reading] | None = None,
     ) -> None:
+        """`read` replaces what a scrape reads (the whole server's merged counts and live
+        state, under `--workers`); by default, `stats` and `pools` of this process."""
+
+        def local() -> Reading:
+            return stats, live_view(pools, clock())
+
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(GatewayCollector(stats, pools, clock))
+        self.registry.register(GatewayCollector(read or local))
+
+    def render_from(self, reading: Reading) -> bytes:
+        """The exposition text of a reading taken elsewhere (the whole server's, merged off
+        the event loop); the app's registry is not involved."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(GatewayCollector(lambda: reading))
+        return generate_latest(registry)
 
     def render(self) -> bytes:
         """The exposition text (generated under the caller's thread; no I/O)."""

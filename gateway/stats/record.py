@@ -27,15 +27,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gateway.attempt import CANCELLED_BEFORE_TOKEN
 from gateway.budget import SuppressReason
 from gateway.errors import GatewayError, failure_codes
 from gateway.latency import LifetimeSketch, WindowedSketch
-from gateway.race import CANCELLED_BEFORE_TOKEN
+from gateway.stats.races import RecentRaces
 from gateway.streamend import ERROR_ENDS, StreamEnd
+from gateway.usage import Usage
+from providers.base import ENDPOINTS
+
+#: the values a `route` label takes (SPEC §15): the API paths below /v1/
+ROUTES: tuple[str, ...] = ENDPOINTS
 
 if TYPE_CHECKING:
+    from gateway.attempt import AttemptRecord
     from gateway.pool import PoolRuntime
-    from gateway.race import AttemptRecord, RaceResult
+    from gateway.race import RaceResult
 
 WINDOW = 60.0
 SLICES = 6
@@ -63,6 +70,8 @@ class RequestSummary:
     ended: float | None = None
     error: str | None = None
     relay_end: StreamEnd | None = None
+    #: tokens of the winning attempt, when its response reported usage (SPEC §17)
+    usage: Usage | None = None
     #: a backend choice of this request ran in panic mode (SPEC §19)
     panic: bool = False
 
@@ -98,6 +107,11 @@ def _error_classes() -> frozenset[str]:
         pending.extend(cls.__subclasses__())
     names.update(f"stream_{end}" for end in ERROR_ENDS)
     return frozenset(names)
+
+
+def route_label(endpoint: str) -> str:
+    """The request's route as a label: one of `ROUTES` (a fixed set), else `other`."""
+    return endpoint if endpoint in ROUTES else "other"
 
 
 def request_class(summary: RequestSummary, known: frozenset[str]) -> str:
@@ -267,6 +281,8 @@ class Stats:
         self.failure_codes = failure_codes()
         #: summaries for a pool not in the layout (a bug elsewhere; never a new key)
         self.unrecorded = 0
+        #: the last races, for the dashboard's timeline
+        self.races = RecentRaces(now)
 
     @classmethod
     def for_pools(cls, pools: Mapping[str, PoolRuntime], *, now: float,
@@ -296,8 +312,11 @@ class Stats:
         winner = summary.winner
         pc: Counter[str] = Counter(requests=1, attempts=len(summary.attempts))
         pc[f"attempts={len(summary.attempts)}"] += 1
-        pc[f"outcome.{request_class(summary, self.error_classes)}"] += 1
+        outcome = request_class(summary, self.error_classes)
+        pc[f"outcome.{outcome}"] += 1
         pc["panic"] += summary.panic
+        self.races.add(summary, outcome)
+        pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:
             pc[f"suppressed.{SuppressReason(reason).value}"] += 1
         for attempt in summary.attempts:
@@ -308,6 +327,14 @@ class Stats:
         saved = latency_saved(summary)
         if saved is not None:
             pool.saved.add(saved, now)
+        usage = summary.usage
+        if usage is not None and winner is not None:
+            tokens = Counter({"tokens.input": usage.input, "tokens.output": usage.output})
+            pc.update(tokens)
+            pc["tokens.hedge_input"] += hedge_input_tokens(summary)
+            backend = pool.backends.get(winner.backend)
+            if backend is not None:
+                backend.counts.add(tokens, now)
         pool.counts.add(pc, now)
 
     def _record_attempt(
@@ -343,6 +370,19 @@ class Stats:
             else:
                 backend.ttft.add(attempt.ttft, now)
         backend.counts.add(bc, now)
+
+
+#: failures that mean the request never reached the backend, so it paid no prefill there
+UNREACHED = frozenset({"connect_error", "connect_timeout"})
+
+
+def hedge_input_tokens(summary: RequestSummary) -> int:
+    """The hedge cost of one request: its input tokens once for each extra attempt that reached
+    a backend (every attempt but one that got past connecting paid the prefill again)."""
+    if summary.usage is None:
+        return 0
+    reached = sum(1 for a in summary.attempts if a.failure not in UNREACHED)
+    return summary.usage.input * max(0, reached - 1)
 
 
 def latency_saved(summary: RequestSummary) -> float | None:

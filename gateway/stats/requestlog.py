@@ -16,7 +16,9 @@ Fields: `id`, `pool`, `endpoint`, `stream`, `outcome` (`ok` or the error class),
 `error` (error code or null), `relay_end` (how a stream ended: `done`, `truncated`, ...),
 `winner` (backend or null), `winner_kind`, `hedges` / `failovers` (extra attempts started),
 `suppressed` (reasons, in order), `ttft_ms` (client-observed, null without a token),
-`total_ms`, `attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
+`total_ms`, `usage` ({`input`, `output`} tokens of the winner, or null),
+`hedge_input_tokens` (input tokens paid again by extra attempts),
+`attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
 `ttft_ms` (from the attempt's start; for a cancelled attempt its elapsed time then),
 `outcome`, `failure`, `reason`, `close_ms`, `late_events`}].
 """
@@ -27,8 +29,8 @@ import json
 import logging
 from typing import Any
 
-from gateway.race import AttemptRecord
-from gateway.stats.record import RequestSummary, request_class
+from gateway.attempt import AttemptRecord
+from gateway.stats.record import RequestSummary, hedge_input_tokens, request_class
 
 LOGGER_NAME = "hedge_gateway.requests"
 
@@ -71,6 +73,9 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
         "suppressed": [str(reason) for reason in summary.suppressed],
         "ttft_ms": _ms(summary.client_ttft),
         "total_ms": _ms(ended - summary.started),
+        "usage": None if summary.usage is None else {
+            "input": summary.usage.input, "output": summary.usage.output},
+        "hedge_input_tokens": hedge_input_tokens(summary),
         "attempts": [_attempt(a, summary.started) for a in summary.attempts],
     }
 

@@ -123,6 +123,11 @@ def render(stats: dict[str, Any], out: TextIO) -> None:
               f"loaded {config.get('loaded_at')} ({_fmt(config.get('loaded_s_ago'))}s ago), "
               f"generation {_fmt(config.get('generation'))}, failed reloads "
               f"{_fmt(config.get('failed_reloads'))}", file=out)
+    workers = stats.get("workers")
+    if isinstance(workers, list) and workers:  # the whole server: every process in the view
+        print(f"processes: {len(workers)} (" + ", ".join(
+            f"worker {w.get('worker')} pid {w.get('pid')} {_fmt(w.get('age_s'))}s old"
+            for w in workers if isinstance(w, dict)) + ")", file=out)
     for name, pool in stats.get("pools", {}).items():
         budget = pool.get("budget", {})
         print(file=out)
@@ -132,6 +137,13 @@ def render(stats: dict[str, Any], out: TextIO) -> None:
             f"(ratio {_fmt(budget.get('ratio'))}, extra in flight "
             f"{_fmt(budget.get('extra_in_flight'))}, ineffective "
             f"{_fmt(budget.get('ineffective'))})",
+            file=out,
+        )
+        tokens = pool.get("lifetime", {}).get("tokens", {})
+        print(
+            f"tokens (lifetime): input {_fmt(tokens.get('input'))}, output "
+            f"{_fmt(tokens.get('output'))}, hedge cost {_fmt(tokens.get('hedge_input'))} "
+            "input tokens",
             file=out,
         )
         _table(

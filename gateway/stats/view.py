@@ -47,6 +47,9 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
 | `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
+| `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
+| `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
+| `<scope>.tokens.hedge_input` | hedge cost: input tokens again per extra attempt that got sent |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
@@ -64,6 +67,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | attempt TTFT (own start), attempts with a token |
 | `<scope>.ttft_censored` | attempts cancelled before a token; kept out of `ttft_ms` |
 | `<scope>.failures.<code>` | failed attempts by failure code (`unavailable`, ...) |
+| `<scope>.tokens.input` / `.output` | tokens reported by the requests this backend won |
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.budget import SuppressReason
 from gateway.errors import NoBackendAvailable
+from gateway.stats.record import ROUTES
 
 if TYPE_CHECKING:
     from gateway.live import Live
@@ -89,25 +94,48 @@ def snapshot(
     """The `/hedge/stats` document (fields in the module docstring): the counts of `stats` plus
     live state (budget, balancer, hedge delays) read from `pools` at `now`, and the
     configuration in force when `live` is given."""
+    config = None if live is None else config_view(live, now)
+    return document(stats, live_view(pools, now), now, config=config)
+
+
+def live_view(pools: Mapping[str, PoolRuntime], now: float) -> dict[str, dict[str, Any]]:
+    """The live state of each pool at `now` as plain data: `inflight_requests`, `budget`, and
+    per backend the live fields of the backend table (state, delay, in flight)."""
+    return {
+        name: {
+            "inflight_requests": runtime.inflight_requests,
+            "budget": budget_view(runtime, now),
+            "backends": {b.name: backend_live(runtime, b.name, now)
+                         for b in runtime.settings.backends},
+        }
+        for name, runtime in pools.items()
+    }
+
+
+def document(stats: Stats, state: Mapping[str, Mapping[str, Any]], now: float, *,
+             config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The `/hedge/stats` document from counts and already-read live state (`live_view`, or
+    the merge of several processes' live states) and the `config` section, if any."""
     out: dict[str, Any] = {}
     for name, ps in stats.pools.items():
-        runtime = pools.get(name)
+        pool_state = state.get(name)
         entry: dict[str, Any] = {}
-        if runtime is not None:
-            entry["inflight_requests"] = runtime.inflight_requests
-            entry["budget"] = budget_view(runtime, now)
+        if pool_state is not None:
+            entry["inflight_requests"] = pool_state["inflight_requests"]
+            entry["budget"] = pool_state["budget"]
         for scope in SCOPES:
             entry[scope] = pool_view(ps, scope, now, stats.error_classes)
+        backends = {} if pool_state is None else pool_state["backends"]
         entry["backends"] = {
-            b: backend_view(bs, runtime, b, now) for b, bs in ps.backends.items()
+            b: backend_view(bs, backends.get(b), now) for b, bs in ps.backends.items()
         }
         out[name] = entry
     doc: dict[str, Any] = {
         "window_s": stats.window,
         "uptime_s": round(max(0.0, now - stats.started), 3),
     }
-    if live is not None:
-        doc["config"] = config_view(live, now)
+    if config is not None:
+        doc["config"] = dict(config)
     doc["pools"] = out
     return doc
 
@@ -173,6 +201,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             "events_received_after_commit": c["late_events"],
         },
         "cancelled": c["cancelled"],
+        "routes": {route: c[f"route.{route}"] for route in ROUTES},
         "latency_saved_ms": saved,
         "errors": {
             k[8:]: v for k, v in sorted(c.items())
@@ -180,34 +209,40 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         },
         "panic": c["panic"],
         "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
+        "tokens": {
+            "input": c["tokens.input"],
+            "output": c["tokens.output"],
+            "hedge_input": c["tokens.hedge_input"],
+        },
     }
 
 
-def backend_view(
-    bs: BackendStats, runtime: PoolRuntime | None, name: str, now: float
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if runtime is not None:
-        state, reason = runtime.balancer.state(name, now)
-        left = runtime.balancer.seconds_left(name, now)
-        delay = runtime.delays[name]
-        fixed = delay.settings.mode == "fixed"
-        if fixed:
-            mode = rule = "fixed"
-        else:
-            mode = "adaptive" if delay.adaptive(now) else "initial"
-            rule = "auto" if delay.settings.quantile == "auto" else "pinned"
-        out.update(
-            state=state,
-            reason=reason,
-            seconds_left=None if left is None else round(left, 3),
-            group=runtime.groups.get(name, ""),
-            inflight=runtime.balancer.inflight(name),
-            hedge_delay_ms=round(delay.delay(now) * 1000, 3),
-            hedge_delay_mode=mode,
-            hedge_delay_quantile=None if fixed else round(delay.quantile, 4),
-            hedge_delay_rule=rule,
-        )
+def backend_live(runtime: PoolRuntime, name: str, now: float) -> dict[str, Any]:
+    """A backend's live fields: state and why, time left, group, in flight, hedge delay."""
+    state, reason = runtime.balancer.state(name, now)
+    left = runtime.balancer.seconds_left(name, now)
+    delay = runtime.delays[name]
+    fixed = delay.settings.mode == "fixed"
+    if fixed:
+        mode = rule = "fixed"
+    else:
+        mode = "adaptive" if delay.adaptive(now) else "initial"
+        rule = "auto" if delay.settings.quantile == "auto" else "pinned"
+    return {
+        "state": state,
+        "reason": reason,
+        "seconds_left": None if left is None else round(left, 3),
+        "group": runtime.groups.get(name, ""),
+        "inflight": runtime.balancer.inflight(name),
+        "hedge_delay_ms": round(delay.delay(now) * 1000, 3),
+        "hedge_delay_mode": mode,
+        "hedge_delay_quantile": None if fixed else round(delay.quantile, 4),
+        "hedge_delay_rule": rule,
+    }
+
+
+def backend_view(bs: BackendStats, live: Mapping[str, Any] | None, now: float) -> dict[str, Any]:
+    out: dict[str, Any] = {} if live is None else dict(live)
     for scope in SCOPES:
         c = bs.counts.view(scope, now)
         out[scope] = {
@@ -225,5 +260,6 @@ def backend_view(
             "failures": {
                 k[8:]: v for k, v in sorted(c.items()) if k.startswith("failure.") and v > 0
             },
+            "tokens": {"input": c["tokens.input"], "output": c["tokens.output"]},
         }
     return out

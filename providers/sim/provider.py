@@ -17,9 +17,11 @@ from gateway.errors import UpstreamStatusError, UpstreamTimeout
 from gateway.settings import BackendSettings, SimProfile
 from gateway.sse import SSEBatch, SSEEvent
 from providers.base import UpstreamCall, UpstreamStream
+from providers.sim import protocols
 from providers.sim.wire import (
     TTFT_HEADER,
     SimModel,
+    SimPlan,
     Sleep,
     parse_ttft_override,
     retry_after_for,
@@ -43,7 +45,9 @@ class _SimStream:
     generator cannot be closed while another task is inside it, so the parked reader is woken
     and unwinds by itself."""
 
-    def __init__(self, payloads: Callable[[Sleep], AsyncGenerator[bytes, None]]) -> None:
+    def __init__(
+        self, payloads: Callable[[Sleep], AsyncGenerator[bytes | tuple[bytes, bytes], None]]
+    ) -> None:
         self.headers: Mapping[str, str] = {}
         self._closed = False
         self._parked = False
@@ -58,8 +62,10 @@ class _SimStream:
 
     async def _iterate(self) -> AsyncGenerator[SSEBatch, None]:
         try:
-            async for data in self._payloads:
-                yield SSEBatch([SSEEvent(data)])
+            async for item in self._payloads:
+                # chat payloads are bare data; the Responses/Messages ones (name, data)
+                event = SSEEvent(item) if isinstance(item, bytes) else SSEEvent(item[1], item[0])
+                yield SSEBatch([event])
                 if self._closed:
                     return
         except _Closed:
@@ -114,6 +120,17 @@ class _SimBody:
         self._body = None
 
 
+async def _await_whole(plan: SimPlan, wait: float, call: UpstreamCall) -> None:
+    """A non-streaming answer: status and headers come with the whole body, as over HTTP,
+    after `wait`; past the first-byte timeout it times out; a mid-stream fault is a 500."""
+    if wait > call.first_byte_timeout:
+        await asyncio.sleep(call.first_byte_timeout)
+        raise UpstreamTimeout("no response before the first-byte timeout")
+    await asyncio.sleep(wait)
+    if plan.midstream_error_after is not None:
+        raise UpstreamStatusError.of(500)
+
+
 class SimProvider:
     """A simulated backend inside the gateway's process: no sockets, same wire content.
 
@@ -138,6 +155,8 @@ class SimProvider:
         if plan.status != 200:
             raise UpstreamStatusError.of(plan.status, retry_after=retry_after_for(plan.status))
         created = int(time.time())
+        if call.endpoint in protocols.ROUTES:
+            return await self._open_protocol(call, plan, created)
         if call.stream and call.endpoint != "embeddings":
             endpoint = call.endpoint
 
@@ -152,15 +171,29 @@ class SimProvider:
                 )
 
             return _SimStream(payloads)
-        # Non-streaming: status and headers come with the whole body, as over HTTP.
-        wait = plan.response_time(call.endpoint)
-        if wait > call.first_byte_timeout:
-            await asyncio.sleep(call.first_byte_timeout)
-            raise UpstreamTimeout("no response before the first-byte timeout")
-        await asyncio.sleep(wait)
-        if plan.midstream_error_after is not None:
-            raise UpstreamStatusError.of(500)
+        await _await_whole(plan, plan.response_time(call.endpoint), call)
         body = sim_response(plan, call.endpoint, self._model_name, call.request_id, created)
+        return _SimBody(wire_json(body))
+
+    async def _open_protocol(
+        self, call: UpstreamCall, plan: SimPlan, created: int
+    ) -> UpstreamStream:
+        """The Responses API and Messages routes (SPEC §15), with the same plan semantics."""
+        if call.stream and call.endpoint in ("responses", "messages"):
+            endpoint = call.endpoint
+
+            def payloads(sleep: Sleep) -> AsyncGenerator[tuple[bytes, bytes], None]:
+                return protocols.protocol_stream(
+                    plan, endpoint, model=self._model_name, request_id=call.request_id,
+                    sleep=sleep, created=created,
+                )
+
+            return _SimStream(payloads)
+        await _await_whole(plan, protocols.response_time(plan, call.endpoint), call)
+        body = protocols.protocol_body(
+            plan, call.endpoint, method=call.method, path=call.path, model=self._model_name,
+            request_id=call.request_id, created=created,
+        )
         return _SimBody(wire_json(body))
 
     async def aclose(self) -> None:

@@ -20,10 +20,12 @@ import asyncio
 import json
 import math
 import random
+import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import uvicorn
@@ -34,7 +36,9 @@ from starlette.routing import Route
 
 from gateway.errors import error_body
 from gateway.settings import SimProfile
+from gateway.sse import encode_event
 from providers.base import Endpoint
+from providers.sim import protocols
 from providers.sim.wire import (
     TTFT_HEADER,
     SimModel,
@@ -61,6 +65,14 @@ class SimStats:
     #: streams the client dropped before their end (including every hang)
     streams_closed_early: int = 0
     open_streams: int = 0
+    #: token usage the server reported in full (a usage chunk of a completed stream, or a
+    #: chat/completions body): what a gateway's token counters must add up to
+    usage_input_tokens: int = 0
+    usage_output_tokens: int = 0
+
+    def add_usage(self, plan: SimPlan) -> None:
+        self.usage_input_tokens += plan.prompt_tokens
+        self.usage_output_tokens += len(plan.tokens)
 
 
 def _error(status: int, message: str) -> Response:
@@ -95,6 +107,14 @@ async def _sleep_while_connected(request: Request, delay: float) -> bool:
     return sleeper in done and watcher not in done
 
 
+async def _encoded(
+    events: AsyncGenerator[tuple[bytes, bytes], None],
+) -> AsyncGenerator[bytes, None]:
+    async with aclosing(events):
+        async for name, data in events:
+            yield encode_event(data, name)
+
+
 class _SimServer:
     """The request handlers, bound to one model (one rng) and one set of counters."""
 
@@ -103,16 +123,15 @@ class _SimServer:
         self.stats = SimStats()
 
     async def _tracked(
-        self, plan: SimPlan, endpoint: Endpoint, model: str, request_id: str
+        self, events: AsyncGenerator[bytes, None], errored: bool, plan: SimPlan | None = None
     ) -> AsyncGenerator[bytes, None]:
+        """Relay a stream's wire bytes and count how it ended (`errored`: the plan's fault;
+        `plan`: an OpenAI-shaped stream whose usage chunk is counted when it completes)."""
         stats = self.stats
         stats.streams_started += 1
         stats.open_streams += 1
         finished = False
         try:
-            events = sim_events(
-                plan, endpoint=endpoint, model=model, request_id=request_id, sleep=asyncio.sleep
-            )
             async with aclosing(events):
                 async for chunk in events:
                     yield chunk
@@ -122,15 +141,20 @@ class _SimServer:
             stats.open_streams -= 1
             if not finished:
                 stats.streams_closed_early += 1
-            elif plan.midstream_error_after is not None:
+            elif errored:
                 stats.streams_errored += 1
             else:
                 stats.streams_completed += 1
+                if plan is not None and plan.usage:
+                    stats.add_usage(plan)
 
-    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+    async def _plan(self, request: Request) -> tuple[dict[str, Any], SimPlan] | Response:
+        """The request's body and plan, or the error response (bad input, simulated fault).
+        A request without a body (GET a stored response) reads as `{}`."""
         self.stats.requests += 1
+        raw = await request.body()
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw) if raw or request.method == "POST" else {}
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "the body is not valid JSON")
         if not isinstance(body, dict):
@@ -143,19 +167,55 @@ class _SimServer:
         if plan.status != 200:
             self.stats.faults += 1
             return _error(plan.status, "simulated failure")
+        return body, plan
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        planned = await self._plan(request)
+        if isinstance(planned, Response):
+            return planned
+        body, plan = planned
         model = str(body.get("model", "sim"))
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
         if body.get("stream") is True and endpoint != "embeddings":
             headers["cache-control"] = "no-cache"
-            stream = self._tracked(plan, endpoint, model, request_id)
+            events = sim_events(
+                plan, endpoint=endpoint, model=model, request_id=request_id, sleep=asyncio.sleep
+            )
+            stream = self._tracked(events, plan.midstream_error_after is not None, plan)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         wait = plan.response_time(endpoint)
         if not await _sleep_while_connected(request, wait):
             return Response(status_code=499)  # nobody is listening any more
         if plan.midstream_error_after is not None:
             return _error(500, "simulated failure")
+        if endpoint != "embeddings":
+            self.stats.add_usage(plan)
         return JSONResponse(sim_response(plan, endpoint, model, request_id), headers=headers)
+
+    async def handle_protocol(self, request: Request, endpoint: str) -> Response:
+        """The Responses API and Messages routes (SPEC §15): same plans, their own wire."""
+        planned = await self._plan(request)
+        if isinstance(planned, Response):
+            return planned
+        body, plan = planned
+        model = str(body.get("model", "sim"))
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        headers = {"x-request-id": request_id}
+        created = int(time.time())
+        if body.get("stream") is True and endpoint in ("responses", "messages"):
+            events = protocols.protocol_stream(plan, endpoint, model=model, request_id=request_id,
+                                               sleep=asyncio.sleep, created=created)
+            stream = self._tracked(_encoded(events), plan.midstream_error_after is not None)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        if not await _sleep_while_connected(request, protocols.response_time(plan, endpoint)):
+            return Response(status_code=499)
+        if plan.midstream_error_after is not None:
+            return _error(500, "simulated failure")
+        path = request.url.path.removeprefix("/v1/")
+        answer = protocols.protocol_body(plan, endpoint, method=request.method, path=path,
+                                         model=model, request_id=request_id, created=created)
+        return JSONResponse(answer, headers=headers)
 
     async def chat(self, request: Request) -> Response:
         return await self.handle(request, "chat/completions")
@@ -177,12 +237,23 @@ class _SimServer:
 def create_sim_app(profile: SimProfile, *, seed: int | None = None) -> Starlette:
     """A Starlette app simulating one backend. `seed` overrides `profile.seed` when given."""
     server = _SimServer(profile, seed if seed is not None else profile.seed)
+    item = partial(server.handle_protocol, endpoint="responses/item")
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/embeddings", server.embeddings, methods=["POST"]),
             Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/responses", partial(server.handle_protocol, endpoint="responses"),
+                  methods=["POST"]),
+            Route("/v1/responses/{rid}", item, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{rid}/cancel", item, methods=["POST"]),
+            Route("/v1/responses/{rid}/input_items", item, methods=["GET"]),
+            Route("/v1/messages", partial(server.handle_protocol, endpoint="messages"),
+                  methods=["POST"]),
+            Route("/v1/messages/count_tokens",
+                  partial(server.handle_protocol, endpoint="messages/count_tokens"),
+                  methods=["POST"]),
             Route("/sim/stats", server.stats_route, methods=["GET"]),
         ]
     )

@@ -194,8 +194,10 @@ def test_streamed_chat_through_the_gateway_equals_a_direct_call(
     dumps = []
     for base_url, model in ((sim.v1, BACKEND_MODEL), (gateway.v1, POOL)):
         with sdk(base_url) as client:
+            # usage asked for: without it the gateway drops the usage-only chunk (SPEC §17)
             stream = client.chat.completions.create(
-                model=model, messages=MESSAGES, stream=True, extra_headers=headers
+                model=model, messages=MESSAGES, stream=True, extra_headers=headers,
+                stream_options={"include_usage": True},
             )
             dumps.append([without_created(c.model_dump()) for c in stream])
     direct, via = dumps
@@ -365,7 +367,9 @@ def test_relay_sends_role_then_tokens_and_none_of_the_upstream_comments_or_field
     steps, expected = noisy_stream_steps(gate)
     up.queue(Script(headers=SSE_HEADERS, steps=steps))
     gateway = serve_gateway(asgi_server, one_backend(up.base_url, keepalive=0.02))
-    body = {"model": POOL, "messages": MESSAGES, "stream": True}
+    # usage asked for, so the upstream's usage chunk is the client's to see (SPEC §17)
+    body = {"model": POOL, "messages": MESSAGES, "stream": True,
+            "stream_options": {"include_usage": True}}
     lines: list[str] = []
     with (
         raw_client() as client,
@@ -397,7 +401,8 @@ def test_sdk_reads_the_relayed_noisy_stream(
     up.queue(Script(headers=SSE_HEADERS, steps=steps))
     gateway = serve_gateway(asgi_server, one_backend(up.base_url))
     with sdk(gateway.v1) as client:
-        chunks = list(client.chat.completions.create(model=POOL, messages=MESSAGES, stream=True))
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == "Hello world"

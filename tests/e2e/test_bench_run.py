@@ -143,3 +143,17 @@ def test_tiny_soak_runs_both_gateways_through_the_faults(tmp_path: Path) -> None
     assert all(m["silent"] == 0 and m["hung"] == 0 for m in result["modes"]), \
         soak.format_soak(result)
     assert "no socket left in CLOSE_WAIT:" in soak.format_soak(result)
+
+
+@pytest.mark.timeout(120)
+def test_bench_with_two_gateway_workers_counts_every_request_once() -> None:
+    """`bench --workers 2`: the gateway under test serves with two workers, and its
+    whole-server `/hedge/stats` lists both and counts each measured request once (SPEC §16)."""
+    plan = bench.BenchPlan(workloads=(TINY,), seed=3, modes=("direct", "hedging-off"),
+                           workers=2)
+    (workload,) = bench.run_bench(plan)["workloads"]
+    assert workload["gateway_workers"] == 2
+    row = next(r for r in workload["modes"] if r["mode"] == "hedging-off")
+    assert row["ok"] == 20
+    assert row["gateway_counted"] == {"requests": 20, "workers": 2}
+    assert row["gateway_process"]["cpu_s"] > 0

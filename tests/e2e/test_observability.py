@@ -445,6 +445,7 @@ def test_stats_command_prints_tables_for_a_running_gateway(
     assert f"pool {POOL}:" in text
     assert "win%" in text and "ttft p99" in text and "hedge delay" in text
     assert "config: embedded, sha256 " in text and "generation 1" in text
+    assert "tokens (lifetime): input " in text and "hedge cost 0 input tokens" in text
     rows = [line.split() for line in text.splitlines()]
     lifetime = next(r for r in rows if r and r[0] == "lifetime")
     assert lifetime[1] == "3"  # requests

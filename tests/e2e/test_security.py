@@ -441,8 +441,10 @@ def walk_routes(routes: Iterable[object]) -> Iterator[Route]:
             yield from walk_routes(nested)
 
 
-#: routes that must answer without a key (liveness probes and scrapers)
-PUBLIC = {"/healthz", "/readyz", "/metrics", "/hedge/stats"}
+#: routes that must answer without a key (liveness probes and scrapers, and the dashboard
+#: with its data, which SPEC §17 exposes as `/hedge/stats` is)
+PUBLIC = {"/healthz", "/readyz", "/metrics", "/hedge/stats", "/hedge/series", "/hedge/races",
+          "/dashboard", "/dashboard/{name}"}
 
 
 def test_every_route_but_the_public_probes_requires_the_key(
@@ -461,9 +463,16 @@ def test_every_route_but_the_public_probes_requires_the_key(
                 walked.add(route.path)
                 if route.path in PUBLIC:
                     assert reply.status_code != 401, route.path
+                elif route.path.startswith("/v1/messages"):  # Anthropic's shape (SPEC §15)
+                    assert reply.status_code == 401, route.path
+                    assert reply.json() == {"type": "error", "error": {
+                        "type": "authentication_error",
+                        "message": "missing or invalid gateway API key"}}
                 else:
                     assert_openai_error(reply, 401, "invalid_api_key")
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"} <= walked
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
+            "/v1/responses", "/v1/responses/{response_id}", "/v1/messages",
+            "/v1/messages/count_tokens"} <= walked
     assert walked >= PUBLIC
     untouched(upstream)
 

@@ -19,7 +19,7 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.attempt import Prefix, open_until_first_token
+from gateway.attempt import AttemptRecord, Prefix, open_until_first_token
 from gateway.budget import HedgeBudget, SuppressReason
 from gateway.drain import Drain
 from gateway.errors import (
@@ -32,7 +32,7 @@ from gateway.errors import (
 from gateway.policy import HedgeDelay
 from gateway.pool import PoolRuntime
 from gateway.proxy import LogicalRequest, Proxy
-from gateway.race import AttemptRecord, Race, RaceOptions, RaceResult
+from gateway.race import Race, RaceOptions, RaceResult
 from gateway.settings import BudgetSettings, DelaySettings, ServerSettings
 from gateway.sse import SSEBatch, SSEEvent
 from gateway.stats import RequestSummary, Stats

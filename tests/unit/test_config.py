@@ -37,7 +37,8 @@ from gateway.settings.load import (
 )
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
-EXAMPLE_ENV = {"GATEWAY_KEY": "gw-test-key", "OPENAI_API_KEY": "sk-test-openai"}
+EXAMPLE_ENV = {"GATEWAY_KEY": "gw-test-key", "OPENAI_API_KEY": "sk-test-openai",
+               "ANTHROPIC_API_KEY": "sk-test-anthropic"}
 SECRET = "sk-very-secret-0123456789"
 
 MINIMAL = """
@@ -82,7 +83,28 @@ def test_every_example_config_loads(path: Path, monkeypatch: pytest.MonkeyPatch)
 
 def test_there_are_examples() -> None:
     names = {path.name for path in CONFIG_DIR.glob("*.yaml")}
-    assert {"demo.yaml", "vllm-pair.yaml", "openai-azure.yaml", "full-reference.yaml"} <= names
+    assert {"demo.yaml", "vllm-pair.yaml", "openai-azure.yaml", "full-reference.yaml",
+            "azure-classic.yaml", "anthropic-pair.yaml"} <= names
+
+
+def test_classic_azure_example() -> None:
+    settings = load_settings(CONFIG_DIR / "azure-classic.yaml",
+                             {**EXAMPLE_ENV, "AZURE_API_KEY": "az"})
+    azure = settings.pools[0].backends[1]
+    assert azure.auth == "api-key" and azure.api_key == "az"
+    assert azure.query == (("api-version", "2024-10-21"),)
+    assert azure.base_url == (
+        "https://my-resource.openai.azure.com/openai/deployments/gpt-4o-mini")
+    assert settings.pools[0].backends[0].auth == "bearer"
+
+
+def test_anthropic_example() -> None:
+    settings = load_settings(CONFIG_DIR / "anthropic-pair.yaml", EXAMPLE_ENV)
+    first, second = settings.pools[0].backends
+    assert first.provider == second.provider == "anthropic"
+    assert first.auth == "x-api-key" and first.anthropic_version == "2023-06-01"
+    assert first.api_key == "sk-test-anthropic" and second.api_key is None
+    assert second.headers == (("x-team", "gateway"),)
 
 
 def test_demo_yaml_is_the_embedded_default() -> None:

@@ -50,8 +50,11 @@ def test_one_function_builds_the_openai_error_json() -> None:
         for path in sorted((ROOT / top).rglob("*.py"))
         if (lines := _error_dicts(path))
     }
-    assert list(found) == ["gateway/errors.py"], found
+    # the one other: the Responses API's own flat error event (`{"type": "error", "code",
+    # "message", "param"}`, SPEC §15), a different shape, built once in `gateway.wireformat`
+    assert list(found) == ["gateway/errors.py", "gateway/wireformat.py"], found
     assert len(found["gateway/errors.py"]) == 1
+    assert len(found["gateway/wireformat.py"]) == 1
 
 
 def test_the_builder_and_its_callers_agree() -> None:
@@ -190,8 +193,8 @@ async def test_our_pool_full_is_gateway_pool_full() -> None:
     client = UpstreamClient(max_connections=1)
     await client._slots.acquire()  # one response open elsewhere
     with pytest.raises(GatewayPoolFull) as info:
-        await client.post("http://127.0.0.1:9/v1/x", content=b"{}", headers={},
-                          timeout=aiohttp.ClientTimeout(), pool_timeout=0.01)
+        await client.request("POST", "http://127.0.0.1:9/v1/x", content=b"{}", headers={},
+                             timeout=aiohttp.ClientTimeout(), pool_timeout=0.01)
     assert info.value.code == "gateway_pool_full" and not info.value.backend_fault
     assert client.in_use == 0
     await client.aclose()

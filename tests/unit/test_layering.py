@@ -24,24 +24,30 @@ PURE = (
     "gateway.latency",
     "gateway.sse",
     "gateway.firsttoken",
+    "gateway.wireformat",
+    "gateway.responseids",
     "gateway.validate",
+    "gateway.workers",
+    "gateway.usage",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 
 #: bottom to top; a module may import only from its own layer or lower ones. A name stands for
 #: the module and everything below it in the package tree.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("gateway.errors", "gateway.streamend", "gateway.clock", "gateway.settings", "gateway.sse",
-     "gateway.latency", "gateway.drain", "gateway.stats.table"),
-    ("gateway.firsttoken", "gateway.validate", "gateway.policy", "gateway.budget",
-     "gateway.balancer"),
+    ("gateway.errors", "gateway.failures", "gateway.streamend", "gateway.clock",
+     "gateway.settings", "gateway.sse", "gateway.latency", "gateway.drain", "gateway.stats.table",
+     "gateway.usage"),
+    ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
+     "gateway.policy", "gateway.budget", "gateway.balancer", "gateway.workers"),
     ("providers",),
     ("gateway.pool", "gateway.attempt", "gateway.live"),
-    ("gateway.race", "gateway.relay", "gateway.sseresponse"),
-    ("gateway.stats",),
+    ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
+    ("gateway.stats", "gateway.tracing"),
     ("gateway.proxy",),
-    ("gateway.routes", "gateway.server", "gateway.protocol"),
-    ("gateway.app",),
+    ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol",
+     "gateway.dashboard"),
+    ("gateway.app", "gateway.supervisor"),
     ("gateway.cli", "gateway.bench"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer

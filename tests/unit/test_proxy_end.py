@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import UpstreamClientError
+from gateway.usage import ask_for_usage
 from tests.harness.raceworld import (
     HANG,
     Setup,
@@ -166,10 +167,13 @@ def test_one_watcher_sees_the_client_for_the_whole_request_and_the_body_is_encod
         assert proxy.admission.active == 0 and pool.inflight_requests == 0
         assert set(world.closed) == set(world.opened)
         assert len(sent_bodies) == 2
+        req = logical_request(stream=True)
+        # the body the gateway sends upstream: usage asked for (SPEC §17), model per backend
+        upstream, _ = ask_for_usage(req.endpoint, req.stream, req.body)
         for content, body in sent_bodies:
             assert content.startswith(b'{"model":')
             assert json.loads(content) == body
-            assert body == {**logical_request(stream=True).body, "model": body["model"]}
+            assert body == {**upstream, "model": body["model"]}
         models = {body["model"] for _, body in sent_bodies}
         assert len(models) == 2 and models <= set(pool.models.values())
 

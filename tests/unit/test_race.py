@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 import pytest
 
-from gateway.attempt import Prefix
+from gateway.attempt import AttemptRecord, Prefix
 from gateway.errors import (
     AllAttemptsFailed,
     NoBackendAvailable,
@@ -23,7 +23,7 @@ from gateway.errors import (
     all_attempts_failed,
 )
 from gateway.pool import PoolRuntime
-from gateway.race import AttemptRecord, AttemptRunner, Race, RaceOptions
+from gateway.race import AttemptRunner, Race, RaceOptions
 from gateway.sse import SSEBatch, SSEEvent
 from tests.harness.builders import gateway_settings
 

@@ -21,8 +21,9 @@ import yaml
 
 from gateway.cli import main
 from gateway.settings import ConfigError, Settings, parse_settings
+from gateway.settings.env import substitute
 from gateway.settings.fields import Checked, default_of, specs, yaml_key
-from gateway.settings.parse import Parser, substitute
+from gateway.settings.parse import Parser
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 REFERENCE = CONFIG_DIR / "full-reference.yaml"
@@ -99,8 +100,12 @@ def problems(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
 
 
 def unknown_keys(value: Any, schema: dict[str, Any]) -> list[str]:
-    """Keys of `value` the schema does not list (what `additionalProperties: false` says)."""
-    return sorted(set(file_paths(value)) - set(schema_paths(schema)))
+    """Keys of `value` the schema does not list (what `additionalProperties: false` says).
+    A free-form map (`additionalProperties` a schema: backend `headers`, `query`) lists its
+    path as `path.*`, which any key below it matches."""
+    listed = set(schema_paths(schema))
+    return sorted(path for path in set(file_paths(value)) - listed
+                  if path.rsplit(".", 1)[0] + ".*" not in listed)
 
 
 def validate(tree: Any) -> list[str]:
@@ -129,6 +134,8 @@ def schema_paths(schema: dict[str, Any], prefix: str = "") -> Iterator[str]:
     for key, sub in schema.get("properties", {}).items():
         path = f"{prefix}.{key}".lstrip(".")
         yield path
+        if isinstance(sub.get("additionalProperties"), dict):
+            yield f"{path}.*"
         yield from schema_paths(sub, path)
 
 
@@ -234,7 +241,7 @@ def test_schema_accepts_values_from_the_environment() -> None:
 
 def test_reference_file_has_every_schema_key_and_no_other() -> None:
     in_file = set(file_paths(yaml.safe_load(REFERENCE.read_text())))
-    in_schema = set(schema_paths(SCHEMA))
+    in_schema = {path for path in schema_paths(SCHEMA) if not path.endswith(".*")}
     assert in_file - in_schema == set(), "keys the schema does not know"
     assert in_schema - in_file == set(), "keys config/full-reference.yaml does not show"
 

@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 
-from gateway.budget import SuppressReason
-from gateway.errors import failure_codes
-from gateway.pool import PoolRuntime
-from gateway.race import (
+from gateway.attempt import (
     CANCELLED_AFTER_TOKEN,
     CANCELLED_BEFORE_TOKEN,
     AttemptKind,
     AttemptRecord,
     Outcome,
 )
+from gateway.budget import SuppressReason
+from gateway.errors import failure_codes
+from gateway.pool import PoolRuntime
 from gateway.settings import (
     BackendSettings,
     DelaySettings,

@@ -1,0 +1,206 @@
+"""What `/hedge/stats` and `/metrics` read: this process, or the whole server (SPEC §16).
+
+Without workers, `StatsSource` reads this process's `Stats` and pools, as it always did. Under
+`serve --workers N` each worker also *publishes* its mergeable export
+(`gateway.stats.merge.export`) to a private directory the supervisor created (and removes at
+exit): every `PUBLISH_INTERVAL` seconds, from a task of its own rather than on the request path,
+written to a temporary file and renamed so a reader never sees half of one. Whichever worker a
+scrape reaches merges its own fresh export with its peers' files, so the answer covers the
+whole server and no number in it is older than `MAX_AGE`: a file older than that (a worker
+stopped, hung, or gone) is left out, and its absence shows as a missing entry in `workers`.
+
+Why files and not shared memory or a socket between workers: a worker stays a plain uvicorn
+process with no lock and no peer protocol on its hot path; a dead worker cannot corrupt what
+the others read; and the cost is one small write per worker per half second. Timestamps are
+the app clock (`time.monotonic`, system-wide on Linux), so ages compare across the workers of
+one host.
+
+The pure parts (export, merge, document) live in `gateway.stats.merge`; this module only reads
+and writes files and picks which numbers an endpoint shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gateway.stats.merge import document, export, lifetime_only, merge, rebuild
+from gateway.stats.prometheus import Metrics, Reading
+from gateway.stats.view import config_view, live_view, snapshot
+
+if TYPE_CHECKING:
+    from gateway.live import Live
+    from gateway.pool import PoolRuntime
+    from gateway.stats.record import Stats
+
+PUBLISH_INTERVAL = 0.5
+#: peers' numbers older than this are left out (SPEC §16: at most 2 s stale)
+MAX_AGE = 2.0
+_PREFIX = "worker-"
+#: the lifetime numbers of workers that died, merged into one file by the supervisor
+RETIRED = "retired.json"
+
+
+class Peers:
+    """The shared directory as one worker sees it: its own file and its peers'."""
+
+    def __init__(self, directory: Path, index: int, pid: int | None = None) -> None:
+        self.directory = directory
+        self.index = index
+        self.pid = os.getpid() if pid is None else pid
+
+    def _path(self, index: int) -> Path:
+        return self.directory / f"{_PREFIX}{index}.json"
+
+    def publish(self, item: Mapping[str, Any], now: float) -> None:
+        """Replace this worker's file with `item`, stamped `now`, atomically."""
+        _write(self._path(self.index), item, now)
+
+    def read(self, now: float) -> list[dict[str, Any]]:
+        """The peers' exports no older than `MAX_AGE` at `now` (their `workers` entries
+        carrying `age_s`); unreadable, torn or stale files are left out."""
+        out: list[dict[str, Any]] = []
+        for path in sorted(self.directory.glob(f"{_PREFIX}*.json")):
+            if path == self._path(self.index):
+                continue
+            try:
+                wrapper = json.loads(path.read_text())
+                age = now - float(wrapper["written_at"])
+                item = merge([wrapper["export"]])  # checked: one bad file spoils no answer
+                for worker in item["workers"]:
+                    worker["age_s"] = round(max(0.0, age), 3)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # removed under us, or not an export: left out
+            if age <= MAX_AGE:
+                out.append(item)
+        retired = _load(self.directory / RETIRED)
+        if retired is not None:
+            out.append(retired)
+        return out
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        item: dict[str, Any] = json.loads(path.read_text())["export"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return item
+
+
+def _write(path: Path, item: Mapping[str, Any], now: float) -> None:
+    temp = path.with_suffix(f".{os.getpid()}.tmp")
+    temp.write_text(json.dumps({"written_at": now, "export": item}, allow_nan=False))
+    os.replace(temp, path)
+
+
+def retire(directory: Path, index: int) -> None:
+    """A worker died (the supervisor calls this): fold the lifetime numbers of its last file
+    into the directory's retired file, which every worker adds to the whole server, and
+    remove its file. The requests it served in its last moments, after its last publish,
+    are lost with it."""
+    path = directory / f"{_PREFIX}{index}.json"
+    dead = _load(path)
+    path.unlink(missing_ok=True)
+    if dead is None:
+        return
+    before = _load(directory / RETIRED)
+    try:
+        folded = merge([lifetime_only(dead), *([] if before is None else [before])])
+    except ValueError:
+        return  # not ours to repair: the retired numbers stay as they were
+    _write(directory / RETIRED, folded, 0.0)
+
+
+class StatsSource:
+    """The numbers behind `/hedge/stats` (plain or mergeable) and `/metrics`."""
+
+    def __init__(self, stats: Stats, pools: Mapping[str, PoolRuntime],
+                 clock: Callable[[], float], peers: Peers | None = None, *,
+                 live: Live | None = None) -> None:
+        """`pools`: a view that follows reloads (`LivePools`); `live`: for the `config`
+        section (the configuration in force)."""
+        self._stats = stats
+        self._pools = pools
+        self._clock = clock
+        self.peers = peers
+        self._live = live
+
+    def _own(self, now: float) -> dict[str, Any]:
+        peers = self.peers
+        identity: dict[str, Any] = {"worker": 0 if peers is None else peers.index,
+                                    "pid": os.getpid() if peers is None else peers.pid}
+        if self._live is not None:
+            identity["config"] = config_view(self._live, now)
+        return export(self._stats, live_view(self._pools, now), now, identity)
+
+    def _whole(self, own: dict[str, Any], now: float) -> dict[str, Any]:
+        """This worker's export merged with its peers' files (no live object is touched, so
+        this may run in a thread)."""
+        peers = self.peers
+        return own if peers is None else merge([own, *peers.read(now)])
+
+    def mergeable(self) -> dict[str, Any]:
+        """This process's export, or the whole server's merged one under workers."""
+        now = self._clock()
+        return self._whole(self._own(now), now)
+
+    def document(self) -> dict[str, Any]:
+        """The `/hedge/stats` document: this process's, or the whole server's."""
+        if self.peers is None:
+            return snapshot(self._stats, self._pools, self._clock(), live=self._live)
+        return document(self.mergeable())
+
+    def reading(self) -> Reading:
+        """What a Prometheus scrape reads: this process's, or the whole server's."""
+        if self.peers is None:
+            return self._stats, live_view(self._pools, self._clock())
+        stats, live, _now = rebuild(self.mergeable())
+        return stats, live
+
+    # The endpoints' forms. Under workers, reading the peers' files and merging them costs a
+    # few ms per worker: that part runs in a thread, off the event loop that relays streams.
+    # Only this worker's own export is taken on the loop (it reads live state; ~0.5 ms).
+
+    async def document_async(self) -> dict[str, Any]:
+        if self.peers is None:
+            return self.document()
+        now = self._clock()
+        own = self._own(now)
+        doc = await asyncio.to_thread(lambda: document(self._whole(own, now)))
+        doc["answered_by"] = {k: own["workers"][0][k] for k in ("worker", "pid")}
+        return doc
+
+    async def mergeable_async(self) -> dict[str, Any]:
+        if self.peers is None:
+            return self.mergeable()
+        now = self._clock()
+        return await asyncio.to_thread(self._whole, self._own(now), now)
+
+    async def metrics_async(self, metrics: Metrics) -> bytes:
+        """The `/metrics` text: this process's, or the whole server's."""
+        if self.peers is None:
+            return metrics.render()
+        now = self._clock()
+        own = self._own(now)
+
+        def build() -> bytes:
+            stats, live, _now = rebuild(self._whole(own, now))
+            return metrics.render_from((stats, live))
+
+        return await asyncio.to_thread(build)
+
+    async def publish_forever(self, interval: float = PUBLISH_INTERVAL) -> None:
+        """Publish this worker's export every `interval` seconds until cancelled."""
+        peers = self.peers
+        if peers is None:
+            return
+        while True:  # the file stays when this ends: the supervisor retires or removes it
+            now = self._clock()
+            with contextlib.suppress(OSError):  # the directory is going away: shutdown
+                peers.publish(self._own(now), now)
+            await asyncio.sleep(interval)

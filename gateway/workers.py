@@ -1,0 +1,59 @@
+"""What `serve --workers N` decides, without processes: each worker's share of the budget, and
+whether a dead worker may be replaced now (SPEC §16). Pure: no I/O, time as a parameter.
+
+The shell that forks, watches and signals the workers is `gateway.supervisor`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import replace
+
+from gateway.settings import Settings
+
+#: a worker that dies is replaced at once, but at most this many times per `RESTART_WINDOW`
+#: across the server: a worker that cannot stay up (a crash at start, a bad host) must not
+#: become a fork loop. Past it the supervisor stops the server and says why.
+MAX_RESTARTS = 5
+RESTART_WINDOW = 60.0
+
+
+def worker_settings(settings: Settings, workers: int) -> Settings:
+    """The settings one of `workers` processes runs with: every pool's budget bucket holds
+    `ceil(burst / workers)`, deposits and reserve unchanged.
+
+    Why: each worker keeps its own bucket (no shared memory on the request path), so the host's
+    extra attempts are bounded by the sum of the buckets plus the deposits: at most
+    `ratio x requests + workers x ceil(burst / workers) + workers x min_per_second x seconds`,
+    i.e. the configured burst (plus less than one token per worker from rounding up, which
+    keeps every worker able to hedge at all) rather than `workers x burst`."""
+    if workers <= 1:
+        return settings
+    pools = tuple(
+        replace(pool, hedging=replace(pool.hedging, budget=replace(
+            pool.hedging.budget,
+            burst=float(math.ceil(pool.hedging.budget.burst / workers)))))
+        for pool in settings.pools
+    )
+    return replace(settings, pools=pools)
+
+
+class RestartLimiter:
+    """At most `limit` replacements within any `window` seconds."""
+
+    __slots__ = ("_limit", "_times", "_window")
+
+    def __init__(self, limit: int = MAX_RESTARTS, window: float = RESTART_WINDOW) -> None:
+        self._limit = limit
+        self._window = window
+        self._times: deque[float] = deque()
+
+    def allow(self, now: float) -> bool:
+        """May a dead worker be replaced at `now`? If so, the replacement is counted."""
+        while self._times and now - self._times[0] >= self._window:
+            self._times.popleft()
+        if len(self._times) >= self._limit:
+            return False
+        self._times.append(now)
+        return True

@@ -1,0 +1,138 @@
+"""Token accounting over real sockets (SPEC §17): two loopback simulators that send usage only
+when asked (as OpenAI does), the gateway hedging their stragglers, the OpenAI SDK as client.
+
+The gateway's counters (/hedge/stats, /metrics, the request log) must equal the usage the
+simulators reported in full (their own `/sim/stats`), the hedge cost must be the prompt's
+tokens once per extra attempt the simulators received, and a client that did not ask for
+usage must not see the usage chunk the gateway asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import create_app
+from gateway.settings import (
+    BackendSettings,
+    BudgetSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    Settings,
+    SimProfile,
+)
+from gateway.stats.requestlog import LOGGER_NAME
+from providers.sim.server import create_sim_app
+from tests.harness import AsgiServerFactory, RunningServer
+
+POOL = "chat"
+PROMPT = "count the tokens of this prompt please"
+PROMPT_WORDS = len(PROMPT.split())
+TOKENS = 7
+#: usage only on request; a third of the requests straggle, so hedges start and win
+PROFILE = SimProfile(
+    ttft_median=0.03, ttft_sigma=0.3, straggler_probability=0.3, straggler_extra=0.5,
+    tokens=TOKENS, inter_token=0.001, usage=False,
+)
+MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [
+    {"role": "user", "content": PROMPT}
+]
+
+
+def settings_for(sims: list[RunningServer]) -> Settings:
+    backends = tuple(
+        BackendSettings(name, "openai", "sim-model", base_url=sim.v1, group=name)
+        for name, sim in zip(("a", "b"), sims, strict=True)
+    )
+    hedging = HedgingSettings(
+        max_attempts=2, delay=DelaySettings(mode="fixed", value=0.12),
+        budget=BudgetSettings(ratio=1.0, burst=100),
+    )
+    return Settings((PoolSettings(POOL, backends, hedging=hedging),))
+
+
+def wait_for_requests(gateway: RunningServer, count: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 10.0
+    while True:
+        stats: dict[str, Any] = httpx.get(gateway.url("/hedge/stats"), timeout=5.0).json()
+        if stats["pools"][POOL]["lifetime"]["requests"] >= count or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def metric_values(gateway: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(gateway.url("/metrics"), timeout=5.0).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+@pytest.mark.timeout(90)
+def test_token_counters_equal_what_the_simulators_reported(
+    asgi_server: AsgiServerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    sims = [asgi_server.build(functools.partial(create_sim_app, PROFILE, seed=seed))
+            for seed in (21, 22)]
+    gateway = asgi_server.build(lambda: create_app(settings_for(sims), seed=4))
+    plain, asked, whole = 12, 6, 4
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME), openai.OpenAI(
+        base_url=gateway.v1, api_key="sk-none", max_retries=0, timeout=openai.Timeout(20.0)
+    ) as client:
+        for _ in range(plain):  # the client did not ask: it must not see a usage chunk
+            chunks = list(client.chat.completions.create(
+                model=POOL, messages=MESSAGES, stream=True))
+            assert all(c.usage is None and c.choices for c in chunks)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks).count("tok") == TOKENS
+        for _ in range(asked):  # the client asked: the usage chunk reaches it, as sent
+            chunks = list(client.chat.completions.create(
+                model=POOL, messages=MESSAGES, stream=True,
+                stream_options={"include_usage": True}))
+            assert chunks[-1].choices == [] and chunks[-1].usage is not None
+            assert chunks[-1].usage.prompt_tokens == PROMPT_WORDS
+            assert chunks[-1].usage.completion_tokens == TOKENS
+        for _ in range(whole):
+            answer = client.chat.completions.create(model=POOL, messages=MESSAGES)
+            assert answer.usage is not None and answer.usage.completion_tokens == TOKENS
+        requests = plain + asked + whole
+        stats = wait_for_requests(gateway, requests)
+    sim_stats = [httpx.get(sim.url("/sim/stats"), timeout=5.0).json() for sim in sims]
+    emitted_in = sum(s["usage_input_tokens"] for s in sim_stats)
+    emitted_out = sum(s["usage_output_tokens"] for s in sim_stats)
+    reached = sum(s["requests"] for s in sim_stats)
+    assert emitted_out == requests * TOKENS  # every winner reported its usage in full
+    assert reached > requests, "no hedge reached a backend: the scenario tests nothing"
+
+    pool = stats["pools"][POOL]
+    assert pool["lifetime"]["tokens"] == {
+        "input": emitted_in,
+        "output": emitted_out,
+        "hedge_input": PROMPT_WORDS * (reached - requests),
+    }
+    for name, sim in zip(("a", "b"), sim_stats, strict=True):
+        assert pool["backends"][name]["lifetime"]["tokens"] == {
+            "input": sim["usage_input_tokens"], "output": sim["usage_output_tokens"]}
+
+    metrics = metric_values(gateway)
+    for name, sim in zip(("a", "b"), sim_stats, strict=True):
+        for kind, key in (("input", "usage_input_tokens"), ("output", "usage_output_tokens")):
+            labels = (("backend", name), ("pool", POOL), ("type", kind))
+            assert metrics[("hedge_gateway_tokens_total", labels)] == sim[key]
+    assert metrics[("hedge_gateway_hedge_input_tokens_total", (("pool", POOL),))] == \
+        PROMPT_WORDS * (reached - requests)
+
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
+    assert len(lines) == requests
+    assert sum(line["usage"]["input"] for line in lines) == emitted_in
+    assert sum(line["usage"]["output"] for line in lines) == emitted_out
+    assert sum(line["hedge_input_tokens"] for line in lines) == PROMPT_WORDS * (reached - requests)

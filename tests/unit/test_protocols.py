@@ -1,0 +1,225 @@
+"""The Responses API and Messages first-token predicates, end and error rules (SPEC §15),
+table-tested on wire bytes as the APIs send them, decoded by the gateway's own SSE decoder and
+split at every byte so that a token split across reads is still found exactly once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import FirstTokenTimeout, Overloaded, PayloadTooLarge
+from gateway.firsttoken import Kind
+from gateway.relay import RelayOutcome
+from gateway.relaynamed import named_encoder
+from gateway.responseids import ResponseDirectory
+from gateway.sse import SSEDecoder, SSEEvent
+from gateway.wireformat import (
+    MESSAGES,
+    RESPONSES,
+    WireProtocol,
+    anthropic_error_body,
+    classify_messages_body,
+    classify_responses_body,
+    messages_error_event,
+    protocol_for_path,
+    responses_error_event,
+    serves,
+)
+from tests.harness.protocol_wire import (
+    PING,
+    anthropic_error,
+    message_end,
+    message_start,
+    named,
+    output_delta,
+    responses_end,
+    responses_head,
+    text_block_start,
+    text_delta,
+)
+
+
+def first_kinds(wire: bytes, protocol: WireProtocol) -> list[Kind]:
+    events = SSEDecoder().feed(wire)
+    return [protocol.classify(event) for event in events]
+
+
+def first_token_index(wire: bytes, protocol: WireProtocol) -> int | None:
+    kinds = first_kinds(wire, protocol)
+    for i, kind in enumerate(kinds):
+        if kind is not Kind.OTHER:
+            return i if kind is Kind.TOKEN else -1
+    return None
+
+
+KEEPALIVE = b": keep-alive\n\n"
+
+MESSAGES_TABLE = [
+    ("scaffolding then text", [message_start(), text_block_start(), PING, text_delta("Hi")], 3),
+    ("empty delta is not a token", [message_start(), text_delta(""), text_delta("x")], 2),
+    ("keep-alive comments", [KEEPALIVE, message_start(), KEEPALIVE, PING, text_delta("a")], 2),
+    ("tool call first", [message_start(), named("content_block_start", {
+        "index": 0, "content_block": {"type": "tool_use", "id": "t", "name": "lookup",
+                                      "input": {}}})], 1),
+    ("thinking first", [message_start(), named("content_block_start", {
+        "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
+        named("content_block_delta", {"index": 0, "delta": {"type": "signature_delta",
+                                                             "signature": "abc"}}),
+        named("content_block_delta", {"index": 0, "delta": {"type": "thinking_delta",
+                                                             "thinking": "hmm"}})], 3),
+    ("input json", [message_start(), named("content_block_delta", {
+        "index": 0, "delta": {"type": "input_json_delta", "partial_json": "{\""}})], 1),
+    ("whitespace is a token", [message_start(), text_delta(" ")], 1),
+    ("error event before a token", [message_start(), PING, anthropic_error()], -1),
+    ("ends without a token", [message_start(), *message_end()], -1),
+    ("malformed json", [b"event: content_block_delta\ndata: {nope\n\n", text_delta("ok")], 1),
+]
+
+RESPONSES_TABLE = [
+    ("scaffolding then text", [*responses_head(), output_delta("Hi")], 4),
+    ("keep-alives", [KEEPALIVE, *responses_head(), KEEPALIVE, output_delta("a")], 4),
+    ("empty delta", [*responses_head(), output_delta(""), output_delta("b")], 5),
+    ("function call item first", [responses_head()[0], named("response.output_item.added", {
+        "output_index": 0, "item": {"type": "function_call", "id": "fc", "call_id": "c",
+                                    "name": "lookup", "arguments": ""}})], 1),
+    ("arguments delta", [responses_head()[0], named(
+        "response.function_call_arguments.delta", {"item_id": "fc", "delta": "{"})], 1),
+    ("reasoning summary first", [*responses_head()[:2], named(
+        "response.reasoning_summary_text.delta", {"item_id": "r", "delta": "Think"})], 2),
+    ("refusal", [responses_head()[0], named("response.refusal.delta", {"delta": "No"})], 1),
+    ("error event", [*responses_head()[:2], named("error", {"code": "server_error",
+                                                            "message": "x"})], -1),
+    ("failed", [responses_head()[0], named("response.failed", {"response": {}})], -1),
+    ("completed without output", [responses_head()[0], *responses_end("r", "")], -1),
+    ("data-only events (no event: line)", [
+        b'data: {"type":"response.created","response":{"id":"r"}}\n\n',
+        b'data: {"type":"response.output_text.delta","delta":"x"}\n\n'], 1),
+]
+
+
+@pytest.mark.parametrize(("protocol", "events", "expected"), [
+    *[(MESSAGES, events, expected) for _, events, expected in MESSAGES_TABLE],
+    *[(RESPONSES, events, expected) for _, events, expected in RESPONSES_TABLE],
+], ids=[f"messages: {n}" for n, _, _ in MESSAGES_TABLE]
+    + [f"responses: {n}" for n, _, _ in RESPONSES_TABLE])
+def test_first_token(protocol: WireProtocol, events: list[bytes], expected: int) -> None:
+    """`expected`: index (among decoded events) of the first token; -1: fails first."""
+    wire = b"".join(events)
+    assert first_token_index(wire, protocol) == expected
+
+
+@pytest.mark.parametrize("protocol", [MESSAGES, RESPONSES], ids=["messages", "responses"])
+def test_split_reads_find_the_same_token(protocol: WireProtocol) -> None:
+    wire = (b"".join([message_start(), PING, text_delta("é!")]) if protocol is MESSAGES
+            else b"".join([*responses_head(), output_delta("é!")]))
+    whole = [protocol.classify(e) for e in SSEDecoder().feed(wire)]
+    for cut in range(1, len(wire)):
+        decoder = SSEDecoder()
+        events = decoder.feed(wire[:cut]) + decoder.feed(wire[cut:])
+        assert [protocol.classify(e) for e in events] == whole, cut
+    assert whole.count(Kind.TOKEN) == 1
+
+
+def test_whole_bodies() -> None:
+    assert classify_messages_body({"type": "message", "content": []}) is Kind.TOKEN
+    assert classify_messages_body({"type": "error", "error": {}}) is Kind.ERROR
+    assert classify_responses_body({"object": "response", "status": "completed",
+                                    "error": None}) is Kind.TOKEN
+    assert classify_responses_body({"object": "response", "status": "failed",
+                                    "error": {"code": "x"}}) is Kind.ERROR
+    assert classify_responses_body([1]) is Kind.OTHER
+
+
+def relayed(protocol: WireProtocol, wire: bytes) -> tuple[bytes, str]:
+    outcome = RelayOutcome()
+    encode = named_encoder(protocol)
+    out = encode(SSEDecoder().feed(wire), "req_1", outcome)
+    return out, outcome.end
+
+
+def test_relay_ends_at_the_protocol_end_event() -> None:
+    wire = b"".join([message_start(), text_delta("a"), *message_end()])
+    out, end = relayed(MESSAGES, wire + text_delta("after the end"))
+    assert end == "done"
+    assert out == wire  # byte for byte, event names kept, nothing after message_stop
+    out, end = relayed(RESPONSES, b"".join([output_delta("x"), *responses_end("r", "x")]))
+    assert end == "done" and out.endswith(b"\n\n") and b"[DONE]" not in out
+
+
+def test_relay_stops_at_an_upstream_error_event() -> None:
+    out, end = relayed(MESSAGES, text_delta("a") + anthropic_error() + text_delta("b"))
+    assert end == "upstream_error" and b'"text":"b"' not in out
+    out, end = relayed(RESPONSES, b'data: {"type":"response.failed","response":{}}\n\n')
+    assert end == "upstream_error"
+    out, end = relayed(RESPONSES, output_delta("a"))
+    assert end == "client_gone"  # not over: the relay keeps reading
+
+
+def test_error_events_in_each_shape() -> None:
+    (event,) = SSEDecoder().feed(responses_error_event("cut", "stream_truncated", "req_1"))
+    assert event.event == b"error"
+    payload = json.loads(event.data)
+    assert payload["type"] == "error" and payload["code"] == "stream_truncated"
+    (event,) = SSEDecoder().feed(messages_error_event("cut", "stream_truncated", "req_1"))
+    payload = json.loads(event.data)
+    assert event.event == b"error" and payload["error"]["type"] == "api_error"
+    assert "req_1" in payload["error"]["message"]
+
+
+def test_anthropic_error_types() -> None:
+    assert anthropic_error_body(404, "m") == {
+        "type": "error", "error": {"type": "not_found_error", "message": "m"}}
+    for exc, kind in [(PayloadTooLarge("x"), "request_too_large"),
+                      (Overloaded("x"), "overloaded_error"),
+                      (FirstTokenTimeout(), "timeout_error")]:
+        assert MESSAGES.error_body(exc, "m")["error"] == {"type": kind, "message": "m"}
+    assert protocol_for_path("/v1/messages/count_tokens") is MESSAGES
+    assert protocol_for_path("/v1/messagesx").name == "chat"
+
+
+def test_routes_per_provider() -> None:
+    assert serves("anthropic", "messages") and not serves("anthropic", "chat/completions")
+    assert serves("openai", "responses") and not serves("openai", "messages")
+    assert serves("sim", "messages") and serves("sim", "responses")
+
+
+def test_response_directory_is_bounded_lru() -> None:
+    ids = ResponseDirectory(capacity=2)
+    ids.remember("a", "p", "b0")
+    ids.remember("b", "p", "b1")
+    assert ids.find("a") == ("p", "b0")  # a is now the most recently used
+    ids.remember("c", "p", "b0")
+    assert ids.find("b") is None and ids.find("a") is not None and len(ids) == 2
+    ids.forget("a")
+    assert ids.find("a") is None
+
+
+def test_event_without_name_uses_the_payload_type() -> None:
+    from gateway.relaynamed import event_name
+
+    assert event_name(SSEEvent(b'{"type":"message_stop"}')) == b"message_stop"
+    assert event_name(SSEEvent(b"[1]")) is None
+
+
+def test_relay_passes_named_events_through_unparsed() -> None:
+    """After commit the payload is never parsed: even one that is not JSON goes through as
+    it came (with its name), and only a name ends the stream."""
+    wire = b"event: content_block_delta\ndata: {not json\n\n"
+    out, end = relayed(MESSAGES, wire)
+    assert out == wire and end == "client_gone"
+
+
+@pytest.mark.parametrize(("body", "stateful"), [
+    ({"store": False}, False),
+    ({}, True),  # the API stores by default
+    ({"store": True}, True),
+    ({"store": False, "previous_response_id": "resp_1"}, True),
+    ({"store": False, "conversation": "conv_1"}, True),
+    ({"store": False, "background": True}, True),
+    ({"store": False, "background": False}, False),
+])
+def test_responses_store_rules(body: dict[str, object], stateful: bool) -> None:
+    from gateway.protoroutes import responses_stateful
+
+    assert responses_stateful(body) is stateful
