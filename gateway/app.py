@@ -17,7 +17,6 @@ import random
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
@@ -35,22 +34,15 @@ from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
 from gateway.tracing import Tracing, build_tracing
 from gateway.workers import worker_settings
-from providers.openai import guard_pool_closes
+from providers.http import UpstreamClient
 from providers.registry import build_provider
 
 
-def make_http_client(settings: Settings) -> httpx.AsyncClient:
+def make_http_client(settings: Settings) -> UpstreamClient:
     """One client for every upstream: bounded pool, no redirects, no env proxies."""
-    cap = settings.server.max_concurrent_requests * 2
-    client = httpx.AsyncClient(
-        limits=httpx.Limits(
-            max_connections=cap, max_keepalive_connections=64, keepalive_expiry=30.0
-        ),
-        follow_redirects=False,
-        trust_env=False,
+    return UpstreamClient(
+        max_connections=settings.server.max_concurrent_requests * 2, keepalive_expiry=30.0
     )
-    guard_pool_closes(client)
-    return client
 
 
 #: reload outcomes go to the operator's log (configured by `hedge-gateway serve`)
@@ -59,7 +51,7 @@ LOGGER = logging.getLogger("hedge_gateway.config")
 
 def build_pools(
     settings: Settings,
-    client: httpx.AsyncClient,
+    client: UpstreamClient,
     clock: Clock,
     rng: random.Random,
     previous: Mapping[str, PoolRuntime] | None = None,
@@ -129,7 +121,7 @@ class Reloader:
         self,
         live: Live,
         stats: Stats,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         clock: Clock,
         rng: random.Random,
         workers: int = 1,

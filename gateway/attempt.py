@@ -16,7 +16,7 @@ from typing import Literal
 
 from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
 from gateway.firsttoken import Kind, classify, classify_payload
-from gateway.sse import SSEEvent
+from gateway.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
 AttemptKind = Literal["primary", "hedge", "failover"]
@@ -62,7 +62,7 @@ class Prefix:
     """An attempt that produced its first token, with everything needed to relay it."""
 
     stream: UpstreamStream
-    batches: AsyncIterator[list[SSEEvent]]
+    batches: AsyncIterator[SSEBatch]
     #: every event read so far, in order: up to the first token and the rest of its batch
     buffered: list[SSEEvent]
 
@@ -71,7 +71,7 @@ class Prefix:
 
 
 async def close_quietly(
-    stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None
+    stream: UpstreamStream, batches: AsyncIterator[SSEBatch] | None
 ) -> None:
     """Close the batch iterator and the upstream, even from a cancelled task: a native
     `Task.cancel()` of the caller (the race cancelling a loser that is already closing after a
@@ -80,7 +80,7 @@ async def close_quietly(
     await finish_despite_cancel(_close(stream, batches))
 
 
-async def _close(stream: UpstreamStream, batches: AsyncIterator[list[SSEEvent]] | None) -> None:
+async def _close(stream: UpstreamStream, batches: AsyncIterator[SSEBatch] | None) -> None:
     aclose = getattr(batches, "aclose", None)
     if aclose is not None:
         # "already running" or a broken stream: the response close below suffices
@@ -105,8 +105,9 @@ async def open_until_first_token(
             if is_lost():  # counts a read that arrived after another attempt committed
                 raise UpstreamProtocolError("lost the race")
             start = len(buffered)
-            buffered += batch
-            for event in batch:
+            events = batch.events
+            buffered += events
+            for event in events:
                 kind = classify(event)
                 if kind is Kind.TOKEN:
                     return Prefix(stream, batches, buffered)
@@ -133,7 +134,7 @@ async def open_whole_response(
     batches = stream.batches()
     try:
         async for batch in batches:
-            event = batch[0]
+            event = batch.events[0]
             try:
                 payload = json.loads(event.data)
             except ValueError:

@@ -99,9 +99,10 @@ def _with_overrides(settings: Settings, ns: argparse.Namespace) -> Settings:
 def logging_config(level: str) -> dict[str, object]:
     """Our request log at INFO on stderr; libraries that log URLs or headers kept quiet.
 
-    httpx logs every upstream URL at INFO and httpcore every response header at DEBUG:
-    neither belongs in an operator's log (a URL can carry a tenant, a header a key). The
-    request log (`hedge_gateway.requests`) replaces uvicorn's access log.
+    httpx logs every upstream URL at INFO and httpcore every response header at DEBUG, and
+    aiohttp's client logs at DEBUG too: none of it belongs in an operator's log (a URL can
+    carry a tenant, a header a key). The request log (`hedge_gateway.requests`) replaces
+    uvicorn's access log.
     """
     upper = level.upper()
     return {
@@ -126,6 +127,7 @@ def logging_config(level: str) -> dict[str, object]:
                                      "propagate": False},
             "httpx": {"level": "WARNING"},
             "httpcore": {"level": "WARNING"},
+            "aiohttp": {"level": "WARNING"},
         },
         "root": {"handlers": ["stderr"], "level": "WARNING"},
     }
@@ -159,13 +161,8 @@ def _sim(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from gateway.bench.run import (
-        WORKLOAD_GROUPS,
-        WORKLOADS,
-        BenchPlan,
-        run_bench_command,
-        run_soak_command,
-    )
+    from gateway.bench.run import BenchPlan, run_bench_command, run_soak_command
+    from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
 
     if ns.workload == "soak":
         return run_soak_command(duration=ns.duration, quick=ns.quick,
@@ -175,7 +172,8 @@ def _bench(ns: argparse.Namespace) -> int:
     plan = BenchPlan(workloads=tuple(w for w in WORKLOADS
                                      if ns.workload == "all" or w.name in wanted),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
-                     tables=sys.stdout, workers=ns.workers)
+                     tables=sys.stdout, baseline_src=ns.baseline_src,
+                     workers=ns.workers)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
@@ -339,7 +337,7 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from gateway.bench.run import WORKLOAD_GROUPS, WORKLOADS
+    from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
 
     names = [w.name for w in WORKLOADS]
     parser.add_argument("--workload", choices=[*names, *WORKLOAD_GROUPS, "soak", "all"],
@@ -357,6 +355,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
     parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--baseline-src", metavar="DIR",
+                        help="another hedge-gateway checkout: its gateway runs as an extra "
+                             "mode, `baseline`, side by side in the same run")
     parser.add_argument("--workers", type=_positive, default=1,
                         help="serve the gateway under test with --workers N (default 1)")
 

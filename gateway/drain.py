@@ -24,6 +24,10 @@ class Drain:
         self._clock = clock
         self.draining = False
         self.started_at: float | None = None
+        #: callbacks for the end of the grace period: id -> (grace, callback, timer if armed)
+        self._at_grace_end: dict[int, tuple[float, Callable[[], None],
+                                            asyncio.TimerHandle | None]] = {}
+        self._next_id = 0
 
     def _get(self) -> asyncio.Event:
         if self._event is None:
@@ -34,7 +38,30 @@ class Drain:
         if not self.draining:
             self.draining = True
             self.started_at = self._clock()
+            for key, (grace, callback, _) in list(self._at_grace_end.items()):
+                self._at_grace_end[key] = (grace, callback, self._arm(grace, callback))
         self._get().set()
+
+    def _arm(self, grace: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        started = self.started_at if self.started_at is not None else self._clock()
+        delay = max(0.0, started + grace - self._clock())
+        return asyncio.get_running_loop().call_later(delay, callback)
+
+    def call_at_grace_end(self, grace: float, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` `grace` seconds after the drain starts (never, if it does not);
+        returns the function that takes the request back. A dict entry per request instead
+        of a task per request: the race registers here for its whole run."""
+        key = self._next_id
+        self._next_id += 1
+        handle = self._arm(grace, callback) if self.draining else None
+        self._at_grace_end[key] = (grace, callback, handle)
+
+        def forget() -> None:
+            entry = self._at_grace_end.pop(key, None)
+            if entry is not None and entry[2] is not None:
+                entry[2].cancel()
+
+        return forget
 
     async def wait(self) -> None:
         await self._get().wait()

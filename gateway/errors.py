@@ -2,7 +2,7 @@
 
 Everything that can go wrong is one of these, so the HTTP layer turns any failure into an
 OpenAI-shaped error with a fitting status, and nothing escapes as a 500 with a stack trace.
-Upstream exceptions (httpx's, the simulator's) are translated into `UpstreamError` at the
+Upstream exceptions (aiohttp's, the simulator's) are translated into `UpstreamError` at the
 provider boundary; nothing above `providers/` ever sees an httpx exception.
 
 Messages never contain provider keys, upstream URLs or upstream error bodies: an upstream's

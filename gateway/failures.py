@@ -51,7 +51,7 @@ class UpstreamConnectTimeout(UpstreamConnectError):
 
 
 class GatewayPoolFull(UpstreamError):
-    """No free connection in the gateway's own upstream pool in time (httpx `PoolTimeout`).
+    """No free connection in the gateway's own upstream pool in time (`GatewayPoolFull`).
 
     The backend was never asked, so this must not eject it: a full pool on our side would
     otherwise take healthy backends out one after another. Another backend may still be

@@ -6,6 +6,7 @@ its own beyond small lookups; the decisions live in `balancer`, `budget` and `po
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ class PoolRuntime:
     groups: Mapping[str, str]
     #: hedging on for this pool (global switch and pool switch both on)
     hedging_enabled: bool
+    #: backend -> its own model name, and the same as a JSON string (built once, used by
+    #: every attempt to put the backend's model into the serialized body)
+    models: Mapping[str, str] = field(default_factory=dict)
+    models_json: Mapping[str, bytes] = field(default_factory=dict)
     #: logical requests of this pool in flight now (for the budget's in-flight cap)
     inflight_requests: int = 0
     rng: random.Random = field(default_factory=random.Random)
@@ -62,6 +67,8 @@ class PoolRuntime:
             groups={b.name: b.group for b in settings.backends},
             hedging_enabled=global_hedging and settings.hedging.enabled,
             rng=rng,
+            models=_models(settings),
+            models_json=_models_json(settings),
         )
 
     def carried_over(
@@ -103,6 +110,8 @@ class PoolRuntime:
             groups={b.name: b.group for b in settings.backends},
             hedging_enabled=global_hedging and settings.hedging.enabled,
             rng=self.rng,
+            models=_models(settings),
+            models_json=_models_json(settings),
         )
 
     def delays_for(self, endpoint: str, stream: bool) -> Mapping[str, HedgeDelay]:
@@ -117,3 +126,13 @@ class PoolRuntime:
             for delay in delays.values():
                 delay.steer(win_rate, recorded)
                 delay.refresh(now)
+
+
+def _models(settings: PoolSettings) -> dict[str, str]:
+    """Backend -> its own model name, built once per configuration."""
+    return {b.name: b.model for b in settings.backends}
+
+
+def _models_json(settings: PoolSettings) -> dict[str, bytes]:
+    """Backend -> its model name as JSON, spliced into each attempt's serialized body."""
+    return {b.name: json.dumps(b.model).encode() for b in settings.backends}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -202,7 +203,7 @@ class Proxy:
         )
         end = RequestEnd(self, pool, race, summary, trace)
         try:
-            result = await self._race_or_disconnect(race, request.receive)
+            result = await self._race_or_disconnect(race, request.receive, end)
             summary.attach(race.attempts, race.suppressed, result)
             if result is None:  # the client went away before the first token
                 summary.error = "client_disconnected"
@@ -237,8 +238,15 @@ class Proxy:
         self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
     ) -> AttemptRunner:
         protocol = req.protocol
-        body = dict(req.body)
-        models = {b.name: b.model for b in pool.settings.backends}
+        body = req.body
+        models = pool.models
+        # serialized once for every attempt: `{"model":` + the backend's model + the rest;
+        # a request on a stored response (`path`) carries its body as the client sent it
+        rest = b""
+        if req.path is None:
+            rest = json.dumps({k: v for k, v in body.items() if k != "model"},
+                              separators=(",", ":")).encode()[1:]
+            rest = rest if rest == b"}" else b"," + rest
 
         async def run(backend: str, record: AttemptRecord) -> Prefix:
             def is_lost() -> bool:
@@ -253,6 +261,7 @@ class Proxy:
                 stream=req.stream,
                 request_id=req.request_id,
                 first_byte_timeout=max(0.0, deadline - self.clock()),
+                content=b'{"model":' + pool.models_json[backend] + rest if rest else b"",
                 extra_headers=req.forward_headers,
                 method=req.method,
                 path=req.path,
@@ -281,25 +290,30 @@ class Proxy:
 
         return run
 
-    async def _race_or_disconnect(self, race: Race, receive: Receive) -> RaceResult | None:
+    async def _race_or_disconnect(
+        self, race: Race, receive: Receive, end: RequestEnd
+    ) -> RaceResult | None:
         """Run the race; a client disconnect cancels it (and so every attempt), and so does
-        the end of the shutdown grace period (the client then gets 503)."""
+        the end of the shutdown grace period (the client then gets 503).
+
+        One task watches the client for the whole request (`end.watcher`): a stream's
+        response keeps using it after commit, and the end of the request cancels it. The
+        drain is a callback, not a task."""
         race_task = asyncio.ensure_future(race.run())
-        gone_task = asyncio.ensure_future(_wait_disconnect(receive))
-        drain_task = asyncio.ensure_future(self.drain.wait_grace(self.server.shutdown_grace))
+        watcher = end.watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        stop_race = _canceller(race_task)
+        watcher.add_done_callback(stop_race)
+        forget = self.drain.call_at_grace_end(self.server.shutdown_grace, stop_race)
         try:
-            await asyncio.wait(
-                {race_task, gone_task, drain_task}, return_when=asyncio.FIRST_COMPLETED
-            )
+            await asyncio.wait({race_task})
         finally:
-            gone_task.cancel()
-            drain_task.cancel()
+            forget()
+            watcher.remove_done_callback(stop_race)
             if not race_task.done():
                 race_task.cancel()
-            await asyncio.gather(gone_task, drain_task, return_exceptions=True)
             await asyncio.wait({race_task})
         if race_task.cancelled():
-            if self.drain.draining and not _saw_disconnect(gone_task):
+            if self.drain.draining and not _saw_disconnect(watcher):
                 raise Overloaded("the gateway is shutting down", retry_after=1.0)
             return None
         return race_task.result()
@@ -355,13 +369,14 @@ class Proxy:
             ),
             on_close=finish,
             clock=self.clock,
+            client_gone=end.watcher,
         )
 
 class RequestEnd:
     """The one owner of the end of a logical request: callable any number of times, does its
     work once (see the module docstring for who calls it on which path)."""
 
-    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix", "trace")
+    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix", "trace", "watcher")
 
     def __init__(
         self, proxy: Proxy, pool: PoolRuntime, race: Race, summary: RequestSummary,
@@ -372,6 +387,8 @@ class RequestEnd:
         self.trace = trace
         #: the winner's upstream, once there is one: closed by the end
         self.prefix: Prefix | None = None
+        #: the task watching the client for a disconnect, from the race to the last byte
+        self.watcher: asyncio.Future[None] | None = None
         self._done = False
 
     async def __call__(self) -> None:
@@ -379,6 +396,8 @@ class RequestEnd:
             return
         self._done = True
         proxy, pool, summary = self._proxy, self._pool, self._summary
+        if self.watcher is not None:
+            self.watcher.cancel()
         with anyio.CancelScope(shield=True):
             # first, before any await: the answer is out, the request no longer counts (so a
             # client's next request on the same connection never meets its predecessor's slot)
@@ -412,6 +431,15 @@ class AnswerThen(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.then()
+
+
+def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:
+    """A callback (for a done-callback or a timer) that cancels `task`."""
+
+    def cancel(*_: object) -> None:
+        task.cancel()
+
+    return cancel
 
 
 def _saw_disconnect(task: asyncio.Future[None]) -> bool:

@@ -1,10 +1,14 @@
 """After commit: the winner's buffered events, then pass-through until `[DONE]` (SPEC §4).
 
-The hot path of the gateway. Per event it does one bytes comparison, two substring tests and one
-concatenation: no JSON parsing (except for the rare event that mentions "error", and the one
-holding a usage object, see `gateway.usage`), no logging, no allocation beyond the output bytes.
-Per upstream read it stores one clock reading: the idle and max_stream deadlines are one timer
-per stream (`_Deadlines`), never a timer per event.
+The hot path of the gateway. An upstream read made only of whole plain `data:` events
+(`SSEBatch.raw`, the usual case) goes out as the bytes that arrived: a few substring scans of
+the read for `[DONE]`, error markers and a usage object, nothing per event, no allocation. Any
+other read (and every read of a named-event protocol, whose reads carry `event:` lines) is
+re-framed from the decoder's events: per event one bytes comparison, two substring tests and one
+concatenation, with JSON parsed only for the rare event that mentions "error" and the one holding
+a usage object (see `gateway.usage`). No logging, no lock. Per upstream read it stores one clock
+reading: the idle and max_stream deadlines are one timer per stream (`_Deadlines`), never a
+timer per event.
 Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
 comments are the response's own.
 
@@ -26,7 +30,7 @@ from typing import Literal
 
 from gateway.attempt import Prefix
 from gateway.errors import UpstreamError
-from gateway.sse import SSEEvent, encode_event
+from gateway.sse import SSEBatch, SSEEvent, encode_event
 from gateway.streamend import StreamEnd
 from gateway.usage import Usage, read_usage
 from gateway.wireformat import openai_error_event
@@ -64,7 +68,7 @@ def _encode(event: SSEEvent) -> bytes:
     return encode_event(data, event.event)
 
 
-async def _drain(batches: AsyncIterator[list[SSEEvent]]) -> None:
+async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
     """Read the rest of a finished stream (normally just the body's terminator), briefly.
 
     A response closed before its body ended cannot go back to the connection pool, so without
@@ -88,8 +92,21 @@ class RelayOutcome:
     strip_usage: bool = False
 
 
-def _encode_batch(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
-    """The client's bytes for one upstream read; sets `outcome.end` when the stream is over."""
+def _encode_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> bytes:
+    """The client's bytes for one upstream read; sets `outcome.end` when the stream is over.
+
+    Plain bytes without `[DONE]`, an error marker or a usage object are the answer as they
+    are; everything else (a plain read that holds the end of the stream or the usage the
+    gateway may have to strip) takes the event path."""
+    raw = batch.raw
+    if raw is not None and b"[DONE]" not in raw and b'"error"' not in raw and (
+        b'"usage"' not in raw or raw.count(b'"usage"') == raw.count(b'"usage":null')
+    ):
+        return raw
+    return _encode_events(batch.events, request_id, outcome)
+
+
+def _encode_events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
     parts: list[bytes] = []
     for event in batch:
         data = event.data
@@ -196,7 +213,7 @@ async def relay(
     `encode_batch` and `error_event` are the protocol's (SPEC §15: the Responses API and
     Messages end at named events, not `[DONE]`, and shape their errors their own way); the
     defaults are the chat rules."""
-    encode = _encode_batch if encode_batch is None else encode_batch
+    encode = _encode_events if encode_batch is None else encode_batch
     deadlines: _Deadlines | None = None
     try:
         yield encode(prefix.buffered, request_id, outcome)
@@ -206,7 +223,7 @@ async def relay(
             while True:
                 deadlines.reading = True
                 try:
-                    batch: list[SSEEvent] | None = await batches.__anext__()
+                    batch: SSEBatch | None = await batches.__anext__()
                 except StopAsyncIteration:
                     batch = None
                 except asyncio.CancelledError:
@@ -223,7 +240,8 @@ async def relay(
                     )
                     return
                 deadlines.last = clock()
-                yield encode(batch, request_id, outcome)
+                yield (_encode_batch(batch, request_id, outcome) if encode_batch is None
+                       else encode_batch(batch.events, request_id, outcome))
                 if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
                     break
             if outcome.end != StreamEnd.CLIENT_GONE:

@@ -27,6 +27,48 @@ class SSEEvent:
     __hash__ = None  # type: ignore[assignment]
 
 
+class SSEBatch:
+    """What one upstream read completed: its events, and its bytes when they can pass as is.
+
+    `raw` is set when the read was exactly whole single-line `data:` events in the canonical
+    framing (`data: X\n\n`, LF only, no comment or other field) and began at an event
+    boundary: those bytes are what the gateway would send anyway, so after commit the relay
+    forwards them untouched (SPEC §4) without building an event per line. `events` is then
+    decoded only if someone asks (the race does, before commit). Otherwise `raw` is None and
+    `events` is the decoder's view."""
+
+    __slots__ = ("_events", "raw")
+
+    def __init__(self, events: list[SSEEvent] | None, raw: bytes | None = None) -> None:
+        self._events = events
+        self.raw = raw
+
+    @property
+    def events(self) -> list[SSEEvent]:
+        events = self._events
+        if events is None:
+            raw = self.raw or b""
+            events = self._events = [
+                SSEEvent(part[6:]) for part in raw[:-2].split(b"\n\n")
+            ] if raw else []
+        return events
+
+    def __repr__(self) -> str:
+        return f"SSEBatch(events={self._events!r}, raw={self.raw!r})"
+
+
+def is_plain_events(chunk: bytes) -> bool:
+    """Whether `chunk` is exactly N >= 1 events `data: X\n\n` with X free of CR and LF.
+
+    Four C-level scans and no allocation: it must start with `data: `, end with a blank line,
+    hold no CR, and its LFs must be exactly the two of each event: one `\n\ndata: ` between
+    events, so 2 * (separators + 1) LFs in all. Any other line (a comment, `event:`, `id:`, a
+    multi-line `data`, an extra blank line) adds an LF that no separator accounts for."""
+    if not chunk.startswith(b"data: ") or not chunk.endswith(b"\n\n") or 13 in chunk:
+        return False
+    return chunk.count(b"\n") == 2 * (chunk.count(b"\n\ndata: ") + 1)
+
+
 class SSEProtocolError(ValueError):
     """The upstream byte stream cannot be a sane SSE stream (today: a line over `max_line`)."""
 
@@ -83,6 +125,23 @@ class SSEDecoder:
         self._event: bytes | None = None
         #: comment lines seen so far (for tests and stats; upstream keep-alives are comments)
         self.comments = 0
+
+    def feed_batch(self, chunk: bytes) -> SSEBatch | None:
+        """Decode one chunk into a batch (None when it completes no event).
+
+        A chunk of plain events (`is_plain_events`) read at an event boundary is not decoded
+        at all: the decoder's state after it would be the state before it (nothing pending),
+        so it is handed on as its bytes, with its events decoded only on demand."""
+        if self.at_boundary() and is_plain_events(chunk):
+            return SSEBatch(None, chunk)
+        events = self.feed(chunk)
+        return SSEBatch(events) if events else None
+
+    def at_boundary(self) -> bool:
+        """Nothing is pending: no partial line, no data lines of an unfinished event, no CR
+        whose LF may follow, no event type set, and a BOM no longer expected."""
+        return not (self._parts or self._data or self._cr_pending or self._event is not None
+                    or self._first_line)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Decode one chunk; return the events it completed (often none or one)."""

@@ -9,16 +9,26 @@ request), and the relay needs exact control over three things that response does
   how long the pending send has been stuck);
 - on shutdown, a live stream gets `grace` seconds to finish, then a final error event.
 
-Per event the pump does one lock acquire (uncontended, no await) and two stores.
+Per stream: the response's own task and nothing else until one tick period has passed (the
+ticker task starts from a timer then; the client watcher and the shutdown drain are
+callbacks). Per upstream read the pump does three stores, reads no clock and takes no lock:
+the ticker, which wakes a few times per keep-alive period, reads the clock and compares a
+send counter with what it saw last time (activity for the keep-alive, the same send still
+pending for the stuck-client check). The lock only orders the rare sends (keep-alives, the
+final message, the shutdown event) among themselves. A pump send may overlap a keep-alive;
+the server writes each message whole, and a comment between two events is harmless.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from typing import Any
 
 import anyio
+import anyio.abc
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -27,6 +37,7 @@ from gateway.drain import Drain
 from gateway.streamend import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
+log = logging.getLogger("hedge_gateway.sse")
 #: ASGI scope extension through which the server offers `abort()`: drop the connection now,
 #: unsent bytes and all (see gateway.server). Without it, a stuck client's connection can only
 #: be left to the server, which waits for the unsent bytes to drain before it closes.
@@ -53,6 +64,7 @@ class SSEResponse(Response):
         shutdown_event: bytes,
         on_close: Callable[[StreamEnd | None], Awaitable[None]],
         clock: Callable[[], float],
+        client_gone: asyncio.Future[None] | None = None,
     ) -> None:
         self.status_code = 200
         self.body_iterator = body
@@ -68,10 +80,18 @@ class SSEResponse(Response):
         self.shutdown_event = shutdown_event
         self.on_close = on_close
         self.clock = clock
+        #: a task already watching the client (the proxy's, from the race on): it ends when
+        #: the client disconnects; without one the response watches the client itself
+        self.client_gone = client_gone
         self._lock = asyncio.Lock()
-        self._last_send = 0.0
-        #: when the send in progress started (None: no send in progress)
-        self._sending_since: float | None = None
+        #: sends started so far, and whether one is in progress (the pump's only bookkeeping)
+        self._sends = 0
+        self._in_send = False
+        #: what the ticker saw: the send count, when it last changed, and (for a pending send)
+        #: since when the ticker has seen that same send pending
+        self._seen_sends = 0
+        self._active_at = clock()
+        self._pending_since: float | None = None
         #: why the stream ended early: client gone, stuck client, shutdown, or an exception
         #: of ours that escaped the relay (internal error)
         self.end: StreamEnd | None = None
@@ -83,23 +103,34 @@ class SSEResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ended = False
+        forget_drain: Callable[[], None] | None = None
+        ticker = _Ticker()
         try:
             await self._send(send, {"type": "http.response.start", "status": 200,
                                     "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_client, receive, tg.cancel_scope)
-                tg.start_soon(self._tick, send, tg.cancel_scope)
-                tg.start_soon(self._watch_drain, send, tg.cancel_scope)
+                self._watch(receive, tg)
+                ticker.arm(self._period(), lambda: self._tick(send, tg.cancel_scope))
+                forget_drain = self.drain.call_at_grace_end(
+                    self.grace, self._on_grace_end(tg.cancel_scope))
                 await self._pump(send)
                 # inside the group: the ticker still watches a client stuck at the very end
                 await self._send(send, {"type": "http.response.body", "body": b"",
                                         "more_body": False})
                 tg.cancel_scope.cancel()
+            if self.end is StreamEnd.SHUTDOWN:  # the grace ended: a final error event
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    await self._send(send, {"type": "http.response.body",
+                                            "body": self.shutdown_event, "more_body": False})
             ended = True
         except* OSError:  # the socket broke under a send (the task group wraps it in a group)
             self.end = self.end or StreamEnd.CLIENT_GONE
             ended = True
         finally:
+            with anyio.CancelScope(shield=True):
+                await ticker.stop()
+            if forget_drain is not None:
+                forget_drain()
             if not ended and self.end is None and not _being_cancelled():
                 # something else escaped (a bug of ours in the relay): it propagates, and the
                 # stats must not call it a client that left
@@ -121,23 +152,37 @@ class SSEResponse(Response):
         async with self._lock:
             if self._completed:  # a racing final message (shutdown vs. normal end)
                 return
-            self._sending_since = self.clock()
+            self._sends += 1
+            self._in_send = True
             await send(message)
-            self._sending_since = None
-            self._last_send = self.clock()
+            self._in_send = False
             if not message.get("more_body", False) and message["type"] == "http.response.body":
                 self._completed = True
 
     async def _pump(self, send: Send) -> None:
-        lock = self._lock
-        clock = self.clock
         async for chunk in self.body_iterator:
-            async with lock:
-                self._sending_since = clock()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                self._sending_since = None
-                self._last_send = clock()
+            self._sends += 1
+            self._in_send = True
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._in_send = False
         self._exhausted = True
+
+    def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> None:
+        """End the stream when the client disconnects: through the proxy's watcher when
+        there is one (a done-callback, no task of ours), else with a task of our own."""
+        gone = self.client_gone
+        if gone is None:
+            tg.start_soon(self._watch_client, receive, tg.cancel_scope)
+            return
+        scope = tg.cancel_scope
+
+        def on_gone(task: asyncio.Future[None]) -> None:
+            if task.cancelled():  # the request ended: not the client's doing
+                return
+            self.end = self.end or StreamEnd.CLIENT_GONE
+            scope.cancel()
+
+        gone.add_done_callback(on_gone)
 
     async def _watch_client(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while True:
@@ -147,29 +192,47 @@ class SSEResponse(Response):
                 scope.cancel()
                 return
 
-    async def _tick(self, send: Send, scope: anyio.CancelScope) -> None:
-        """Keep-alive comments when idle; give up on a client that stopped reading."""
-        period = max(0.01, min(self.keepalive, self.stuck_client) / 4)
-        while True:
-            await anyio.sleep(period)
-            now = self.clock()
-            since = self._sending_since
-            if since is not None and now - since >= self.stuck_client:
-                self.end = StreamEnd.STUCK_CLIENT
-                scope.cancel()
-                return
-            if since is None and now - self._last_send >= self.keepalive:
-                await self._send(send, {"type": "http.response.body", "body": KEEPALIVE,
-                                        "more_body": True})
+    def _period(self) -> float:
+        return max(0.01, min(self.keepalive, self.stuck_client) / 4)
 
-    async def _watch_drain(self, send: Send, scope: anyio.CancelScope) -> None:
-        """On shutdown: `grace` seconds to finish, then a final error event and the end."""
-        await self.drain.wait_grace(self.grace)
-        self.end = StreamEnd.SHUTDOWN
-        scope.cancel()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-            await self._send(send, {"type": "http.response.body", "body": self.shutdown_event,
-                                    "more_body": False})
+    async def _tick(self, send: Send, scope: anyio.CancelScope) -> None:
+        """Keep-alive comments when idle; give up on a client that stopped reading. Runs
+        from one period into the stream (`_Ticker`), then checks once per period."""
+        period = self._period()
+        while True:
+            now = self.clock()
+            sends = self._sends
+            if sends != self._seen_sends:  # something went out (or started to) since then
+                self._seen_sends = sends
+                self._active_at = now
+                self._pending_since = now if self._in_send else None
+            elif self._in_send:
+                since = self._pending_since if self._pending_since is not None else now
+                self._pending_since = since
+                if now - since >= self.stuck_client:
+                    self.end = StreamEnd.STUCK_CLIENT
+                    scope.cancel()
+                    return
+            elif now - self._active_at >= self.keepalive:
+                try:
+                    await self._send(send, {"type": "http.response.body", "body": KEEPALIVE,
+                                            "more_body": True})
+                except OSError:  # the socket broke: the client is gone
+                    self.end = self.end or StreamEnd.CLIENT_GONE
+                    scope.cancel()
+                    return
+            await anyio.sleep(period)
+
+    def _on_grace_end(self, scope: anyio.CancelScope) -> Callable[[], None]:
+        """On shutdown: `grace` seconds to finish (a callback of the drain's, not a task per
+        stream), then the stream stops and `__call__` sends a final error event."""
+
+        def stop() -> None:
+            if not self._completed:
+                self.end = self.end or StreamEnd.SHUTDOWN
+                scope.cancel()
+
+        return stop
 
 
 def _being_cancelled() -> bool:
@@ -193,3 +256,31 @@ async def _await_disconnect(scope: Scope, receive: Receive) -> None:
     with anyio.move_on_after(1.0):
         while (await receive())["type"] != "http.disconnect":
             pass
+
+
+class _Ticker:
+    """The stream's ticker task, started one period in by a timer: a stream that ends sooner
+    (most of them at high request rates) costs a timer, not a task. `stop()` ends either and
+    waits for the task, so nothing outlives the response."""
+
+    def __init__(self) -> None:
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def arm(self, delay: float, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        def start() -> None:
+            self._timer = None
+            self._task = asyncio.get_running_loop().create_task(run())
+
+        self._timer = asyncio.get_running_loop().call_later(delay, start)
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:  # a bug of ours
+                log.error("the stream's ticker failed", exc_info=task.exception())

@@ -1,6 +1,6 @@
 """Anthropic's Messages API (`provider: anthropic`, SPEC §15).
 
-The wire work is the OpenAI adapter's (one httpx request, raw SSE batches, the same error
+The wire work is the OpenAI adapter's (one `UpstreamClient` request, raw SSE batches, the same error
 translation and header allowlist); what differs is where the request goes and how it
 authenticates: `base_url` is what the Anthropic SDK takes (`https://api.anthropic.com`, no
 `/v1`), the key goes in `x-api-key` (unless `auth` says otherwise), and `anthropic-version`
@@ -9,10 +9,9 @@ is the configured one. The client's `anthropic-beta` arrives in `UpstreamCall.ex
 
 from __future__ import annotations
 
-import httpx
-
 from gateway.settings import BackendSettings, Timeouts
 from providers.base import UpstreamCall
+from providers.http import UpstreamClient
 from providers.openai import PASS_HEADERS, OpenAIProvider
 
 #: Anthropic's own response headers worth passing on, beyond the OpenAI allowlist
@@ -33,7 +32,7 @@ class AnthropicProvider(OpenAIProvider):
     def __init__(
         self,
         settings: BackendSettings,
-        client: httpx.AsyncClient,
+        client: UpstreamClient,
         timeouts: Timeouts,
         *,
         owns_client: bool = False,

@@ -3,7 +3,7 @@
 A provider opens an attempt and hands back an `UpstreamStream`: an open response whose event
 batches are read by the race until the first token and by the relay after commit. Providers know
 nothing of hedging. They raise only `gateway.errors.UpstreamError` subclasses: every library
-exception (httpx's, the simulator's) is translated here, at the boundary.
+exception (aiohttp's, the simulator's) is translated here, at the boundary.
 
 Closing is the caller's job and must always happen: `aclose()` is idempotent, fast (it drops
 the connection rather than draining it) and safe to call from a cancelled task.
@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol
 
 import anyio
 
-from gateway.sse import SSEEvent
+from gateway.sse import SSEBatch
 
 Endpoint = Literal[
     "chat/completions",
@@ -53,6 +53,9 @@ class UpstreamCall:
     #: seconds the upstream may take before its first byte (the remaining deadline)
     first_byte_timeout: float
     extra_headers: Mapping[str, str] = field(default_factory=dict)
+    #: `body` as JSON bytes when the caller already has them (serialized once per logical
+    #: request, `model` substituted per backend); empty: the provider encodes `body`
+    content: bytes = b""
     #: the HTTP method; GET and DELETE send no body
     method: str = "POST"
     #: the path below the API root when it is not `endpoint` (`responses/resp_1/cancel`)
@@ -67,12 +70,13 @@ class UpstreamStream(Protocol):
     #: response headers worth passing to the client (already filtered by an allowlist)
     headers: Mapping[str, str]
 
-    def batches(self) -> AsyncIterator[list[SSEEvent]]:
-        """The stream's events in order, as the lists that arrived together (never empty).
+    def batches(self) -> AsyncIterator[SSEBatch]:
+        """The stream's events in order, as the batches that arrived together (never empty).
 
         Batches, not single events, because one upstream read often carries several events
-        and the relay then forwards them in one write. For a non-streaming call: one batch of
-        one event, the whole body."""
+        and the relay then forwards them in one write; a batch also carries the read's bytes
+        when they can be forwarded as they are (`SSEBatch.raw`). For a non-streaming call:
+        one batch of one event, the whole body."""
         ...
 
     async def aclose(self) -> None:
@@ -88,6 +92,8 @@ class Provider(Protocol):
 
     async def open(self, call: UpstreamCall) -> UpstreamStream:
         """Send the request and return once the status and headers are in.
+
+        Raises `GatewayPoolFull` when the gateway's own connection pool stays full.
 
         Raises `UpstreamStatusError` for a status other than 200, `UpstreamConnectError`,
         `UpstreamTimeout` or `UpstreamProtocolError`.

@@ -1,8 +1,8 @@
 """Provider name -> adapter. The only place that knows every concrete provider.
 
 A backend whose TLS, proxy or environment settings differ from the defaults gets its own
-httpx client (a client's transport fixes them), built with the shared client's limits and
-closed with the provider; every other backend shares the app's client.
+`UpstreamClient` (a client's connector and session fix them), closed with the provider; every
+other backend shares the app's client.
 """
 
 from __future__ import annotations
@@ -10,43 +10,38 @@ from __future__ import annotations
 import random
 import ssl
 
-import httpx
-
 from gateway.settings import BackendSettings, Timeouts
 from gateway.settings.model import TlsSettings
 from providers.anthropic import AnthropicProvider
 from providers.base import Provider
-from providers.openai import OpenAIProvider, guard_pool_closes
+from providers.http import UpstreamClient
+from providers.openai import OpenAIProvider
 from providers.sim import SimProvider
 
-#: connection limits of a backend's own client (the shared one is sized by the app)
-OWN_LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=32,
-                          keepalive_expiry=30.0)
+#: connection bound of a backend's own client (the shared one is sized by the app)
+OWN_MAX_CONNECTIONS = 256
 
 
 def needs_own_client(settings: BackendSettings) -> bool:
     return settings.tls != TlsSettings() or settings.proxy is not None or settings.trust_env
 
 
-def own_client(settings: BackendSettings) -> httpx.AsyncClient:
+def own_client(settings: BackendSettings) -> UpstreamClient:
     """A client with this backend's TLS, proxy and environment settings; never redirects."""
     verify: ssl.SSLContext | bool = settings.tls.verify
     if settings.tls.verify and settings.tls.ca_file is not None:
         verify = ssl.create_default_context(cafile=settings.tls.ca_file)
-    client = httpx.AsyncClient(
-        limits=OWN_LIMITS,
-        follow_redirects=False,
-        verify=verify,
+    return UpstreamClient(
+        max_connections=OWN_MAX_CONNECTIONS,
+        ssl=verify,
         proxy=settings.proxy,
         trust_env=settings.trust_env,
     )
-    guard_pool_closes(client)  # the same cancel-safe closing as the shared client
-    return client
 
 
 def build_provider(
     settings: BackendSettings,
-    client: httpx.AsyncClient,
+    client: UpstreamClient,
     timeouts: Timeouts,
     rng: random.Random,
 ) -> Provider:

@@ -45,6 +45,8 @@ class Sample:
     attempts: int | None = None
     #: `x-hedge-backend` from the gateway (the winner), when present
     backend: str | None = None
+    #: `data:` events received before `[DONE]` (role, tokens, finish): all delivered?
+    events: int = 0
 
 
 def is_content_token(payload: bytes | str) -> bool | None:
@@ -105,6 +107,7 @@ async def _attempt(
 ) -> Sample:
     """Stream one response to its end and time it; every failure becomes a failed Sample."""
     ttft: float | None = None
+    events = 0
     try:
         async with client.stream("POST", url, content=content, headers=headers) as response:
             attempts = _header_int(response.headers, "x-hedge-attempts")
@@ -112,7 +115,7 @@ async def _attempt(
 
             def sample(ok: bool, error: str | None = None) -> Sample:
                 total = time.perf_counter() - start
-                return Sample(index, ok, ttft, total, error, attempts, backend)
+                return Sample(index, ok, ttft, total, error, attempts, backend, events)
 
             if response.status_code != 200:
                 await response.aread()
@@ -133,6 +136,7 @@ async def _attempt(
                     if payload == b"[DONE]":
                         done = True
                         break
+                    events += 1
                     if ttft is None:
                         try:
                             kind = is_content_token(payload)

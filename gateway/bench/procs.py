@@ -9,12 +9,13 @@ it fails to start), whose CPU time and RSS are sampled with psutil, and which is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 import platform
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import IO, Any
 
 import httpx
@@ -38,11 +39,17 @@ class Children:
         self.logdir = logdir
         self._procs: dict[int, tuple[str, subprocess.Popen[bytes], IO[bytes]]] = {}
 
-    def start(self, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: Sequence[str], *, cpus: Collection[int] = (),
+              env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start a child; pinned to `cpus` when given (before it starts any thread)."""
         log = open(os.path.join(self.logdir, f"{name}.log"), "wb")  # noqa: SIM115
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT,
+                                env=None if env is None else {**os.environ, **env})
         self._procs[proc.pid] = (name, proc, log)
+        if cpus:
+            with contextlib.suppress(OSError):  # it may have exited already: seen later
+                os.sched_setaffinity(proc.pid, cpus)
         return proc
 
     def tail(self, proc: subprocess.Popen[bytes], size: int = 2000) -> str:

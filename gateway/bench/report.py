@@ -266,13 +266,6 @@ def targets(
         bound = budget.ratio * n + budget.burst + budget.min_per_second * wall
         add(f"extra attempts <= ratio*N + burst + reserve*t = {bound:.1f}", extra,
             None if extra is None else extra <= bound)
-    elif workload == "overhead":
-        added = comparison.get("hedging-on_added_ttft_p50_ms")
-        add("gateway added median TTFT < 2 ms at c=50", added,
-            None if added is None else added < 2.0)
-        ratio = comparison.get("hedging-on_throughput_ratio_direct_over_gateway")
-        add("gateway throughput within 3x of direct", ratio,
-            None if ratio is None else ratio <= 3.0)
     elif workload == "pushback":
         for mode in GATEWAY_MODES:
             served = comparison.get(f"{mode}_served_pct")

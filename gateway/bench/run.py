@@ -27,7 +27,6 @@ command line `gateway.cli`'s.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import subprocess
@@ -41,77 +40,18 @@ from typing import Any, TextIO
 import httpx
 import yaml
 
-from gateway.bench import report
+from gateway.bench import report, speed
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
 from gateway.bench.oracle import best_single_hedge, format_shares, share_targets
 from gateway.bench.procs import ChildFailed, Children, ProcessMeter, free_port, machine, wait_ready
 from gateway.bench.upstream import profile_to_json, request_ttft
-from gateway.settings import BudgetSettings, SimProfile
+from gateway.bench.workloads import Workload
+from gateway.server import raise_open_file_limit
+from gateway.settings import BudgetSettings
 
 POOL = "bench"
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    name: str
-    description: str
-    profile: SimProfile
-    requests: int
-    concurrency: int
-    #: requests per mode with --quick
-    quick_requests: int
-    #: seconds added to every backend's TTFT for the middle of the run; 0 means no outage
-    outage_extra: float = 0.0
-    #: the outage covers these fractions of the request indexes
-    outage_span: tuple[float, float] = (1 / 3, 2 / 3)
-    #: simulated backends behind the gateway (the oracle races all of them)
-    backends: int = 2
-    #: the modes this workload runs (None: the plan's)
-    modes: tuple[str, ...] | None = None
-    #: the gateway's `delay.window` in seconds (None: the default 60 s)
-    delay_window: float | None = None
-    #: report the best single-hedge policy at the budget, from the seeded draws (SPEC §20)
-    single_hedge: bool = False
-
-
-_STRAGGLERS = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.03,
-                         straggler_extra=1.5, tokens=30, inter_token=0.005)
-
-#: the slow shares of SPEC §20's straggler workloads
-SLOW_SHARES = (3, 6, 10)
-#: their delay window: 4,000 requests at 30 to 100 a second span 2 to 7 windows of 20 s, so
-#: the delay settles and the run measures the settled rule, not the first minute
-SHARE_DELAY_WINDOW = 20.0
-
-
-def _share_workload(percent: int) -> Workload:
-    return Workload(
-        f"stragglers-{percent}", f"as stragglers, with {percent} % stragglers +1500 ms; "
-        f"delay.window {SHARE_DELAY_WINDOW:g} s",
-        dataclasses.replace(_STRAGGLERS, straggler_probability=percent / 100),
-        requests=4000, concurrency=20, quick_requests=300,
-        modes=("hedging-off", "hedging-on"), delay_window=SHARE_DELAY_WINDOW, single_hedge=True)
-
-
-WORKLOADS: tuple[Workload, ...] = (
-    Workload("stragglers", "lognormal TTFT (median 150 ms, sigma 0.25), 3 % stragglers +1500 ms,"
-             " 30 tokens at 5 ms", _STRAGGLERS, requests=600, concurrency=20, quick_requests=100),
-    Workload("outage", "as stragglers, but both backends +1500 ms for the middle third",
-             _STRAGGLERS, requests=600, concurrency=20, quick_requests=60, outage_extra=1.5),
-    Workload("overhead", "zero-latency backends (TTFT 0, inter-token 0), 50 tokens",
-             SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
-                        straggler_extra=0.0, tokens=50, inter_token=0.0),
-             requests=2000, concurrency=50, quick_requests=150),
-    Workload("pushback", "3 backends, TTFT median 150 ms (no stragglers), each answering 3 % "
-             "with 503 + Retry-After: 1", SimProfile(
-                 ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.0,
-                 straggler_extra=0.0, tokens=30, inter_token=0.005, fail_probability=0.03,
-                 fail_status=503),
-             requests=600, concurrency=16, quick_requests=150, backends=3),
-    *(_share_workload(percent) for percent in SLOW_SHARES),
-)
-#: `--workload` names that stand for several workloads
-WORKLOAD_GROUPS = {"slow-shares": tuple(f"stragglers-{p}" for p in SLOW_SHARES)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,23 +64,28 @@ class BenchPlan:
     #: where each workload's table is printed as soon as it is done (None: nowhere)
     tables: TextIO | None = None
     request_timeout: float = 60.0
+    #: another checkout of hedge-gateway whose gateway runs as an extra mode, `baseline`
+    baseline_src: str | None = None
     #: `serve --workers` of the gateway under test (SPEC §16): >1 checks that its workers
     #: serve and report as one server, and sums their CPU and RSS
     workers: int = 1
 
 
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
-                   delay_window: float | None = None) -> str:
+                   delay_window: float | None = None,
+                   max_concurrent_requests: int | None = None) -> str:
     backends = [
         {"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
          "base_url": f"http://127.0.0.1:{p}/v1", "group": f"zone-{chr(97 + k)}"}
         for k, p in enumerate(sim_ports)
     ]
+    server: dict[str, Any] = {"host": "127.0.0.1", "port": port}
+    if max_concurrent_requests is not None:
+        server["max_concurrent_requests"] = max_concurrent_requests
     pool: dict[str, Any] = {"name": POOL, "backends": backends}
     if delay_window is not None:
         pool["hedging"] = {"delay": {"window": delay_window}}
-    config = {"server": {"host": "127.0.0.1", "port": port}, "hedging": {"enabled": hedging},
-              "pools": [pool]}
+    config = {"server": server, "hedging": {"enabled": hedging}, "pools": [pool]}
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -152,20 +97,29 @@ class _Context:
     sims: list[str]
     sim_ports: list[int]
     sim_pids: list[int]
+    pinning: speed.Pinning
+    quick: bool = False
 
 
 async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                          ) -> tuple[str, subprocess.Popen[bytes]]:
+    """A gateway child for `mode`; `baseline` runs the code of `plan.baseline_src` (another
+    checkout), with hedging on, for a side-by-side comparison in the same run."""
     port = free_port()
     path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
     with open(path, "w", encoding="utf-8") as file:
         file.write(gateway_config(port, ctx.sim_ports[:workload.backends],
-                                  hedging=mode == "hedging-on",
-                                  delay_window=workload.delay_window))
+                                  hedging=mode in ("hedging-on", "baseline"),
+                                  delay_window=workload.delay_window,
+                                  max_concurrent_requests=workload.max_concurrent_requests))
+    env = None
+    if mode == "baseline" and ctx.plan.baseline_src:
+        env = {"PYTHONPATH": os.path.abspath(ctx.plan.baseline_src)}
     workers = ["--workers", str(ctx.plan.workers)] if ctx.plan.workers > 1 else []
     proc = ctx.children.start(f"gateway-{mode}", [
         sys.executable, "-m", "gateway.cli", "serve", "--config", path, "--host", "127.0.0.1",
-        "--port", str(port), "--log-level", "warning", *workers])
+        "--port", str(port), "--log-level", "warning", *workers], cpus=ctx.pinning.gateway,
+        env=env)
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -208,13 +162,16 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     outage = {"start": int(requests * workload.outage_span[0]),
               "end": int(requests * workload.outage_span[1]),
               "extra_ms": workload.outage_extra * 1000.0}
-    resets = await asyncio.gather(*(
-        client.post(f"{s}/bench/reset", json={
-            "profile": profile_to_json(workload.profile), "seed": ctx.plan.seed,
-            "backend": chr(97 + k), "outage": outage})
-        for k, s in enumerate(sims)))
-    for response in resets:
-        response.raise_for_status()
+
+    async def reset() -> None:
+        resets = await asyncio.gather(*(
+            client.post(f"{s}/bench/reset", json={
+                "profile": profile_to_json(workload.profile), "seed": ctx.plan.seed,
+                "backend": chr(97 + k), "outage": outage})
+            for k, s in enumerate(sims)))
+        for response in resets:
+            response.raise_for_status()
+
     direct_body = {**CHAT_BODY, "model": "sim"}
     send: Send
     if mode == "direct":
@@ -245,6 +202,16 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         meters.append(ProcessMeter(pids, trees=("gateway",)))
         samplers.append(asyncio.create_task(meters[0].sample_until(done)))
 
+    c1: dict[str, Any] | None = None
+    c1_requests = workload.quick_c1_requests if ctx.quick else workload.c1_requests
+    if c1_requests:
+        await reset()
+        c1_progress = Progress(ctx.plan.progress, f"{workload.name} / {mode} c=1", c1_requests)
+        c1_samples, _, _ = await run_load(c1_requests, 1, send, progress=c1_progress,
+                                          timeout=ctx.plan.request_timeout)
+        c1 = speed.ttft_summary(c1_samples)
+        c1_progress.finish(f"TTFT p50 {c1['ttft_p50_ms']} ms")
+    await reset()
     progress = Progress(ctx.plan.progress, f"{workload.name} / {mode}", requests)
     try:
         samples, warmup, wall = await run_load(requests, concurrency, send, progress=progress,
@@ -267,6 +234,9 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
                                 hedge_stats_before=baseline[0] if baseline else None,
                                 pool=POOL, process=processes.get("gateway"))
     row["processes"] = processes
+    row["c1"] = c1
+    row["cost"] = speed.cost_row(row)
+    row["events_delivered"] = speed.events_delivered(samples)
     row["warmup"] = {"requests": len(warmup), "errors": sum(not s.ok for s in warmup)}
     row["sim_stats"] = [entry["stats"] for entry in logs]
     row["hedge_stats"] = hedge_stats
@@ -284,9 +254,11 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                         concurrency: int) -> dict[str, Any]:
     gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
     modes = [m for m in ctx.plan.modes if workload.modes is None or m in workload.modes]
+    if ctx.plan.baseline_src:
+        modes.append("baseline")
     try:
         for mode in modes:
-            if mode in report.GATEWAY_MODES:
+            if mode in (*report.GATEWAY_MODES, "baseline"):
                 gateways[mode] = await _start_gateway(ctx, mode, workload)
         await asyncio.gather(*(wait_ready(ctx.client, f"{url}/healthz", proc, ctx.children)
                                for url, proc in gateways.values()))
@@ -296,7 +268,7 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
     finally:
         for _, proc in gateways.values():
             ctx.children.stop(proc)
-    comparison = report.compare(rows)
+    comparison = report.compare(rows) | speed.compare_costs(rows)
     if workload.single_hedge:
         comparison["single_hedge"] = _single_hedge(workload, requests, ctx.plan.seed)
     result: dict[str, Any] = {
@@ -307,6 +279,7 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                    if workload.outage_extra > 0 else None),
         "modes": list(rows.values()), "comparison": comparison,
         "targets": report.targets(workload.name, rows, comparison, BudgetSettings())
+        + speed.targets(workload.name, rows, comparison)
         + (share_targets(workload.name, rows, comparison) if workload.single_hedge else []),
     }
     if workload.outage_extra > 0 and "hedging-on" in rows:
@@ -315,7 +288,8 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
     if ctx.plan.workers > 1:
         result["gateway_workers"] = ctx.plan.workers
     if ctx.plan.tables is not None:
-        print(report.format_workload(result), file=ctx.plan.tables, flush=True)
+        table = "\n".join([report.format_workload(result), *speed.format_lines(result)])
+        print(table, file=ctx.plan.tables, flush=True)
         for row in rows.values():
             counted = row.get("gateway_counted")
             if counted is not None and ctx.plan.workers > 1:
@@ -340,18 +314,20 @@ def _single_hedge(workload: Workload, requests: int, seed: int) -> dict[str, Any
             "ttft_p99_ms": round(best.ttft[1] * 1000.0, 3)}
 
 
-async def _run(plan: BenchPlan, children: Children, sizes: Sequence[tuple[int, int]]
-               ) -> list[dict[str, Any]]:
+async def _run(plan: BenchPlan, children: Children, sizes: Sequence[tuple[int, int]],
+               pinning: speed.Pinning, quick: bool) -> list[dict[str, Any]]:
     """Start the simulators, then run each workload; the load uses its own clients."""
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:  # control calls
         ports = [free_port() for _ in range(max(w.backends for w in plan.workloads))]
         procs = [children.start(f"sim-{chr(97 + k)}", [
-            sys.executable, "-m", "gateway.bench.upstream", "--port", str(p)])
+            sys.executable, "-m", "gateway.bench.upstream", "--port", str(p)],
+            cpus=pinning.others)
             for k, p in enumerate(ports)]
         sims = [f"http://127.0.0.1:{p}" for p in ports]
         await asyncio.gather(*(wait_ready(client, f"{s}/v1/models", proc, children)
                                for s, proc in zip(sims, procs, strict=True)))
-        ctx = _Context(plan, children, client, sims, ports, [p.pid for p in procs])
+        ctx = _Context(plan, children, client, sims, ports, [p.pid for p in procs], pinning,
+                       quick)
         return [await _run_workload(ctx, w, n, c)
                 for w, (n, c) in zip(plan.workloads, sizes, strict=True)]
 
@@ -362,16 +338,25 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
     sizes = [(requests or (w.quick_requests if quick else w.requests), concurrency or w.concurrency)
              for w in plan.workloads]
     started = time.time()
+    # 1,000 streams need ~1,000 descriptors in the load client and ~2,000 in the gateway:
+    # the children inherit the raised limit (the gateway also raises its own)
+    files = raise_open_file_limit()
+    pinning = speed.Pinning.plan()
+    before = os.sched_getaffinity(0)
+    if pinning.others:  # the load client runs here: off the gateway's core
+        os.sched_setaffinity(0, pinning.others)
     with tempfile.TemporaryDirectory(prefix="hedge-bench-") as logdir:
         children = Children(logdir)
         try:
-            workloads = asyncio.run(_run(plan, children, sizes))
+            workloads = asyncio.run(_run(plan, children, sizes, pinning, quick))
         finally:
             children.close()
+            os.sched_setaffinity(0, before)
     return {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "duration_s": round(time.time() - started, 1), "machine": machine(),
+            "pinning": pinning.as_json(), "open_files": {"before": files[0], "after": files[1]},
             "seed": plan.seed, "quick": quick, "modes": list(plan.modes),
-            "workloads": workloads}
+            "baseline_src": plan.baseline_src, "workloads": workloads}
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 
 from gateway.errors import UpstreamStatusError, UpstreamTimeout
 from gateway.settings import BackendSettings, SimProfile
-from gateway.sse import SSEEvent
+from gateway.sse import SSEBatch, SSEEvent
 from providers.base import UpstreamCall, UpstreamStream
 from providers.sim import protocols
 from providers.sim.wire import (
@@ -53,18 +53,19 @@ class _SimStream:
         self._parked = False
         self._waiter: asyncio.Future[None] | None = None
         self._payloads = payloads(self._sleep)
-        self._iterator: AsyncGenerator[list[SSEEvent], None] | None = None
+        self._iterator: AsyncGenerator[SSEBatch, None] | None = None
 
-    def batches(self) -> AsyncIterator[list[SSEEvent]]:
+    def batches(self) -> AsyncIterator[SSEBatch]:
         if self._iterator is None:
             self._iterator = self._iterate()
         return self._iterator
 
-    async def _iterate(self) -> AsyncGenerator[list[SSEEvent], None]:
+    async def _iterate(self) -> AsyncGenerator[SSEBatch, None]:
         try:
             async for item in self._payloads:
                 # chat payloads are bare data; the Responses/Messages ones (name, data)
-                yield [SSEEvent(item) if isinstance(item, bytes) else SSEEvent(item[1], item[0])]
+                event = SSEEvent(item) if isinstance(item, bytes) else SSEEvent(item[1], item[0])
+                yield SSEBatch([event])
                 if self._closed:
                     return
         except _Closed:
@@ -111,9 +112,9 @@ class _SimBody:
         self.headers: Mapping[str, str] = {}
         self._body: bytes | None = body
 
-    async def batches(self) -> AsyncIterator[list[SSEEvent]]:
+    async def batches(self) -> AsyncIterator[SSEBatch]:
         if self._body is not None:
-            yield [SSEEvent(self._body)]
+            yield SSEBatch([SSEEvent(self._body)])
 
     async def aclose(self) -> None:
         self._body = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,12 @@ from gateway.bench import run as bench
 from gateway.bench.report import (
     MODES,
 )
+from gateway.bench.workloads import Workload
 from gateway.settings import SimProfile
 
 # --------------------------------------------------------------------------- end to end
 
-TINY = bench.Workload(
+TINY = Workload(
     "tiny", "fast profile for tests",
     SimProfile(ttft_median=0.01, ttft_sigma=0.25, straggler_probability=0.1,
                straggler_extra=0.15, tokens=5, inter_token=0.001),
@@ -24,8 +26,9 @@ TINY = bench.Workload(
 )
 
 
-def _check_modes(workload: dict[str, Any], requests: int) -> None:
-    assert [row["mode"] for row in workload["modes"]] == list(MODES)
+def _check_modes(workload: dict[str, Any], requests: int,
+                 modes: tuple[str, ...] = MODES) -> None:
+    assert [row["mode"] for row in workload["modes"]] == list(modes)
     for row in workload["modes"]:
         assert row["requests"] == requests
         assert row["ok"] + row["errors"] == requests, row["error_kinds"]
@@ -37,9 +40,14 @@ def _check_modes(workload: dict[str, Any], requests: int) -> None:
         assert (row["hedges"] is not None) == gateway
     by_mode = {row["mode"]: row for row in workload["modes"]}
     assert by_mode["direct"]["upstream"]["extra"] == 0
-    # a loser cancelled before its request went out never reaches its upstream
-    assert requests <= by_mode["oracle"]["upstream"]["attempts"] <= 2 * requests
+    if "oracle" in by_mode:
+        # a loser cancelled before its request went out never reaches its upstream
+        assert requests <= by_mode["oracle"]["upstream"]["attempts"] <= 2 * requests
     assert by_mode["hedging-off"]["hedges"]["started"] == 0
+    for row in workload["modes"]:  # the gateway's own cost, from its CPU counters
+        gateway = row["mode"] in ("hedging-off", "hedging-on")
+        assert (row["cost"]["cpu_ms_per_request"] is not None) == gateway
+        assert row["events_delivered"] is not None
 
 
 @pytest.mark.timeout(120)
@@ -61,14 +69,23 @@ def test_cli_writes_json_and_prints_the_table(
 
     out = tmp_path / "r.json"
     code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
-                 "--out", str(out), "--no-progress"])
+                 "--quick", "--out", str(out), "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "== overhead" in printed and "hedging-on" in printed
+    assert "ms/request" in printed and "at c=1: median TTFT" in printed
     data = json.loads(out.read_text())
     (workload,) = data["workloads"]
-    _check_modes(workload, 12)
-    assert len(workload["targets"]) == 2  # added median TTFT, throughput against direct
+    _check_modes(workload, 12, ("direct", "hedging-off", "hedging-on"))
+    for row in workload["modes"]:  # the pass at concurrency 1, before the main one
+        assert row["c1"]["requests"] == 100 and row["c1"]["ok"] == 100
+    assert {t["target"] for t in workload["targets"]} == {
+        "gateway CPU <= 1.2 ms per request at c=50", ">= 700 req/s at c=50",
+        "added median TTFT at c=1 <= 1.0 ms", "gateway peak RSS <= 100 MB at c=50"}
+    assert all(t["value"] is not None for t in workload["targets"])
+    if len(os.sched_getaffinity(0)) >= 2:  # the gateway alone on its core
+        assert len(data["pinning"]["gateway"]) == 1
+        assert data["pinning"]["gateway"][0] not in data["pinning"]["client_and_simulators"]
     assert '"_samples"' not in json.dumps(data)
 
 

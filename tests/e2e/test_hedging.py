@@ -44,7 +44,6 @@ from tests.harness import (
     token_chunk,
 )
 from tests.harness.builders import POOL, InOrder, gateway_settings
-from tests.harness.limits_kit import wait_for
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 SSE = {"content-type": "text/event-stream"}
@@ -366,8 +365,9 @@ def test_no_first_token_by_the_deadline_gives_504(
     _, hedge = order.arrivals
     for request in order.arrivals:
         assert any(u.wait_closed(request, 2.0) for u in upstreams if request in u.requests)
-    # the upstream records the outcome when its sleeping script notices the close
-    assert wait_for(lambda: hedge.outcome is not None)
+    # the upstream notes the close before its writer records the outcome: wait for both
+    assert any(u.wait_until(lambda: hedge.outcome is not None, 2.0)
+               for u in upstreams if hedge in u.requests)
     assert hedge.events_written == 1 and hedge.outcome == "client_closed"
 
 

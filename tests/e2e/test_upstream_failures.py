@@ -19,7 +19,11 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import ssl
+import subprocess
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -291,6 +295,63 @@ def blackhole_url() -> Iterator[str]:
 
 
 CONNECT = Timeouts(connect=0.3)
+
+
+@contextlib.contextmanager
+def untrusted_tls_url(workdir: Path) -> Iterator[tuple[str, list[bytes]]]:
+    """An HTTPS listener on loopback with a self-signed certificate (valid for 127.0.0.1 but
+    signed by no trusted CA), and what it received after each handshake: a client that
+    verifies certificates must refuse it before sending a byte of its request."""
+    cert, key = workdir / "cert.pem", workdir / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-days", "1"], check=True, capture_output=True)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    received: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2.0)
+                try:
+                    with context.wrap_socket(conn, server_side=True) as tls:
+                        received.append(tls.recv(65536))
+                except OSError:  # ssl.SSLError included: the client refused the handshake
+                    pass
+
+    thread = threading.Thread(target=serve, name="untrusted-tls", daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{listener.getsockname()[1]}/v1", received
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def test_an_upstream_with_an_untrusted_certificate_is_refused(
+    loop_thread: LoopThread, tmp_path: Path
+) -> None:
+    """TLS is verified: a backend whose certificate no trusted CA signed is a connect error,
+    and not one byte of the request (body, backend key) reaches it."""
+    with untrusted_tls_url(tmp_path) as (url, received):
+        settings = gateway_settings([url], timeouts=CONNECT)
+        gateway = GatewayFactory(loop_thread)(settings)
+        error = status_error(gateway)
+        assert error.status_code == 502
+        assert "b0: connect error" in error.response.json()["error"]["message"]
+        assert received == []
 
 
 def failover_runs(gateway: Gateway, runs: int = 6) -> list[int]:

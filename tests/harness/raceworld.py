@@ -34,7 +34,7 @@ from gateway.pool import PoolRuntime
 from gateway.proxy import LogicalRequest, Proxy
 from gateway.race import Race, RaceOptions, RaceResult
 from gateway.settings import BudgetSettings, DelaySettings, ServerSettings
-from gateway.sse import SSEEvent
+from gateway.sse import SSEBatch, SSEEvent
 from gateway.stats import RequestSummary, Stats
 from providers.base import UpstreamCall
 from tests.harness.builders import gateway_settings
@@ -104,7 +104,7 @@ class FakeStream:
         self.world, self.index, self.step = world, index, step
         world.opened[index] = world.loop.time()
 
-    async def batches(self) -> AsyncIterator[list[SSEEvent]]:
+    async def batches(self) -> AsyncIterator[SSEBatch]:
         step, world = self.step, self.world
         if step.what == "hang":
             await world.loop.create_future()
@@ -114,7 +114,7 @@ class FakeStream:
         if step.what == "gone+token":  # the client leaves in the very tick of the token
             assert world.race_task is not None
             world.race_task.cancel()
-        yield [ROLE, TOKEN]
+        yield SSEBatch([ROLE, TOKEN])
         await world.loop.create_future()
 
     async def aclose(self) -> None:

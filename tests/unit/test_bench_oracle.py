@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.bench.oracle import best_single_hedge, format_shares, share_targets
-from gateway.bench.run import WORKLOAD_GROUPS, WORKLOADS, gateway_config
+from gateway.bench.run import gateway_config
+from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
 
 
 def test_the_best_delay_is_the_smallest_the_budget_allows() -> None:

@@ -7,10 +7,12 @@ import json
 import re
 from pathlib import Path
 
-import httpx
+import aiohttp
+import pytest
 
 from gateway.errors import (
     AllAttemptsFailed,
+    GatewayPoolFull,
     HeadersTooLarge,
     InvalidRequest,
     UpstreamClientError,
@@ -24,7 +26,7 @@ from gateway.protocol import raw_error_response
 from gateway.relay import error_event
 from gateway.routes import error_response
 from gateway.streamend import ERROR_ENDS
-from providers.openai import translate
+from providers.http import UpstreamClient, translate
 
 ROOT = Path(__file__).resolve().parents[2]
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -158,14 +160,41 @@ def test_the_readme_lists_every_failure_code_and_stream_end() -> None:
 
 
 def test_transport_errors_translate_to_their_classes() -> None:
-    cases = {
-        httpx.ConnectTimeout("x"): "connect_timeout",
-        httpx.PoolTimeout("x"): "gateway_pool_full",
-        httpx.ConnectError("x"): "connect_error",
-        httpx.ReadTimeout("x"): "read_timeout",
-        httpx.RemoteProtocolError("x"): "connection_reset",
-        httpx.ReadError("x"): "connection_reset",
-        httpx.DecodingError("x"): "protocol_error",
+    """aiohttp's exceptions as it raises them (the messages are aiohttp's own: a payload
+    error says whether the connection was lost with an error only in its text)."""
+    key = aiohttp.client_reqrep.ConnectionKey("h", 80, False, True, None, None, None)
+    cases: dict[str, tuple[aiohttp.ClientError | TimeoutError, str, str]] = {
+        "connect-timeout": (aiohttp.ConnectionTimeoutError("x"), "connect_timeout", "connect"),
+        "refused": (aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "x")),
+                    "connect_error", "connect error"),
+        "read-timeout": (aiohttp.SocketTimeoutError("x"), "read_timeout", "read timeout"),
+        "timeout": (TimeoutError(), "read_timeout", "read timeout"),
+        "reset-mid-body": (aiohttp.ClientPayloadError(
+            "Response payload is not completed: <TransferEncodingError: 400, message='Not "
+            "enough data to satisfy transfer length header.'>. ConnectionResetError(104, "
+            "'Connection reset by peer')"), "connection_reset", "reset"),
+        "close-mid-body": (aiohttp.ClientPayloadError(
+            "Response payload is not completed: <TransferEncodingError: 400, message='Not "
+            "enough data to satisfy transfer length header.'>"), "connection_reset", "closed"),
+        "close-before-head": (aiohttp.ServerDisconnectedError(), "connection_reset", "closed"),
+        "reset-before-head": (aiohttp.ClientOSError(104, "reset"), "connection_reset", "reset"),
+        "bad-head": (aiohttp.ClientResponseError(None, (), status=400),  # type: ignore[arg-type]
+                     "protocol_error", "malformed"),
+        "other": (aiohttp.InvalidURL("x"), "protocol_error", "transport error"),
     }
-    assert {type(exc).__name__: translate(exc).code for exc in cases} == {
-        type(exc).__name__: code for exc, code in cases.items()}
+    got = {name: (translate(exc).code, words in translate(exc).reason)
+           for name, (exc, _, words) in cases.items()}
+    assert got == {name: (code, True) for name, (_, code, _) in cases.items()}
+
+
+async def test_our_pool_full_is_gateway_pool_full() -> None:
+    """Every slot of the gateway's own client is taken: the next request waits
+    `pool_timeout`, then fails as ours (not the backend's), without touching the network."""
+    client = UpstreamClient(max_connections=1)
+    await client._slots.acquire()  # one response open elsewhere
+    with pytest.raises(GatewayPoolFull) as info:
+        await client.request("POST", "http://127.0.0.1:9/v1/x", content=b"{}", headers={},
+                             timeout=aiohttp.ClientTimeout(), pool_timeout=0.01)
+    assert info.value.code == "gateway_pool_full" and not info.value.backend_fault
+    assert client.in_use == 0
+    await client.aclose()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from gateway.attempt import CANCELLED_BEFORE_TOKEN
-from gateway.relay import RelayOutcome, _encode_batch
+from gateway.relay import RelayOutcome, _encode_batch, _encode_events
 from gateway.settings import TracingSettings
-from gateway.sse import SSEEvent
+from gateway.sse import SSEDecoder, SSEEvent
 from gateway.stats import Stats
 from gateway.stats.races import RecentRaces
 from gateway.stats.record import PoolStats, hedge_input_tokens
@@ -85,23 +85,39 @@ def batch(*datas: bytes) -> list[SSEEvent]:
 def test_relay_drops_the_usage_chunk_it_asked_for_and_keeps_its_numbers() -> None:
     events = batch(TOKEN_CHUNK, USAGE_CHUNK, b"[DONE]")
     stripped = RelayOutcome(strip_usage=True)
-    out = _encode_batch(events, "r", stripped)
+    out = _encode_events(events, "r", stripped)
     assert out == b"data: " + TOKEN_CHUNK + b"\n\ndata: [DONE]\n\n"
     assert stripped.usage == Usage(5, 9) and stripped.end == StreamEnd.DONE
     kept = RelayOutcome(strip_usage=False)
-    out = _encode_batch(events, "r", kept)
+    out = _encode_events(events, "r", kept)
     assert USAGE_CHUNK in out and kept.usage == Usage(5, 9)
     # usage riding on a chunk with a choice is never dropped
     mixed = b'{"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":1}}'
-    assert mixed in _encode_batch(batch(mixed), "r", RelayOutcome(strip_usage=True))
+    assert mixed in _encode_events(batch(mixed), "r", RelayOutcome(strip_usage=True))
+
+
+def test_relay_reads_usage_in_a_read_that_could_pass_as_it_arrived() -> None:
+    """A plain read (the pass-through path) holding the usage chunk still has its usage
+    counted and, when the gateway asked for it, stripped; `"usage":null` chunks pass as is."""
+    nulls = b'{"choices":[{"delta":{"content":"x"}}],"usage":null}'
+    decoder = SSEDecoder()
+    decoder.feed(b"data: " + nulls + b"\n\n")  # the first read may hold a BOM: decoded
+    plain = decoder.feed_batch(b"data: " + nulls + b"\n\ndata: " + USAGE_CHUNK + b"\n\n")
+    assert plain is not None and plain.raw is not None
+    stripped = RelayOutcome(strip_usage=True)
+    assert _encode_batch(plain, "r", stripped) == b"data: " + nulls + b"\n\n"
+    assert stripped.usage == Usage(5, 9)
+    only_nulls = decoder.feed_batch(b"data: " + nulls + b"\n\n")
+    assert only_nulls is not None and only_nulls.raw is not None
+    assert _encode_batch(only_nulls, "r", RelayOutcome(strip_usage=True)) is only_nulls.raw
 
 
 def test_relay_merges_anthropic_style_usage_reports() -> None:
     start = b'{"type":"message_start","message":{"usage":{"input_tokens":12,"output_tokens":1}}}'
     delta = b'{"type":"message_delta","usage":{"output_tokens":30}}'
     outcome = RelayOutcome()
-    _encode_batch(batch(start), "r", outcome)
-    _encode_batch(batch(delta), "r", outcome)
+    _encode_events(batch(start), "r", outcome)
+    _encode_events(batch(delta), "r", outcome)
     assert outcome.usage == Usage(12, 30)
 
 

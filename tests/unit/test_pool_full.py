@@ -1,30 +1,29 @@
 """Our own connection pool being full is our failure, not the backend's (issue 10, risk 12).
 
-httpx raises `PoolTimeout` when every connection of the gateway's shared client is busy; the
-backend was never asked. Counting that as its connect failure would eject healthy backends
-one after another exactly when the gateway is busiest."""
+The gateway's shared upstream client raises `GatewayPoolFull` when every one of its connections
+is busy past `timeouts.connect`; the backend was never asked. Counting that as its connect
+failure would eject healthy backends one after another exactly when the gateway is busiest."""
 
 from __future__ import annotations
 
 import random
 import time
 
-import httpx
+import aiohttp
 import pytest
 
 from gateway.attempt import AttemptRecord, Prefix
-from gateway.errors import AllAttemptsFailed, GatewayPoolFull, UpstreamConnectError
+from gateway.errors import AllAttemptsFailed, GatewayPoolFull, UpstreamConnectError, UpstreamError
 from gateway.pool import PoolRuntime
 from gateway.race import Race, RaceOptions
-from providers.openai import translate
+from providers.http import translate
 from tests.harness.builders import gateway_settings
 
 
 def test_a_pool_timeout_is_ours_and_a_connect_timeout_is_the_backends() -> None:
-    ours = translate(httpx.PoolTimeout("pool full"))
-    assert isinstance(ours, GatewayPoolFull)
+    ours = GatewayPoolFull("no free upstream connection in the gateway's pool")
     assert not ours.backend_fault and ours.replaceable
-    theirs = translate(httpx.ConnectTimeout("slow connect"))
+    theirs = translate(aiohttp.ConnectionTimeoutError("slow connect"))
     assert isinstance(theirs, UpstreamConnectError) and theirs.backend_fault
 
 
@@ -38,18 +37,18 @@ def pool_of(backends: int) -> PoolRuntime:
 
 @pytest.mark.parametrize(
     ("error", "penalised"),
-    [(httpx.PoolTimeout("full"), False), (httpx.ConnectTimeout("slow"), True)],
+    [(GatewayPoolFull("full"), False), (translate(aiohttp.ConnectionTimeoutError("slow")), True)],
     ids=["pool-timeout", "connect-timeout"],
 )
 async def test_only_the_backends_own_failures_count_against_its_health(
-    error: httpx.HTTPError, penalised: bool
+    error: UpstreamError, penalised: bool
 ) -> None:
     pool = pool_of(2)
     calls: list[str] = []
 
     async def runner(backend: str, record: AttemptRecord) -> Prefix:
         calls.append(backend)
-        raise translate(error)
+        raise error
 
     race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
                 time.monotonic)

@@ -5,11 +5,13 @@ risks 10 and 11). The race itself is in test_race_table.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 
 from gateway.errors import UpstreamClientError
+from gateway.usage import ask_for_usage
 from tests.harness.raceworld import (
     HANG,
     Setup,
@@ -107,5 +109,72 @@ def test_a_cancelled_request_task_ends_the_request_inline() -> None:
             await task
         assert proxy.admission.active == 0 and pool.inflight_requests == 0
         assert set(world.closed) == set(world.opened) == {0, 1}
+
+    run_virtual(main)
+
+
+def test_one_watcher_sees_the_client_for_the_whole_request_and_the_body_is_encoded_once(
+) -> None:
+    """Issue 11, point 3. During the race one task watches the client (no drain task), the
+    streaming response keeps using that task instead of reading `receive` itself, and a
+    disconnect mid-stream through it ends the request. Every attempt is sent the body
+    serialized once, with the backend's own model put first."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([HANG, Step("token", 0.125)]), loop, world)
+        sent_bodies: list[tuple[bytes, dict[str, Any]]] = []
+        provider = next(iter(pool.providers.values()))
+        real_open = provider.open
+
+        async def recording_open(call: Any) -> Any:
+            sent_bodies.append((call.content, dict(call.body)))
+            return await real_open(call)
+
+        provider.open = recording_open  # type: ignore[method-assign]
+        receives = 0
+        leave = asyncio.Event()
+
+        async def receive() -> Any:
+            nonlocal receives
+            receives += 1
+            await leave.wait()
+            return {"type": "http.disconnect"}
+
+        request = http_request()
+        request._receive = receive
+        handling = asyncio.ensure_future(
+            proxy.handle(request, pool, logical_request(stream=True)))
+        await asyncio.sleep(0.2)  # the primary hangs, the hedge has not yet found its token
+        names = sorted(t.get_coro().__qualname__ for t in asyncio.all_tasks()  # type: ignore[union-attr]
+                       if t is not asyncio.current_task() and not t.done())
+        assert names.count("_wait_disconnect") == 1
+        assert not any("wait_grace" in name for name in names)
+        response = await handling
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        streaming = asyncio.ensure_future(response({"type": "http"}, receive, send))
+        await asyncio.sleep(1.0)
+        assert [m["type"] for m in sent][:2] == ["http.response.start", "http.response.body"]
+        leave.set()  # the client hangs up mid-stream
+        await streaming
+        assert receives == 1  # the response never read `receive` on its own
+        [(_, summary)] = proxy.stats.summaries  # type: ignore[attr-defined]
+        assert summary.relay_end == "client_gone"
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
+        assert set(world.closed) == set(world.opened)
+        assert len(sent_bodies) == 2
+        req = logical_request(stream=True)
+        # the body the gateway sends upstream: usage asked for (SPEC §17), model per backend
+        upstream, _ = ask_for_usage(req.endpoint, req.stream, req.body)
+        for content, body in sent_bodies:
+            assert content.startswith(b'{"model":')
+            assert json.loads(content) == body
+            assert body == {**upstream, "model": body["model"]}
+        models = {body["model"] for _, body in sent_bodies}
+        assert len(models) == 2 and models <= set(pool.models.values())
 
     run_virtual(main)

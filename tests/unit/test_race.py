@@ -24,7 +24,7 @@ from gateway.errors import (
 )
 from gateway.pool import PoolRuntime
 from gateway.race import AttemptRunner, Race, RaceOptions
-from gateway.sse import SSEEvent
+from gateway.sse import SSEBatch, SSEEvent
 from tests.harness.builders import gateway_settings
 
 TOKEN = SSEEvent(b'{"choices":[{"index":0,"delta":{"content":"x"}}]}')
@@ -39,9 +39,9 @@ class Done:
         return None
 
 
-async def _no_batches() -> AsyncIterator[list[SSEEvent]]:
+async def _no_batches() -> AsyncIterator[SSEBatch]:
     if False:
-        yield []
+        yield SSEBatch([])
 
 
 def pool_of(backends: int = 2) -> PoolRuntime:

@@ -1,13 +1,13 @@
 """Reload carry-over (SPEC §18), pure parts: what survives a new generation and what starts
-fresh. Fake clock, no sockets (the httpx client is built but never used: sim backends)."""
+fresh. Fake clock, no sockets (the upstream client is built but never used: sim backends)."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway.app import Reloader, build_pools
@@ -27,6 +27,7 @@ from gateway.settings import (
 )
 from gateway.stats import Stats
 from gateway.stats.view import snapshot
+from providers.http import UpstreamClient
 
 
 def backend(name: str, weight: float = 1.0) -> BackendSettings:
@@ -89,7 +90,7 @@ def test_stats_adopt_keeps_survivors_and_drops_removed() -> None:
 
 
 def test_build_pools_carries_runtimes_over_by_name() -> None:
-    client = httpx.AsyncClient()
+    client = UpstreamClient(max_connections=8)
     clock = lambda: 5.0  # noqa: E731
     rng = random.Random(1)
     first = build_pools(Settings(pools=(pool("p", "a", "b"), pool("q", "x"))), client, clock,
@@ -103,10 +104,13 @@ def test_build_pools_carries_runtimes_over_by_name() -> None:
     assert p_new.delays["c"].samples(5.0) == 0
     assert set(second) == {"p", "r"}
     assert p_old.settings.hedging.delay.initial == 0.5  # the old generation is untouched
+    # the per-configuration maps every attempt reads follow the new backends
+    assert set(p_new.models) == set(p_new.models_json) == {"a", "c"}
+    assert p_new.models_json["c"] == json.dumps(p_new.models["c"]).encode()
 
 
 def _live(settings: Settings) -> tuple[Live, Stats, Reloader]:
-    client = httpx.AsyncClient()
+    client = UpstreamClient(max_connections=8)
     pools = build_pools(settings, client, lambda: 0.0, random.Random(1))
     stats = Stats.for_pools(pools, now=0.0)
     live = Live(Generation(settings, pools, ConfigOrigin.embedded(settings, now=0.0)))

@@ -241,7 +241,7 @@ def call(
 async def test_provider_streams_the_same_bytes_as_the_wire() -> None:
     sim = provider(tokens=4)
     stream = await sim.open(call())
-    got = [e async for batch in stream.batches() for e in batch]
+    got = [e async for batch in stream.batches() for e in batch.events]
     await stream.aclose()
     await stream.aclose()  # idempotent
     plan = SimModel(SimProfile(ttft_median=0.0, inter_token=0.0, tokens=4), random.Random(1)).plan(
@@ -274,7 +274,7 @@ async def test_provider_close_ends_a_hanging_read_from_another_task() -> None:
     sim = provider(hang_probability=1.0)
     stream = await sim.open(call())
     events = stream.batches()
-    (first,) = await anext(events)
+    (first,) = (await anext(events)).events
     assert classify(first) is Kind.OTHER
     reader = asyncio.create_task(anext(events, None))
     await asyncio.sleep(0)
@@ -299,7 +299,7 @@ async def test_provider_close_before_reading_and_between_events() -> None:
 async def test_provider_non_streaming_and_timeouts() -> None:
     sim = provider(tokens=2)
     response = await sim.open(call(stream=False))
-    (event,) = [e async for batch in response.batches() for e in batch]
+    (event,) = [e async for batch in response.batches() for e in batch.events]
     assert loads(event)["choices"][0]["message"]["content"] == "tok0 tok1 "
     await response.aclose()
     hanging = provider(hang_probability=1.0)
@@ -313,7 +313,7 @@ async def test_provider_non_streaming_and_timeouts() -> None:
     with pytest.raises(UpstreamTimeout):
         await hanging.open(slow_call)
     embeddings = await sim.open(call({"input": "a"}, stream=True, endpoint="embeddings"))
-    (event,) = [e async for b in embeddings.batches() for e in b]  # never streamed
+    (event,) = [e async for b in embeddings.batches() for e in b.events]  # never streamed
     assert loads(event)["data"][0]["embedding"] == embedding_vector("a")
     with pytest.raises(UpstreamStatusError) as info:
         await sim.open(call(headers={"x-sim-ttft-ms": "soon"}))

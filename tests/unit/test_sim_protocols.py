@@ -95,6 +95,6 @@ async def test_in_process_provider_names_its_events() -> None:
                                                   "messages": []},
                         stream=True, request_id="r", first_byte_timeout=5.0)
     stream = await provider.open(call)
-    names = [e.event async for batch in stream.batches() for e in batch]
+    names = [e.event async for batch in stream.batches() for e in batch.events]
     await stream.aclose()
     assert names[0] == b"message_start" and names[-1] == b"message_stop"

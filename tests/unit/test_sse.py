@@ -12,6 +12,7 @@ from gateway.sse import (
     SSEProtocolError,
     encode_comment,
     encode_event,
+    is_plain_events,
 )
 
 E = SSEEvent
@@ -261,3 +262,83 @@ def test_encode_event_rejects_cr_in_data_and_line_ends_in_type() -> None:
         encode_event(b"a\rb")
     with pytest.raises(ValueError):
         encode_event(b"a", b"x\ny")
+
+
+# --- batches: the read's own bytes when they are plain events (the relay's pass-through) ---
+
+
+def decode_batches(chunks: list[bytes]) -> tuple[list[SSEEvent], list[bytes | None]]:
+    """Every chunk through `feed_batch` after a first plain read (the decoder always decodes
+    its first read, for the BOM): the events, and each batch's `raw`."""
+    decoder = SSEDecoder()
+    assert decoder.feed_batch(b"data: warm\n\n") is not None
+    events: list[SSEEvent] = []
+    raws: list[bytes | None] = []
+    for chunk in chunks:
+        batch = decoder.feed_batch(chunk)
+        if batch is not None:
+            events += batch.events
+            raws.append(batch.raw)
+    return events, raws
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_batches_decode_every_case_at_every_split_like_feed(name: str) -> None:
+    raw, expected = CASES[name]
+    if raw.startswith(b"\xef\xbb\xbf"):  # a BOM only counts at the very start
+        return
+    for cut in range(len(raw) + 1):
+        events, _ = decode_batches([raw[:cut], raw[cut:]])
+        assert events == expected, cut
+
+
+def test_a_read_of_plain_events_passes_as_its_own_bytes() -> None:
+    chunk = b'data: {"a":1}\n\ndata: {"b":2}\n\n'
+    events, raws = decode_batches([chunk])
+    assert raws == [chunk] and raws[0] is chunk  # the very object: no copy
+    assert events == [E(b'{"a":1}'), E(b'{"b":2}')]
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [b"data: a\r\n\r\n"],  # CRLF: re-framed with LF
+        [b": ping\n\ndata: a\n\n"],  # a comment: dropped
+        [b"data: a\n\n: ping\n\n"],
+        [b"event: x\ndata: a\n\n"],  # another field
+        [b"id: 7\ndata: a\n\n"],
+        [b"data: a\ndata: b\n\n"],  # multi-line data
+        [b"data: a\n\n\ndata: b\n\n"],  # an extra blank line
+        [b"data:a\n\n"],  # no space after the colon
+        [b"data: a\n"],  # an unfinished event
+    ],
+    ids=["crlf", "comment-first", "comment-last", "event-field", "id-field", "multi-line",
+         "extra-blank", "no-space", "unfinished"],
+)
+def test_anything_but_plain_events_is_decoded_not_passed(chunks: list[bytes]) -> None:
+    _, raws = decode_batches(chunks)
+    assert all(raw is None for raw in raws)
+
+
+def test_a_split_event_is_decoded_and_the_next_plain_read_passes_again() -> None:
+    events, raws = decode_batches([b"data: a", b"b\n\n", b"data: c\n\n"])
+    assert events == [E(b"ab"), E(b"c")]
+    assert raws == [None, b"data: c\n\n"]  # after the split, the decoder is at a boundary
+
+
+def test_a_read_after_a_pending_cr_goes_through_the_decoder() -> None:
+    """A read ending in CR leaves the decoder waiting for a possible LF: the next read is
+    decoded (its leading LF is the same line end), and plain reads pass again after it."""
+    events, raws = decode_batches([b"data: a\n\r", b"\ndata: b\n\n", b"data: c\n\n"])
+    assert events == [E(b"a"), E(b"b"), E(b"c")]
+    assert raws == [None, None, b"data: c\n\n"]
+
+
+def test_plain_events_predicate() -> None:
+    assert is_plain_events(b"data: x\n\n")
+    assert is_plain_events(b"data: x\n\ndata: \n\n")
+    assert not is_plain_events(b"")
+    assert not is_plain_events(b"data: x\n\ndata: y\n")
+    assert not is_plain_events(b"data: x\ndata: y\n\n")
+    assert not is_plain_events(b"data: x\r\n\r\n")
+    assert not is_plain_events(b"\ndata: x\n\n")

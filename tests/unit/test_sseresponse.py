@@ -68,3 +68,36 @@ def test_a_bug_in_the_relay_propagates_and_is_not_a_client_that_left() -> None:
         return ends
 
     assert run_virtual(main) == ["internal_error"]
+
+
+def test_a_stream_shorter_than_a_tick_runs_no_extra_task_and_a_long_one_keeps_alive() -> None:
+    """Issue 11: per stream, the keep-alive/stuck-client ticker starts one period in (a timer
+    before that), and the proxy's client watcher and the drain are callbacks: a short stream
+    runs in its own task alone. A stream that goes quiet still gets its keep-alive."""
+
+    async def main(loop: VirtualLoop) -> tuple[list[int], list[bytes]]:
+        seen: list[int] = []
+        sent: list[bytes] = []
+        gone: asyncio.Future[None] = loop.create_future()  # the proxy's watcher: still there
+
+        async def body() -> AsyncIterator[bytes]:
+            for pause in (0.1, 0.1, 20.0):  # 20 s of silence: past the 15 s keep-alive
+                await asyncio.sleep(pause)
+                seen.append(len(asyncio.all_tasks()))
+                yield b"data: x\n\n"
+
+        async def send(message: Any) -> None:
+            if message["type"] == "http.response.body":
+                sent.append(message["body"])
+
+        stream = SSEResponse(body(), headers={}, keepalive=15.0, stuck_client=30.0,
+                             drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
+                             on_close=lambda end: asyncio.sleep(0), clock=loop.time,
+                             client_gone=gone)
+        await stream({"type": "http"}, never, send)
+        gone.cancel()
+        return seen, sent
+
+    seen, sent = run_virtual(main)
+    assert seen[:2] == [1, 1]  # the first two chunks: the response's own task only
+    assert b": keep-alive\n\n" in sent

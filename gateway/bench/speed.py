@@ -1,0 +1,149 @@
+"""The bench's cost figures (issue 11): where each process runs, and what the gateway costs.
+
+- **Pinning.** With two or more usable CPUs the gateway gets the first one to itself and the
+  load client and the simulators share the others, so the gateway's figures are not those of
+  a process fighting its own load generator for a core. With one CPU nothing is pinned.
+- **CPU ms per request**: the gateway process's own CPU time (user + system, from the kernel's
+  counters) over the measured pass, divided by its requests. Robust on a shared machine:
+  other load slows the run down but does not bill its CPU to the gateway.
+- **Added median TTFT at c=1**: a short pass at concurrency 1 per mode, before the main one,
+  against the same pass sent direct. At c=50 the median mostly measures queueing on a
+  saturated machine, not the gateway; at c=1 there is no queue.
+- **Targets** of the `overhead` and `streams` workloads, each with its value, met or not.
+
+Pure functions over the rows the bench collected, plus the affinity calls.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.bench.load import Sample
+from gateway.bench.report import TTFT_QUANTILES, quantile
+
+
+@dataclass(frozen=True, slots=True)
+class Pinning:
+    """CPU sets: the gateway's own, and everyone else's (empty: not pinned)."""
+
+    gateway: tuple[int, ...]
+    others: tuple[int, ...]
+
+    @classmethod
+    def plan(cls, usable: Sequence[int] | None = None) -> Pinning:
+        cpus = sorted(usable if usable is not None else os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            return cls((), ())
+        return cls((cpus[0],), tuple(cpus[1:]))
+
+    def as_json(self) -> dict[str, list[int]]:
+        return {"gateway": list(self.gateway), "client_and_simulators": list(self.others)}
+
+
+def ttft_summary(samples: Sequence[Sample]) -> dict[str, Any]:
+    """TTFT quantiles (ms) of the successful samples, and how many there were."""
+    ttfts = sorted(s.ttft for s in samples if s.ok and s.ttft is not None)
+    out: dict[str, Any] = {"requests": len(samples), "ok": len(ttfts)}
+    for name, q in TTFT_QUANTILES:
+        value = quantile(ttfts, q)
+        out[f"ttft_{name}_ms"] = None if value is None else round(value * 1000.0, 3)
+    return out
+
+
+def cost_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The gateway's CPU ms per request and peak RSS of one measured pass (None: no gateway)."""
+    proc = row.get("gateway_process")
+    n = row.get("requests") or 0
+    if not isinstance(proc, Mapping) or not n:
+        return {"cpu_ms_per_request": None, "peak_rss_mb": None}
+    return {"cpu_ms_per_request": round(1000.0 * float(proc["cpu_s"]) / n, 3),
+            "peak_rss_mb": proc.get("peak_rss_mb")}
+
+
+def events_delivered(samples: Sequence[Sample]) -> tuple[int, int] | None:
+    """(min, max) `data:` events per successful stream, None when none succeeded."""
+    counts = [s.events for s in samples if s.ok]
+    return (min(counts), max(counts)) if counts else None
+
+
+def _num(node: Any, *path: str) -> float | None:
+    for key in path:
+        node = node.get(key) if isinstance(node, Mapping) else None
+    return float(node) if isinstance(node, int | float) and not isinstance(node, bool) else None
+
+
+def compare_costs(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per gateway mode: added TTFT at c=1 (p50) against direct, CPU ms per request, RSS."""
+    out: dict[str, Any] = {}
+    direct_c1 = _num(rows.get("direct"), "c1", "ttft_p50_ms")
+    for mode, row in rows.items():
+        if mode == "direct" or mode == "oracle":
+            continue
+        c1 = _num(row, "c1", "ttft_p50_ms")
+        if c1 is not None and direct_c1 is not None:
+            out[f"{mode}_added_ttft_c1_p50_ms"] = round(c1 - direct_c1, 3)
+        cost = row.get("cost") or {}
+        out[f"{mode}_cpu_ms_per_request"] = cost.get("cpu_ms_per_request")
+        out[f"{mode}_peak_rss_mb"] = cost.get("peak_rss_mb")
+    return out
+
+
+def targets(workload: str, rows: Mapping[str, Mapping[str, Any]],
+            comparison: Mapping[str, Any], mode: str = "hedging-on") -> list[dict[str, Any]]:
+    """The issue's speed targets for `overhead` and `streams`, measured on `mode`."""
+    result: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, bound: float, below: bool = True) -> None:
+        met = None if value is None else (value <= bound if below else value >= bound)
+        result.append({"target": name, "value": value, "met": met})
+
+    if workload == "overhead":
+        add("gateway CPU <= 1.2 ms per request at c=50",
+            comparison.get(f"{mode}_cpu_ms_per_request"), 1.2)
+        add(">= 700 req/s at c=50", _num(rows.get(mode), "requests_per_s"), 700.0, below=False)
+        add("added median TTFT at c=1 <= 1.0 ms",
+            comparison.get(f"{mode}_added_ttft_c1_p50_ms"), 1.0)
+        add("gateway peak RSS <= 100 MB at c=50", comparison.get(f"{mode}_peak_rss_mb"), 100.0)
+    elif workload == "streams":
+        row, direct = rows.get(mode) or {}, rows.get("direct") or {}
+        delivered = row.get("events_delivered")
+        expected = direct.get("events_delivered")
+        all_there = (row.get("ok") == row.get("requests") and delivered is not None
+                     and expected is not None and delivered[0] == expected[1])
+        result.append({"target": "every stream complete, every token delivered",
+                       "value": row.get("ok"), "met": all_there})
+        p99, direct_p99 = _num(row, "ttft_ms", "p99"), _num(direct, "ttft_ms", "p99")
+        add("TTFT p99 within 250 ms of direct",
+            None if p99 is None or direct_p99 is None else round(p99 - direct_p99, 1), 250.0)
+        add("gateway peak RSS <= 300 MB", comparison.get(f"{mode}_peak_rss_mb"), 300.0)
+    elif workload == "stragglers":
+        add("TTFT p99 <= 460 ms (hedging on)", _num(rows.get(mode), "ttft_ms", "p99"), 460.0)
+    return result
+
+
+def format_lines(result: Mapping[str, Any]) -> list[str]:
+    """The cost lines under a workload's table."""
+    lines: list[str] = []
+    for row in result["modes"]:
+        c1, cost = row.get("c1"), row.get("cost") or {}
+        parts = []
+        if c1:
+            parts.append(f"c=1 TTFT p50 {c1['ttft_p50_ms']} ms, p99 {c1['ttft_p99_ms']} ms "
+                         f"({c1['ok']}/{c1['requests']})")
+        if cost.get("cpu_ms_per_request") is not None:
+            parts.append(f"gateway CPU {cost['cpu_ms_per_request']:.3f} ms/request, "
+                         f"peak RSS {cost['peak_rss_mb']} MB")
+        if row.get("events_delivered"):
+            low, high = row["events_delivered"]
+            parts.append(f"events per stream {low}..{high}")
+        if parts:
+            lines.append(f"   {row['mode']}: " + "; ".join(parts))
+    c = result["comparison"]
+    for key, value in c.items():
+        if key.endswith("_added_ttft_c1_p50_ms"):
+            mode = key.removesuffix("_added_ttft_c1_p50_ms")
+            lines.append(f"   gateway ({mode}) vs direct at c=1: median TTFT {value:+.3f} ms")
+    return lines

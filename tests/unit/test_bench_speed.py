@@ -1,0 +1,80 @@
+"""The bench's cost figures (issue 11): pinning plan, CPU per request, the speed targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.bench.load import Sample
+from gateway.bench.speed import (
+    Pinning,
+    compare_costs,
+    cost_row,
+    events_delivered,
+    targets,
+    ttft_summary,
+)
+
+
+def test_the_gateway_gets_a_cpu_of_its_own_when_there_are_two_or_more() -> None:
+    assert Pinning.plan([3]) == Pinning((), ())  # one CPU: nothing pinned
+    assert Pinning.plan([2, 0, 1]) == Pinning((0,), (1, 2))
+    assert Pinning.plan([5, 4]).as_json() == {"gateway": [4], "client_and_simulators": [5]}
+
+
+def test_cpu_per_request_comes_from_the_gateways_own_cpu_time() -> None:
+    row = {"requests": 2000, "gateway_process": {"cpu_s": 4.0, "peak_rss_mb": 72.5}}
+    assert cost_row(row) == {"cpu_ms_per_request": 2.0, "peak_rss_mb": 72.5}
+    assert cost_row({"requests": 10, "gateway_process": None}) == {
+        "cpu_ms_per_request": None, "peak_rss_mb": None}
+
+
+def sample(index: int, ttft: float | None, *, ok: bool = True, events: int = 23) -> Sample:
+    return Sample(index, ok, ttft, 1.0, None if ok else "x", events=events)
+
+
+def test_ttft_summary_and_events_delivered() -> None:
+    samples = [sample(i, 0.001 * (i + 1)) for i in range(100)] + [sample(100, None, ok=False)]
+    summary = ttft_summary(samples)
+    assert summary["requests"] == 101 and summary["ok"] == 100
+    assert summary["ttft_p50_ms"] == 50.5
+    assert events_delivered([sample(0, 0.1, events=21), sample(1, 0.1, events=23)]) == (21, 23)
+    assert events_delivered([sample(0, None, ok=False)]) is None
+
+
+def rows_for_overhead() -> dict[str, dict[str, Any]]:
+    def row(mode: str, c1: float, cpu: float | None, rps: float) -> dict[str, Any]:
+        return {"mode": mode, "requests": 1000, "requests_per_s": rps, "c1": {"ttft_p50_ms": c1},
+                "cost": {"cpu_ms_per_request": cpu, "peak_rss_mb": None if cpu is None else 70.0}}
+
+    return {"direct": row("direct", 1.0, None, 1500.0),
+            "hedging-on": row("hedging-on", 1.8, 1.1, 750.0)}
+
+
+def test_overhead_targets_read_the_c1_pass_and_the_cost() -> None:
+    rows = rows_for_overhead()
+    comparison = compare_costs(rows)
+    assert comparison["hedging-on_added_ttft_c1_p50_ms"] == 0.8
+    got = {t["target"]: (t["value"], t["met"]) for t in targets("overhead", rows, comparison)}
+    assert got == {
+        "gateway CPU <= 1.2 ms per request at c=50": (1.1, True),
+        ">= 700 req/s at c=50": (750.0, True),
+        "added median TTFT at c=1 <= 1.0 ms": (0.8, True),
+        "gateway peak RSS <= 100 MB at c=50": (70.0, True),
+    }
+
+
+def test_streams_need_every_stream_and_every_event() -> None:
+    direct = {"ok": 1000, "requests": 1000, "ttft_ms": {"p99": 300.0},
+              "events_delivered": (23, 23)}
+    short = {"ok": 1000, "requests": 1000, "ttft_ms": {"p99": 500.0},
+             "events_delivered": (22, 23), "cost": {"peak_rss_mb": 120.0}}
+    rows = {"direct": direct, "hedging-on": short}
+    got = {t["target"]: t["met"] for t in targets("streams", rows, compare_costs(rows))}
+    assert got == {"every stream complete, every token delivered": False,
+                   "TTFT p99 within 250 ms of direct": True, "gateway peak RSS <= 300 MB": True}
+    rows["hedging-on"] = {**short, "events_delivered": (23, 23), "ok": 999}
+    met = {t["target"]: t["met"] for t in targets("streams", rows, compare_costs(rows))}
+    assert met["every stream complete, every token delivered"] is False
+    rows["hedging-on"] = {**short, "events_delivered": (23, 23)}
+    met = {t["target"]: t["met"] for t in targets("streams", rows, compare_costs(rows))}
+    assert met["every stream complete, every token delivered"] is True

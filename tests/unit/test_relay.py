@@ -1,0 +1,87 @@
+"""The relay after commit: plain reads pass as the bytes that arrived, the rest is re-framed.
+
+Driven with the decoder's real batches over chunks as an upstream would send them (no sockets,
+a fixed clock: no deadline can pass)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+from gateway.attempt import Prefix
+from gateway.relay import DONE, RelayOutcome, relay
+from gateway.sse import SSEBatch, SSEDecoder, SSEEvent
+from gateway.streamend import StreamEnd
+
+ROLE = b'{"choices":[{"delta":{"role":"assistant"}}]}'
+TOKEN = b'{"choices":[{"delta":{"content":"x"}}]}'
+
+
+class Upstream:
+    def __init__(self) -> None:
+        self.headers: Mapping[str, str] = {}
+        self.closed = 0
+
+    def batches(self) -> AsyncIterator[SSEBatch]:  # pragma: no cover - Prefix holds its own
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+async def _batches(chunks: list[bytes]) -> AsyncIterator[SSEBatch]:
+    decoder = SSEDecoder()
+    decoder.feed(b"data: " + ROLE + b"\n\n")  # the race read the first read
+    for chunk in chunks:
+        batch = decoder.feed_batch(chunk)
+        if batch is not None:
+            yield batch
+
+
+async def relayed(chunks: list[bytes]) -> tuple[list[bytes], RelayOutcome, Upstream]:
+    upstream = Upstream()
+    prefix = Prefix(upstream, _batches(chunks), [SSEEvent(ROLE), SSEEvent(TOKEN)])
+    outcome = RelayOutcome()
+    out = [part async for part in relay(prefix, request_id="r", idle=60.0,
+                                        max_stream_deadline=1e9, clock=lambda: 0.0,
+                                        outcome=outcome)]
+    return out, outcome, upstream
+
+
+async def test_plain_reads_go_out_as_the_same_bytes() -> None:
+    reads = [b"data: " + TOKEN + b"\n\n", b"data: " + TOKEN + b"\n\ndata: " + TOKEN + b"\n\n"]
+    out, outcome, upstream = await relayed([*reads, b"data: [DONE]\n\n"])
+    assert out[0] == b"data: " + ROLE + b"\n\ndata: " + TOKEN + b"\n\n"  # the race's events
+    assert out[1] is reads[0] and out[2] is reads[1]  # not re-encoded, not even copied
+    assert out[3] == DONE
+    assert outcome.end is StreamEnd.DONE and upstream.closed == 1
+
+
+async def test_split_reads_crlf_and_comments_are_re_framed() -> None:
+    token = b"data: " + TOKEN + b"\n\n"
+    chunks = [token[:9], token[9:],  # an event split across two reads
+              b"data: " + TOKEN + b"\r\n\r\n",  # CRLF framing
+              b": ping\n\n" + token,  # a comment before an event
+              b"id: 3\nretry: 10\n" + token,  # fields the gateway never forwards
+              token,  # plain again
+              b"data: [DONE]\r\n\r\n"]
+    out, outcome, _ = await relayed(chunks)
+    assert b"".join(out[1:]) == token * 5 + DONE
+    assert out[-2] is chunks[-2]
+    assert outcome.end is StreamEnd.DONE
+
+
+async def test_done_and_errors_inside_plain_reads_are_seen() -> None:
+    error = b'{"error":{"message":"boom","type":"server_error","param":null,"code":null}}'
+    token = b"data: " + TOKEN + b"\n\n"
+    out, outcome, _ = await relayed([token + b"data: " + error + b"\n\n" + token])
+    assert b"".join(out[1:]) == token + b"data: " + error + b"\n\n"  # nothing after the error
+    assert outcome.end is StreamEnd.UPSTREAM_ERROR
+    out, outcome, _ = await relayed([token + b"data: [DONE]\n\n" + token])
+    assert b"".join(out[1:]) == token + DONE
+    assert outcome.end is StreamEnd.DONE
+
+
+async def test_a_word_error_in_content_is_not_an_error_event() -> None:
+    chunk = b'data: {"choices":[{"delta":{"content":"\\"error\\""}}]}\n\n'
+    out, outcome, _ = await relayed([chunk, b"data: [DONE]\n\n"])
+    assert out[1] == chunk and outcome.end is StreamEnd.DONE
