@@ -161,7 +161,8 @@ def _sim(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from gateway.bench.run import BenchPlan, run_bench_command, run_soak_command
+    from gateway.bench.commands import run_bench_command, run_soak_command
+    from gateway.bench.run import BenchPlan
     from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
 
     if ns.workload == "soak":

@@ -31,7 +31,8 @@ from gateway.errors import (
     Unauthorized,
 )
 from gateway.live import Live
-from gateway.proxy import AnswerThen, LogicalRequest, Proxy
+from gateway.proxy import LogicalRequest, Proxy
+from gateway.requestend import AnswerThen
 from gateway.settings import Settings
 from gateway.stats.prometheus import Metrics
 from gateway.stats.shared import StatsSource

@@ -6,6 +6,7 @@ processes, `report` turns samples into tables, and `upstream` is the child simul
 (`python -m gateway.bench.upstream`).
 """
 
-from gateway.bench.run import BenchPlan, run_bench, run_bench_command
+from gateway.bench.commands import run_bench_command, run_soak_command
+from gateway.bench.run import BenchPlan, run_bench
 
-__all__ = ["BenchPlan", "run_bench", "run_bench_command"]
+__all__ = ["BenchPlan", "run_bench", "run_bench_command", "run_soak_command"]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,8 +41,8 @@ import yaml
 
 from gateway.bench import report, speed
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
-from gateway.bench.oracle import best_single_hedge, format_shares, share_targets
-from gateway.bench.procs import ChildFailed, Children, ProcessMeter, free_port, machine, wait_ready
+from gateway.bench.oracle import best_single_hedge, share_targets
+from gateway.bench.procs import Children, ProcessMeter, free_port, machine, wait_ready
 from gateway.bench.upstream import profile_to_json, request_ttft
 from gateway.bench.workloads import Workload
 from gateway.server import raise_open_file_limit
@@ -357,69 +356,3 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
             "pinning": pinning.as_json(), "open_files": {"before": files[0], "after": files[1]},
             "seed": plan.seed, "quick": quick, "modes": list(plan.modes),
             "baseline_src": plan.baseline_src, "workloads": workloads}
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def run_bench_command(plan: BenchPlan, *, out: str | None, requests: int | None = None,
-                      concurrency: int | None = None, quick: bool = False) -> int:
-    """`hedge-gateway bench` once its options are parsed: run `plan`, print the tables, write
-    the JSON report to `out` (default bench-results/<time>.json); the exit status."""
-    out = out or os.path.join("bench-results", time.strftime("%Y%m%d-%H%M%S") + ".json")
-    info = machine()
-    print(f"hedge-gateway bench: {', '.join(w.name for w in plan.workloads)}; "
-          f"{info['nproc']} CPUs ({info['cpu_model']}), Python {info['python']}",
-          file=sys.stderr)
-    # SIGTERM ends the bench like Ctrl-C does, so that its children are stopped too.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        result = run_bench(plan, requests=requests, concurrency=concurrency, quick=quick)
-    except ChildFailed as exc:
-        print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nhedge-gateway bench: interrupted; every child process was stopped",
-              file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    shares = format_shares(result["workloads"])
-    if shares:
-        print(shares)
-    report.write_json(out, result)
-    print(f"JSON report: {out}")
-    return 0
-
-
-
-def run_soak_command(*, duration: float | None, quick: bool, concurrency: int | None, seed: int,
-                     out: str | None, progress: bool) -> int:
-    """`--workload soak`: both gateways side by side under faults (`gateway.bench.soak`);
-    exit 1 when a request hung or ended silently, or a socket was left behind."""
-    from gateway.bench import soak
-
-    seconds = duration if duration is not None else (20.0 if quick else 600.0)
-    plan = soak.SoakPlan(duration=seconds, concurrency=concurrency or 8, seed=seed,
-                         sample_every=max(1.0, min(10.0, seconds / 60)),
-                         progress=sys.stderr if progress else None)
-    out = out or os.path.join("bench-results", "soak-" + time.strftime("%Y%m%d-%H%M%S")
-                              + ".json")
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with tempfile.TemporaryDirectory(prefix="hedge-soak-") as logdir:
-            result = soak.run_soak(plan, logdir)
-    except ChildFailed as exc:
-        print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nhedge-gateway bench: interrupted; every child process was stopped",
-              file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    print(soak.format_soak(result))
-    report.write_json(out, result)
-    print(f"JSON report: {out}")
-    return 0 if soak.clean(result) else 1

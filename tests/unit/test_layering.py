@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.pool", "gateway.attempt", "gateway.live"),
     ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
     ("gateway.stats", "gateway.tracing"),
-    ("gateway.proxy",),
+    ("gateway.proxy", "gateway.requestend"),
     ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol",
      "gateway.dashboard"),
     ("gateway.app", "gateway.supervisor"),

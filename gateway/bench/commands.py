@@ -1,0 +1,93 @@
+"""The bench's two commands once their options are parsed: run, print, write JSON, exit status.
+
+Both run child processes (`gateway.bench.procs`), so both treat SIGTERM like Ctrl-C: the
+children are stopped whatever ends the run, and the exit status says how it ended (0 done,
+1 a child failed or the soak found a problem, 130 interrupted).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gateway.bench import report
+from gateway.bench.oracle import format_shares
+from gateway.bench.procs import ChildFailed, machine
+from gateway.bench.run import BenchPlan, run_bench
+
+R = TypeVar("R")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_children(work: Callable[[], R]) -> R | int:
+    """`work()`, with SIGTERM ending it like Ctrl-C; an exit status when it did not finish."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return work()
+    except ChildFailed as exc:
+        print(f"hedge-gateway bench: a child server failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nhedge-gateway bench: interrupted; every child process was stopped",
+              file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _default_out(prefix: str) -> str:
+    return os.path.join("bench-results", prefix + time.strftime("%Y%m%d-%H%M%S") + ".json")
+
+
+def run_bench_command(plan: BenchPlan, *, out: str | None, requests: int | None = None,
+                      concurrency: int | None = None, quick: bool = False) -> int:
+    """`hedge-gateway bench`: run `plan`, print the tables, write the JSON report to `out`
+    (default bench-results/<time>.json); the exit status."""
+    info = machine()
+    print(f"hedge-gateway bench: {', '.join(w.name for w in plan.workloads)}; "
+          f"{info['nproc']} CPUs ({info['cpu_model']}), Python {info['python']}",
+          file=sys.stderr)
+    result = _run_children(
+        lambda: run_bench(plan, requests=requests, concurrency=concurrency, quick=quick))
+    if isinstance(result, int):
+        return result
+    shares = format_shares(result["workloads"])
+    if shares:
+        print(shares)
+    path = out or _default_out("")
+    report.write_json(path, result)
+    print(f"JSON report: {path}")
+    return 0
+
+
+def run_soak_command(*, duration: float | None, quick: bool, concurrency: int | None, seed: int,
+                     out: str | None, progress: bool) -> int:
+    """`--workload soak`: both gateways side by side under faults (`gateway.bench.soak`);
+    exit 1 when a request hung or ended silently, or a socket was left behind."""
+    from gateway.bench import soak
+
+    seconds = duration if duration is not None else (20.0 if quick else 600.0)
+    plan = soak.SoakPlan(duration=seconds, concurrency=concurrency or 8, seed=seed,
+                         sample_every=max(1.0, min(10.0, seconds / 60)),
+                         progress=sys.stderr if progress else None)
+
+    def work() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="hedge-soak-") as logdir:
+            return soak.run_soak(plan, logdir)
+
+    result = _run_children(work)
+    if isinstance(result, int):
+        return result
+    print(soak.format_soak(result))
+    path = out or _default_out("soak-")
+    report.write_json(path, result)
+    print(f"JSON report: {path}")
+    return 0 if soak.clean(result) else 1

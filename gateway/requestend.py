@@ -1,0 +1,90 @@
+"""The end of a logical request, and the response that answers before it.
+
+One owner ends every request, whatever path it takes: `RequestEnd`. It runs exactly once:
+it releases the admission slot, closes the winner, reaps the losers, records the stats and
+writes the one log line. The client is answered first: a JSON body or an error is sent, then
+the response (`AnswerThen`, or the error handler through `GatewayError.after_response`) runs
+the end in the same request task, bounded by the race's reap timeout; a stream runs it when
+the relay is over. The proxy (`gateway.proxy`) decides which path a request takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.attempt import Prefix
+from gateway.pool import PoolRuntime
+from gateway.race import Race
+from gateway.stats import RequestSummary
+from gateway.stats.requestlog import log_request
+
+if TYPE_CHECKING:
+    from gateway.proxy import Proxy
+    from gateway.tracing import RequestTrace
+
+
+class RequestEnd:
+    """The one owner of the end of a logical request: callable any number of times, does its
+    work once (see the module docstring for who calls it on which path)."""
+
+    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix", "trace", "watcher")
+
+    def __init__(
+        self, proxy: Proxy, pool: PoolRuntime, race: Race, summary: RequestSummary,
+        trace: RequestTrace | None = None,
+    ) -> None:
+        self._proxy, self._pool, self._race, self._summary = proxy, pool, race, summary
+        #: the request's spans when tracing is on (SPEC §17), ended after the log line
+        self.trace = trace
+        #: the winner's upstream, once there is one: closed by the end
+        self.prefix: Prefix | None = None
+        #: the task watching the client for a disconnect, from the race to the last byte
+        self.watcher: asyncio.Future[None] | None = None
+        self._done = False
+
+    async def __call__(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        proxy, pool, summary = self._proxy, self._pool, self._summary
+        if self.watcher is not None:
+            self.watcher.cancel()
+        with anyio.CancelScope(shield=True):
+            # first, before any await: the answer is out, the request no longer counts (so a
+            # client's next request on the same connection never meets its predecessor's slot)
+            pool.inflight_requests -= 1
+            proxy.admission.leave()
+            if self.prefix is not None:
+                await self.prefix.aclose()
+            await self._race.aclose()
+            summary.panic = self._race.panic
+            summary.ended = proxy.clock()
+            proxy.stats.record(summary)
+            log_request(summary, proxy.stats.error_classes)
+            if self.trace is not None:
+                self.trace.end(summary, proxy.stats.error_classes)
+
+
+class AnswerThen(Response):
+    """Sends `inner` to the client, then runs `then` (shielded), whatever happens to the
+    sending: the client gets its answer before losers are reaped and stats recorded."""
+
+    def __init__(self, inner: Response, then: Callable[[], Awaitable[None]]) -> None:
+        self.inner = inner
+        self.then = then
+        self.status_code = inner.status_code
+        self.raw_headers = inner.raw_headers
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.then()
