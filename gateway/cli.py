@@ -6,7 +6,9 @@ commands behind them take parsed values (a `SimProfile`, a `BenchPlan`), never a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -377,7 +379,14 @@ def bench_upstream_main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    code: int = ns.func(ns)
+    try:
+        code: int = ns.func(ns)
+    except BrokenPipeError:
+        # whoever read our output stopped (`hedge-gateway schema | head`): not an error of
+        # ours; point stdout at /dev/null so the flush at exit does not raise again
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return code
 
 

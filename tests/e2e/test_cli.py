@@ -222,3 +222,16 @@ def test_check_config_command_exit_codes_and_messages(tmp_path: Path) -> None:
     assert "pools[0].backends[0].base_url" in bad.stderr
     assert "NOT_SET_ANYWHERE" in bad.stderr
     assert "pools[0].backends[1].api_key" in bad.stderr
+
+
+def test_output_piped_into_a_reader_that_stops_is_not_a_traceback() -> None:
+    """`hedge-gateway schema | head -c 10`: the reader closes the pipe early (here before the
+    command has even started writing); the command ends quietly instead of printing a
+    BrokenPipeError traceback."""
+    schema = subprocess.Popen([*command(), "schema"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    assert schema.stdout is not None and schema.stderr is not None
+    schema.stdout.close()
+    err = schema.stderr.read().decode()
+    assert schema.wait(timeout=60) == 0
+    assert "Traceback" not in err and "BrokenPipeError" not in err
