@@ -279,7 +279,8 @@ def test_deadline_when_too_little_time_is_left_for_the_target_backend(
     for t in threads:
         t.join(20)
     backends = stats_of(gateway.root)["pools"][POOL]["backends"]
-    assert all(b["lifetime"]["ttft_ms"]["p50"] >= 350 for b in backends.values()), backends
+    # 0.35 s and up, read through DDSketch's 1 % relative accuracy: well above the 0.2 s left
+    assert all((b["lifetime"]["ttft_ms"]["p50"] or 0) >= 340 for b in backends.values()), backends
     # the medians are refreshed off the request path: until the learned ones are in force a
     # request may still hedge (and get its 504 all the same), so try a few
     for _ in range(8):
