@@ -169,14 +169,23 @@ class _SimServer:
             return _error(plan.status, "simulated failure")
         return body, plan
 
-    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+    async def _start(
+        self, request: Request
+    ) -> Response | tuple[dict[str, Any], SimPlan, str, str, dict[str, str]]:
+        """What both handlers begin with: the plan (or the planned failure as a response), the
+        model to echo, the request id and the headers that carry it."""
         planned = await self._plan(request)
         if isinstance(planned, Response):
             return planned
         body, plan = planned
-        model = str(body.get("model", "sim"))
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        headers = {"x-request-id": request_id}
+        return body, plan, str(body.get("model", "sim")), request_id, {"x-request-id": request_id}
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        started = await self._start(request)
+        if isinstance(started, Response):
+            return started
+        body, plan, model, request_id, headers = started
         if body.get("stream") is True and endpoint != "embeddings":
             headers["cache-control"] = "no-cache"
             events = sim_events(
@@ -195,13 +204,10 @@ class _SimServer:
 
     async def handle_protocol(self, request: Request, endpoint: str) -> Response:
         """The Responses API and Messages routes (SPEC §15): same plans, their own wire."""
-        planned = await self._plan(request)
-        if isinstance(planned, Response):
-            return planned
-        body, plan = planned
-        model = str(body.get("model", "sim"))
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        headers = {"x-request-id": request_id}
+        started = await self._start(request)
+        if isinstance(started, Response):
+            return started
+        body, plan, model, request_id, headers = started
         created = int(time.time())
         if body.get("stream") is True and endpoint in ("responses", "messages"):
             events = protocols.protocol_stream(plan, endpoint, model=model, request_id=request_id,
