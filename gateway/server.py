@@ -128,6 +128,11 @@ def build_server(
         h11_max_incomplete_event_size=server.max_header_bytes,
         ws="none",
         lifespan="on",
+        # The gateway reads no client address, so the X-Forwarded-* rewrite (a middleware
+        # call per request) buys nothing; the access log is off (`hedge-gateway serve` logs
+        # its own one line per request, `gateway.stats.requestlog`).
+        proxy_headers=False,
+        access_log=False,
     )
     return GatewayServer(config, drain, on_hangup)
 
