@@ -22,11 +22,17 @@ from fastapi import FastAPI
 from gateway.clock import Clock, monotonic
 from gateway.dashboard import build_dashboard_router, run_sampler
 from gateway.drain import Drain
+from gateway.fastpath import FastRoutes, GatewayAPI
 from gateway.live import ConfigOrigin, Generation, Live, LivePools
 from gateway.pool import PoolRuntime
 from gateway.protoroutes import build_protocol_router
 from gateway.proxy import Proxy
-from gateway.routes import build_ops_router, build_router, install_error_handlers
+from gateway.routes import (
+    build_ops_router,
+    build_router,
+    gateway_error_response,
+    install_error_handlers,
+)
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
@@ -235,7 +241,10 @@ def create_app(
                 await provider.aclose()
             await client.aclose()
 
-    app = FastAPI(
+    fast = FastRoutes()
+    app = GatewayAPI(
+        fast=fast,
+        on_error=gateway_error_response,
         title="hedge-gateway",
         lifespan=lifespan,
         docs_url=None,
@@ -243,8 +252,8 @@ def create_app(
         openapi_url=None,
     )
     install_error_handlers(app)
-    app.include_router(build_router(settings, live, proxy))
-    app.include_router(build_protocol_router(settings, live, proxy))
+    app.include_router(build_router(settings, live, proxy, fast))
+    app.include_router(build_protocol_router(settings, live, proxy, fast))
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
     app.include_router(build_dashboard_router(stats, series))
     #: the pools at start; after a reload, `app.state.live.current.pools`

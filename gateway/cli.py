@@ -25,7 +25,7 @@ DEFAULT_STATS_URL = "http://127.0.0.1:8080"
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.server import build_server, raise_open_file_limit
+    from gateway.server import build_server, raise_open_file_limit, tune_collector
     from gateway.settings.load import ConfigError
 
     try:
@@ -66,6 +66,7 @@ def _serve(ns: argparse.Namespace) -> int:
     # reloads the configuration on SIGHUP
     runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level),
                           on_hangup=reload if path else None)
+    tune_collector()
     runner.run()
     return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
 

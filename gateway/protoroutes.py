@@ -19,11 +19,12 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
+from gateway.fastpath import FastRoutes
 from gateway.live import Live
 from gateway.pool import PoolRuntime
 from gateway.proxy import LogicalRequest, Proxy
 from gateway.responseids import ResponseDirectory
-from gateway.routes import _JSON_TYPES, make_auth_guard, read_body, request_id_of
+from gateway.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
 from gateway.settings import Settings
 from gateway.sse import SSEEvent
 from gateway.validate import check_body, parse_body
@@ -59,14 +60,17 @@ def build_protocol_router(
     settings: Settings,
     live: Live,
     proxy: Proxy,
+    fast: FastRoutes,
     directory: ResponseDirectory | None = None,
 ) -> APIRouter:
     """The routes of SPEC §15. Like `gateway.routes.build_router`, the pools are read from
     `live` once per request (a reload never changes a running request's rules); a stored
-    response whose backend a reload removed is unknown from then on."""
+    response whose backend a reload removed is unknown from then on. The inference routes
+    go into `fast` too (`gateway.fastpath`) and check the key themselves."""
     origins = directory if directory is not None else ResponseDirectory()
     bearer = make_auth_guard(settings.server.api_keys)
     either = make_auth_guard(settings.server.api_keys, x_api_key=True)
+    keyed = bool(settings.server.api_keys)
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
@@ -97,7 +101,9 @@ def build_protocol_router(
         return on_commit
 
     async def inference(request: Request, endpoint: Endpoint, protocol: WireProtocol,
-                        needs: str | None) -> Response:
+                        needs: str | None, guard: Guard) -> Response:
+        if keyed:
+            await guard(request)
         body = await read_json(request)
         model, stream = check_body(body, needs_prompt=needs)
         pool = pool_of(model)
@@ -142,9 +148,9 @@ def build_protocol_router(
             origins.forget(response_id)
         return response
 
-    @router.post("/v1/responses", dependencies=[Depends(bearer)])
+    @fast.post(router, "/v1/responses")
     async def responses(request: Request) -> Response:
-        return await inference(request, "responses", RESPONSES, None)
+        return await inference(request, "responses", RESPONSES, None, bearer)
 
     @router.get("/v1/responses/{response_id}", dependencies=[Depends(bearer)])
     async def get_response(request: Request, response_id: str) -> Response:
@@ -162,13 +168,14 @@ def build_protocol_router(
     async def input_items(request: Request, response_id: str) -> Response:
         return await stored(request, response_id, "GET", "/input_items")
 
-    @router.post("/v1/messages", dependencies=[Depends(either)])
+    @fast.post(router, "/v1/messages")
     async def messages(request: Request) -> Response:
-        return await inference(request, "messages", MESSAGES, "messages")
+        return await inference(request, "messages", MESSAGES, "messages", either)
 
-    @router.post("/v1/messages/count_tokens", dependencies=[Depends(either)])
+    @fast.post(router, "/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        return await inference(request, "messages/count_tokens", COUNT_TOKENS, "messages")
+        return await inference(request, "messages/count_tokens", COUNT_TOKENS, "messages",
+                               either)
 
     return router
 

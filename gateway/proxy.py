@@ -307,7 +307,7 @@ class Proxy:
             watcher.remove_done_callback(stop_race)
             if not race_task.done():
                 race_task.cancel()
-            await asyncio.wait({race_task})
+                await asyncio.wait({race_task})
         if race_task.cancelled():
             if self.drain.draining and not _saw_disconnect(watcher):
                 raise Overloaded("the gateway is shutting down", retry_after=1.0)

@@ -30,6 +30,7 @@ from gateway.errors import (
     RouteNotFound,
     Unauthorized,
 )
+from gateway.fastpath import FastRoutes
 from gateway.live import Live
 from gateway.proxy import LogicalRequest, Proxy
 from gateway.requestend import AnswerThen
@@ -92,13 +93,18 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
+def gateway_error_response(request: Request, exc: GatewayError) -> Response:
+    """The answer to an error of ours raised while handling `request`."""
+    response = error_response(exc, request_id_of(request), request.url.path)
+    if exc.after_response is not None:  # answer first, then end the logical request
+        return AnswerThen(response, exc.after_response)
+    return response
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_gateway_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        response = error_response(exc, request_id_of(request), request.url.path)
-        if exc.after_response is not None:  # answer first, then end the logical request
-            return AnswerThen(response, exc.after_response)
-        return response
+        return gateway_error_response(request, exc)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -121,9 +127,11 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation_error)
 
 
-def make_auth_guard(
-    api_keys: tuple[str, ...], *, x_api_key: bool = False
-) -> Callable[[Request], Awaitable[None]]:
+#: checks a request's gateway key; raises `Unauthorized`
+Guard = Callable[[Request], Awaitable[None]]
+
+
+def make_auth_guard(api_keys: tuple[str, ...], *, x_api_key: bool = False) -> Guard:
     """A dependency that checks the gateway key in constant time; a no-op without keys.
 
     `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so, SPEC §15).
@@ -152,17 +160,22 @@ def make_auth_guard(
     return guard
 
 
-def build_router(settings: Settings, live: Live, proxy: Proxy) -> APIRouter:
+def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes) -> APIRouter:
     """The API routes. `settings.server` is bound here (keys, body limit: start-time keys);
     the pools are read from `live` once per request, so a request keeps the generation it
-    started with through a reload."""
+    started with through a reload. The inference routes go into `fast` too
+    (`gateway.fastpath`) and check the key themselves; `/v1/models` has it as a dependency."""
+    keyed = bool(settings.server.api_keys)
     guard = make_auth_guard(settings.server.api_keys)
+    router = APIRouter()
     # without keys the guard lets everything through: no dependency at all then, since
     # FastAPI solving one costs about 4 % of a streamed request's CPU (issue 11)
-    guarded = APIRouter(dependencies=[Depends(guard)] if settings.server.api_keys else [])
+    guarded = APIRouter(dependencies=[Depends(guard)] if keyed else [])
     limit = settings.server.max_body_bytes
 
     async def proxied(request: Request, endpoint: Endpoint, needs: str) -> Response:
+        if keyed:
+            await guard(request)
         rid = request_id_of(request)
         content_type = request.headers.get("content-type", "application/json")
         if content_type.split(";")[0].strip().lower() not in _JSON_TYPES:
@@ -181,15 +194,15 @@ def build_router(settings: Settings, live: Live, proxy: Proxy) -> APIRouter:
         req = LogicalRequest(rid, endpoint, body, stream, headers)
         return await proxy.handle(request, pool, req)
 
-    @guarded.post("/v1/chat/completions")
+    @fast.post(router, "/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await proxied(request, "chat/completions", "messages")
 
-    @guarded.post("/v1/completions")
+    @fast.post(router, "/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxied(request, "completions", "prompt")
 
-    @guarded.post("/v1/embeddings")
+    @fast.post(router, "/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         return await proxied(request, "embeddings", "input")
 
@@ -203,7 +216,8 @@ def build_router(settings: Settings, live: Live, proxy: Proxy) -> APIRouter:
             ],
         }
 
-    return guarded
+    router.include_router(guarded)
+    return router
 
 
 def build_ops_router(

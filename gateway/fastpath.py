@@ -1,0 +1,78 @@
+"""The inference routes answered without the framework's routing and middleware (issue 11).
+
+A streamed chat completion passes through FastAPI's router and its middleware stack (server
+errors, exception handlers, the exit stack, telemetry, a body limit of its own) on the way in,
+and every one of its fifty-odd body messages passes back out through a send wrapper per
+layer. Profiled at c=50 that was a fifth of the gateway's CPU, none of it doing anything these
+routes need: they read and bound their own body, check their own key and turn our own error
+tree into answers (`gateway.routes.gateway_error_response`).
+
+So the few routes that carry traffic are kept in `FastRoutes`, a table of exact (method, path)
+pairs, and `GatewayAPI` answers a request that matches one by calling its handler directly
+with the server's own `send`. The same handlers are registered on the FastAPI router too, so
+the route table lists them and a wrong method still gets 405; both ways run the same code,
+the key check included (the handlers do it themselves). Everything else (the ops routes, the
+dashboard, routes with path parameters) goes through FastAPI as before.
+
+A `GatewayError` raised by a handler becomes its answer exactly as FastAPI's exception handler
+would make it; anything else is a bug of ours and propagates to the server, which logs it and
+answers 500 (what FastAPI's outer middleware does too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import GatewayError
+
+#: a route's handler: the request in, the response out (it may raise a `GatewayError`)
+Handler = Callable[[Request], Awaitable[Response]]
+#: the answer to a `GatewayError` raised by a handler
+OnError = Callable[[Request, GatewayError], Response]
+
+
+class FastRoutes:
+    """Exact (method, path) -> handler; filled while the routers are built."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[tuple[str, str], Handler] = {}
+
+    def post(self, router: APIRouter, path: str) -> Callable[[Handler], Handler]:
+        """Decorator: `handler` answers `POST path`, on the router (route table, 405s) and in
+        this table (the shortcut)."""
+
+        def register(handler: Handler) -> Handler:
+            router.add_api_route(path, handler, methods=["POST"])
+            self.handlers[("POST", path)] = handler
+            return handler
+
+        return register
+
+
+class GatewayAPI(FastAPI):
+    """FastAPI, plus the shortcut for the routes of a `FastRoutes` table."""
+
+    def __init__(self, *, fast: FastRoutes, on_error: OnError, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._fast = fast.handlers
+        self._on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            handler = self._fast.get((scope["method"], scope["path"]))
+            if handler is not None:
+                scope["app"] = self
+                request = Request(scope, receive)
+                try:
+                    response = await handler(request)
+                except GatewayError as exc:
+                    response = self._on_error(request, exc)
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
