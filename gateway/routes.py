@@ -46,13 +46,18 @@ _JSON_TYPES = ("application/json", "application/x-ndjson")
 
 
 def request_id_of(request: Request) -> str:
-    """The client's `x-request-id` when it is sane, else a fresh one; remembered per request."""
-    existing = getattr(request.state, "request_id", None)
+    """The client's `x-request-id` when it is sane, else a fresh one; remembered per request.
+
+    Kept in the request's state dict (`scope["state"]`, what `request.state` wraps) and read
+    from it directly: a miss through `request.state` raises and catches an AttributeError,
+    which was a few percent of a request's CPU."""
+    state = request.scope.setdefault("state", {})
+    existing = state.get("request_id")
     if isinstance(existing, str):
         return existing
     supplied = request.headers.get("x-request-id", "")
     rid = supplied if _REQUEST_ID.fullmatch(supplied) else f"req_{uuid.uuid4().hex}"
-    request.state.request_id = rid
+    state["request_id"] = rid
     return rid
 
 
