@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import httpx
+import uvloop
 import yaml
 
 from gateway.bench import report, speed
@@ -347,7 +348,8 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
     with tempfile.TemporaryDirectory(prefix="hedge-bench-") as logdir:
         children = Children(logdir)
         try:
-            workloads = asyncio.run(_run(plan, children, sizes, pinning, quick))
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                workloads = runner.run(_run(plan, children, sizes, pinning, quick))
         finally:
             children.close()
             os.sched_setaffinity(0, before)
