@@ -131,6 +131,8 @@ class StreamScan:
         self.backend = None if backend is None else backend.decode("latin-1")
 
     def body(self, data: bytes) -> bool:
+        if self.error is not None:
+            return False
         if self.status != 200 or self.done:
             return True  # read to the end of the body so the connection can be reused
         lines = (self._pending + data).split(b"\n") if self._pending else data.split(b"\n")
