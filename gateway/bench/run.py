@@ -4,7 +4,9 @@ Every part runs as a real server in its own process, so that what the bench meas
 a deployment would see: two simulated backends (`gateway.bench.upstream`, one child process each),
 the gateway (`hedge-gateway serve --config <generated yaml>`, one child per gateway mode, its
 CPU and RSS sampled with psutil), and the load client in this process
-(`gateway.bench.load`). Each workload runs in four modes, one after the other:
+(`gateway.bench.load` over `gateway.bench.client`, on uvloop: the client shares a core with the
+simulators, so its own CPU must stay small next to theirs). Each workload runs in four
+modes, one after the other:
 
 - `direct`: every request straight to backend A (the baseline for the gateway's own cost);
 - `hedging-off`: through the gateway with `hedging: {enabled: false}`;
