@@ -2,9 +2,11 @@
 
 Measured at the client, the way an application would feel it: the time to the first *content*
 token (the first SSE event whose `delta.content` is a non-empty string; role chunks, comments
-and headers do not count) and the time to the end of the stream. It speaks plain httpx, not the
-OpenAI SDK, so that the client's own CPU stays small next to what it measures: the gateway and
-the simulated upstreams run in other processes, but all share the same cores.
+and headers do not count) and the time to the end of the stream. It speaks HTTP/1.1 through
+`gateway.bench.client`, a lean keep-alive client that scans each chunk where it lands, not
+through the OpenAI SDK or httpx: the gateway and the simulated upstreams run in other
+processes, but the client shares a core with the simulators, and a client that saturates that
+core first measures itself, not the gateway (see `gateway.bench.client` for the figures).
 
 The oracle (`best_of`) sends one request to every URL at once and keeps the stream that yields
 the first content token, closing the others at that moment: the lower bound that hedging,
@@ -21,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-import httpx
+from gateway.bench.client import LeanClient, Target, TransportError, request_bytes, target
 
 #: what a benchmark request asks for; the model is rewritten by the gateway, ignored by the sim
 CHAT_BODY: Mapping[str, object] = {
@@ -83,8 +85,7 @@ def request_id(index: int) -> str:
     return f"bench-{index}" if index >= 0 else f"warmup-{-index}"
 
 
-def _header_int(headers: httpx.Headers, name: str) -> int | None:
-    raw = headers.get(name)
+def _header_int(raw: bytes | None) -> int | None:
     return int(raw) if raw is not None and raw.isdigit() else None
 
 
@@ -96,112 +97,155 @@ def _always() -> bool:
     return True
 
 
-async def _attempt(
-    client: httpx.AsyncClient,
-    url: str,
-    content: bytes,
-    headers: Mapping[str, str],
-    index: int,
-    start: float,
-    claim: Claim = _always,
-) -> Sample:
+#: an event line longer than this is an error (the simulator's are about 150 bytes): the scan
+#: keeps only the unfinished line, and not without bound
+MAX_LINE = 64 * 1024
+
+
+class StreamScan:
+    """One streaming response as the client sees it, scanned where its bytes land (a
+    `gateway.bench.client.Sink`): the first content token (timed with `clock`, claimed with
+    `claim`), the `data:` events before `[DONE]`, and the first failure. Only the unfinished
+    line is kept between chunks. Lines are split on LF by hand (a CR before it is stripped):
+    the gateway and the simulator both end lines with LF."""
+
+    __slots__ = ("_claim", "_clock", "_pending", "_start", "attempts", "backend", "done",
+                 "error", "events", "status", "ttft")
+
+    def __init__(self, start: float, claim: Claim = _always,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._start, self._claim, self._clock = start, claim, clock
+        self._pending = b""
+        self.status: int | None = None
+        self.attempts: int | None = None
+        self.backend: str | None = None
+        self.ttft: float | None = None
+        self.events = 0
+        self.done = False
+        self.error: str | None = None
+
+    def head(self, status: int, headers: Mapping[bytes, bytes]) -> None:
+        self.status = status
+        self.attempts = _header_int(headers.get(b"x-hedge-attempts"))
+        backend = headers.get(b"x-hedge-backend")
+        self.backend = None if backend is None else backend.decode("latin-1")
+
+    def body(self, data: bytes) -> bool:
+        if self.error is not None:
+            return False
+        if self.status != 200 or self.done:
+            return True  # read to the end of the body so the connection can be reused
+        lines = (self._pending + data).split(b"\n") if self._pending else data.split(b"\n")
+        self._pending = lines.pop()
+        for raw in lines:
+            if not raw.startswith(b"data:"):
+                continue
+            payload = raw[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                self._pending = b""
+                return True
+            self.events += 1
+            if self.ttft is None:
+                try:
+                    kind = is_content_token(payload)
+                except ValueError:
+                    return self._fail("malformed event")
+                if kind is None:
+                    return self._fail("error event before the first token")
+                if kind:
+                    if not self._claim():
+                        return self._fail("lost")
+                    self.ttft = self._clock() - self._start
+            elif _is_error_event(payload):
+                return self._fail("error event after the first token")
+        if len(self._pending) > MAX_LINE:
+            return self._fail("event line too long")
+        return True
+
+    def _fail(self, error: str) -> bool:
+        self.error = error
+        return False
+
+    def sample(self, index: int, transport: str | None = None) -> Sample:
+        """The request's Sample once it ended (`transport`: the TransportError's kind)."""
+        if transport is not None:
+            error: str | None = f"transport: {transport}"
+        elif self.status != 200:
+            error = f"status {self.status}"
+        elif self.error is not None:
+            error = self.error
+        elif not self.done:
+            error = "truncated (no [DONE])"
+        else:
+            error = None if self.ttft is not None else "no token"
+        return Sample(index, error is None, self.ttft, self._clock() - self._start, error,
+                      self.attempts, self.backend, self.events)
+
+
+async def _attempt(client: LeanClient, url: Target, payload: bytes, index: int, start: float,
+                   claim: Claim = _always) -> Sample:
     """Stream one response to its end and time it; every failure becomes a failed Sample."""
-    ttft: float | None = None
-    events = 0
+    scan = StreamScan(start, claim)
     try:
-        async with client.stream("POST", url, content=content, headers=headers) as response:
-            attempts = _header_int(response.headers, "x-hedge-attempts")
-            backend = response.headers.get("x-hedge-backend")
+        await client.request(url, payload, scan)
+    except TransportError as exc:
+        return scan.sample(index, exc.kind)
+    return scan.sample(index)
 
-            def sample(ok: bool, error: str | None = None) -> Sample:
-                total = time.perf_counter() - start
-                return Sample(index, ok, ttft, total, error, attempts, backend, events)
 
-            if response.status_code != 200:
-                await response.aread()
-                return sample(False, f"status {response.status_code}")
-            # Bytes, split on LF by hand: cheaper than httpx's text line decoder, and the
-            # gateway and the simulator both end lines with LF (a CR before it is stripped).
-            pending = b""
-            done = False
-            async for chunk in response.aiter_raw():
-                if done:
-                    continue  # read to the end of the body so the connection can be reused
-                lines = (pending + chunk).split(b"\n")
-                pending = lines.pop()
-                for raw in lines:
-                    if not raw.startswith(b"data:"):
-                        continue
-                    payload = raw[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    events += 1
-                    if ttft is None:
-                        try:
-                            kind = is_content_token(payload)
-                        except ValueError:
-                            return sample(False, "malformed event")
-                        if kind is None:
-                            return sample(False, "error event before the first token")
-                        if kind:
-                            if not claim():
-                                return sample(False, "lost")
-                            ttft = time.perf_counter() - start
-                    elif _is_error_event(payload):
-                        return sample(False, "error event after the first token")
-            if done:
-                return sample(ttft is not None, None if ttft is not None else "no token")
-            return sample(False, "truncated (no [DONE])")
-    except httpx.HTTPError as exc:
-        total = time.perf_counter() - start
-        return Sample(index, False, ttft, total, f"transport: {type(exc).__name__}")
+def chat_request(url: str, index: int, body: Mapping[str, object] = CHAT_BODY
+                 ) -> tuple[Target, bytes]:
+    """Request `index` as bytes for `LeanClient.request`: `body` as JSON, with its id."""
+    where = target(url)
+    headers = {"content-type": "application/json", "x-request-id": request_id(index)}
+    return where, request_bytes("POST", where, json.dumps(body).encode(), headers)
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, index: int, *, body: Mapping[str, object] = CHAT_BODY
+    client: LeanClient, url: str, index: int, *, body: Mapping[str, object] = CHAT_BODY
 ) -> Sample:
     """One streaming chat request to `url` (a full .../chat/completions URL)."""
-    content = json.dumps(body).encode()
-    headers = {"content-type": "application/json", "x-request-id": request_id(index)}
-    return await _attempt(client, url, content, headers, index, time.perf_counter())
+    where, payload = chat_request(url, index, body)
+    return await _attempt(client, where, payload, index, time.perf_counter())
 
 
 async def best_of(
-    client: httpx.AsyncClient,
+    client: LeanClient,
     urls: Sequence[str],
     index: int,
     *,
     body: Mapping[str, object] = CHAT_BODY,
 ) -> Sample:
     """The oracle: the same request to every URL at once; the first content token wins and
-    the other streams are closed right then (their tasks are cancelled, which drops their
+    the other streams are closed right then (their tasks are cancelled, which closes their
     connections). Fails only when every attempt failed."""
-    content = json.dumps(body).encode()
-    headers = {"content-type": "application/json", "x-request-id": request_id(index)}
     start = time.perf_counter()
     tasks: list[asyncio.Task[Sample]] = []
-    winner: list[asyncio.Task[Sample]] = []
+    winner: list[int] = []
 
-    def claim() -> bool:
-        if winner:
-            return False
-        me = asyncio.current_task()
-        for task in tasks:
-            if task is not me:
-                task.cancel()
-            else:
-                winner.append(task)
-        return True
+    def claimer(k: int) -> Claim:
+        # called from the winning connection's data callback, not from its task
+        def claim() -> bool:
+            if winner:
+                return False
+            winner.append(k)
+            for j, task in enumerate(tasks):
+                if j != k:
+                    task.cancel()
+            return True
+        return claim
 
-    tasks.extend(
-        asyncio.create_task(_attempt(client, url, content, headers, index, start, claim))
-        for url in urls
-    )
+    for k, url in enumerate(urls):
+        where, payload = chat_request(url, index, body)
+        tasks.append(asyncio.create_task(
+            _attempt(client, where, payload, index, start, claimer(k))))
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    samples = [r for r in results if isinstance(r, Sample)]
     if winner:
-        return winner[0].result()
+        won = results[winner[0]]
+        assert isinstance(won, Sample)
+        return won
+    samples = [r for r in results if isinstance(r, Sample)]
     errors = "; ".join(s.error or "failed" for s in samples) or "every attempt was cancelled"
     return Sample(index, False, None, time.perf_counter() - start, errors, len(urls))
 
@@ -250,22 +294,14 @@ class Progress:
         self._out.flush()
 
 
-def worker_client(timeout: float = 60.0) -> httpx.AsyncClient:
-    """The client of one load worker. One per worker, not one shared by all: httpcore's pool
-    scans every pooled connection on each request, which at c=50 made a shared client the
-    most expensive process in the benchmark; a worker needs at most one connection per host
-    at a time."""
-    return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=4, max_keepalive_connections=4),
-        timeout=httpx.Timeout(timeout, connect=5.0),
-        trust_env=False,
-        # Plain http on loopback: no TLS, so skip loading the CA bundle (tens of ms each).
-        verify=False,
-    )
+def worker_client(timeout: float = 60.0) -> LeanClient:
+    """The client of one load worker. One per worker, not one shared by all: a worker needs
+    at most one connection per host at a time, so its pool is a short list."""
+    return LeanClient(timeout=timeout, connect_timeout=5.0)
 
 
 #: sends request `index` with the worker's own client; must turn failures into Samples
-Send = Callable[[httpx.AsyncClient, int], Awaitable[Sample]]
+Send = Callable[[LeanClient, int], Awaitable[Sample]]
 
 
 async def run_load(
@@ -287,7 +323,7 @@ async def run_load(
     samples: list[Sample | None] = [None] * requests
     next_index = 0
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: LeanClient) -> None:
         nonlocal next_index
         while next_index < requests:
             index = next_index

@@ -119,6 +119,7 @@ class ProcessMeter:
             return
         self._procs = {name: self._psutil.Process(pid) for name, pid in pids.items()}
         self._cpu0 = {name: self._cpu_of(name) for name in self._procs}
+        self._io0 = {name: self._io_of(name) for name in self._procs}
         self._machine0 = self._psutil.cpu_times()
         self._peak = dict.fromkeys(self._procs, 0)
         self._samples = 0
@@ -146,6 +147,19 @@ class ProcessMeter:
                 continue  # ended meanwhile
         return total
 
+    def _io_of(self, name: str) -> tuple[int, int]:
+        """Read and write system calls so far (Linux's syscr and syscw): on loopback, one
+        `read` takes whatever the peer's writes put in the socket meanwhile, so reads per
+        request tell how many events a process got per wake-up, writes how many it sent."""
+        reads = writes = 0
+        for proc in self._members(name):
+            try:
+                io = proc.io_counters()
+            except (self._psutil.Error, AttributeError):
+                continue  # ended meanwhile, or a platform without the counters
+            reads, writes = reads + int(io.read_count), writes + int(io.write_count)
+        return reads, writes
+
     def _rss_of(self, name: str) -> int:
         total = 0
         for proc in self._members(name):
@@ -167,14 +181,19 @@ class ProcessMeter:
             return
 
     def result(self) -> dict[str, dict[str, float]]:
-        """Per process `cpu_s`, `peak_rss_mb`; under "machine", `busy_pct` of all CPUs and
-        `cpu_s` of every process on the machine, ours included."""
+        """Per process `cpu_s`, `peak_rss_mb`, `reads` and `writes` (system calls); under
+        "machine", `busy_pct` of all CPUs and `cpu_s` of every process on the machine, ours
+        included."""
         if self._psutil is None:
             return {}
-        out = {name: {"cpu_s": round(self._cpu_of(name) - self._cpu0[name], 3),
-                      "peak_rss_mb": round(self._peak[name] / 2**20, 1),
-                      "rss_samples": self._samples}
-               for name in self._procs}
+        out: dict[str, dict[str, float]] = {}
+        for name in self._procs:
+            reads, writes = self._io_of(name)
+            out[name] = {"cpu_s": round(self._cpu_of(name) - self._cpu0[name], 3),
+                         "peak_rss_mb": round(self._peak[name] / 2**20, 1),
+                         "rss_samples": self._samples,
+                         "reads": reads - self._io0[name][0],
+                         "writes": writes - self._io0[name][1]}
         end = self._psutil.cpu_times()
         total = sum(end) - sum(self._machine0)
         idle = (end.idle + getattr(end, "iowait", 0.0)) - (

@@ -4,7 +4,9 @@ Every part runs as a real server in its own process, so that what the bench meas
 a deployment would see: two simulated backends (`gateway.bench.upstream`, one child process each),
 the gateway (`hedge-gateway serve --config <generated yaml>`, one child per gateway mode, its
 CPU and RSS sampled with psutil), and the load client in this process
-(`gateway.bench.load`). Each workload runs in four modes, one after the other:
+(`gateway.bench.load` over `gateway.bench.client`, on uvloop: the client shares a core with the
+simulators, so its own CPU must stay small next to theirs). Each workload runs in four
+modes, one after the other:
 
 - `direct`: every request straight to backend A (the baseline for the gateway's own cost);
 - `hedging-off`: through the gateway with `hedging: {enabled: false}`;
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import httpx
+import uvloop
 import yaml
 
 from gateway.bench import report, speed
@@ -347,7 +350,8 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
     with tempfile.TemporaryDirectory(prefix="hedge-bench-") as logdir:
         children = Children(logdir)
         try:
-            workloads = asyncio.run(_run(plan, children, sizes, pinning, quick))
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                workloads = runner.run(_run(plan, children, sizes, pinning, quick))
         finally:
             children.close()
             os.sched_setaffinity(0, before)

@@ -43,6 +43,7 @@ from typing import Any, TextIO
 import httpx
 import yaml
 
+from gateway.bench.client import Buffered, LeanClient, TransportError, request_bytes, target
 from gateway.bench.load import CHAT_BODY, Sample, stream_one, worker_client
 from gateway.bench.procs import Children, free_port, machine, wait_ready
 
@@ -108,31 +109,34 @@ def outcome(sample: Sample) -> tuple[str, str]:
     return "silent", labels.get(error, error.replace("transport: ", "").replace(" ", "_"))
 
 
-async def whole_one(client: httpx.AsyncClient, url: str, index: int,
+async def whole_one(client: LeanClient, url: str, index: int,
                     body: dict[str, Any], key: str) -> Sample:
     """One non-streaming request; ok when it is a 200 whose JSON has a non-empty `key`."""
     start = time.perf_counter()
+    where = target(url)
+    headers = {"content-type": "application/json", "x-request-id": f"soak-{index}"}
+    answer = Buffered()
     try:
-        response = await client.post(url, json=body, headers={"x-request-id": f"soak-{index}"})
-    except httpx.HTTPError as exc:
-        return Sample(index, False, None, time.perf_counter() - start,
-                      f"transport: {type(exc).__name__}")
+        await client.request(where, request_bytes("POST", where, json.dumps(body).encode(),
+                                                  headers), answer)
+    except TransportError as exc:
+        return Sample(index, False, None, time.perf_counter() - start, f"transport: {exc.kind}")
     total = time.perf_counter() - start
-    if response.status_code != 200:
-        return Sample(index, False, None, total, f"status {response.status_code}")
+    if answer.status != 200:
+        return Sample(index, False, None, total, f"status {answer.status}")
     try:
-        ok = bool(response.json().get(key))
+        ok = not answer.too_large and bool(json.loads(answer.content).get(key))
     except (ValueError, AttributeError):
         ok = False
     return Sample(index, ok, total, total, None if ok else "malformed body")
 
 
-def _sender(base: str, seed: int) -> Callable[[httpx.AsyncClient, int], Awaitable[Sample]]:
+def _sender(base: str, seed: int) -> Callable[[LeanClient, int], Awaitable[Sample]]:
     chat = f"{base}/v1/chat/completions"
     stream_body = {**CHAT_BODY, "model": POOL}
     whole_body = {**CHAT_BODY, "model": POOL, "stream": False}
 
-    def send(client: httpx.AsyncClient, index: int) -> Awaitable[Sample]:
+    def send(client: LeanClient, index: int) -> Awaitable[Sample]:
         u = random.Random(f"{seed}/{index}").random()
         if u < 0.8:
             return stream_one(client, chat, index, body=stream_body)
@@ -158,7 +162,7 @@ async def _load(run: _Run, plan: SoakPlan, end: float) -> None:
     send = _sender(run.base, plan.seed)
     counter = iter(range(sys.maxsize))
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: LeanClient) -> None:
         due = time.monotonic()
         while due < end:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
@@ -258,7 +262,7 @@ async def _soak(plan: SoakPlan, children: Children) -> dict[str, Any]:
             stop.set()
             await asyncio.gather(sampler, faults, return_exceptions=True)
         wall = time.monotonic() - start
-        idle = await _after_idle(runs, plan, control, {p: n for n, p in ports.items()})
+        idle = await _after_idle(runs, plan, {p: n for n, p in ports.items()})
         results = []
         for run in runs:
             stats = (await control.get(f"{run.base}/hedge/stats")).json()
@@ -266,28 +270,29 @@ async def _soak(plan: SoakPlan, children: Children) -> dict[str, Any]:
     return {"events": events, "modes": results}
 
 
-async def _after_idle(runs: list[_Run], plan: SoakPlan, control: httpx.AsyncClient,
-                      backends: dict[int, str]) -> dict[str, dict[str, Any]]:
+async def _after_idle(runs: list[_Run], plan: SoakPlan, backends: dict[int, str]
+                      ) -> dict[str, dict[str, Any]]:
     """Descriptors and sockets by TCP state of each gateway once idle connections expired
     (a few requests first: the upstream pool closes expired connections when next used)."""
     psutil: Any = importlib.import_module("psutil")
     await asyncio.sleep(plan.settle)
     out = {}
-    for run in runs:
-        for k in range(10):  # a few that reach an upstream (some may be pushed back)
-            sample = await whole_one(control, f"{run.base}/v1/embeddings", -1 - k, EMBED_BODY,
-                                     "data")
-            if sample.ok and k >= 2:
-                break
-        proc = psutil.Process(run.pid)
-        conns = proc.net_connections(kind="tcp")
-        states = Counter(c.status for c in conns)
-        #: whom each half-closed socket was talking to: a backend, or a client
-        half = Counter(backends.get(c.raddr.port, "client") for c in conns
-                       if c.status == "CLOSE_WAIT" and c.raddr)
-        out[run.mode] = {"fds": proc.num_fds(), "sockets": dict(sorted(states.items())),
-                         "close_wait_peers": dict(sorted(half.items())),
-                         "rss_mb": round(proc.memory_info().rss / 2**20, 1)}
+    async with worker_client(10.0) as client:
+        for run in runs:
+            for k in range(10):  # a few that reach an upstream (some may be pushed back)
+                sample = await whole_one(client, f"{run.base}/v1/embeddings", -1 - k,
+                                         EMBED_BODY, "data")
+                if sample.ok and k >= 2:
+                    break
+            proc = psutil.Process(run.pid)
+            conns = proc.net_connections(kind="tcp")
+            states = Counter(c.status for c in conns)
+            #: whom each half-closed socket was talking to: a backend, or a client
+            half = Counter(backends.get(c.raddr.port, "client") for c in conns
+                           if c.status == "CLOSE_WAIT" and c.raddr)
+            out[run.mode] = {"fds": proc.num_fds(), "sockets": dict(sorted(states.items())),
+                             "close_wait_peers": dict(sorted(half.items())),
+                             "rss_mb": round(proc.memory_info().rss / 2**20, 1)}
     return out
 
 

@@ -63,6 +63,21 @@ def cost_row(row: Mapping[str, Any]) -> dict[str, Any]:
             "peak_rss_mb": proc.get("peak_rss_mb")}
 
 
+def per_request_costs(row: Mapping[str, Any]) -> str:
+    """Each process's CPU ms and read/write system calls per measured request, on one line
+    ('' without process figures). CPU per request stays meaningful on a busy machine, where
+    req/s does not; the system calls show how many events each read picked up (a zero-delay
+    stream read as it is written costs a read per event; read late, several per read)."""
+    procs, n = row.get("processes") or {}, row.get("requests") or 0
+    named = {k: v for k, v in procs.items() if k != "machine" and isinstance(v, Mapping)}
+    if not n or not named:
+        return ""
+    cpu = ", ".join(f"{k} {1000.0 * float(v['cpu_s']) / n:.3f}" for k, v in named.items())
+    calls = ", ".join(f"{k} {v['reads'] / n:.1f}/{v['writes'] / n:.1f}"
+                      for k, v in named.items() if "reads" in v and v["cpu_s"] > 0.05)
+    return f"CPU ms {cpu}; system calls read/write {calls}"
+
+
 def events_delivered(samples: Sequence[Sample]) -> tuple[int, int] | None:
     """(min, max) `data:` events per successful stream, None when none succeeded."""
     counts = [s.events for s in samples if s.ok]
@@ -141,6 +156,9 @@ def format_lines(result: Mapping[str, Any]) -> list[str]:
             parts.append(f"events per stream {low}..{high}")
         if parts:
             lines.append(f"   {row['mode']}: " + "; ".join(parts))
+        per_request = per_request_costs(row)
+        if per_request:
+            lines.append(f"   {row['mode']}: per request: {per_request}")
     c = result["comparison"]
     for key, value in c.items():
         if key.endswith("_added_ttft_c1_p50_ms"):

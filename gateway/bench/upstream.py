@@ -38,13 +38,12 @@ import time
 from typing import Any
 
 import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.settings import SimProfile
-from providers.sim.server import create_sim_app, stats_of
+from providers.sim.server import SimApp, create_sim_app, stats_of
 from providers.sim.wire import TTFT_HEADER
 
 #: one upstream request: request id, arrival (monotonic seconds), status, completed
@@ -94,7 +93,7 @@ class BenchSim:
 
     def _reset(self, profile: SimProfile, seed: int, backend: str, outage: Outage) -> None:
         self._profile, self._seed, self._backend, self._outage = profile, seed, backend, outage
-        self._inner: Starlette = create_sim_app(profile, seed=seed)
+        self._inner: SimApp = create_sim_app(profile, seed=seed)
         self._log: list[LogEntry] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -33,6 +33,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from gateway.errors import error_body
 from gateway.settings import SimProfile
@@ -115,38 +116,70 @@ async def _encoded(
             yield encode_event(data, name)
 
 
+class _SimStream(StreamingResponse):
+    """A stream's response, counted in `SimStats` by how it ended (completed, the plan's
+    in-band error, or dropped by the client before its end), with StreamingResponse's headers
+    and the same wire: one ASGI send, so one write, per event, as soon as it is produced.
+
+    Leaner than StreamingResponse's own `__call__` because the bench's zero-delay workload
+    makes the simulator one of the processes sharing the load client's core: that runs an
+    anyio task group per response; this runs one plain task that waits for the disconnect
+    and then cancels the stream (which may be sleeping, even forever in a hang)."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None], stats: SimStats,
+                 headers: Mapping[str, str], plan: SimPlan, *, usage: bool) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events, self._stats, self._plan, self._usage = events, stats, plan, usage
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stats, stream = self._stats, asyncio.current_task()
+        assert stream is not None
+        gone = False
+
+        async def until_disconnect() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            stream.cancel()
+
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        watcher = asyncio.ensure_future(until_disconnect())
+        stats.streams_started += 1
+        stats.open_streams += 1
+        finished = False
+        try:
+            async with aclosing(self._events) as events:
+                async for chunk in events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            stream.uncancel()  # the client went away: this response simply ends
+        finally:
+            # cancelled before it runs again, so the completion (which also wakes
+            # `receive`) is not taken for a disconnect
+            watcher.cancel()
+            stats.open_streams -= 1
+            if not finished:
+                stats.streams_closed_early += 1
+            elif self._plan.midstream_error_after is not None:
+                stats.streams_errored += 1
+            else:
+                stats.streams_completed += 1
+                if self._usage and self._plan.usage:
+                    stats.add_usage(self._plan)
+
+
 class _SimServer:
     """The request handlers, bound to one model (one rng) and one set of counters."""
 
     def __init__(self, profile: SimProfile, seed: int | None) -> None:
         self.model = SimModel(profile, random.Random(seed))
         self.stats = SimStats()
-
-    async def _tracked(
-        self, events: AsyncGenerator[bytes, None], errored: bool, plan: SimPlan | None = None
-    ) -> AsyncGenerator[bytes, None]:
-        """Relay a stream's wire bytes and count how it ended (`errored`: the plan's fault;
-        `plan`: an OpenAI-shaped stream whose usage chunk is counted when it completes)."""
-        stats = self.stats
-        stats.streams_started += 1
-        stats.open_streams += 1
-        finished = False
-        try:
-            async with aclosing(events):
-                async for chunk in events:
-                    yield chunk
-            finished = True
-        finally:
-            # Cancellation (client disconnect) or GeneratorExit land here with finished False.
-            stats.open_streams -= 1
-            if not finished:
-                stats.streams_closed_early += 1
-            elif errored:
-                stats.streams_errored += 1
-            else:
-                stats.streams_completed += 1
-                if plan is not None and plan.usage:
-                    stats.add_usage(plan)
 
     async def _plan(self, request: Request) -> tuple[dict[str, Any], SimPlan] | Response:
         """The request's body and plan, or the error response (bad input, simulated fault).
@@ -191,8 +224,7 @@ class _SimServer:
             events = sim_events(
                 plan, endpoint=endpoint, model=model, request_id=request_id, sleep=asyncio.sleep
             )
-            stream = self._tracked(events, plan.midstream_error_after is not None, plan)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            return _SimStream(events, self.stats, headers, plan, usage=True)
         wait = plan.response_time(endpoint)
         if not await _sleep_while_connected(request, wait):
             return Response(status_code=499)  # nobody is listening any more
@@ -212,8 +244,7 @@ class _SimServer:
         if body.get("stream") is True and endpoint in ("responses", "messages"):
             events = protocols.protocol_stream(plan, endpoint, model=model, request_id=request_id,
                                                sleep=asyncio.sleep, created=created)
-            stream = self._tracked(_encoded(events), plan.midstream_error_after is not None)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            return _SimStream(_encoded(events), self.stats, headers, plan, usage=False)
         if not await _sleep_while_connected(request, protocols.response_time(plan, endpoint)):
             return Response(status_code=499)
         if plan.midstream_error_after is not None:
@@ -240,11 +271,33 @@ class _SimServer:
         return JSONResponse(asdict(self.stats))
 
 
-def create_sim_app(profile: SimProfile, *, seed: int | None = None) -> Starlette:
-    """A Starlette app simulating one backend. `seed` overrides `profile.seed` when given."""
+class SimApp:
+    """The simulator's ASGI app. A POST to the chat or legacy completions route goes straight
+    to its handler, without Starlette's routing and middleware, which wrap every send of every
+    event (the bench's zero-delay workload sends 53 per request); every other request goes
+    through the Starlette app (its routes, 404s and 405s)."""
+
+    _DIRECT: Mapping[str, Endpoint] = {"/v1/chat/completions": "chat/completions",
+                                       "/v1/completions": "completions"}
+
+    def __init__(self, server: _SimServer, routes: Starlette) -> None:
+        self._server, self._routes = server, routes
+        self.stats = server.stats
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self._DIRECT.get(scope.get("path", ""))
+        if endpoint is not None and scope["type"] == "http" and scope["method"] == "POST":
+            response = await self._server.handle(Request(scope, receive), endpoint)
+            await response(scope, receive, send)
+        else:
+            await self._routes(scope, receive, send)
+
+
+def create_sim_app(profile: SimProfile, *, seed: int | None = None) -> SimApp:
+    """An ASGI app simulating one backend. `seed` overrides `profile.seed` when given."""
     server = _SimServer(profile, seed if seed is not None else profile.seed)
     item = partial(server.handle_protocol, endpoint="responses/item")
-    app = Starlette(
+    routes = Starlette(
         routes=[
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
@@ -263,8 +316,7 @@ def create_sim_app(profile: SimProfile, *, seed: int | None = None) -> Starlette
             Route("/sim/stats", server.stats_route, methods=["GET"]),
         ]
     )
-    app.state.sim_stats = server.stats
-    return app
+    return SimApp(server, routes)
 
 
 async def serve_sim(host: str, port: int, profile: SimProfile, seed: int | None = None) -> None:
@@ -285,7 +337,6 @@ def run_sim(host: str, port: int, profile: SimProfile, seed: int | None = None) 
     asyncio.run(serve_sim(host, port, profile, seed))
 
 
-def stats_of(app: Starlette) -> Mapping[str, Any]:
+def stats_of(app: SimApp) -> Mapping[str, Any]:
     """The counters of an app made by `create_sim_app`, without going over HTTP."""
-    stats: SimStats = app.state.sim_stats
-    return asdict(stats)
+    return asdict(app.stats)

@@ -19,6 +19,7 @@ from providers.sim.server import create_sim_app
 from providers.sim.wire import (
     embedding_vector,
 )
+from tests.harness.asgi import wait_for_sim_stats as wait_for_stats
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "stream": True}
 
@@ -58,16 +59,6 @@ async def serve(profile: SimProfile) -> AsyncIterator[str]:
         server.should_exit = True
         await task
         sock.close()
-
-
-async def wait_for_stats(base: str, key: str, value: int) -> dict[str, int]:
-    async with httpx.AsyncClient(base_url=base) as http:
-        for _ in range(500):  # bounded wait for the server to notice; not a timing assertion
-            stats: dict[str, int] = (await http.get("/sim/stats")).json()
-            if stats[key] == value:
-                return stats
-            await asyncio.sleep(0.01)
-    raise AssertionError(f"{key} never reached {value}: {stats}")
 
 
 async def test_real_server_with_the_openai_sdk() -> None:

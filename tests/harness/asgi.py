@@ -12,6 +12,7 @@ import socket
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 
+import httpx
 import uvicorn
 from starlette.types import ASGIApp
 
@@ -128,3 +129,15 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
         raise StartupFailed(f"ASGI app failed to start (exit status {exc.code})") from None
     finally:
         sock.close()
+
+
+async def wait_for_sim_stats(base: str, key: str, value: int) -> dict[str, int]:
+    """The simulator's `/sim/stats` once `key` reached `value`: a bounded wait for the server
+    to notice (a disconnect, say), not a timing assertion."""
+    async with httpx.AsyncClient(base_url=base) as http:
+        for _ in range(500):
+            stats: dict[str, int] = (await http.get("/sim/stats")).json()
+            if stats[key] == value:
+                return stats
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"{key} never reached {value}: {stats}")

@@ -10,6 +10,7 @@ from gateway.bench.speed import (
     compare_costs,
     cost_row,
     events_delivered,
+    per_request_costs,
     targets,
     ttft_summary,
 )
@@ -78,3 +79,16 @@ def test_streams_need_every_stream_and_every_event() -> None:
     rows["hedging-on"] = {**short, "events_delivered": (23, 23)}
     met = {t["target"]: t["met"] for t in targets("streams", rows, compare_costs(rows))}
     assert met["every stream complete, every token delivered"] is True
+
+
+def test_per_request_costs_of_every_process() -> None:
+    row: dict[str, Any] = {"requests": 1000, "processes": {
+        "client": {"cpu_s": 0.3, "reads": 6100, "writes": 1000},
+        "sim-a": {"cpu_s": 0.55, "reads": 1000, "writes": 54000},
+        "sim-b": {"cpu_s": 0.01, "reads": 0, "writes": 0},  # idle: no call counts shown
+        "machine": {"busy_pct": 90.0, "cpu_s": 3.0}}}
+    assert per_request_costs(row) == (
+        "CPU ms client 0.300, sim-a 0.550, sim-b 0.010; "
+        "system calls read/write client 6.1/1.0, sim-a 1.0/54.0")
+    assert per_request_costs({"requests": 0, "processes": row["processes"]}) == ""
+    assert per_request_costs({"requests": 5}) == ""

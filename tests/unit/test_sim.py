@@ -27,6 +27,7 @@ from providers.sim.wire import (
     sim_events,
     sim_payloads,
     sim_response,
+    wire_json,
 )
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "stream": True}
@@ -170,6 +171,26 @@ async def test_legacy_completions_shape() -> None:
     assert first["choices"][0]["text"] == "tok0 "
     assert loads(events[3])["choices"][0]["finish_reason"] == "stop"
     assert delays == [0.2, 0.01, 0.01]
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+async def test_token_chunks_are_byte_for_byte_the_dicts_json(endpoint: Endpoint) -> None:
+    """Token chunks are spliced into a template encoded once: the bytes must be exactly
+    `wire_json` of the chunk, whatever the token text or the model echoed before it."""
+    pieces = ("tok0 ", 'a "quoted" \\ back', "caf\u00e9 \u2028", "\x00", "")
+    plan = SimPlan(tokens=pieces, usage=False)
+    model = "\x00"  # the marker itself
+    got = [data async for data in sim_payloads(plan, endpoint=endpoint, model=model,
+                                               request_id="r1", sleep=FakeSleep(), created=5)]
+    chat = endpoint == "chat/completions"
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-sim-r1",
+            "object": "chat.completion.chunk" if chat else "text_completion", "created": 5,
+            "model": model}
+    for piece, data in zip(pieces, got[1:] if chat else got, strict=False):
+        choice: dict[str, Any] = (
+            {"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat else
+            {"index": 0, "text": piece, "logprobs": None, "finish_reason": None})
+        assert data == wire_json({**head, "choices": [choice]})
 
 
 async def test_midstream_error_ends_the_stream() -> None:
