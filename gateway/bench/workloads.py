@@ -56,6 +56,10 @@ def _share_workload(percent: int) -> Workload:
         modes=("hedging-off", "hedging-on"), delay_window=SHARE_DELAY_WINDOW, single_hedge=True)
 
 
+#: `overhead` and `streams` simulators send usage only when asked (`stream_options`), as OpenAI
+#: does: the gateway asks for it and strips it again (SPEC §17), so a client that did not ask
+#: gets the same events through the gateway as direct ("every token delivered" compares like
+#: with like)
 WORKLOADS: tuple[Workload, ...] = (
     Workload("stragglers", "lognormal TTFT (median 150 ms, sigma 0.25), 3 % stragglers +1500 ms,"
              " 30 tokens at 5 ms", _STRAGGLERS, requests=600, concurrency=20, quick_requests=100),
@@ -64,13 +68,13 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("overhead", "zero-latency backends (TTFT 0, inter-token 0), 50 tokens; first "
              "a pass at c=1 for the added TTFT",
              SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
-                        straggler_extra=0.0, tokens=50, inter_token=0.0),
+                        straggler_extra=0.0, tokens=50, inter_token=0.0, usage=False),
              requests=2000, concurrency=50, quick_requests=300,
              modes=("direct", "hedging-off", "hedging-on"), c1_requests=300,
              quick_c1_requests=100),
     Workload("streams", "1,000 concurrent streams: TTFT 50 ms, 20 tokens 200 ms apart",
              SimProfile(ttft_median=0.05, ttft_sigma=0.0, straggler_probability=0.0,
-                        straggler_extra=0.0, tokens=20, inter_token=0.2),
+                        straggler_extra=0.0, tokens=20, inter_token=0.2, usage=False),
              requests=1000, concurrency=1000, quick_requests=1000,
              modes=("direct", "hedging-on"), max_concurrent_requests=2048),
     Workload("pushback", "3 backends, TTFT median 150 ms (no stragglers), each answering 3 % "
