@@ -207,7 +207,7 @@ def create_app(
                                                                             now=clock())))
     source = StatsSource(stats, LivePools(live), clock, peers, live=live)
     metrics = Metrics(stats, LivePools(live), clock, read=source.reading)
-    series = Series(stats, LivePools(live))
+    series = Series(source.origin, clock())
     drain = Drain()
     proxy = Proxy(settings.server, stats, clock, drain, tracing)
 
@@ -218,7 +218,8 @@ def create_app(
         )
         publisher = asyncio.create_task(
             source.publish_forever(), name="stats-publish") if peers else None
-        sampler = asyncio.create_task(run_sampler(series, clock), name="series-sampler")
+        sampler = asyncio.create_task(run_sampler(series, source.series_reading_async, clock),
+                                      name="series-sampler")
         try:
             yield
         finally:
@@ -246,7 +247,7 @@ def create_app(
     app.include_router(build_router(settings, live, proxy))
     app.include_router(build_protocol_router(settings, live, proxy))
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
-    app.include_router(build_dashboard_router(stats, series))
+    app.include_router(build_dashboard_router(series, source))
     #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools
     app.state.live = live

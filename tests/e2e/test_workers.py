@@ -9,6 +9,7 @@ And `hedge-gateway stats URL URL` over two single-process gateways in this proce
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import signal
@@ -314,3 +315,76 @@ def test_stats_command_merges_two_replicas(loop_thread: LoopThread) -> None:
     result = subprocess.run([*command(), "stats", one.root, gone], capture_output=True,
                             text=True, timeout=60, env=keyless_env())
     assert result.returncode == 1 and gone in result.stderr, result.stderr
+
+
+def get_json(root: str, path: str) -> dict[str, Any]:
+    reply = httpx.get(root + path, timeout=5.0, trust_env=False)
+    assert reply.status_code == 200, reply.text
+    doc: dict[str, Any] = reply.json()
+    return doc
+
+
+def series_requests(doc: dict[str, Any]) -> int:
+    """The requests a `/hedge/series` answer counts over its window: each point's rate times
+    the seconds since the point before it (the first point is the baseline, rate 0)."""
+    points = doc["pools"].get("quick", [])
+    counted: float = sum(p["requests"] * (p["t"] - q["t"]) for q, p in itertools.pairwise(points))
+    return round(counted)
+
+
+def both_answer(root: str, path: str, check: Callable[[dict[str, Any]], None]) -> None:
+    """Fetch `path` (a connection each) until both workers have answered, `check`ing every
+    answer: whichever worker answers, it shows the whole server."""
+    answered: set[int] = set()
+
+    def probe() -> bool:
+        doc = get_json(root, path)
+        check(doc)
+        answered.add(doc["answered_by"]["pid"])
+        return len(answered) == 2
+
+    eventually(probe, f"both workers answer {path}")
+
+
+@pytest.mark.timeout(120)
+def test_the_dashboard_data_covers_every_worker(
+    two_workers: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    """SPEC §16 with §17: `/hedge/series` and `/hedge/races` show the whole server, whichever
+    worker answers (their peers' numbers reach them within 2 s, so the waits poll)."""
+    _proc, root, _log = two_workers
+    sent = 24
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(lambda _: chat(root), range(sent))) == [QUICK_CONTENT] * sent
+
+    def counted() -> dict[str, Any] | None:
+        doc = stats(root)
+        return doc if doc["pools"]["quick"]["lifetime"]["requests"] == sent else None
+
+    doc = eventually(counted, f"the whole server counts {sent} requests")
+    served = {w["pid"]: w["requests"] for w in doc["pools"]["quick"]["workers"]}
+    assert len(served) == 2 and all(n > 0 for n in served.values()), served  # both served
+
+    # the series: the requests of both workers, once each
+    eventually(lambda: series_requests(get_json(root, "/hedge/series")) == sent,
+               f"the series counts {sent} requests")
+
+    def whole_series(doc: dict[str, Any]) -> None:
+        assert series_requests(doc) == sent, doc["pools"]["quick"]
+
+    both_answer(root, "/hedge/series", whole_series)
+
+    # the races: every request, served by either worker, newest last
+    def quick_races(doc: dict[str, Any]) -> list[dict[str, Any]]:
+        return [r for r in doc["races"] if r["pool"] == "quick"]
+
+    eventually(lambda: len(quick_races(get_json(root, "/hedge/races"))) == sent,
+               f"the races list all {sent} requests")
+
+    def whole_races(doc: dict[str, Any]) -> None:
+        races = quick_races(doc)
+        assert len({r["id"] for r in races}) == sent, races
+        assert {r["pid"] for r in races} == set(served), races  # races of both workers
+        assert [r["t"] for r in races] == sorted(r["t"] for r in races)
+
+    both_answer(root, "/hedge/races", whole_races)
