@@ -80,9 +80,9 @@ class RecentRaces:
 
     def export(self, worker: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The races for a mergeable export, each marked with the process that served it
-        (`worker`: its `worker` index and `pid`)."""
+        (`worker`: its `worker` index and `pid`); `at` to the millisecond, as `t` is shown."""
         mark = {"worker": worker.get("worker"), "pid": worker.get("pid")}
-        return [{**race, **mark} for race in self._races]
+        return [{**race, "at": round(race["at"], 3), **mark} for race in self._races]
 
     def view(self) -> dict[str, Any]:
         return races_view(self._races, self._started, self._races.maxlen or CAPACITY)
