@@ -316,6 +316,8 @@
       render();
       state.updates += 1;
       document.body.dataset.updates = String(state.updates);
+      document.body.dataset.points = String(
+        Object.values(state.points).reduce((n, points) => n + points.length, 0));
       status.textContent = `live · ${new Date().toLocaleTimeString()}`;
       status.className = "status live";
     } catch (err) {
