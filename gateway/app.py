@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
-from gateway.dashboard import build_dashboard_router, run_sampler
+from gateway.dashboard import build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain
 from gateway.live import ConfigOrigin, Generation, Live, LivePools
 from gateway.pool import PoolRuntime
@@ -207,7 +207,7 @@ def create_app(
                                                                             now=clock())))
     source = StatsSource(stats, LivePools(live), clock, peers, live=live)
     metrics = Metrics(stats, LivePools(live), clock, read=source.reading)
-    series = Series(source.origin, clock())
+    series = Series(source.origin)
     drain = Drain()
     proxy = Proxy(settings.server, stats, clock, drain, tracing)
 
@@ -218,14 +218,16 @@ def create_app(
         )
         publisher = asyncio.create_task(
             source.publish_forever(), name="stats-publish") if peers else None
-        sampler = asyncio.create_task(run_sampler(series, source.series_reading_async, clock),
-                                      name="series-sampler")
+        tasks = [refresher]
         try:
+            await sample_now(series, source.series_reading_async)  # before serving: the baseline
+            tasks.append(asyncio.create_task(
+                run_sampler(series, source.series_reading_async, clock), name="series-sampler"))
             yield
         finally:
-            refresher.cancel()
-            sampler.cancel()
-            await asyncio.wait([refresher, sampler])
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
             if publisher is not None:
                 publisher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -72,19 +72,23 @@ def build_dashboard_router(series: Series, source: StatsSource) -> APIRouter:
     return router
 
 
-async def run_sampler(
-    series: Series, read: Callable[[], Awaitable[tuple[float, Reading]]],
-    clock: Callable[[], float],
-) -> None:
-    """Sample the series on each of its ticks until cancelled (at app shutdown). `read`:
-    (now, the reading at now), `StatsSource.series_reading_async`."""
+Read = Callable[[], Awaitable[tuple[float, Reading]]]
+
+
+async def sample_now(series: Series, read: Read) -> None:
+    """Add a point now. `read`: (now, the reading at now), `StatsSource.series_reading_async`.
+    The app takes the first before it serves: the baseline its rates start from."""
+    try:
+        now, reading = await read()
+    except ValueError:  # peers' numbers that do not merge (a mixed upgrade): no point now
+        return
+    series.sample(reading, now)
+
+
+async def run_sampler(series: Series, read: Read, clock: Callable[[], float]) -> None:
+    """Sample the series on each whole second until cancelled (at app shutdown)."""
     due = series.next_at()
     while True:
         await asyncio.sleep(max(0.0, due - clock()))
-        try:
-            now, reading = await read()
-        except ValueError:  # peers' numbers that do not merge (a mixed upgrade): no point now
-            pass
-        else:
-            series.sample(reading, now)
+        await sample_now(series, read)
         due = max(series.next_at(), due + series.interval)

@@ -5,11 +5,12 @@
 what the stats and the live pools already hold, so it costs a few sketch reads per second,
 whatever the traffic.
 
-Per pool, each point (`seq`: the second of the point since the server started, `t`: the
-seconds since then, exactly):
+Per pool, each point (`seq`: 1 + the whole seconds since the server started, so the same
+second has the same `seq` in every worker; `t`: the seconds since the start, exactly):
 - rates over the interval since the previous point, per second: `requests`, `hedges_started`,
   `hedges_won`, `failovers`, `suppressed.<reason>`, `tokens_input`, `tokens_output`,
-  `hedge_input_tokens` (from the lifetime counters' growth; 0 in a series' first point);
+  `hedge_input_tokens` (from the lifetime counters' growth; 0 in a series' first point, which
+  is taken as the process starts, before it serves);
 - the recent-window quantiles at that moment (the same window as `/hedge/stats`' `window`):
   `client_ttft_ms.p50/p99`, `loser_close_ms_p99`, and per backend `ttft_ms.p50/p99`;
 - gauges: `budget_tokens`, `inflight`, per backend `state` and `inflight`.
@@ -28,13 +29,16 @@ a sample; a worker that replaced a dead one holds only the points since it start
 Rates are the growth of each process's own lifetime counters since the previous point, summed
 over the processes: the growth of the server's summed counters, minus the ways a difference of
 sums goes wrong when the set of processes changes.
-- A process that disappears (died, or its numbers are older than 2 s) stops adding, and the
+- The first point is the baseline: every process in it counts from its numbers then (a
+  replacement worker's peers: their past lands in no point of its series).
+- A process seen for the first time later counts from zero (a replacement, or a sibling that
+  published after this one's first point): nothing of it was counted yet. Unless it started
+  more than `FRESH` seconds before the first point: then it was missed (its numbers stale), and
+  it counts from its current numbers. One that comes back after a gap adds its growth since.
+- A process that disappears (died, or its numbers are older than 2 s) stops adding. The
   supervisor folding a dead worker's lifetime into the retired numbers (which keep
-  `/hedge/stats` from going down) is no activity: the retired numbers take no part here.
-- A process seen for the first time counts from zero if it started with this series or after
-  it (a sibling that published late, a replacement): nothing of it was counted yet. An older one
-  (when this worker is the replacement) counts from its current numbers, so its past lands in
-  no point. One that comes back after a gap adds its growth since it was last seen.
+  `/hedge/stats` from going down) is no activity: the retired numbers take no part here. What
+  a worker did after the last point before it died (under a second) is not in the series.
 - Growth is clamped at zero per process and counter: no rate goes negative.
 """
 
@@ -67,9 +71,10 @@ RATES = {
 }
 #: every counter a rate is made of
 RATE_KEYS = (*RATES.values(), *(f"suppressed.{r.value}" for r in SuppressReason))
-#: a process first seen that started at most this long before the series counts from zero:
-#: the workers forked together start within it, however late one of them first publishes
-SIBLING = 10.0
+#: a process first seen after the first point counts from zero if it started at most this
+#: long before that point: the workers forked together start within it, however late one of
+#: them first publishes
+FRESH = 30.0
 #: a known pid whose start moved by more than this is another process (the pid was reused)
 SAME_START = 1.0
 #: how many processes (the most recently seen) are remembered between their readings
@@ -137,34 +142,36 @@ def _quantiles_ms(sketch: WindowedSketch, now: float) -> dict[str, float | None]
 class Series:
     """Per-pool rings of per-second points (fields in the module docstring)."""
 
-    def __init__(self, origin: float, now: float, *, capacity: int = CAPACITY,
+    def __init__(self, origin: float, *, capacity: int = CAPACITY,
                  interval: float = INTERVAL) -> None:
-        """`origin`: when the server started (`seq` and `t` count from it); `now`: when this
-        series starts (a process that started long before it counts from its first reading)."""
+        """`origin`: when the server started (`seq` and `t` count from it)."""
         self.origin = origin
-        self.created = now
         self.capacity = capacity
         self.interval = interval
-        #: the tick of the last point (before the first: the tick the series started in)
-        self.seq = self._tick(now)
+        #: the `seq` of the last point (0: none yet)
+        self.seq = 0
         self._points: dict[str, deque[dict[str, Any]]] = {}
         #: each process's counters at the previous point, least recently seen first
         self._seen: dict[int, Process] = {}
+        #: when the first and the last point were taken
+        self._first_at: float | None = None
         self._last_at: float | None = None
 
-    def _tick(self, now: float) -> int:
-        return round((now - self.origin) / self.interval)
+    def _seq(self, now: float) -> int:
+        return round((now - self.origin) / self.interval) + 1
 
     def next_at(self) -> float:
-        """When the next point is due."""
-        return self.origin + (self.seq + 1) * self.interval
+        """When the next point is due: on the next whole second since the server started."""
+        return self.origin + self.seq * self.interval
 
     def sample(self, reading: Reading, now: float) -> None:
         """Add one point per pool of `reading` for the moment `now`. At most one per tick: a
         reading within the tick of the last point is left out (the next point covers it)."""
-        seq = self._tick(now)
+        seq = self._seq(now)
         if seq <= self.seq:
             return
+        if self._first_at is None:
+            self._first_at = now
         growth = self._grow(reading.processes, first=self._last_at is None)
         elapsed = 0.0 if self._last_at is None else now - self._last_at
         self._last_at = now
@@ -204,12 +211,14 @@ class Series:
 
     def _grow(self, processes: Mapping[int, Process], *, first: bool) -> dict[str, Counter[str]]:
         """Per pool, the counters' growth since the previous point, summed over the processes
-        (the rules in the module docstring). The first point only sets where each starts."""
+        (the rules in the module docstring); `first`: the first point, which only sets where
+        each process starts."""
         growth: dict[str, Counter[str]] = {}
+        first_at = self._first_at if self._first_at is not None else 0.0
         for pid, process in processes.items():
             known = self._seen.pop(pid, None)
             if known is None or process.started > known.started + SAME_START:
-                fresh = process.started >= self.created - SIBLING
+                fresh = not first and process.started >= first_at - FRESH
                 known = Process(process.started, {}) if fresh else process
             for pool, counts in process.counts.items():
                 before = known.counts.get(pool, {})
@@ -218,7 +227,7 @@ class Series:
                     delta = n - before.get(key, 0)
                     if delta > 0:
                         into[key] += delta
-            self._seen[pid] = known if first else process
+            self._seen[pid] = process
         while len(self._seen) > REMEMBERED:
             del self._seen[next(iter(self._seen))]
         return growth

@@ -180,7 +180,7 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
     proc, root, log = two_workers
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(lambda _: chat(root), range(8))) == [QUICK_CONTENT] * 8
-    victim = min(w["pid"] for w in stats(root)["workers"])
+    victim, survivor = sorted(w["pid"] for w in stats(root)["workers"])
 
     def complete_without_victim() -> bool:
         """The survivor counts all 8: the victim's published numbers hold all of its own
@@ -190,6 +190,18 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
                     and doc["pools"]["quick"]["lifetime"]["requests"] == 8)
 
     eventually(complete_without_victim, "the other worker counts all 8 requests")
+
+    def survivor_series(total: int) -> Callable[[], bool]:
+        def probe() -> bool:
+            """The survivor's series (the whole server's) counts `total` requests: the
+            victim's once (not again when its lifetime is retired), the new worker's from 0."""
+            doc = get_json(root, "/hedge/series")
+            points = doc["pools"].get("quick", [])
+            assert all(p[key] >= 0 for p in points for key in ("requests", "tokens_output"))
+            return bool(doc["answered_by"]["pid"] == survivor and series_requests(doc) == total)
+        return probe
+
+    eventually(survivor_series(8), "the survivor's series counts 8 requests")
     os.kill(victim, signal.SIGKILL)
 
     def replaced() -> set[int] | None:
@@ -206,6 +218,8 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
     assert [chat(root) for _ in range(6)] == [QUICK_CONTENT] * 6  # serving continues
     eventually(lambda: requests_of(root) == 14, "14 requests counted")
     assert f"(pid {victim}) exited with status -9" in log.read_text()
+
+    eventually(survivor_series(14), "the survivor's series counts 14 requests")
 
     # a stream in flight when SIGTERM arrives finishes within the grace
     with httpx.Client(timeout=30.0, trust_env=False) as http, http.stream(
@@ -371,8 +385,8 @@ def test_the_dashboard_data_covers_every_worker(
     series = both_answer(root, "/hedge/series", lambda d: series_requests(d) == sent,
                          f"{sent} requests in the series")
     assert set(series) == set(served)
-    for answer in series.values():  # one time axis: the same ticks in both workers
-        assert all(p["t"] == pytest.approx(p["seq"], abs=0.5)
+    for answer in series.values():  # one time axis: the same seconds in both workers
+        assert all(p["t"] == pytest.approx(p["seq"] - 1, abs=0.5)
                    for p in answer["pools"]["quick"]), answer
 
     # the races: every request, served by either worker, newest last

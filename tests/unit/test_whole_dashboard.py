@@ -56,7 +56,7 @@ def test_the_series_of_two_workers_is_the_whole_servers() -> None:
     process that served every request), gauges combined."""
     one, two = Worker(101, 0.0), Worker(102, 0.0)
     single = Worker(100, 0.0)  # one process that serves what both serve
-    series, reference = Series(0.0, 0.0), Series(0.0, 0.0)
+    series, reference = Series(0.0), Series(0.0)
 
     def sample(now: float) -> None:
         series.sample(whole([one, two], now), now)
@@ -89,7 +89,7 @@ def test_a_worker_replaced_mid_run_neither_goes_negative_nor_spikes() -> None:
     retired numbers; worker 3 replaces it with counters from zero. Each point shows exactly
     the requests served in its second."""
     one, two = Worker(1, 0.0), Worker(2, 0.0)
-    series = Series(0.0, 0.0)
+    series = Series(0.0)
     series.sample(whole([one, two], 1.0), 1.0)
     served: list[int] = []
     retired: dict[str, Any] | None = None
@@ -114,7 +114,7 @@ def test_a_replacement_worker_does_not_count_its_peers_past() -> None:
     old = Worker(1, 0.0)
     old.serve(10.0, 500)
     new = Worker(3, 100.0)
-    series = Series(0.0, 100.0)
+    series = Series(0.0)
     series.sample(whole([old, new], 101.0), 101.0)
     old.serve(101.3, 2)
     new.serve(101.5, 3)
@@ -122,11 +122,24 @@ def test_a_replacement_worker_does_not_count_its_peers_past() -> None:
     assert rates(series) == [0.0, 5.0]
 
 
+def test_a_peer_first_seen_long_after_it_started_counts_from_then() -> None:
+    """A peer missing from a worker's first point (its file stale) that shows up later with
+    hundreds of requests behind it: they are no point's, not a spike."""
+    old = Worker(1, 0.0)
+    old.serve(10.0, 500)
+    new = Worker(3, 100.0)
+    series = Series(0.0)
+    series.sample(whole([new], 100.5), 100.5)
+    new.serve(101.2, 2)
+    series.sample(whole([old, new], 102.0), 102.0)
+    assert rates(series) == [0.0, pytest.approx(2 / 1.5, abs=0.001)]
+
+
 def test_a_peer_back_after_a_gap_adds_what_it_did_meanwhile_once() -> None:
     """A peer whose file was stale (left out for two seconds) comes back: its requests of
     the gap show once, in the point it is back in, and the total stays exact."""
     one, two = Worker(1, 0.0), Worker(2, 0.0)
-    series = Series(0.0, 0.0)
+    series = Series(0.0)
     series.sample(whole([one, two], 1.0), 1.0)
     for second in range(1, 6):
         now = second + 1.0
@@ -141,7 +154,7 @@ def test_a_late_publishing_sibling_counts_from_zero() -> None:
     """Two workers forked together; the second's file appears only after it has served:
     what it served before is counted, not taken as a baseline."""
     one, two = Worker(1, 0.0), Worker(2, 0.1)
-    series = Series(0.0, 0.0)
+    series = Series(0.0)
     series.sample(whole([one], 1.0), 1.0)
     two.serve(1.5, 3)
     series.sample(whole([one, two], 2.0), 2.0)
@@ -152,7 +165,7 @@ def test_the_retired_numbers_take_no_part_in_the_rates() -> None:
     """Folding a dead worker's lifetime into the retired numbers is no activity."""
     one, two = Worker(1, 0.0), Worker(2, 0.0)
     two.serve(0.5, 40)
-    series = Series(0.0, 0.0)
+    series = Series(0.0)
     series.sample(whole([one, two], 1.0), 1.0)
     series.sample(whole([one], 2.0, lifetime_only(two.export(1.5))), 2.0)
     assert rates(series) == [0.0, 0.0]
