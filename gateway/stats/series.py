@@ -170,9 +170,10 @@ class Series:
         seq = self._seq(now)
         if seq <= self.seq:
             return
+        first = self._first_at is None
         if self._first_at is None:
             self._first_at = now
-        growth = self._grow(reading.processes, first=self._last_at is None)
+        growth = self._grow(reading.processes, self._first_at, first=first)
         elapsed = 0.0 if self._last_at is None else now - self._last_at
         self._last_at = now
         self.seq = seq
@@ -209,12 +210,12 @@ class Series:
                 points = self._points[name] = deque(maxlen=self.capacity)
             points.append(point)
 
-    def _grow(self, processes: Mapping[int, Process], *, first: bool) -> dict[str, Counter[str]]:
+    def _grow(self, processes: Mapping[int, Process], first_at: float, *,
+              first: bool) -> dict[str, Counter[str]]:
         """Per pool, the counters' growth since the previous point, summed over the processes
-        (the rules in the module docstring); `first`: the first point, which only sets where
-        each process starts."""
+        (the rules in the module docstring); `first`: this is the first point (at `first_at`),
+        which only sets where each process starts."""
         growth: dict[str, Counter[str]] = {}
-        first_at = self._first_at if self._first_at is not None else 0.0
         for pid, process in processes.items():
             known = self._seen.pop(pid, None)
             if known is None or process.started > known.started + SAME_START:
