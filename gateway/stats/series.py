@@ -5,7 +5,7 @@
 what the stats and the live pools already hold, so it costs a few sketch reads per second,
 whatever the traffic.
 
-Per pool, each point (`seq`: 1 + the whole seconds since the server started, so the same
+Per pool, each point (`seq`: 1 + `t` rounded to a whole second, so the same
 second has the same `seq` in every worker; `t`: the seconds since the start, exactly):
 - rates over the interval since the previous point, per second: `requests`, `hedges_started`,
   `hedges_won`, `failovers`, `suppressed.<reason>`, `tokens_input`, `tokens_output`,
