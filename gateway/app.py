@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.clock import Clock, monotonic
-from gateway.dashboard import build_dashboard_router, run_sampler
+from gateway.dashboard import build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain
 from gateway.fastpath import FastRoutes, GatewayAPI
 from gateway.live import ConfigOrigin, Generation, Live, LivePools
@@ -213,7 +213,7 @@ def create_app(
                                                                             now=clock())))
     source = StatsSource(stats, LivePools(live), clock, peers, live=live)
     metrics = Metrics(stats, LivePools(live), clock, read=source.reading)
-    series = Series(stats, LivePools(live))
+    series = Series(source.origin)
     drain = Drain()
     proxy = Proxy(settings.server, stats, clock, drain, tracing)
 
@@ -224,13 +224,16 @@ def create_app(
         )
         publisher = asyncio.create_task(
             source.publish_forever(), name="stats-publish") if peers else None
-        sampler = asyncio.create_task(run_sampler(series, clock), name="series-sampler")
+        tasks = [refresher]
         try:
+            await sample_now(series, source.series_reading_async)  # before serving: the baseline
+            tasks.append(asyncio.create_task(
+                run_sampler(series, source.series_reading_async, clock), name="series-sampler"))
             yield
         finally:
-            refresher.cancel()
-            sampler.cancel()
-            await asyncio.wait([refresher, sampler])
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
             if publisher is not None:
                 publisher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -255,7 +258,7 @@ def create_app(
     app.include_router(build_router(settings, live, proxy, fast))
     app.include_router(build_protocol_router(settings, live, proxy, fast))
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
-    app.include_router(build_dashboard_router(stats, series))
+    app.include_router(build_dashboard_router(series, source))
     #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools
     app.state.live = live

@@ -126,6 +126,9 @@ class WorkerPlan:
     origin: ConfigOrigin | None = None
     path: str | None = None
     file_server: ServerSettings | None = None
+    #: when the server started (the supervisor's monotonic clock, which is the workers' too):
+    #: the dashboard's series and races of every worker count from it
+    started: float = 0.0
 
 
 def _worker_main(plan: WorkerPlan, index: int) -> None:
@@ -139,7 +142,8 @@ def _worker_main(plan: WorkerPlan, index: int) -> None:
                      name="hedge-gateway-orphan-watch").start()
     server = plan.settings.server
     sock = reuseport_socket(server.host, server.port)
-    app = create_app(plan.settings, peers=Peers(plan.stats_dir, index), origin=plan.origin,
+    peers = Peers(plan.stats_dir, index, started=plan.started)
+    app = create_app(plan.settings, peers=peers, origin=plan.origin,
                      workers=plan.workers)
     hangup: Callable[[], object] | None = None
     if plan.path is not None:  # SIGHUP: this worker re-reads the file, as a single process does
@@ -186,6 +190,8 @@ class Supervisor:
         self._context = multiprocessing.get_context("fork")
         self._pending: list[int] = []
         self._limiter = RestartLimiter()
+        #: set when `run` starts: the start every worker's dashboard counts from
+        self._started = clock()
 
     def _say(self, message: str) -> None:
         print(f"hedge-gateway: {message}", file=self._out, flush=True)
@@ -215,6 +221,7 @@ class Supervisor:
         port = reserved.getsockname()[1]
         self.settings = replace(self.settings, server=replace(server, port=port))
         stats_dir = Path(tempfile.mkdtemp(prefix="hedge-gateway-stats-"))
+        self._started = self._clock()
         waker, wakeup = socket.socketpair()
         waker.setblocking(False)
         wakeup.setblocking(False)
@@ -237,7 +244,7 @@ class Supervisor:
         config = self._config
         return WorkerPlan(self.settings, self.count, stats_dir, self.log_config, self._origin,
                           None if config is None else config.path,
-                          None if config is None else config.file_server)
+                          None if config is None else config.file_server, self._started)
 
     def _supervise(self, stats_dir: Path, waker: socket.socket, reserved: socket.socket) -> int:
         plan = self._plan(stats_dir)

@@ -6,20 +6,23 @@ the gateway, and a Content-Security-Policy says so to the browser as well. Same 
 `/hedge/stats`: no gateway key needed, no prompt or key in any of it.
 
 `run_sampler` is the one background task: it adds a point to the `Series` once a second.
+Under `serve --workers N` both JSON documents cover the whole server whichever worker answers
+(`gateway.stats.shared`: every worker samples the whole server, and the races of every worker
+are merged), and say which worker answered (`answered_by`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib import resources
 
 from fastapi import APIRouter
 from starlette.responses import JSONResponse, Response
 
 from gateway.errors import RouteNotFound
-from gateway.stats import Stats
-from gateway.stats.series import INTERVAL, Series
+from gateway.stats.series import Reading, Series
+from gateway.stats.shared import StatsSource
 
 #: the files served under /dashboard/, with their media types
 ASSETS = {
@@ -38,7 +41,7 @@ def _read(name: str) -> bytes:
     return (resources.files(__name__) / "static" / name).read_bytes()
 
 
-def build_dashboard_router(stats: Stats, series: Series) -> APIRouter:
+def build_dashboard_router(series: Series, source: StatsSource) -> APIRouter:
     page = _read("index.html")
     assets = {name: (_read(name), media) for name, media in ASSETS.items()}
     router = APIRouter()
@@ -56,19 +59,36 @@ def build_dashboard_router(stats: Stats, series: Series) -> APIRouter:
 
     @router.get("/hedge/series")
     async def hedge_series(since: int = 0) -> JSONResponse:
-        return JSONResponse(series.view(since))
+        doc = series.view(since)
+        answered = source.answered_by()
+        if answered is not None:
+            doc["answered_by"] = answered
+        return JSONResponse(doc)
 
     @router.get("/hedge/races")
     async def hedge_races() -> JSONResponse:
-        return JSONResponse(stats.races.view())
+        return JSONResponse(await source.races_async())
 
     return router
 
 
-async def run_sampler(
-    series: Series, clock: Callable[[], float], interval: float = INTERVAL
-) -> None:
-    """Sample the series every `interval` seconds until cancelled (at app shutdown)."""
+Read = Callable[[], Awaitable[tuple[float, Reading]]]
+
+
+async def sample_now(series: Series, read: Read) -> None:
+    """Add a point now. `read`: (now, the reading at now), `StatsSource.series_reading_async`.
+    The app takes the first before it serves: the baseline its rates start from."""
+    try:
+        now, reading = await read()
+    except ValueError:  # peers' numbers that do not merge (a mixed upgrade): no point now
+        return
+    series.sample(reading, now)
+
+
+async def run_sampler(series: Series, read: Read, clock: Callable[[], float]) -> None:
+    """Sample the series on each whole second until cancelled (at app shutdown)."""
+    due = series.next_at()
     while True:
-        series.sample(clock())
-        await asyncio.sleep(interval)
+        await asyncio.sleep(max(0.0, due - clock()))
+        await sample_now(series, read)
+        due = max(series.next_at(), due + series.interval)

@@ -18,6 +18,9 @@ which `hedge-gateway stats URL URL` does), and `document` turns an export into t
 - `pools.<pool>.workers[]`: per process, `requests` (lifetime), `inflight_requests`,
   `budget`, and per backend its live fields;
 
+and `races`, the last races of the processes (`gateway.stats.races`: the newest 50 of them all,
+each marked with its process; served by `/hedge/races`, not part of the document);
+
 and the pool's live fields summed or combined over the processes: `inflight_requests`,
 `budget.tokens`, `.burst`, `.min_per_second`, `.extra_in_flight` summed (the host's bucket);
 `budget.ineffective` true if any process's guard is on; `budget.recent_win_rate` the mean of the
@@ -37,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.latency import merge_states
+from gateway.stats.races import merge_races
 from gateway.stats.record import Latency, Stats
 from gateway.stats.view import document as view_document
 
@@ -87,6 +91,7 @@ def export(stats: Stats, live: Mapping[str, Mapping[str, Any]], now: float,
         "uptime_s": max(0.0, now - stats.started),
         "pools": pools,
         "workers": [{**worker, "age_s": 0.0, "pools": own}],
+        "races": stats.races.export(worker),
     }
 
 
@@ -154,6 +159,7 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     windows = set()
     pools: dict[str, Any] = {}
     workers: list[Any] = []
+    races: list[Any] = []
     uptime = 0.0
     for item in exports:
         if not isinstance(item, Mapping) or item.get("format") != FORMAT:
@@ -164,6 +170,7 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             for name, pool in item["pools"].items():
                 _merge_pool(pools.setdefault(str(name), {}), pool)
             entries = list(item["workers"])
+            races = merge_races([races, item.get("races", [])])
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed stats export: {type(exc).__name__}: {exc}") from exc
         if not all(isinstance(w, Mapping) and isinstance(w.get("pools"), Mapping)
@@ -173,13 +180,13 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if len(windows) != 1:
         raise ValueError(f"exports cover different windows: {sorted(windows)} s")
     return {"format": FORMAT, "window_s": windows.pop(), "uptime_s": uptime, "pools": pools,
-            "workers": workers}
+            "workers": workers, "races": races}
 
 
 def lifetime_only(item: Mapping[str, Any]) -> dict[str, Any]:
-    """An export reduced to its lifetime numbers and no process: what a worker that died
-    leaves behind, so the server's lifetime counters never go down (a Prometheus counter that
-    did would read as a reset and a spike)."""
+    """An export reduced to its lifetime numbers, with no process and no race: what a worker
+    that died leaves behind, so the server's lifetime counters never go down (a Prometheus
+    counter that did would read as a reset and a spike)."""
     out = merge([item])
     for pool in out["pools"].values():
         pool["window"] = {}
@@ -189,6 +196,7 @@ def lifetime_only(item: Mapping[str, Any]) -> dict[str, Any]:
             backend["window"] = {}
             backend["ttft"]["window"] = merge_states([])
     out["workers"] = []
+    out["races"] = []
     return out
 
 

@@ -7,11 +7,19 @@
 of the winning attempt or null), and `attempts`: [{`backend`, `kind`, `start_ms` (from the
 request's arrival), `end_ms` (its first token, or when it was cancelled, failed or abandoned),
 `outcome`, `reason`}]. So a person sees a hedge overtake a straggler. No prompt, body or key.
+
+Under `serve --workers N` each worker's last races travel in its mergeable export
+(`gateway.stats.merge`) with `at`, the arrival on the host's monotonic clock, in place of `t`,
+and the worker (`worker`, `pid`) that served them. `merge_races` keeps the newest `capacity` of
+several workers' lists, and `races_view` serves them with `t` from the server's start: the
+timeline of the whole server, whichever worker answers.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,7 +44,7 @@ def attempt_end(attempt: AttemptRecord, request_end: float) -> float:
 
 
 class RecentRaces:
-    """A bounded list of the last races."""
+    """A bounded list of the last races (kept with `at`; `t` is worked out when served)."""
 
     def __init__(self, started: float, capacity: int = CAPACITY) -> None:
         self._started = started
@@ -52,7 +60,7 @@ class RecentRaces:
             "id": summary.request_id,
             "pool": summary.pool,
             "endpoint": summary.endpoint,
-            "t": round(start - self._started, 3),
+            "at": start,
             "outcome": outcome,
             "ttft_ms": _ms(summary.client_ttft),
             "total_ms": _ms(end - start),
@@ -70,5 +78,37 @@ class RecentRaces:
             ],
         })
 
+    def export(self, worker: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The races for a mergeable export, each marked with the process that served it
+        (`worker`: its `worker` index and `pid`); `at` to the millisecond, as `t` is shown."""
+        mark = {"worker": worker.get("worker"), "pid": worker.get("pid")}
+        return [{**race, "at": round(race["at"], 3), **mark} for race in self._races]
+
     def view(self) -> dict[str, Any]:
-        return {"capacity": self._races.maxlen, "races": list(self._races)}
+        return races_view(self._races, self._started, self._races.maxlen or CAPACITY)
+
+
+def merge_races(lists: Iterable[Iterable[Any]], capacity: int = CAPACITY) -> list[dict[str, Any]]:
+    """The newest `capacity` races of several exports' lists, oldest first (by `at`: the
+    monotonic clock of one host, so within one host the order is the order of arrival).
+    ValueError if an entry is not a race."""
+    races: list[dict[str, Any]] = []
+    for entries in lists:
+        for race in entries:
+            at = race.get("at") if isinstance(race, Mapping) else None
+            if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+                raise ValueError("malformed race: no arrival time")
+            races.append(dict(race))
+    races.sort(key=lambda race: race["at"])
+    return races[-capacity:] if capacity > 0 else []
+
+
+def races_view(races: Iterable[Mapping[str, Any]], started: float,
+               capacity: int = CAPACITY) -> dict[str, Any]:
+    """The `/hedge/races` document: each race's `at` shown as `t`, seconds since `started`."""
+    return {
+        "capacity": capacity,
+        "races": [{("t" if key == "at" else key):
+                   (round(value - started, 3) if key == "at" else value)
+                   for key, value in race.items()} for race in races],
+    }

@@ -15,8 +15,14 @@ the others read; and the cost is one small write per worker per half second. Tim
 the app clock (`time.monotonic`, system-wide on Linux), so ages compare across the workers of
 one host.
 
-The pure parts (export, merge, document) live in `gateway.stats.merge`; this module only reads
-and writes files and picks which numbers an endpoint shows.
+The dashboard's data reads the same files: the series sampler of every worker reads the whole
+server once a second (`series_reading_async`, `gateway.stats.series`), and `/hedge/races`
+merges the workers' last races (`races_async`). Both count time from the supervisor's start
+(`Peers.started`), so the workers' points and races share one time axis.
+
+The pure parts (export, merge, document, races, series) live in `gateway.stats.merge`,
+`.races` and `.series`; this module only reads and writes files and picks which numbers an
+endpoint shows.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.stats.merge import document, export, lifetime_only, merge, rebuild
 from gateway.stats.prometheus import Metrics, Reading
+from gateway.stats.races import merge_races, races_view
+from gateway.stats.series import Reading as SeriesReading
+from gateway.stats.series import own_reading, whole_reading
 from gateway.stats.view import config_view, live_view, snapshot
 
 if TYPE_CHECKING:
@@ -49,10 +58,14 @@ RETIRED = "retired.json"
 class Peers:
     """The shared directory as one worker sees it: its own file and its peers'."""
 
-    def __init__(self, directory: Path, index: int, pid: int | None = None) -> None:
+    def __init__(self, directory: Path, index: int, pid: int | None = None, *,
+                 started: float | None = None) -> None:
+        """`started`: when the server started (the supervisor's clock, which is the workers'
+        too), for the dashboard's time axis."""
         self.directory = directory
         self.index = index
         self.pid = os.getpid() if pid is None else pid
+        self.started = started
 
     def _path(self, index: int) -> Path:
         return self.directory / f"{_PREFIX}{index}.json"
@@ -130,6 +143,20 @@ class StatsSource:
         self.peers = peers
         self._live = live
 
+    @property
+    def origin(self) -> float:
+        """When the server started: the supervisor's start under workers (one time axis for
+        every worker's series and races), else this process's."""
+        peers = self.peers
+        if peers is None or peers.started is None:
+            return self._stats.started
+        return peers.started
+
+    def answered_by(self) -> dict[str, int] | None:
+        """Under workers, the worker answering (`worker`, `pid`); None without workers."""
+        peers = self.peers
+        return None if peers is None else {"worker": peers.index, "pid": peers.pid}
+
     def _own(self, now: float) -> dict[str, Any]:
         peers = self.peers
         identity: dict[str, Any] = {"worker": 0 if peers is None else peers.index,
@@ -193,6 +220,34 @@ class StatsSource:
             return metrics.render_from((stats, live))
 
         return await asyncio.to_thread(build)
+
+    async def series_reading_async(self) -> tuple[float, SeriesReading]:
+        """(now, what the series samples at now): this process's, or the whole server's."""
+        now = self._clock()
+        peers = self.peers
+        if peers is None:
+            return now, own_reading(self._stats, live_view(self._pools, now), now, os.getpid())
+        own = self._own(now)
+        reading = await asyncio.to_thread(lambda: whole_reading([own, *peers.read(now)], now))
+        return now, reading
+
+    async def races_async(self) -> dict[str, Any]:
+        """The `/hedge/races` document: this process's last races, or the whole server's (the
+        newest of every worker's, `answered_by` added)."""
+        races = self._stats.races
+        peers = self.peers
+        if peers is None:
+            return races.view()
+        now = self._clock()
+        own = races.export({"worker": peers.index, "pid": peers.pid})
+
+        def build() -> dict[str, Any]:
+            merged = merge_races([own, *(item["races"] for item in peers.read(now))])
+            return races_view(merged, self.origin)
+
+        doc = await asyncio.to_thread(build)
+        doc["answered_by"] = self.answered_by()
+        return doc
 
     async def publish_forever(self, interval: float = PUBLISH_INTERVAL) -> None:
         """Publish this worker's export every `interval` seconds until cancelled."""

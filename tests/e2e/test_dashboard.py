@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +32,10 @@ from gateway.settings import (
     PoolSettings,
     Settings,
     SimProfile,
+)
+from tests.e2e.test_workers import (
+    chat,
+    two_workers,  # noqa: F401  (the fixture, asked for by name)
 )
 from tests.harness import AsgiServerFactory, RunningServer
 from tests.harness.browser import Browser, PageLog, find_chromium
@@ -153,3 +158,60 @@ def test_dashboard_shows_live_races_in_a_real_browser(asgi_server: AsgiServerFac
     # and it updated itself while it was open
     assert second["updates"] >= first["updates"] + 2
     assert second["uptime"] != first["uptime"]
+
+
+#: the workers named on the timeline's bars (each bar's tooltip ends with its worker)
+RACE_WORKERS = """Array.from(new Set(Array.from(
+  document.querySelectorAll('svg.timeline rect.bar title'))
+  .map((t) => (t.textContent.match(/worker (\\d+)$/) || [])[1]).filter((w) => w)))
+  .sort()"""
+
+
+async def drive_workers(origin: str) -> tuple[list[int], PageLog]:
+    """Open the page on a two-worker server until its timeline shows races of both workers;
+    then the points it keeps over five more updates."""
+    assert CHROMIUM is not None
+    browser = Browser(CHROMIUM)
+    try:
+        await browser.start()
+        await browser.call("Page.navigate", {"url": f"{origin}/dashboard"})
+        await browser.wait_for(f"JSON.stringify({RACE_WORKERS}) === '[\"0\",\"1\"]'",
+                               timeout=40.0)
+        kept = []
+        for _ in range(5):
+            updates = await browser.evaluate("Number(document.body.dataset.updates)")
+            await browser.wait_for(f"Number(document.body.dataset.updates) > {updates}")
+            kept.append(await browser.evaluate("Number(document.body.dataset.points)"))
+        return kept, browser.log
+    finally:
+        await browser.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
+@pytest.mark.timeout(150)
+def test_the_dashboard_of_two_workers_shows_both(
+    two_workers: tuple[subprocess.Popen[bytes], str, Path],  # noqa: F811
+) -> None:
+    """`serve --workers 2`: whichever worker answers the page's polls, the timeline holds the
+    races of both workers, and a worker answering a point behind its peer does not make the
+    page drop the points it has (SPEC §16, §17)."""
+    _proc, root, _log = two_workers
+    stop = threading.Event()
+
+    def traffic() -> int:
+        done = 0
+        while not stop.is_set():
+            chat(root)  # a connection each: the kernel spreads them over the workers
+            done += 1
+        return done
+
+    with ThreadPoolExecutor(2) as pool:
+        senders = [pool.submit(traffic) for _ in range(2)]
+        try:
+            kept, log = asyncio.run(drive_workers(root))
+        finally:
+            stop.set()
+            sent = sum(f.result(timeout=60) for f in senders)
+    assert sent > 0
+    assert log.errors == []
+    assert kept == sorted(kept) and kept[0] > 0, kept  # points only ever added

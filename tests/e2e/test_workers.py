@@ -9,6 +9,7 @@ And `hedge-gateway stats URL URL` over two single-process gateways in this proce
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import signal
@@ -179,7 +180,7 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
     proc, root, log = two_workers
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(lambda _: chat(root), range(8))) == [QUICK_CONTENT] * 8
-    victim = min(w["pid"] for w in stats(root)["workers"])
+    victim, survivor = sorted(w["pid"] for w in stats(root)["workers"])
 
     def complete_without_victim() -> bool:
         """The survivor counts all 8: the victim's published numbers hold all of its own
@@ -189,6 +190,18 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
                     and doc["pools"]["quick"]["lifetime"]["requests"] == 8)
 
     eventually(complete_without_victim, "the other worker counts all 8 requests")
+
+    def survivor_series(total: int) -> Callable[[], bool]:
+        def probe() -> bool:
+            """The survivor's series (the whole server's) counts `total` requests: the
+            victim's once (not again when its lifetime is retired), the new worker's from 0."""
+            doc = get_json(root, "/hedge/series")
+            points = doc["pools"].get("quick", [])
+            assert all(p[key] >= 0 for p in points for key in ("requests", "tokens_output"))
+            return bool(doc["answered_by"]["pid"] == survivor and series_requests(doc) == total)
+        return probe
+
+    eventually(survivor_series(8), "the survivor's series counts 8 requests")
     os.kill(victim, signal.SIGKILL)
 
     def replaced() -> set[int] | None:
@@ -205,6 +218,8 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
     assert [chat(root) for _ in range(6)] == [QUICK_CONTENT] * 6  # serving continues
     eventually(lambda: requests_of(root) == 14, "14 requests counted")
     assert f"(pid {victim}) exited with status -9" in log.read_text()
+
+    eventually(survivor_series(14), "the survivor's series counts 14 requests")
 
     # a stream in flight when SIGTERM arrives finishes within the grace
     with httpx.Client(timeout=30.0, trust_env=False) as http, http.stream(
@@ -314,3 +329,74 @@ def test_stats_command_merges_two_replicas(loop_thread: LoopThread) -> None:
     result = subprocess.run([*command(), "stats", one.root, gone], capture_output=True,
                             text=True, timeout=60, env=keyless_env())
     assert result.returncode == 1 and gone in result.stderr, result.stderr
+
+
+def get_json(root: str, path: str) -> dict[str, Any]:
+    reply = httpx.get(root + path, timeout=5.0, trust_env=False)
+    assert reply.status_code == 200, reply.text
+    doc: dict[str, Any] = reply.json()
+    return doc
+
+
+def series_requests(doc: dict[str, Any]) -> int:
+    """The requests a `/hedge/series` answer counts over its window: each point's rate times
+    the seconds since the point before it (the first point is the baseline, rate 0)."""
+    points = doc["pools"].get("quick", [])
+    counted: float = sum(p["requests"] * (p["t"] - q["t"]) for q, p in itertools.pairwise(points))
+    return round(counted)
+
+
+def both_answer(root: str, path: str, whole: Callable[[dict[str, Any]], bool],
+                what: str) -> dict[int, dict[str, Any]]:
+    """Fetch `path` (a connection each) until each worker has answered with `whole` true
+    (a worker sees its peer's numbers up to 2 s late); those answers, by the answering pid."""
+    answers: dict[int, dict[str, Any]] = {}
+
+    def probe() -> bool:
+        doc = get_json(root, path)
+        if whole(doc):
+            answers.setdefault(doc["answered_by"]["pid"], doc)
+        return len(answers) == 2
+
+    eventually(probe, f"both workers answer {path} with {what}")
+    return answers
+
+
+@pytest.mark.timeout(120)
+def test_the_dashboard_data_covers_every_worker(
+    two_workers: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    """SPEC §16 with §17: `/hedge/series` and `/hedge/races` show the whole server, whichever
+    worker answers (their peers' numbers reach them within 2 s, so the waits poll)."""
+    _proc, root, _log = two_workers
+    sent = 24
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(lambda _: chat(root), range(sent))) == [QUICK_CONTENT] * sent
+
+    def counted() -> dict[str, Any] | None:
+        doc = stats(root)
+        return doc if doc["pools"]["quick"]["lifetime"]["requests"] == sent else None
+
+    doc = eventually(counted, f"the whole server counts {sent} requests")
+    served = {w["pid"]: w["requests"] for w in doc["pools"]["quick"]["workers"]}
+    assert len(served) == 2 and all(n > 0 for n in served.values()), served  # both served
+
+    # the series: the requests of both workers, once each, from either worker
+    series = both_answer(root, "/hedge/series", lambda d: series_requests(d) == sent,
+                         f"{sent} requests in the series")
+    assert set(series) == set(served)
+    for answer in series.values():  # one time axis: the same seconds in both workers
+        assert all(p["t"] == pytest.approx(p["seq"] - 1, abs=0.5)
+                   for p in answer["pools"]["quick"]), answer
+
+    # the races: every request, served by either worker, newest last
+    def quick_races(doc: dict[str, Any]) -> list[dict[str, Any]]:
+        return [r for r in doc["races"] if r["pool"] == "quick"]
+
+    races = both_answer(root, "/hedge/races", lambda d: len(quick_races(d)) == sent,
+                        f"all {sent} races")
+    for answer in races.values():
+        listed = quick_races(answer)
+        assert len({r["id"] for r in listed}) == sent, listed
+        assert {r["pid"] for r in listed} == set(served), listed  # races of both workers
+        assert [r["t"] for r in listed] == sorted(r["t"] for r in listed)

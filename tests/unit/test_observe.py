@@ -18,8 +18,8 @@ from gateway.sse import SSEDecoder, SSEEvent
 from gateway.stats import Stats
 from gateway.stats.races import RecentRaces
 from gateway.stats.record import PoolStats, hedge_input_tokens
-from gateway.stats.series import Series
-from gateway.stats.view import snapshot
+from gateway.stats.series import Series, own_reading
+from gateway.stats.view import live_view, snapshot
 from gateway.streamend import StreamEnd
 from gateway.tracing import TracingUnavailable, build_tracing, exporter_name
 from gateway.usage import Usage, ask_for_usage, body_usage, read_usage, usage_of
@@ -153,23 +153,28 @@ def test_stats_count_tokens_per_pool_and_winning_backend() -> None:
 def test_series_one_point_per_sample_with_rates_and_a_bound() -> None:
     stats = Stats(LAYOUT, now=0.0)
     runtime = pool_runtime()
-    series = Series(stats, {"chat": runtime}, capacity=3)
-    series.sample(1.0)
+    series = Series(0.0, capacity=3)
+
+    def sample(now: float) -> None:
+        series.sample(own_reading(stats, live_view({"chat": runtime}, now), now, 7), now)
+
+    sample(1.0)
     for t in (1.2, 1.5):
         stats.record(hedge_won(t))
-    series.sample(3.0)  # two requests, two hedges started and won over two seconds
+    sample(3.0)  # two requests, two hedges started and won over two seconds
     (first, second) = series.view()["pools"]["chat"]
-    assert first["requests"] == 0.0 and first["seq"] == 1 and first["t"] == 1.0
+    assert first["requests"] == 0.0 and first["seq"] == 2 and first["t"] == 1.0
     assert (second["requests"], second["hedges_started"], second["hedges_won"]) == (1, 1, 1)
     assert second["client_ttft_ms"]["p50"] == pytest.approx(500, rel=0.02)
     assert second["backends"]["b"]["ttft_ms"]["p50"] == pytest.approx(200, rel=0.02)
     assert second["backends"]["a"]["state"] == "ok"
     assert second["budget_tokens"] == pytest.approx(runtime.budget.tokens(3.0), abs=1e-3)
-    assert series.view(since=1)["pools"]["chat"] == [second]
+    assert series.view(since=2)["pools"]["chat"] == [second]
+    sample(3.2)  # within the tick of the last point: no point (the next one covers it)
     for t in (4.0, 5.0, 6.0):
-        series.sample(t)
+        sample(t)
     kept = series.view()["pools"]["chat"]
-    assert [p["seq"] for p in kept] == [3, 4, 5]  # bounded: the oldest went
+    assert [p["seq"] for p in kept] == [5, 6, 7]  # bounded: the oldest went
     json.dumps(series.view())  # plain JSON
 
 
@@ -230,15 +235,15 @@ def test_series_follows_the_pools_the_stats_hold() -> None:
     """After a reload the stats hold other pools: a new one starts its series, a removed
     one's is dropped (never a series for a pool that no longer exists)."""
     stats = Stats({"chat": ["a"], "old": ["x"]}, now=0.0)
-    series = Series(stats, {})
-    series.sample(1.0)
+    series = Series(0.0)
+    series.sample(own_reading(stats, {}, 1.0, 7), 1.0)
     assert set(series.view()["pools"]) == {"chat", "old"}
     del stats.pools["old"]
     stats.pools["new"] = PoolStats(["y"], stats.window)
-    series.sample(2.0)
+    series.sample(own_reading(stats, {}, 2.0, 7), 2.0)
     pools = series.view()["pools"]
     assert set(pools) == {"chat", "new"}
-    assert [p["seq"] for p in pools["new"]] == [2] and len(pools["chat"]) == 2
+    assert [p["seq"] for p in pools["new"]] == [3] and len(pools["chat"]) == 2
 
 
 def test_named_protocols_read_usage_from_their_end_events() -> None:

@@ -5,6 +5,9 @@
 (function () {
   const SVG = "http://www.w3.org/2000/svg";
   const KEEP = 600;               // points kept per pool: 10 minutes at one a second
+  // Under `serve --workers N` any worker may answer, one a point or two behind the others:
+  // only a `seq` further back than this means the gateway restarted.
+  const LAG = 5;
   const PALETTE = ["#3b6fd8", "#e07b1f", "#2f9e57", "#8a5cc7", "#c2417a", "#1f9bb0"];
   const SUPPRESS_COLORS = {
     budget: "#d23c3c", max_attempts: "#8a5cc7", no_backend: "#6b7280",
@@ -153,7 +156,8 @@
         });
         const tip = svgEl("title", {});
         tip.textContent = `${a.kind} → ${a.backend}: ${a.outcome || "?"}, ` +
-          `${fmt(a.start_ms, 1)}–${fmt(a.end_ms, 1)} ms` + (a.reason ? ` (${a.reason})` : "");
+          `${fmt(a.start_ms, 1)}–${fmt(a.end_ms, 1)} ms` + (a.reason ? ` (${a.reason})` : "") +
+          (race.worker !== undefined ? ` · worker ${race.worker}` : "");
         bar.appendChild(tip);
         svg.appendChild(bar);
         if (won) {
@@ -297,17 +301,23 @@
         getJSON(`/hedge/series?since=${state.seq}`),
         getJSON("/hedge/races"),
       ]);
-      if (series.seq < state.seq) state.points = {};  // the gateway restarted
+      if (series.seq + LAG < state.seq) {  // the gateway restarted
+        state.points = {};
+        state.seq = 0;
+      }
       for (const [pool, points] of Object.entries(series.pools)) {
-        const kept = (state.points[pool] || []).concat(points);
+        const fresh = points.filter((p) => p.seq > state.seq);
+        const kept = (state.points[pool] || []).concat(fresh);
         state.points[pool] = kept.slice(Math.max(0, kept.length - KEEP));
       }
-      state.seq = series.seq;
+      state.seq = Math.max(state.seq, series.seq);
       state.stats = stats;
       state.races = races.races;
       render();
       state.updates += 1;
       document.body.dataset.updates = String(state.updates);
+      document.body.dataset.points = String(
+        Object.values(state.points).reduce((n, points) => n + points.length, 0));
       status.textContent = `live · ${new Date().toLocaleTimeString()}`;
       status.className = "status live";
     } catch (err) {
