@@ -165,7 +165,6 @@ def _sim(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     from gateway.bench.commands import run_bench_command, run_soak_command
     from gateway.bench.run import BenchPlan
-    from gateway.bench.servers import extra_modes
     from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
 
     if ns.workload == "soak":
@@ -177,7 +176,7 @@ def _bench(ns: argparse.Namespace) -> int:
                                      if ns.workload == "all" or w.name in wanted),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
                      tables=sys.stdout, baseline_src=ns.baseline_src,
-                     workers=ns.workers, servers=extra_modes(ns.servers))
+                     workers=ns.workers, servers=ns.servers)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 

@@ -69,8 +69,9 @@ class BenchPlan:
     #: `serve --workers` of the gateway under test (SPEC §16): >1 checks that its workers
     #: serve and report as one server, and sums their CPU and RSS
     workers: int = 1
-    #: other front servers, each an extra mode of its name (`gateway.bench.servers`)
-    servers: tuple[str, ...] = ()
+    #: the front servers compared: uvicorn serves the standard modes, each other one adds a
+    #: mode of its name (`gateway.bench.servers`)
+    servers: tuple[str, ...] = ("uvicorn",)
 
 
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
@@ -95,7 +96,8 @@ def plan_modes(plan: BenchPlan, workload: Workload) -> list[str]:
     """The modes of `workload` in the order they run: the plan's that the workload has, then
     `baseline` (with `baseline_src`), then one per other front server (`servers`)."""
     modes = [m for m in plan.modes if workload.modes is None or m in workload.modes]
-    return [*modes, *(["baseline"] if plan.baseline_src else []), *plan.servers]
+    return [*modes, *(["baseline"] if plan.baseline_src else []),
+            *servers.extra_modes(plan.servers)]
 
 
 @dataclass(slots=True)
@@ -361,5 +363,5 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
             "duration_s": round(time.time() - started, 1), "machine": machine(),
             "pinning": pinning.as_json(), "open_files": {"before": files[0], "after": files[1]},
             "seed": plan.seed, "quick": quick, "modes": list(plan.modes),
-            "baseline_src": plan.baseline_src, "servers": [servers.OWN, *plan.servers],
+            "baseline_src": plan.baseline_src, "servers": list(plan.servers),
             "workloads": workloads}

@@ -165,7 +165,7 @@ def test_a_granian_mode_serves_the_same_gateway_and_is_metered() -> None:
     CPU from the gateway's whole process tree (granian's main process and its worker)."""
     pytest.importorskip("granian", reason="optional: pip install 'hedge-gateway[granian]'")
     plan = bench.BenchPlan(workloads=(TINY,), seed=3, modes=("direct", "hedging-on"),
-                           servers=("granian",))
+                           servers=("uvicorn", "granian"))
     report = bench.run_bench(plan)
     assert report["servers"] == ["uvicorn", "granian"]
     (workload,) = report["workloads"]

@@ -42,14 +42,15 @@ def test_the_bench_option_defaults_to_uvicorn_and_refuses_unknown_names(
 def test_each_other_server_adds_a_mode_after_the_standard_ones() -> None:
     assert servers.extra_modes(("uvicorn", "granian", "hypercorn")) == ("granian", "hypercorn")
     assert servers.extra_modes(("uvicorn",)) == ()
-    plan = BenchPlan(workloads=(OVERHEAD,), servers=("granian",))
+    plan = BenchPlan(workloads=(OVERHEAD,), servers=("uvicorn", "granian"))
     assert plan_modes(plan, OVERHEAD) == ["direct", "hedging-off", "hedging-on", "granian"]
     with_baseline = BenchPlan(workloads=(STRAGGLERS,), servers=("granian", "hypercorn"),
                               baseline_src="/elsewhere")
     assert plan_modes(with_baseline, STRAGGLERS) == [
         "direct", "hedging-off", "hedging-on", "oracle", "baseline", "granian", "hypercorn"]
-    assert plan_modes(BenchPlan(workloads=(OVERHEAD,)), OVERHEAD) == [
-        "direct", "hedging-off", "hedging-on"]
+    default = BenchPlan(workloads=(OVERHEAD,))
+    assert default.servers == ("uvicorn",)
+    assert plan_modes(default, OVERHEAD) == ["direct", "hedging-off", "hedging-on"]
 
 
 def test_command_lines_serve_the_same_config_file() -> None:
