@@ -271,3 +271,22 @@ def create_app(
     #: the shared upstream client (the test harness checks that no connection stays in use)
     app.state.http_client = client
     return app
+
+
+#: the configuration file `app_from_env` serves (set by whoever starts the ASGI server)
+CONFIG_ENV = "HEDGE_GATEWAY_CONFIG"
+
+
+def app_from_env() -> FastAPI:
+    """The app for the file named by `$HEDGE_GATEWAY_CONFIG`, for ASGI servers that import a
+    factory (`granian --interface asgi --factory gateway.app:app_from_env`): the bench's
+    front-server comparison (`bench --servers`, issue 11). Under such a server the app works,
+    but the connection limits of `gateway.protocol` (431, lingering 413, 408, the connection
+    cap, the stuck-client abort) and the early drain of `gateway.server` are not there: they
+    belong to `hedge-gateway serve` (README "The front server")."""
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        raise ConfigError(f"{CONFIG_ENV}: not set (the path of the configuration file to serve)")
+    with open(path, "rb") as file:
+        origin = ConfigOrigin.of_file(file.read(), now=monotonic())
+    return create_app(load_settings(path), origin=origin)

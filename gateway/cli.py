@@ -177,7 +177,7 @@ def _bench(ns: argparse.Namespace) -> int:
                                      if ns.workload == "all" or w.name in wanted),
                      seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
                      tables=sys.stdout, baseline_src=ns.baseline_src,
-                     workers=ns.workers)
+                     workers=ns.workers, servers=ns.servers)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
@@ -341,6 +341,7 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from gateway.bench.servers import parse_servers
     from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
 
     names = [w.name for w in WORKLOADS]
@@ -364,6 +365,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "mode, `baseline`, side by side in the same run")
     parser.add_argument("--workers", type=_positive, default=1,
                         help="serve the gateway under test with --workers N (default 1)")
+    parser.add_argument("--servers", type=parse_servers, default=("uvicorn",), metavar="LIST",
+                        help="e.g. uvicorn,granian: each server but uvicorn (`serve`, which runs"
+                             " the other modes) adds a mode of its name, hedging on")
 
 
 def bench_upstream_main(argv: Sequence[str] | None = None) -> int:

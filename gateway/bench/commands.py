@@ -19,6 +19,7 @@ from gateway.bench import report
 from gateway.bench.oracle import format_shares
 from gateway.bench.procs import ChildFailed, machine
 from gateway.bench.run import BenchPlan, run_bench
+from gateway.bench.servers import missing
 
 R = TypeVar("R")
 
@@ -50,7 +51,14 @@ def _default_out(prefix: str) -> str:
 def run_bench_command(plan: BenchPlan, *, out: str | None, requests: int | None = None,
                       concurrency: int | None = None, quick: bool = False) -> int:
     """`hedge-gateway bench`: run `plan`, print the tables, write the JSON report to `out`
-    (default bench-results/<time>.json); the exit status."""
+    (default bench-results/<time>.json); the exit status (2: a server of `--servers` is not
+    installed)."""
+    absent = missing(plan.servers)
+    if absent:  # before any child starts
+        print(f"hedge-gateway bench: --servers {', '.join(absent)}: not installed; these "
+              f"servers are optional: pip install 'hedge-gateway[{','.join(absent)}]'",
+              file=sys.stderr)
+        return 2
     info = machine()
     print(f"hedge-gateway bench: {', '.join(w.name for w in plan.workloads)}; "
           f"{info['nproc']} CPUs ({info['cpu_model']}), Python {info['python']}",

@@ -11,7 +11,8 @@ modes, one after the other:
 - `direct`: every request straight to backend A (the baseline for the gateway's own cost);
 - `hedging-off`: through the gateway with `hedging: {enabled: false}`;
 - `hedging-on`: through the gateway with the default adaptive hedging;
-- `oracle`: best-of-two, each request sent to both backends at once, first token wins.
+- `oracle`: best-of-two, each request sent to both backends at once, first token wins;
+- with `--servers`, one more per other front server (`granian`, ...): `hedging-on` under it.
 
 Seeding: the TTFT of request *i* on backend *b* is a pure function of (seed, b, i) (see
 `gateway.bench.upstream`), so every mode and every run with the same seed sees exactly the same
@@ -42,7 +43,7 @@ import httpx
 import uvloop
 import yaml
 
-from gateway.bench import report, speed
+from gateway.bench import report, servers, speed
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
 from gateway.bench.oracle import best_single_hedge, share_targets
 from gateway.bench.procs import Children, ProcessMeter, free_port, machine, wait_ready
@@ -71,6 +72,9 @@ class BenchPlan:
     #: `serve --workers` of the gateway under test (SPEC §16): >1 checks that its workers
     #: serve and report as one server, and sums their CPU and RSS
     workers: int = 1
+    #: the front servers compared: uvicorn serves the standard modes, each other one adds a
+    #: mode of its name (`gateway.bench.servers`)
+    servers: tuple[str, ...] = ("uvicorn",)
 
 
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
@@ -91,6 +95,14 @@ def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
     return yaml.safe_dump(config, sort_keys=False)
 
 
+def plan_modes(plan: BenchPlan, workload: Workload) -> list[str]:
+    """The modes of `workload` in the order they run: the plan's that the workload has, then
+    `baseline` (with `baseline_src`), then one per other front server (`servers`)."""
+    modes = [m for m in plan.modes if workload.modes is None or m in workload.modes]
+    return [*modes, *(["baseline"] if plan.baseline_src else []),
+            *servers.extra_modes(plan.servers)]
+
+
 @dataclass(slots=True)
 class _Context:
     plan: BenchPlan
@@ -105,23 +117,21 @@ class _Context:
 
 async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                          ) -> tuple[str, subprocess.Popen[bytes]]:
-    """A gateway child for `mode`; `baseline` runs the code of `plan.baseline_src` (another
-    checkout), with hedging on, for a side-by-side comparison in the same run."""
+    """A gateway child for `mode`, with hedging on for every mode but `hedging-off`:
+    `baseline` runs the code of `plan.baseline_src` (another checkout), a mode named after a
+    front server (`plan.servers`) runs under that server; both side by side in the same run."""
     port = free_port()
     path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
     with open(path, "w", encoding="utf-8") as file:
         file.write(gateway_config(port, ctx.sim_ports[:workload.backends],
-                                  hedging=mode in ("hedging-on", "baseline"),
+                                  hedging=mode != "hedging-off",
                                   delay_window=workload.delay_window,
                                   max_concurrent_requests=workload.max_concurrent_requests))
-    env = None
+    server = mode if mode in ctx.plan.servers else servers.OWN
+    argv, env = servers.server_command(server, path, port, workers=ctx.plan.workers)
     if mode == "baseline" and ctx.plan.baseline_src:
         env = {"PYTHONPATH": os.path.abspath(ctx.plan.baseline_src)}
-    workers = ["--workers", str(ctx.plan.workers)] if ctx.plan.workers > 1 else []
-    proc = ctx.children.start(f"gateway-{mode}", [
-        sys.executable, "-m", "gateway.cli", "serve", "--config", path, "--host", "127.0.0.1",
-        "--port", str(port), "--log-level", "warning", *workers], cpus=ctx.pinning.gateway,
-        env=env)
+    proc = ctx.children.start(f"gateway-{mode}", argv, cpus=ctx.pinning.gateway, env=env)
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -255,12 +265,10 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
 async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                         concurrency: int) -> dict[str, Any]:
     gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
-    modes = [m for m in ctx.plan.modes if workload.modes is None or m in workload.modes]
-    if ctx.plan.baseline_src:
-        modes.append("baseline")
+    modes = plan_modes(ctx.plan, workload)
     try:
         for mode in modes:
-            if mode in (*report.GATEWAY_MODES, "baseline"):
+            if mode not in ("direct", "oracle"):
                 gateways[mode] = await _start_gateway(ctx, mode, workload)
         await asyncio.gather(*(wait_ready(ctx.client, f"{url}/healthz", proc, ctx.children)
                                for url, proc in gateways.values()))
@@ -359,4 +367,5 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
             "duration_s": round(time.time() - started, 1), "machine": machine(),
             "pinning": pinning.as_json(), "open_files": {"before": files[0], "after": files[1]},
             "seed": plan.seed, "quick": quick, "modes": list(plan.modes),
-            "baseline_src": plan.baseline_src, "workloads": workloads}
+            "baseline_src": plan.baseline_src, "servers": list(plan.servers),
+            "workloads": workloads}

@@ -157,3 +157,24 @@ def test_bench_with_two_gateway_workers_counts_every_request_once() -> None:
     assert row["ok"] == 20
     assert row["gateway_counted"] == {"requests": 20, "workers": 2}
     assert row["gateway_process"]["cpu_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_granian_mode_serves_the_same_gateway_and_is_metered() -> None:
+    """`--servers uvicorn,granian`: the same app under granian, every stream complete, its
+    CPU from the gateway's whole process tree (granian's main process and its worker)."""
+    pytest.importorskip("granian", reason="optional: pip install 'hedge-gateway[granian]'")
+    plan = bench.BenchPlan(workloads=(TINY,), seed=3, modes=("direct", "hedging-on"),
+                           servers=("uvicorn", "granian"))
+    report = bench.run_bench(plan)
+    assert report["servers"] == ["uvicorn", "granian"]
+    (workload,) = report["workloads"]
+    rows = {row["mode"]: row for row in workload["modes"]}
+    assert list(rows) == ["direct", "hedging-on", "granian"]
+    granian = rows["granian"]
+    assert granian["ok"] == granian["requests"] == 20, granian["error_kinds"]
+    assert granian["events_delivered"] == rows["hedging-on"]["events_delivered"]
+    assert granian["cost"]["cpu_ms_per_request"] is not None
+    # the gateway counted them: the requests went through the app, not around it
+    assert granian["gateway_counted"]["requests"] == 20
+    assert "granian_cpu_ms_per_request" in workload["comparison"]

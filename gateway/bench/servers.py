@@ -1,0 +1,76 @@
+"""The front servers the bench can run the gateway under (`bench --servers`, issue 11 point 4).
+
+The gateway's own server is uvicorn with httptools and uvloop plus our protocol subclass and
+drain (`hedge-gateway serve`): the bench's standard gateway modes always run under it. Every
+other server named in `--servers` adds one mode of its own name: the same generated
+configuration file, hedging on (as in `hedging-on`), the same CPU pinning, served by that
+server through `gateway.app:app_from_env`. So the servers are compared in one run, on the
+same simulators and load client, by the gateway process tree's own CPU counters.
+
+Those servers are optional (`pip install 'hedge-gateway[granian]'`); `missing` says which
+of the named ones are not installed, so the bench can refuse before starting anything.
+Pure planning: names, command lines, environments; `gateway.bench.run` starts them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from argparse import ArgumentTypeError
+from collections.abc import Callable, Sequence
+
+from gateway.app import CONFIG_ENV
+
+#: the gateway's own server, which always serves the standard gateway modes
+OWN = "uvicorn"
+#: every server `--servers` knows, with the package that provides it
+PACKAGES = {"uvicorn": "uvicorn", "granian": "granian", "hypercorn": "hypercorn"}
+#: the factory the other servers import
+FACTORY = "gateway.app:app_from_env"
+
+
+def parse_servers(text: str) -> tuple[str, ...]:
+    """`uvicorn,granian` -> ('uvicorn', 'granian'): known names, in order, each once.
+    ArgumentTypeError (the option's own error message) naming the problem otherwise."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ArgumentTypeError("name at least one server")
+    unknown = [n for n in names if n not in PACKAGES]
+    if unknown:
+        raise ArgumentTypeError(f"unknown server {', '.join(unknown)} "
+                         f"(known: {', '.join(PACKAGES)})")
+    return tuple(dict.fromkeys(names))
+
+
+def extra_modes(servers: Sequence[str]) -> tuple[str, ...]:
+    """The bench modes the servers add: one per server other than our own, named after it."""
+    return tuple(s for s in servers if s != OWN)
+
+
+def missing(servers: Sequence[str],
+            installed: Callable[[str], bool] | None = None) -> list[str]:
+    """The named servers whose package is not installed (`installed`: injected in tests)."""
+    check = installed or (lambda package: importlib.util.find_spec(package) is not None)
+    return [s for s in servers if not check(PACKAGES[s])]
+
+
+def server_command(server: str, config: str, port: int, *, workers: int = 1
+                   ) -> tuple[list[str], dict[str, str] | None]:
+    """The command line (and extra environment) that serves the gateway for the file
+    `config` on 127.0.0.1:`port` under `server`. Our own server runs `hedge-gateway serve`
+    (with `--workers` when more than one); the others run one worker each, on uvloop like
+    ours, with their access logs off like ours."""
+    host = "127.0.0.1"
+    if server == OWN:
+        extra = ["--workers", str(workers)] if workers > 1 else []
+        return [sys.executable, "-m", "gateway.cli", "serve", "--config", config, "--host", host,
+                "--port", str(port), "--log-level", "warning", *extra], None
+    env = {CONFIG_ENV: config}
+    if server == "granian":
+        return [sys.executable, "-m", "granian", "--interface", "asgi", "--factory",
+                "--host", host, "--port", str(port), "--workers", "1", "--loop", "uvloop",
+                "--no-ws", "--log-level", "warning", FACTORY], env
+    if server == "hypercorn":
+        return [sys.executable, "-m", "hypercorn", "--worker-class", "uvloop", "--workers", "1",
+                "--bind", f"{host}:{port}", "--log-level", "warning", f"{FACTORY}()"], env
+    raise ValueError(f"unknown server {server!r}")
