@@ -33,6 +33,7 @@ from gateway.routes import (
     gateway_error_response,
     install_error_handlers,
 )
+from gateway.server import tune_collector
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
@@ -289,4 +290,6 @@ def app_from_env() -> FastAPI:
         raise ConfigError(f"{CONFIG_ENV}: not set (the path of the configuration file to serve)")
     with open(path, "rb") as file:
         origin = ConfigOrigin.of_file(file.read(), now=monotonic())
-    return create_app(load_settings(path), origin=origin)
+    app = create_app(load_settings(path), origin=origin)
+    tune_collector()  # as `serve` does, so the comparison is of the servers alone
+    return app
