@@ -40,11 +40,13 @@ class Children:
         self._procs: dict[int, tuple[str, subprocess.Popen[bytes], IO[bytes]]] = {}
 
     def start(self, name: str, argv: Sequence[str], *, cpus: Collection[int] = (),
-              env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """Start a child; pinned to `cpus` when given (before it starts any thread)."""
+              env: Mapping[str, str] | None = None,
+              cwd: str | None = None) -> subprocess.Popen[bytes]:
+        """Start a child (in `cwd` when given); pinned to `cpus` when given (before it starts
+        any thread)."""
         log = open(os.path.join(self.logdir, f"{name}.log"), "wb")  # noqa: SIM115
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT,
+                                stderr=subprocess.STDOUT, cwd=cwd,
                                 env=None if env is None else {**os.environ, **env})
         self._procs[proc.pid] = (name, proc, log)
         if cpus:

@@ -115,6 +115,15 @@ class _Context:
     quick: bool = False
 
 
+def baseline_env(src: str) -> tuple[dict[str, str], str]:
+    """The environment and working directory that make `python -m gateway.cli` import the
+    checkout at `src`: both, since `-m` puts the working directory first on `sys.path`, before
+    `PYTHONPATH` (with only the variable, a bench started from this checkout ran its own code
+    as the baseline)."""
+    root = os.path.abspath(src)
+    return {"PYTHONPATH": root}, root
+
+
 async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                          ) -> tuple[str, subprocess.Popen[bytes]]:
     """A gateway child for `mode`, with hedging on for every mode but `hedging-off`:
@@ -129,9 +138,11 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                                   max_concurrent_requests=workload.max_concurrent_requests))
     server = mode if mode in ctx.plan.servers else servers.OWN
     argv, env = servers.server_command(server, path, port, workers=ctx.plan.workers)
+    cwd = None
     if mode == "baseline" and ctx.plan.baseline_src:
-        env = {"PYTHONPATH": os.path.abspath(ctx.plan.baseline_src)}
-    proc = ctx.children.start(f"gateway-{mode}", argv, cpus=ctx.pinning.gateway, env=env)
+        env, cwd = baseline_env(ctx.plan.baseline_src)
+    proc = ctx.children.start(f"gateway-{mode}", argv, cpus=ctx.pinning.gateway, env=env,
+                              cwd=cwd)
     return f"http://127.0.0.1:{port}", proc
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from argparse import ArgumentTypeError
+from pathlib import Path
 
 import pytest
 
 from gateway.app import CONFIG_ENV, app_from_env
 from gateway.bench import servers
 from gateway.bench.commands import run_bench_command
-from gateway.bench.run import BenchPlan, plan_modes
+from gateway.bench.run import BenchPlan, baseline_env, plan_modes
 from gateway.bench.workloads import WORKLOADS
 from gateway.cli import build_parser
 from gateway.settings import ConfigError
@@ -95,3 +98,18 @@ def test_the_factory_needs_the_config_path(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     with pytest.raises(ConfigError, match=CONFIG_ENV):
         app_from_env()
+
+
+def test_the_baseline_child_runs_the_other_checkout_whatever_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    """`python -m` puts the working directory first on `sys.path`: with only `PYTHONPATH`, a
+    bench started from this checkout ran this checkout's gateway as its `baseline`."""
+    other = tmp_path / "other"
+    (other / "gateway").mkdir(parents=True)
+    (other / "gateway" / "__init__.py").write_text("")
+    (other / "gateway" / "cli.py").write_text("print('the other checkout')\n")
+    env, cwd = baseline_env(str(other))
+    out = subprocess.run([sys.executable, "-m", "gateway.cli"], env={**os.environ, **env},
+                         cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
+    assert out.stdout.strip() == "the other checkout"
