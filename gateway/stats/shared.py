@@ -76,25 +76,70 @@ class Peers:
 
     def read(self, now: float) -> list[dict[str, Any]]:
         """The peers' exports no older than `MAX_AGE` at `now` (their `workers` entries
-        carrying `age_s`); unreadable, torn or stale files are left out."""
-        out: list[dict[str, Any]] = []
-        for path in sorted(self.directory.glob(f"{_PREFIX}*.json")):
-            if path == self._path(self.index):
-                continue
-            try:
-                wrapper = json.loads(path.read_text())
-                age = now - float(wrapper["written_at"])
-                item = merge([wrapper["export"]])  # checked: one bad file spoils no answer
-                for worker in item["workers"]:
-                    worker["age_s"] = round(max(0.0, age), 3)
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # removed under us, or not an export: left out
-            if age <= MAX_AGE:
-                out.append(item)
-        retired = _load(self.directory / RETIRED)
+        carrying `age_s`), and the retired numbers; unreadable, torn or stale files are left
+        out. A dead worker is counted once, in its file or in the retired numbers, never in
+        both or neither: a file the retired numbers have absorbed is skipped, and a read that
+        saw the retired file change under it is done again (`retire` writes them first, then
+        removes the worker's file)."""
+        retired_path = self.directory / RETIRED
+        for _ in range(READ_TRIES):
+            before = _read_text(retired_path)
+            retired = _parse(before)
+            absorbed = set(retired.get("absorbed", ())) if retired is not None else set()
+            out = [item for path in sorted(self.directory.glob(f"{_PREFIX}*.json"))
+                   if path != self._path(self.index)
+                   and (item := _peer(path, now, absorbed)) is not None]
+            if _read_text(retired_path) == before:
+                break
         if retired is not None:
-            out.append(retired)
+            out.append(retired["export"])
         return out
+
+
+#: reads of the directory before one that saw no retirement under it is given up on (a
+#: retirement is a worker's death: two in a row inside one read do not happen)
+READ_TRIES = 3
+#: identities of absorbed workers the retired file keeps (only the latest can still have a
+#: file: `retire` removes it right after)
+ABSORBED_KEPT = 16
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _parse(text: str | None) -> dict[str, Any] | None:
+    """The retired file's wrapper (`export`, `absorbed`), None when absent or unreadable."""
+    if text is None:
+        return None
+    try:
+        wrapper = json.loads(text)
+        merge([wrapper["export"]])  # checked: a bad file spoils no answer
+    except (ValueError, KeyError, TypeError):
+        return None
+    return wrapper if isinstance(wrapper, dict) else None
+
+
+def _identities(item: Mapping[str, Any]) -> list[str]:
+    return [f"{w.get('worker')}:{w.get('pid')}" for w in item.get("workers", ())]
+
+
+def _peer(path: Path, now: float, absorbed: set[str]) -> dict[str, Any] | None:
+    """A peer's export when it is fresh and not absorbed into the retired numbers."""
+    try:
+        wrapper = json.loads(path.read_text())
+        age = now - float(wrapper["written_at"])
+        item = merge([wrapper["export"]])  # checked: one bad file spoils no answer
+        for worker in item["workers"]:
+            worker["age_s"] = round(max(0.0, age), 3)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # removed under us, or not an export: left out
+    if age > MAX_AGE or absorbed.intersection(_identities(item)):
+        return None
+    return item
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -105,28 +150,33 @@ def _load(path: Path) -> dict[str, Any] | None:
     return item
 
 
-def _write(path: Path, item: Mapping[str, Any], now: float) -> None:
+def _write(path: Path, item: Mapping[str, Any], now: float, **extra: Any) -> None:
     temp = path.with_suffix(f".{os.getpid()}.tmp")
-    temp.write_text(json.dumps({"written_at": now, "export": item}, allow_nan=False))
+    temp.write_text(json.dumps({"written_at": now, "export": item, **extra}, allow_nan=False))
     os.replace(temp, path)
 
 
 def retire(directory: Path, index: int) -> None:
-    """A worker died (the supervisor calls this): fold the lifetime numbers of its last file
-    into the directory's retired file, which every worker adds to the whole server, and
-    remove its file. The requests it served in its last moments, after its last publish,
-    are lost with it."""
+    """A worker died (the supervisor calls this, before it starts a replacement): fold the
+    lifetime numbers of its last file into the directory's retired file, which every worker
+    adds to the whole server, then remove its file. In that order, with the dead worker named
+    in the retired file, so that a peer reading meanwhile counts it exactly once (`read`):
+    the server's counters never dip. The requests it served in its last moments, after its
+    last publish, are lost with it."""
     path = directory / f"{_PREFIX}{index}.json"
     dead = _load(path)
+    if dead is not None:
+        before = _parse(_read_text(directory / RETIRED))
+        try:
+            folded = merge([lifetime_only(dead), *([] if before is None
+                                                   else [before["export"]])])
+        except ValueError:
+            folded = None  # not ours to repair: the retired numbers stay as they were
+        if folded is not None:
+            absorbed = [*(before.get("absorbed", []) if before is not None else []),
+                        *_identities(dead)][-ABSORBED_KEPT:]
+            _write(directory / RETIRED, folded, 0.0, absorbed=absorbed)
     path.unlink(missing_ok=True)
-    if dead is None:
-        return
-    before = _load(directory / RETIRED)
-    try:
-        folded = merge([lifetime_only(dead), *([] if before is None else [before])])
-    except ValueError:
-        return  # not ours to repair: the retired numbers stay as they were
-    _write(directory / RETIRED, folded, 0.0)
 
 
 class StatsSource:

@@ -203,6 +203,36 @@ def test_peers_read_fresh_files_and_the_retired_numbers(tmp_path: Path) -> None:
     assert document(merge(items))["pools"]["chat"]["lifetime"]["requests"] == 6 + 7
 
 
+def test_a_peer_reading_while_a_worker_is_retired_counts_it_exactly_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor retires a dead worker while live workers read the directory: a read
+    just before its file goes (the retired numbers already hold it) and just after must both
+    count it once. Removing the file first made the server's counters dip (a Prometheus
+    counter reset); writing first without naming it would count it twice."""
+    mine, peer, dead = (Peers(tmp_path, i, pid=10 + i) for i in range(3))
+    for index, p in enumerate((mine, peer, dead)):
+        who = {"worker": index, "pid": 10 + index}
+        p.publish(export(fed(traffic(index, 5 + index)), {}, NOW, who), NOW)
+
+    def total() -> int:
+        requests: int = document(merge(mine.read(NOW + 1.0)))["pools"]["chat"]["lifetime"][
+            "requests"]
+        return requests
+
+    seen: list[int] = []
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        seen.append(total())  # the dead worker's file still there
+        real_unlink(self, missing_ok=missing_ok)
+        seen.append(total())  # and gone
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    retire(tmp_path, 2)
+    assert seen == [6 + 7, 6 + 7]
+
+
 def test_a_bad_peer_file_is_left_out(tmp_path: Path) -> None:
     mine, peer = Peers(tmp_path, 0, pid=1), Peers(tmp_path, 1, pid=2)
     peer.publish(export(fed(traffic(1, 3)), {}, NOW, {"worker": 1}), NOW)
