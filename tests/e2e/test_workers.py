@@ -93,16 +93,20 @@ def alive(pid: int) -> bool:
 @pytest.fixture
 def two_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """`hedge-gateway serve --config F --workers 2` from an empty directory, in a process group
-    of its own that is killed at teardown (any worker left included)."""
+    of its own, with its own temporary directory (`tmp_path/tmp`, where the supervisor makes
+    the workers' stats directory); at teardown it gets SIGTERM, then the group SIGKILL if it
+    has not stopped (any worker left included)."""
     port = free_port()
     config = tmp_path / "gateway.yaml"
     config.write_text(CONFIG.format(port=port))
     log = tmp_path / "serve.log"
+    (tmp_path / "tmp").mkdir()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*command(), "serve", "--config", str(config), "--workers", "2"],
-            cwd=tmp_path, env=keyless_env(), stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=tmp_path, env={**keyless_env(), "TMPDIR": str(tmp_path / "tmp")},
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     root = f"http://127.0.0.1:{port}"
     try:
@@ -112,6 +116,10 @@ def two_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, 
         eventually(lambda: len(stats(root)["workers"]) == 2, "two workers in the stats")
         yield proc, root, log
     finally:  # the supervisor's process group: its workers too, even if it is gone
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(WAIT)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5.0)
@@ -244,6 +252,8 @@ def test_a_killed_worker_is_replaced_and_sigterm_drains_every_worker(
     assert not any(alive(pid) for pid in after)
     with pytest.raises(httpx.ConnectError):
         httpx.get(root + "/healthz", timeout=2.0, trust_env=False)
+    # the workers' private stats directory went with them
+    assert not list((log.parent / "tmp").glob("hedge-gateway-stats-*"))
 
 
 @pytest.mark.timeout(60)
