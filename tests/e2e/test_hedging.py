@@ -7,12 +7,12 @@ across both upstreams: "the first request to arrive anywhere is the primary"."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 import openai
@@ -44,17 +44,12 @@ from tests.harness import (
     token_chunk,
 )
 from tests.harness.builders import POOL, InOrder, gateway_settings
+from tests.harness.limits_kit import sdk as kit_sdk
+from tests.harness.limits_kit import stream_content
 
-MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 SSE = {"content-type": "text/event-stream"}
-
-
-@contextlib.contextmanager
-def sdk(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=base_url, api_key="sk-client", max_retries=0, timeout=openai.Timeout(20.0)
-    ) as client:
-        yield client
+#: the SDK client of these tests: their upstreams hold streams for seconds
+sdk = functools.partial(kit_sdk, timeout=20.0)
 
 
 def start(
@@ -94,18 +89,6 @@ def slow_trap(token_after: float, text: str) -> Script:
         Send(DONE),
     ]
     return Script(headers=SSE, steps=steps)
-
-
-def stream_content(client: openai.OpenAI, **extra: object) -> tuple[str, dict[str, str]]:
-    with client.chat.completions.with_streaming_response.create(
-        model=POOL, messages=MESSAGES, stream=True, **extra  # type: ignore[call-overload]
-    ) as response:
-        headers = dict(response.headers)
-        text = ""
-        for chunk in response.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-    return text, headers
 
 
 # --- 1. the hedge wins a trap; the reversed trap leaves the primary winning ---------------

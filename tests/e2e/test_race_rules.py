@@ -46,7 +46,15 @@ from tests.harness import (
     token_chunk,
 )
 from tests.harness.builders import POOL, InOrder, gateway_settings
-from tests.harness.limits_kit import MESSAGES, Gateway, GatewayFactory, sdk, stats_of
+from tests.harness.limits_kit import (
+    MESSAGES,
+    Gateway,
+    GatewayFactory,
+    sdk,
+    stats_of,
+    stream_content,
+    wait_for,
+)
 
 Responder = Callable[[RecordedRequest], Script]
 
@@ -89,25 +97,9 @@ def settled(
     return counts
 
 
-def poll(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)  # polling, not a timing assertion
-    return True
-
-
 def stream_text(gateway: Gateway, **extra: Any) -> tuple[str, dict[str, str]]:
-    with sdk(gateway.v1) as client, client.chat.completions.with_streaming_response.create(
-        model=POOL, messages=MESSAGES, stream=True, **extra
-    ) as response:
-        headers = dict(response.headers)
-        text = ""
-        for chunk in response.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-    return text, headers
+    with sdk(gateway.v1) as client:
+        return stream_content(client, **extra)
 
 
 def with_delay(delay: DelaySettings) -> Callable[[Settings], Settings]:
@@ -388,8 +380,8 @@ def test_extra_attempts_in_flight_are_capped_by_the_in_flight_requests(
                 return [r.headers.get("x-request-id", "") for r in arrivals]
 
         # polled: the arrivals are spread over both upstreams
-        assert poll(lambda: len(set(ids())) == requests)
-        assert poll(lambda: len(ids()) >= requests + cap)
+        assert wait_for(lambda: len(set(ids())) == requests, 10.0)
+        assert wait_for(lambda: len(ids()) >= requests + cap, 10.0)
         # an absence needs a window: ten more hedge delays in which every held request
         # asks again, and must be refused
         time.sleep(0.5)

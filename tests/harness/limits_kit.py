@@ -44,6 +44,7 @@ from tests.harness import (
     role_chunk,
     token_chunk,
 )
+from tests.harness.builders import POOL
 from tests.harness.leaks import gateway_in_use
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -114,11 +115,25 @@ class GatewayFactory:
 
 
 @contextlib.contextmanager
-def sdk(base_url: str, *, api_key: str = "sk-client") -> Iterator[openai.OpenAI]:
+def sdk(base_url: str, *, api_key: str = "sk-client",
+        timeout: float = 10.0) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(
-        base_url=base_url, api_key=api_key, max_retries=0, timeout=openai.Timeout(10.0)
+        base_url=base_url, api_key=api_key, max_retries=0, timeout=openai.Timeout(timeout)
     ) as client:
         yield client
+
+
+def stream_content(client: openai.OpenAI, **extra: Any) -> tuple[str, dict[str, str]]:
+    """A streamed chat completion of the pool `POOL`: its content and response headers."""
+    with client.chat.completions.with_streaming_response.create(
+        model=POOL, messages=MESSAGES, stream=True, **extra
+    ) as response:
+        headers = dict(response.headers)
+        text = ""
+        for chunk in response.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+    return text, headers
 
 
 def stats_of(root: str) -> dict[str, Any]:
