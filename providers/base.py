@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import anyio
 
@@ -31,15 +31,7 @@ Endpoint = Literal[
     "messages/count_tokens",
 ]
 #: every route, in a fixed order: the only values a `route` label in stats or metrics takes
-ENDPOINTS: tuple[Endpoint, ...] = (
-    "chat/completions",
-    "completions",
-    "embeddings",
-    "responses",
-    "responses/item",
-    "messages",
-    "messages/count_tokens",
-)
+ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 
 
 @dataclass(frozen=True, slots=True)

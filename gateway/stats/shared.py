@@ -112,7 +112,8 @@ def _read_text(path: Path) -> str | None:
 
 
 def _parse(text: str | None) -> dict[str, Any] | None:
-    """The retired file's wrapper (`export`, `absorbed`), None when absent or unreadable."""
+    """A file's wrapper (`export`, and `written_at` or the retired file's `absorbed`), None
+    when absent, unreadable or not an export."""
     if text is None:
         return None
     try:
@@ -142,14 +143,6 @@ def _peer(path: Path, now: float, absorbed: set[str]) -> dict[str, Any] | None:
     return item
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    try:
-        item: dict[str, Any] = json.loads(path.read_text())["export"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return item
-
-
 def _write(path: Path, item: Mapping[str, Any], now: float, **extra: Any) -> None:
     temp = path.with_suffix(f".{os.getpid()}.tmp")
     temp.write_text(json.dumps({"written_at": now, "export": item, **extra}, allow_nan=False))
@@ -164,8 +157,9 @@ def retire(directory: Path, index: int) -> None:
     the server's counters never dip. The requests it served in its last moments, after its
     last publish, are lost with it."""
     path = directory / f"{_PREFIX}{index}.json"
-    dead = _load(path)
-    if dead is not None:
+    wrapper = _parse(_read_text(path))
+    if wrapper is not None:
+        dead = wrapper["export"]
         before = _parse(_read_text(directory / RETIRED))
         try:
             folded = merge([lifetime_only(dead), *([] if before is None
