@@ -1,7 +1,8 @@
 """The documentation holds together on its own: every relative link in the README,
-CONTRIBUTING.md and docs/ reaches a file of this repository (and a heading of it, for a
-`#anchor`), the README stays a short front page, and no document points at texts that are
-not in the repository (a numbered specification or its sections).
+CONTRIBUTING.md, bench/README.md and docs/ reaches a file of this repository (and a heading of
+it, for a `#anchor`, by GitHub's anchor rules), the README stays a short front page, and
+neither those documents nor the comments in config/ point at texts that are not in the
+repository (a numbered specification, its sections, a tracker's issues).
 
 Pure file reading: no gateway import, no network, well under a second.
 """
@@ -18,16 +19,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: the documents whose links must resolve
 LINKED = sorted(
-    [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md",
-     *(ROOT / "docs").glob("*.md")]
+    [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        ROOT / "bench" / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+    ]
 )
 
 #: the documents (and configuration comments) that must not cite an outside specification.
 #: The Python code (gateway/, providers/, tests/) is covered by a separate test once its
 #: remaining references are gone; it is left out here on purpose.
-SELF_CONTAINED = sorted(
-    [*LINKED, *(ROOT / "config").glob("*.yaml")]
-)
+SELF_CONTAINED = sorted([*LINKED, *(ROOT / "config").glob("*.yaml")])
 
 README_MAX_LINES = 250
 
@@ -160,8 +163,10 @@ def test_slugs_follow_github(heading: str, expected: str) -> None:
 
 def test_fenced_code_is_neither_heading_nor_link(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("# Title\n\n```bash\n# not a heading\necho [x](missing.md)\n```\n"
-                    "See [here](#title) and `[code](nowhere.md)`, [a wrapped\nlink](#title-1).\n"
-                    "## Title\n")
+    page.write_text(
+        "# Title\n\n```bash\n# not a heading\necho [x](missing.md)\n```\n"
+        "See [here](#title) and `[code](nowhere.md)`, [a wrapped\nlink](#title-1).\n"
+        "## Title\n"
+    )
     assert anchors(page) == {"title", "title-1"}
     assert links(page) == ["#title", "#title-1"]
