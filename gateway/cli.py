@@ -1,6 +1,8 @@
-"""`hedge-gateway`: serve, check-config, sim, bench, stats (SPEC §12), and the bench's child
-simulator (`python -m gateway.bench.upstream`). Every command-line option lives here: the
-commands behind them take parsed values (a `SimProfile`, a `BenchPlan`), never argparse objects.
+"""`hedge-gateway`: serve, check-config, schema, sim, bench, stats. Every option of these
+commands lives here: the commands behind them take parsed values (a `SimProfile`, a
+`BenchPlan`), never argparse objects. The bench's child simulator
+(`python -m gateway.bench.upstream`) is no command of ours and parses its own two flags, so
+nothing under `gateway.bench` imports this module.
 """
 
 from __future__ import annotations
@@ -368,18 +370,6 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", type=parse_servers, default=("uvicorn",), metavar="LIST",
                         help="e.g. uvicorn,granian: each server but uvicorn (`serve`, which runs"
                              " the other modes) adds a mode of its name, hedging on")
-
-
-def bench_upstream_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m gateway.bench.upstream --port N`: one of the bench's child backends."""
-    from gateway.bench.upstream import serve_bench_sim
-
-    parser = argparse.ArgumentParser(prog="hedge-gateway-bench-sim")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    ns = parser.parse_args(argv)
-    serve_bench_sim(ns.host, ns.port)
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
