@@ -255,7 +255,8 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     row = report.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
                                 hedge_stats=hedge_stats,
                                 hedge_stats_before=baseline[0] if baseline else None,
-                                pool=POOL, process=processes.get("gateway"))
+                                pool=POOL, process=processes.get("gateway"),
+                                concurrency=concurrency)
     row["processes"] = processes
     row["c1"] = c1
     row["cost"] = speed.cost_row(row)
