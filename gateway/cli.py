@@ -168,17 +168,15 @@ def _sim(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     from gateway.bench.commands import run_bench_command, run_soak_command
     from gateway.bench.run import BenchPlan
-    from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
+    from gateway.bench.workloads import selected
 
     if ns.workload == "soak":
         return run_soak_command(duration=ns.duration, quick=ns.quick,
                                 concurrency=ns.concurrency, seed=ns.seed, out=ns.out,
                                 progress=not ns.no_progress)
-    wanted = WORKLOAD_GROUPS.get(ns.workload, (ns.workload,))
-    plan = BenchPlan(workloads=tuple(w for w in WORKLOADS
-                                     if ns.workload == "all" or w.name in wanted),
-                     seed=ns.seed, progress=None if ns.no_progress else sys.stderr,
-                     tables=sys.stdout, baseline_src=ns.baseline_src,
+    plan = BenchPlan(workloads=selected(ns.workload, quick=ns.quick), seed=ns.seed,
+                     progress=None if ns.no_progress else sys.stderr, tables=sys.stdout,
+                     baseline_src=ns.baseline_src,
                      workers=ns.workers, servers=ns.servers)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
@@ -358,7 +356,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=_positive,
                         help="requests in flight (default: per workload)")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer requests per mode: a smoke run of about a minute")
+                        help="fewer requests per mode, and without --workload no slow shares:"
+                             " a smoke run of under a minute; targets its sample cannot decide"
+                             " print as not judged")
     parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
     parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -95,10 +95,12 @@ def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def plan_modes(plan: BenchPlan, workload: Workload) -> list[str]:
-    """The modes of `workload` in the order they run: the plan's that the workload has, then
-    `baseline` (with `baseline_src`), then one per other front server (`servers`)."""
-    modes = [m for m in plan.modes if workload.modes is None or m in workload.modes]
+def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
+    """The modes of `workload` in the order they run: the plan's that the workload has (with
+    `quick`, its `quick_modes` when it names them), then `baseline` (with `baseline_src`),
+    then one per other front server (`servers`)."""
+    own = workload.quick_modes if quick and workload.quick_modes is not None else workload.modes
+    modes = [m for m in plan.modes if own is None or m in own]
     return [*modes, *(["baseline"] if plan.baseline_src else []),
             *servers.extra_modes(plan.servers)]
 
@@ -277,7 +279,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
 async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                         concurrency: int) -> dict[str, Any]:
     gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
-    modes = plan_modes(ctx.plan, workload)
+    modes = plan_modes(ctx.plan, workload, ctx.quick)
     try:
         for mode in modes:
             if mode not in ("direct", "oracle"):
