@@ -46,10 +46,16 @@ import yaml
 from gateway.bench import report, servers, speed
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
 from gateway.bench.oracle import best_single_hedge, share_targets
-from gateway.bench.procs import Children, ProcessMeter, free_port, machine, wait_ready
+from gateway.bench.procs import (
+    Children,
+    ProcessMeter,
+    free_port,
+    machine,
+    pin_tree,
+    wait_ready,
+)
 from gateway.bench.upstream import profile_to_json, request_ttft
 from gateway.bench.workloads import Workload
-from gateway.server import raise_open_file_limit
 from gateway.settings import BudgetSettings
 
 POOL = "bench"
@@ -130,7 +136,10 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                          ) -> tuple[str, subprocess.Popen[bytes]]:
     """A gateway child for `mode`, with hedging on for every mode but `hedging-off`:
     `baseline` runs the code of `plan.baseline_src` (another checkout), a mode named after a
-    front server (`plan.servers`) runs under that server; both side by side in the same run."""
+    front server (`plan.servers`) runs under that server; both side by side in the same run.
+    It starts on every CPU (`_run_workload` pins it to the gateway's once it is ready): a
+    workload's gateways start together, and on one core their imports queued for a second
+    more per workload."""
     port = free_port()
     path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
     with open(path, "w", encoding="utf-8") as file:
@@ -143,8 +152,9 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
     cwd = None
     if mode == "baseline" and ctx.plan.baseline_src:
         env, cwd = baseline_env(ctx.plan.baseline_src)
-    proc = ctx.children.start(f"gateway-{mode}", argv, cpus=ctx.pinning.gateway, env=env,
-                              cwd=cwd)
+    # every CPU, explicitly: a child inherits this process's pinning to the load side's CPUs
+    proc = ctx.children.start(f"gateway-{mode}", argv, env=env, cwd=cwd,
+                              cpus=(*ctx.pinning.gateway, *ctx.pinning.others))
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -286,12 +296,14 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                 gateways[mode] = await _start_gateway(ctx, mode, workload)
         await asyncio.gather(*(wait_ready(ctx.client, f"{url}/healthz", proc, ctx.children)
                                for url, proc in gateways.values()))
+        if ctx.pinning.gateway:  # before anything is measured
+            for _, proc in gateways.values():
+                pin_tree(proc.pid, ctx.pinning.gateway)
         rows = {mode: await _run_mode(ctx, workload, mode, requests, concurrency,
                                       gateways.get(mode))
                 for mode in modes}
     finally:
-        for _, proc in gateways.values():
-            ctx.children.stop(proc)
+        ctx.children.stop_all([proc for _, proc in gateways.values()])
     comparison = report.compare(rows) | speed.compare_costs(rows)
     if workload.single_hedge:
         comparison["single_hedge"] = _single_hedge(workload, requests, ctx.plan.seed)
@@ -361,6 +373,8 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
     """Run every workload of `plan` in every mode; the whole report, JSON-ready."""
     sizes = [(requests or (w.quick_requests if quick else w.requests), concurrency or w.concurrency)
              for w in plan.workloads]
+    from gateway.server import raise_open_file_limit  # not at import: FastAPI and the app
+
     started = time.time()
     # 1,000 streams need ~1,000 descriptors in the load client and ~2,000 in the gateway:
     # the children inherit the raised limit (the gateway also raises its own)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
 from gateway.bench.load import Sample
+from gateway.bench.procs import pin_tree
 from gateway.bench.speed import (
     Pinning,
     compare_costs,
@@ -129,3 +135,31 @@ def test_per_request_costs_of_every_process() -> None:
         "system calls read/write client 6.1/1.0, sim-a 1.0/54.0")
     assert per_request_costs({"requests": 0, "processes": row["processes"]}) == ""
     assert per_request_costs({"requests": 5}) == ""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_pinning_a_started_child_pins_every_thread_and_descendant() -> None:
+    """A gateway starts on every CPU and is pinned once ready: by then it may run threads
+    and worker processes, and each must land on the gateway's CPUs, not just its main thread."""
+    code = ("import subprocess, sys, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(30)\n")
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    grandchild: int | None = None
+    try:
+        assert proc.stdout is not None
+        grandchild = int(proc.stdout.readline())
+        pin_tree(proc.pid, {cpus[0]})
+        tasks = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+        assert len(tasks) >= 2  # the main thread and the sleeper
+        assert all(os.sched_getaffinity(t) == {cpus[0]} for t in tasks)
+        assert os.sched_getaffinity(grandchild) == {cpus[0]}
+    finally:
+        proc.kill()
+        proc.wait()
+        if grandchild is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(grandchild, signal.SIGKILL)
