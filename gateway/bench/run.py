@@ -175,19 +175,60 @@ def _requests(stats: object) -> int:
         return 0
 
 
+def _has_count(stats: object) -> bool:
+    """Whether a `/hedge/stats` document counts the bench pool's requests at all (another
+    checkout's gateway may not, and must not be waited for)."""
+    try:
+        return isinstance(stats["pools"][POOL]["lifetime"]["requests"], int)  # type: ignore[index]
+    except (TypeError, KeyError):
+        return False
+
+
 async def _counted_stats(client: httpx.AsyncClient, base: str, expect: int | None,
-                         workers: int) -> object:
-    """The gateway's stats; with workers, once every worker is in them and they count
-    `expect` requests (each worker publishes every 0.5 s), or after 5 s as they are."""
-    deadline = time.monotonic() + 5.0
+                         workers: int, wait: float = 5.0) -> object:
+    """The gateway's stats once they count `expect` requests and, with workers, list every
+    worker (each publishes every 0.5 s); after `wait` seconds as they are. A request is
+    counted after its answer and its losers' reaping, so this is also the moment the
+    gateway is done with them: a poll, where a fixed pause either wasted time or was short."""
+    deadline = time.monotonic() + wait
     while True:
         stats = await _hedge_stats(client, base)
-        complete = workers <= 1 or (
-            isinstance(stats, dict) and len(stats.get("workers", [])) >= workers
-            and (expect is None or _requests(stats) >= expect))
-        if complete or time.monotonic() > deadline:
+        counted = expect is None or not _has_count(stats) or _requests(stats) >= expect
+        listed = workers <= 1 or (isinstance(stats, dict)
+                                  and len(stats.get("workers", [])) >= workers)
+        if (counted and listed) or time.monotonic() > deadline:
             return stats
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05 if workers <= 1 else 0.2)
+
+
+async def _sim_logs(client: httpx.AsyncClient, sims: Sequence[str], mode: str,
+                    requests: int) -> list[Any]:
+    """Every simulator's request log after a pass, once it has settled: an entry for each
+    measured request, and no new entry over the last 50 ms. An entry lands when its request
+    ends at the simulator, and a loser's when the simulator sees its close (it watches for
+    the disconnect, so within milliseconds of it; a gateway's losers are closed before
+    `_counted_stats` returns, the oracle's before the pass ends). At most 0.5 s: a fixed
+    0.3 s pause per mode was 4 s of a quick run."""
+    deadline = time.monotonic() + 0.5
+    previous = -1
+    while True:
+        logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
+        entries = sum(1 for entry in logs for item in entry["log"]
+                      if str(item[0]).startswith("bench-"))
+        one_each = entries >= requests
+        if ((one_each and (mode == "direct" or entries == previous))
+                or time.monotonic() > deadline):
+            return logs
+        previous = entries
+        await asyncio.sleep(0.05)
+
+
+def warm_or(body: dict[str, Any], index: int) -> dict[str, Any]:
+    """The body of request `index`: `body` itself for a measured request; for a warm-up
+    (index < 0) the same with `max_tokens: 1`. A warm-up only has to open the connections and
+    run every code path once (role chunk, a token, finish, `[DONE]`), and a one-token stream
+    does; the workload's whole stream made the 1,000-stream warm-up last 4 s per mode."""
+    return {**body, "max_tokens": 1} if index < 0 else body
 
 
 async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
@@ -211,13 +252,13 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     send: Send
     if mode == "direct":
         url = f"{ctx.sims[0]}/v1/chat/completions"
-        send = lambda c, i: stream_one(c, url, i, body=direct_body)  # noqa: E731
+        send = lambda c, i: stream_one(c, url, i, body=warm_or(direct_body, i))  # noqa: E731
     elif mode == "oracle":
         urls = [f"{s}/v1/chat/completions" for s in sims]
-        send = lambda c, i: best_of(c, urls, i, body=direct_body)  # noqa: E731
+        send = lambda c, i: best_of(c, urls, i, body=warm_or(direct_body, i))  # noqa: E731
     elif gateway is not None:
         gw_url, gw_body = f"{gateway[0]}/v1/chat/completions", {**CHAT_BODY, "model": POOL}
-        send = lambda c, i: stream_one(c, gw_url, i, body=gw_body)  # noqa: E731
+        send = lambda c, i: stream_one(c, gw_url, i, body=warm_or(gw_body, i))  # noqa: E731
     else:
         raise ValueError(f"unknown mode {mode!r}")
     pids = {"client": os.getpid(),
@@ -229,16 +270,19 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     samplers: list[asyncio.Task[None]] = []
     baseline: list[object] = []
 
+    c1: dict[str, Any] | None = None
+    c1_requests = workload.quick_c1_requests if ctx.quick else workload.c1_requests
+    # what the gateway has counted once the warm-up ended: the c=1 pass (its own warm-up
+    # request and its requests), then one warm-up request per worker of the main pass
+    warmed = (1 + c1_requests if c1_requests else 0) + max(1, min(concurrency, requests))
+
     async def after_warmup() -> None:
-        if gateway is not None:
-            # let the warm-up's last requests be counted (and, with workers, published)
-            await asyncio.sleep(1.0 if ctx.plan.workers > 1 else 0.3)
-            baseline.append(await _counted_stats(client, gateway[0], None, ctx.plan.workers))
+        if gateway is not None:  # the warm-up's last requests counted (with workers, published)
+            baseline.append(await _counted_stats(client, gateway[0], warmed, ctx.plan.workers,
+                                                 wait=2.0))
         meters.append(ProcessMeter(pids, trees=("gateway",)))
         samplers.append(asyncio.create_task(meters[0].sample_until(done)))
 
-    c1: dict[str, Any] | None = None
-    c1_requests = workload.quick_c1_requests if ctx.quick else workload.c1_requests
     if c1_requests:
         await reset()
         c1_progress = Progress(ctx.plan.progress, f"{workload.name} / {mode} c=1", c1_requests)
@@ -257,13 +301,12 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         for task in samplers:
             await task
     processes = meters[0].result()
-    await asyncio.sleep(0.3)  # let the losers' closes reach the simulators' logs
-    logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
     hedge_stats = None
-    if gateway is not None:
+    if gateway is not None:  # counted: answered, and the losers closed
         hedge_stats = await _counted_stats(client, gateway[0],
                                            _requests(baseline[0]) + len(samples),
                                            ctx.plan.workers)
+    logs = await _sim_logs(client, sims, mode, len(samples))
     row = report.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
                                 hedge_stats=hedge_stats,
                                 hedge_stats_before=baseline[0] if baseline else None,

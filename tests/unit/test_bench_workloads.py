@@ -1,10 +1,11 @@
-"""What `hedge-gateway bench --quick` runs: which workloads and, per workload, which modes."""
+"""What `hedge-gateway bench` runs: with `--quick`, which workloads and which modes of each;
+and what a warm-up request asks for."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.bench.run import BenchPlan, plan_modes
+from gateway.bench.run import BenchPlan, plan_modes, warm_or
 from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS, Workload, selected
 
 
@@ -36,3 +37,10 @@ def test_quick_runs_fewer_modes_only_where_a_workload_says_so() -> None:
                       servers=("uvicorn", "granian"))
     assert plan_modes(extra, by_name["outage"], quick=True) == [
         "hedging-off", "hedging-on", "baseline", "granian"]
+
+
+def test_a_warm_up_asks_for_one_token_and_a_measured_request_for_the_workload() -> None:
+    body = {"model": "bench", "stream": True, "messages": []}
+    assert warm_or(body, -3) == {**body, "max_tokens": 1}
+    assert warm_or(body, 0) is body
+    assert "max_tokens" not in body
