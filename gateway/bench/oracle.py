@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.bench.report import _cell, _get
+from gateway.bench import judge
+from gateway.bench.report import _cell, share_of, ttft_estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,23 +73,25 @@ SHARES_NEAR_THE_LIMIT = ("stragglers-3", "stragglers-6")
 
 def share_targets(workload: str, rows: Mapping[str, Mapping[str, Any]],
                   comparison: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """SPEC §20's targets for a slow-share stragglers workload (shaped as `report.targets`)."""
+    """The targets of a slow-share stragglers workload (shaped as `report.targets`), each met,
+    missed, or not judged when the run's sample cannot decide it (`gateway.bench.judge`)."""
     result: list[dict[str, Any]] = []
-
-    def add(name: str, value: float | None, met: bool | None) -> None:
-        result.append({"target": name, "value": value, "met": met})
-
-    on = _get(rows, "hedging-on", "ttft_ms", "p99")
-    off = _get(rows, "hedging-off", "ttft_ms", "p99")
+    on_row, off_row = rows.get("hedging-on"), rows.get("hedging-off")
     best = comparison.get("single_hedge", {}).get("ttft_p99_ms")
     if workload in SHARES_NEAR_THE_LIMIT:
-        ratio = None if on is None or not best else round(on / best, 3)
-        add(f"TTFT p99 <= {SHARE_P99_FACTOR} x best single hedge", ratio,
-            None if ratio is None else ratio <= SHARE_P99_FACTOR)
-    add("TTFT p99 hedging on <= off", None if on is None else on,
-        None if on is None or off is None else on <= off)
-    extra = _get(rows, "hedging-on", "upstream", "extra_pct")
-    add("extra attempts <= 12 % of requests", extra, None if extra is None else extra <= 12.0)
+        on = ttft_estimate(on_row, 0.99)
+        ratio = (judge.ratio_to(on, float(best)) if best
+                 else judge.Estimate(None, None, on.n, "no single-hedge bound"))
+        result.append(judge.target(f"TTFT p99 <= {SHARE_P99_FACTOR} x best single hedge",
+                                   ratio, SHARE_P99_FACTOR, at_most=True))
+    pair = judge.PAIR_CONFIDENCE
+    result.append(judge.target(
+        "TTFT p99 hedging on - off <= 0 ms",
+        judge.difference(ttft_estimate(on_row, 0.99, pair), ttft_estimate(off_row, 0.99, pair)),
+        0.0, at_most=True))
+    result.append(judge.target("extra attempts <= 12 % of requests",
+                               share_of(rows, "hedging-on", "upstream", "extra"), 12.0,
+                               at_most=True))
     return result
 
 

@@ -60,10 +60,13 @@ class Children:
         with open(os.path.join(self.logdir, f"{name}.log"), "rb") as file:
             return file.read()[-size:].decode(errors="replace")
 
-    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+    def stop(self, proc: subprocess.Popen[bytes], *, signalled: bool = False) -> None:
+        """Terminate `proc` (unless `signalled`: its SIGTERM was sent already, and a second
+        one would cut its graceful stop short), wait up to 5 s, then kill it."""
         entry = self._procs.pop(proc.pid, None)
         if proc.poll() is None:
-            proc.terminate()
+            if not signalled:
+                proc.terminate()
             try:
                 proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
@@ -72,9 +75,40 @@ class Children:
         if entry is not None:
             entry[2].close()
 
+    def stop_all(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        """Stop several children at once: each gets its SIGTERM before any is waited for, so
+        their shutdowns overlap instead of queueing."""
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            self.stop(proc, signalled=True)
+
     def close(self) -> None:
-        for _, proc, _ in list(self._procs.values()):
-            self.stop(proc)
+        self.stop_all([proc for _, proc, _ in list(self._procs.values())])
+
+
+def pin_tree(pid: int, cpus: Collection[int]) -> None:
+    """Pin process `pid`, each of its threads and each of its descendants (a supervisor's
+    workers, a front server's worker process) to `cpus`. For a child that was started on
+    every CPU so its start-up, which is never measured, does not queue on one core: a
+    process pinned after it started threads keeps them where they were unless each thread
+    is pinned too. Threads and processes started later inherit the pinning."""
+    pids = [pid]
+    psutil: Any = None
+    with contextlib.suppress(ImportError):  # without psutil: the process and its threads
+        psutil = importlib.import_module("psutil")
+    if psutil is not None:
+        with contextlib.suppress(psutil.Error):  # it ended meanwhile: the run will say so
+            pids += [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    for each in pids:
+        try:
+            threads = [int(tid) for tid in os.listdir(f"/proc/{each}/task")]
+        except OSError:
+            threads = [each]  # ended meanwhile, or no /proc: the process itself
+        for tid in threads:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cpus)
 
 
 def free_port() -> int:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.bench import judge
 from gateway.bench.load import Sample
 from gateway.settings import BudgetSettings
 
@@ -124,9 +125,12 @@ def summarize_mode(
     hedge_stats_before: object = None,
     pool: str = "bench",
     process: Mapping[str, float] | None = None,
+    concurrency: int | None = None,
 ) -> dict[str, Any]:
     """One row of the table, JSON-ready. Times in ms. `hedge_stats_before` is the gateway's
-    `/hedge/stats` after the warm-up, subtracted from `hedge_stats` (taken at the end)."""
+    `/hedge/stats` after the warm-up, subtracted from `hedge_stats` (taken at the end).
+    `concurrency` is kept so the targets know whether the requests started together
+    (`gateway.bench.judge`, rule 2); the sorted TTFTs are kept for their intervals."""
     ok = [s for s in samples if s.ok]
     ttfts = sorted(s.ttft for s in ok if s.ttft is not None)
     totals = sorted(s.total for s in ok)
@@ -149,6 +153,7 @@ def summarize_mode(
     return {
         "mode": mode,
         "requests": n,
+        "concurrency": concurrency,
         "ok": len(ok),
         "errors": n - len(ok),
         "error_kinds": dict(kinds),
@@ -168,7 +173,31 @@ def summarize_mode(
         "gateway_process": dict(process) if process is not None else None,
         "_extra_by_index": dict(view.extra_by_index),
         "_samples": {s.index: s for s in samples},
+        "_ttfts": ttfts,
     }
+
+
+def ttft_estimate(row: Mapping[str, Any] | None, q: float,
+                  confidence: float = judge.CONFIDENCE) -> judge.Estimate:
+    """A mode's TTFT q-quantile in ms with its interval, from the sorted TTFTs (seconds) the
+    row keeps (`_ttfts`: a table row, or a c=1 pass's summary). Requests that all started
+    together count as one draw (`gateway.bench.judge`, rule 2)."""
+    if not row or row.get("_ttfts") is None:
+        return judge.Estimate(None, None, 0, "no samples")
+    requests, concurrency = row.get("requests"), row.get("concurrency")
+    n_draws = (judge.draws(int(requests), int(concurrency))
+               if isinstance(requests, int) and isinstance(concurrency, int) else None)
+    return judge.quantile_estimate(row["_ttfts"], q, n_draws=n_draws, confidence=confidence,
+                                   scale=1000.0)
+
+
+def share_of(rows: Mapping[str, Mapping[str, Any]], mode: str, *path: str) -> judge.Estimate:
+    """A count of `mode`'s row (at `path`) as a percentage of its requests, with Wilson's
+    interval; no value without the count."""
+    count, n = _get(rows, mode, *path), _get(rows, mode, "requests")
+    if count is None or not n:
+        return judge.Estimate(None, None, 0, "no samples")
+    return judge.share_estimate(count, int(n))
 
 
 def outage_phases(
@@ -247,30 +276,31 @@ def targets(
     comparison: Mapping[str, Any],
     budget: BudgetSettings,
 ) -> list[dict[str, Any]]:
-    """The issue's targets for this workload, each with the measured value and met or not."""
+    """The workload's hedging targets, each with its value and met, missed, or not judged
+    when this run's sample cannot decide it (`gateway.bench.judge`)."""
     result: list[dict[str, Any]] = []
-
-    def add(name: str, value: float | None, met: bool | None) -> None:
-        result.append({"target": name, "value": value, "met": met})
-
-    on_extra = _get(rows, "hedging-on", "upstream", "extra_pct")
     if workload == "stragglers":
-        cut = comparison.get("hedging_ttft_p99_reduction_pct")
-        add("TTFT p99 >= 70 % below hedging off", cut, None if cut is None else cut >= 70.0)
-        add("extra attempts <= 12 % of requests", on_extra,
-            None if on_extra is None else on_extra <= 12.0)
+        pair = judge.PAIR_CONFIDENCE
+        result.append(judge.target(
+            "TTFT p99 >= 70 % below hedging off",
+            judge.cut(ttft_estimate(rows.get("hedging-on"), 0.99, pair),
+                      ttft_estimate(rows.get("hedging-off"), 0.99, pair)), 70.0, at_most=False))
+        result.append(judge.target("extra attempts <= 12 % of requests",
+                                   share_of(rows, "hedging-on", "upstream", "extra"), 12.0,
+                                   at_most=True))
     elif workload == "outage":
+        # the budget's guarantee, not an estimate: it holds for every run, however short
         n = _get(rows, "hedging-on", "requests") or 0.0
         wall = _get(rows, "hedging-on", "wall_s") or 0.0
         extra = _get(rows, "hedging-on", "upstream", "extra")
         bound = budget.ratio * n + budget.burst + budget.min_per_second * wall
-        add(f"extra attempts <= ratio*N + burst + reserve*t = {bound:.1f}", extra,
-            None if extra is None else extra <= bound)
+        result.append(judge.measured(
+            f"extra attempts <= ratio*N + burst + reserve*t = {bound:.1f}", extra,
+            None if extra is None else extra <= bound))
     elif workload == "pushback":
         for mode in GATEWAY_MODES:
-            served = comparison.get(f"{mode}_served_pct")
-            add(f"{mode}: >= 95 % of requests served", served,
-                None if served is None else served >= 95.0)
+            result.append(judge.target(f"{mode}: >= 95 % of requests served",
+                                       share_of(rows, mode, "ok"), 95.0, at_most=False))
     return result
 
 
@@ -346,12 +376,8 @@ def format_workload(result: Mapping[str, Any]) -> str:
         parts = ", ".join(f"{k} {v['extra']}/{v['requests']}"
                           for k, v in result["outage_phases"].items())
         lines.append(f"   hedging-on extra attempts by phase: {parts}")
-    if result["targets"] and result["requests"] < 500:
-        lines.append(f"   note: {result['requests']} requests per mode: p99 and p99.9 rest on a "
-                     "handful of samples, so the targets below are only indicative")
     for t in result["targets"]:
-        state = {True: "MET", False: "MISSED", None: "n/a"}[t["met"]]
-        lines.append(f"   target: {t['target']}: {_cell(t['value'], 2)} -> {state}")
+        lines.append(f"   target: {t['target']}: {_cell(t['value'], 2)} -> {judge.state(t)}")
     return "\n".join(lines)
 
 

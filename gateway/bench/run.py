@@ -46,10 +46,16 @@ import yaml
 from gateway.bench import report, servers, speed
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
 from gateway.bench.oracle import best_single_hedge, share_targets
-from gateway.bench.procs import Children, ProcessMeter, free_port, machine, wait_ready
+from gateway.bench.procs import (
+    Children,
+    ProcessMeter,
+    free_port,
+    machine,
+    pin_tree,
+    wait_ready,
+)
 from gateway.bench.upstream import profile_to_json, request_ttft
 from gateway.bench.workloads import Workload
-from gateway.server import raise_open_file_limit
 from gateway.settings import BudgetSettings
 
 POOL = "bench"
@@ -95,10 +101,12 @@ def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def plan_modes(plan: BenchPlan, workload: Workload) -> list[str]:
-    """The modes of `workload` in the order they run: the plan's that the workload has, then
-    `baseline` (with `baseline_src`), then one per other front server (`servers`)."""
-    modes = [m for m in plan.modes if workload.modes is None or m in workload.modes]
+def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
+    """The modes of `workload` in the order they run: the plan's that the workload has (with
+    `quick`, its `quick_modes` when it names them), then `baseline` (with `baseline_src`),
+    then one per other front server (`servers`)."""
+    own = workload.quick_modes if quick and workload.quick_modes is not None else workload.modes
+    modes = [m for m in plan.modes if own is None or m in own]
     return [*modes, *(["baseline"] if plan.baseline_src else []),
             *servers.extra_modes(plan.servers)]
 
@@ -128,7 +136,10 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                          ) -> tuple[str, subprocess.Popen[bytes]]:
     """A gateway child for `mode`, with hedging on for every mode but `hedging-off`:
     `baseline` runs the code of `plan.baseline_src` (another checkout), a mode named after a
-    front server (`plan.servers`) runs under that server; both side by side in the same run."""
+    front server (`plan.servers`) runs under that server; both side by side in the same run.
+    It starts on every CPU (`_run_workload` pins it to the gateway's once it is ready): a
+    workload's gateways start together, and on one core their imports queued for a second
+    more per workload."""
     port = free_port()
     path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
     with open(path, "w", encoding="utf-8") as file:
@@ -141,8 +152,9 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
     cwd = None
     if mode == "baseline" and ctx.plan.baseline_src:
         env, cwd = baseline_env(ctx.plan.baseline_src)
-    proc = ctx.children.start(f"gateway-{mode}", argv, cpus=ctx.pinning.gateway, env=env,
-                              cwd=cwd)
+    # every CPU, explicitly: a child inherits this process's pinning to the load side's CPUs
+    proc = ctx.children.start(f"gateway-{mode}", argv, env=env, cwd=cwd,
+                              cpus=(*ctx.pinning.gateway, *ctx.pinning.others))
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -163,19 +175,60 @@ def _requests(stats: object) -> int:
         return 0
 
 
+def _has_count(stats: object) -> bool:
+    """Whether a `/hedge/stats` document counts the bench pool's requests at all (another
+    checkout's gateway may not, and must not be waited for)."""
+    try:
+        return isinstance(stats["pools"][POOL]["lifetime"]["requests"], int)  # type: ignore[index]
+    except (TypeError, KeyError):
+        return False
+
+
 async def _counted_stats(client: httpx.AsyncClient, base: str, expect: int | None,
-                         workers: int) -> object:
-    """The gateway's stats; with workers, once every worker is in them and they count
-    `expect` requests (each worker publishes every 0.5 s), or after 5 s as they are."""
-    deadline = time.monotonic() + 5.0
+                         workers: int, wait: float = 5.0) -> object:
+    """The gateway's stats once they count `expect` requests and, with workers, list every
+    worker (each publishes every 0.5 s); after `wait` seconds as they are. A request is
+    counted after its answer and its losers' reaping, so this is also the moment the
+    gateway is done with them: a poll, where a fixed pause either wasted time or was short."""
+    deadline = time.monotonic() + wait
     while True:
         stats = await _hedge_stats(client, base)
-        complete = workers <= 1 or (
-            isinstance(stats, dict) and len(stats.get("workers", [])) >= workers
-            and (expect is None or _requests(stats) >= expect))
-        if complete or time.monotonic() > deadline:
+        counted = expect is None or not _has_count(stats) or _requests(stats) >= expect
+        listed = workers <= 1 or (isinstance(stats, dict)
+                                  and len(stats.get("workers", [])) >= workers)
+        if (counted and listed) or time.monotonic() > deadline:
             return stats
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05 if workers <= 1 else 0.2)
+
+
+async def _sim_logs(client: httpx.AsyncClient, sims: Sequence[str], mode: str,
+                    requests: int) -> list[Any]:
+    """Every simulator's request log after a pass, once it has settled: an entry for each
+    measured request, and no new entry over the last 50 ms. An entry lands when its request
+    ends at the simulator, and a loser's when the simulator sees its close (it watches for
+    the disconnect, so within milliseconds of it; a gateway's losers are closed before
+    `_counted_stats` returns, the oracle's before the pass ends). At most 0.5 s: a fixed
+    0.3 s pause per mode was 4 s of a quick run."""
+    deadline = time.monotonic() + 0.5
+    previous = -1
+    while True:
+        logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
+        entries = sum(1 for entry in logs for item in entry["log"]
+                      if str(item[0]).startswith("bench-"))
+        one_each = entries >= requests
+        if ((one_each and (mode == "direct" or entries == previous))
+                or time.monotonic() > deadline):
+            return logs
+        previous = entries
+        await asyncio.sleep(0.05)
+
+
+def warm_or(body: dict[str, Any], index: int) -> dict[str, Any]:
+    """The body of request `index`: `body` itself for a measured request; for a warm-up
+    (index < 0) the same with `max_tokens: 1`. A warm-up only has to open the connections and
+    run every code path once (role chunk, a token, finish, `[DONE]`), and a one-token stream
+    does; the workload's whole stream made the 1,000-stream warm-up last 4 s per mode."""
+    return {**body, "max_tokens": 1} if index < 0 else body
 
 
 async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
@@ -199,13 +252,13 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     send: Send
     if mode == "direct":
         url = f"{ctx.sims[0]}/v1/chat/completions"
-        send = lambda c, i: stream_one(c, url, i, body=direct_body)  # noqa: E731
+        send = lambda c, i: stream_one(c, url, i, body=warm_or(direct_body, i))  # noqa: E731
     elif mode == "oracle":
         urls = [f"{s}/v1/chat/completions" for s in sims]
-        send = lambda c, i: best_of(c, urls, i, body=direct_body)  # noqa: E731
+        send = lambda c, i: best_of(c, urls, i, body=warm_or(direct_body, i))  # noqa: E731
     elif gateway is not None:
         gw_url, gw_body = f"{gateway[0]}/v1/chat/completions", {**CHAT_BODY, "model": POOL}
-        send = lambda c, i: stream_one(c, gw_url, i, body=gw_body)  # noqa: E731
+        send = lambda c, i: stream_one(c, gw_url, i, body=warm_or(gw_body, i))  # noqa: E731
     else:
         raise ValueError(f"unknown mode {mode!r}")
     pids = {"client": os.getpid(),
@@ -217,16 +270,19 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     samplers: list[asyncio.Task[None]] = []
     baseline: list[object] = []
 
+    c1: dict[str, Any] | None = None
+    c1_requests = workload.quick_c1_requests if ctx.quick else workload.c1_requests
+    # what the gateway has counted once the warm-up ended: the c=1 pass (its own warm-up
+    # request and its requests), then one warm-up request per worker of the main pass
+    warmed = (1 + c1_requests if c1_requests else 0) + max(1, min(concurrency, requests))
+
     async def after_warmup() -> None:
-        if gateway is not None:
-            # let the warm-up's last requests be counted (and, with workers, published)
-            await asyncio.sleep(1.0 if ctx.plan.workers > 1 else 0.3)
-            baseline.append(await _counted_stats(client, gateway[0], None, ctx.plan.workers))
+        if gateway is not None:  # the warm-up's last requests counted (with workers, published)
+            baseline.append(await _counted_stats(client, gateway[0], warmed, ctx.plan.workers,
+                                                 wait=2.0))
         meters.append(ProcessMeter(pids, trees=("gateway",)))
         samplers.append(asyncio.create_task(meters[0].sample_until(done)))
 
-    c1: dict[str, Any] | None = None
-    c1_requests = workload.quick_c1_requests if ctx.quick else workload.c1_requests
     if c1_requests:
         await reset()
         c1_progress = Progress(ctx.plan.progress, f"{workload.name} / {mode} c=1", c1_requests)
@@ -245,17 +301,17 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
         for task in samplers:
             await task
     processes = meters[0].result()
-    await asyncio.sleep(0.3)  # let the losers' closes reach the simulators' logs
-    logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
     hedge_stats = None
-    if gateway is not None:
+    if gateway is not None:  # counted: answered, and the losers closed
         hedge_stats = await _counted_stats(client, gateway[0],
                                            _requests(baseline[0]) + len(samples),
                                            ctx.plan.workers)
+    logs = await _sim_logs(client, sims, mode, len(samples))
     row = report.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
                                 hedge_stats=hedge_stats,
                                 hedge_stats_before=baseline[0] if baseline else None,
-                                pool=POOL, process=processes.get("gateway"))
+                                pool=POOL, process=processes.get("gateway"),
+                                concurrency=concurrency)
     row["processes"] = processes
     row["c1"] = c1
     row["cost"] = speed.cost_row(row)
@@ -276,19 +332,21 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
 async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                         concurrency: int) -> dict[str, Any]:
     gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
-    modes = plan_modes(ctx.plan, workload)
+    modes = plan_modes(ctx.plan, workload, ctx.quick)
     try:
         for mode in modes:
             if mode not in ("direct", "oracle"):
                 gateways[mode] = await _start_gateway(ctx, mode, workload)
         await asyncio.gather(*(wait_ready(ctx.client, f"{url}/healthz", proc, ctx.children)
                                for url, proc in gateways.values()))
+        if ctx.pinning.gateway:  # before anything is measured
+            for _, proc in gateways.values():
+                pin_tree(proc.pid, ctx.pinning.gateway)
         rows = {mode: await _run_mode(ctx, workload, mode, requests, concurrency,
                                       gateways.get(mode))
                 for mode in modes}
     finally:
-        for _, proc in gateways.values():
-            ctx.children.stop(proc)
+        ctx.children.stop_all([proc for _, proc in gateways.values()])
     comparison = report.compare(rows) | speed.compare_costs(rows)
     if workload.single_hedge:
         comparison["single_hedge"] = _single_hedge(workload, requests, ctx.plan.seed)
@@ -358,6 +416,8 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
     """Run every workload of `plan` in every mode; the whole report, JSON-ready."""
     sizes = [(requests or (w.quick_requests if quick else w.requests), concurrency or w.concurrency)
              for w in plan.workloads]
+    from gateway.server import raise_open_file_limit  # not at import: FastAPI and the app
+
     started = time.time()
     # 1,000 streams need ~1,000 descriptors in the load client and ~2,000 in the gateway:
     # the children inherit the raised limit (the gateway also raises its own)

@@ -19,8 +19,6 @@ import sys
 from argparse import ArgumentTypeError
 from collections.abc import Callable, Sequence
 
-from gateway.app import CONFIG_ENV
-
 #: the gateway's own server, which always serves the standard gateway modes
 OWN = "uvicorn"
 #: every server `--servers` knows, with the package that provides it
@@ -60,6 +58,10 @@ def server_command(server: str, config: str, port: int, *, workers: int = 1
     `config` on 127.0.0.1:`port` under `server`. Our own server runs `hedge-gateway serve`
     (with `--workers` when more than one); the others run one worker each, on uvloop like
     ours, with their access logs off like ours."""
+    # here, not at the top: the command line imports this module to parse `--servers`, and
+    # the app (FastAPI and the whole gateway, 0.6 s) is needed only to name its variable
+    from gateway.app import CONFIG_ENV
+
     host = "127.0.0.1"
     if server == OWN:
         extra = ["--workers", str(workers)] if workers > 1 else []

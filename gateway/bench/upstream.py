@@ -25,16 +25,21 @@ be measured apart) and needs what `hedge-gateway sim` alone does not give it:
   id, it tells which attempt of a logical request came second (the hedge) and which won (the
   one that completed), without trusting the gateway's own accounting.
 
-Run as a child: `python -m gateway.bench.upstream --port N` (its options are `gateway.cli`'s).
+Run as a child: `python -m gateway.bench.upstream --port N [--host H]`. It parses those two
+flags itself (`main`): the bench starts it, no user does, and importing the command line
+would close a circle (the CLI imports the bench, which starts this module) and load the whole
+gateway into every simulator process.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import random
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -168,7 +173,22 @@ def serve_bench_sim(host: str, port: int) -> None:
     )
 
 
-if __name__ == "__main__":
-    from gateway.cli import bench_upstream_main
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The child's own two flags; the profile and seed come later, per run, through
+    `POST /bench/reset`, so nothing else needs a flag."""
+    parser = argparse.ArgumentParser(prog="python -m gateway.bench.upstream",
+                                     description="one simulated backend of hedge-gateway bench")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    return parser.parse_args(argv)
 
-    raise SystemExit(bench_upstream_main())
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m gateway.bench.upstream --port N`: serve one bench backend until terminated."""
+    ns = parse_args(argv)
+    serve_bench_sim(ns.host, ns.port)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

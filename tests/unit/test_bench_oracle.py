@@ -40,10 +40,17 @@ def test_no_budget_means_no_hedge_and_a_full_budget_hedges_all() -> None:
         best_single_hedge([], 0.1)
 
 
-def _rows(off: float, on: float, extra: float) -> dict[str, dict[str, object]]:
-    return {"hedging-off": {"mode": "hedging-off", "ttft_ms": {"p99": off}},
-            "hedging-on": {"mode": "hedging-on", "ttft_ms": {"p99": on},
-                           "upstream": {"extra_pct": extra}}}
+def _ttfts(n: int, p99_ms: float) -> list[float]:
+    """n sorted TTFTs (seconds), evenly spread, whose p99 is `p99_ms`."""
+    return [p99_ms / 1000.0 * (i + 1) / (0.99 * (n - 1) + 1) for i in range(n)]
+
+
+def _rows(off: float, on: float, extra: float, n: int = 4000) -> dict[str, dict[str, object]]:
+    return {"hedging-off": {"mode": "hedging-off", "requests": n, "concurrency": 20,
+                            "ttft_ms": {"p99": off}, "_ttfts": _ttfts(n, off)},
+            "hedging-on": {"mode": "hedging-on", "requests": n, "concurrency": 20,
+                           "ttft_ms": {"p99": on}, "_ttfts": _ttfts(n, on),
+                           "upstream": {"extra_pct": extra, "extra": extra * n / 100}}}
 
 
 def test_share_targets() -> None:
@@ -51,14 +58,25 @@ def test_share_targets() -> None:
     met = {t["target"]: t["met"]
            for t in share_targets("stragglers-6", _rows(1700.0, 455.0, 8.0), comparison)}
     assert met == {"TTFT p99 <= 1.15 x best single hedge": True,
-                   "TTFT p99 hedging on <= off": True,
+                   "TTFT p99 hedging on - off <= 0 ms": True,
                    "extra attempts <= 12 % of requests": True}
-    missed = share_targets("stragglers-3", _rows(1700.0, 470.0, 12.5), comparison)
+    missed = share_targets("stragglers-3", _rows(1700.0, 470.0, 14.0), comparison)
     assert [t["met"] for t in missed] == [False, True, False]
     # at 10 % the single hedge cannot cut the tail: only "no worse than off" and the budget
-    ten = share_targets("stragglers-10", _rows(1700.0, 1710.0, 9.0), comparison)
+    ten = share_targets("stragglers-10", _rows(1700.0, 1750.0, 9.0), comparison)
     assert [(t["target"], t["met"]) for t in ten] == [
-        ("TTFT p99 hedging on <= off", False), ("extra attempts <= 12 % of requests", True)]
+        ("TTFT p99 hedging on - off <= 0 ms", False), ("extra attempts <= 12 % of requests", True)]
+
+
+def test_share_targets_on_a_quick_runs_sample_are_not_judged() -> None:
+    """300 requests per mode: a p99 needs 1,000, and 12.3 % extra attempts of 300 cannot be
+    told from 12 % (the interval spans it), so none of the three is printed MET or MISSED."""
+    comparison = {"single_hedge": {"ttft_p99_ms": 400.0}}
+    targets = share_targets("stragglers-6", _rows(1700.0, 600.0, 12.3, n=300), comparison)
+    assert [t["met"] for t in targets] == [None, None, None]
+    assert all(t["not_judged"].startswith("sample too small: n=300") for t in targets)
+    assert "a p99 needs n >= 1000" in targets[0]["not_judged"]
+    assert "interval" in targets[2]["not_judged"] and "spans 12.0" in targets[2]["not_judged"]
 
 
 def test_the_summary_table_has_one_row_per_share() -> None:
