@@ -22,25 +22,25 @@ from fastapi import FastAPI
 from gateway.clock import Clock, monotonic
 from gateway.dashboard import build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain
-from gateway.fastpath import FastRoutes, GatewayAPI
-from gateway.live import ConfigOrigin, Generation, Live, LivePools
-from gateway.pool import PoolRuntime
-from gateway.protoroutes import build_protocol_router
-from gateway.proxy import Proxy
-from gateway.routes import (
+from gateway.api.asgi import FastRoutes, GatewayAPI
+from gateway.hedge.generation import ConfigOrigin, Generation, Live, LivePools
+from gateway.hedge.pool import PoolRuntime
+from gateway.api.protocols import build_protocol_router
+from gateway.api.proxy import Proxy
+from gateway.api.routes import (
     build_ops_router,
     build_router,
     gateway_error_response,
     install_error_handlers,
 )
-from gateway.server import tune_collector
+from gateway.server.serve import tune_collector
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
-from gateway.tracing import Tracing, build_tracing
-from gateway.workers import worker_settings
+from gateway.stats.tracing import Tracing, build_tracing
+from gateway.server.workers import worker_settings
 from providers.http import UpstreamClient
 from providers.registry import build_provider
 
@@ -134,7 +134,7 @@ class Reloader:
         workers: int = 1,
     ) -> None:
         """`workers`: under `serve --workers N`, a reloaded file's budgets are split as at
-        start (`gateway.workers.worker_settings`)."""
+        start (`gateway.server.workers.worker_settings`)."""
         self.live = live
         self.stats = stats
         self._client = client
@@ -282,8 +282,8 @@ def app_from_env() -> FastAPI:
     """The app for the file named by `$HEDGE_GATEWAY_CONFIG`, for ASGI servers that import a
     factory (`granian --interface asgi --factory gateway.app:app_from_env`): the bench's
     front-server comparison (`bench --servers`, issue 11). Under such a server the app works,
-    but the connection limits of `gateway.protocol` (431, lingering 413, 408, the connection
-    cap, the stuck-client abort) and the early drain of `gateway.server` are not there: they
+    but the connection limits of `gateway.server.connection` (431, lingering 413, 408, the connection
+    cap, the stuck-client abort) and the early drain of `gateway.server.serve` are not there: they
     belong to `hedge-gateway serve` (README "The front server")."""
     path = os.environ.get(CONFIG_ENV)
     if not path:

@@ -18,7 +18,7 @@ from time import monotonic
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.live import ConfigOrigin
+    from gateway.hedge.generation import ConfigOrigin
     from gateway.settings import Settings, SimProfile
 
 
@@ -27,7 +27,7 @@ DEFAULT_STATS_URL = "http://127.0.0.1:8080"
 
 def _serve(ns: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.server import build_server, raise_open_file_limit, tune_collector
+    from gateway.server.serve import build_server, raise_open_file_limit, tune_collector
     from gateway.settings.load import ConfigError
 
     try:
@@ -45,7 +45,7 @@ def _serve(ns: argparse.Namespace) -> int:
     print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
     if server.workers > 1:
-        from gateway.supervisor import ConfigSource, Supervisor
+        from gateway.server.supervisor import ConfigSource, Supervisor
 
         print(f"hedge-gateway: serving {source}", file=sys.stderr)
         config = ConfigSource(ns.config, file_server, origin,
@@ -76,7 +76,7 @@ def _serve(ns: argparse.Namespace) -> int:
 def _load(path: str | None) -> tuple[ConfigOrigin | None, Settings]:
     """The configuration file's origin (checksum, load time) and settings; without a file,
     the embedded default. ConfigError or OSError when it cannot be used."""
-    from gateway.live import ConfigOrigin
+    from gateway.hedge.generation import ConfigOrigin
     from gateway.settings.load import default_settings, load_settings
 
     if not path:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol, get_args
 
 import anyio
 
-from gateway.sse import SSEBatch
+from gateway.wire.sse import SSEBatch
 
 Endpoint = Literal[
     "chat/completions",

@@ -19,7 +19,7 @@ import aiohttp
 
 from gateway.errors import UpstreamProtocolError, UpstreamStatusError
 from gateway.settings import BackendSettings, Timeouts
-from gateway.sse import SSEBatch, SSEDecoder, SSEEvent, SSEProtocolError
+from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent, SSEProtocolError
 from providers.base import UpstreamCall
 from providers.http import UpstreamClient, UpstreamResponse
 

@@ -416,7 +416,7 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
     """Run every workload of `plan` in every mode; the whole report, JSON-ready."""
     sizes = [(requests or (w.quick_requests if quick else w.requests), concurrency or w.concurrency)
              for w in plan.workloads]
-    from gateway.server import raise_open_file_limit  # not at import: FastAPI and the app
+    from gateway.server.serve import raise_open_file_limit  # not at import: FastAPI and the app
 
     started = time.time()
     # 1,000 streams need ~1,000 descriptors in the load client and ~2,000 in the gateway:

@@ -3,7 +3,7 @@
 Under `serve --workers N` every worker counts its own requests, and across machines every
 replica does (SPEC §16). To show them as one server, each process *exports* its stats in a form
 that adds up exactly: counters as plain counts (lifetime, and the recent window as it stood at
-export time), latency series as DDSketch bins (`gateway.latency.state_of`: the bins of two
+export time), latency series as DDSketch bins (`gateway.hedge.latency.state_of`: the bins of two
 sketches of one accuracy add up to the sketch of the union, so merged quantiles are as exact as
 one process's), Prometheus histograms as bucket counts, and live state (budget, in flight,
 backend states and delays) listed per worker, since those are not counts.
@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gateway.latency import merge_states
+from gateway.hedge.latency import merge_states
 from gateway.stats.races import merge_races
 from gateway.stats.record import Latency, Stats
 from gateway.stats.view import document as view_document

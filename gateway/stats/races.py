@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.attempt import AttemptRecord
+    from gateway.hedge.attempt import AttemptRecord
     from gateway.stats.record import RequestSummary
 
 CAPACITY = 50

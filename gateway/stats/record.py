@@ -27,22 +27,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.attempt import CANCELLED_BEFORE_TOKEN
-from gateway.budget import SuppressReason
+from gateway.hedge.attempt import CANCELLED_BEFORE_TOKEN
+from gateway.hedge.budget import SuppressReason
 from gateway.errors import GatewayError, failure_codes
-from gateway.latency import LifetimeSketch, WindowedSketch
+from gateway.hedge.latency import LifetimeSketch, WindowedSketch
 from gateway.stats.races import RecentRaces
-from gateway.streamend import ERROR_ENDS, StreamEnd
-from gateway.usage import Usage
+from gateway.wire.ends import ERROR_ENDS, StreamEnd
+from gateway.wire.usage import Usage
 from providers.base import ENDPOINTS
 
 #: the values a `route` label takes (SPEC §15): the API paths below /v1/
 ROUTES: tuple[str, ...] = ENDPOINTS
 
 if TYPE_CHECKING:
-    from gateway.attempt import AttemptRecord
-    from gateway.pool import PoolRuntime
-    from gateway.race import RaceResult
+    from gateway.hedge.attempt import AttemptRecord
+    from gateway.hedge.pool import PoolRuntime
+    from gateway.hedge.race import RaceResult
 
 WINDOW = 60.0
 SLICES = 6

@@ -29,7 +29,7 @@ import json
 import logging
 from typing import Any
 
-from gateway.attempt import AttemptRecord
+from gateway.hedge.attempt import AttemptRecord
 from gateway.stats.record import RequestSummary, hedge_input_tokens, request_class
 
 LOGGER_NAME = "hedge_gateway.requests"

@@ -49,11 +49,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.budget import SuppressReason
+from gateway.hedge.budget import SuppressReason
 from gateway.stats.merge import merge, rebuild
 
 if TYPE_CHECKING:
-    from gateway.latency import WindowedSketch
+    from gateway.hedge.latency import WindowedSketch
     from gateway.stats.record import Stats
 
 #: seconds between points, and how many points are kept (10 minutes)

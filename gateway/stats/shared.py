@@ -43,8 +43,8 @@ from gateway.stats.series import own_reading, whole_reading
 from gateway.stats.view import config_view, live_view, snapshot
 
 if TYPE_CHECKING:
-    from gateway.live import Live
-    from gateway.pool import PoolRuntime
+    from gateway.hedge.generation import Live
+    from gateway.hedge.pool import PoolRuntime
     from gateway.stats.record import Stats
 
 PUBLISH_INTERVAL = 0.5

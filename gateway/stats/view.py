@@ -75,13 +75,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from gateway.budget import SuppressReason
+from gateway.hedge.budget import SuppressReason
 from gateway.errors import NoBackendAvailable
 from gateway.stats.record import ROUTES
 
 if TYPE_CHECKING:
-    from gateway.live import Live
-    from gateway.pool import PoolRuntime
+    from gateway.hedge.generation import Live
+    from gateway.hedge.pool import PoolRuntime
     from gateway.stats.record import BackendStats, PoolStats, Stats
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)

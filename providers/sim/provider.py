@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 
 from gateway.errors import UpstreamStatusError, UpstreamTimeout
 from gateway.settings import BackendSettings, SimProfile
-from gateway.sse import SSEBatch, SSEEvent
+from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import UpstreamCall, UpstreamStream
 from providers.sim import protocols
 from providers.sim.wire import (

@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import error_body
 from gateway.settings import SimProfile
-from gateway.sse import encode_event
+from gateway.wire.sse import encode_event
 from providers.base import Endpoint
 from providers.sim import protocols
 from providers.sim.wire import (

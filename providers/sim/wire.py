@@ -30,7 +30,7 @@ from typing import Any
 
 from gateway.errors import error_body
 from gateway.settings import SimProfile
-from gateway.sse import encode_event
+from gateway.wire.sse import encode_event
 from providers.base import Endpoint
 
 Sleep = Callable[[float], Awaitable[None]]

@@ -1,7 +1,7 @@
 """Load and lifecycle over real sockets (SPEC §8): a client that stops reading, admission
 control, graceful shutdown of `hedge-gateway serve` with live streams.
 
-The gateway runs under `gateway.server.GatewayServer`, the same server class `serve` uses
+The gateway runs under `gateway.server.serve.GatewayServer`, the same server class `serve` uses
 (in-process through `tests.harness.limits_kit.GatewayFactory`, or as a real subprocess for SIGTERM).
 Every in-process test ends with the automatic leak check (tasks, sockets, fds).
 """

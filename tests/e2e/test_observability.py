@@ -59,7 +59,7 @@ POOL = "chat"
 #: would break the exact counts below); the slow requests pay it, ten of them
 DELAY = 0.6
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
-#: the DDSketch relative accuracy used by gateway.latency
+#: the DDSketch relative accuracy used by gateway.hedge.latency
 SKETCH_ACCURACY = 0.01
 #: how much later the client may see a first token than the gateway commits it (see test)
 HOP_ALLOWANCE = 0.050

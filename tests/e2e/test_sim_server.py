@@ -12,9 +12,9 @@ import openai
 import pytest
 import uvicorn
 
-from gateway.firsttoken import Kind, classify
+from gateway.wire.chat import Kind, classify
 from gateway.settings import SimProfile
-from gateway.sse import SSEDecoder, SSEEvent
+from gateway.wire.sse import SSEDecoder, SSEEvent
 from providers.sim.server import create_sim_app
 from providers.sim.wire import (
     embedding_vector,

@@ -20,7 +20,7 @@ import pytest
 
 from gateway import supervisor as sup
 from gateway.settings import BackendSettings, PoolSettings, ServerSettings, Settings
-from gateway.workers import MAX_RESTARTS, worker_settings
+from gateway.server.workers import MAX_RESTARTS, worker_settings
 
 WAIT = 20.0
 

@@ -26,7 +26,7 @@ from gateway.settings import (
     PoolSettings,
     Settings,
 )
-from gateway.tracing import Tracing
+from gateway.stats.tracing import Tracing
 from tests.harness import (
     SSE_HEADERS,
     AsgiServerFactory,

@@ -1,7 +1,7 @@
 """Helpers shared by the failure, security and lifecycle tests (tests/test_failures.py,
 tests/test_security.py, tests/test_lifecycle.py).
 
-- `GatewayFactory`: the gateway under `gateway.server.GatewayServer` (what `hedge-gateway
+- `GatewayFactory`: the gateway under `gateway.server.serve.GatewayServer` (what `hedge-gateway
   serve` runs: bounded request heads, the abort hook for stuck clients, the drain) in the
   test's loop thread, stopped at teardown like the harness's servers.
 - raw HTTP/1.1 over a socket, for what the SDKs cannot do (lie about lengths, never read).
@@ -28,7 +28,7 @@ import pytest
 from fastapi import FastAPI
 
 from gateway.app import create_app
-from gateway.server import GatewayServer, build_server
+from gateway.server.serve import GatewayServer, build_server
 from gateway.settings import Settings
 from tests.harness import (
     DONE,
@@ -101,10 +101,10 @@ class GatewayFactory:
 
         async def stop() -> None:
             if not task.done():
-                gateway.server.should_exit = True
+                gateway.server.serve.should_exit = True
                 await asyncio.wait({task}, timeout=10.0)
             if not task.done():
-                gateway.server.force_exit = True
+                gateway.server.serve.force_exit = True
                 task.cancel()
                 await asyncio.wait({task}, timeout=2.0)
             sock.close()

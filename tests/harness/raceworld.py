@@ -19,8 +19,8 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.attempt import AttemptRecord, Prefix, open_until_first_token
-from gateway.budget import HedgeBudget, SuppressReason
+from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
+from gateway.hedge.budget import HedgeBudget, SuppressReason
 from gateway.drain import Drain
 from gateway.errors import (
     AllAttemptsFailed,
@@ -29,12 +29,12 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
 )
-from gateway.policy import HedgeDelay
-from gateway.pool import PoolRuntime
-from gateway.proxy import LogicalRequest, Proxy
-from gateway.race import Race, RaceOptions, RaceResult
+from gateway.hedge.delay import HedgeDelay
+from gateway.hedge.pool import PoolRuntime
+from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.hedge.race import Race, RaceOptions, RaceResult
 from gateway.settings import BudgetSettings, DelaySettings, ServerSettings
-from gateway.sse import SSEBatch, SSEEvent
+from gateway.wire.sse import SSEBatch, SSEEvent
 from gateway.stats import RequestSummary, Stats
 from providers.base import UpstreamCall
 from tests.harness.builders import gateway_settings

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.balancer import Balancer
+from gateway.hedge.balancer import Balancer
 from gateway.settings import BackendSettings, HealthSettings
 
 HEALTH = HealthSettings(eject_after=3, cooldown=5.0, max_cooldown=20.0)

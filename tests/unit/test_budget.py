@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gateway.budget import HedgeBudget, SuppressReason
+from gateway.hedge.budget import HedgeBudget, SuppressReason
 from gateway.settings import BudgetSettings
 
 #: no time-based reserve, so token arithmetic is exact unless a test wants the reserve

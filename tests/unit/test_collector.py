@@ -7,14 +7,14 @@ import json
 import subprocess
 import sys
 
-from gateway.server import COLLECTOR_THRESHOLDS
+from gateway.server.serve import COLLECTOR_THRESHOLDS
 
 CHILD = """
 import gc, json
 before = gc.get_threshold()
 from gateway.app import create_app
 from gateway.settings.load import default_settings
-from gateway.server import tune_collector
+from gateway.server.serve import tune_collector
 app = create_app(default_settings())
 tune_collector()
 print(json.dumps({"before": before, "after": gc.get_threshold(),

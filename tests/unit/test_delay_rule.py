@@ -4,7 +4,7 @@ by a plain-number clock and synthetic TTFT streams, the way the race feeds them.
 The simulation is a model of the race, not the race: requests come one after another at a
 fixed rate; the primary alternates between two independent backends; a hedge starts at the
 primary's delay if the budget grants it, and the first token wins. What each attempt records
-is what `gateway.race` records: the winner its TTFT, the loser its elapsed time at the commit
+is what `gateway.hedge.race` records: the winner its TTFT, the loser its elapsed time at the commit
 as a censored lower bound; a client that leaves early censors its primary. The delays are
 refreshed once a virtual second, like the app's refresher. Nothing here sleeps or reads a
 wall clock.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.bench.oracle import best_single_hedge
-from gateway.pool import PoolRuntime
+from gateway.hedge.pool import PoolRuntime
 from gateway.settings import (
     BackendSettings,
     BudgetSettings,

@@ -22,10 +22,10 @@ from gateway.errors import (
     error_body,
     failure_codes,
 )
-from gateway.protocol import raw_error_response
-from gateway.relay import error_event
-from gateway.routes import error_response
-from gateway.streamend import ERROR_ENDS
+from gateway.server.connection import raw_error_response
+from gateway.hedge.relay import error_event
+from gateway.api.routes import error_response
+from gateway.wire.ends import ERROR_ENDS
 from providers.http import UpstreamClient, translate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +51,10 @@ def test_one_function_builds_the_openai_error_json() -> None:
         if (lines := _error_dicts(path))
     }
     # the one other: the Responses API's own flat error event (`{"type": "error", "code",
-    # "message", "param"}`, SPEC §15), a different shape, built once in `gateway.wireformat`
-    assert list(found) == ["gateway/errors.py", "gateway/wireformat.py"], found
+    # "message", "param"}`, SPEC §15), a different shape, built once in `gateway.wire.protocols`
+    assert list(found) == ["gateway/errors.py", "gateway/wire/protocols.py"], found
     assert len(found["gateway/errors.py"]) == 1
-    assert len(found["gateway/wireformat.py"]) == 1
+    assert len(found["gateway/wire/protocols.py"]) == 1
 
 
 def test_the_builder_and_its_callers_agree() -> None:

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError, InvalidRequest
-from gateway.fastpath import FastRoutes, GatewayAPI
+from gateway.api.asgi import FastRoutes, GatewayAPI
 
 
 class Recorder:

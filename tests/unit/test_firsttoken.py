@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.firsttoken import Kind, classify, classify_payload, is_done
-from gateway.sse import SSEDecoder, SSEEvent
+from gateway.wire.chat import Kind, classify, classify_payload, is_done
+from gateway.wire.sse import SSEDecoder, SSEEvent
 
 
 def chunk(delta: object = None, **choice: object) -> bytes:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gateway.latency import FLOOR, LifetimeSketch, WindowedSketch
+from gateway.hedge.latency import FLOOR, LifetimeSketch, WindowedSketch
 
 
 def test_empty_window_has_no_quantiles() -> None:

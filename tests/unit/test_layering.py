@@ -18,36 +18,36 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: the pure modules: decisions and wire checks, no I/O
 PURE = (
-    "gateway.policy",
-    "gateway.budget",
-    "gateway.balancer",
-    "gateway.latency",
-    "gateway.sse",
-    "gateway.firsttoken",
-    "gateway.wireformat",
-    "gateway.responseids",
-    "gateway.validate",
-    "gateway.workers",
-    "gateway.usage",
+    "gateway.hedge.delay",
+    "gateway.hedge.budget",
+    "gateway.hedge.balancer",
+    "gateway.hedge.latency",
+    "gateway.wire.sse",
+    "gateway.wire.chat",
+    "gateway.wire.protocols",
+    "gateway.api.stored",
+    "gateway.wire.validate",
+    "gateway.server.workers",
+    "gateway.wire.usage",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 
 #: bottom to top; a module may import only from its own layer or lower ones. A name stands for
 #: the module and everything below it in the package tree.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("gateway.errors", "gateway.failures", "gateway.streamend", "gateway.clock",
-     "gateway.settings", "gateway.sse", "gateway.latency", "gateway.drain", "gateway.stats.table",
-     "gateway.usage"),
-    ("gateway.firsttoken", "gateway.wireformat", "gateway.responseids", "gateway.validate",
-     "gateway.policy", "gateway.budget", "gateway.balancer", "gateway.workers"),
+    ("gateway.errors", "gateway.failures", "gateway.wire.ends", "gateway.clock",
+     "gateway.settings", "gateway.wire.sse", "gateway.hedge.latency", "gateway.drain", "gateway.stats.table",
+     "gateway.wire.usage"),
+    ("gateway.wire.chat", "gateway.wire.protocols", "gateway.api.stored", "gateway.wire.validate",
+     "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.balancer", "gateway.server.workers"),
     ("providers",),
-    ("gateway.pool", "gateway.attempt", "gateway.live"),
-    ("gateway.race", "gateway.relay", "gateway.relaynamed", "gateway.sseresponse"),
-    ("gateway.stats", "gateway.tracing"),
-    ("gateway.proxy", "gateway.requestend"),
-    ("gateway.routes", "gateway.protoroutes", "gateway.fastpath", "gateway.server",
-     "gateway.protocol", "gateway.dashboard"),
-    ("gateway.app", "gateway.supervisor"),
+    ("gateway.hedge.pool", "gateway.hedge.attempt", "gateway.hedge.generation"),
+    ("gateway.hedge.race", "gateway.hedge.relay", "gateway.wire.named", "gateway.api.stream"),
+    ("gateway.stats", "gateway.stats.tracing"),
+    ("gateway.api.proxy", "gateway.api.end"),
+    ("gateway.api.routes", "gateway.api.protocols", "gateway.api.asgi", "gateway.server.serve",
+     "gateway.server.connection", "gateway.dashboard"),
+    ("gateway.app", "gateway.server.supervisor"),
     ("gateway.cli", "gateway.bench"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer
@@ -122,7 +122,7 @@ def test_imports_point_downward(module: str) -> None:
 
 def test_the_checker_sees_a_violation() -> None:
     """The rule itself can fail: a pure module importing the race would be caught."""
-    assert _layer("gateway.race") is not None
-    assert _layer("gateway.policy") is not None
-    race, policy = _layer("gateway.race"), _layer("gateway.policy")
+    assert _layer("gateway.hedge.race") is not None
+    assert _layer("gateway.hedge.delay") is not None
+    race, policy = _layer("gateway.hedge.race"), _layer("gateway.hedge.delay")
     assert race is not None and policy is not None and race > policy

@@ -12,10 +12,10 @@ import time
 import aiohttp
 import pytest
 
-from gateway.attempt import AttemptRecord, Prefix
+from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.errors import AllAttemptsFailed, GatewayPoolFull, UpstreamConnectError, UpstreamError
-from gateway.pool import PoolRuntime
-from gateway.race import Race, RaceOptions
+from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.race import Race, RaceOptions
 from providers.http import translate
 from tests.harness.builders import gateway_settings
 

@@ -9,12 +9,12 @@ import json
 import pytest
 
 from gateway.errors import FirstTokenTimeout, Overloaded, PayloadTooLarge
-from gateway.firsttoken import Kind
-from gateway.relay import RelayOutcome
-from gateway.relaynamed import named_encoder
-from gateway.responseids import ResponseDirectory
-from gateway.sse import SSEDecoder, SSEEvent
-from gateway.wireformat import (
+from gateway.wire.chat import Kind
+from gateway.hedge.relay import RelayOutcome
+from gateway.wire.named import named_encoder
+from gateway.api.stored import ResponseDirectory
+from gateway.wire.sse import SSEDecoder, SSEEvent
+from gateway.wire.protocols import (
     MESSAGES,
     RESPONSES,
     WireProtocol,
@@ -196,7 +196,7 @@ def test_response_directory_is_bounded_lru() -> None:
 
 
 def test_event_without_name_uses_the_payload_type() -> None:
-    from gateway.relaynamed import event_name
+    from gateway.wire.named import event_name
 
     assert event_name(SSEEvent(b'{"type":"message_stop"}')) == b"message_stop"
     assert event_name(SSEEvent(b"[1]")) is None
@@ -220,6 +220,6 @@ def test_relay_passes_named_events_through_unparsed() -> None:
     ({"store": False, "background": False}, False),
 ])
 def test_responses_store_rules(body: dict[str, object], stateful: bool) -> None:
-    from gateway.protoroutes import responses_stateful
+    from gateway.api.protocols import responses_stateful
 
     assert responses_stateful(body) is stateful

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import UpstreamClientError
-from gateway.usage import ask_for_usage
+from gateway.wire.usage import ask_for_usage
 from tests.harness.raceworld import (
     HANG,
     Setup,

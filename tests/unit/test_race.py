@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 import pytest
 
-from gateway.attempt import AttemptRecord, Prefix
+from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.errors import (
     AllAttemptsFailed,
     NoBackendAvailable,
@@ -22,9 +22,9 @@ from gateway.errors import (
     UpstreamStatusError,
     all_attempts_failed,
 )
-from gateway.pool import PoolRuntime
-from gateway.race import AttemptRunner, Race, RaceOptions
-from gateway.sse import SSEBatch, SSEEvent
+from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.race import AttemptRunner, Race, RaceOptions
+from gateway.wire.sse import SSEBatch, SSEEvent
 from tests.harness.builders import gateway_settings
 
 TOKEN = SSEEvent(b'{"choices":[{"index":0,"delta":{"content":"x"}}]}')

@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 import pytest
 
-from gateway.attempt import CANCELLED_AFTER_TOKEN
+from gateway.hedge.attempt import CANCELLED_AFTER_TOKEN
 from gateway.settings import BudgetSettings
 from tests.harness.raceworld import HANG, STREAM_FOR, Seen, Setup, Step, World, play
 from tests.harness.virtualtime import run_virtual

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 
-from gateway.attempt import Prefix
-from gateway.relay import DONE, RelayOutcome, relay
-from gateway.sse import SSEBatch, SSEDecoder, SSEEvent
-from gateway.streamend import StreamEnd
+from gateway.hedge.attempt import Prefix
+from gateway.hedge.relay import DONE, RelayOutcome, relay
+from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent
+from gateway.wire.ends import StreamEnd
 
 ROLE = b'{"choices":[{"delta":{"role":"assistant"}}]}'
 TOKEN = b'{"choices":[{"delta":{"content":"x"}}]}'

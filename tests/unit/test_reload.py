@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from gateway.app import Reloader, build_pools
-from gateway.balancer import Balancer
-from gateway.budget import HedgeBudget
-from gateway.live import ConfigOrigin, Generation, Live
-from gateway.policy import HedgeDelay
+from gateway.hedge.balancer import Balancer
+from gateway.hedge.budget import HedgeBudget
+from gateway.hedge.generation import ConfigOrigin, Generation, Live
+from gateway.hedge.delay import HedgeDelay
 from gateway.settings import (
     BackendSettings,
     BudgetSettings,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-from gateway.firsttoken import Kind
+from gateway.wire.chat import Kind
 from gateway.settings import BackendSettings, SimProfile
-from gateway.sse import SSEEvent
-from gateway.wireformat import MESSAGES, RESPONSES, WireProtocol
+from gateway.wire.sse import SSEEvent
+from gateway.wire.protocols import MESSAGES, RESPONSES, WireProtocol
 from providers.base import UpstreamCall
 from providers.sim import SimProvider
 from providers.sim.protocols import protocol_body, protocol_stream

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.sse import (
+from gateway.wire.sse import (
     SSEDecoder,
     SSEEvent,
     SSEProtocolError,

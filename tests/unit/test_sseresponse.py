@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.drain import Drain
-from gateway.sseresponse import SSEResponse
+from gateway.api.stream import SSEResponse
 from tests.harness.virtualtime import VirtualLoop, run_virtual
 
 

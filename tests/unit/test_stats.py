@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 
-from gateway.attempt import (
+from gateway.hedge.attempt import (
     CANCELLED_AFTER_TOKEN,
     CANCELLED_BEFORE_TOKEN,
     AttemptKind,
     AttemptRecord,
     Outcome,
 )
-from gateway.budget import SuppressReason
+from gateway.hedge.budget import SuppressReason
 from gateway.errors import failure_codes
-from gateway.pool import PoolRuntime
+from gateway.hedge.pool import PoolRuntime
 from gateway.settings import (
     BackendSettings,
     DelaySettings,
@@ -33,7 +33,7 @@ from gateway.stats import (
     latency_saved,
 )
 from gateway.stats.view import snapshot
-from gateway.streamend import StreamEnd
+from gateway.wire.ends import StreamEnd
 
 LAYOUT = {"chat": ["a", "b"]}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.latency import LifetimeSketch, WindowedSketch, merge_states, quantiles_of
+from gateway.hedge.latency import LifetimeSketch, WindowedSketch, merge_states, quantiles_of
 from gateway.stats import Stats
 from gateway.stats.merge import combined_live, document, export, lifetime_only, merge
 from gateway.stats.prometheus import Metrics

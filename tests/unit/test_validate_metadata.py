@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import ForbiddenField
-from gateway.validate import check_body, is_metadata_routing_field
+from gateway.wire.validate import check_body, is_metadata_routing_field
 
 REFUSED = ["api_base", "base_url", "api_key", "api_version", "azure_endpoint", "baseURL",
            "API-KEY", "APIBase", "api.version", "AzureEndpoint", "aws", "aws_region",

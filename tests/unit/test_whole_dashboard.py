@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.pool import PoolRuntime
+from gateway.hedge.pool import PoolRuntime
 from gateway.stats import Stats
 from gateway.stats.merge import export, lifetime_only, merge
 from gateway.stats.races import CAPACITY, merge_races, races_view

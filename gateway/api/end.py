@@ -5,7 +5,7 @@ it releases the admission slot, closes the winner, reaps the losers, records the
 writes the one log line. The client is answered first: a JSON body or an error is sent, then
 the response (`AnswerThen`, or the error handler through `GatewayError.after_response`) runs
 the end in the same request task, bounded by the race's reap timeout; a stream runs it when
-the relay is over. The proxy (`gateway.proxy`) decides which path a request takes.
+the relay is over. The proxy (`gateway.api.proxy`) decides which path a request takes.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.attempt import Prefix
-from gateway.pool import PoolRuntime
-from gateway.race import Race
+from gateway.hedge.attempt import Prefix
+from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.race import Race
 from gateway.stats import RequestSummary
 from gateway.stats.requestlog import log_request
 
 if TYPE_CHECKING:
-    from gateway.proxy import Proxy
-    from gateway.tracing import RequestTrace
+    from gateway.api.proxy import Proxy
+    from gateway.stats.tracing import RequestTrace
 
 
 class RequestEnd:

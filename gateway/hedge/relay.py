@@ -6,7 +6,7 @@ the read for `[DONE]`, error markers and a usage object, nothing per event, no a
 other read (and every read of a named-event protocol, whose reads carry `event:` lines) is
 re-framed from the decoder's events: per event one bytes comparison, two substring tests and one
 concatenation, with JSON parsed only for the rare event that mentions "error" and the one holding
-a usage object (see `gateway.usage`). No logging, no lock. Per upstream read it stores one clock
+a usage object (see `gateway.wire.usage`). No logging, no lock. Per upstream read it stores one clock
 reading: the idle and max_stream deadlines are one timer per stream (`_Deadlines`), never a
 timer per event.
 Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
@@ -15,8 +15,8 @@ comments are the response's own.
 A stream that ends without `[DONE]` and without an error event is a truncation: the client gets
 a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
 Responses API and Messages end at named events and shape their errors their own way, so the
-proxy passes their per-batch encoder (`gateway.relaynamed`) and error builder
-(`gateway.wireformat`) in; the deadlines, the drain and the closing stay the same.
+proxy passes their per-batch encoder (`gateway.wire.named`) and error builder
+(`gateway.wire.protocols`) in; the deadlines, the drain and the closing stay the same.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.attempt import Prefix
+from gateway.hedge.attempt import Prefix
 from gateway.errors import UpstreamError
-from gateway.sse import SSEBatch, SSEEvent, encode_event
-from gateway.streamend import StreamEnd
-from gateway.usage import Usage, read_usage
-from gateway.wireformat import openai_error_event
+from gateway.wire.sse import SSEBatch, SSEEvent, encode_event
+from gateway.wire.ends import StreamEnd
+from gateway.wire.usage import Usage, read_usage
+from gateway.wire.protocols import openai_error_event
 
 DONE = b"data: [DONE]\n\n"
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused

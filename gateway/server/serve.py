@@ -10,7 +10,7 @@ What plain `uvicorn.run` does not do the way a gateway needs:
   It also exits with status 0 after a graceful stop instead of re-raising the signal (which
   uvicorn does so that an embedding program sees it; for our CLI it turns a clean stop into
   "killed by SIGTERM").
-- The connection: `gateway.protocol.GatewayHttpProtocol` bounds request heads, aborts stuck
+- The connection: `gateway.server.connection.GatewayHttpProtocol` bounds request heads, aborts stuck
   clients, closes lingering after an early refusal, and enforces `server.body_timeout` and
   `server.max_connections`.
 - Descriptors: `raise_open_file_limit` lifts the soft open-file limit to the hard one.
@@ -38,7 +38,7 @@ from typing import Any
 import uvicorn
 
 from gateway.drain import Drain
-from gateway.protocol import ConnectionLimits, GatewayConfig, GatewayHttpProtocol
+from gateway.server.connection import ConnectionLimits, GatewayConfig, GatewayHttpProtocol
 from gateway.settings import ServerSettings
 
 #: uvicorn's hard graceful-shutdown timeout is `shutdown_grace` plus this: our final error

@@ -34,12 +34,12 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.drain import Drain
-from gateway.streamend import StreamEnd
+from gateway.wire.ends import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
 log = logging.getLogger("hedge_gateway.sse")
 #: ASGI scope extension through which the server offers `abort()`: drop the connection now,
-#: unsent bytes and all (see gateway.server). Without it, a stuck client's connection can only
+#: unsent bytes and all (see gateway.server.serve). Without it, a stuck client's connection can only
 #: be left to the server, which waits for the unsent bytes to drain before it closes.
 ABORT_EXTENSION = "hedge_gateway.abort"
 #: early ends after which the connection is dropped rather than completed
@@ -242,7 +242,7 @@ def _being_cancelled() -> bool:
 
 
 def _abort_of(scope: Scope) -> Callable[[], object] | None:
-    """The server's abort hook for this connection, if it offers one (gateway.server)."""
+    """The server's abort hook for this connection, if it offers one (gateway.server.serve)."""
     extensions = scope.get("extensions") or {}
     hook = (extensions.get(ABORT_EXTENSION) or {}).get("abort")
     return hook if callable(hook) else None

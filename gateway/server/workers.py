@@ -1,7 +1,7 @@
 """What `serve --workers N` decides, without processes: each worker's share of the budget, and
 whether a dead worker may be replaced now (SPEC §16). Pure: no I/O, time as a parameter.
 
-The shell that forks, watches and signals the workers is `gateway.supervisor`.
+The shell that forks, watches and signals the workers is `gateway.server.supervisor`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
 
-    from gateway.attempt import AttemptRecord
+    from gateway.hedge.attempt import AttemptRecord
     from gateway.settings import TracingSettings
     from gateway.stats.record import RequestSummary
 

@@ -4,7 +4,7 @@ This is the shell around the race. It decides whether a request may be hedged (S
 computes its deadline (§5.6), runs the race while watching for the client's disconnect, and
 answers: a streaming response that relays the winner, a JSON body, or an error.
 
-One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.requestend`).
+One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.api.end`).
 Only when no response will carry it (a bug of ours raised, or the request task is cancelled)
 does `handle` run it inline.
 """
@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
-from gateway.budget import SuppressReason
+from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
+from gateway.hedge.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.drain import Drain
 from gateway.errors import (
@@ -34,23 +34,23 @@ from gateway.errors import (
     UpstreamRejectedRequest,
     UpstreamStatusError,
 )
-from gateway.pool import PoolRuntime
-from gateway.race import AttemptRunner, Race, RaceOptions, RaceResult
-from gateway.relay import RelayOutcome, relay
-from gateway.relaynamed import named_encoder
-from gateway.requestend import AnswerThen, RequestEnd
+from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.race import AttemptRunner, Race, RaceOptions, RaceResult
+from gateway.hedge.relay import RelayOutcome, relay
+from gateway.wire.named import named_encoder
+from gateway.api.end import AnswerThen, RequestEnd
 from gateway.settings import ServerSettings
-from gateway.sse import SSEEvent
-from gateway.sseresponse import SSEResponse
+from gateway.wire.sse import SSEEvent
+from gateway.api.stream import SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
-from gateway.streamend import StreamEnd
-from gateway.usage import ask_for_usage, body_usage
-from gateway.wireformat import CHAT, WireProtocol, serves
+from gateway.wire.ends import StreamEnd
+from gateway.wire.usage import ask_for_usage, body_usage
+from gateway.wire.protocols import CHAT, WireProtocol, serves
 from providers.base import Endpoint, UpstreamCall
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
-    from gateway.tracing import RequestTrace, Tracing
+    from gateway.stats.tracing import RequestTrace, Tracing
 
 
 @dataclass(frozen=True, slots=True)

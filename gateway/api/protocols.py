@@ -1,10 +1,10 @@
 """The Responses API and Anthropic Messages endpoints (SPEC §15).
 
-Like `gateway.routes`, these only read and check a request and hand a `LogicalRequest` to the
+Like `gateway.api.routes`, these only read and check a request and hand a `LogicalRequest` to the
 proxy; what differs per route is the `WireProtocol` (first token, end, error shapes), the
 Responses store rules (hedge only a `"store": false` request that carries no stored state), and
 the response-id directory that sends a follow-up to the backend holding the response.
-Errors under /v1/messages take Anthropic's shape (`gateway.routes.error_response` chooses by
+Errors under /v1/messages take Anthropic's shape (`gateway.api.routes.error_response` chooses by
 path), and the gateway key may come there as `x-api-key` as well as Bearer.
 """
 
@@ -19,16 +19,16 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
-from gateway.fastpath import FastRoutes
-from gateway.live import Live
-from gateway.pool import PoolRuntime
-from gateway.proxy import LogicalRequest, Proxy
-from gateway.responseids import ResponseDirectory
-from gateway.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
+from gateway.api.asgi import FastRoutes
+from gateway.hedge.generation import Live
+from gateway.hedge.pool import PoolRuntime
+from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.api.stored import ResponseDirectory
+from gateway.api.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
 from gateway.settings import Settings
-from gateway.sse import SSEEvent
-from gateway.validate import check_body, parse_body
-from gateway.wireformat import (
+from gateway.wire.sse import SSEEvent
+from gateway.wire.validate import check_body, parse_body
+from gateway.wire.protocols import (
     COUNT_TOKENS,
     MESSAGES,
     RESPONSES,
@@ -63,10 +63,10 @@ def build_protocol_router(
     fast: FastRoutes,
     directory: ResponseDirectory | None = None,
 ) -> APIRouter:
-    """The routes of SPEC §15. Like `gateway.routes.build_router`, the pools are read from
+    """The routes of SPEC §15. Like `gateway.api.routes.build_router`, the pools are read from
     `live` once per request (a reload never changes a running request's rules); a stored
     response whose backend a reload removed is unknown from then on. The inference routes
-    go into `fast` too (`gateway.fastpath`) and check the key themselves."""
+    go into `fast` too (`gateway.api.asgi`) and check the key themselves."""
     origins = directory if directory is not None else ResponseDirectory()
     bearer = make_auth_guard(settings.server.api_keys)
     either = make_auth_guard(settings.server.api_keys, x_api_key=True)

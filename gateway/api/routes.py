@@ -30,15 +30,15 @@ from gateway.errors import (
     RouteNotFound,
     Unauthorized,
 )
-from gateway.fastpath import FastRoutes
-from gateway.live import Live
-from gateway.proxy import LogicalRequest, Proxy
-from gateway.requestend import AnswerThen
+from gateway.api.asgi import FastRoutes
+from gateway.hedge.generation import Live
+from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.api.end import AnswerThen
 from gateway.settings import Settings
 from gateway.stats.prometheus import Metrics
 from gateway.stats.shared import StatsSource
-from gateway.validate import check_body, parse_body
-from gateway.wireformat import protocol_for_path
+from gateway.wire.validate import check_body, parse_body
+from gateway.wire.protocols import protocol_for_path
 from providers.base import Endpoint
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -169,7 +169,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
     """The API routes. `settings.server` is bound here (keys, body limit: start-time keys);
     the pools are read from `live` once per request, so a request keeps the generation it
     started with through a reload. The inference routes go into `fast` too
-    (`gateway.fastpath`) and check the key themselves; `/v1/models` has it as a dependency."""
+    (`gateway.api.asgi`) and check the key themselves; `/v1/models` has it as a dependency."""
     keyed = bool(settings.server.api_keys)
     guard = make_auth_guard(settings.server.api_keys)
     router = APIRouter()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.latency import RecentSketch, WindowedSketch
+from gateway.hedge.latency import RecentSketch, WindowedSketch
 from gateway.settings import DelaySettings
 
 #: the smallest remaining deadline worth starting an attempt for (SPEC §5.3), seconds

@@ -10,7 +10,7 @@ and then only waits: for a worker to exit (it is replaced, at a bounded rate) or
   piles onto a single worker.) The supervisor holds a bound, never-listening socket of the same
   group, so a port of 0 resolves once and the port stays ours while a worker is replaced.
 - A worker is exactly the single-process server: the app and `GatewayServer` with §8's limits,
-  head bound and drain. Its budget bucket holds `burst / N` (`gateway.workers`), and its stats
+  head bound and drain. Its budget bucket holds `burst / N` (`gateway.server.workers`), and its stats
   endpoints merge its peers' numbers (`gateway.stats.shared`) through a private directory that
   the supervisor creates and removes at exit.
 - A worker that dies (crash, OOM kill, SIGKILL) is replaced in the same slot at once, at most
@@ -52,12 +52,12 @@ from types import FrameType
 from typing import Any, TextIO
 
 from gateway.app import create_app
-from gateway.live import ConfigOrigin
-from gateway.server import build_server, graceful_timeout, tune_collector
+from gateway.hedge.generation import ConfigOrigin
+from gateway.server.serve import build_server, graceful_timeout, tune_collector
 from gateway.settings import ServerSettings, Settings
 from gateway.settings.fields import ConfigError
 from gateway.stats.shared import Peers, retire
-from gateway.workers import RestartLimiter
+from gateway.server.workers import RestartLimiter
 
 #: how long after uvicorn's own hard shutdown limit the supervisor SIGKILLs a worker
 KILL_MARGIN = 5.0

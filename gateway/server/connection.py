@@ -34,7 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
 from gateway.settings import ServerSettings
-from gateway.sseresponse import ABORT_EXTENSION
+from gateway.api.stream import ABORT_EXTENSION
 
 DEFAULT_HEAD_LIMIT = 16 * 1024
 

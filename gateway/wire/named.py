@@ -1,6 +1,6 @@
 """The relay's per-event rule for protocols with named events (Responses API, Messages).
 
-`gateway.relay` passes chat streams through until `[DONE]`. The Responses API and Anthropic's
+`gateway.hedge.relay` passes chat streams through until `[DONE]`. The Responses API and Anthropic's
 Messages API have no `[DONE]`: each event is named (`event: response.completed`,
 `event: message_stop`) and the stream ends at one of a few names. Per event this costs one
 frozenset lookup of the name and one concatenation; the payload is never parsed. An upstream
@@ -13,11 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from gateway.relay import RelayOutcome
-from gateway.sse import SSEEvent, encode_event
-from gateway.streamend import StreamEnd
-from gateway.usage import read_usage
-from gateway.wireformat import WireProtocol
+from gateway.hedge.relay import RelayOutcome
+from gateway.wire.sse import SSEEvent, encode_event
+from gateway.wire.ends import StreamEnd
+from gateway.wire.usage import read_usage
+from gateway.wire.protocols import WireProtocol
 
 EncodeBatch = Callable[[list[SSEEvent], str, RelayOutcome], bytes]
 

@@ -11,9 +11,9 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gateway.balancer import Balancer
-from gateway.budget import HedgeBudget
-from gateway.policy import HedgeDelay
+from gateway.hedge.balancer import Balancer
+from gateway.hedge.budget import HedgeBudget
+from gateway.hedge.delay import HedgeDelay
 from gateway.settings import PoolSettings
 from providers.base import ENDPOINTS, Provider
 

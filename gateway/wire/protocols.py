@@ -2,7 +2,7 @@
 
 SPEC §15. The race stays protocol-agnostic ("the runner returned a prefix ending in a token");
 what a token, an end and an error look like on each route is described here once, as a small
-`WireProtocol` chosen per request. Like `gateway.firsttoken` (the chat rules), the predicates
+`WireProtocol` chosen per request. Like `gateway.wire.chat` (the chat rules), the predicates
 run on every event before commit, so they are plain dict probing, defensive against any JSON
 shape, and never raise.
 
@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.errors import GatewayError, error_body
-from gateway.firsttoken import Kind, classify, classify_payload
-from gateway.sse import SSEEvent, encode_event
+from gateway.wire.chat import Kind, classify, classify_payload
+from gateway.wire.sse import SSEEvent, encode_event
 
 # --- the Responses API ------------------------------------------------------------------------
 

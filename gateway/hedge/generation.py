@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from gateway.pool import PoolRuntime
+from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
 from providers.base import Provider
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import json
 
-from gateway.sse import SSEEvent
+from gateway.wire.sse import SSEEvent
 
 #: delta fields whose non-empty string value is model output
 _DELTA_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
