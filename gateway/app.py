@@ -19,12 +19,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway.clock import Clock, monotonic
-from gateway.dashboard import build_dashboard_router, run_sampler, sample_now
-from gateway.drain import Drain
 from gateway.api.asgi import FastRoutes, GatewayAPI
-from gateway.hedge.generation import ConfigOrigin, Generation, Live, LivePools
-from gateway.hedge.pool import PoolRuntime
 from gateway.api.protocols import build_protocol_router
 from gateway.api.proxy import Proxy
 from gateway.api.routes import (
@@ -33,14 +28,19 @@ from gateway.api.routes import (
     gateway_error_response,
     install_error_handlers,
 )
+from gateway.clock import Clock, monotonic
+from gateway.dashboard import build_dashboard_router, run_sampler, sample_now
+from gateway.drain import Drain
+from gateway.hedge.generation import ConfigOrigin, Generation, Live, LivePools
+from gateway.hedge.pool import PoolRuntime
 from gateway.server.serve import tune_collector
+from gateway.server.workers import worker_settings
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
 from gateway.stats.tracing import Tracing, build_tracing
-from gateway.server.workers import worker_settings
 from providers.http import UpstreamClient
 from providers.registry import build_provider
 

@@ -51,7 +51,7 @@ def _serve(ns: argparse.Namespace) -> int:
         config = ConfigSource(ns.config, file_server, origin,
                               reload=lambda: _reload_for_workers(ns))
         return Supervisor(settings, server.workers, log_config=logging_config(ns.log_level),
-                          config=config).run()
+                          build_app=create_app, config=config).run()
     print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
           file=sys.stderr)
     try:

@@ -29,6 +29,8 @@ ANTHROPIC_PASS_HEADERS = frozenset({
 class AnthropicProvider(OpenAIProvider):
     """A backend that speaks Anthropic's Messages API."""
 
+    serves: frozenset[str] = frozenset({"messages", "messages/count_tokens"})
+
     def __init__(
         self,
         settings: BackendSettings,

@@ -81,6 +81,9 @@ class Provider(Protocol):
     """One configured backend."""
 
     name: str
+    #: the routes (`ENDPOINTS`) this provider serves: a request races only among the pool's
+    #: backends whose provider serves its route
+    serves: frozenset[str]
 
     async def open(self, call: UpstreamCall) -> UpstreamStream:
         """Send the request and return once the status and headers are in.

@@ -154,6 +154,10 @@ class OpenAIProvider:
     `owns_client`: the client is this backend's own (its TLS or proxy settings differ from
     the shared client's) and is closed with the provider."""
 
+    #: the OpenAI API's routes; `/v1/messages` is Anthropic's
+    serves: frozenset[str] = frozenset({
+        "chat/completions", "completions", "embeddings", "responses", "responses/item"})
+
     def __init__(
         self,
         settings: BackendSettings,

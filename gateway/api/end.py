@@ -18,14 +18,14 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.clock import Clock
 from gateway.hedge.attempt import Prefix
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
-from gateway.stats import RequestSummary
+from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 
 if TYPE_CHECKING:
-    from gateway.api.proxy import Proxy
     from gateway.stats.tracing import RequestTrace
 
 
@@ -33,13 +33,18 @@ class RequestEnd:
     """The one owner of the end of a logical request: callable any number of times, does its
     work once (see the module docstring for who calls it on which path)."""
 
-    __slots__ = ("_done", "_pool", "_proxy", "_race", "_summary", "prefix", "trace", "watcher")
+    __slots__ = ("_clock", "_done", "_leave", "_pool", "_race", "_stats", "_summary", "prefix",
+                 "trace", "watcher")
 
     def __init__(
-        self, proxy: Proxy, pool: PoolRuntime, race: Race, summary: RequestSummary,
+        self, pool: PoolRuntime, race: Race, summary: RequestSummary, *,
+        leave: Callable[[], None], stats: Stats, clock: Clock,
         trace: RequestTrace | None = None,
     ) -> None:
-        self._proxy, self._pool, self._race, self._summary = proxy, pool, race, summary
+        self._pool, self._race, self._summary = pool, race, summary
+        #: gives the request's admission slot back
+        self._leave = leave
+        self._stats, self._clock = stats, clock
         #: the request's spans when tracing is on (SPEC §17), ended after the log line
         self.trace = trace
         #: the winner's upstream, once there is one: closed by the end
@@ -52,23 +57,23 @@ class RequestEnd:
         if self._done:
             return
         self._done = True
-        proxy, pool, summary = self._proxy, self._pool, self._summary
+        pool, summary, stats = self._pool, self._summary, self._stats
         if self.watcher is not None:
             self.watcher.cancel()
         with anyio.CancelScope(shield=True):
             # first, before any await: the answer is out, the request no longer counts (so a
             # client's next request on the same connection never meets its predecessor's slot)
             pool.inflight_requests -= 1
-            proxy.admission.leave()
+            self._leave()
             if self.prefix is not None:
                 await self.prefix.aclose()
             await self._race.aclose()
             summary.panic = self._race.panic
-            summary.ended = proxy.clock()
-            proxy.stats.record(summary)
-            log_request(summary, proxy.stats.error_classes)
+            summary.ended = self._clock()
+            stats.record(summary)
+            log_request(summary, stats.error_classes)
             if self.trace is not None:
-                self.trace.end(summary, proxy.stats.error_classes)
+                self.trace.end(summary, stats.error_classes)
 
 
 class AnswerThen(Response):

@@ -18,24 +18,19 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
 from gateway.api.asgi import FastRoutes
+from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.api.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
+from gateway.api.stored import ResponseDirectory
+from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
-from gateway.api.proxy import LogicalRequest, Proxy
-from gateway.api.stored import ResponseDirectory
-from gateway.api.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
 from gateway.settings import Settings
+from gateway.wire.base import WireProtocol
+from gateway.wire.messages import COUNT_TOKENS, MESSAGES
+from gateway.wire.responses import RESPONSES, RESPONSES_ITEM, response_id_of
 from gateway.wire.sse import SSEEvent
 from gateway.wire.validate import check_body, parse_body
-from gateway.wire.protocols import (
-    COUNT_TOKENS,
-    MESSAGES,
-    RESPONSES,
-    RESPONSES_ITEM,
-    WireProtocol,
-    response_id_of,
-)
 from providers.base import Endpoint
 
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")

@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
-from gateway.hedge.budget import SuppressReason
+from gateway.api.end import AnswerThen, RequestEnd
+from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
 from gateway.errors import (
@@ -34,19 +34,19 @@ from gateway.errors import (
     UpstreamRejectedRequest,
     UpstreamStatusError,
 )
+from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
+from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import AttemptRunner, Race, RaceOptions, RaceResult
-from gateway.hedge.relay import RelayOutcome, relay
-from gateway.wire.named import named_encoder
-from gateway.api.end import AnswerThen, RequestEnd
+from gateway.hedge.relay import relay
 from gateway.settings import ServerSettings
-from gateway.wire.sse import SSEEvent
-from gateway.api.stream import SSEResponse
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
-from gateway.wire.ends import StreamEnd
+from gateway.wire.base import RelayOutcome, StreamEnd, WireProtocol
+from gateway.wire.chat import CHAT
+from gateway.wire.named import named_encoder
+from gateway.wire.sse import SSEEvent
 from gateway.wire.usage import ask_for_usage, body_usage
-from gateway.wire.protocols import CHAT, WireProtocol, serves
 from providers.base import Endpoint, UpstreamCall
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
@@ -127,7 +127,8 @@ def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
     route, and all but the pinned one. RouteNotServed (404) when none is left."""
     excluded = frozenset(
         b.name for b in pool.settings.backends
-        if not serves(b.provider, req.endpoint) or (req.pinned not in (None, b.name))
+        if req.endpoint not in pool.providers[b.name].serves
+        or (req.pinned not in (None, b.name))
     )
     if len(excluded) == len(pool.settings.backends):
         raise RouteNotServed(
@@ -197,7 +198,8 @@ class Proxy:
             ),
             self.clock,
         )
-        end = RequestEnd(self, pool, race, summary, trace)
+        end = RequestEnd(pool, race, summary, leave=self.admission.leave, stats=self.stats,
+                         clock=self.clock, trace=trace)
         try:
             result = await self._race_or_disconnect(race, request.receive, end)
             summary.attach(race.attempts, race.suppressed, result)

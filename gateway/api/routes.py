@@ -19,6 +19,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from gateway.api.asgi import FastRoutes
+from gateway.api.end import AnswerThen
+from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.drain import Drain
 from gateway.errors import (
     GatewayError,
@@ -30,15 +33,14 @@ from gateway.errors import (
     RouteNotFound,
     Unauthorized,
 )
-from gateway.api.asgi import FastRoutes
 from gateway.hedge.generation import Live
-from gateway.api.proxy import LogicalRequest, Proxy
-from gateway.api.end import AnswerThen
 from gateway.settings import Settings
 from gateway.stats.prometheus import Metrics
 from gateway.stats.shared import StatsSource
+from gateway.wire.base import WireProtocol
+from gateway.wire.chat import CHAT
+from gateway.wire.messages import MESSAGES
 from gateway.wire.validate import check_body, parse_body
-from gateway.wire.protocols import protocol_for_path
 from providers.base import Endpoint
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -264,3 +266,11 @@ def build_ops_router(
         return Response(await stats.metrics_async(metrics), media_type=metrics.content_type)
 
     return ops
+
+
+def protocol_for_path(path: str) -> WireProtocol:
+    """The protocol whose error shape answers a request to `path`, even one no route matched
+    (a 404 under /v1/messages is still read by an Anthropic SDK)."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return MESSAGES
+    return CHAT

@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.drain import Drain
-from gateway.wire.ends import StreamEnd
+from gateway.wire.base import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
 log = logging.getLogger("hedge_gateway.sse")

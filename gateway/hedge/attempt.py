@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
-from gateway.wire.chat import Kind, classify, classify_payload
+from gateway.wire.base import Kind
+from gateway.wire.chat import classify, classify_payload
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 

@@ -34,14 +34,6 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.hedge.attempt import (
-    CANCELLED_AFTER_TOKEN,
-    CANCELLED_BEFORE_TOKEN,
-    AttemptKind,
-    AttemptRecord,
-    Prefix,
-)
-from gateway.hedge.budget import SuppressReason
 from gateway.clock import Clock
 from gateway.errors import (
     FirstTokenTimeout,
@@ -52,6 +44,14 @@ from gateway.errors import (
     UpstreamRejectedRequest,
     all_attempts_failed,
 )
+from gateway.hedge.attempt import (
+    CANCELLED_AFTER_TOKEN,
+    CANCELLED_BEFORE_TOKEN,
+    AttemptKind,
+    AttemptRecord,
+    Prefix,
+)
+from gateway.hedge.budget import SuppressReason
 from gateway.hedge.delay import HedgeDelay, min_useful
 from gateway.hedge.pool import PoolRuntime
 

@@ -16,7 +16,7 @@ A stream that ends without `[DONE]` and without an error event is a truncation: 
 a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
 Responses API and Messages end at named events and shape their errors their own way, so the
 proxy passes their per-batch encoder (`gateway.wire.named`) and error builder
-(`gateway.wire.protocols`) in; the deadlines, the drain and the closing stay the same.
+(`gateway.wire.responses`, `gateway.wire.messages`) in; the deadlines, the drain and the closing stay the same.
 """
 
 from __future__ import annotations
@@ -25,15 +25,14 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Literal
 
-from gateway.hedge.attempt import Prefix
 from gateway.errors import UpstreamError
+from gateway.hedge.attempt import Prefix
+from gateway.wire.base import RelayOutcome, StreamEnd
+from gateway.wire.chat import openai_error_event
 from gateway.wire.sse import SSEBatch, SSEEvent, encode_event
-from gateway.wire.ends import StreamEnd
-from gateway.wire.usage import Usage, read_usage
-from gateway.wire.protocols import openai_error_event
+from gateway.wire.usage import read_usage
 
 DONE = b"data: [DONE]\n\n"
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
@@ -81,15 +80,6 @@ async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
                 left -= 1
                 if not left:
                     return
-
-
-@dataclass(slots=True)
-class RelayOutcome:
-    end: StreamEnd = StreamEnd.CLIENT_GONE
-    #: the usage the stream reported (SPEC §17), when it did
-    usage: Usage | None = None
-    #: drop the usage-only chunk: the gateway asked for it, the client did not
-    strip_usage: bool = False
 
 
 def _encode_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> bytes:

@@ -32,9 +32,9 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.api.stream import ABORT_EXTENSION
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
 from gateway.settings import ServerSettings
-from gateway.api.stream import ABORT_EXTENSION
 
 DEFAULT_HEAD_LIMIT = 16 * 1024
 

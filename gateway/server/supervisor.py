@@ -49,15 +49,14 @@ from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
-from gateway.app import create_app
 from gateway.hedge.generation import ConfigOrigin
 from gateway.server.serve import build_server, graceful_timeout, tune_collector
+from gateway.server.workers import RestartLimiter
 from gateway.settings import ServerSettings, Settings
 from gateway.settings.fields import ConfigError
 from gateway.stats.shared import Peers, retire
-from gateway.server.workers import RestartLimiter
 
 #: how long after uvicorn's own hard shutdown limit the supervisor SIGKILLs a worker
 KILL_MARGIN = 5.0
@@ -114,6 +113,14 @@ class ConfigSource:
     reload: Callable[[], tuple[ConfigOrigin | None, Settings]] | None = None
 
 
+class AppFactory(Protocol):
+    """Builds one worker's ASGI app (`gateway.app.create_app`): handed in by the command line,
+    so the server sits below the composition root and never imports it."""
+
+    def __call__(self, settings: Settings, *, peers: Peers, origin: ConfigOrigin | None,
+                 workers: int) -> Any: ...
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerPlan:
     """What a forked worker needs; inherited through fork, never pickled."""
@@ -129,6 +136,7 @@ class WorkerPlan:
     #: when the server started (the supervisor's monotonic clock, which is the workers' too):
     #: the dashboard's series and races of every worker count from it
     started: float = 0.0
+    build_app: AppFactory | None = None
 
 
 def _worker_main(plan: WorkerPlan, index: int) -> None:
@@ -143,8 +151,8 @@ def _worker_main(plan: WorkerPlan, index: int) -> None:
     server = plan.settings.server
     sock = reuseport_socket(server.host, server.port)
     peers = Peers(plan.stats_dir, index, started=plan.started)
-    app = create_app(plan.settings, peers=peers, origin=plan.origin,
-                     workers=plan.workers)
+    assert plan.build_app is not None, "the supervisor always sets it"
+    app = plan.build_app(plan.settings, peers=peers, origin=plan.origin, workers=plan.workers)
     hangup: Callable[[], object] | None = None
     if plan.path is not None:  # SIGHUP: this worker re-reads the file, as a single process does
         reloader, path, started = app.state.reloader, plan.path, plan.file_server
@@ -176,6 +184,7 @@ class Supervisor:
         workers: int,
         *,
         log_config: dict[str, Any] | None,
+        build_app: AppFactory,
         config: ConfigSource | None = None,
         out: TextIO = sys.stderr,
         clock: Callable[[], float] = time.monotonic,
@@ -183,6 +192,7 @@ class Supervisor:
         self.settings = settings
         self.count = workers
         self.log_config = log_config
+        self._build_app = build_app
         self._config = config
         self._origin = None if config is None else config.origin
         self._out = out
@@ -244,7 +254,8 @@ class Supervisor:
         config = self._config
         return WorkerPlan(self.settings, self.count, stats_dir, self.log_config, self._origin,
                           None if config is None else config.path,
-                          None if config is None else config.file_server, self._started)
+                          None if config is None else config.file_server, self._started,
+                          self._build_app)
 
     def _supervise(self, stats_dir: Path, waker: socket.socket, reserved: socket.socket) -> int:
         plan = self._plan(stats_dir)

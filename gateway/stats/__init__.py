@@ -10,13 +10,13 @@ from gateway.stats.record import (
     BucketHistogram,
     CounterRing,
     PoolStats,
-    RequestSummary,
     Stats,
     failure_class,
     latency_saved,
     request_class,
 )
 from gateway.stats.requestlog import LOGGER_NAME, log_request, request_record
+from gateway.stats.summary import RequestSummary
 from gateway.stats.table import print_stats, render
 from gateway.stats.view import snapshot
 

@@ -58,8 +58,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from gateway.hedge.budget import SuppressReason
 from gateway.errors import NoBackendAvailable
+from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
 from gateway.stats.record import ROUTES, BucketHistogram, Stats
 from gateway.stats.view import live_view

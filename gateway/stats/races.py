@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gateway.hedge.attempt import AttemptRecord
-    from gateway.stats.record import RequestSummary
+    from gateway.stats.summary import RequestSummary
 
 CAPACITY = 50
 

@@ -24,16 +24,15 @@ import math
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gateway.errors import GatewayError, failure_codes
 from gateway.hedge.attempt import CANCELLED_BEFORE_TOKEN
 from gateway.hedge.budget import SuppressReason
-from gateway.errors import GatewayError, failure_codes
 from gateway.hedge.latency import LifetimeSketch, WindowedSketch
 from gateway.stats.races import RecentRaces
-from gateway.wire.ends import ERROR_ENDS, StreamEnd
-from gateway.wire.usage import Usage
+from gateway.stats.summary import RequestSummary
+from gateway.wire.base import ERROR_ENDS, StreamEnd
 from providers.base import ENDPOINTS
 
 #: the values a `route` label takes (SPEC §15): the API paths below /v1/
@@ -42,7 +41,6 @@ ROUTES: tuple[str, ...] = ENDPOINTS
 if TYPE_CHECKING:
     from gateway.hedge.attempt import AttemptRecord
     from gateway.hedge.pool import PoolRuntime
-    from gateway.hedge.race import RaceResult
 
 WINDOW = 60.0
 SLICES = 6
@@ -52,44 +50,6 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1
 CLOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 #: ends of a relayed stream that are not errors
 CLEAN_ENDS = (None, StreamEnd.DONE)
-
-
-@dataclass(slots=True)
-class RequestSummary:
-    """Everything the stats and the request log need about one logical request."""
-
-    request_id: str
-    pool: str
-    endpoint: str
-    stream: bool
-    started: float
-    attempts: Sequence[AttemptRecord] = ()
-    suppressed: Sequence[SuppressReason] = ()
-    winner: AttemptRecord | None = None
-    committed_at: float | None = None
-    ended: float | None = None
-    error: str | None = None
-    relay_end: StreamEnd | None = None
-    #: tokens of the winning attempt, when its response reported usage (SPEC §17)
-    usage: Usage | None = None
-    #: a backend choice of this request ran in panic mode (SPEC §19)
-    panic: bool = False
-
-    def attach(
-        self,
-        attempts: Sequence[AttemptRecord],
-        suppressed: Sequence[SuppressReason],
-        result: RaceResult | None,
-    ) -> None:
-        self.attempts = attempts
-        self.suppressed = suppressed
-        if result is not None:
-            self.winner = result.winner
-            self.committed_at = result.committed_at
-
-    @property
-    def client_ttft(self) -> float | None:
-        return None if self.committed_at is None else self.committed_at - self.started
 
 
 # -- classification --------------------------------------------------------------------------

@@ -30,7 +30,8 @@ import logging
 from typing import Any
 
 from gateway.hedge.attempt import AttemptRecord
-from gateway.stats.record import RequestSummary, hedge_input_tokens, request_class
+from gateway.stats.record import hedge_input_tokens, request_class
+from gateway.stats.summary import RequestSummary
 
 LOGGER_NAME = "hedge_gateway.requests"
 

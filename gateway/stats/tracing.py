@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from gateway.hedge.attempt import AttemptRecord
     from gateway.settings import TracingSettings
-    from gateway.stats.record import RequestSummary
+    from gateway.stats.summary import RequestSummary
 
 DEFAULT_SERVICE_NAME = "hedge-gateway"
 

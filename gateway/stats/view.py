@@ -75,8 +75,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from gateway.hedge.budget import SuppressReason
 from gateway.errors import NoBackendAvailable
+from gateway.hedge.budget import SuppressReason
 from gateway.stats.record import ROUTES
 
 if TYPE_CHECKING:

@@ -1,34 +1,22 @@
-"""The first-token predicate: does this decoded event carry model output? (pure, no I/O)
+"""The chat and legacy completions wire rules: first token, `[DONE]`, error shapes (pure).
 
 The hedge race commits to an attempt on its first *token*, not its first byte: upstreams send
 role-only chunks, keep-alive comments and empty deltas long before the model has produced
-anything, and committing on those would defeat hedging. SPEC §4 lists what counts. This runs on
+anything, and committing on those would defeat hedging. This runs on
 every event before commit, so it is plain dict/list probing with no validation library, and it
 is defensive: upstream JSON of any shape yields a `Kind`, never an exception.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 
+from gateway.errors import GatewayError, error_body
+from gateway.wire.base import Kind, WireProtocol, json_bytes
 from gateway.wire.sse import SSEEvent
 
 #: delta fields whose non-empty string value is model output
 _DELTA_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
-
-
-class Kind(enum.IntEnum):
-    """What one event means to the race."""
-
-    #: anything that is neither output nor a failure (role chunk, usage, finish, malformed)
-    OTHER = 0
-    #: carries model output: the attempt has produced its first token
-    TOKEN = 1
-    #: an error reported inside the stream: the attempt has failed
-    ERROR = 2
-    #: the `[DONE]` sentinel: the stream is complete
-    DONE = 3
 
 
 def is_done(data: bytes) -> bool:
@@ -100,3 +88,20 @@ def _choice_has_output(choice: dict[object, object]) -> bool:
             if isinstance(call, dict) and _call_has_output(call.get("function")):
                 return True
     return _call_has_output(delta.get("function_call"))
+
+
+# --- error shapes ---------------------------------------------------------------------------
+
+
+def openai_error_event(message: str, code: str, request_id: str) -> bytes:
+    """A final in-stream error in OpenAI chat shape; the SDKs raise it as an APIError."""
+    payload = error_body(message, type="upstream_error", code=code, request_id=request_id)
+    return b"data: " + json_bytes(payload) + b"\n\n"
+
+
+def openai_error_body(exc: GatewayError, message: str) -> dict[str, object]:
+    return error_body(message, type=exc.type, code=exc.code, param=exc.param)
+
+
+CHAT = WireProtocol("chat", classify, classify_payload, frozenset(), openai_error_event,
+                    openai_error_body)

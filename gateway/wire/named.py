@@ -1,6 +1,6 @@
 """The relay's per-event rule for protocols with named events (Responses API, Messages).
 
-`gateway.hedge.relay` passes chat streams through until `[DONE]`. The Responses API and Anthropic's
+The relay (`gateway.hedge.relay`) passes chat streams through until `[DONE]`. The Responses API and Anthropic's
 Messages API have no `[DONE]`: each event is named (`event: response.completed`,
 `event: message_stop`) and the stream ends at one of a few names. Per event this costs one
 frozenset lookup of the name and one concatenation; the payload is never parsed. An upstream
@@ -13,11 +13,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from gateway.hedge.relay import RelayOutcome
+from gateway.wire.base import RelayOutcome, StreamEnd, WireProtocol
 from gateway.wire.sse import SSEEvent, encode_event
-from gateway.wire.ends import StreamEnd
 from gateway.wire.usage import read_usage
-from gateway.wire.protocols import WireProtocol
 
 EncodeBatch = Callable[[list[SSEEvent], str, RelayOutcome], bytes]
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from gateway.errors import UpstreamStatusError, UpstreamTimeout
 from gateway.settings import BackendSettings, SimProfile
 from gateway.wire.sse import SSEBatch, SSEEvent
-from providers.base import UpstreamCall, UpstreamStream
+from providers.base import ENDPOINTS, UpstreamCall, UpstreamStream
 from providers.sim import protocols
 from providers.sim.wire import (
     TTFT_HEADER,
@@ -137,6 +137,9 @@ class SimProvider:
     Randomness: the profile's `seed` wins when set (a config asks for a reproducible backend);
     otherwise `rng` (the registry derives one per backend), otherwise a fresh generator.
     """
+
+    #: the simulator speaks every route
+    serves: frozenset[str] = frozenset(ENDPOINTS)
 
     def __init__(self, settings: BackendSettings, *, rng: random.Random | None = None) -> None:
         self.name = settings.name

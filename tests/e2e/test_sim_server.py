@@ -12,8 +12,9 @@ import openai
 import pytest
 import uvicorn
 
-from gateway.wire.chat import Kind, classify
 from gateway.settings import SimProfile
+from gateway.wire.base import Kind
+from gateway.wire.chat import classify
 from gateway.wire.sse import SSEDecoder, SSEEvent
 from providers.sim.server import create_sim_app
 from providers.sim.wire import (

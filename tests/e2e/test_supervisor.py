@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway import supervisor as sup
-from gateway.settings import BackendSettings, PoolSettings, ServerSettings, Settings
+from gateway.app import create_app
+from gateway.server import supervisor as sup
 from gateway.server.workers import MAX_RESTARTS, worker_settings
+from gateway.settings import BackendSettings, PoolSettings, ServerSettings, Settings
 
 WAIT = 20.0
 
@@ -59,7 +60,7 @@ def test_workers_that_keep_dying_stop_the_server_with_status_1(
 
     monkeypatch.setattr(sup.Supervisor, "_spawn", counting)
     out = io.StringIO()
-    assert sup.Supervisor(settings(), 2, log_config=None, out=out).run() == 1
+    assert sup.Supervisor(settings(), 2, log_config=None, build_app=create_app, out=out).run() == 1
     assert len(starts) == 2 + MAX_RESTARTS  # the first two, then the bounded replacements
     assert "workers keep exiting: stopping the server" in out.getvalue()
 
@@ -106,7 +107,8 @@ def test_sighup_reloads_then_reaches_every_worker_and_sigterm_stops_them(
     helper.start()
     out = io.StringIO()
     config = sup.ConfigSource("unused.yaml", settings().server, None, reload=reload)
-    code = sup.Supervisor(settings(), 2, log_config=None, out=out, config=config).run()
+    code = sup.Supervisor(settings(), 2, log_config=None, build_app=create_app, out=out,
+                          config=config).run()
     helper.join(WAIT)
     assert code == 0, out.getvalue()
     assert reloads == [1]  # the supervisor re-read the settings before forwarding

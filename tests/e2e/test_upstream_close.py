@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 
 from gateway.app import build_pools, make_http_client
-from gateway.hedge.attempt import Prefix, open_until_first_token, open_whole_response
 from gateway.clock import monotonic
 from gateway.errors import UpstreamError
+from gateway.hedge.attempt import Prefix, open_until_first_token, open_whole_response
 from providers.base import Provider, UpstreamCall
 from tests.harness import (
     Head,

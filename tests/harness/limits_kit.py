@@ -101,10 +101,10 @@ class GatewayFactory:
 
         async def stop() -> None:
             if not task.done():
-                gateway.server.serve.should_exit = True
+                gateway.server.should_exit = True
                 await asyncio.wait({task}, timeout=10.0)
             if not task.done():
-                gateway.server.serve.force_exit = True
+                gateway.server.force_exit = True
                 task.cancel()
                 await asyncio.wait({task}, timeout=2.0)
             sock.close()

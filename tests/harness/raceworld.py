@@ -19,8 +19,7 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
-from gateway.hedge.budget import HedgeBudget, SuppressReason
+from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.drain import Drain
 from gateway.errors import (
     AllAttemptsFailed,
@@ -29,14 +28,15 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
 )
+from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
+from gateway.hedge.budget import HedgeBudget, SuppressReason
 from gateway.hedge.delay import HedgeDelay
 from gateway.hedge.pool import PoolRuntime
-from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.hedge.race import Race, RaceOptions, RaceResult
 from gateway.settings import BudgetSettings, DelaySettings, ServerSettings
-from gateway.wire.sse import SSEBatch, SSEEvent
 from gateway.stats import RequestSummary, Stats
-from providers.base import UpstreamCall
+from gateway.wire.sse import SSEBatch, SSEEvent
+from providers.base import ENDPOINTS, UpstreamCall
 from tests.harness.builders import gateway_settings
 from tests.harness.virtualtime import VirtualLoop
 
@@ -130,6 +130,7 @@ class FakeStream:
 
 class FakeProvider:
     name = "fake"
+    serves: frozenset[str] = frozenset(ENDPOINTS)
 
     def __init__(self, world: World, index: int, step: Step) -> None:
         self.world, self.index, self.step = world, index, step
@@ -285,6 +286,7 @@ class SequencedProvider:
     """A backend's provider for the proxy: the n-th upstream opened follows step n."""
 
     name = "sequenced"
+    serves: frozenset[str] = frozenset(ENDPOINTS)
 
     def __init__(self, world: World, script: Sequence[Step]) -> None:
         self.world, self.script = world, script

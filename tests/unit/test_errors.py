@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.api.routes import error_response
 from gateway.errors import (
     AllAttemptsFailed,
     GatewayPoolFull,
@@ -22,10 +23,9 @@ from gateway.errors import (
     error_body,
     failure_codes,
 )
-from gateway.server.connection import raw_error_response
 from gateway.hedge.relay import error_event
-from gateway.api.routes import error_response
-from gateway.wire.ends import ERROR_ENDS
+from gateway.server.connection import raw_error_response
+from gateway.wire.base import ERROR_ENDS
 from providers.http import UpstreamClient, translate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +51,10 @@ def test_one_function_builds_the_openai_error_json() -> None:
         if (lines := _error_dicts(path))
     }
     # the one other: the Responses API's own flat error event (`{"type": "error", "code",
-    # "message", "param"}`, SPEC §15), a different shape, built once in `gateway.wire.protocols`
-    assert list(found) == ["gateway/errors.py", "gateway/wire/protocols.py"], found
+    # "message", "param"}`), a different shape, built once in `gateway.wire.responses`
+    assert list(found) == ["gateway/errors.py", "gateway/wire/responses.py"], found
     assert len(found["gateway/errors.py"]) == 1
-    assert len(found["gateway/wire/protocols.py"]) == 1
+    assert len(found["gateway/wire/responses.py"]) == 1
 
 
 def test_the_builder_and_its_callers_agree() -> None:

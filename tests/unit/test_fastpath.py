@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import GatewayError, InvalidRequest
 from gateway.api.asgi import FastRoutes, GatewayAPI
+from gateway.errors import GatewayError, InvalidRequest
 
 
 class Recorder:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from gateway.wire.chat import Kind, classify, classify_payload, is_done
+from gateway.wire.base import Kind
+from gateway.wire.chat import classify, classify_payload, is_done
 from gateway.wire.sse import SSEDecoder, SSEEvent
 
 

@@ -1,9 +1,10 @@
 """The architecture, checked by reading imports (no module is imported or run).
 
-Two rules keep the tree the shape the README's architecture section draws:
+Three rules keep the tree the shape `docs/architecture.md` draws:
 - the pure cores know no event loop, HTTP client or web framework, so they stay testable with a
   plain-number clock and reusable by any shell;
-- arrows point downward only: a module imports modules of its own layer or below, never above.
+- arrows point downward only: a module imports modules of its own layer or below, never above;
+- no two modules import each other, directly or round a circle, type-only imports included.
 A new module must be placed in `LAYERS`, so it cannot slip in unplaced.
 """
 
@@ -16,38 +17,39 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: the pure modules: decisions and wire checks, no I/O
+#: the pure modules: decisions and wire rules, no I/O
 PURE = (
     "gateway.hedge.delay",
     "gateway.hedge.budget",
     "gateway.hedge.balancer",
     "gateway.hedge.latency",
+    "gateway.wire.base",
     "gateway.wire.sse",
     "gateway.wire.chat",
-    "gateway.wire.protocols",
-    "gateway.api.stored",
+    "gateway.wire.responses",
+    "gateway.wire.messages",
+    "gateway.wire.named",
     "gateway.wire.validate",
-    "gateway.server.workers",
     "gateway.wire.usage",
+    "gateway.api.stored",
+    "gateway.server.workers",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 
 #: bottom to top; a module may import only from its own layer or lower ones. A name stands for
-#: the module and everything below it in the package tree.
+#: the module and everything below it in the package tree; the longest matching name wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("gateway.errors", "gateway.failures", "gateway.wire.ends", "gateway.clock",
-     "gateway.settings", "gateway.wire.sse", "gateway.hedge.latency", "gateway.drain", "gateway.stats.table",
-     "gateway.wire.usage"),
-    ("gateway.wire.chat", "gateway.wire.protocols", "gateway.api.stored", "gateway.wire.validate",
-     "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.balancer", "gateway.server.workers"),
+    ("gateway.errors", "gateway.clock", "gateway.drain", "gateway.settings", "gateway.wire.sse",
+     "gateway.wire.usage", "gateway.hedge.latency", "gateway.stats.table"),
+    ("gateway.wire", "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.balancer",
+     "gateway.server.workers", "gateway.api.stored"),
     ("providers",),
     ("gateway.hedge.pool", "gateway.hedge.attempt", "gateway.hedge.generation"),
-    ("gateway.hedge.race", "gateway.hedge.relay", "gateway.wire.named", "gateway.api.stream"),
-    ("gateway.stats", "gateway.stats.tracing"),
+    ("gateway.hedge", "gateway.api.stream"),
+    ("gateway.stats",),
     ("gateway.api.proxy", "gateway.api.end"),
-    ("gateway.api.routes", "gateway.api.protocols", "gateway.api.asgi", "gateway.server.serve",
-     "gateway.server.connection", "gateway.dashboard"),
-    ("gateway.app", "gateway.server.supervisor"),
+    ("gateway.api", "gateway.server", "gateway.dashboard"),
+    ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer
@@ -126,3 +128,72 @@ def test_the_checker_sees_a_violation() -> None:
     assert _layer("gateway.hedge.delay") is not None
     race, policy = _layer("gateway.hedge.race"), _layer("gateway.hedge.delay")
     assert race is not None and policy is not None and race > policy
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (every import: lazy and type-only ones too)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        graph[module] = {name for name in _imports(path) if name in MODULES and name != module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _without_packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """A package's `__init__` that re-exports a child is not a circle with that child: the
+    edges into a package stand for the children it re-exports."""
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    resolved: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        out: set[str] = set()
+        for target in targets:
+            if target in packages and not module.startswith(target + "."):
+                out |= {t for t in graph[target] if t.startswith(target + ".")} or {target}
+            elif target not in packages:
+                out.add(target)
+        resolved[module] = out
+    return {m: t for m, t in resolved.items() if m not in packages}
+
+
+def test_no_import_circles() -> None:
+    circles = _circles(_without_packages(_graph()))
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 
 from gateway.hedge.attempt import CANCELLED_BEFORE_TOKEN
-from gateway.hedge.relay import RelayOutcome, _encode_batch, _encode_events
+from gateway.hedge.relay import _encode_batch, _encode_events
 from gateway.settings import TracingSettings
-from gateway.wire.sse import SSEDecoder, SSEEvent
 from gateway.stats import Stats
 from gateway.stats.races import RecentRaces
 from gateway.stats.record import PoolStats, hedge_input_tokens
 from gateway.stats.series import Series, own_reading
-from gateway.stats.view import live_view, snapshot
-from gateway.wire.ends import StreamEnd
 from gateway.stats.tracing import TracingUnavailable, build_tracing, exporter_name
+from gateway.stats.view import live_view, snapshot
+from gateway.wire.base import RelayOutcome, StreamEnd
+from gateway.wire.sse import SSEDecoder, SSEEvent
 from gateway.wire.usage import Usage, ask_for_usage, body_usage, read_usage, usage_of
 from tests.unit.test_stats import LAYOUT, attempt, hedge_won, plain, pool_runtime, summary
 
@@ -248,8 +248,9 @@ def test_series_follows_the_pools_the_stats_hold() -> None:
 
 def test_named_protocols_read_usage_from_their_end_events() -> None:
     """Responses: `response.completed`; Messages: `message_start` and `message_delta`."""
+    from gateway.wire.messages import MESSAGES
     from gateway.wire.named import named_encoder
-    from gateway.wire.protocols import MESSAGES, RESPONSES
+    from gateway.wire.responses import RESPONSES
 
     outcome = RelayOutcome()
     encode = named_encoder(MESSAGES)

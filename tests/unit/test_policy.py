@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.hedge.latency import WindowedSketch
 from gateway.hedge.delay import MIN_USEFUL_FLOOR, HedgeDelay, auto_quantile, min_useful
+from gateway.hedge.latency import WindowedSketch
 from gateway.settings import DelaySettings
 
 SETTINGS = DelaySettings(quantile=0.95, min=0.05, max=5.0, initial=0.5, window=60.0, min_samples=20)

@@ -12,8 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.errors import AllAttemptsFailed, GatewayPoolFull, UpstreamConnectError, UpstreamError
+from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race, RaceOptions
 from providers.http import translate

@@ -8,24 +8,22 @@ import json
 
 import pytest
 
-from gateway.errors import FirstTokenTimeout, Overloaded, PayloadTooLarge
-from gateway.wire.chat import Kind
-from gateway.hedge.relay import RelayOutcome
-from gateway.wire.named import named_encoder
+from gateway.api.routes import protocol_for_path
 from gateway.api.stored import ResponseDirectory
-from gateway.wire.sse import SSEDecoder, SSEEvent
-from gateway.wire.protocols import (
+from gateway.errors import FirstTokenTimeout, Overloaded, PayloadTooLarge
+from gateway.wire.base import Kind, RelayOutcome, WireProtocol
+from gateway.wire.messages import (
     MESSAGES,
-    RESPONSES,
-    WireProtocol,
     anthropic_error_body,
     classify_messages_body,
-    classify_responses_body,
     messages_error_event,
-    protocol_for_path,
-    responses_error_event,
-    serves,
 )
+from gateway.wire.named import named_encoder
+from gateway.wire.responses import RESPONSES, classify_responses_body, responses_error_event
+from gateway.wire.sse import SSEDecoder, SSEEvent
+from providers.anthropic import AnthropicProvider
+from providers.openai import OpenAIProvider
+from providers.sim import SimProvider
 from tests.harness.protocol_wire import (
     PING,
     anthropic_error,
@@ -179,9 +177,10 @@ def test_anthropic_error_types() -> None:
 
 
 def test_routes_per_provider() -> None:
-    assert serves("anthropic", "messages") and not serves("anthropic", "chat/completions")
-    assert serves("openai", "responses") and not serves("openai", "messages")
-    assert serves("sim", "messages") and serves("sim", "responses")
+    anthropic, openai, sim = AnthropicProvider.serves, OpenAIProvider.serves, SimProvider.serves
+    assert "messages" in anthropic and "chat/completions" not in anthropic
+    assert "responses" in openai and "messages" not in openai
+    assert "messages" in sim and "responses" in sim
 
 
 def test_response_directory_is_bounded_lru() -> None:

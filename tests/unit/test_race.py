@@ -11,7 +11,6 @@ from types import MappingProxyType
 
 import pytest
 
-from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.errors import (
     AllAttemptsFailed,
     NoBackendAvailable,
@@ -22,6 +21,7 @@ from gateway.errors import (
     UpstreamStatusError,
     all_attempts_failed,
 )
+from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import AttemptRunner, Race, RaceOptions
 from gateway.wire.sse import SSEBatch, SSEEvent

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 
 from gateway.hedge.attempt import Prefix
-from gateway.hedge.relay import DONE, RelayOutcome, relay
+from gateway.hedge.relay import DONE, relay
+from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent
-from gateway.wire.ends import StreamEnd
 
 ROLE = b'{"choices":[{"delta":{"role":"assistant"}}]}'
 TOKEN = b'{"choices":[{"delta":{"content":"x"}}]}'

@@ -13,8 +13,8 @@ import pytest
 from gateway.app import Reloader, build_pools
 from gateway.hedge.balancer import Balancer
 from gateway.hedge.budget import HedgeBudget
-from gateway.hedge.generation import ConfigOrigin, Generation, Live
 from gateway.hedge.delay import HedgeDelay
+from gateway.hedge.generation import ConfigOrigin, Generation, Live
 from gateway.settings import (
     BackendSettings,
     BudgetSettings,

@@ -14,8 +14,9 @@ import pytest
 
 from gateway.cli import build_parser, main, sim_profile
 from gateway.errors import UpstreamStatusError, UpstreamTimeout
-from gateway.wire.chat import Kind, classify
 from gateway.settings import BackendSettings, SimProfile
+from gateway.wire.base import Kind
+from gateway.wire.chat import classify
 from gateway.wire.sse import SSEDecoder, SSEEvent
 from providers.base import Endpoint, UpstreamCall
 from providers.sim import SimProvider

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
-from gateway.wire.chat import Kind
 from gateway.settings import BackendSettings, SimProfile
+from gateway.wire.base import Kind, WireProtocol
+from gateway.wire.messages import MESSAGES
+from gateway.wire.responses import RESPONSES
 from gateway.wire.sse import SSEEvent
-from gateway.wire.protocols import MESSAGES, RESPONSES, WireProtocol
 from providers.base import UpstreamCall
 from providers.sim import SimProvider
 from providers.sim.protocols import protocol_body, protocol_stream

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gateway.drain import Drain
 from gateway.api.stream import SSEResponse
+from gateway.drain import Drain
 from tests.harness.virtualtime import VirtualLoop, run_virtual
 
 

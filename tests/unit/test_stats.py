@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.errors import failure_codes
 from gateway.hedge.attempt import (
     CANCELLED_AFTER_TOKEN,
     CANCELLED_BEFORE_TOKEN,
@@ -16,7 +17,6 @@ from gateway.hedge.attempt import (
     Outcome,
 )
 from gateway.hedge.budget import SuppressReason
-from gateway.errors import failure_codes
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import (
     BackendSettings,
@@ -33,7 +33,7 @@ from gateway.stats import (
     latency_saved,
 )
 from gateway.stats.view import snapshot
-from gateway.wire.ends import StreamEnd
+from gateway.wire.base import StreamEnd
 
 LAYOUT = {"chat": ["a", "b"]}
 

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from gateway.hedge.budget import HedgeBudget
+from gateway.server.workers import MAX_RESTARTS, RESTART_WINDOW, RestartLimiter, worker_settings
 from gateway.settings import (
     BackendSettings,
     BudgetSettings,
@@ -15,7 +16,6 @@ from gateway.settings import (
     PoolSettings,
     Settings,
 )
-from gateway.server.workers import MAX_RESTARTS, RESTART_WINDOW, RestartLimiter, worker_settings
 
 
 def settings(burst: float, ratio: float = 0.1, reserve: float = 0.5) -> Settings:

@@ -1,0 +1,54 @@
+"""What one logical request leaves behind for the stats, the request log, the traces and the
+recent races: written by the proxy as the request runs, read once at its end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.hedge.budget import SuppressReason
+from gateway.wire.base import StreamEnd
+from gateway.wire.usage import Usage
+
+if TYPE_CHECKING:
+    from gateway.hedge.attempt import AttemptRecord
+    from gateway.hedge.race import RaceResult
+
+
+@dataclass(slots=True)
+class RequestSummary:
+    """Everything the stats and the request log need about one logical request."""
+
+    request_id: str
+    pool: str
+    endpoint: str
+    stream: bool
+    started: float
+    attempts: Sequence[AttemptRecord] = ()
+    suppressed: Sequence[SuppressReason] = ()
+    winner: AttemptRecord | None = None
+    committed_at: float | None = None
+    ended: float | None = None
+    error: str | None = None
+    relay_end: StreamEnd | None = None
+    #: tokens of the winning attempt, when its response reported usage (SPEC §17)
+    usage: Usage | None = None
+    #: a backend choice of this request ran in panic mode (SPEC §19)
+    panic: bool = False
+
+    def attach(
+        self,
+        attempts: Sequence[AttemptRecord],
+        suppressed: Sequence[SuppressReason],
+        result: RaceResult | None,
+    ) -> None:
+        self.attempts = attempts
+        self.suppressed = suppressed
+        if result is not None:
+            self.winner = result.winner
+            self.committed_at = result.committed_at
+
+    @property
+    def client_ttft(self) -> float | None:
+        return None if self.committed_at is None else self.committed_at - self.started

@@ -1,0 +1,124 @@
+"""What every wire protocol shares: the meaning of one event to the race, how a relayed stream
+ended, and the `WireProtocol` description a request carries (pure).
+
+The race stays protocol-agnostic ("the runner returned a prefix ending in a token"); what a
+token, an end and an error look like on each route is one `WireProtocol`, written in that
+API's own module (`gateway.wire.chat`, `gateway.wire.responses`, `gateway.wire.messages`).
+The predicates run on every event before commit, so they are plain dict probing, defensive
+against any JSON shape, and never raise.
+
+`StreamEnd` is written once here, so a new end cannot be known to the client response and
+unknown to the stats (a stream cut by a graceful shutdown was once counted as `other` that way):
+the relay sets the ends it sees in the upstream's bytes, the client stream the ones it sees on
+the client's side or from the drain, the proxy records whichever came first, and the stats
+count every end but `DONE` as an error class `stream_<end>`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gateway.errors import GatewayError
+from gateway.wire.sse import SSEEvent
+from gateway.wire.usage import Usage
+
+
+class Kind(enum.IntEnum):
+    """What one event means to the race."""
+
+    #: anything that is neither output nor a failure (role chunk, usage, finish, malformed)
+    OTHER = 0
+    #: carries model output: the attempt has produced its first token
+    TOKEN = 1
+    #: an error reported inside the stream: the attempt has failed
+    ERROR = 2
+    #: the `[DONE]` sentinel: the stream is complete
+    DONE = 3
+
+
+class StreamEnd(StrEnum):
+    #: `[DONE]` was relayed: the only clean end
+    DONE = "done"
+    #: the upstream sent an error event (relayed, or replaced by ours)
+    UPSTREAM_ERROR = "upstream_error"
+    #: the upstream's stream ended without `[DONE]` or an error event
+    TRUNCATED = "truncated"
+    #: reading the upstream failed mid-stream (reset, idle timeout, bad framing)
+    FAILED = "failed"
+    #: `timeouts.max_stream` passed
+    TOO_LONG = "too_long"
+    #: the client went away (also the relay's state until one of the ends above is seen)
+    CLIENT_GONE = "client_gone"
+    #: the client stopped reading for `timeouts.stuck_client`; its connection was dropped
+    STUCK_CLIENT = "stuck_client"
+    #: the shutdown grace ended while the stream was live
+    SHUTDOWN = "shutdown"
+    #: an exception of ours escaped the relay (a bug, logged; never a client that left)
+    INTERNAL_ERROR = "internal_error"
+
+
+#: the ends that are errors, each counted as `stream_<end>`
+ERROR_ENDS: tuple[StreamEnd, ...] = tuple(end for end in StreamEnd if end is not StreamEnd.DONE)
+
+
+@dataclass(slots=True)
+class RelayOutcome:
+    """What the relay learnt of a stream after commit: how it ended, the usage it reported."""
+
+    end: StreamEnd = StreamEnd.CLIENT_GONE
+    #: the token usage the stream reported, when it did
+    usage: Usage | None = None
+    #: drop the usage-only chunk: the gateway asked for it, the client did not
+    strip_usage: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WireProtocol:
+    """How one route's streams and errors look; chosen once per request."""
+
+    name: str
+    #: one stream event before commit -> TOKEN / ERROR / DONE / OTHER
+    classify: Callable[[SSEEvent], Kind]
+    #: a whole non-streaming body (parsed JSON) -> TOKEN / ERROR
+    classify_body: Callable[[object], Kind]
+    #: event types after which the stream is complete; empty: the chat `[DONE]` rule
+    ends: frozenset[bytes]
+    #: (message, code, request id) -> the final error event of a cut or failed stream
+    error_event: Callable[[str, str, str], bytes]
+    #: (error, message) -> the JSON body of an HTTP error on this route
+    error_body: Callable[[GatewayError, str], dict[str, object]]
+
+
+def json_bytes(obj: object) -> bytes:
+    """Compact JSON, as the error events are written."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def nonempty(value: object) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def typed_payload(event: SSEEvent) -> tuple[str, dict[str, object] | None]:
+    """The event's type (payload `type`, else its SSE name) and its JSON object, if any."""
+    name = event.event.decode("latin-1") if event.event is not None else ""
+    try:
+        obj = json.loads(event.data)
+    except (ValueError, RecursionError):
+        return name, None
+    if not isinstance(obj, dict):
+        return name, None
+    kind = obj.get("type")
+    return (kind if isinstance(kind, str) and kind else name), obj
+
+
+def _nonempty(value: object) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def classify_any_body(obj: object) -> Kind:
+    """A body relayed as it is (count_tokens, a stored response): any JSON object answers."""
+    return Kind.TOKEN if isinstance(obj, dict) else Kind.OTHER

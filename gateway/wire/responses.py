@@ -1,0 +1,105 @@
+"""The Responses API wire rules: first token, end events, error shapes, response ids (pure).
+
+The stream has no `[DONE]`: it ends at `response.completed`, `response.incomplete` or
+`response.failed`. Events are named (`event: response.output_text.delta`) and repeat the name
+as the payload's `type`; the predicates read the payload's `type` and fall back to the SSE
+event name, so a compatible server that sends only one of the two still works.
+"""
+
+from __future__ import annotations
+
+import json
+
+from gateway.wire.base import (
+    Kind,
+    WireProtocol,
+    classify_any_body,
+    json_bytes,
+    nonempty,
+    typed_payload,
+)
+from gateway.wire.chat import openai_error_body
+from gateway.wire.sse import SSEEvent, encode_event
+
+#: delta events whose non-empty `delta` string is model output
+RESPONSES_DELTAS = frozenset({
+    "response.output_text.delta",
+    "response.refusal.delta",
+    "response.reasoning_text.delta",
+    "response.reasoning_summary_text.delta",
+    "response.function_call_arguments.delta",
+    "response.custom_tool_call_input.delta",
+})
+#: the events that end a Responses stream (there is no `[DONE]`)
+RESPONSES_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def classify_responses(event: SSEEvent) -> Kind:
+    """One Responses stream event: TOKEN, ERROR (`error`, `response.failed`), DONE (the
+    other end events), else OTHER (`response.created`, `in_progress`, a message item added,
+    `content_part.added`, empty deltas, anything malformed)."""
+    kind, obj = typed_payload(event)
+    if kind == "error" or kind == "response.failed":
+        return Kind.ERROR
+    if kind in RESPONSES_ENDS:
+        return Kind.DONE
+    if obj is None:
+        return Kind.OTHER
+    if kind in RESPONSES_DELTAS:
+        return Kind.TOKEN if nonempty(obj.get("delta")) else Kind.OTHER
+    if kind == "response.output_item.added":
+        item = obj.get("item")
+        if isinstance(item, dict) and _is_tool_call(item):
+            return Kind.TOKEN
+    return Kind.OTHER
+
+
+def _is_tool_call(item: dict[str, object]) -> bool:
+    """An output item that is a function or tool call and already carries the tool's name."""
+    kind = item.get("type")
+    return isinstance(kind, str) and kind.endswith("_call") and nonempty(item.get("name"))
+
+
+def classify_responses_body(obj: object) -> Kind:
+    """A whole (non-streaming) Responses body: ERROR when it failed, else TOKEN (it is the
+    answer). An `incomplete` response is an answer too (it hit max_output_tokens)."""
+    if not isinstance(obj, dict):
+        return Kind.OTHER
+    if obj.get("status") == "failed" or obj.get("type") == "error":
+        return Kind.ERROR
+    if obj.get("object") != "response" and isinstance(obj.get("error"), dict):
+        return Kind.ERROR  # an error body in OpenAI shape that came with a 200
+    return Kind.TOKEN
+
+
+def responses_error_event(message: str, code: str, request_id: str) -> bytes:
+    """A final `event: error` in the Responses shape (`ResponseErrorEvent` in the SDK)."""
+    payload = {"type": "error", "code": code, "param": None, "sequence_number": 0,
+               "message": f"{message} (request id {request_id})"}
+    return encode_event(json_bytes(payload), b"error")
+
+
+RESPONSES = WireProtocol(
+    "responses", classify_responses, classify_responses_body,
+    frozenset(name.encode() for name in RESPONSES_ENDS), responses_error_event,
+    openai_error_body)
+#: single-backend calls whose body is relayed whatever it says (GET a stored response)
+RESPONSES_ITEM = WireProtocol("responses_item", classify_responses, classify_any_body,
+                              RESPONSES.ends, responses_error_event, openai_error_body)
+
+
+def response_id_of(events: list[SSEEvent], *, stream: bool) -> str | None:
+    """The id of the response an upstream made: from `response.created` (or any event that
+    carries the response object) before the first token, or from a whole body. Read once per
+    request at commit, never per relayed event."""
+    for event in events:
+        try:
+            obj = json.loads(event.data)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(obj, dict):
+            continue
+        response = obj.get("response") if stream else obj
+        if isinstance(response, dict) and nonempty(response.get("id")):
+            return str(response["id"])
+    return None
