@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim_arguments(sim)
     sim.set_defaults(func=_sim)
 
-    bench = sub.add_parser("bench", help="benchmark hedging off / on / best-of-two (SPEC §14)")
+    bench = sub.add_parser("bench", help="benchmark hedging off / on / best-of-two")
     _add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
 
@@ -282,7 +282,7 @@ def _status(text: str) -> int:
 
 
 def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
-    """The profile options of `hedge-gateway sim` (defaults: the SPEC §14 standard workload)."""
+    """The profile options of `hedge-gateway sim` (defaults: the bench's "stragglers" workload)."""
     from gateway.settings import SimProfile
 
     d = SimProfile()

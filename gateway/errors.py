@@ -47,7 +47,7 @@ class UpstreamError(Exception):
     code: str = "upstream_error"
     #: whether another backend could succeed where this one failed
     replaceable: bool = True
-    #: whether the failure counts against the backend's health (SPEC §7); False when the
+    #: whether the failure counts against the backend's health; False when the
     #: gateway itself failed the attempt
     backend_fault: bool = True
 
@@ -244,7 +244,7 @@ class InvalidRequest(GatewayError):
 
 
 class ForbiddenField(InvalidRequest):
-    """A body field that could choose a destination or a credential (SPEC §3)."""
+    """A body field that could choose a destination or a credential."""
 
     code = "forbidden_field"
 
@@ -262,7 +262,7 @@ class ModelNotFound(GatewayError):
 
 
 class RouteNotServed(GatewayError):
-    """The pool has no backend whose provider serves the request's route (SPEC §15)."""
+    """The pool has no backend whose provider serves the request's route."""
 
     status = 404
     type = "invalid_request_error"
@@ -270,7 +270,7 @@ class RouteNotServed(GatewayError):
 
 
 class ResponseNotFound(GatewayError):
-    """A stored-response id this gateway did not relay (or has forgotten) (SPEC §15)."""
+    """A stored-response id this gateway did not relay (or has forgotten)."""
 
     status = 404
     type = "invalid_request_error"
@@ -296,7 +296,7 @@ class PayloadTooLarge(GatewayError):
 
 
 class RequestTimeout(GatewayError):
-    """The request's head and body did not arrive within `server.body_timeout` (SPEC §18)."""
+    """The request's head and body did not arrive within `server.body_timeout`."""
 
     status = 408
     type = "invalid_request_error"
@@ -319,7 +319,7 @@ class Overloaded(GatewayError):
 
 
 class TooManyConnections(Overloaded):
-    """A new connection past `server.max_connections` (SPEC §18)."""
+    """A new connection past `server.max_connections`."""
 
     code = "too_many_connections"
 
@@ -338,8 +338,7 @@ class AllAttemptsFailed(GatewayError):
 
 
 class UpstreamPushback(GatewayError):
-    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After (SPEC
-    §19). The client gets 429 when all were 429, else 503, and the smallest pause as its own
+    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After. The client gets 429 when all were 429, else 503, and the smallest pause as its own
     Retry-After, without `x-should-retry: false`: the upstreams said when to come back, and
     an SDK that waits that long and retries is what they asked for. Build it with `of`."""
 
@@ -369,7 +368,7 @@ class UpstreamRateLimitedEverywhere(UpstreamPushback):
 
 class NoBackendAvailable(GatewayError):
     """No backend could take the request (all at `max_concurrency`), so nothing was tried:
-    503 with `Retry-After: 1` (SPEC §19), never 502, since no upstream failed."""
+    503 with `Retry-After: 1`, never 502, since no upstream failed."""
 
     status = 503
     type = "server_error"
@@ -415,13 +414,13 @@ class UpstreamRejectedUnprocessable(UpstreamClientError):
 
 
 class UpstreamRejectedNotFound(UpstreamClientError):
-    """The one backend holding a stored response no longer has it (SPEC §15)."""
+    """The one backend holding a stored response no longer has it."""
 
     status = 404
 
 
 class UpstreamRejectedConflict(UpstreamClientError):
-    """The one backend holding a stored response refused the operation (SPEC §15)."""
+    """The one backend holding a stored response refused the operation."""
 
     status = 409
 
@@ -451,7 +450,7 @@ def all_attempts_failed(
     failures: Sequence[UpstreamError],
     cap: Callable[[float], float],
 ) -> GatewayError:
-    """The answer when every attempt failed before its first token (SPEC §5.4, §19).
+    """The answer when every attempt failed before its first token.
 
     All pushbacks: `UpstreamPushback` with the smallest pause, bounded by `cap` (the pool's
     `max_pause`); anything else among them (a reset, a 500, a pushback without Retry-After):

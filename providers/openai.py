@@ -178,7 +178,7 @@ class OpenAIProvider:
         self._connect = timeouts.connect
         # No read timeout on a stream: before the first token the race's deadline bounds
         # every read, after commit the relay's per-event idle and max_stream deadlines do
-        # (SPEC §18). A socket read timeout would only re-arm a timer on every chunk.
+        #. A socket read timeout would only re-arm a timer on every chunk.
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect, sock_read=None
         )
@@ -189,7 +189,7 @@ class OpenAIProvider:
 
     def _whole_body_timeout(self, call: UpstreamCall) -> aiohttp.ClientTimeout:
         """A non-streaming body may take the request's whole remaining deadline (the pool's
-        `timeout`, SPEC §18) to start: the idle timeout between reads must not cut it off."""
+        `timeout`) to start: the idle timeout between reads must not cut it off."""
         return aiohttp.ClientTimeout(
             total=None, sock_connect=self._connect,
             sock_read=max(call.first_byte_timeout, 0.001),

@@ -1,4 +1,4 @@
-"""HTTP endpoints: request checks, the error tree -> OpenAI error JSON (SPEC §3).
+"""HTTP endpoints: request checks, the error tree -> OpenAI error JSON.
 
 Routes know nothing of hedge timing: they read and check the request, find the pool and hand
 a `LogicalRequest` to the proxy.
@@ -141,7 +141,7 @@ Guard = Callable[[Request], Awaitable[None]]
 def make_auth_guard(api_keys: tuple[str, ...], *, x_api_key: bool = False) -> Guard:
     """A dependency that checks the gateway key in constant time; a no-op without keys.
 
-    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so, SPEC §15).
+    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so).
 
     Keys are compared as SHA-256 digests: `compare_digest` is constant-time only for inputs of
     equal length, so comparing the raw strings would tell a prober each key's length. Every
@@ -176,7 +176,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
     guard = make_auth_guard(settings.server.api_keys)
     router = APIRouter()
     # without keys the guard lets everything through: no dependency at all then, since
-    # FastAPI solving one costs about 4 % of a streamed request's CPU (issue 11)
+    # FastAPI solving one costs about 4 % of a streamed request's CPU
     guarded = APIRouter(dependencies=[Depends(guard)] if keyed else [])
     limit = settings.server.max_body_bytes
 

@@ -1,4 +1,4 @@
-"""`hedge-gateway bench`: the benchmark of SPEC §14, over real loopback sockets.
+"""`hedge-gateway bench`: the benchmark, over real loopback sockets.
 
 Every part runs as a real server in its own process, so that what the bench measures is what
 a deployment would see: two simulated backends (`gateway.bench.upstream`, one child process each),
@@ -75,7 +75,7 @@ class BenchPlan:
     request_timeout: float = 60.0
     #: another checkout of hedge-gateway whose gateway runs as an extra mode, `baseline`
     baseline_src: str | None = None
-    #: `serve --workers` of the gateway under test (SPEC §16): >1 checks that its workers
+    #: `serve --workers` of the gateway under test: >1 checks that its workers
     #: serve and report as one server, and sums their CPU and RSS
     workers: int = 1
     #: the front servers compared: uvicorn serves the standard modes, each other one adds a
@@ -382,7 +382,7 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
 
 def _single_hedge(workload: Workload, requests: int, seed: int) -> dict[str, Any]:
     """The best single-hedge policy at the default budget over this run's seeded draws:
-    backend a's TTFT as the primary, backend b's as the hedge (SPEC §20)."""
+    backend a's TTFT as the primary, backend b's as the hedge."""
     pairs = [(request_ttft(workload.profile, seed, "a", i), request_ttft(workload.profile, seed,
                                                                           "b", i))
              for i in range(requests)]

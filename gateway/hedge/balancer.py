@@ -1,4 +1,4 @@
-"""Backend selection and health for one pool (SPEC §7). Pure.
+"""Backend selection and health for one pool. Pure.
 
 No I/O, no asyncio; time comes in as `now` (monotonic seconds) and randomness from an injected
 `random.Random`, so tests are deterministic.
@@ -19,7 +19,7 @@ decides what counts as a failure of the *backend* (a 400 from a bad request does
 `Retry-After` pauses a backend, independently of ejection, for at most `max_pause`: it is
 the upstream's advice, and one answer must not take a backend out for minutes.
 
-Panic routing (SPEC §19, Envoy's panic threshold): when the backends that are neither paused nor
+Panic routing (Envoy's panic threshold): when the backends that are neither paused nor
 ejected hold less than `panic_below` of the pool's weight, health stops being trusted. Paused
 and ejected backends become candidates again, behind the healthy ones, the one whose pause or
 cool-down ends soonest first. Without it, a few pushbacks (or a one-backend pool's single one)

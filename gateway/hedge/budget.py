@@ -1,4 +1,4 @@
-"""The hedge budget: how many extra attempts a pool may start (SPEC §6). Pure.
+"""The hedge budget: how many extra attempts a pool may start. Pure.
 
 No I/O, no asyncio; time comes in as `now` (monotonic seconds) and the token level is computed
 lazily from it, so no timer is needed.
@@ -38,7 +38,7 @@ _EPSILON = 1e-9
 
 
 class SuppressReason(enum.StrEnum):
-    """Why a hedge or replacement did not start (SPEC §5.3); the values are stats keys.
+    """Why a hedge or replacement did not start; the values are stats keys.
 
     A `StrEnum` (so a `str` and an `Enum`, as `(str, Enum)` would be), chosen because its
     `str()` and f-string form is the bare value ("budget"), which is what logs and JSON want.

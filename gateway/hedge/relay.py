@@ -1,4 +1,4 @@
-"""After commit: the winner's buffered events, then pass-through until `[DONE]` (SPEC §4).
+"""After commit: the winner's buffered events, then pass-through until `[DONE]`.
 
 The hot path of the gateway. An upstream read made only of whole plain `data:` events
 (`SSEBatch.raw`, the usual case) goes out as the bytes that arrived: a few substring scans of
@@ -130,7 +130,7 @@ def _encode_events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome
 
 
 class _Deadlines:
-    """`timeouts.idle` and `timeouts.max_stream` as deadlines per event (SPEC §8, §18).
+    """`timeouts.idle` and `timeouts.max_stream` as deadlines per event.
 
     httpx's read timeout restarts on every byte, so an upstream that sends only comments
     would never trip it; these deadlines move only when an event arrives. Per batch the relay
@@ -200,7 +200,7 @@ async def relay(
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
 
-    `encode_batch` and `error_event` are the protocol's (SPEC §15: the Responses API and
+    `encode_batch` and `error_event` are the protocol's (the Responses API and
     Messages end at named events, not `[DONE]`, and shape their errors their own way); the
     defaults are the chat rules."""
     encode = _encode_events if encode_batch is None else encode_batch

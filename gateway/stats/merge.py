@@ -1,7 +1,7 @@
 """The whole server from several processes: a mergeable export, the merge, the document. Pure.
 
 Under `serve --workers N` every worker counts its own requests, and across machines every
-replica does (SPEC §16). To show them as one server, each process *exports* its stats in a form
+replica does. To show them as one server, each process *exports* its stats in a form
 that adds up exactly: counters as plain counts (lifetime, and the recent window as it stood at
 export time), latency series as DDSketch bins (`gateway.hedge.latency.state_of`: the bins of two
 sketches of one accuracy add up to the sketch of the union, so merged quantiles are as exact as

@@ -1,4 +1,4 @@
-"""What `/hedge/stats` and `/metrics` read: this process, or the whole server (SPEC §16).
+"""What `/hedge/stats` and `/metrics` read: this process, or the whole server.
 
 Without workers, `StatsSource` reads this process's `Stats` and pools, as it always did. Under
 `serve --workers N` each worker also *publishes* its mergeable export
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from gateway.stats.record import Stats
 
 PUBLISH_INTERVAL = 0.5
-#: peers' numbers older than this are left out (SPEC §16: at most 2 s stale)
+#: peers' numbers older than this are left out (at most 2 s stale)
 MAX_AGE = 2.0
 _PREFIX = "worker-"
 #: the lifetime numbers of workers that died, merged into one file by the supervisor

@@ -25,7 +25,7 @@ _TYPE = re.compile(rb'"type"\s*:\s*"([A-Za-z0-9_.]{1,80})"')
 _TYPE_WINDOW = 256
 #: event names that report a failure: relayed as they are, and the stream is over
 ERROR_NAMES = frozenset({b"error", b"response.failed"})
-#: the events that report token usage (SPEC §17): read once each, by name, never per delta
+#: the events that report token usage: read once each, by name, never per delta
 USAGE_NAMES = frozenset({b"response.completed", b"message_start", b"message_delta"})
 
 

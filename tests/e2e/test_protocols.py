@@ -1,4 +1,4 @@
-"""The Responses API and Anthropic Messages through the gateway (SPEC §15), over real sockets:
+"""The Responses API and Anthropic Messages through the gateway, over real sockets:
 scripted loopback upstreams, the gateway under uvicorn, the official `anthropic` and `openai`
 SDKs as clients, unchanged. Each test ends with the automatic leak check."""
 

@@ -1,4 +1,4 @@
-"""Hostile client input and gateway keys, over real sockets (SPEC §3, §8).
+"""Hostile client input and gateway keys, over real sockets.
 
 Each bad request must get the OpenAI error shape with a fitting status, never a 500, and must
 send nothing upstream; nothing a client sends may choose where the gateway connects (an
@@ -442,7 +442,7 @@ def walk_routes(routes: Iterable[object]) -> Iterator[Route]:
 
 
 #: routes that must answer without a key (liveness probes and scrapers, and the dashboard
-#: with its data, which SPEC §17 exposes as `/hedge/stats` is)
+#: with its data, which the gateway exposes as `/hedge/stats` is)
 PUBLIC = {"/healthz", "/readyz", "/metrics", "/hedge/stats", "/hedge/series", "/hedge/races",
           "/dashboard", "/dashboard/{name}"}
 
@@ -463,7 +463,7 @@ def test_every_route_but_the_public_probes_requires_the_key(
                 walked.add(route.path)
                 if route.path in PUBLIC:
                     assert reply.status_code != 401, route.path
-                elif route.path.startswith("/v1/messages"):  # Anthropic's shape (SPEC §15)
+                elif route.path.startswith("/v1/messages"):  # Anthropic's shape
                     assert reply.status_code == 401, route.path
                     assert reply.json() == {"type": "error", "error": {
                         "type": "authentication_error",

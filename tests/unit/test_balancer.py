@@ -1,4 +1,4 @@
-"""Backend selection and health (SPEC §7), with a seeded rng and a plain-number clock."""
+"""Backend selection and health, with a seeded rng and a plain-number clock."""
 
 from __future__ import annotations
 
@@ -275,7 +275,7 @@ def test_deterministic_with_a_seed() -> None:
     assert run(7) == run(7)
 
 
-# -- SPEC §19: bounded pauses, panic routing, one probe -------------------------------------
+# -- bounded pauses, panic routing, one probe -------------------------------------
 
 
 def make_health(*backends: BackendSettings, **health: float) -> Balancer:
@@ -364,8 +364,8 @@ def test_panic_prefers_another_group_among_the_unhealthy() -> None:
 
 
 def test_only_the_probe_ending_frees_the_probe_slot() -> None:
-    """Issue 10, risk 13: an attempt that was already running when its backend was ejected
-    ends while the probe runs; that must not let a second probe in (SPEC §7: one probe)."""
+    """An attempt that was already running when its backend was ejected
+    ends while the probe runs; that must not let a second probe in (one probe)."""
     bal = make(backend("a"), backend("b"))
     old = bal.on_start("a")  # running when the failures come in
     assert not old

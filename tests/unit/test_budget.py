@@ -1,4 +1,4 @@
-"""The hedge budget (SPEC §6), driven by a plain-number clock."""
+"""The hedge budget, driven by a plain-number clock."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_winning_probes_recover_the_win_rate() -> None:
 
 
 def test_outage_consequence() -> None:
-    """SPEC §6: every backend slow at once, so every request reaches its hedge delay and every
+    """Every backend slow at once, so every request reaches its hedge delay and every
     hedge loses. Extra attempts stay within ratio * N + burst (+ reserve * elapsed), and once
     the guard trips, at most one per probe_interval."""
     settings = BudgetSettings()  # the defaults: ratio 0.1, burst 10, reserve 0.5/s

@@ -1,4 +1,4 @@
-"""The adaptive delay's rule in virtual time (SPEC §5.2, §20): HedgeDelay and HedgeBudget driven
+"""The adaptive delay's rule in virtual time: HedgeDelay and HedgeBudget driven
 by a plain-number clock and synthetic TTFT streams, the way the race feeds them.
 
 The simulation is a model of the race, not the race: requests come one after another at a
@@ -235,7 +235,7 @@ def test_a_budget_near_zero(ratio: float) -> None:
 
 
 def test_clients_leaving_early_do_not_pull_the_delay_down() -> None:
-    """Risk 9 of issue 10: a fifth of the clients leave after 5 ms; their primaries' 5 ms lower
+    """a fifth of the clients leave after 5 ms; their primaries' 5 ms lower
     bounds are dropped, so the delay is where it is without them."""
     (calm,) = simulate([Phase(6000, 0.03)])
     (leaving,) = simulate([Phase(6000, 0.03, leave=0.2)])
@@ -243,7 +243,7 @@ def test_clients_leaving_early_do_not_pull_the_delay_down() -> None:
 
 
 def test_a_pinned_quantile_keeps_the_old_behaviour() -> None:
-    """q95 at a 6 % share (issue 17's starting point): more requests straggle than the
+    """q95 at a 6 % share: more requests straggle than the
     quantile leaves out, so the delay creeps up through the gap towards the slow mode, and
     the tail with it; auto stays put."""
     (auto,) = simulate([Phase(6000, 0.06)])

@@ -1,4 +1,4 @@
-"""Whole-server stats (SPEC §16): exports of several processes merge into what one process that
+"""Whole-server stats: exports of several processes merge into what one process that
 saw every request would report. Plain numbers as the clock; no files, no sockets."""
 
 from __future__ import annotations
