@@ -282,7 +282,8 @@ def app_from_env() -> FastAPI:
     """The app for the file named by `$HEDGE_GATEWAY_CONFIG`, for ASGI servers that import a
     factory (`granian --interface asgi --factory gateway.app:app_from_env`): the bench's
     front-server comparison (`bench --servers`). Under such a server the app works,
-    but the connection limits of `gateway.server.connection` (431, lingering 413, 408, the connection
+    but the connection limits of `gateway.server.connection` (431, lingering 413, 408, the
+    connection
     cap, the stuck-client abort) and the early drain of `gateway.server.serve` are not there: they
     belong to `hedge-gateway serve` (README "The front server")."""
     path = os.environ.get(CONFIG_ENV)

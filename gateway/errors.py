@@ -12,17 +12,25 @@ Two trees, in this one file, and each class carries its facts as class attribute
 
     UpstreamError (one attempt)               GatewayError (the client's answer)
     ├── UpstreamConnectError                  ├── InvalidRequest ── ForbiddenField
-    │   └── UpstreamConnectTimeout            ├── Unauthorized, ModelNotFound, RouteNotServed
-    ├── GatewayPoolFull                       ├── PayloadTooLarge, RequestTimeout, HeadersTooLarge
-    ├── UpstreamTimeout                       ├── Overloaded ── TooManyConnections
-    ├── UpstreamStatusError                   ├── AllAttemptsFailed
-    │   ├── UpstreamRejectedRequest (4xx)     ├── UpstreamPushback ── ...RateLimitedEverywhere
-    │   ├── UpstreamAuthFailed, NotFound      ├── NoBackendAvailable
-    │   ├── UpstreamRateLimited, Unavailable  ├── UpstreamClientError (an upstream 400/413/422)
-    │   └── UpstreamServerError               └── FirstTokenTimeout
-    ├── UpstreamProtocolError ── Disconnected
-    ├── UpstreamInBandError, UpstreamNoToken
+    │   └── UpstreamConnectTimeout            ├── Unauthorized
+    ├── GatewayPoolFull                       ├── ModelNotFound, RouteNotServed, RouteNotFound
+    ├── UpstreamTimeout                       ├── ResponseNotFound, MethodNotAllowed
+    ├── UpstreamStatusError (`of(status)`)    ├── PayloadTooLarge, RequestTimeout
+    │   ├── UpstreamRejectedRequest           ├── HeadersTooLarge
+    │   ├── UpstreamAuthFailed                ├── Overloaded ── TooManyConnections
+    │   ├── UpstreamNotFound                  ├── AllAttemptsFailed
+    │   ├── UpstreamRateLimited               ├── UpstreamPushback
+    │   ├── UpstreamUnavailable               │   └── UpstreamRateLimitedEverywhere
+    │   └── UpstreamServerError               ├── NoBackendAvailable
+    ├── UpstreamProtocolError                 ├── UpstreamClientError (an upstream 4xx)
+    │   └── UpstreamDisconnected              │   └── ...TooLarge, Unprocessable, NotFound, Conflict
+    ├── UpstreamInBandError                   └── FirstTokenTimeout
+    ├── UpstreamNoToken
     └── InternalAttemptError
+
+The statuses an upstream answers with are read in one place, `UpstreamStatusError.of`: each
+subclass names its `statuses`, and the race reads only the class (`replaceable`,
+`backend_fault`), never a number.
 
 - `GatewayError`: what a client is answered with: `status`, `type`, `code` (the OpenAI error
   fields; the code is also the request's error class in stats and metrics);
@@ -188,7 +196,7 @@ def failure_codes() -> frozenset[str]:
     return frozenset(codes)
 
 
-# --- what a client is answered with: the client-facing tree ----------------------------------------
+# --- what a client is answered with: the client-facing tree ---------------------------------------
 
 
 def error_body(
@@ -338,7 +346,8 @@ class AllAttemptsFailed(GatewayError):
 
 
 class UpstreamPushback(GatewayError):
-    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After. The client gets 429 when all were 429, else 503, and the smallest pause as its own
+    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After. The client
+    gets 429 when all were 429, else 503, and the smallest pause as its own
     Retry-After, without `x-should-retry: false`: the upstreams said when to come back, and
     an SDK that waits that long and retries is what they asked for. Build it with `of`."""
 

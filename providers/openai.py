@@ -45,10 +45,6 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 #: line, or endless comments): the SSE decoder bounds one line, this bounds one event
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 
-#: a backend's `Retry-After` pauses it at most this long: a broken or hostile upstream must
-#: not take itself out of the pool for hours with one header
-MAX_RETRY_AFTER = 300.0
-
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,40}/[A-Za-z0-9!#$&^_.+-]{1,60}")
 
 
@@ -60,8 +56,9 @@ def media_type(content_type: str) -> str:
 
 
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds from `retry-after-ms` or `Retry-After` (delta-seconds form only), at most
-    `MAX_RETRY_AFTER`; None when absent or not a finite number."""
+    """Seconds from `retry-after-ms` or `Retry-After` (delta-seconds form only); None when
+    absent or not a finite number. Not capped here: the balancer caps a pause at
+    `health.max_pause`, the one place that bounds what one header can do to a backend."""
     raw_ms = headers.get("retry-after-ms")
     raw = headers.get("retry-after")
     try:
@@ -75,7 +72,7 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
         return None
     if not math.isfinite(seconds):  # `inf` would pause the backend for ever, `nan` confuse it
         return None
-    return min(max(0.0, seconds), MAX_RETRY_AFTER)
+    return max(0.0, seconds)
 
 
 class AiohttpStream:

@@ -94,7 +94,8 @@ def upstream_view(logs: Iterable[Sequence[Sequence[Any]]]) -> UpstreamView:
 
 def gateway_hedges(stats: object, pool: str) -> tuple[int, int] | None:
     """(hedges started, hedges won) of `pool` from a `/hedge/stats` document, or None when
-    the document does not have them in a shape we recognise (the stats document leaves the nesting to
+    the document does not have them in a shape we recognise (the stats document leaves the nesting
+    to
     the implementation: a pool map or list, optionally under a lifetime section)."""
     if not isinstance(stats, Mapping):
         return None

@@ -17,7 +17,8 @@ Tying q to the budget spends what the operator already agreed to pay, and no mor
 stragglers most of those hedges would be wasted, so auto also moves q later while the pool's
 hedges mostly lose (`HedgeDelay.steer`), never earlier than the budget's quantile.
 
-The threshold is a cached number, recomputed only by `refresh(now)`: never on the request path. The shell calls `refresh` periodically (`gateway.app` runs one task for every
+The threshold is a cached number, recomputed only by `refresh(now)`: never on the request path. The
+shell calls `refresh` periodically (`gateway.app` runs one task for every
 pool); `delay()`, `median()` and `adaptive()` only read what the last refresh left.
 """
 

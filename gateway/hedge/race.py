@@ -1,12 +1,14 @@
 """One logical request's race to the first token.
 
 The race starts the primary, waits for a first token, a failure, the hedge delay or the
-deadline, and starts further attempts under the hedge and failover rules (docs/hedging.md). The first attempt
+deadline, and starts further attempts under the hedge and failover rules (docs/hedging.md). The
+first attempt
 to hand back a `Prefix` (its events up to and including the first token) commits; every other
 attempt is cancelled at once. Each attempt task closes its own upstream, shielded from the
 cancellation, so a loser's socket is closed within a loop iteration of the commit. A loser that
 already holds a token (it finished in the same tick as the winner, or before the race picked it
-up) has nothing left to cancel: the race closes its `Prefix` in a task of its own at commit, so the client never waits for it and `close_s` counts it.
+up) has nothing left to cancel: the race closes its `Prefix` in a task of its own at commit, so the
+client never waits for it and `close_s` counts it.
 
 Rules where several things land in one tick (one `asyncio.wait` wake-up):
 - every attempt that finished is accounted for before anything is decided, so none is left

@@ -6,7 +6,8 @@ the read for `[DONE]`, error markers and a usage object, nothing per event, no a
 other read (and every read of a named-event protocol, whose reads carry `event:` lines) is
 re-framed from the decoder's events: per event one bytes comparison, two substring tests and one
 concatenation, with JSON parsed only for the rare event that mentions "error" and the one holding
-a usage object (see `gateway.wire.usage`). No logging, no lock. Per upstream read it stores one clock
+a usage object (see `gateway.wire.usage`). No logging, no lock. Per upstream read it stores one
+clock
 reading: the idle and max_stream deadlines are one timer per stream (`_Deadlines`), never a
 timer per event.
 Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
@@ -16,7 +17,8 @@ A stream that ends without `[DONE]` and without an error event is a truncation: 
 a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
 Responses API and Messages end at named events and shape their errors their own way, so the
 proxy passes their per-batch encoder (`gateway.wire.named`) and error builder
-(`gateway.wire.responses`, `gateway.wire.messages`) in; the deadlines, the drain and the closing stay the same.
+(`gateway.wire.responses`, `gateway.wire.messages`) in; the deadlines, the drain and the closing
+stay the same.
 """
 
 from __future__ import annotations

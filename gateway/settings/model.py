@@ -7,7 +7,8 @@ field here (and a line to config/full-reference.yaml, which a test holds to this
 Rules that span fields live in `_rules`, so an object built in code obeys them as a loaded one
 does; defaults that depend on other fields live in `_complete`.
 
-Durations are seconds as floats. Defaults are documented in docs/configuration.md. Provider keys are kept
+Durations are seconds as floats. Defaults are documented in docs/configuration.md. Provider keys
+are kept
 out of every `repr` so a settings object can be logged without leaking them. Attribute access is
 plain (slots), since the request path reads these per request.
 """

@@ -1,6 +1,7 @@
 """The relay's per-event rule for protocols with named events (Responses API, Messages).
 
-The relay (`gateway.hedge.relay`) passes chat streams through until `[DONE]`. The Responses API and Anthropic's
+The relay (`gateway.hedge.relay`) passes chat streams through until `[DONE]`. The Responses API and
+Anthropic's
 Messages API have no `[DONE]`: each event is named (`event: response.completed`,
 `event: message_stop`) and the stream ends at one of a few names. Per event this costs one
 frozenset lookup of the name and one concatenation; the payload is never parsed. An upstream

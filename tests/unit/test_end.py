@@ -1,5 +1,6 @@
 """The end of a logical request through the proxy, in virtual time: one owner ends it on every
-path, and the client is answered before losers are reaped and stats recorded. The race itself is in test_race_table.py."""
+path, and the client is answered before losers are reaped and stats recorded. The race itself is in
+test_race_table.py."""
 
 from __future__ import annotations
 
