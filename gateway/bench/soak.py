@@ -1,4 +1,4 @@
-"""`hedge-gateway bench --workload soak`: long mixed traffic with faults (issues 14 and 16).
+"""`hedge-gateway bench --workload soak`: long mixed traffic with faults.
 
 What it answers: after many minutes of ordinary traffic with the failures real upstreams have,
 does every request still end in a success or an explicit error, and do the gateway's memory

@@ -40,7 +40,7 @@ SELF_CONTAINED = sorted([
 README_MAX_LINES = 250
 
 #: citations of texts outside the repository: a specification, its sections, a tracker's issues
-OUTSIDE = re.compile(r"SPEC\s*§|SPEC\.md|§\s*\d|\bissue\s+\d+|\bthe spec\b", re.IGNORECASE)
+OUTSIDE = re.compile(r"SPEC\s*§|SPEC\.md|§\s*\d|\bissues?\s+\d+|\bthe spec\b", re.IGNORECASE)
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
