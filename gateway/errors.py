@@ -216,8 +216,18 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+#: the client errors a retry of the same request can change (a timeout, a conflict, a rate
+#: limit): every other 4xx says `x-should-retry: false`
+RETRYABLE_CLIENT_STATUSES = frozenset({408, 409, 429})
+
+
 class GatewayError(Exception):
-    """Base of every error the gateway answers a client with."""
+    """Base of every error the gateway answers a client with.
+
+    `should_retry` becomes the `x-should-retry` header, which the OpenAI and Anthropic SDKs
+    (and agent CLIs built on them) obey over their own rules. A client error that a retry
+    cannot change (a wrong key, an unknown model, a bad body) says false, so a client does
+    not resend it for ever; None leaves the SDK's own rule."""
 
     status: int = 500
     type: str = "api_error"
@@ -235,6 +245,8 @@ class GatewayError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        if should_retry is None and 400 <= self.status < 500:
+            should_retry = False if self.status not in RETRYABLE_CLIENT_STATUSES else None
         self.should_retry = should_retry
         #: what must run once this error was answered (the end of the logical request: reap
         #: its attempts, record it); the HTTP error handler runs it after sending the answer

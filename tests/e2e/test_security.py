@@ -514,3 +514,43 @@ def test_keys_stay_out_of_the_request_log_for_proxied_requests(
     Canary(KEYS[0], "sk-backend-0003").assert_absent_everywhere(gateway.root, caplog)
     assert len(upstream.requests) == 1
 
+
+
+def test_answers_a_retry_cannot_change_say_so_and_each_sdk_sends_them_once(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """A wrong key or an unknown model is answered with `x-should-retry: false`, so neither
+    SDK (nor an agent CLI built on one, which would otherwise retry a 401 for ever) sends the
+    request again: each reaches the gateway exactly once, whatever `max_retries` says."""
+    import anthropic
+
+    gateway, upstream = keyed(loop_thread, scripted_upstream)
+    sent: list[str] = []
+
+    def count(request: Any) -> None:  # each SDK's own HTTP client calls it per request sent
+        sent.append(str(request.url.path))
+
+    hooks = {"request": [count]}
+    for name in ("wrong key, OpenAI", "unknown model, OpenAI", "wrong key, Anthropic"):
+        sent.clear()
+        if name.endswith("Anthropic"):
+            with anthropic.Anthropic(
+                base_url=gateway.root, api_key="sk-wrong", max_retries=3,
+                http_client=anthropic.DefaultHttpxClient(event_hooks=hooks),
+            ) as claude, pytest.raises(anthropic.AuthenticationError) as info:
+                claude.messages.create(model=POOL, max_tokens=8,
+                                       messages=[{"role": "user", "content": "hi"}])
+            response = info.value.response
+        else:
+            key, model = ("sk-wrong", POOL) if "key" in name else (KEYS[0], "gpt-none")
+            wanted: type[openai.APIStatusError] = (
+                openai.AuthenticationError if "key" in name else openai.NotFoundError)
+            with openai.OpenAI(
+                base_url=gateway.v1, api_key=key, max_retries=3,
+                http_client=openai.DefaultHttpxClient(event_hooks=hooks),
+            ) as client, pytest.raises(wanted) as failed:
+                client.chat.completions.create(model=model, messages=MESSAGES)
+            response = failed.value.response
+        assert response.headers["x-should-retry"] == "false", name
+        assert len(sent) == 1, (name, sent)
+    untouched(upstream)
