@@ -331,10 +331,10 @@ class Race:
     ) -> str | None:
         """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
         never a backend this request may not use (`RaceOptions.excluded`)."""
-        self.panic = self.panic or self.pool.balancer.panic(now)
-        if self.options.excluded:
-            exclude = {*exclude, *self.options.excluded}
-        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft)
+        outside = self.options.excluded
+        self.panic = self.panic or self.pool.balancer.panic(now, outside=outside)
+        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft,
+                                       outside=outside)
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()

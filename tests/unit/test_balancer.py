@@ -390,3 +390,23 @@ def test_a_failure_after_the_cooldown_keeps_the_probe_slot_taken() -> None:
     assert bal.usable(16.0) == ["b"]  # the probe is still running
     bal.on_finish("a", probe=probe)
     assert bal.usable(16.0) == ["a", "b"]
+
+
+def test_panic_weighs_only_the_backends_that_serve_the_route() -> None:
+    """A pool that mixes providers: its one chat backend is paused, its two Messages backends
+    are healthy. For a chat request the Messages backends are `outside`: the route's own
+    backends are all paused, so selection panics and tries the paused one instead of refusing
+    the request untried because the pool as a whole looks healthy."""
+    bal = make_health(backend("chat"), backend("claude-a"), backend("claude-b"))
+    bal.pause("chat", 10.0, now=0.0)
+    ttft = lambda _: None  # noqa: E731
+    outside = {"claude-a", "claude-b"}
+    assert not bal.panic(1.0)  # the whole pool: two of three healthy
+    assert bal.panic(1.0, outside=outside)
+    assert bal.pick(1.0, ttft=ttft, outside=outside) == "chat"
+    # never a backend outside the route, panic or not
+    bal.pause("claude-a", 10.0, now=0.0)
+    assert bal.pick(1.0, ttft=ttft, outside={"chat", "claude-a"}) == "claude-b"
+    # half the route's weight healthy is not panic: claude-b busy with this request's
+    # attempt leaves no healthy choice, and the paused one is not tried
+    assert bal.pick(1.0, ttft=ttft, exclude={"claude-b"}, outside={"chat"}) is None
