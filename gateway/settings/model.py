@@ -67,7 +67,8 @@ class BudgetSettings(Checked):
     min_per_second: float = field(default=0.5, metadata=scalar(
         cv.number(0), "reserve refill per second, so quiet pools can hedge"))
     min_win_rate: float = field(default=0.15, metadata=scalar(
-        _probability, "below this hedge win rate (0..1) hedges are probes only"))
+        _probability, "when the hedge win rate (0..1) is below this with 95 % confidence, "
+        "hedges are probes only"))
     win_window: int = field(default=20, metadata=scalar(
         cv.integer(20), "how many recent hedge outcomes the win rate is computed over"))
     probe_interval: float = field(default=5.0, metadata=scalar(
