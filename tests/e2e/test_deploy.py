@@ -30,9 +30,9 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser
-from gateway.server import graceful_timeout
+from gateway.server.serve import graceful_timeout
 from gateway.settings.load import load_settings
-from gateway.supervisor import KILL_MARGIN
+from gateway.server.supervisor import KILL_MARGIN
 from tests.e2e.test_cli import DEMO_CONTENT, command, free_port, keyless_env, terminate
 from tests.e2e.test_workers import WAIT, eventually
 from tests.harness.limits_kit import sdk
