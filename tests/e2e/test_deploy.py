@@ -31,8 +31,8 @@ import yaml
 
 from gateway.cli import build_parser
 from gateway.server.serve import graceful_timeout
-from gateway.settings.load import load_settings
 from gateway.server.supervisor import KILL_MARGIN
+from gateway.settings.load import load_settings
 from tests.e2e.test_cli import DEMO_CONTENT, command, free_port, keyless_env, terminate
 from tests.e2e.test_workers import WAIT, eventually
 from tests.harness.limits_kit import sdk
