@@ -43,11 +43,18 @@ def first_kinds(wire: bytes, protocol: WireProtocol) -> list[Kind]:
     return [protocol.classify(event) for event in events]
 
 
+#: `first_token_index`: the stream failed (an error event) before any token
+FAILS = -1
+#: `first_token_index`: the stream reached its end event before any token: a complete
+#: (empty) answer, not a failure
+ENDS = -2
+
+
 def first_token_index(wire: bytes, protocol: WireProtocol) -> int | None:
     kinds = first_kinds(wire, protocol)
     for i, kind in enumerate(kinds):
         if kind is not Kind.OTHER:
-            return i if kind is Kind.TOKEN else -1
+            return i if kind is Kind.TOKEN else FAILS if kind is Kind.ERROR else ENDS
     return None
 
 
@@ -69,8 +76,8 @@ MESSAGES_TABLE = [
     ("input json", [message_start(), named("content_block_delta", {
         "index": 0, "delta": {"type": "input_json_delta", "partial_json": "{\""}})], 1),
     ("whitespace is a token", [message_start(), text_delta(" ")], 1),
-    ("error event before a token", [message_start(), PING, anthropic_error()], -1),
-    ("ends without a token", [message_start(), *message_end()], -1),
+    ("error event before a token", [message_start(), PING, anthropic_error()], FAILS),
+    ("ends without a token: an empty answer", [message_start(), *message_end()], ENDS),
     ("malformed json", [b"event: content_block_delta\ndata: {nope\n\n", text_delta("ok")], 1),
 ]
 
@@ -87,9 +94,10 @@ RESPONSES_TABLE = [
         "response.reasoning_summary_text.delta", {"item_id": "r", "delta": "Think"})], 2),
     ("refusal", [responses_head()[0], named("response.refusal.delta", {"delta": "No"})], 1),
     ("error event", [*responses_head()[:2], named("error", {"code": "server_error",
-                                                            "message": "x"})], -1),
-    ("failed", [responses_head()[0], named("response.failed", {"response": {}})], -1),
-    ("completed without output", [responses_head()[0], *responses_end("r", "")], -1),
+                                                            "message": "x"})], FAILS),
+    ("failed", [responses_head()[0], named("response.failed", {"response": {}})], FAILS),
+    ("completed without output: an empty answer",
+     [responses_head()[0], *responses_end("r", "")], ENDS),
     ("data-only events (no event: line)", [
         b'data: {"type":"response.created","response":{"id":"r"}}\n\n',
         b'data: {"type":"response.output_text.delta","delta":"x"}\n\n'], 1),
@@ -102,7 +110,8 @@ RESPONSES_TABLE = [
 ], ids=[f"messages: {n}" for n, _, _ in MESSAGES_TABLE]
     + [f"responses: {n}" for n, _, _ in RESPONSES_TABLE])
 def test_first_token(protocol: WireProtocol, events: list[bytes], expected: int) -> None:
-    """`expected`: index (among decoded events) of the first token; -1: fails first."""
+    """`expected`: index (among decoded events) of the first token; FAILS: an error first;
+    ENDS: the end event first (an empty answer)."""
     wire = b"".join(events)
     assert first_token_index(wire, protocol) == expected
 
