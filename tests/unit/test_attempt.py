@@ -137,3 +137,11 @@ def test_the_pre_token_bound_counts_every_event_across_reads() -> None:
     waiting, _ = read([[ROLE] * MAX_PRE_TOKEN_EVENTS], hang=True)
     assert isinstance(waiting, TimeoutError)
 
+
+
+def test_non_text_output_commits_before_the_bound() -> None:
+    """Code interpreter deltas are output: the first one is the token, however many came."""
+    deltas = [named("response.code_interpreter_call_code.delta", delta="print(1)")] * 2000
+    prefix, _ = read([[named("response.created", response={"id": "r"})], deltas],
+                     classify=RESPONSES.classify, answered=RESPONSES.answered)
+    assert isinstance(prefix, Prefix) and not prefix.empty and len(prefix.buffered) == 2001

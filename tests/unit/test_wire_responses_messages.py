@@ -79,6 +79,30 @@ MESSAGES_TABLE = [
     ("error event before a token", [message_start(), PING, anthropic_error()], FAILS),
     ("ends without a token: an empty answer", [message_start(), *message_end()], ENDS),
     ("malformed json", [b"event: content_block_delta\ndata: {nope\n\n", text_delta("ok")], 1),
+    ("redacted thinking first", [message_start(), named("content_block_start", {
+        "index": 0, "content_block": {"type": "redacted_thinking", "data": "EmwK"}})], 1),
+]
+
+
+def item_added(item: dict[str, object]) -> bytes:
+    return named("response.output_item.added", {"output_index": 0, "item": item})
+
+
+#: tool items that are output by themselves, with no name and no text (the item as added)
+TOOL_ITEMS: list[dict[str, object]] = [
+    {"type": "computer_call", "id": "cu", "call_id": "c", "action": {"type": "screenshot"},
+     "pending_safety_checks": [], "status": "in_progress"},
+    {"type": "image_generation_call", "id": "ig", "status": "in_progress", "result": None},
+    {"type": "code_interpreter_call", "id": "ci", "code": "", "container_id": "cn",
+     "outputs": None, "status": "in_progress"},
+    {"type": "web_search_call", "id": "ws", "status": "in_progress"},
+    {"type": "file_search_call", "id": "fs", "queries": [], "status": "in_progress"},
+    {"type": "mcp_call", "id": "mc", "name": "fetch", "server_label": "s", "arguments": ""},
+    {"type": "mcp_approval_request", "id": "ma", "name": "fetch", "server_label": "s",
+     "arguments": "{}"},
+    {"type": "local_shell_call", "id": "ls", "call_id": "c", "status": "in_progress",
+     "action": {"type": "exec", "command": ["ls"], "env": {}}},
+    {"type": "custom_tool_call", "id": "ct", "call_id": "c", "name": "grammar", "input": ""},
 ]
 
 RESPONSES_TABLE = [
@@ -98,6 +122,28 @@ RESPONSES_TABLE = [
     ("failed", [responses_head()[0], named("response.failed", {"response": {}})], FAILS),
     ("completed without output: an empty answer",
      [responses_head()[0], *responses_end("r", "")], ENDS),
+    *[(f"{item['type']} item first", [responses_head()[0], item_added(item)], 1)
+      for item in TOOL_ITEMS],
+    ("a reasoning item is scaffolding", [responses_head()[0], item_added(
+        {"type": "reasoning", "id": "rs", "summary": []}), output_delta("a")], 2),
+    ("a function call without its name yet", [responses_head()[0], item_added(
+        {"type": "function_call", "id": "fc", "call_id": "c", "name": "", "arguments": ""}),
+        output_delta("a")], 2),
+    ("the server's tool listing is scaffolding", [responses_head()[0], item_added(
+        {"type": "mcp_list_tools", "id": "ml", "server_label": "s", "tools": []}),
+        output_delta("a")], 2),
+    ("an item without a type", [responses_head()[0], item_added({"id": "x"}),
+                                output_delta("a")], 2),
+    ("code interpreter code", [responses_head()[0], named(
+        "response.code_interpreter_call_code.delta", {"item_id": "ci", "delta": "print("})], 1),
+    ("an empty code delta", [responses_head()[0], named(
+        "response.code_interpreter_call_code.delta", {"item_id": "ci", "delta": ""}),
+        output_delta("a")], 2),
+    ("a partial image", [responses_head()[0], named(
+        "response.image_generation_call.partial_image",
+        {"item_id": "ig", "partial_image_index": 0, "partial_image_b64": "iVBO"})], 1),
+    ("mcp call arguments", [responses_head()[0], named(
+        "response.mcp_call_arguments.delta", {"item_id": "mc", "delta": "{"})], 1),
     ("data-only events (no event: line)", [
         b'data: {"type":"response.created","response":{"id":"r"}}\n\n',
         b'data: {"type":"response.output_text.delta","delta":"x"}\n\n'], 1),
