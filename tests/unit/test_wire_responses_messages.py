@@ -253,7 +253,60 @@ def test_event_without_name_uses_the_payload_type() -> None:
     from gateway.wire.named import event_name
 
     assert event_name(SSEEvent(b'{"type":"message_stop"}')) == b"message_stop"
+    assert event_name(SSEEvent(b' { "type" : "ping"}')) == b"ping"
     assert event_name(SSEEvent(b"[1]")) is None
+
+
+def data_only(payload: dict[str, object]) -> bytes:
+    """A data-only event (no `event:` line) whose keys come in the order given."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_event_without_name_finds_its_type_in_any_key_order() -> None:
+    """`type` need not come first: a late top-level `type` is read, a nested one is not."""
+    from gateway.wire.named import event_name
+
+    (late,) = SSEDecoder().feed(data_only(
+        {"sequence_number": 9, "response": {"id": "r", "output": [{"type": "message"}]},
+         "type": "response.completed"}))
+    assert event_name(late) == b"response.completed"
+    (nested,) = SSEDecoder().feed(data_only(
+        {"index": 0, "delta": {"type": "message_stop"}, "type": "content_block_delta"}))
+    assert event_name(nested) == b"content_block_delta"
+    (delta,) = SSEDecoder().feed(data_only({"delta": "x", "type": "response.output_text.delta"}))
+    assert event_name(delta) is None  # no name the relay acts on: not parsed
+
+
+def test_relay_ends_whatever_the_key_order_of_a_nameless_end_event() -> None:
+    """Without `event:` lines and with `type` last, the end is still the end (not a cut
+    stream), an error still an error, and a usage event still read."""
+    responses = b"".join([
+        data_only({"delta": "a", "type": "response.output_text.delta"}),
+        data_only({"sequence_number": 9, "response": {
+            "id": "r", "object": "response", "status": "completed", "error": None,
+            "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}},
+            "type": "response.completed"}),
+        data_only({"delta": "after", "type": "response.output_text.delta"}),
+    ])
+    out, end = relayed(RESPONSES, responses)
+    assert end == "done" and b"after" not in out
+    messages = b"".join([
+        data_only({"index": 0, "delta": {"type": "text_delta", "text": "a"},
+                   "type": "content_block_delta"}),
+        data_only({"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2},
+                   "type": "message_delta"}),
+        data_only({"type": "message_stop"}),
+    ])
+    outcome = RelayOutcome()
+    named_encoder(MESSAGES)(SSEDecoder().feed(messages), "req_1", outcome)
+    assert outcome.end == "done"
+    assert outcome.usage is not None and outcome.usage.output == 2
+    out, end = relayed(MESSAGES, data_only(
+        {"error": {"type": "overloaded_error", "message": "x"}, "type": "error"}))
+    assert end == "upstream_error"
+    out, end = relayed(MESSAGES, data_only(
+        {"index": 0, "delta": {"type": "message_stop"}, "type": "content_block_delta"}))
+    assert end == "client_gone"  # a nested `type` is no end
 
 
 def test_relay_passes_named_events_through_unparsed() -> None:
