@@ -50,6 +50,8 @@ class AttemptRecord:
     ended: float | None = None
     #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
     probe: bool = False
+    #: its stream ended normally without a token: a complete (perhaps empty) answer
+    empty: bool = False
 
 
 #: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)

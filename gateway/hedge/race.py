@@ -237,6 +237,7 @@ class Race:
         The first one is kept for relay; any later one is closed at once (the kept answer
         is as good). Once one is kept, no hedge starts any more."""
         now = self.clock()
+        record.empty = True
         self.pool.balancer.on_success(record.backend, now)
         self._observe(record, censored=False)
         self._next_hedge = math.inf

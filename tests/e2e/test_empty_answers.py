@@ -129,6 +129,7 @@ def test_every_backend_empty_is_a_200_and_no_backend_is_ejected(
     assert primary.finished_at is not None and hedge.finished_at is not None
     assert hedge.finished_at < primary.finished_at  # the hedge's empty answer came first
     pool = stats(root, 1)
+    assert pool["lifetime"]["empty_answers"] == 1 and pool["lifetime"]["errors"] == {}
     for name in ("b0", "b1"):
         backend = pool["backends"][name]
         assert backend["state"] == "ok" and backend["lifetime"]["failed"] == 0, backend
