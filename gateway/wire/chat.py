@@ -101,6 +101,11 @@ def _choice_has_output(choice: dict[object, object]) -> bool:
     for key in _DELTA_TEXT_KEYS:
         if _nonempty_str(delta.get(key)):
             return True
+    audio = delta.get("audio")  # audio output: its data or transcript, output though not text
+    if isinstance(audio, dict) and (
+        _nonempty_str(audio.get("data")) or _nonempty_str(audio.get("transcript"))
+    ):
+        return True
     tool_calls = delta.get("tool_calls")
     if isinstance(tool_calls, list):
         for call in tool_calls:
