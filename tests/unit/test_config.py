@@ -27,6 +27,7 @@ from gateway.settings import (
 )
 from gateway.settings import parse as cv
 from gateway.settings.fields import yaml_layout
+from gateway.settings.model import AwsSettings, GoogleSettings
 from gateway.settings.load import (
     ConfigError,
     check_config,
@@ -139,10 +140,14 @@ def test_full_reference_shows_the_defaults() -> None:
     assert pool.timeouts == Timeouts()
     assert pool.hedging == HedgingSettings()
     assert pool.health == HealthSettings()
-    openai_backend, sim_backend = pool.backends
+    openai_backend, sim_backend, bedrock_backend, vertex_backend = pool.backends
     assert openai_backend.api_key is None  # ${UPSTREAM_KEY:-} unset
     assert openai_backend.weight == 1.0 and openai_backend.max_concurrency is None
     assert sim_backend.sim == SimProfile()
+    assert bedrock_backend.aws == AwsSettings()  # every key empty: the standard chain
+    assert bedrock_backend.anthropic_version == "bedrock-2023-05-31"
+    assert vertex_backend.google == GoogleSettings()
+    assert vertex_backend.anthropic_version == "vertex-2023-10-16"
 
 
 def test_full_reference_lists_every_key() -> None:
@@ -161,8 +166,12 @@ def test_full_reference_lists_every_key() -> None:
     assert set(pool["hedging"]["delay"]) == keys(DelaySettings)
     assert set(pool["hedging"]["budget"]) == keys(BudgetSettings)
     assert set(pool["health"]) == keys(HealthSettings)
-    assert set(pool["backends"][0]) == keys(BackendSettings) - {"sim"}
+    cloud = {"region", "project", "aws", "google"}
+    assert set(pool["backends"][0]) == keys(BackendSettings) - {"sim"} - cloud
     assert set(pool["backends"][1]["sim"]) == keys(SimProfile)
+    assert cloud <= set(pool["backends"][2]) | set(pool["backends"][3])
+    assert set(pool["backends"][2]["aws"]) == keys(AwsSettings)
+    assert set(pool["backends"][3]["google"]) == keys(GoogleSettings)
 
 
 def test_openai_example_needs_its_key() -> None:
