@@ -64,8 +64,11 @@ class Refresher(Generic[T]):
         *,
         what: str,
         clock: Callable[[], float] = time.monotonic,
+        min_interval: float = RETRY_MIN,
     ) -> None:
         self._fetch = fetch
+        #: the shortest wait between two fetches (the first pause after a failure too)
+        self._min_interval = min_interval
         self._what = what
         self._clock = clock
         self._value: T | None = None
@@ -116,17 +119,17 @@ class Refresher(Generic[T]):
 
     async def _run(self) -> None:
         """Fetch, then sleep until the next refresh is due, while someone reads the value."""
-        pause = RETRY_MIN
+        pause = self._min_interval
         while True:
             fetched = await self._fetch_once()
             if fetched is None:
                 await asyncio.sleep(pause)
-                pause = min(pause * 2, RETRY_MAX)
+                pause = min(pause * 2, max(RETRY_MAX, self._min_interval))
                 if not self._used and not self._fresh():
                     return  # nobody asked meanwhile: the next get() starts over
                 self._used = False
                 continue
-            pause = RETRY_MIN
+            pause = self._min_interval
             await asyncio.sleep(self._next_refresh(fetched.lifetime))
             if not self._used:
                 return  # nobody read it since: stop, the next get() starts over
@@ -159,11 +162,10 @@ class Refresher(Generic[T]):
             self._good_until = self._clock() + fetched.lifetime - min(SAFETY,
                                                                       fetched.lifetime / 10)
 
-    @staticmethod
-    def _next_refresh(lifetime: float | None) -> float:
+    def _next_refresh(self, lifetime: float | None) -> float:
         if lifetime is None:
-            return REREAD_INTERVAL
-        return max(RETRY_MIN, lifetime - min(REFRESH_AHEAD, lifetime / 2))
+            return max(REREAD_INTERVAL, self._min_interval)
+        return max(self._min_interval, lifetime - min(REFRESH_AHEAD, lifetime / 2))
 
     def invalidate(self) -> None:
         """The upstream refused the value (a token revoked before its expiry): hand it out no
