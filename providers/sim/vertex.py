@@ -4,7 +4,8 @@ in the tests) that issues access tokens and checks them on Claude's raw-predict 
 - **The token endpoint** (`POST /token`, what a test's service-account file names as its
   `token_uri`) takes the JWT-bearer grant google-auth sends: the assertion must be an RS256 JWT
   whose signature verifies with the service account's public key, whose `kid` is its
-  `private_key_id`, `iss` its email, `aud` this endpoint and `scope` the cloud-platform scope.
+  `private_key_id`, `iss` its email, `aud` Google's token endpoint (what google-auth names) or
+  this one, and `scope` the cloud-platform scope.
 - **The metadata server** (`/computeMetadata/v1/instance/service-accounts/default/...`, with
   `Metadata-Flavor: Google`) issues tokens as on GCE.
 - **The model routes** `POST /v1/projects/{project}/locations/{region}/publishers/anthropic/
@@ -49,6 +50,9 @@ from providers.sim.cloud import (
 ANTHROPIC_VERSION = "vertex-2023-10-16"
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 JWT_GRANT = "urn:ietf:params:oauth:grant-type:jwt-bearer"
+#: the audience google-auth names in its assertions whatever the file's `token_uri` (Google's
+#: token endpoint takes it), besides this endpoint's own address
+GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
 #: Google's status names for the HTTP statuses the simulator answers with
 STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
                 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL",
@@ -156,9 +160,10 @@ class VertexSimulator:
         try:
             header = jwt.decode_header(assertion)  # type: ignore[no-untyped-call]
             claims = jwt.decode(  # type: ignore[no-untyped-call]
-                assertion, certs=account.public_key_pem, audience=self.token_uri)
+                assertion, certs={account.private_key_id: account.public_key_pem},
+                audience=[self.token_uri, GOOGLE_TOKEN_URI], clock_skew_in_seconds=10)
         except ValueError as exc:
-            return f"the assertion does not verify ({type(exc).__name__})"
+            return f"the assertion does not verify: {exc}"
         if header.get("alg") != "RS256" or header.get("kid") != account.private_key_id:
             return "the assertion's header is wrong"
         if claims.get("iss") != account.email:
