@@ -289,6 +289,9 @@ class AwsCredentialSource:
 class BedrockProvider:
     """A backend that serves `/v1/messages` from Claude on Bedrock."""
 
+    #: Claude's Messages route only: the cloud's token counting takes another request shape
+    serves: frozenset[str] = frozenset({"messages"})
+
     def __init__(
         self,
         settings: BackendSettings,

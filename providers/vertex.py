@@ -109,6 +109,9 @@ class GoogleTokenSource:
 class VertexProvider:
     """A backend that serves `/v1/messages` from Claude on Vertex AI."""
 
+    #: Claude's Messages route only: the cloud's token counting takes another request shape
+    serves: frozenset[str] = frozenset({"messages"})
+
     def __init__(
         self,
         settings: BackendSettings,

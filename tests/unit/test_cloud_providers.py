@@ -29,8 +29,8 @@ from gateway.errors import (
 )
 from gateway.settings import BackendSettings, Timeouts
 from gateway.settings.model import AwsSettings
-from gateway.wire.chat import Kind
-from gateway.wire.protocols import classify_messages
+from gateway.wire.base import Kind
+from gateway.wire.messages import classify_messages
 from providers.base import UpstreamCall
 from providers.bedrock import (
     THROTTLE_PAUSE,
