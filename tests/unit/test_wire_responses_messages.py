@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gateway.api.routes import protocol_for_path
-from gateway.api.stored import IdRewriter, MintFor, ResponseIds
+from gateway.api.stored import RESPONSE_OBJECT_EVENTS, IdRewriter, MintFor, ResponseIds
 from gateway.errors import FirstTokenTimeout, Overloaded, PayloadTooLarge
 from gateway.wire.base import Kind, RelayOutcome, WireProtocol
 from gateway.wire.messages import (
@@ -209,6 +209,28 @@ def test_the_rewriter_swaps_ids_and_learns_one_it_did_not_see() -> None:
     assert ids.read(minted) == ("p", "b1", "resp_late", b"")
     assert learning(b'{"response":{"id":"resp_late"}}') == (
         b'{"response":{"id":"' + minted.encode() + b'"}}')
+
+
+def test_the_relay_rewrites_only_the_events_that_carry_the_response_object() -> None:
+    """One set lookup per event; the replace runs on created/completed alone, so a delta
+    that happens to mention the upstream id is relayed as it came."""
+    seen: list[bytes] = []
+
+    def rewrite(data: bytes) -> bytes:
+        seen.append(data)
+        return data.replace(b'"resp_up"', b'"resp_ours"')
+
+    encode = named_encoder(RESPONSES, (RESPONSE_OBJECT_EVENTS, rewrite))
+    batch = [
+        SSEEvent(b'{"type":"response.created","response":{"id":"resp_up"}}',
+                 b"response.created"),
+        SSEEvent(b'{"type":"response.output_text.delta","delta":"resp_up"}',
+                 b"response.output_text.delta"),
+        SSEEvent(b'{"type":"response.completed","response":{"id":"resp_up"}}'),  # no name
+    ]
+    out = encode(batch, "req", RelayOutcome())
+    assert out.count(b'"resp_ours"') == 2 and len(seen) == 2
+    assert b'"delta":"resp_up"' in out
 
 
 def test_event_without_name_uses_the_payload_type() -> None:
