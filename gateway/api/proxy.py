@@ -44,7 +44,7 @@ from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.wire.base import RelayOutcome, StreamEnd, WireProtocol
 from gateway.wire.chat import CHAT
-from gateway.wire.named import named_encoder
+from gateway.wire.named import Rewrite, named_encoder
 from gateway.wire.sse import SSEEvent
 from gateway.wire.usage import ask_for_usage, body_usage
 from providers.base import Endpoint, UpstreamCall
@@ -73,9 +73,13 @@ class LogicalRequest:
     path: str | None = None
     query: Mapping[str, str] = field(default_factory=dict)
     forward_headers: Mapping[str, str] = field(default_factory=dict)
-    #: called once at commit with the winner's backend and buffered events (remembers the
-    #: response id of a Responses request)
-    on_commit: Callable[[str, list[SSEEvent]], None] | None = None
+    #: called once at commit with the winner's backend and buffered events; what it returns
+    #: rewrites the named events it lists and a whole body (the Responses API's response id)
+    on_commit: Callable[[str, list[SSEEvent]], Rewrite | None] | None = None
+    #: False for a read of stored state (a stored response, its cancel): its body repeats a
+    #: past generation's usage and its quick answer is no time to first token, so it counts
+    #: no tokens and feeds neither the TTFT quantiles nor the hedge-delay trackers
+    metered: bool = True
 
 
 #: statuses of the one backend holding a stored response that answer the client as they are
@@ -179,7 +183,7 @@ class Proxy:
         start = self.clock()
         pool.inflight_requests += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
-                                 start)
+                                 start, metered=req.metered)
         refusal = None if req.single else hedge_refusal(pool, req)
         deadline = self.deadline(pool, req, start)
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
@@ -195,6 +199,7 @@ class Proxy:
                 refusal is None and not req.single,
                 refusal,
                 excluded,
+                learn=req.metered,
             ),
             self.clock,
         )
@@ -207,8 +212,9 @@ class Proxy:
                 summary.error = "client_disconnected"
                 return AnswerThen(Response(status_code=499), end)
             end.prefix = winner = result.prefix
+            rewrite = None
             if req.on_commit is not None:
-                req.on_commit(result.winner.backend, winner.buffered)
+                rewrite = req.on_commit(result.winner.backend, winner.buffered)
             headers = {
                 **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
                 "x-request-id": req.request_id,
@@ -217,12 +223,15 @@ class Proxy:
             }
             if not req.stream:
                 body = winner.buffered[0].data
-                summary.usage = body_usage(body)
+                if rewrite is not None:
+                    body = rewrite[1](body)
+                if req.metered:
+                    summary.usage = body_usage(body)
                 return AnswerThen(
                     Response(body, media_type="application/json", headers=headers), end
                 )
             return self._streaming_response(pool, req, result, summary, headers, end,
-                                            strip_usage)
+                                            strip_usage, rewrite)
         except GatewayError as exc:
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
@@ -335,6 +344,7 @@ class Proxy:
         headers: dict[str, str],
         end: RequestEnd,
         strip_usage: bool,
+        rewrite: Rewrite | None = None,
     ) -> Response:
         outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
@@ -346,7 +356,7 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
-            encode_batch=named_encoder(protocol) if protocol.ends else None,
+            encode_batch=named_encoder(protocol, rewrite) if protocol.ends else None,
             error_event=protocol.error_event,
         )
 

@@ -104,6 +104,8 @@ class RaceOptions:
     #: backends this request may not use: they do not serve its route, or the request is
     #: pinned to the backend that holds its stored state
     excluded: frozenset[str] = frozenset()
+    #: False: this request's attempt times are not latency samples (a read of stored state)
+    learn: bool = True
 
 
 @dataclass(slots=True)
@@ -382,7 +384,8 @@ class Race:
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()
         record.ttft = now - record.started
-        self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
+        if self.options.learn:
+            self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
 
     def _cancel_all(self) -> None:
         """Cancel every attempt still running, without waiting for it.
