@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.api.asgi import FastRoutes
 from gateway.api.end import AnswerThen
+from gateway.api.inference import errors_of, route
 from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.drain import Drain
 from gateway.errors import (
@@ -180,7 +181,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
     guarded = APIRouter(dependencies=[Depends(guard)] if keyed else [])
     limit = settings.server.max_body_bytes
 
-    async def proxied(request: Request, endpoint: Endpoint, needs: str) -> Response:
+    async def proxied(request: Request, endpoint: Endpoint, needs: str | None) -> Response:
         if keyed:
             await guard(request)
         rid = request_id_of(request)
@@ -201,17 +202,21 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
         req = LogicalRequest(rid, endpoint, body, stream, headers)
         return await proxy.handle(request, pool, req)
 
-    @fast.post(router, "/v1/chat/completions")
+    chat = route("POST", "/v1/chat/completions")
+    legacy = route("POST", "/v1/completions")
+    embed = route("POST", "/v1/embeddings")
+
+    @fast.post(router, chat.path)
     async def chat_completions(request: Request) -> Response:
-        return await proxied(request, "chat/completions", "messages")
+        return await proxied(request, chat.endpoint, chat.prompt)
 
-    @fast.post(router, "/v1/completions")
+    @fast.post(router, legacy.path)
     async def completions(request: Request) -> Response:
-        return await proxied(request, "completions", "prompt")
+        return await proxied(request, legacy.endpoint, legacy.prompt)
 
-    @fast.post(router, "/v1/embeddings")
+    @fast.post(router, embed.path)
     async def embeddings(request: Request) -> Response:
-        return await proxied(request, "embeddings", "input")
+        return await proxied(request, embed.endpoint, embed.prompt)
 
     @guarded.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -270,7 +275,5 @@ def build_ops_router(
 
 def protocol_for_path(path: str) -> WireProtocol:
     """The protocol whose error shape answers a request to `path`, even one no route matched
-    (a 404 under /v1/messages is still read by an Anthropic SDK)."""
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
-        return MESSAGES
-    return CHAT
+    (`gateway.api.inference.errors_of`)."""
+    return MESSAGES if errors_of(path) == "anthropic" else CHAT
