@@ -257,6 +257,9 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # no 307 to the path without its trailing slash: its Location would be built from
+        # the client's own Host header, and a POST body would be sent twice; a 404 instead
+        redirect_slashes=False,
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, live, proxy, fast))

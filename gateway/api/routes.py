@@ -10,7 +10,7 @@ import hashlib
 import hmac
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -64,10 +64,12 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-def error_response(exc: GatewayError, request_id: str, path: str = "") -> JSONResponse:
+def error_response(exc: GatewayError, request_id: str, path: str = "",
+                   extra: Mapping[str, str] | None = None) -> JSONResponse:
     """The error as JSON in the shape of the route it answers (Anthropic's on /v1/messages,
-    OpenAI's elsewhere), with the retry headers the SDKs obey."""
-    headers = {"x-request-id": request_id}
+    OpenAI's elsewhere), with the retry headers the SDKs obey. `extra`: headers the status
+    calls for (a 405's `Allow`)."""
+    headers = {**(extra or {}), "x-request-id": request_id}
     if exc.should_retry is not None:
         headers["x-should-retry"] = "true" if exc.should_retry else "false"
     if exc.retry_after is not None:
@@ -123,7 +125,9 @@ def install_error_handlers(app: FastAPI) -> None:
             error = MethodNotAllowed("method not allowed")
         else:  # the framework refused the request in some other way
             error = InvalidRequest(str(exc.detail))
-        return error_response(error, request_id_of(request), request.url.path)
+        allow = (exc.headers or {}).get("Allow") if exc.status_code == 405 else None
+        return error_response(error, request_id_of(request), request.url.path,
+                              {"allow": allow} if allow else None)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         return error_response(
