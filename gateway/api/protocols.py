@@ -133,7 +133,9 @@ def build_protocol_router(
         if origin is None or pool is None or origin.backend not in pool.providers:
             raise ResponseNotFound(f"no response {response_id[:200]!r} is known to this "
                                    "gateway", param="response_id")
-        query = {k: v for k, v in request.query_params.items() if k in _ITEM_QUERY}
+        # every value of a repeated parameter (`include[]=a&include[]=b`), in order
+        query = tuple((k, v) for k, v in request.query_params.multi_items()
+                      if k in _ITEM_QUERY)
         req = LogicalRequest(
             request_id_of(request), "responses/item", {}, False, headers_of(request),
             protocol=RESPONSES_ITEM, single=True, pinned=origin.backend, method=method,

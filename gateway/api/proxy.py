@@ -72,7 +72,7 @@ class LogicalRequest:
     #: upstream call details beyond the body (method, path, query, passed-through headers)
     method: str = "POST"
     path: str | None = None
-    query: Mapping[str, str] = field(default_factory=dict)
+    query: tuple[tuple[str, str], ...] = ()
     forward_headers: Mapping[str, str] = field(default_factory=dict)
     #: called once at commit with the winner's backend and buffered events (remembers the
     #: response id of a Responses request)
