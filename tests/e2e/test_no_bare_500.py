@@ -248,8 +248,12 @@ def test_a_bug_at_any_step_is_answered_in_the_route_shape_and_releases_everythin
             assert json.loads(last.split("data: ", 1)[1])["type"] == "error"
         else:
             assert json.loads(last.removeprefix("data: "))["error"]["code"] == "internal_error"
-    if step.counted:
+    if step.counted:  # and shown where an operator looks
         assert app.state.stats.internal_errors == before + 1
+        shown = httpx.get(server.url("/hedge/stats"), timeout=5.0, trust_env=False).json()
+        assert shown["internal_errors"] == before + 1
+        metrics = httpx.get(server.url("/metrics"), timeout=5.0, trust_env=False).text
+        assert f"hedge_gateway_internal_errors_total {before + 1}.0" in metrics
     # and the gateway serves the next request as if nothing had happened
     with httpx.Client(base_url=server.base_url, timeout=10.0, trust_env=False) as client:
         again = client.post(path, json={"model": POOL, **body})
