@@ -1,4 +1,4 @@
-"""HTTP endpoints: request checks, the error tree -> OpenAI error JSON (SPEC §3).
+"""HTTP endpoints: request checks, the error tree -> OpenAI error JSON.
 
 Routes know nothing of hedge timing: they read and check the request, find the pool and hand
 a `LogicalRequest` to the proxy.
@@ -146,7 +146,7 @@ Guard = Callable[[Request], Awaitable[None]]
 def make_auth_guard(api_keys: tuple[str, ...], *, x_api_key: bool = False) -> Guard:
     """A dependency that checks the gateway key in constant time; a no-op without keys.
 
-    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so, SPEC §15).
+    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so).
 
     Keys are compared as SHA-256 digests: `compare_digest` is constant-time only for inputs of
     equal length, so comparing the raw strings would tell a prober each key's length. Every
@@ -181,7 +181,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
     guard = make_auth_guard(settings.server.api_keys)
     router = APIRouter()
     # without keys the guard lets everything through: no dependency at all then, since
-    # FastAPI solving one costs about 4 % of a streamed request's CPU (issue 11)
+    # FastAPI solving one costs about 4 % of a streamed request's CPU
     guarded = APIRouter(dependencies=[Depends(guard)] if keyed else [])
     limit = settings.server.max_body_bytes
 
@@ -223,12 +223,17 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
         return await proxied(request, embed.endpoint, embed.prompt)
 
     @guarded.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        """The pools, in OpenAI's list shape, or in Anthropic's when the request carries
+        `anthropic-version` (the Anthropic SDKs and tools send it on every call)."""
+        names = list(live.current.pools)
+        if "anthropic-version" in request.headers:
+            return anthropic_model_list(names)
         return {
             "object": "list",
             "data": [
                 {"id": name, "object": "model", "created": 0, "owned_by": "hedge-gateway"}
-                for name in live.current.pools
+                for name in names
             ],
         }
 
@@ -281,3 +286,12 @@ def protocol_for_path(path: str) -> WireProtocol:
     """The protocol whose error shape answers a request to `path`, even one no route matched
     (`gateway.api.inference.errors_of`)."""
     return MESSAGES if errors_of(path) == "anthropic" else CHAT
+
+
+def anthropic_model_list(names: list[str]) -> dict[str, Any]:
+    """Anthropic's `GET /v1/models` page: every pool on one page. A pool has no creation
+    date, so `created_at` is the epoch, as OpenAI's `created: 0` says the same."""
+    data = [{"type": "model", "id": name, "display_name": name,
+             "created_at": "1970-01-01T00:00:00Z"} for name in names]
+    return {"data": data, "has_more": False,
+            "first_id": names[0] if names else None, "last_id": names[-1] if names else None}

@@ -142,7 +142,7 @@ class PoolRuntime:
         return self.delays if stream else self.whole_delays[endpoint]
 
     def refresh_delays(self, now: float) -> None:
-        """Recompute every hedge delay of the pool (SPEC §5.2: off the request path; the
+        """Recompute every hedge delay of the pool (off the request path; the
         composition root calls this periodically). `quantile: auto` delays first take in the
         budget's recent hedge win rate (see `HedgeDelay.steer`)."""
         win_rate, recorded = self.budget.win_rate(), self.budget.hedges_recorded

@@ -1,23 +1,31 @@
-"""One logical request's race to the first token (SPEC §5).
+"""One logical request's race to the first token.
 
 The race starts the primary, waits for a first token, a failure, the hedge delay or the
-deadline, and starts further attempts under the rules of §5.3 and §5.4. The first attempt
+deadline, and starts further attempts under the hedge and failover rules (docs/hedging.md). The
+first attempt
 to hand back a `Prefix` (its events up to and including the first token) commits; every other
 attempt is cancelled at once. Each attempt task closes its own upstream, shielded from the
 cancellation, so a loser's socket is closed within a loop iteration of the commit. A loser that
 already holds a token (it finished in the same tick as the winner, or before the race picked it
-up) has nothing left to cancel: the race closes its `Prefix` in a task of its own at commit
-(SPEC §18), so the client never waits for it and `close_s` counts it.
+up) has nothing left to cancel: the race closes its `Prefix` in a task of its own at commit, so the
+client never waits for it and `close_s` counts it.
 
 Rules where several things land in one tick (one `asyncio.wait` wake-up):
 - every attempt that finished is accounted for before anything is decided, so none is left
   neither committed nor reaped;
 - a token beats a 400/413/422 from another attempt: the token proves the request is not one
-  that "would fail everywhere", and a fast refusal must not win over a success (§5.4);
+  that "would fail everywhere", and a fast refusal must not win over a success;
 - among several tokens the attempt started first wins.
 
+A complete answer without a token (a runner's `Prefix` marked `empty`: the stream ended
+normally, perhaps with nothing in it) is an answer, not a failure: the race keeps the first
+one and starts nothing more (no hedge, no failover), waits for the attempts still running to
+yield a token (a token beats it: the client gets the text) or to fail, and commits the kept
+answer when none is left, or at the deadline. It counts as a success of its backend, never a
+failure; like a token, it proves the request is not one that would fail everywhere.
+
 The hedge timer: the next hedge is considered one delay after the last hedge check, and a
-failover restarts it with the replacement's delay from the replacement's start (§18). Once
+failover restarts it with the replacement's delay from the replacement's start. Once
 every allowed attempt has started, nothing can start any more: `max_attempts` is counted once
 and the timer stops waking the race.
 
@@ -47,6 +55,7 @@ from gateway.errors import (
 from gateway.hedge.attempt import (
     CANCELLED_AFTER_TOKEN,
     CANCELLED_BEFORE_TOKEN,
+    EMPTY_ANSWER_LOST,
     AttemptKind,
     AttemptRecord,
     Prefix,
@@ -93,7 +102,7 @@ class RaceOptions:
     #: when hedging was refused for this request, the reason counted once (`disabled`)
     refused_reason: SuppressReason | None = None
     #: backends this request may not use: they do not serve its route, or the request is
-    #: pinned to the backend that holds its stored state (SPEC §15)
+    #: pinned to the backend that holds its stored state
     excluded: frozenset[str] = frozenset()
 
 
@@ -112,9 +121,9 @@ class Race:
     _reasons: list[str] = field(default_factory=list)
     _failures: list[UpstreamError] = field(default_factory=list)
     committed: bool = False
-    #: some backend choice of this request ran in panic mode (SPEC §19; counted per pool)
+    #: some backend choice of this request ran in panic mode (counted per pool)
     panic: bool = False
-    #: how many times a failover restarted the hedge timer (§18)
+    #: how many times a failover restarted the hedge timer
     timer_restarts: int = 0
     #: the hedge delay in force (the primary's, then the latest replacement's)
     _delay: float = math.inf
@@ -122,6 +131,8 @@ class Race:
     _next_hedge: float = math.inf
     #: the committed attempt, holding its backend slot until `aclose`
     _streaming: AttemptRecord | None = None
+    #: the first complete answer without a token, relayed if no running attempt yields one
+    _kept: tuple[asyncio.Task[Prefix], AttemptRecord] | None = None
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
@@ -149,6 +160,8 @@ class Race:
                 if result is not None:
                     return result
                 now = self.clock()
+                if self._kept is not None and (not self._tasks or now >= self.options.deadline):
+                    return self._commit(self._kept, [])
                 if now >= self.options.deadline:
                     raise FirstTokenTimeout(self._reasons)
                 if now >= self._next_hedge:
@@ -162,6 +175,7 @@ class Race:
             # a client that left (CancelledError), a 400, a 502 or a 504: no token decided
             # the race, so it says nothing of the hedges' efficacy (only `_commit` feeds it)
             self._cancel_all()
+            self._drop_kept()
             raise
 
     def _record_hedges(self) -> None:
@@ -183,7 +197,10 @@ class Race:
         for task in sorted(done, key=lambda t: self._tasks[t].index):
             record = self._tasks.pop(task)
             if not task.cancelled() and task.exception() is None:
-                winners.append((task, record))  # accounted for in `_commit`
+                if task.result().empty:
+                    self._keep(task, record)
+                else:
+                    winners.append((task, record))  # accounted for in `_commit`
                 continue
             self._finished(record)
             if task.cancelled():  # not by us (we pop before cancelling): count it as failed
@@ -208,6 +225,8 @@ class Race:
             except BaseException:
                 self._drop_uncommitted(winners)
                 raise
+        if self._kept is not None:  # an answer is in hand: nothing to replace, no 4xx to give
+            return None
         if rejected is not None:
             raise rejected
         now = self.clock()
@@ -215,6 +234,24 @@ class Race:
             if now < self.options.deadline:
                 self._try_extra("failover", now)
         return None
+
+    def _keep(self, task: asyncio.Task[Prefix], record: AttemptRecord) -> None:
+        """A complete answer without a token: a success of its backend, at its own time.
+
+        The first one is kept for relay; any later one is closed at once (the kept answer
+        is as good). Once one is kept, no hedge starts any more."""
+        now = self.clock()
+        record.empty = True
+        self.pool.balancer.on_success(record.backend, now)
+        self._observe(record, censored=False)
+        self._next_hedge = math.inf
+        if self._kept is None:
+            self._kept = (task, record)
+            return
+        self._finished(record)
+        record.outcome = "lost"
+        record.reason = EMPTY_ANSWER_LOST
+        self._close_prefix(task, record, now)
 
     def _commit(
         self,
@@ -230,8 +267,15 @@ class Race:
         if record.spent_budget:
             self.pool.budget.release()
         self._streaming = record
-        self.pool.balancer.on_success(record.backend, now)
-        self._observe(record, censored=False)
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[1] is not record:  # a token beat the kept empty answer
+            self._finished(kept[1])
+            kept[1].outcome = "lost"
+            kept[1].reason = EMPTY_ANSWER_LOST
+            self._close_prefix(kept[0], kept[1], now)
+        if kept is None or kept[1] is not record:  # a kept answer was observed when kept
+            self.pool.balancer.on_success(record.backend, now)
+            self._observe(record, censored=False)
         for loser, loser_record in same_tick:  # a real TTFT, but it lost: close it now
             self._finished(loser_record)
             loser_record.outcome = "lost"
@@ -262,9 +306,9 @@ class Race:
             self._close_prefix(task, record, now)
 
     def _try_extra(self, kind: AttemptKind, now: float) -> None:
-        """Start a hedge or a failover if §5.3 allows it; else count why not.
+        """Start a hedge or a failover if the hedge rules allow it; else count why not.
 
-        A failover that starts restarts the hedge timer with the replacement's delay (§18).
+        A failover that starts restarts the hedge timer with the replacement's delay.
         `max_attempts` is final (attempts only ever grow): it is counted once per request and
         the hedge timer stops, so the race no longer wakes up for hedges."""
         reason = self._start_extra(kind, now)
@@ -353,10 +397,10 @@ class Race:
     ) -> str | None:
         """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
         never a backend this request may not use (`RaceOptions.excluded`)."""
-        self.panic = self.panic or self.pool.balancer.panic(now)
-        if self.options.excluded:
-            exclude = {*exclude, *self.options.excluded}
-        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft)
+        outside = self.options.excluded
+        self.panic = self.panic or self.pool.balancer.panic(now, outside=outside)
+        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft,
+                                       outside=outside)
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()
@@ -364,7 +408,7 @@ class Race:
         self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
 
     def _cancel_all(self) -> None:
-        """Cancel every attempt still running, without waiting for it (SPEC §5.5).
+        """Cancel every attempt still running, without waiting for it.
 
         For the stats, each cancelled record gets a `reason` saying whether the attempt had
         already found its token (its task finished in the same tick, not yet picked up), and
@@ -387,6 +431,16 @@ class Race:
                 task.add_done_callback(_close_timer(record, self.clock, cancelled_at))
             self._losers.append(task)
         self._tasks.clear()
+
+    def _drop_kept(self) -> None:
+        """The race ended without relaying its kept answer (the client left): close it."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            task, record = kept
+            self._finished(record)
+            record.outcome = "cancelled"
+            record.reason = CANCELLED_AFTER_TOKEN  # it held its (empty) answer
+            self._close_prefix(task, record, self.clock())
 
     def _close_prefix(
         self, task: asyncio.Task[Prefix], record: AttemptRecord, cancelled_at: float

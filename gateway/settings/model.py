@@ -7,7 +7,8 @@ field here (and a line to config/full-reference.yaml, which a test holds to this
 Rules that span fields live in `_rules`, so an object built in code obeys them as a loaded one
 does; defaults that depend on other fields live in `_complete`.
 
-Durations are seconds as floats. Defaults are the ones SPEC §5-§8 names. Provider keys are kept
+Durations are seconds as floats. Defaults are documented in docs/configuration.md. Provider keys
+are kept
 out of every `repr` so a settings object can be logged without leaking them. Attribute access is
 plain (slots), since the request path reads these per request.
 """
@@ -29,13 +30,13 @@ _probability = cv.number(0, 1)
 
 @dataclass(frozen=True, slots=True)
 class DelaySettings(Checked):
-    """How long the race waits for a first token before it starts a hedge (SPEC §5.2)."""
+    """How long the race waits for a first token before it starts a hedge."""
 
     mode: Literal["adaptive", "fixed"] = field(default="adaptive", metadata=scalar(
         cv.choice(("adaptive", "fixed")), "adaptive: a quantile of recent TTFT; fixed: `value`"))
     quantile: float | Literal["auto"] = field(default="auto", metadata=scalar(
         cv.auto_or_fraction(),
-        "auto: follow the hedge rate the budget pays for (SPEC §20); a number strictly "
+        "auto: follow the hedge rate the budget pays for; a number strictly "
         "between 0 and 1 pins the quantile"))
     min: float = field(default=0.050, metadata=scalar(
         cv.duration(zero=True), "lower clamp of the adaptive delay (0 allowed)"))
@@ -57,7 +58,7 @@ class DelaySettings(Checked):
 
 @dataclass(frozen=True, slots=True)
 class BudgetSettings(Checked):
-    """The token bucket that caps extra attempts (SPEC §6)."""
+    """The token bucket that caps extra attempts."""
 
     ratio: float = field(default=0.1, metadata=scalar(
         cv.number(0), "tokens deposited per request: extra attempts stay near this share"))
@@ -66,7 +67,8 @@ class BudgetSettings(Checked):
     min_per_second: float = field(default=0.5, metadata=scalar(
         cv.number(0), "reserve refill per second, so quiet pools can hedge"))
     min_win_rate: float = field(default=0.15, metadata=scalar(
-        _probability, "below this hedge win rate (0..1) hedges are probes only"))
+        _probability, "when the hedge win rate (0..1) is below this with 95 % confidence, "
+        "hedges are probes only"))
     win_window: int = field(default=20, metadata=scalar(
         cv.integer(20), "how many recent hedge outcomes the win rate is computed over"))
     probe_interval: float = field(default=5.0, metadata=scalar(
@@ -89,7 +91,7 @@ class HedgingSettings(Checked):
 
 @dataclass(frozen=True, slots=True)
 class Timeouts(Checked):
-    """SPEC §8 limits, per pool."""
+    """The request limits and deadlines, per pool."""
 
     connect: float = field(default=2.0, metadata=scalar(
         cv.duration(), "TCP+TLS connect to an upstream"))
@@ -104,7 +106,7 @@ class Timeouts(Checked):
 
 @dataclass(frozen=True, slots=True)
 class HealthSettings(Checked):
-    """Ejection after consecutive failures, with a growing cool-down (SPEC §7)."""
+    """Ejection after consecutive failures, with a growing cool-down."""
 
     eject_after: int = field(default=5, metadata=scalar(
         cv.integer(1), "consecutive failures before a backend is ejected"))
@@ -113,10 +115,10 @@ class HealthSettings(Checked):
     max_cooldown: float = field(default=60.0, metadata=scalar(
         cv.duration(), "the longest ejection; cooldown <= max_cooldown"))
     max_pause: float = field(default=30.0, metadata=scalar(
-        cv.duration(), "the longest a Retry-After keeps a backend out of selection (SPEC §19)"))
+        cv.duration(), "the longest a Retry-After keeps a backend out of selection"))
     panic_below: float = field(default=0.5, metadata=scalar(
         _probability, "below this share (by weight) of usable backends, a request may go to "
-        "paused or ejected ones too (0: never; SPEC §19)"))
+        "paused or ejected ones too (0: never)"))
 
     def _rules(self, at: At) -> Iterator[str]:
         if self.cooldown > self.max_cooldown:
@@ -125,7 +127,7 @@ class HealthSettings(Checked):
 
 @dataclass(frozen=True, slots=True)
 class SimProfile(Checked):
-    """What a simulated backend does (SPEC §13). Times in seconds."""
+    """What a simulated backend does. Times in seconds."""
 
     ttft_median: float = field(default=0.15, metadata=scalar(
         cv.duration(zero=True), "time to first token: lognormal with this median"))
@@ -153,7 +155,7 @@ class SimProfile(Checked):
 
 @dataclass(frozen=True, slots=True)
 class TlsSettings(Checked):
-    """How the gateway checks an upstream's certificate (SPEC §15)."""
+    """How the gateway checks an upstream's certificate."""
 
     verify: bool = field(default=True, metadata=scalar(
         cv.boolean, "false: do not check the certificate (testing only)"))
@@ -165,8 +167,47 @@ class TlsSettings(Checked):
             yield f"{at('ca_file')}: no such file"
 
 
-#: how each provider sends `api_key` unless `auth` says otherwise
-DEFAULT_AUTH = {"openai": "bearer", "anthropic": "x-api-key", "sim": "none"}
+@dataclass(frozen=True, slots=True)
+class AwsSettings(Checked):
+    """AWS credentials of a bedrock backend; without them, botocore's standard chain."""
+
+    access_key_id: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.secret, "with secret_access_key; empty or null (both): the standard chain "
+        "(environment, profile files, web identity). Never logged"))
+    secret_access_key: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.secret, "the secret of access_key_id; never logged, never printed"))
+    session_token: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.secret, "for temporary credentials; empty or null: none. Never logged"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            yield (f"{at('access_key_id')}: access_key_id and secret_access_key go together "
+                   "(both empty: the standard credential chain)")
+        elif self.session_token is not None and self.access_key_id is None:
+            yield f"{at('session_token')}: needs access_key_id and secret_access_key"
+
+
+@dataclass(frozen=True, slots=True)
+class GoogleSettings(Checked):
+    """Google credentials of a vertex backend; without a file, the metadata server."""
+
+    credentials_file: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.nonempty_text), "a service-account JSON key file; null: the "
+        "metadata server (GCE, GKE, Cloud Run)"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if self.credentials_file is not None and not os.path.isfile(self.credentials_file):
+            yield f"{at('credentials_file')}: no such file"
+
+
+#: how each provider sends `api_key` unless `auth` says otherwise (bedrock signs its requests
+#: with AWS credentials, vertex sends a Google OAuth token: neither takes an api_key)
+DEFAULT_AUTH = {"openai": "bearer", "anthropic": "x-api-key", "sim": "none",
+                "bedrock": "none", "vertex": "none"}
+#: the body's `anthropic_version` of the cloud providers, unless the backend sets its own
+CLOUD_ANTHROPIC_VERSIONS = {"bedrock": "bedrock-2023-05-31", "vertex": "vertex-2023-10-16"}
+#: providers that find their upstream from `region` (and `project`), not from `base_url`
+CLOUD_PROVIDERS = ("bedrock", "vertex")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,18 +216,30 @@ class BackendSettings(Checked):
 
     name: str = field(metadata=scalar(cv.name, "unique within the pool; same characters as "
                                      "pool names"))
-    provider: Literal["openai", "anthropic", "sim"] = field(default="openai", metadata=scalar(
-        cv.choice(("openai", "anthropic", "sim")),
-        "openai: any OpenAI-compatible HTTP API (chat, completions, embeddings, responses); "
-        "anthropic: the Messages API; sim: the built-in simulator (every route)"))
+    provider: Literal["openai", "anthropic", "bedrock", "vertex", "sim"] = field(
+        default="openai", metadata=scalar(
+            cv.choice(("openai", "anthropic", "bedrock", "vertex", "sim")),
+            "openai: any OpenAI-compatible HTTP API (chat, completions, embeddings, "
+            "responses); anthropic: the Messages API; bedrock, vertex: Claude's Messages on "
+            "AWS Bedrock and Google Vertex AI; sim: the built-in simulator (every route)"))
     #: "" until the pool fills in its own name (`PoolSettings._complete`)
     model: str = field(default="", metadata=scalar(
         cv.nonempty_text, "the model name sent upstream; default: the pool name",
         default_shown=False))
     base_url: str | None = field(default=None, metadata=scalar(
         cv.optional(cv.http_url), "required for openai and anthropic: http(s), no user:pass@, "
-        "no query; openai appends /chat/completions, anthropic /v1/messages",
+        "no query; openai appends /chat/completions, anthropic /v1/messages; bedrock and "
+        "vertex derive it from region", default_shown=False))
+    region: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.cloud_region), "bedrock and vertex (required): us-east-1, "
+        "europe-west1, global (vertex)", default_shown=False))
+    project: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.cloud_project), "vertex (required): the Google Cloud project id",
         default_shown=False))
+    aws: AwsSettings | None = field(default=None, metadata=section(
+        AwsSettings, "bedrock's AWS credentials; absent: the standard chain"))
+    google: GoogleSettings | None = field(default=None, metadata=section(
+        GoogleSettings, "vertex's Google credentials; absent: the metadata server"))
     api_key: str | None = field(default=None, repr=False, metadata=scalar(
         cv.secret, "sent as `auth` says; empty or null: none. Never logged, never printed"))
     auth: Literal["bearer", "api-key", "x-api-key", "none"] | None = field(
@@ -194,8 +247,11 @@ class BackendSettings(Checked):
             cv.optional(cv.choice(("bearer", "api-key", "x-api-key", "none"))),
             "how api_key is sent: bearer (openai's default), api-key (classic Azure), "
             "x-api-key (anthropic's default), none", default_shown=False))
-    anthropic_version: str = field(default="2023-06-01", metadata=scalar(
-        cv.version, "the anthropic-version header (provider anthropic)"))
+    #: "" until `_complete` fills in the provider's own default
+    anthropic_version: str = field(default="", metadata=scalar(
+        cv.version, "anthropic: the anthropic-version header (default 2023-06-01); bedrock, "
+        "vertex: the body's anthropic_version (default bedrock-2023-05-31, "
+        "vertex-2023-10-16)", default_shown=False))
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
         cv.headers, "static request headers {name: value}; ${VAR} allowed; never logged"))
     query: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
@@ -221,7 +277,18 @@ class BackendSettings(Checked):
     json_rules: ClassVar[dict[str, object]] = {
         "if": {"properties": {"provider": {"const": "sim"}}, "required": ["provider"]},
         "then": {"not": {"anyOf": [{"required": ["base_url"]}, {"required": ["api_key"]}]}},
-        "else": {"required": ["base_url"], "not": {"required": ["sim"]}},
+        "else": {
+            "not": {"required": ["sim"]},
+            "if": {"properties": {"provider": {"enum": list(CLOUD_PROVIDERS)}},
+                   "required": ["provider"]},
+            "then": {
+                "required": ["region"],
+                "if": {"properties": {"provider": {"const": "vertex"}}},
+                "then": {"required": ["project"]},
+                "else": {},
+            },
+            "else": {"required": ["base_url"]},
+        },
     }
 
     def _complete(self) -> None:
@@ -229,6 +296,9 @@ class BackendSettings(Checked):
             self._set("sim", SimProfile())
         if self.auth is None:
             self._set("auth", DEFAULT_AUTH[self.provider])
+        if not self.anthropic_version:
+            self._set("anthropic_version",
+                      CLOUD_ANTHROPIC_VERSIONS.get(self.provider, "2023-06-01"))
 
     def _rules(self, at: At) -> Iterator[str]:
         if self.provider in ("openai", "anthropic"):
@@ -241,6 +311,26 @@ class BackendSettings(Checked):
                 yield f"{at('base_url')}: not used by provider sim"
             if self.api_key is not None:
                 yield f"{at('api_key')}: not used by provider sim"
+        else:
+            yield from self._cloud_rules(at)
+        # the keys of one provider on another are a mistake, never silently ignored
+        owners = {"region": CLOUD_PROVIDERS, "project": ("vertex",), "aws": ("bedrock",),
+                  "google": ("vertex",)}
+        for key, providers in owners.items():
+            if getattr(self, key) is not None and self.provider not in providers:
+                yield f"{at(key)}: only used by provider {' and '.join(providers)}"
+
+    def _cloud_rules(self, at: At) -> Iterator[str]:
+        """bedrock and vertex: located by region (and project), credentials of their own."""
+        if self.region is None:
+            yield f"{at('region')}: required"
+        if self.provider == "vertex" and self.project is None:
+            yield f"{at('project')}: required"
+        if self.api_key is not None:
+            credentials = "aws" if self.provider == "bedrock" else "google"
+            yield f"{at('api_key')}: not used by provider {self.provider} (see `{credentials}`)"
+        if self.sim is not None:
+            yield f"{at('sim')}: only used by provider sim"
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,13 +342,13 @@ class PoolSettings(Checked):
     backends: tuple[BackendSettings, ...] = field(metadata=items(
         BackendSettings, "backend", "the upstreams; at least one, names unique in the pool"))
     timeout: float = field(default=60.0, metadata=scalar(
-        cv.duration(), "the request deadline; all attempts share it (SPEC §5.6)"))
+        cv.duration(), "the request deadline; all attempts share it"))
     timeouts: Timeouts = field(default_factory=Timeouts, metadata=section(
-        Timeouts, "limits of one upstream attempt and of the client stream (SPEC §8)"))
+        Timeouts, "limits of one upstream attempt and of the client stream"))
     hedging: HedgingSettings = field(default_factory=HedgingSettings, metadata=section(
         HedgingSettings, "when and how often this pool sends extra attempts"))
     health: HealthSettings = field(default_factory=HealthSettings, metadata=section(
-        HealthSettings, "ejection of failing backends (SPEC §7)"))
+        HealthSettings, "ejection of failing backends"))
 
     def _complete(self) -> None:
         if any(not backend.model for backend in self.backends):
@@ -273,7 +363,7 @@ class PoolSettings(Checked):
 
 @dataclass(frozen=True, slots=True)
 class TracingSettings(Checked):
-    """OpenTelemetry traces (SPEC §17); off unless this or the OTEL_* variables say otherwise."""
+    """OpenTelemetry traces; off unless this or the OTEL_* variables say otherwise."""
 
     exporter: Literal["env", "none", "console", "otlp"] = field(default="env", metadata=scalar(
         cv.choice(("env", "none", "console", "otlp")),
@@ -309,14 +399,14 @@ class ServerSettings(Checked):
         cv.duration(zero=True), "on SIGTERM, how long live streams may run before a final "
         "error event"))
     body_timeout: float = field(default=30.0, metadata=scalar(
-        cv.duration(), "a request whose head and body take longer to arrive gets 408 (SPEC §18)"))
+        cv.duration(), "a request whose head and body take longer to arrive gets 408"))
     max_connections: int = field(default=4096, metadata=scalar(
-        cv.integer(1), "open client connections; a new one past this gets 503 (SPEC §18)"))
+        cv.integer(1), "open client connections; a new one past this gets 503"))
     workers: int = field(default=1, metadata=scalar(
         cv.integer(1, 256), "processes accepting on the address, each with its own races, "
-        "budget (burst / workers) and sketches; stats show the whole server (SPEC §16)"))
+        "budget (burst / workers) and sketches; stats show the whole server"))
     tracing: TracingSettings = field(default_factory=TracingSettings, metadata=section(
-        TracingSettings, "OpenTelemetry traces of each race (SPEC §17)"))
+        TracingSettings, "OpenTelemetry traces of each race"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Counters and sketches behind `/hedge/stats` and `/metrics` (SPEC §9, §10). Pure.
+"""Counters and sketches behind `/hedge/stats` and `/metrics`. Pure.
 
 Fed once per logical request with a `RequestSummary` when the request has fully ended (winner
 closed, losers reaped), so nothing here runs per event. No I/O, no asyncio: the time of a
@@ -35,7 +35,7 @@ from gateway.stats.summary import RequestSummary
 from gateway.wire.base import ERROR_ENDS, StreamEnd
 from providers.base import ENDPOINTS
 
-#: the values a `route` label takes (SPEC §15): the API paths below /v1/
+#: the values a `route` label takes: the API paths below /v1/
 ROUTES: tuple[str, ...] = ENDPOINTS
 
 if TYPE_CHECKING:
@@ -278,6 +278,7 @@ class Stats:
         outcome = request_class(summary, self.error_classes)
         pc[f"outcome.{outcome}"] += 1
         pc["panic"] += summary.panic
+        pc["empty_answers"] += winner is not None and winner.empty
         self.races.add(summary, outcome)
         pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:
@@ -355,6 +356,6 @@ def latency_saved(summary: RequestSummary) -> float | None:
     if winner is None or winner.kind != "hedge" or summary.committed_at is None or not attempts:
         return None
     primary = attempts[0]
-    if primary.kind != "primary" or primary.outcome != "lost":
-        return None
+    if primary.kind != "primary" or primary.outcome != "lost" or primary.empty:
+        return None  # (a primary that had answered, empty, was not slow: nothing was saved)
     return max(0.0, summary.committed_at - primary.started)

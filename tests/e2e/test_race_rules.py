@@ -1,11 +1,11 @@
-"""SPEC §5 and §6 rules that only a real race shows: two or three scripted loopback upstreams,
+"""The race rules that only a real race shows: two or three scripted loopback upstreams,
 the gateway under uvicorn, the official OpenAI SDK as the client.
 
-- non-streaming requests and embeddings are hedged (§4, §5);
-- the adaptive delay, learned from real TTFTs, decides when the hedge starts (§5.2);
+- non-streaming requests and embeddings are hedged;
+- the adaptive delay, learned from real TTFTs, decides when the hedge starts;
 - each suppression reason (`deadline`, `no_backend`, `budget`, `ineffective`) is counted in
-  /hedge/stats by a real race (§5.3, §6);
-- at most max(3, 0.2 x in-flight requests) extra attempts are in flight at once (§6).
+  /hedge/stats by a real race;
+- at most max(3, 0.2 x in-flight requests) extra attempts are in flight at once.
 
 Assertions are on order and causality (which attempt arrived, what was held when), never on
 how fast something was. Every test ends with the automatic leak check.
@@ -23,6 +23,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.hedge.budget import wilson_upper
 from gateway.settings import BudgetSettings, DelaySettings, Settings
 from tests.harness import (
     DONE,
@@ -327,14 +328,17 @@ def by_request_id(first: Script, later: Script) -> Responder:
 def test_ineffective_once_a_window_of_hedges_has_lost(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
-    """Every hedge loses (primaries answer at 0.12 s, hedges at 3 s): after `win_window`
-    (20) lost hedges the guard lets one probe through per `probe_interval`, and the next
-    hedge is suppressed as `ineffective`."""
+    """Every hedge loses (primaries answer at 0.12 s, hedges at 3 s): once the lost hedges
+    are evidence of a win rate under `min_win_rate` (16 straight losses) the guard lets one
+    probe through per `probe_interval`, and the next hedge is suppressed as `ineffective`."""
     budget = BudgetSettings(ratio=1.0, burst=100.0)
     responder = by_request_id(stream_script(["p"], ttft=0.12), slow("h", 3.0))
     gateway, _ = start(loop_thread, scripted_upstream, responder, delay=0.03, budget=budget)
     pool = gateway.app.state.pools[POOL]
-    for _ in range(budget.win_window + 1):  # 20 lost hedges, then the probe
+    losses = next(n for n in range(1, budget.win_window + 1)
+                  if wilson_upper(0, n) < budget.min_win_rate)
+    assert losses == 16
+    for _ in range(losses + 1):  # the lost hedges, then the probe
         assert stream_text(gateway)[0] == "p"
     assert pool.budget.ineffective(time.monotonic())
     assert suppressed(gateway).get("ineffective", 0) == 0
@@ -343,7 +347,7 @@ def test_ineffective_once_a_window_of_hedges_has_lost(
     assert settled(gateway, "ineffective")["ineffective"] >= 1
 
 
-# --- §6: at most max(3, 0.2 x in-flight) extra attempts at once --------------------------
+# --- the budget: at most max(3, 0.2 x in-flight) extra attempts at once --------------------------
 
 
 def test_extra_attempts_in_flight_are_capped_by_the_in_flight_requests(
