@@ -259,3 +259,23 @@ def test_a_bug_at_any_step_is_answered_in_the_route_shape_and_releases_everythin
         again = client.post(path, json={"model": POOL, **body})
     assert again.status_code == 200, again.text
     _wait_released(app)
+
+
+def test_a_bug_on_a_framework_route_is_answered_in_its_shape(
+    asgi_server: AsgiServerFactory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stored-response operations are routed by the framework (their path has the id),
+    not by the fast path: a bug there is answered by the same rule."""
+    app = create_app(settings(), seed=1)
+    server = asgi_server(app)
+    HITS.clear()
+    monkeypatch.setattr("gateway.api.stored.ResponseDirectory.find", _raise)
+    with httpx.Client(base_url=server.base_url, timeout=10.0, trust_env=False) as client:
+        reply = client.get("/v1/responses/resp_1")
+    monkeypatch.undo()
+    assert HITS
+    assert reply.status_code == 500, reply.text
+    assert reply.headers["content-type"].startswith("application/json")
+    check_shape(reply.json(), "openai", 500)
+    assert app.state.stats.internal_errors == 1
+    _wait_released(app)
