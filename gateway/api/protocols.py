@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
+from gateway.api.inference import route
 from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.api.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
 from gateway.api.stored import (
@@ -170,7 +171,9 @@ def build_protocol_router(
         if ref is None or pool is None:
             raise ResponseNotFound(f"no response {response_id[:200]!r} is known to this "
                                    "gateway", param="response_id")
-        query = {k: v for k, v in request.query_params.items() if k in _ITEM_QUERY}
+        # every value of a repeated parameter (`include[]=a&include[]=b`), in order
+        query = tuple((k, v) for k, v in request.query_params.multi_items()
+                      if k in _ITEM_QUERY)
         rewrite: Rewrite = (RESPONSE_OBJECT_EVENTS,
                             IdRewriter([(ref.upstream_id, response_id)]))
         req = LogicalRequest(
@@ -181,34 +184,42 @@ def build_protocol_router(
         )
         return await proxy.handle(request, pool, req)
 
-    @fast.post(router, "/v1/responses")
+    create = route("POST", "/v1/responses")
+    retrieve = route("GET", "/v1/responses/{response_id}")
+    delete = route("DELETE", "/v1/responses/{response_id}")
+    cancel = route("POST", "/v1/responses/{response_id}/cancel")
+    items = route("GET", "/v1/responses/{response_id}/input_items")
+    messages_route = route("POST", "/v1/messages")
+    count = route("POST", "/v1/messages/count_tokens")
+
+    @fast.post(router, create.path)
     async def responses(request: Request) -> Response:
-        return await inference(request, "responses", RESPONSES, None, bearer)
+        return await inference(request, create.endpoint, RESPONSES, create.prompt, bearer)
 
-    @router.get("/v1/responses/{response_id}", dependencies=[Depends(bearer)])
+    @router.get(retrieve.path, dependencies=[Depends(bearer)])
     async def get_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, "GET", "")
+        return await stored(request, response_id, retrieve.method, "")
 
-    @router.delete("/v1/responses/{response_id}", dependencies=[Depends(bearer)])
+    @router.delete(delete.path, dependencies=[Depends(bearer)])
     async def delete_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, "DELETE", "")
+        return await stored(request, response_id, delete.method, "")
 
-    @router.post("/v1/responses/{response_id}/cancel", dependencies=[Depends(bearer)])
+    @router.post(cancel.path, dependencies=[Depends(bearer)])
     async def cancel_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, "POST", "/cancel")
+        return await stored(request, response_id, cancel.method, "/cancel")
 
-    @router.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(bearer)])
+    @router.get(items.path, dependencies=[Depends(bearer)])
     async def input_items(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, "GET", "/input_items")
+        return await stored(request, response_id, items.method, "/input_items")
 
-    @fast.post(router, "/v1/messages")
+    @fast.post(router, messages_route.path)
     async def messages(request: Request) -> Response:
-        return await inference(request, "messages", MESSAGES, "messages", either)
+        return await inference(request, messages_route.endpoint, MESSAGES,
+                               messages_route.prompt, either)
 
-    @fast.post(router, "/v1/messages/count_tokens")
+    @fast.post(router, count.path)
     async def count_tokens(request: Request) -> Response:
-        return await inference(request, "messages/count_tokens", COUNT_TOKENS, "messages",
-                               either)
+        return await inference(request, count.endpoint, COUNT_TOKENS, count.prompt, either)
 
     return router
 

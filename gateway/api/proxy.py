@@ -23,12 +23,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway.api.end import AnswerThen, RequestEnd
+from gateway.api.end import AnswerThen, RequestEnd, report_bug
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
 from gateway.errors import (
     GatewayError,
+    InternalError,
     Overloaded,
     RouteNotServed,
     UpstreamRejectedRequest,
@@ -71,7 +72,7 @@ class LogicalRequest:
     #: upstream call details beyond the body (method, path, query, passed-through headers)
     method: str = "POST"
     path: str | None = None
-    query: Mapping[str, str] = field(default_factory=dict)
+    query: tuple[tuple[str, str], ...] = ()
     forward_headers: Mapping[str, str] = field(default_factory=dict)
     #: called once at commit with the winner's backend and buffered events; what it returns
     #: rewrites the named events it lists and a whole body (the Responses API's response id)
@@ -184,27 +185,23 @@ class Proxy:
         pool.inflight_requests += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start, metered=req.metered)
-        refusal = None if req.single else hedge_refusal(pool, req)
-        deadline = self.deadline(pool, req, start)
-        upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
-        trace = None if self.tracing is None else self.tracing.start(
-            req.headers, pool.settings.name, req.endpoint)
-        race = Race(
-            pool,
-            self._runner(pool, req if upstream_body is req.body else
-                         dataclasses.replace(req, body=upstream_body), deadline, trace),
-            RaceOptions(
-                deadline,
-                pool.delays_for(req.endpoint, req.stream),
-                refusal is None and not req.single,
-                refusal,
-                excluded,
-                learn=req.metered,
-            ),
-            self.clock,
-        )
-        end = RequestEnd(pool, race, summary, leave=self.admission.leave, stats=self.stats,
-                         clock=self.clock, trace=trace)
+        try:
+            race, end, strip_usage = self._prepare(request, pool, req, summary, excluded)
+        except BaseException as exc:  # nothing owns the request's end yet: give back here
+            pool.inflight_requests -= 1
+            self.admission.leave()
+            if not isinstance(exc, Exception):
+                raise
+            error = exc if isinstance(exc, GatewayError) else InternalError.of(exc)
+            if not isinstance(exc, GatewayError):
+                report_bug(self.stats, exc)
+            summary.error = error.code or type(error).__name__
+            summary.ended = self.clock()
+            self.stats.record(summary)
+            log_request(summary, self.stats.error_classes)
+            if error is exc:
+                raise
+            raise error from exc
         try:
             result = await self._race_or_disconnect(race, request.receive, end)
             summary.attach(race.attempts, race.suppressed, result)
@@ -237,9 +234,47 @@ class Proxy:
             summary.error = exc.code or type(exc).__name__
             exc.after_response = end  # the error handler answers, then ends the request
             raise
+        except Exception as exc:  # a bug of ours: answered in the route's shape all the same
+            report_bug(self.stats, exc)
+            if summary.winner is None:
+                summary.attach(race.attempts, race.suppressed, None)
+            summary.error = InternalError.code
+            error = InternalError.of(exc)
+            error.after_response = end
+            raise error from exc
         except BaseException:
             await end()  # no response will carry the end (a bug of ours, a cancellation)
             raise
+
+    def _prepare(
+        self, request: Request, pool: PoolRuntime, req: LogicalRequest,
+        summary: RequestSummary, excluded: frozenset[str],
+    ) -> tuple[Race, RequestEnd, bool]:
+        """The race of an admitted request, the owner of its end, and whether the usage the
+        gateway asked for is to be dropped from the stream."""
+        start = summary.started
+        refusal = None if req.single else hedge_refusal(pool, req)
+        deadline = self.deadline(pool, req, start)
+        upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
+        trace = None if self.tracing is None else self.tracing.start(
+            req.headers, pool.settings.name, req.endpoint)
+        race = Race(
+            pool,
+            self._runner(pool, req if upstream_body is req.body else
+                         dataclasses.replace(req, body=upstream_body), deadline, trace),
+            RaceOptions(
+                deadline,
+                pool.delays_for(req.endpoint, req.stream),
+                refusal is None and not req.single,
+                refusal,
+                excluded,
+                learn=req.metered,
+            ),
+            self.clock,
+        )
+        end = RequestEnd(pool, race, summary, leave=self.admission.leave, stats=self.stats,
+                         clock=self.clock, trace=trace)
+        return race, end, strip_usage
 
     def _runner(
         self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
@@ -378,6 +413,9 @@ class Proxy:
             on_close=finish,
             clock=self.clock,
             client_gone=end.watcher,
+            internal_event=protocol.error_event(
+                "internal error", InternalError.code, req.request_id
+            ),
         )
 
 def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:

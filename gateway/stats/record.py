@@ -241,6 +241,9 @@ class Stats:
         self.failure_codes = failure_codes()
         #: summaries for a pool not in the layout (a bug elsewhere; never a new key)
         self.unrecorded = 0
+        #: exceptions of ours on the request path, each answered with a 500 in the route's
+        #: shape (those of an admitted request are its error class `internal_error` too)
+        self.internal_errors = 0
         #: the last races, for the dashboard's timeline
         self.races = RecentRaces(now)
 
