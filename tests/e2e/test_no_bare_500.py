@@ -269,7 +269,7 @@ def test_a_bug_on_a_framework_route_is_answered_in_its_shape(
     app = create_app(settings(), seed=1)
     server = asgi_server(app)
     HITS.clear()
-    monkeypatch.setattr("gateway.api.stored.ResponseDirectory.find", _raise)
+    monkeypatch.setattr("gateway.api.stored.ResponseIds.read", _raise)
     with httpx.Client(base_url=server.base_url, timeout=10.0, trust_env=False) as client:
         reply = client.get("/v1/responses/resp_1")
     monkeypatch.undo()
