@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.api.asgi import FastRoutes, GatewayAPI
+from gateway.api.browser import BrowserGuard
 from gateway.api.protocols import build_protocol_router
 from gateway.api.proxy import Proxy
 from gateway.api.routes import (
@@ -249,6 +250,9 @@ def create_app(
     app = GatewayAPI(
         fast=fast,
         on_error=gateway_error_response,
+        browser=BrowserGuard(listen_host=settings.server.host,
+                             allowed_origins=settings.server.allowed_origins,
+                             allowed_hosts=settings.server.allowed_hosts),
         title="hedge-gateway",
         lifespan=lifespan,
         docs_url=None,

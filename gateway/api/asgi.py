@@ -29,7 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError
+from gateway.api.browser import BrowserGuard
+from gateway.errors import ForbiddenOrigin, GatewayError
 
 #: a route's handler: the request in, the response out (it may raise a `GatewayError`)
 Handler = Callable[[Request], Awaitable[Response]]
@@ -58,13 +59,22 @@ class FastRoutes:
 class GatewayAPI(FastAPI):
     """FastAPI, plus the shortcut for the routes of a `FastRoutes` table."""
 
-    def __init__(self, *, fast: FastRoutes, on_error: OnError, **kwargs: Any) -> None:
+    def __init__(self, *, fast: FastRoutes, on_error: OnError,
+                 browser: BrowserGuard | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._fast = fast.handlers
         self._on_error = on_error
+        self._browser = browser
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if self._browser is not None:  # before any route: see `gateway.api.browser`
+                why = self._browser.refusal(scope["headers"], scope.get("scheme", "http"))
+                if why is not None:
+                    scope["app"] = self
+                    request = Request(scope, receive)
+                    await self._on_error(request, ForbiddenOrigin(why))(scope, receive, send)
+                    return
             handler = self._fast.get((scope["method"], scope["path"]))
             if handler is not None:
                 scope["app"] = self

@@ -20,9 +20,15 @@ from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
 from gateway.api.proxy import LogicalRequest, Proxy
-from gateway.api.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
+from gateway.api.routes import (
+    Guard,
+    check_json_type,
+    make_auth_guard,
+    read_body,
+    request_id_of,
+)
 from gateway.api.stored import ResponseDirectory
-from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
+from gateway.errors import ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
@@ -70,9 +76,7 @@ def build_protocol_router(
     limit = settings.server.max_body_bytes
 
     async def read_json(request: Request) -> dict[str, Any]:
-        content_type = request.headers.get("content-type", "application/json")
-        if content_type.split(";")[0].strip().lower() not in _JSON_TYPES:
-            raise InvalidRequest("content type must be application/json")
+        check_json_type(request)
         return parse_body(await read_body(request, limit))
 
     def pool_of(model: str) -> PoolRuntime:

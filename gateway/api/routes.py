@@ -32,6 +32,7 @@ from gateway.errors import (
     RequestTimeout,
     RouteNotFound,
     Unauthorized,
+    UnsupportedMediaType,
 )
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
@@ -44,7 +45,6 @@ from gateway.wire.validate import check_body, parse_body
 from providers.base import Endpoint
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_JSON_TYPES = ("application/json", "application/x-ndjson")
 
 
 def request_id_of(request: Request) -> str:
@@ -79,6 +79,17 @@ def error_response(exc: GatewayError, request_id: str, path: str = "") -> JSONRe
         message = f"{exc.message} (request id {request_id})"
     body = protocol_for_path(path).error_body(exc, message)
     return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+def check_json_type(request: Request) -> None:
+    """Inference bodies must be declared `application/json` (any parameters): the types a
+    web page may post without asking first (`text/plain`, forms) get 415. A request without
+    a content type is read as JSON (programs omit it; browsers always send one, and an
+    `Origin`, on a POST)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None \
+            and content_type.split(";")[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType("content type must be application/json")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -184,9 +195,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
         if keyed:
             await guard(request)
         rid = request_id_of(request)
-        content_type = request.headers.get("content-type", "application/json")
-        if content_type.split(";")[0].strip().lower() not in _JSON_TYPES:
-            raise InvalidRequest("content type must be application/json")
+        check_json_type(request)
         body = parse_body(await read_body(request, limit))
         model, stream = check_body(body, needs_prompt=needs)
         if endpoint == "embeddings" and stream:

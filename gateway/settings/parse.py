@@ -276,6 +276,30 @@ def _list_of_keys(value: object) -> tuple[str, ...]:
 
 
 keys = Parser(_list_of_keys, {"type": "array", "items": {"type": "string", "minLength": 1}})
+_ORIGIN = re.compile(r"https?://[a-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9a-f:.]+\](:[0-9]{1,5})?")
+_HOST_NAME = re.compile(r"[a-z0-9.-]{1,253}|\[[0-9a-f:.]+\]")
+
+
+def _strings(value: object, what: str, pattern: re.Pattern[str], example: str) -> tuple[
+    str, ...
+]:
+    if not isinstance(value, list | tuple):
+        raise Invalid(f"must be a list of {what}s, got {type_name(value)}")
+    result = []
+    for index, entry in enumerate(value):
+        text = entry.strip().lower().rstrip("/") if isinstance(entry, str) else None
+        if text is None or not pattern.fullmatch(text):
+            raise Invalid(f"entry [{index}] must be a {what} like {example}, got {show(entry)}")
+        result.append(text)
+    return tuple(result)
+
+
+#: browser origins (`scheme://host[:port]`), compared lowercase as browsers send them
+origins = Parser(lambda value: _strings(value, "origin", _ORIGIN, "https://app.example.com"),
+                 {"type": "array", "items": {"type": "string", "pattern": "^https?://"}})
+#: host names (without a port) a `Host` header may name
+host_names = Parser(lambda value: _strings(value, "host name", _HOST_NAME, "gateway.internal"),
+                    {"type": "array", "items": {"type": "string", "minLength": 1}})
 _NAME = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 
 

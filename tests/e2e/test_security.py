@@ -197,14 +197,21 @@ CONTENT_TYPES = ["text/plain", "multipart/form-data; boundary=x",
 
 
 @pytest.mark.parametrize("content_type", CONTENT_TYPES)
-def test_a_body_that_is_not_json_by_content_type_gets_400(
+def test_a_body_that_is_not_json_by_content_type_gets_415(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory, content_type: str
 ) -> None:
+    """The types a web page may post without a CORS preflight are refused on every
+    inference route, in that route's shape."""
     gateway, upstream, attacker = start(loop_thread, scripted_upstream)
-    reply = httpx.post(gateway.v1 + "/chat/completions", content=json.dumps(GOOD).encode(),
+    for route in ("/chat/completions", "/completions", "/embeddings", "/responses"):
+        reply = httpx.post(gateway.v1 + route, content=json.dumps(GOOD).encode(),
+                           headers={"content-type": content_type}, timeout=5.0)
+        error = assert_openai_error(reply, 415, "unsupported_media_type")
+        assert "content type" in error["message"]
+    reply = httpx.post(gateway.v1 + "/messages", content=json.dumps(GOOD).encode(),
                        headers={"content-type": content_type}, timeout=5.0)
-    error = assert_openai_error(reply, 400, "invalid_request")
-    assert "content type" in error["message"]
+    assert reply.status_code == 415
+    assert reply.json()["error"]["type"] == "invalid_request_error"
     untouched(upstream, attacker)
 
 
@@ -216,6 +223,72 @@ def test_json_with_a_charset_parameter_is_accepted(
                        headers={"content-type": "Application/JSON; charset=utf-8"}, timeout=5.0)
     assert reply.status_code == 200
     assert len(upstream.requests) == 1
+
+
+# ---- browsers: origins and DNS rebinding ------------------------------------------------------
+
+FOREIGN_ORIGINS = ["https://evil.example", "http://evil.example:8080", "null",
+                   "http://localhost.evil.example"]
+
+
+@pytest.mark.parametrize("origin", FOREIGN_ORIGINS)
+def test_a_request_from_a_foreign_web_origin_is_refused_before_any_upstream_attempt(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, origin: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    headers = {"origin": origin}
+    reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, headers=headers,
+                       timeout=5.0)
+    error = assert_openai_error(reply, 403, "origin_not_allowed")
+    assert origin not in error["message"]
+    reply = httpx.post(gateway.v1 + "/messages", json={**GOOD, "max_tokens": 8},
+                       headers=headers, timeout=5.0)
+    assert reply.status_code == 403
+    assert reply.json()["error"]["type"] == "permission_error"
+    assert httpx.get(gateway.url("/hedge/stats"), headers=headers).status_code == 403
+    untouched(upstream, attacker)
+
+
+def test_the_gateways_own_origin_and_configured_origins_are_answered(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    server = ServerSettings(allowed_origins=("https://app.example.com",))
+    gateway, upstream, _ = start(loop_thread, scripted_upstream, server=server)
+    own = gateway.root
+    for origin in (own, "https://app.example.com", "HTTPS://APP.EXAMPLE.COM"):
+        reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD,
+                           headers={"origin": origin}, timeout=5.0)
+        assert reply.status_code == 200, (origin, reply.text)
+    assert len(upstream.requests) == 3
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:80", "127.0.0.2.nip.io",
+                                  "localhost.evil.example"])
+def test_a_rebound_host_name_is_refused_on_a_loopback_listener(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, host: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    for path in ("/v1/chat/completions", "/hedge/stats", "/dashboard"):
+        if path.startswith("/v1"):
+            reply = httpx.post(gateway.url(path), json=GOOD, headers={"host": host})
+        else:
+            reply = httpx.get(gateway.url(path), headers={"host": host})
+        assert_openai_error(reply, 403, "origin_not_allowed")
+    untouched(upstream, attacker)
+
+
+def test_loopback_names_and_configured_hosts_are_answered(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    server = ServerSettings(allowed_hosts=("gateway.internal",))
+    gateway, upstream, _ = start(loop_thread, scripted_upstream, server=server)
+    port = gateway.port
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST",
+                 f"gateway.internal:{port}"):
+        reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD,
+                           headers={"host": host}, timeout=5.0)
+        assert reply.status_code == 200, (host, reply.text)
+    assert len(upstream.requests) == 5
 
 
 #: raw body -> the field the 400 must name (None: the body as a whole)
