@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -152,25 +152,35 @@ class Reloader:
                 data = file.read()
             settings = worker_settings(load_settings(path), self._workers)
         except (ConfigError, OSError) as exc:
-            self.live.failed_reloads += 1
             errors = exc.errors if isinstance(exc, ConfigError) else [f"{path}: {exc.strerror}"]
-            LOGGER.error("configuration reload refused, the running configuration is "
-                         "unchanged (%d error%s):\n  %s", len(errors),
-                         "" if len(errors) == 1 else "s", "\n  ".join(errors))
-            return False
+            return self._refused(errors)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours must not kill the handler
+            # never the message or traceback: they could repeat a value from the environment
+            return self._refused([f"{path}: could not be loaded ({type(exc).__name__})"])
         running = self.live.current.settings.server
         changed = _changed_keys(started_server or running, settings.server)
         if changed:
             LOGGER.warning("configuration reload: server.%s take%s effect only after a "
                            "restart; the running values stay", ", server.".join(changed),
                            "s" if len(changed) == 1 else "")
-        self.apply(dataclasses.replace(settings, server=running),
-                   ConfigOrigin.of_file(data, now=self._clock()))
+        try:
+            self.apply(dataclasses.replace(settings, server=running),
+                       ConfigOrigin.of_file(data, now=self._clock()))
+        except Exception as exc:  # noqa: BLE001 - building a backend failed: nothing swapped
+            return self._refused([f"{path}: its backends could not be built "
+                                  f"({type(exc).__name__})"])
         current = self.live.current
         LOGGER.info("configuration reloaded from %s: generation %d, sha256 %s, pools %s",
                        path, current.number, current.origin.sha256[:12],
                        ", ".join(current.pools) or "none")
         return True
+
+    def _refused(self, errors: Sequence[str]) -> bool:
+        self.live.failed_reloads += 1
+        LOGGER.error("configuration reload refused, the running configuration is "
+                     "unchanged (%d error%s):\n  %s", len(errors),
+                     "" if len(errors) == 1 else "s", "\n  ".join(errors))
+        return False
 
     def apply(self, settings: Settings, origin: ConfigOrigin) -> None:
         """Swap in a validated configuration: new runtimes carrying over the learnt state,

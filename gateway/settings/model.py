@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -163,6 +164,11 @@ class TlsSettings(Checked):
     def _rules(self, at: At) -> Iterator[str]:
         if self.ca_file is not None and not os.path.isfile(self.ca_file):
             yield f"{at('ca_file')}: no such file"
+        elif self.ca_file is not None:
+            try:  # what the backend's client will do with it at start
+                ssl.create_default_context(cafile=self.ca_file)
+            except (ssl.SSLError, OSError, ValueError):
+                yield f"{at('ca_file')}: not a readable PEM bundle of CA certificates"
 
 
 #: how each provider sends `api_key` unless `auth` says otherwise

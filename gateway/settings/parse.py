@@ -33,20 +33,46 @@ class Invalid(Exception):
 
 class Substituted(str):
     """A string produced by `${VAR}` substitution: numeric fields may parse it, and error
-    messages never show it (it may be a secret)."""
+    messages never show it (it may be a secret); they name its `variables` instead."""
+
+    variables: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, text: str, variables: tuple[str, ...]) -> Substituted:
+        result = cls(text)
+        result.variables = variables
+        return result
+
+
+def source_of(value: object) -> str:
+    """What to add to a message about `value`: the variables it came from, if any."""
+    if isinstance(value, Substituted) and value.variables:
+        names = ", ".join(f"${{{name}}}" for name in value.variables)
+        return f" (the value comes from {names})"
+    return ""
 
 
 class Parser(Generic[T]):
     """A value parser and the JSON Schema of the raw values it accepts, written side by side."""
 
-    __slots__ = ("_parse", "schema")
+    __slots__ = ("_parse", "schema", "what")
 
-    def __init__(self, parse: Callable[[object], T], schema: Schema) -> None:
+    def __init__(self, parse: Callable[[object], T], schema: Schema, what: str = "value"
+                 ) -> None:
         self._parse = parse
         self.schema = schema
+        self.what = what
 
     def __call__(self, value: object) -> T:
-        return self._parse(value)
+        """The parsed value, or `Invalid`. A parser's own failure (a library that raises on a
+        value, as `urlsplit` does on `http://[x]/`) is `Invalid` too, with no message of its
+        own and no chained traceback: those messages repeat the value."""
+        try:
+            return self._parse(value)
+        except Invalid:
+            raise
+        except Exception:  # noqa: BLE001 - a value the parser's library cannot take
+            raise Invalid(f"is not a valid {self.what}") from None
 
 
 #: what a `${VAR}` reference looks like to a schema validator, which sees the file before
@@ -323,7 +349,11 @@ def _http_url(value: object) -> str:
     result = _text(value).strip()
     if any(char.isspace() or not char.isprintable() for char in result):
         raise Invalid("must not contain spaces or control characters")
-    parts = urlsplit(result)
+    try:
+        parts = urlsplit(result)
+    except ValueError:  # its message repeats the host
+        raise Invalid("is not a valid URL (check the host, and its [brackets] for IPv6)"
+                      ) from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise Invalid("must be an http(s) URL such as http://10.0.0.5:8000/v1")
     if "@" in parts.netloc:
@@ -339,7 +369,8 @@ def _http_url(value: object) -> str:
     return result.rstrip("/")
 
 
-http_url = Parser(_http_url, _or_env({"type": "string", "pattern": "^https?://[^@?#]+$"}))
+http_url = Parser(_http_url, _or_env({"type": "string", "pattern": "^https?://[^@?#]+$"}),
+                  "URL")
 
 
 # --------------------------------------------------------------------------- upstream options
@@ -400,7 +431,11 @@ def _proxy_url(value: object) -> str:
     """An egress proxy: http(s), credentials allowed (corporate proxies ask for them), so the
     value is never echoed."""
     result = _text(value).strip()
-    parts = urlsplit(result)
+    try:
+        parts = urlsplit(result)
+    except ValueError:  # its message repeats the host
+        raise Invalid("is not a valid URL (check the host, and its [brackets] for IPv6)"
+                      ) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise Invalid("must be an http(s) URL such as http://proxy.internal:3128")
     if any(char.isspace() or not char.isprintable() for char in result):
