@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
+from gateway.api.keys import KeyRing
 from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.api.routes import (
     Guard,
@@ -63,15 +64,16 @@ def build_protocol_router(
     proxy: Proxy,
     fast: FastRoutes,
     directory: ResponseDirectory | None = None,
+    keys: KeyRing | None = None,
 ) -> APIRouter:
     """The routes of SPEC §15. Like `gateway.api.routes.build_router`, the pools are read from
     `live` once per request (a reload never changes a running request's rules); a stored
     response whose backend a reload removed is unknown from then on. The inference routes
     go into `fast` too (`gateway.api.asgi`) and check the key themselves."""
     origins = directory if directory is not None else ResponseDirectory()
-    bearer = make_auth_guard(settings.server.api_keys)
-    either = make_auth_guard(settings.server.api_keys, x_api_key=True)
-    keyed = bool(settings.server.api_keys)
+    ring = keys if keys is not None else KeyRing(settings.server.api_keys)
+    bearer = make_auth_guard(ring)
+    either = make_auth_guard(ring, x_api_key=True)
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
@@ -101,7 +103,7 @@ def build_protocol_router(
 
     async def inference(request: Request, endpoint: Endpoint, protocol: WireProtocol,
                         needs: str | None, guard: Guard) -> Response:
-        if keyed:
+        if ring.digests:
             await guard(request)
         body = await read_json(request)
         model, stream = check_body(body, needs_prompt=needs)
