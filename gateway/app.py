@@ -96,7 +96,7 @@ def build_pools(
     return pools
 
 
-#: how often the hedge delays are recomputed (seconds); SPEC §5.2 wants it off the request path
+#: how often the hedge delays are recomputed (seconds); kept off the request path
 DELAY_REFRESH_INTERVAL = 1.0
 
 
@@ -116,7 +116,7 @@ def _layout(pools: Mapping[str, PoolRuntime]) -> dict[str, list[str]]:
 
 
 class Reloader:
-    """Re-reads the configuration file and swaps in the next generation (SPEC §18).
+    """Re-reads the configuration file and swaps in the next generation.
 
     Runs on the event loop (from the SIGHUP handler), synchronously: reading and validating
     a configuration file takes milliseconds, and doing it in one step means no request can
@@ -315,8 +315,9 @@ CONFIG_ENV = "HEDGE_GATEWAY_CONFIG"
 def app_from_env() -> FastAPI:
     """The app for the file named by `$HEDGE_GATEWAY_CONFIG`, for ASGI servers that import a
     factory (`granian --interface asgi --factory gateway.app:app_from_env`): the bench's
-    front-server comparison (`bench --servers`, issue 11). Under such a server the app works,
-    but the connection limits of `gateway.server.connection` (431, lingering 413, 408, the connection
+    front-server comparison (`bench --servers`). Under such a server the app works,
+    but the connection limits of `gateway.server.connection` (431, lingering 413, 408, the
+    connection
     cap, the stuck-client abort) and the early drain of `gateway.server.serve` are not there: they
     belong to `hedge-gateway serve` (README "The front server")."""
     path = os.environ.get(CONFIG_ENV)

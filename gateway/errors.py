@@ -12,17 +12,25 @@ Two trees, in this one file, and each class carries its facts as class attribute
 
     UpstreamError (one attempt)               GatewayError (the client's answer)
     ├── UpstreamConnectError                  ├── InvalidRequest ── ForbiddenField
-    │   └── UpstreamConnectTimeout            ├── Unauthorized, ModelNotFound, RouteNotServed
-    ├── GatewayPoolFull                       ├── PayloadTooLarge, RequestTimeout, HeadersTooLarge
-    ├── UpstreamTimeout                       ├── Overloaded ── TooManyConnections
-    ├── UpstreamStatusError                   ├── AllAttemptsFailed
-    │   ├── UpstreamRejectedRequest (4xx)     ├── UpstreamPushback ── ...RateLimitedEverywhere
-    │   ├── UpstreamAuthFailed, NotFound      ├── NoBackendAvailable
-    │   ├── UpstreamRateLimited, Unavailable  ├── UpstreamClientError (an upstream 400/413/422)
-    │   └── UpstreamServerError               └── FirstTokenTimeout
-    ├── UpstreamProtocolError ── Disconnected
-    ├── UpstreamInBandError, UpstreamNoToken
+    │   └── UpstreamConnectTimeout            ├── Unauthorized
+    ├── GatewayPoolFull                       ├── ModelNotFound, RouteNotServed, RouteNotFound
+    ├── UpstreamTimeout                       ├── ResponseNotFound, MethodNotAllowed
+    ├── UpstreamStatusError (`of(status)`)    ├── PayloadTooLarge, RequestTimeout
+    │   ├── UpstreamRejectedRequest           ├── HeadersTooLarge
+    │   ├── UpstreamAuthFailed                ├── Overloaded ── TooManyConnections
+    │   ├── UpstreamNotFound                  ├── AllAttemptsFailed
+    │   ├── UpstreamRateLimited               ├── UpstreamPushback
+    │   ├── UpstreamUnavailable               │   └── UpstreamRateLimitedEverywhere
+    │   └── UpstreamServerError               ├── NoBackendAvailable
+    ├── UpstreamProtocolError                 ├── UpstreamClientError (an upstream 4xx)
+    │   └── UpstreamDisconnected              │   └── ...TooLarge, Unprocessable, NotFound, Conflict
+    ├── UpstreamInBandError                   └── FirstTokenTimeout
+    ├── UpstreamNoToken
     └── InternalAttemptError
+
+The statuses an upstream answers with are read in one place, `UpstreamStatusError.of`: each
+subclass names its `statuses`, and the race reads only the class (`replaceable`,
+`backend_fault`), never a number.
 
 - `GatewayError`: what a client is answered with: `status`, `type`, `code` (the OpenAI error
   fields; the code is also the request's error class in stats and metrics);
@@ -47,7 +55,7 @@ class UpstreamError(Exception):
     code: str = "upstream_error"
     #: whether another backend could succeed where this one failed
     replaceable: bool = True
-    #: whether the failure counts against the backend's health (SPEC §7); False when the
+    #: whether the failure counts against the backend's health; False when the
     #: gateway itself failed the attempt
     backend_fault: bool = True
 
@@ -188,7 +196,7 @@ def failure_codes() -> frozenset[str]:
     return frozenset(codes)
 
 
-# --- what a client is answered with: the client-facing tree ----------------------------------------
+# --- what a client is answered with: the client-facing tree ---------------------------------------
 
 
 def error_body(
@@ -208,8 +216,18 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+#: the client errors a retry of the same request can change (a timeout, a conflict, a rate
+#: limit): every other 4xx says `x-should-retry: false`
+RETRYABLE_CLIENT_STATUSES = frozenset({408, 409, 429})
+
+
 class GatewayError(Exception):
-    """Base of every error the gateway answers a client with."""
+    """Base of every error the gateway answers a client with.
+
+    `should_retry` becomes the `x-should-retry` header, which the OpenAI and Anthropic SDKs
+    (and agent CLIs built on them) obey over their own rules. A client error that a retry
+    cannot change (a wrong key, an unknown model, a bad body) says false, so a client does
+    not resend it for ever; None leaves the SDK's own rule."""
 
     status: int = 500
     type: str = "api_error"
@@ -227,6 +245,8 @@ class GatewayError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        if should_retry is None and 400 <= self.status < 500:
+            should_retry = False if self.status not in RETRYABLE_CLIENT_STATUSES else None
         self.should_retry = should_retry
         #: what must run once this error was answered (the end of the logical request: reap
         #: its attempts, record it); the HTTP error handler runs it after sending the answer
@@ -244,7 +264,7 @@ class InvalidRequest(GatewayError):
 
 
 class ForbiddenField(InvalidRequest):
-    """A body field that could choose a destination or a credential (SPEC §3)."""
+    """A body field that could choose a destination or a credential."""
 
     code = "forbidden_field"
 
@@ -279,7 +299,7 @@ class ModelNotFound(GatewayError):
 
 
 class RouteNotServed(GatewayError):
-    """The pool has no backend whose provider serves the request's route (SPEC §15)."""
+    """The pool has no backend whose provider serves the request's route."""
 
     status = 404
     type = "invalid_request_error"
@@ -287,7 +307,7 @@ class RouteNotServed(GatewayError):
 
 
 class ResponseNotFound(GatewayError):
-    """A stored-response id this gateway did not relay (or has forgotten) (SPEC §15)."""
+    """A stored-response id this gateway did not relay (or has forgotten)."""
 
     status = 404
     type = "invalid_request_error"
@@ -313,7 +333,7 @@ class PayloadTooLarge(GatewayError):
 
 
 class RequestTimeout(GatewayError):
-    """The request's head and body did not arrive within `server.body_timeout` (SPEC §18)."""
+    """The request's head and body did not arrive within `server.body_timeout`."""
 
     status = 408
     type = "invalid_request_error"
@@ -336,7 +356,7 @@ class Overloaded(GatewayError):
 
 
 class TooManyConnections(Overloaded):
-    """A new connection past `server.max_connections` (SPEC §18)."""
+    """A new connection past `server.max_connections`."""
 
     code = "too_many_connections"
 
@@ -355,8 +375,8 @@ class AllAttemptsFailed(GatewayError):
 
 
 class UpstreamPushback(GatewayError):
-    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After (SPEC
-    §19). The client gets 429 when all were 429, else 503, and the smallest pause as its own
+    """Every attempt was refused with a pushback: a 429 or 503 carrying a Retry-After. The client
+    gets 429 when all were 429, else 503, and the smallest pause as its own
     Retry-After, without `x-should-retry: false`: the upstreams said when to come back, and
     an SDK that waits that long and retries is what they asked for. Build it with `of`."""
 
@@ -386,7 +406,7 @@ class UpstreamRateLimitedEverywhere(UpstreamPushback):
 
 class NoBackendAvailable(GatewayError):
     """No backend could take the request (all at `max_concurrency`), so nothing was tried:
-    503 with `Retry-After: 1` (SPEC §19), never 502, since no upstream failed."""
+    503 with `Retry-After: 1`, never 502, since no upstream failed."""
 
     status = 503
     type = "server_error"
@@ -432,13 +452,13 @@ class UpstreamRejectedUnprocessable(UpstreamClientError):
 
 
 class UpstreamRejectedNotFound(UpstreamClientError):
-    """The one backend holding a stored response no longer has it (SPEC §15)."""
+    """The one backend holding a stored response no longer has it."""
 
     status = 404
 
 
 class UpstreamRejectedConflict(UpstreamClientError):
-    """The one backend holding a stored response refused the operation (SPEC §15)."""
+    """The one backend holding a stored response refused the operation."""
 
     status = 409
 
@@ -468,7 +488,7 @@ def all_attempts_failed(
     failures: Sequence[UpstreamError],
     cap: Callable[[float], float],
 ) -> GatewayError:
-    """The answer when every attempt failed before its first token (SPEC §5.4, §19).
+    """The answer when every attempt failed before its first token.
 
     All pushbacks: `UpstreamPushback` with the smallest pause, bounded by `cap` (the pool's
     `max_pause`); anything else among them (a reset, a 500, a pushback without Retry-After):

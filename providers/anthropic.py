@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (`provider: anthropic`, SPEC §15).
+"""Anthropic's Messages API (`provider: anthropic`).
 
 The wire work is the OpenAI adapter's (one `UpstreamClient` request, raw SSE batches, the same error
 translation and header allowlist); what differs is where the request goes and how it

@@ -45,10 +45,6 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 #: line, or endless comments): the SSE decoder bounds one line, this bounds one event
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 
-#: a backend's `Retry-After` pauses it at most this long: a broken or hostile upstream must
-#: not take itself out of the pool for hours with one header
-MAX_RETRY_AFTER = 300.0
-
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,40}/[A-Za-z0-9!#$&^_.+-]{1,60}")
 
 
@@ -60,8 +56,9 @@ def media_type(content_type: str) -> str:
 
 
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds from `retry-after-ms` or `Retry-After` (delta-seconds form only), at most
-    `MAX_RETRY_AFTER`; None when absent or not a finite number."""
+    """Seconds from `retry-after-ms` or `Retry-After` (delta-seconds form only); None when
+    absent or not a finite number. Not capped here: the balancer caps a pause at
+    `health.max_pause`, the one place that bounds what one header can do to a backend."""
     raw_ms = headers.get("retry-after-ms")
     raw = headers.get("retry-after")
     try:
@@ -75,7 +72,7 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
         return None
     if not math.isfinite(seconds):  # `inf` would pause the backend for ever, `nan` confuse it
         return None
-    return min(max(0.0, seconds), MAX_RETRY_AFTER)
+    return max(0.0, seconds)
 
 
 class AiohttpStream:
@@ -178,7 +175,7 @@ class OpenAIProvider:
         self._connect = timeouts.connect
         # No read timeout on a stream: before the first token the race's deadline bounds
         # every read, after commit the relay's per-event idle and max_stream deadlines do
-        # (SPEC §18). A socket read timeout would only re-arm a timer on every chunk.
+        #. A socket read timeout would only re-arm a timer on every chunk.
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect, sock_read=None
         )
@@ -189,7 +186,7 @@ class OpenAIProvider:
 
     def _whole_body_timeout(self, call: UpstreamCall) -> aiohttp.ClientTimeout:
         """A non-streaming body may take the request's whole remaining deadline (the pool's
-        `timeout`, SPEC §18) to start: the idle timeout between reads must not cut it off."""
+        `timeout`) to start: the idle timeout between reads must not cut it off."""
         return aiohttp.ClientTimeout(
             total=None, sock_connect=self._connect,
             sock_read=max(call.first_byte_timeout, 0.001),

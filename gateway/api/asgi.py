@@ -1,4 +1,4 @@
-"""The inference routes answered without the framework's routing and middleware (issue 11).
+"""The inference routes answered without the framework's routing and middleware.
 
 A streamed chat completion passes through FastAPI's router and its middleware stack (server
 errors, exception handlers, the exit stack, telemetry, a body limit of its own) on the way in,

@@ -45,7 +45,7 @@ class RequestEnd:
         #: gives the request's admission slot back
         self._leave = leave
         self._stats, self._clock = stats, clock
-        #: the request's spans when tracing is on (SPEC §17), ended after the log line
+        #: the request's spans when tracing is on, ended after the log line
         self.trace = trace
         #: the winner's upstream, once there is one: closed by the end
         self.prefix: Prefix | None = None

@@ -1,4 +1,4 @@
-"""The Responses API and Anthropic Messages endpoints (SPEC §15).
+"""The Responses API and Anthropic Messages endpoints.
 
 Like `gateway.api.routes`, these only read and check a request and hand a `LogicalRequest` to the
 proxy; what differs per route is the `WireProtocol` (first token, end, error shapes), the
@@ -66,7 +66,7 @@ def build_protocol_router(
     directory: ResponseDirectory | None = None,
     keys: KeyRing | None = None,
 ) -> APIRouter:
-    """The routes of SPEC §15. Like `gateway.api.routes.build_router`, the pools are read from
+    """The routes of Like `gateway.api.routes.build_router`, the pools are read from
     `live` once per request (a reload never changes a running request's rules); a stored
     response whose backend a reload removed is unknown from then on. The inference routes
     go into `fast` too (`gateway.api.asgi`) and check the key themselves."""

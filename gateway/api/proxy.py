@@ -1,7 +1,7 @@
 """One logical request from validated body to response: deadline, race, relay, bookkeeping.
 
-This is the shell around the race. It decides whether a request may be hedged (SPEC §5.7),
-computes its deadline (§5.6), runs the race while watching for the client's disconnect, and
+This is the shell around the race. It decides whether a request may be hedged,
+computes its deadline, runs the race while watching for the client's disconnect, and
 answers: a streaming response that relays the winner, a JSON body, or an error.
 
 One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.api.end`).
@@ -60,7 +60,7 @@ class LogicalRequest:
     body: Mapping[str, Any]
     stream: bool
     headers: Mapping[str, str]
-    #: the route's wire rules: first token, end of stream, error shapes (SPEC §15)
+    #: the route's wire rules: first token, end of stream, error shapes
     protocol: WireProtocol = CHAT
     #: delay-triggered hedges refused by the route's own rule (the Responses store rules)
     stateful: bool = False
@@ -84,14 +84,14 @@ PINNED_ANSWERS = frozenset({400, 404, 409, 422})
 
 
 class Admission:
-    """The process-wide cap on concurrent logical requests (SPEC §8)."""
+    """The process-wide cap on concurrent logical requests."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.active = 0
 
     def enter(self) -> None:
-        # retryable (no `x-should-retry: false`): SDKs come back after the pause (SPEC §18)
+        # retryable (no `x-should-retry: false`): SDKs come back after the pause
         if self.active >= self.limit:
             raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
         self.active += 1
@@ -112,7 +112,7 @@ def _header_seconds(headers: Mapping[str, str], name: str) -> float | None:
 
 
 def hedge_refusal(pool: PoolRuntime, req: LogicalRequest) -> SuppressReason | None:
-    """Why delay-triggered hedges are off for this request (SPEC §5.7), or None."""
+    """Why delay-triggered hedges are off for this request, or None."""
     if not pool.hedging_enabled:
         return SuppressReason.DISABLED
     if req.headers.get("x-hedge", "").lower() == "off":
@@ -153,11 +153,11 @@ class Proxy:
         self.admission = Admission(server.max_concurrent_requests)
 
     def deadline(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> float:
-        """One absolute first-token deadline shared by every attempt (SPEC §5.6).
+        """One absolute first-token deadline shared by every attempt.
 
         A non-streaming response (and an embedding) has no token before its whole body, so
         `timeouts.first_token` would cut off every answer that takes longer to generate: those
-        are bounded by the pool's `timeout`, for the whole response (SPEC §18)."""
+        are bounded by the pool's `timeout`, for the whole response."""
         limits = [pool.settings.timeout]
         if req.stream:
             limits.append(pool.settings.timeouts.first_token)

@@ -1,4 +1,4 @@
-"""HTTP endpoints: request checks, the error tree -> OpenAI error JSON (SPEC §3).
+"""HTTP endpoints: request checks, the error tree -> OpenAI error JSON.
 
 Routes know nothing of hedge timing: they read and check the request, find the pool and hand
 a `LogicalRequest` to the proxy.
@@ -153,7 +153,7 @@ def make_auth_guard(keys: KeyRing | tuple[str, ...], *, x_api_key: bool = False)
     no-op while the ring is empty. The ring is read per request, so a reload that changes
     `server.api_keys` takes effect for the next request.
 
-    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so, SPEC §15).
+    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so).
     The 401 never repeats what was sent."""
     ring = keys if isinstance(keys, KeyRing) else KeyRing(keys)
 
@@ -218,12 +218,17 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
         return await proxied(request, "embeddings", "input")
 
     @guarded.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        """The pools, in OpenAI's list shape, or in Anthropic's when the request carries
+        `anthropic-version` (the Anthropic SDKs and tools send it on every call)."""
+        names = list(live.current.pools)
+        if "anthropic-version" in request.headers:
+            return anthropic_model_list(names)
         return {
             "object": "list",
             "data": [
                 {"id": name, "object": "model", "created": 0, "owned_by": "hedge-gateway"}
-                for name in live.current.pools
+                for name in names
             ],
         }
 
@@ -278,3 +283,12 @@ def protocol_for_path(path: str) -> WireProtocol:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return MESSAGES
     return CHAT
+
+
+def anthropic_model_list(names: list[str]) -> dict[str, Any]:
+    """Anthropic's `GET /v1/models` page: every pool on one page. A pool has no creation
+    date, so `created_at` is the epoch, as OpenAI's `created: 0` says the same."""
+    data = [{"type": "model", "id": name, "display_name": name,
+             "created_at": "1970-01-01T00:00:00Z"} for name in names]
+    return {"data": data, "has_more": False,
+            "first_id": names[0] if names else None, "last_id": names[-1] if names else None}

@@ -1,4 +1,4 @@
-"""Which backend made each stored response this gateway relayed (SPEC §15). Pure, bounded.
+"""Which backend made each stored response this gateway relayed. Pure, bounded.
 
 A Responses request that continues a conversation (`previous_response_id`), and `GET`/`DELETE
 /v1/responses/{id}`, `/cancel`, `/input_items`, can only be served by the backend that stored

@@ -1,6 +1,6 @@
 """The best single-hedge policy at a budget: the limit the adaptive delay is judged against.
 
-Pure: plain numbers in, plain numbers out (SPEC §20). For each request the bench knows both
+Pure: plain numbers in, plain numbers out. For each request the bench knows both
 backends' TTFTs, because they are seeded draws (`gateway.bench.upstream.request_ttft`). The
 policy simulated here sends every request to the primary and, after one fixed delay `d`, a
 copy to the other backend; the request's TTFT is `min(primary, d + hedge)`. It may hedge at
@@ -66,7 +66,7 @@ def best_single_hedge(
     return SingleHedge(delay, hedged, n, tuple(_rank(results, q) for q in quantiles))
 
 
-#: SPEC §20: at these slow shares, p99 within this factor of the best single-hedge policy
+#: the target: at these slow shares, p99 within this factor of the best single-hedge policy
 SHARE_P99_FACTOR = 1.15
 SHARES_NEAR_THE_LIMIT = ("stragglers-3", "stragglers-6")
 
@@ -96,7 +96,7 @@ def share_targets(workload: str, rows: Mapping[str, Mapping[str, Any]],
 
 
 def format_shares(workloads: Sequence[Mapping[str, Any]]) -> str:
-    """SPEC §20's summary: one row per slow-share workload ('' when none ran)."""
+    """the summary: one row per slow-share workload ('' when none ran)."""
     rows = [w for w in workloads if w["comparison"].get("single_hedge")]
     if not rows:
         return ""

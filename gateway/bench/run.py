@@ -1,4 +1,4 @@
-"""`hedge-gateway bench`: the benchmark of SPEC §14, over real loopback sockets.
+"""`hedge-gateway bench`: the benchmark, over real loopback sockets.
 
 Every part runs as a real server in its own process, so that what the bench measures is what
 a deployment would see: two simulated backends (`gateway.bench.upstream`, one child process each),
@@ -30,6 +30,7 @@ command line `gateway.cli`'s.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -75,12 +76,15 @@ class BenchPlan:
     request_timeout: float = 60.0
     #: another checkout of hedge-gateway whose gateway runs as an extra mode, `baseline`
     baseline_src: str | None = None
-    #: `serve --workers` of the gateway under test (SPEC §16): >1 checks that its workers
+    #: `serve --workers` of the gateway under test: >1 checks that its workers
     #: serve and report as one server, and sums their CPU and RSS
     workers: int = 1
     #: the front servers compared: uvicorn serves the standard modes, each other one adds a
     #: mode of its name (`gateway.bench.servers`)
     servers: tuple[str, ...] = ("uvicorn",)
+    #: how many times each workload runs, seed after seed: one run's p99 is one draw, and
+    #: the spread over several says whether a cut holds every time or only on a good seed
+    repeat: int = 1
 
 
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
@@ -382,7 +386,7 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
 
 def _single_hedge(workload: Workload, requests: int, seed: int) -> dict[str, Any]:
     """The best single-hedge policy at the default budget over this run's seeded draws:
-    backend a's TTFT as the primary, backend b's as the hedge (SPEC §20)."""
+    backend a's TTFT as the primary, backend b's as the hedge."""
     pairs = [(request_ttft(workload.profile, seed, "a", i), request_ttft(workload.profile, seed,
                                                                           "b", i))
              for i in range(requests)]
@@ -405,10 +409,21 @@ async def _run(plan: BenchPlan, children: Children, sizes: Sequence[tuple[int, i
         sims = [f"http://127.0.0.1:{p}" for p in ports]
         await asyncio.gather(*(wait_ready(client, f"{s}/v1/models", proc, children)
                                for s, proc in zip(sims, procs, strict=True)))
-        ctx = _Context(plan, children, client, sims, ports, [p.pid for p in procs], pinning,
-                       quick)
-        return [await _run_workload(ctx, w, n, c)
-                for w, (n, c) in zip(plan.workloads, sizes, strict=True)]
+        results: list[dict[str, Any]] = []
+        for w, (n, c) in zip(plan.workloads, sizes, strict=True):
+            runs = []
+            for k in range(plan.repeat):
+                seeded = dataclasses.replace(plan, seed=plan.seed + k)
+                ctx = _Context(seeded, children, client, sims, ports, [p.pid for p in procs],
+                               pinning, quick)
+                runs.append(await _run_workload(ctx, w, n, c))
+            if plan.repeat > 1:
+                runs[-1]["spread"] = report.spread(runs)
+                if plan.tables is not None:
+                    print(report.format_spread(w.name, runs[-1]["spread"]), file=plan.tables,
+                          flush=True)
+            results += runs
+        return results
 
 
 def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int | None = None,

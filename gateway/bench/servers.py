@@ -1,4 +1,4 @@
-"""The front servers the bench can run the gateway under (`bench --servers`, issue 11 point 4).
+"""The front servers the bench can run the gateway under (`bench --servers`).
 
 The gateway's own server is uvicorn with httptools and uvloop plus our protocol subclass and
 drain (`hedge-gateway serve`): the bench's standard gateway modes always run under it. Every

@@ -1,4 +1,4 @@
-"""`hedge-gateway bench --workload soak`: long mixed traffic with faults (issues 14 and 16).
+"""`hedge-gateway bench --workload soak`: long mixed traffic with faults.
 
 What it answers: after many minutes of ordinary traffic with the failures real upstreams have,
 does every request still end in a success or an explicit error, and do the gateway's memory
@@ -50,7 +50,7 @@ from gateway.bench.procs import Children, free_port, machine, wait_ready
 POOL = "soak"
 BACKENDS = ("sim-a", "sim-b", "sim-c")
 MODES = ("hedging-on", "hedging-off")
-#: the SPEC §14 stragglers profile, as `hedge-gateway sim` options
+#: the "stragglers" profile, as `hedge-gateway sim` options
 SIM_ARGS = ("--ttft-median-ms", "150", "--ttft-sigma", "0.25", "--straggler-probability",
             "0.03", "--straggler-extra-ms", "1500", "--tokens", "30", "--inter-token-ms", "5")
 EMBED_BODY = {"model": POOL, "input": "Say something."}

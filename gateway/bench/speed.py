@@ -1,4 +1,4 @@
-"""The bench's cost figures (issue 11): where each process runs, and what the gateway costs.
+"""The bench's cost figures: where each process runs, and what the gateway costs.
 
 - **Pinning.** With two or more usable CPUs the gateway gets the first one to itself and the
   load client and the simulators share the others, so the gateway's figures are not those of

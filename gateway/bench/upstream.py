@@ -16,7 +16,7 @@ be measured apart) and needs what `hedge-gateway sim` alone does not give it:
   client could not set it). Everything else (tokens, timing between tokens, faults) is the
   simulator's own.
 - **An outage by request index.** Requests `start <= i < end` get `extra_ms` on top, on every
-  backend at once (the SPEC §14 "outage" workload).
+  backend at once (the "outage" workload).
 - `POST /bench/reset {"profile", "seed", "backend", "outage"}`: a fresh simulator (new
   counters) and the settings above, between runs, without restarting the process.
 - `GET /bench/log`: per upstream request, `[request_id, arrival, status, completed]`, with

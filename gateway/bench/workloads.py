@@ -1,4 +1,4 @@
-"""The bench's workloads (SPEC §14, §20, issue 11): what the simulators do and how much load
+"""The bench's workloads: what the simulators do and how much load
 each workload sends. Data only; `gateway.bench.run` runs them."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Workload:
     max_concurrent_requests: int | None = None
     #: the gateway's `delay.window` in seconds (None: the default 60 s)
     delay_window: float | None = None
-    #: report the best single-hedge policy at the budget, from the seeded draws (SPEC §20)
+    #: report the best single-hedge policy at the budget, from the seeded draws
     single_hedge: bool = False
     #: run by `--quick` when no workload is named (`quick_set`)
     in_quick: bool = True
@@ -44,7 +44,7 @@ class Workload:
 _STRAGGLERS = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.03,
                          straggler_extra=1.5, tokens=30, inter_token=0.005)
 
-#: the slow shares of SPEC §20's straggler workloads
+#: the slow shares of the straggler workloads
 SLOW_SHARES = (3, 6, 10)
 #: their delay window: 4,000 requests at 30 to 100 a second span 2 to 7 windows of 20 s, so
 #: the delay settles and the run measures the settled rule, not the first minute
@@ -62,7 +62,7 @@ def _share_workload(percent: int) -> Workload:
 
 
 #: `overhead` and `streams` simulators send usage only when asked (`stream_options`), as OpenAI
-#: does: the gateway asks for it and strips it again (SPEC §17), so a client that did not ask
+#: does: the gateway asks for it and strips it again, so a client that did not ask
 #: gets the same events through the gateway as direct ("every token delivered" compares like
 #: with like)
 WORKLOADS: tuple[Workload, ...] = (

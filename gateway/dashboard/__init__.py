@@ -1,4 +1,4 @@
-"""`GET /dashboard` and the JSON behind it: `/hedge/series` and `/hedge/races` (SPEC §17).
+"""`GET /dashboard` and the JSON behind it: `/hedge/series` and `/hedge/races`.
 
 The page (`static/index.html`), its script and its style ship inside the package (package data
 in pyproject.toml) and are read once when the router is built. They load nothing from outside

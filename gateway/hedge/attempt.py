@@ -96,8 +96,8 @@ async def open_until_first_token(
     is_lost: Callable[[], bool],
     classify: Callable[[SSEEvent], Kind] = classify,
 ) -> Prefix:
-    """Open a streaming attempt and read until its first token (SPEC §4; `classify` is the
-    route's predicate, SPEC §15)."""
+    """Open a streaming attempt and read until its first token (`classify` is the
+    route's predicate)."""
     stream = await provider.open(call)
     batches = stream.batches()
     try:

@@ -1,4 +1,4 @@
-"""Backend selection and health for one pool (SPEC §7). Pure.
+"""Backend selection and health for one pool. Pure.
 
 No I/O, no asyncio; time comes in as `now` (monotonic seconds) and randomness from an injected
 `random.Random`, so tests are deterministic.
@@ -19,7 +19,7 @@ decides what counts as a failure of the *backend* (a 400 from a bad request does
 `Retry-After` pauses a backend, independently of ejection, for at most `max_pause`: it is
 the upstream's advice, and one answer must not take a backend out for minutes.
 
-Panic routing (SPEC §19, Envoy's panic threshold): when the backends that are neither paused nor
+Panic routing (Envoy's panic threshold): when the backends that are neither paused nor
 ejected hold less than `panic_below` of the pool's weight, health stops being trusted. Paused
 and ejected backends become candidates again, behind the healthy ones, the one whose pause or
 cool-down ends soonest first. Without it, a few pushbacks (or a one-backend pool's single one)
@@ -133,10 +133,14 @@ class Balancer:
     def _usable(self, b: _Backend, now: float) -> bool:
         return self._healthy(b, now) and self._has_room(b)
 
-    def panic(self, now: float) -> bool:
+    def panic(self, now: float, *, outside: Collection[str] = ()) -> bool:
         """Whether selection is in panic mode: the healthy backends hold less than
-        `panic_below` of the pool's weight (of its backend count when every weight is 0)."""
-        backends = list(self._backends.values())
+        `panic_below` of the pool's weight (of its backend count when every weight is 0).
+
+        `outside`: backends the request may not use at all (their provider does not serve its
+        route): they are not weighed, so in a pool that mixes providers the route's own
+        backends decide, and a route whose every backend is paused is still tried."""
+        backends = [b for b in self._backends.values() if b.name not in outside]
         total = sum(b.weight for b in backends)
         if total > 0:
             healthy = sum(b.weight for b in backends if self._healthy(b, now))
@@ -185,6 +189,7 @@ class Balancer:
         exclude: Collection[str] = (),
         avoid_groups: Collection[str] = (),
         ttft: Callable[[str], float | None],
+        outside: Collection[str] = (),
     ) -> str | None:
         """Choose a backend for a new attempt, or None when no usable one is left.
 
@@ -194,11 +199,13 @@ class Balancer:
         request). `avoid_groups`: groups to stay out of if any usable candidate lies outside
         them (hedge to another zone or provider). `ttft(name)`: that backend's recent TTFT in
         seconds, None when unknown. An unknown TTFT counts as the better one of the pair
-        (explore it), so the comparison then rests on load alone.
+        (explore it), so the comparison then rests on load alone. `outside`: backends the
+        request may not use at all (see `panic`); never chosen either.
         Does not count the attempt: call `on_start` when it actually starts.
         """
         open_ = [
-            b for b in self._backends.values() if b.name not in exclude and self._has_room(b)
+            b for b in self._backends.values()
+            if b.name not in exclude and b.name not in outside and self._has_room(b)
         ]
         candidates = self._prefer_elsewhere(
             [b for b in open_ if self._healthy(b, now)], avoid_groups
@@ -209,7 +216,7 @@ class Balancer:
             first = self._sample(candidates)
             second = self._sample([b for b in candidates if b is not first])
             return self._better(first, second, ttft).name
-        if not open_ or not self.panic(now):
+        if not open_ or not self.panic(now, outside=outside):
             return None
         rest = self._prefer_elsewhere(open_, avoid_groups)
         return min(rest, key=lambda b: (self._ready_at(b, now), b.inflight)).name

@@ -1,4 +1,4 @@
-"""The hedge delay: how long a request waits for a first token before a hedge (SPEC §5.2, §20).
+"""The hedge delay: how long a request waits for a first token before a hedge.
 
 Pure: no I/O, no asyncio; time comes in as `now` (monotonic seconds).
 
@@ -8,7 +8,7 @@ q-quantile means that only about `1 - q` of requests (the slow tail) ever get a 
 what keeps duplicates cheap; the clamp stops a very fast backend from hedging almost at once
 and a very slow one from never hedging at all.
 
-Which quantile (`delay.quantile`): a number pins it. `auto` (the default, §20) derives it from
+Which quantile (`delay.quantile`): a number pins it. `auto` (the default) derives it from
 the pool's hedge budget: `q = 1 - 0.8 x ratio`, so the delay targets the hedge rate the budget
 pays for (8 % of requests at the default ratio 0.1) and leaves a fifth of the budget to failure
 replacements. A fixed q95 breaks once more than 5 % of requests straggle: the quantile then
@@ -17,8 +17,8 @@ Tying q to the budget spends what the operator already agreed to pay, and no mor
 stragglers most of those hedges would be wasted, so auto also moves q later while the pool's
 hedges mostly lose (`HedgeDelay.steer`), never earlier than the budget's quantile.
 
-The threshold is a cached number, recomputed only by `refresh(now)`: never on the request path
-(SPEC §5.2). The shell calls `refresh` periodically (`gateway.app` runs one task for every
+The threshold is a cached number, recomputed only by `refresh(now)`: never on the request path. The
+shell calls `refresh` periodically (`gateway.app` runs one task for every
 pool); `delay()`, `median()` and `adaptive()` only read what the last refresh left.
 """
 
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from gateway.hedge.latency import RecentSketch, WindowedSketch
 from gateway.settings import DelaySettings
 
-#: the smallest remaining deadline worth starting an attempt for (SPEC §5.3), seconds
+#: the smallest remaining deadline worth starting an attempt for, seconds
 MIN_USEFUL_FLOOR = 0.010
-#: `quantile: auto` keeps this share of the hedge budget for failure replacements (SPEC §20)
+#: `quantile: auto` keeps this share of the hedge budget for failure replacements
 FAILOVER_SHARE = 0.2
 #: the auto quantile stays within these bounds, whatever the budget ratio: below the median a
 #: hedge would be the rule rather than the exception; above 0.995 the window holds too few
@@ -52,7 +52,7 @@ RECENT_SAMPLES = 100
 
 
 def min_useful(median: float | None) -> float:
-    """The least remaining time that makes a new attempt worth starting (SPEC §5.3).
+    """The least remaining time that makes a new attempt worth starting.
 
     An attempt that cannot reach even the target backend's typical (median) TTFT before the
     deadline would only burn budget; with no data, 10 ms.
@@ -63,7 +63,7 @@ def min_useful(median: float | None) -> float:
 
 
 def auto_quantile(ratio: float) -> float:
-    """The quantile `delay.quantile: auto` puts in force for a budget `ratio` (SPEC §20).
+    """The quantile `delay.quantile: auto` puts in force for a budget `ratio`.
 
     The hedge rate a q-quantile delay produces is `1 - q` of requests; the budget pays for
     `ratio` extra attempts per request, a fifth of which is kept for failovers.

@@ -1,5 +1,5 @@
 """The configuration in force: an immutable generation (settings + pool runtimes) and the one
-reference a reload swaps (SPEC §18, reload without a restart).
+reference a reload swaps (reload without a restart).
 
 Why a swapped snapshot rather than settings mutated in place: a request reads `Live.current`
 once, at its start, and keeps that `Generation` (its pool runtime, its timeouts, its hedging

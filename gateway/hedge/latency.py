@@ -50,7 +50,7 @@ def _clean(value: float) -> float:
 def state_of(sketch: BaseDDSketch, relative_accuracy: float) -> dict[str, Any]:
     """A sketch in its mergeable, JSON-able form: the relative accuracy, the zero bucket and
     the non-empty bins as `[key, count]` pairs. Two states of the same accuracy merge exactly
-    (bins add up), which is what lets separate processes report as one (SPEC §16).
+    (bins add up), which is what lets separate processes report as one.
 
     ddsketch 3.x has no public accessor for its bins short of protobuf, so this reads the
     positive store's dense array; values are floored above zero (`FLOOR`), so the negative

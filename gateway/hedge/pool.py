@@ -79,7 +79,7 @@ class PoolRuntime:
         global_hedging: bool,
         now: float,
     ) -> PoolRuntime:
-        """The runtime of this pool under a reloaded configuration (SPEC §18).
+        """The runtime of this pool under a reloaded configuration.
 
         What was learnt survives for every backend that keeps its name: its health and load
         (the balancer shares the backend's state object, so attempts of requests that started
@@ -118,7 +118,7 @@ class PoolRuntime:
         return self.delays if stream else self.whole_delays[endpoint]
 
     def refresh_delays(self, now: float) -> None:
-        """Recompute every hedge delay of the pool (SPEC §5.2: off the request path; the
+        """Recompute every hedge delay of the pool (off the request path; the
         composition root calls this periodically). `quantile: auto` delays first take in the
         budget's recent hedge win rate (see `HedgeDelay.steer`)."""
         win_rate, recorded = self.budget.win_rate(), self.budget.hedges_recorded

@@ -1,23 +1,24 @@
-"""One logical request's race to the first token (SPEC §5).
+"""One logical request's race to the first token.
 
 The race starts the primary, waits for a first token, a failure, the hedge delay or the
-deadline, and starts further attempts under the rules of §5.3 and §5.4. The first attempt
+deadline, and starts further attempts under the hedge and failover rules (docs/hedging.md). The
+first attempt
 to hand back a `Prefix` (its events up to and including the first token) commits; every other
 attempt is cancelled at once. Each attempt task closes its own upstream, shielded from the
 cancellation, so a loser's socket is closed within a loop iteration of the commit. A loser that
 already holds a token (it finished in the same tick as the winner, or before the race picked it
-up) has nothing left to cancel: the race closes its `Prefix` in a task of its own at commit
-(SPEC §18), so the client never waits for it and `close_s` counts it.
+up) has nothing left to cancel: the race closes its `Prefix` in a task of its own at commit, so the
+client never waits for it and `close_s` counts it.
 
 Rules where several things land in one tick (one `asyncio.wait` wake-up):
 - every attempt that finished is accounted for before anything is decided, so none is left
   neither committed nor reaped;
 - a token beats a 400/413/422 from another attempt: the token proves the request is not one
-  that "would fail everywhere", and a fast refusal must not win over a success (§5.4);
+  that "would fail everywhere", and a fast refusal must not win over a success;
 - among several tokens the attempt started first wins.
 
 The hedge timer: the next hedge is considered one delay after the last hedge check, and a
-failover restarts it with the replacement's delay from the replacement's start (§18). Once
+failover restarts it with the replacement's delay from the replacement's start. Once
 every allowed attempt has started, nothing can start any more: `max_attempts` is counted once
 and the timer stops waking the race.
 
@@ -93,7 +94,7 @@ class RaceOptions:
     #: when hedging was refused for this request, the reason counted once (`disabled`)
     refused_reason: SuppressReason | None = None
     #: backends this request may not use: they do not serve its route, or the request is
-    #: pinned to the backend that holds its stored state (SPEC §15)
+    #: pinned to the backend that holds its stored state
     excluded: frozenset[str] = frozenset()
 
 
@@ -112,9 +113,9 @@ class Race:
     _reasons: list[str] = field(default_factory=list)
     _failures: list[UpstreamError] = field(default_factory=list)
     committed: bool = False
-    #: some backend choice of this request ran in panic mode (SPEC §19; counted per pool)
+    #: some backend choice of this request ran in panic mode (counted per pool)
     panic: bool = False
-    #: how many times a failover restarted the hedge timer (§18)
+    #: how many times a failover restarted the hedge timer
     timer_restarts: int = 0
     #: the hedge delay in force (the primary's, then the latest replacement's)
     _delay: float = math.inf
@@ -239,9 +240,9 @@ class Race:
         return RaceResult(record, task.result(), self.attempts, self.suppressed, now)
 
     def _try_extra(self, kind: AttemptKind, now: float) -> None:
-        """Start a hedge or a failover if §5.3 allows it; else count why not.
+        """Start a hedge or a failover if the hedge rules allow it; else count why not.
 
-        A failover that starts restarts the hedge timer with the replacement's delay (§18).
+        A failover that starts restarts the hedge timer with the replacement's delay.
         `max_attempts` is final (attempts only ever grow): it is counted once per request and
         the hedge timer stops, so the race no longer wakes up for hedges."""
         reason = self._start_extra(kind, now)
@@ -330,10 +331,10 @@ class Race:
     ) -> str | None:
         """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
         never a backend this request may not use (`RaceOptions.excluded`)."""
-        self.panic = self.panic or self.pool.balancer.panic(now)
-        if self.options.excluded:
-            exclude = {*exclude, *self.options.excluded}
-        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft)
+        outside = self.options.excluded
+        self.panic = self.panic or self.pool.balancer.panic(now, outside=outside)
+        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft,
+                                       outside=outside)
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()
@@ -341,7 +342,7 @@ class Race:
         self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
 
     def _cancel_all(self) -> None:
-        """Cancel every attempt still running, without waiting for it (SPEC §5.5).
+        """Cancel every attempt still running, without waiting for it.
 
         For the stats, each cancelled record gets a `reason` saying whether the attempt had
         already found its token (its task finished in the same tick, not yet picked up), and

@@ -1,4 +1,4 @@
-"""After commit: the winner's buffered events, then pass-through until `[DONE]` (SPEC §4).
+"""After commit: the winner's buffered events, then pass-through until `[DONE]`.
 
 The hot path of the gateway. An upstream read made only of whole plain `data:` events
 (`SSEBatch.raw`, the usual case) goes out as the bytes that arrived: a few substring scans of
@@ -6,7 +6,8 @@ the read for `[DONE]`, error markers and a usage object, nothing per event, no a
 other read (and every read of a named-event protocol, whose reads carry `event:` lines) is
 re-framed from the decoder's events: per event one bytes comparison, two substring tests and one
 concatenation, with JSON parsed only for the rare event that mentions "error" and the one holding
-a usage object (see `gateway.wire.usage`). No logging, no lock. Per upstream read it stores one clock
+a usage object (see `gateway.wire.usage`). No logging, no lock. Per upstream read it stores one
+clock
 reading: the idle and max_stream deadlines are one timer per stream (`_Deadlines`), never a
 timer per event.
 Upstream `id:`/`retry:` fields and comments were already dropped by the decoder; keep-alive
@@ -16,7 +17,8 @@ A stream that ends without `[DONE]` and without an error event is a truncation: 
 a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
 Responses API and Messages end at named events and shape their errors their own way, so the
 proxy passes their per-batch encoder (`gateway.wire.named`) and error builder
-(`gateway.wire.responses`, `gateway.wire.messages`) in; the deadlines, the drain and the closing stay the same.
+(`gateway.wire.responses`, `gateway.wire.messages`) in; the deadlines, the drain and the closing
+stay the same.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def _encode_events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome
 
 
 class _Deadlines:
-    """`timeouts.idle` and `timeouts.max_stream` as deadlines per event (SPEC §8, §18).
+    """`timeouts.idle` and `timeouts.max_stream` as deadlines per event.
 
     httpx's read timeout restarts on every byte, so an upstream that sends only comments
     would never trip it; these deadlines move only when an event arrives. Per batch the relay
@@ -200,7 +202,7 @@ async def relay(
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
 
-    `encode_batch` and `error_event` are the protocol's (SPEC §15: the Responses API and
+    `encode_batch` and `error_event` are the protocol's (the Responses API and
     Messages end at named events, not `[DONE]`, and shape their errors their own way); the
     defaults are the chat rules."""
     encode = _encode_events if encode_batch is None else encode_batch

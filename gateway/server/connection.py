@@ -1,5 +1,5 @@
 """The HTTP/1.1 connection under `hedge-gateway serve`: what uvicorn's httptools protocol
-leaves to a proxy in front, done here (SPEC §8, §18).
+leaves to a proxy in front, done here.
 
 - A bound on the request head. uvicorn applies `h11_max_incomplete_event_size` only to its
   h11 parser; with httptools (the fast parser `uvicorn[standard]` installs and prefers) a
@@ -41,7 +41,7 @@ DEFAULT_HEAD_LIMIT = 16 * 1024
 
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
-    """What one client connection may cost (SPEC §18); the lingering bounds are nginx's."""
+    """What one client connection may cost; the lingering bounds are nginx's."""
 
     #: the head and body of a request must have arrived this many seconds after its first byte
     body_timeout: float = 30.0

@@ -16,7 +16,7 @@ What plain `uvicorn.run` does not do the way a gateway needs:
 - Descriptors: `raise_open_file_limit` lifts the soft open-file limit to the hard one.
 - The cyclic garbage collector: `tune_collector` (see there).
 
-It also installs the SIGHUP handler (reload the configuration, SPEC §18) on the running loop
+It also installs the SIGHUP handler (reload the configuration) on the running loop
 while it serves: the loop runs the reload between requests, so none sees half of it. Without
 a handler SIGHUP would kill the process, so one is installed even with nothing to reload.
 """

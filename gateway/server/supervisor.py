@@ -1,4 +1,4 @@
-"""`hedge-gateway serve --workers N`: N worker processes serving one address (SPEC §16).
+"""`hedge-gateway serve --workers N`: N worker processes serving one address.
 
 The supervisor is a small process with no event loop. It reserves the address, forks N workers,
 and then only waits: for a worker to exit (it is replaced, at a bounded rate) or for a signal.
@@ -9,8 +9,9 @@ and then only waits: for a worker to exit (it is replaced, at a bounded rate) or
   for each connection and whichever loop is idle first takes it, often the same one: load
   piles onto a single worker.) The supervisor holds a bound, never-listening socket of the same
   group, so a port of 0 resolves once and the port stays ours while a worker is replaced.
-- A worker is exactly the single-process server: the app and `GatewayServer` with §8's limits,
-  head bound and drain. Its budget bucket holds `burst / N` (`gateway.server.workers`), and its stats
+- A worker is exactly the single-process server: the app and `GatewayServer` with its limits,
+  head bound and drain. Its budget bucket holds `burst / N` (`gateway.server.workers`), and its
+  stats
   endpoints merge its peers' numbers (`gateway.stats.shared`) through a private directory that
   the supervisor creates and removes at exit.
 - A worker that dies (crash, OOM kill, SIGKILL) is replaced in the same slot at once, at most

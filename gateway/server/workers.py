@@ -1,5 +1,5 @@
 """What `serve --workers N` decides, without processes: each worker's share of the budget, and
-whether a dead worker may be replaced now (SPEC §16). Pure: no I/O, time as a parameter.
+whether a dead worker may be replaced now. Pure: no I/O, time as a parameter.
 
 The shell that forks, watches and signals the workers is `gateway.server.supervisor`.
 """

@@ -1,4 +1,4 @@
-"""Load and validate the YAML configuration (SPEC §11) into frozen `Settings`.
+"""Load and validate the YAML configuration into frozen `Settings`.
 
 An operator should fix a broken file in one pass, so validation never stops at the first
 problem: every error is collected with its key path (`pools[0].backends[1].base_url: ...`) and
@@ -230,7 +230,7 @@ def load_settings(path: str | os.PathLike[str], env: Mapping[str, str] | None = 
 
 def default_settings() -> Settings:
     """What `serve` runs with no config: pool `demo` of three simulated backends in three
-    zones, with SPEC §14 "stragglers" latency (lognormal TTFT, median 150 ms, sigma 0.25, 3 %
+    zones, with the bench's "stragglers" latency (lognormal TTFT, median 150 ms, sigma 0.25, 3 %
     stragglers +1.5 s, 30 tokens at 5 ms), so a newcomer sees hedges win offline with no keys.
     The initial hedge delay is 300 ms, not 500 ms, so hedges show up before the adaptive
     delay has its 20 samples. config/demo.yaml is the same thing as a file (a test checks)."""

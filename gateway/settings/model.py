@@ -7,7 +7,8 @@ field here (and a line to config/full-reference.yaml, which a test holds to this
 Rules that span fields live in `_rules`, so an object built in code obeys them as a loaded one
 does; defaults that depend on other fields live in `_complete`.
 
-Durations are seconds as floats. Defaults are the ones SPEC §5-§8 names. Provider keys are kept
+Durations are seconds as floats. Defaults are documented in docs/configuration.md. Provider keys
+are kept
 out of every `repr` so a settings object can be logged without leaking them. Attribute access is
 plain (slots), since the request path reads these per request.
 """
@@ -30,13 +31,13 @@ _probability = cv.number(0, 1)
 
 @dataclass(frozen=True, slots=True)
 class DelaySettings(Checked):
-    """How long the race waits for a first token before it starts a hedge (SPEC §5.2)."""
+    """How long the race waits for a first token before it starts a hedge."""
 
     mode: Literal["adaptive", "fixed"] = field(default="adaptive", metadata=scalar(
         cv.choice(("adaptive", "fixed")), "adaptive: a quantile of recent TTFT; fixed: `value`"))
     quantile: float | Literal["auto"] = field(default="auto", metadata=scalar(
         cv.auto_or_fraction(),
-        "auto: follow the hedge rate the budget pays for (SPEC §20); a number strictly "
+        "auto: follow the hedge rate the budget pays for; a number strictly "
         "between 0 and 1 pins the quantile"))
     min: float = field(default=0.050, metadata=scalar(
         cv.duration(zero=True), "lower clamp of the adaptive delay (0 allowed)"))
@@ -58,7 +59,7 @@ class DelaySettings(Checked):
 
 @dataclass(frozen=True, slots=True)
 class BudgetSettings(Checked):
-    """The token bucket that caps extra attempts (SPEC §6)."""
+    """The token bucket that caps extra attempts."""
 
     ratio: float = field(default=0.1, metadata=scalar(
         cv.number(0), "tokens deposited per request: extra attempts stay near this share"))
@@ -67,7 +68,8 @@ class BudgetSettings(Checked):
     min_per_second: float = field(default=0.5, metadata=scalar(
         cv.number(0), "reserve refill per second, so quiet pools can hedge"))
     min_win_rate: float = field(default=0.15, metadata=scalar(
-        _probability, "below this hedge win rate (0..1) hedges are probes only"))
+        _probability, "when the hedge win rate (0..1) is below this with 95 % confidence, "
+        "hedges are probes only"))
     win_window: int = field(default=20, metadata=scalar(
         cv.integer(20), "how many recent hedge outcomes the win rate is computed over"))
     probe_interval: float = field(default=5.0, metadata=scalar(
@@ -90,7 +92,7 @@ class HedgingSettings(Checked):
 
 @dataclass(frozen=True, slots=True)
 class Timeouts(Checked):
-    """SPEC §8 limits, per pool."""
+    """The request limits and deadlines, per pool."""
 
     connect: float = field(default=2.0, metadata=scalar(
         cv.duration(), "TCP+TLS connect to an upstream"))
@@ -105,7 +107,7 @@ class Timeouts(Checked):
 
 @dataclass(frozen=True, slots=True)
 class HealthSettings(Checked):
-    """Ejection after consecutive failures, with a growing cool-down (SPEC §7)."""
+    """Ejection after consecutive failures, with a growing cool-down."""
 
     eject_after: int = field(default=5, metadata=scalar(
         cv.integer(1), "consecutive failures before a backend is ejected"))
@@ -114,10 +116,10 @@ class HealthSettings(Checked):
     max_cooldown: float = field(default=60.0, metadata=scalar(
         cv.duration(), "the longest ejection; cooldown <= max_cooldown"))
     max_pause: float = field(default=30.0, metadata=scalar(
-        cv.duration(), "the longest a Retry-After keeps a backend out of selection (SPEC §19)"))
+        cv.duration(), "the longest a Retry-After keeps a backend out of selection"))
     panic_below: float = field(default=0.5, metadata=scalar(
         _probability, "below this share (by weight) of usable backends, a request may go to "
-        "paused or ejected ones too (0: never; SPEC §19)"))
+        "paused or ejected ones too (0: never)"))
 
     def _rules(self, at: At) -> Iterator[str]:
         if self.cooldown > self.max_cooldown:
@@ -126,7 +128,7 @@ class HealthSettings(Checked):
 
 @dataclass(frozen=True, slots=True)
 class SimProfile(Checked):
-    """What a simulated backend does (SPEC §13). Times in seconds."""
+    """What a simulated backend does. Times in seconds."""
 
     ttft_median: float = field(default=0.15, metadata=scalar(
         cv.duration(zero=True), "time to first token: lognormal with this median"))
@@ -154,7 +156,7 @@ class SimProfile(Checked):
 
 @dataclass(frozen=True, slots=True)
 class TlsSettings(Checked):
-    """How the gateway checks an upstream's certificate (SPEC §15)."""
+    """How the gateway checks an upstream's certificate."""
 
     verify: bool = field(default=True, metadata=scalar(
         cv.boolean, "false: do not check the certificate (testing only)"))
@@ -258,13 +260,13 @@ class PoolSettings(Checked):
     backends: tuple[BackendSettings, ...] = field(metadata=items(
         BackendSettings, "backend", "the upstreams; at least one, names unique in the pool"))
     timeout: float = field(default=60.0, metadata=scalar(
-        cv.duration(), "the request deadline; all attempts share it (SPEC §5.6)"))
+        cv.duration(), "the request deadline; all attempts share it"))
     timeouts: Timeouts = field(default_factory=Timeouts, metadata=section(
-        Timeouts, "limits of one upstream attempt and of the client stream (SPEC §8)"))
+        Timeouts, "limits of one upstream attempt and of the client stream"))
     hedging: HedgingSettings = field(default_factory=HedgingSettings, metadata=section(
         HedgingSettings, "when and how often this pool sends extra attempts"))
     health: HealthSettings = field(default_factory=HealthSettings, metadata=section(
-        HealthSettings, "ejection of failing backends (SPEC §7)"))
+        HealthSettings, "ejection of failing backends"))
 
     def _complete(self) -> None:
         if any(not backend.model for backend in self.backends):
@@ -279,7 +281,7 @@ class PoolSettings(Checked):
 
 @dataclass(frozen=True, slots=True)
 class TracingSettings(Checked):
-    """OpenTelemetry traces (SPEC §17); off unless this or the OTEL_* variables say otherwise."""
+    """OpenTelemetry traces; off unless this or the OTEL_* variables say otherwise."""
 
     exporter: Literal["env", "none", "console", "otlp"] = field(default="env", metadata=scalar(
         cv.choice(("env", "none", "console", "otlp")),
@@ -325,14 +327,14 @@ class ServerSettings(Checked):
         cv.duration(zero=True), "on SIGTERM, how long live streams may run before a final "
         "error event"))
     body_timeout: float = field(default=30.0, metadata=scalar(
-        cv.duration(), "a request whose head and body take longer to arrive gets 408 (SPEC §18)"))
+        cv.duration(), "a request whose head and body take longer to arrive gets 408"))
     max_connections: int = field(default=4096, metadata=scalar(
-        cv.integer(1), "open client connections; a new one past this gets 503 (SPEC §18)"))
+        cv.integer(1), "open client connections; a new one past this gets 503"))
     workers: int = field(default=1, metadata=scalar(
         cv.integer(1, 256), "processes accepting on the address, each with its own races, "
-        "budget (burst / workers) and sketches; stats show the whole server (SPEC §16)"))
+        "budget (burst / workers) and sketches; stats show the whole server"))
     tracing: TracingSettings = field(default_factory=TracingSettings, metadata=section(
-        TracingSettings, "OpenTelemetry traces of each race (SPEC §17)"))
+        TracingSettings, "OpenTelemetry traces of each race"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -259,7 +259,7 @@ def choice(options: tuple[T, ...]) -> Parser[T]:
 
 
 def auto_or_fraction() -> Parser[float | Literal["auto"]]:
-    """`auto`, or a number strictly between 0 and 1 (`delay.quantile`, SPEC §20). A word other
+    """`auto`, or a number strictly between 0 and 1 (`delay.quantile`). A word other
     than `auto` is told both forms; a number out of range only the range."""
     fraction = number(0, 1, open_low=True, open_high=True)
 

@@ -1,7 +1,7 @@
 """The whole server from several processes: a mergeable export, the merge, the document. Pure.
 
 Under `serve --workers N` every worker counts its own requests, and across machines every
-replica does (SPEC §16). To show them as one server, each process *exports* its stats in a form
+replica does. To show them as one server, each process *exports* its stats in a form
 that adds up exactly: counters as plain counts (lifetime, and the recent window as it stood at
 export time), latency series as DDSketch bins (`gateway.hedge.latency.state_of`: the bins of two
 sketches of one accuracy add up to the sketch of the union, so merged quantiles are as exact as
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from gateway.hedge.latency import merge_states
@@ -181,6 +181,15 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"exports cover different windows: {sorted(windows)} s")
     return {"format": FORMAT, "window_s": windows.pop(), "uptime_s": uptime, "pools": pools,
             "workers": workers, "races": races}
+
+
+def only_pools(item: Mapping[str, Any], names: Collection[str]) -> dict[str, Any]:
+    """An export with only the pools in `names` (the configuration in force): a pool a
+    reload removed leaves the whole server as it leaves one process, even when a peer or
+    the retired numbers of a dead worker still count it."""
+    return {**item, "pools": {n: p for n, p in item["pools"].items() if n in names},
+            "workers": [{**w, "pools": {n: p for n, p in w["pools"].items() if n in names}}
+                        for w in item["workers"]]}
 
 
 def lifetime_only(item: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""`GET /metrics`: Prometheus text built from `Stats` and the pools at scrape time (SPEC §9).
+"""`GET /metrics`: Prometheus text built from `Stats` and the pools at scrape time.
 
 Why a custom collector rather than metric objects updated per request: `Stats` already counts
 everything once per request, so the request path does no extra work for Prometheus, and the

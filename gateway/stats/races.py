@@ -1,4 +1,4 @@
-"""The last races, for the dashboard's timeline (SPEC §17). Pure.
+"""The last races, for the dashboard's timeline. Pure.
 
 `Stats.record` hands every ended request that started at least one attempt to `RecentRaces`;
 `GET /hedge/races` serves them. One entry per request, newest last, at most `capacity` (50):

@@ -1,4 +1,4 @@
-"""Counters and sketches behind `/hedge/stats` and `/metrics` (SPEC §9, §10). Pure.
+"""Counters and sketches behind `/hedge/stats` and `/metrics`. Pure.
 
 Fed once per logical request with a `RequestSummary` when the request has fully ended (winner
 closed, losers reaped), so nothing here runs per event. No I/O, no asyncio: the time of a
@@ -35,7 +35,7 @@ from gateway.stats.summary import RequestSummary
 from gateway.wire.base import ERROR_ENDS, StreamEnd
 from providers.base import ENDPOINTS
 
-#: the values a `route` label takes (SPEC §15): the API paths below /v1/
+#: the values a `route` label takes: the API paths below /v1/
 ROUTES: tuple[str, ...] = ENDPOINTS
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""`hedge-gateway stats URL URL ...`: several replicas' stats merged into one view (SPEC §16).
+"""`hedge-gateway stats URL URL ...`: several replicas' stats merged into one view.
 
 Each replica serves its stats in mergeable form at `/hedge/stats?mergeable=1` (under
 `--workers`, already merged over its workers); the exports merge exactly

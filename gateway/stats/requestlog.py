@@ -1,4 +1,4 @@
-"""One structured log line per logical request (SPEC §9).
+"""One structured log line per logical request.
 
 Logger `hedge_gateway.requests`, level INFO, message = one JSON object, also attached to the
 record as `record.hedge_request` (a dict) for handlers that format structured data themselves.

@@ -19,7 +19,7 @@ Bounded: at most `capacity` points per pool (a deque drops the oldest), and only
 reading holds now: after a configuration reload a new pool starts its own series and a removed
 one's is dropped.
 
-**The whole server** (SPEC §16). Without workers a reading is this process's stats and pools
+**The whole server**. Without workers a reading is this process's stats and pools
 (`own_reading`). Under `serve --workers N` every worker samples the whole server's
 (`whole_reading`): the workers' exports merged as for `/hedge/stats`, so quantiles come from the
 merged sketches and gauges are combined. Points fall on the same ticks in every worker (`seq`

@@ -32,9 +32,9 @@ class RequestSummary:
     ended: float | None = None
     error: str | None = None
     relay_end: StreamEnd | None = None
-    #: tokens of the winning attempt, when its response reported usage (SPEC §17)
+    #: tokens of the winning attempt, when its response reported usage
     usage: Usage | None = None
-    #: a backend choice of this request ran in panic mode (SPEC §19)
+    #: a backend choice of this request ran in panic mode
     panic: bool = False
 
     def attach(

@@ -1,4 +1,4 @@
-"""`hedge-gateway stats [URL]`: a running gateway's `/hedge/stats` as tables (SPEC §10, §12).
+"""`hedge-gateway stats [URL]`: a running gateway's `/hedge/stats` as tables.
 
 Reads the JSON once with a short timeout and prints, per pool, a summary table for the recent
 window and the lifetime, then one row per backend. Exit status 0 on success, 1 when the

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of races (SPEC §17): a span per logical request, a child per attempt.
+"""OpenTelemetry traces of races: a span per logical request, a child per attempt.
 
 `hedge_gateway.request` (attributes `pool`, `route`, `outcome`, `winner`, `ttft_ms`, `hedges`,
 `failovers`, `attempts`) has the client's W3C `traceparent` as its parent, and one child

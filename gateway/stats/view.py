@@ -1,4 +1,4 @@
-"""The JSON views of `gateway.stats` behind `GET /hedge/stats` (SPEC §10). Pure.
+"""The JSON views of `gateway.stats` behind `GET /hedge/stats`. Pure.
 
 Counting (`Stats.record`) and reading are separate jobs: this module only turns the counters,
 sketches and live pool state into the documented JSON shape, at a given `now`; it never

@@ -1,6 +1,7 @@
 """The relay's per-event rule for protocols with named events (Responses API, Messages).
 
-The relay (`gateway.hedge.relay`) passes chat streams through until `[DONE]`. The Responses API and Anthropic's
+The relay (`gateway.hedge.relay`) passes chat streams through until `[DONE]`. The Responses API and
+Anthropic's
 Messages API have no `[DONE]`: each event is named (`event: response.completed`,
 `event: message_stop`) and the stream ends at one of a few names. Per event this costs one
 frozenset lookup of the name and one concatenation; the payload is never parsed. An upstream
@@ -25,7 +26,7 @@ _TYPE = re.compile(rb'"type"\s*:\s*"([A-Za-z0-9_.]{1,80})"')
 _TYPE_WINDOW = 256
 #: event names that report a failure: relayed as they are, and the stream is over
 ERROR_NAMES = frozenset({b"error", b"response.failed"})
-#: the events that report token usage (SPEC §17): read once each, by name, never per delta
+#: the events that report token usage: read once each, by name, never per delta
 USAGE_NAMES = frozenset({b"response.completed", b"message_start", b"message_delta"})
 
 

@@ -33,7 +33,7 @@ class SSEBatch:
     `raw` is set when the read was exactly whole single-line `data:` events in the canonical
     framing (`data: X\n\n`, LF only, no comment or other field) and began at an event
     boundary: those bytes are what the gateway would send anyway, so after commit the relay
-    forwards them untouched (SPEC §4) without building an event per line. `events` is then
+    forwards them untouched without building an event per line. `events` is then
     decoded only if someone asks (the race does, before commit). Otherwise `raw` is None and
     `events` is the decoder's view."""
 

@@ -1,4 +1,4 @@
-"""Token usage: read it from the winning stream, ask the upstream for it (SPEC §17). Pure.
+"""Token usage: read it from the winning stream, ask the upstream for it. Pure.
 
 Chat streams carry usage only when the request says `stream_options.include_usage`; the gateway
 asks for it on every streaming chat request, and when the client did not ask itself the relay

@@ -1,7 +1,7 @@
 """Request body checks before anything is sent upstream (pure).
 
 The gateway forwards bodies as received, so it must refuse what could steer a request to
-another destination or credential (SPEC §3) and what no upstream should be asked to parse.
+another destination or credential and what no upstream should be asked to parse.
 Message content is data: nothing inside `messages`/`prompt`/`input` is inspected.
 
 Every check is linear in the body's bytes and bounded in memory: before the JSON is turned
@@ -32,7 +32,7 @@ ROUTING_FIELDS = frozenset(
 _ROUTING_NORMALIZED = frozenset(name.replace("_", "") for name in ROUTING_FIELDS)
 NESTED_SCANNED = ("extra_body",)
 #: OpenAI's `metadata` is free-form (tags a client attaches, `url` and `headers` included): in
-#: it only the names proxies use to pick a destination or credential are refused (SPEC §18)
+#: it only the names proxies use to pick a destination or credential are refused
 METADATA_FIELDS = frozenset({"apibase", "baseurl", "apikey", "apiversion", "azureendpoint"})
 #: ... and every name that starts with one of these words (`aws_region`, `vertexProject`)
 METADATA_PREFIXES = ("aws", "vertex")

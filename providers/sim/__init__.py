@@ -1,4 +1,4 @@
-"""The simulated upstream (SPEC §13): `wire` draws a plan and its bytes, `provider` plays them
+"""The simulated upstream: `wire` draws a plan and its bytes, `provider` plays them
 in-process (the embedded default pool), `server` serves them over real loopback sockets."""
 
 from providers.sim.provider import SimProvider

@@ -1,4 +1,4 @@
-"""The simulator's Responses API and Anthropic Messages streams and bodies (SPEC §15).
+"""The simulator's Responses API and Anthropic Messages streams and bodies.
 
 Same plans as the chat simulator (`providers.sim.wire`): the TTFT, the tokens, the faults. What
 differs is the wire, and in particular the early-headers trap both real APIs set: the status,

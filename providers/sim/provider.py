@@ -181,7 +181,7 @@ class SimProvider:
     async def _open_protocol(
         self, call: UpstreamCall, plan: SimPlan, created: int
     ) -> UpstreamStream:
-        """The Responses API and Messages routes (SPEC §15), with the same plan semantics."""
+        """The Responses API and Messages routes, with the same plan semantics."""
         if call.stream and call.endpoint in ("responses", "messages"):
             endpoint = call.endpoint
 

@@ -235,7 +235,7 @@ class _SimServer:
         return JSONResponse(sim_response(plan, endpoint, model, request_id), headers=headers)
 
     async def handle_protocol(self, request: Request, endpoint: str) -> Response:
-        """The Responses API and Messages routes (SPEC §15): same plans, their own wire."""
+        """The Responses API and Messages routes: same plans, their own wire."""
         started = await self._start(request)
         if isinstance(started, Response):
             return started

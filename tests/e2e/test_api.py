@@ -1,4 +1,4 @@
-"""The "foundation" acceptance points, over real sockets (SPEC §3, §4).
+"""The "foundation" acceptance points, over real sockets.
 
 The gateway runs under uvicorn in the harness loop thread; upstreams are real loopback
 servers (the simulator for "same content as a direct call", the ScriptedUpstream for hostile
@@ -194,7 +194,7 @@ def test_streamed_chat_through_the_gateway_equals_a_direct_call(
     dumps = []
     for base_url, model in ((sim.v1, BACKEND_MODEL), (gateway.v1, POOL)):
         with sdk(base_url) as client:
-            # usage asked for: without it the gateway drops the usage-only chunk (SPEC §17)
+            # usage asked for: without it the gateway drops the usage-only chunk
             stream = client.chat.completions.create(
                 model=model, messages=MESSAGES, stream=True, extra_headers=headers,
                 stream_options={"include_usage": True},
@@ -367,7 +367,7 @@ def test_relay_sends_role_then_tokens_and_none_of_the_upstream_comments_or_field
     steps, expected = noisy_stream_steps(gate)
     up.queue(Script(headers=SSE_HEADERS, steps=steps))
     gateway = serve_gateway(asgi_server, one_backend(up.base_url, keepalive=0.02))
-    # usage asked for, so the upstream's usage chunk is the client's to see (SPEC §17)
+    # usage asked for, so the upstream's usage chunk is the client's to see
     body = {"model": POOL, "messages": MESSAGES, "stream": True,
             "stream_options": {"include_usage": True}}
     lines: list[str] = []
@@ -670,7 +670,7 @@ FORBIDDEN: dict[str, tuple[dict[str, Any], str]] = {
         {**GOOD, "extra_body": {"targets": [{"ok": 1}, {"url": "http://evil.example"}]}},
         "extra_body.targets[1].url",
     ),
-    # metadata is free-form (`headers` passes there, SPEC §18), but not for credentials
+    # metadata is free-form (`headers` passes there), but not for credentials
     "metadata_api_key": (
         {**GOOD, "metadata": {"tenant": {"api_key": "sk-someone-else"}}},
         "metadata.tenant.api_key",

@@ -1,4 +1,4 @@
-"""Availability under pushback (SPEC §19), over real sockets: the gateway under its own server,
+"""Availability under pushback, over real sockets: the gateway under its own server,
 scripted upstreams, the official OpenAI SDK or httpx as clients.
 
 - a Retry-After pauses a backend for at most `health.max_pause`, and a pool too short of
@@ -260,7 +260,7 @@ def every_nth_pushes_back(n: int) -> Responder:
 def test_three_backends_with_3_percent_pushback_keep_serving(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
-    """SPEC §19's measurement: each of three backends answers 3 % of its requests with `503`
+    """the measurement: each of three backends answers 3 % of its requests with `503`
     and `Retry-After: 1`, 16 clients at once. No request may be refused without an upstream
     attempt, and at least 95 % succeed."""
     total, clients = 400, 16

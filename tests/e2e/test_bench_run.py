@@ -148,7 +148,7 @@ def test_tiny_soak_runs_both_gateways_through_the_faults(tmp_path: Path) -> None
 @pytest.mark.timeout(120)
 def test_bench_with_two_gateway_workers_counts_every_request_once() -> None:
     """`bench --workers 2`: the gateway under test serves with two workers, and its
-    whole-server `/hedge/stats` lists both and counts each measured request once (SPEC §16)."""
+    whole-server `/hedge/stats` lists both and counts each measured request once."""
     plan = bench.BenchPlan(workloads=(TINY,), seed=3, modes=("direct", "hedging-off"),
                            workers=2)
     (workload,) = bench.run_bench(plan)["workloads"]

@@ -1,5 +1,5 @@
 """The README newcomer path, for real: `hedge-gateway serve` in a subprocess with no config and
-no keys in its environment serves the embedded `demo` pool (SPEC §12, §13), the official SDK
+no keys in its environment serves the embedded `demo` pool, the official SDK
 streams a chat completion from it, and SIGTERM stops it cleanly.
 
 A subprocess, not the in-process harness, because this is about what a newcomer runs: the

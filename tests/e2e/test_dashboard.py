@@ -1,4 +1,4 @@
-"""The dashboard in a real headless Chromium (SPEC §17): a gateway under uvicorn, simulated
+"""The dashboard in a real headless Chromium: a gateway under uvicorn, simulated
 backends with many stragglers (so hedges start and win), OpenAI SDK traffic while the page is
 open. The page must render data, update itself, log no script error, and load nothing from
 outside the gateway.
@@ -194,7 +194,7 @@ def test_the_dashboard_of_two_workers_shows_both(
 ) -> None:
     """`serve --workers 2`: whichever worker answers the page's polls, the timeline holds the
     races of both workers, and a worker answering a point behind its peer does not make the
-    page drop the points it has (SPEC §16, §17)."""
+    page drop the points it has."""
     _proc, root, _log = two_workers
     stop = threading.Event()
 

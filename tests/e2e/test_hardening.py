@@ -1,4 +1,4 @@
-"""What clients and operators hit in production (SPEC §18), over real sockets.
+"""What clients and operators hit in production, over real sockets.
 
 - a client still uploading when it is refused with 413 reads the 413 (lingering close);
 - slow clients get 408 after `server.body_timeout`; past `server.max_connections` a new

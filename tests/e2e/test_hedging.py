@@ -1,4 +1,4 @@
-"""Hedging over real sockets (SPEC §5, §6): two scripted loopback upstreams, the gateway under
+"""Hedging over real sockets: two scripted loopback upstreams, the gateway under
 uvicorn, the official OpenAI SDK as the client. Every test ends with the automatic leak check
 (no task, connection or file descriptor beyond the baseline).
 
@@ -107,7 +107,7 @@ def gated_winner(first: str, rest: Sequence[str], gate: Gate, token_after: float
 class LoserWatch:
     """A thread that waits for the race's two arrivals, then for the loser's upstream to see
     its connection closed, and only then opens the winner's gate. `closed_first` says whether
-    the loser was closed while the winner was held (SPEC §5.5: at commit, not at the end of
+    the loser was closed while the winner was held (at commit, not at the end of
     the winner's stream)."""
 
     def __init__(self, order: InOrder, upstreams: Sequence[ScriptedUpstream], loser: int,
@@ -327,7 +327,7 @@ def test_all_backends_failing_gives_502_with_reasons_and_no_secret(
 def test_no_first_token_by_the_deadline_gives_504(
     asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
 ) -> None:
-    """One deadline for every attempt (SPEC §5.6). The hedge starts at 0.4 s and would find
+    """One deadline for every attempt. The hedge starts at 0.4 s and would find
     its token 0.6 s later: after the request's deadline (0.8 s), before a deadline of its
     own. A shared deadline gives 504 and closes the hedge before its token; a per-attempt
     deadline would let the hedge win."""
@@ -406,7 +406,8 @@ def test_hedging_disabled_still_fails_over(
 def raw_request(port: int, body: bytes) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"content-type: application/json\r\n"
         + f"content-length: {len(body)}\r\n\r\n".encode()
         + body
     )

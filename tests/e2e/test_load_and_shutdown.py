@@ -1,4 +1,4 @@
-"""Load and lifecycle over real sockets (SPEC §8): a client that stops reading, admission
+"""Load and lifecycle over real sockets: a client that stops reading, admission
 control, graceful shutdown of `hedge-gateway serve` with live streams.
 
 The gateway runs under `gateway.server.serve.GatewayServer`, the same server class `serve` uses
@@ -134,7 +134,7 @@ def test_beyond_the_concurrency_limit_503_at_once_while_admitted_streams_flow(
             assert refused.status_code == 503
             assert refused.headers["retry-after"] == "1"
             assert refused.headers["retry-after-ms"] == "1000"
-            assert "x-should-retry" not in refused.headers  # retryable (SPEC §18)
+            assert "x-should-retry" not in refused.headers  # retryable
             error = refused.json()["error"]
             assert error["code"] == "overloaded" and error["type"] == "server_error"
             assert len(upstream.requests) == 2  # the refused request never went upstream

@@ -1,4 +1,4 @@
-"""Observability over real sockets (SPEC §9, §10): /hedge/stats, /metrics, the request log and
+"""Observability over real sockets: /hedge/stats, /metrics, the request log and
 `hedge-gateway stats`, checked against what scripted upstreams and the OpenAI SDK observed.
 
 Every scenario uses a FIXED hedge delay, so which requests hedge is decided by the scripts
@@ -393,7 +393,7 @@ def test_provider_key_never_reaches_stats_metrics_or_logs(
         ) as reply:
             assert reply.status_code == 200
             body = reply.read().decode()
-        assert "partial" in body  # relayed after commit as it came (SPEC §4): the client's own
+        assert "partial" in body  # relayed after commit as it came: the client's own
     # the canary was really in play: every upstream request carried it
     sent = [rec for up in ups for rec in up.requests]
     assert sent and all(rec.headers["authorization"] == f"Bearer {canary}" for rec in sent)
@@ -489,7 +489,7 @@ def backend_delays(running: RunningServer) -> list[dict[str, Any]]:
 def test_the_delay_is_learnt_by_the_refresher_not_by_requests(
     scripted_upstream: UpstreamFactory, asgi_server: AsgiServerFactory, refresh: float
 ) -> None:
-    """SPEC §5.2: the quantile is computed off the request path. Requests only record their
+    """The quantile is computed off the request path. Requests only record their
     TTFT; the periodic refresher of the app turns the samples into a delay, so with a refresh
     interval of an hour the delay stays `initial` whatever the traffic."""
     ups = [

@@ -1,4 +1,4 @@
-"""The Responses API and Anthropic Messages through the gateway (SPEC §15), over real sockets:
+"""The Responses API and Anthropic Messages through the gateway, over real sockets:
 scripted loopback upstreams, the gateway under uvicorn, the official `anthropic` and `openai`
 SDKs as clients, unchanged. Each test ends with the automatic leak check."""
 
@@ -509,3 +509,20 @@ def test_the_backend_holding_a_response_answers_its_404_itself(
     assert caught.value.body["code"] == "upstream_rejected_request"  # type: ignore[index]
     maker, getter = order.arrivals
     assert owner(upstreams, maker) == owner(upstreams, getter)
+
+
+def test_both_sdks_list_the_pools_each_in_its_own_shape(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """`GET /v1/models` answers OpenAI's list, or Anthropic's page when the request carries
+    `anthropic-version`: each SDK parses the pools with its own types."""
+    upstreams = scripted_upstream(1)
+    root = serve(asgi_server, settings_for(anthropic_backends(upstreams)))
+    with claude(root) as client:
+        page = client.models.list()
+        assert [m.id for m in page.data] == [POOL]
+        assert page.data[0].type == "model" and page.data[0].display_name == POOL
+        assert page.has_more is False
+    with gpt(root) as client:
+        assert [(m.id, m.object) for m in client.models.list()] == [(POOL, "model")]
+    assert not any(u.requests for u in upstreams)

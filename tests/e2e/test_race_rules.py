@@ -1,11 +1,11 @@
-"""SPEC §5 and §6 rules that only a real race shows: two or three scripted loopback upstreams,
+"""The race rules that only a real race shows: two or three scripted loopback upstreams,
 the gateway under uvicorn, the official OpenAI SDK as the client.
 
-- non-streaming requests and embeddings are hedged (§4, §5);
-- the adaptive delay, learned from real TTFTs, decides when the hedge starts (§5.2);
+- non-streaming requests and embeddings are hedged;
+- the adaptive delay, learned from real TTFTs, decides when the hedge starts;
 - each suppression reason (`deadline`, `no_backend`, `budget`, `ineffective`) is counted in
-  /hedge/stats by a real race (§5.3, §6);
-- at most max(3, 0.2 x in-flight requests) extra attempts are in flight at once (§6).
+  /hedge/stats by a real race;
+- at most max(3, 0.2 x in-flight requests) extra attempts are in flight at once.
 
 Assertions are on order and causality (which attempt arrived, what was held when), never on
 how fast something was. Every test ends with the automatic leak check.
@@ -343,7 +343,7 @@ def test_ineffective_once_a_window_of_hedges_has_lost(
     assert settled(gateway, "ineffective")["ineffective"] >= 1
 
 
-# --- §6: at most max(3, 0.2 x in-flight) extra attempts at once --------------------------
+# --- the budget: at most max(3, 0.2 x in-flight) extra attempts at once --------------------------
 
 
 def test_extra_attempts_in_flight_are_capped_by_the_in_flight_requests(

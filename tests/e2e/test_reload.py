@@ -1,4 +1,4 @@
-"""Reload without a restart (SPEC §18), for real: `hedge-gateway serve --config FILE` in a
+"""Reload without a restart, for real: `hedge-gateway serve --config FILE` in a
 subprocess, the file rewritten, SIGHUP sent.
 
 A valid file takes effect for new requests (a new pool serves, a changed delay is in force),

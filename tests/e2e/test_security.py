@@ -1,4 +1,4 @@
-"""Hostile client input and gateway keys, over real sockets (SPEC §3, §8).
+"""Hostile client input and gateway keys, over real sockets.
 
 Each bad request must get the OpenAI error shape with a fitting status, never a 500, and must
 send nothing upstream; nothing a client sends may choose where the gateway connects (an
@@ -553,7 +553,7 @@ def walk_routes(routes: Iterable[object]) -> Iterator[Route]:
 
 
 #: routes that must answer without a key (liveness probes and scrapers, and the dashboard
-#: with its data, which SPEC §17 exposes as `/hedge/stats` is)
+#: with its data, which the gateway exposes as `/hedge/stats` is)
 PUBLIC = {"/healthz", "/readyz", "/metrics", "/hedge/stats", "/hedge/series", "/hedge/races",
           "/dashboard", "/dashboard/{name}"}
 
@@ -574,7 +574,7 @@ def test_every_route_but_the_public_probes_requires_the_key(
                 walked.add(route.path)
                 if route.path in PUBLIC:
                     assert reply.status_code != 401, route.path
-                elif route.path.startswith("/v1/messages"):  # Anthropic's shape (SPEC §15)
+                elif route.path.startswith("/v1/messages"):  # Anthropic's shape
                     assert reply.status_code == 401, route.path
                     assert reply.json() == {"type": "error", "error": {
                         "type": "authentication_error",
@@ -625,3 +625,43 @@ def test_keys_stay_out_of_the_request_log_for_proxied_requests(
     Canary(KEYS[0], "sk-backend-0003").assert_absent_everywhere(gateway.root, caplog)
     assert len(upstream.requests) == 1
 
+
+
+def test_answers_a_retry_cannot_change_say_so_and_each_sdk_sends_them_once(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """A wrong key or an unknown model is answered with `x-should-retry: false`, so neither
+    SDK (nor an agent CLI built on one, which would otherwise retry a 401 for ever) sends the
+    request again: each reaches the gateway exactly once, whatever `max_retries` says."""
+    import anthropic
+
+    gateway, upstream = keyed(loop_thread, scripted_upstream)
+    sent: list[str] = []
+
+    def count(request: Any) -> None:  # each SDK's own HTTP client calls it per request sent
+        sent.append(str(request.url.path))
+
+    hooks = {"request": [count]}
+    for name in ("wrong key, OpenAI", "unknown model, OpenAI", "wrong key, Anthropic"):
+        sent.clear()
+        if name.endswith("Anthropic"):
+            with anthropic.Anthropic(
+                base_url=gateway.root, api_key="sk-wrong", max_retries=3,
+                http_client=anthropic.DefaultHttpxClient(event_hooks=hooks),
+            ) as claude, pytest.raises(anthropic.AuthenticationError) as info:
+                claude.messages.create(model=POOL, max_tokens=8,
+                                       messages=[{"role": "user", "content": "hi"}])
+            response = info.value.response
+        else:
+            key, model = ("sk-wrong", POOL) if "key" in name else (KEYS[0], "gpt-none")
+            wanted: type[openai.APIStatusError] = (
+                openai.AuthenticationError if "key" in name else openai.NotFoundError)
+            with openai.OpenAI(
+                base_url=gateway.v1, api_key=key, max_retries=3,
+                http_client=openai.DefaultHttpxClient(event_hooks=hooks),
+            ) as client, pytest.raises(wanted) as failed:
+                client.chat.completions.create(model=model, messages=MESSAGES)
+            response = failed.value.response
+        assert response.headers["x-should-retry"] == "false", name
+        assert len(sent) == 1, (name, sent)
+    untouched(upstream)

@@ -1,4 +1,4 @@
-"""The `--workers` supervisor with stand-in workers (SPEC §16): real forks, real signals and a
+"""The `--workers` supervisor with stand-in workers: real forks, real signals and a
 real reserved address, but workers that only record what reaches them, so the supervisor's
 own rules are seen directly: the restart bound, SIGHUP forwarding with a reload, SIGTERM.
 

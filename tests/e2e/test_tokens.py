@@ -1,4 +1,4 @@
-"""Token accounting over real sockets (SPEC §17): two loopback simulators that send usage only
+"""Token accounting over real sockets: two loopback simulators that send usage only
 when asked (as OpenAI does), the gateway hedging their stragglers, the OpenAI SDK as client.
 
 The gateway's counters (/hedge/stats, /metrics, the request log) must equal the usage the

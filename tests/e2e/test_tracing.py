@@ -1,4 +1,4 @@
-"""OpenTelemetry traces over real sockets (SPEC §17): a hedged request's trace holds one
+"""OpenTelemetry traces over real sockets: a hedged request's trace holds one
 request span under the client's `traceparent`, with both attempts as its children, and each
 upstream received its own attempt's `traceparent`. Spans go to an in-memory exporter.
 

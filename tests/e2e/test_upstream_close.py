@@ -1,4 +1,4 @@
-"""A cancelled attempt closes its upstream socket, whatever moment the cancel lands (SPEC §5.5).
+"""A cancelled attempt closes its upstream socket, whatever moment the cancel lands.
 
 The soak (`hedge-gateway bench --workload soak`) left upstream sockets in CLOSE_WAIT: the
 backend had closed them, the gateway never did. The cause: a hedge that got a `429` closes that

@@ -1,4 +1,4 @@
-"""`hedge-gateway serve --workers 2` for real (SPEC §16): the console entry point in a
+"""`hedge-gateway serve --workers 2` for real: the console entry point in a
 subprocess on an ephemeral port, simulated backends in the workers, the official SDK and plain
 HTTP as clients. Each request opens its own connection, so the kernel spreads them over the
 workers.
@@ -272,7 +272,7 @@ def test_workers_do_not_outlive_a_killed_supervisor(
 def test_sighup_to_the_supervisor_reloads_every_worker(
     two_workers: tuple[subprocess.Popen[bytes], str, Path],
 ) -> None:
-    """SPEC §16 with §18: one SIGHUP to the supervisor, every worker on the new file, each
+    """Reload under workers: one SIGHUP to the supervisor, every worker on the new file, each
     budget split again (burst 30 over 2 workers: 15 each)."""
     proc, root, log = two_workers
     config = log.parent / "gateway.yaml"
@@ -376,7 +376,7 @@ def both_answer(root: str, path: str, whole: Callable[[dict[str, Any]], bool],
 def test_the_dashboard_data_covers_every_worker(
     two_workers: tuple[subprocess.Popen[bytes], str, Path],
 ) -> None:
-    """SPEC §16 with §17: `/hedge/series` and `/hedge/races` show the whole server, whichever
+    """Under workers, `/hedge/series` and `/hedge/races` show the whole server, whichever
     worker answers (their peers' numbers reach them within 2 s, so the waits poll)."""
     _proc, root, _log = two_workers
     sent = 24

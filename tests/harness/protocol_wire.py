@@ -1,4 +1,4 @@
-"""Wire bytes of the Responses API and Anthropic Messages streams (SPEC §15), as the real APIs
+"""Wire bytes of the Responses API and Anthropic Messages streams, as the real APIs
 send them: named events whose payload repeats the name as `type`. Pure data and small builders,
 shared by the predicate table tests (tests/unit) and the scripted upstreams (tests/e2e)."""
 

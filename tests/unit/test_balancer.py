@@ -1,4 +1,4 @@
-"""Backend selection and health (SPEC §7), with a seeded rng and a plain-number clock."""
+"""Backend selection and health, with a seeded rng and a plain-number clock."""
 
 from __future__ import annotations
 
@@ -275,7 +275,7 @@ def test_deterministic_with_a_seed() -> None:
     assert run(7) == run(7)
 
 
-# -- SPEC §19: bounded pauses, panic routing, one probe -------------------------------------
+# -- bounded pauses, panic routing, one probe -------------------------------------
 
 
 def make_health(*backends: BackendSettings, **health: float) -> Balancer:
@@ -364,8 +364,8 @@ def test_panic_prefers_another_group_among_the_unhealthy() -> None:
 
 
 def test_only_the_probe_ending_frees_the_probe_slot() -> None:
-    """Issue 10, risk 13: an attempt that was already running when its backend was ejected
-    ends while the probe runs; that must not let a second probe in (SPEC §7: one probe)."""
+    """An attempt that was already running when its backend was ejected
+    ends while the probe runs; that must not let a second probe in (one probe)."""
     bal = make(backend("a"), backend("b"))
     old = bal.on_start("a")  # running when the failures come in
     assert not old
@@ -390,3 +390,23 @@ def test_a_failure_after_the_cooldown_keeps_the_probe_slot_taken() -> None:
     assert bal.usable(16.0) == ["b"]  # the probe is still running
     bal.on_finish("a", probe=probe)
     assert bal.usable(16.0) == ["a", "b"]
+
+
+def test_panic_weighs_only_the_backends_that_serve_the_route() -> None:
+    """A pool that mixes providers: its one chat backend is paused, its two Messages backends
+    are healthy. For a chat request the Messages backends are `outside`: the route's own
+    backends are all paused, so selection panics and tries the paused one instead of refusing
+    the request untried because the pool as a whole looks healthy."""
+    bal = make_health(backend("chat"), backend("claude-a"), backend("claude-b"))
+    bal.pause("chat", 10.0, now=0.0)
+    ttft = lambda _: None  # noqa: E731
+    outside = {"claude-a", "claude-b"}
+    assert not bal.panic(1.0)  # the whole pool: two of three healthy
+    assert bal.panic(1.0, outside=outside)
+    assert bal.pick(1.0, ttft=ttft, outside=outside) == "chat"
+    # never a backend outside the route, panic or not
+    bal.pause("claude-a", 10.0, now=0.0)
+    assert bal.pick(1.0, ttft=ttft, outside={"chat", "claude-a"}) == "claude-b"
+    # half the route's weight healthy is not panic: claude-b busy with this request's
+    # attempt leaves no healthy choice, and the paused one is not tried
+    assert bal.pick(1.0, ttft=ttft, exclude={"claude-b"}, outside={"chat"}) is None

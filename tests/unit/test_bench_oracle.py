@@ -1,4 +1,4 @@
-"""The best single-hedge oracle and the slow-share targets of `hedge-gateway bench` (SPEC §20),
+"""The best single-hedge oracle and the slow-share targets of `hedge-gateway bench`,
 on plain numbers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`bench --servers` (issue 11 point 4): the option, the modes it adds, the command lines."""
+"""`bench --servers`: the option, the modes it adds, the command lines."""
 
 from __future__ import annotations
 

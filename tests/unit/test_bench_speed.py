@@ -1,4 +1,4 @@
-"""The bench's cost figures (issue 11): pinning plan, CPU per request, the speed targets."""
+"""The bench's cost figures: pinning plan, CPU per request, the speed targets."""
 
 from __future__ import annotations
 

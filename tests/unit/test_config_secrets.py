@@ -18,7 +18,7 @@ from gateway.hedge.generation import ConfigOrigin, Generation, Live
 from gateway.settings import ConfigError, Settings, load_settings
 from gateway.stats import Stats
 from providers.http import UpstreamClient
-from tests.unit.test_reload import pool
+from tests.unit.test_generation import pool
 
 SECRET = "s3cr3t-value-9f8e7d"
 ENV = {"UPSTREAM_HOST": SECRET}

@@ -1,4 +1,4 @@
-"""SPEC §17's pure parts: reading usage, asking for it, dropping the chunk the client did not
+"""The pure parts: reading usage, asking for it, dropping the chunk the client did not
 ask for, the hedge cost, the per-second series, the races timeline, and the tracing switch.
 Plain numbers as the clock; no sockets."""
 

@@ -123,7 +123,7 @@ async def test_a_status_that_describes_the_request_reaches_the_client_as_is(stat
     assert [(r.failure, r.outcome) for r in race.attempts] == [("request_rejected", "failed")]
 
 
-# -- SPEC §19: honest refusals, panic -----------------------------------------------------------
+# -- honest refusals, panic -----------------------------------------------------------
 
 
 def failing(*errors: UpstreamError) -> AttemptRunner:

@@ -1,4 +1,4 @@
-"""The race as a table, in virtual time (SPEC §5, §6, §18).
+"""The race as a table, in virtual time.
 
 Each row is a timeline (what each attempt's upstream does, and when the client leaves) and what
 the race must make of it: the outcome, each attempt's kind and start (which shows the hedge

@@ -1,4 +1,4 @@
-"""The simulator's Responses API and Messages streams (SPEC §15): the early-headers trap (the
+"""The simulator's Responses API and Messages streams: the early-headers trap (the
 scaffolding at once, the first text only after the TTFT), the end events, the faults, and the
 in-process provider playing them. Pure: a fake sleep records the delays."""
 

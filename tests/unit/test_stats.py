@@ -1,4 +1,4 @@
-"""The stats core (SPEC §10), fed hand-made request summaries; plain numbers as the clock."""
+"""The stats core, fed hand-made request summaries; plain numbers as the clock."""
 
 from __future__ import annotations
 
@@ -489,7 +489,7 @@ def test_metrics_are_per_app_and_read_at_scrape_time() -> None:
 
 
 def test_panic_refusals_and_time_left_are_counted_and_shown() -> None:
-    """SPEC §19: `panic` and `refused_no_backend` per pool (stats and metrics); per backend
+    """`panic` and `refused_no_backend` per pool (stats and metrics); per backend
     its state with the seconds left (stats and the `stats` command's table)."""
     import io
 

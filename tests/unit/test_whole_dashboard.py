@@ -1,4 +1,4 @@
-"""The dashboard's data for the whole server under `serve --workers N` (SPEC §16, §17): the
+"""The dashboard's data for the whole server under `serve --workers N`: the
 series sampled from the workers' merged exports, and their last races merged. Plain numbers
 as the clock; exports pass through JSON as they do through the stats directory; no sockets."""
 

@@ -1,4 +1,4 @@
-"""`serve --workers N` without processes (SPEC §16): the per-worker budget and the restart
+"""`serve --workers N` without processes: the per-worker budget and the restart
 bound. Plain numbers as the clock."""
 
 from __future__ import annotations

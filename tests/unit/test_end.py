@@ -1,6 +1,6 @@
 """The end of a logical request through the proxy, in virtual time: one owner ends it on every
-path, and the client is answered before losers are reaped and stats recorded (issue 10,
-risks 10 and 11). The race itself is in test_race_table.py."""
+path, and the client is answered before losers are reaped and stats recorded. The race itself is in
+test_race_table.py."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_a_cancelled_request_task_ends_the_request_inline() -> None:
 
 def test_one_watcher_sees_the_client_for_the_whole_request_and_the_body_is_encoded_once(
 ) -> None:
-    """Issue 11, point 3. During the race one task watches the client (no drain task), the
+    """During the race one task watches the client (no drain task), the
     streaming response keeps using that task instead of reading `receive` itself, and a
     disconnect mid-stream through it ends the request. Every attempt is sent the body
     serialized once, with the backend's own model put first."""
@@ -168,7 +168,7 @@ def test_one_watcher_sees_the_client_for_the_whole_request_and_the_body_is_encod
         assert set(world.closed) == set(world.opened)
         assert len(sent_bodies) == 2
         req = logical_request(stream=True)
-        # the body the gateway sends upstream: usage asked for (SPEC §17), model per backend
+        # the body the gateway sends upstream: usage asked for, model per backend
         upstream, _ = ask_for_usage(req.endpoint, req.stream, req.body)
         for content, body in sent_bodies:
             assert content.startswith(b'{"model":')

@@ -1,4 +1,4 @@
-"""Our own connection pool being full is our failure, not the backend's (issue 10, risk 12).
+"""Our own connection pool being full is our failure, not the backend's.
 
 The gateway's shared upstream client raises `GatewayPoolFull` when every one of its connections
 is busy past `timeouts.connect`; the backend was never asked. Counting that as its connect

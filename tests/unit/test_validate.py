@@ -1,5 +1,5 @@
-"""`metadata` is free-form (SPEC §18): only destination and credential names are refused in it,
-in any case or separator; the stricter top-level and `extra_body` rules stay (SPEC §3)."""
+"""`metadata` is free-form: only destination and credential names are refused in it,
+in any case or separator; the stricter top-level and `extra_body` rules stay."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-backend upstream options (SPEC §15): how the key is sent, static headers and query,
+"""Per-backend upstream options: how the key is sent, static headers and query,
 TLS, proxy and environment settings, and their validation. No sockets."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""First-token predicate: one case per line of SPEC §4, plus malformed input."""
+"""First-token predicate: one case per rule of docs/hedging.md, plus malformed input."""
 
 from __future__ import annotations
 

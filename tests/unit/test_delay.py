@@ -1,4 +1,4 @@
-"""The hedge delay (SPEC §5.2), driven by a plain-number clock."""
+"""The hedge delay, driven by a plain-number clock."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_clamped_to_max() -> None:
 
 
 class CountingSketch:
-    """Wraps a sketch and counts its merges (the work §5.2 keeps off the request path)."""
+    """Wraps a sketch and counts its merges (the work kept off the request path)."""
 
     def __init__(self, inner: WindowedSketch) -> None:
         self.inner = inner
@@ -88,7 +88,7 @@ class CountingSketch:
 
 
 def test_request_path_reads_never_compute_a_quantile() -> None:
-    """Risk 8 of issue 10: observe(), delay(), median() and adaptive() run per request; only
+    """observe(), delay(), median() and adaptive() run per request; only
     refresh() (the shell's periodic task) merges the window."""
     delay = HedgeDelay(SETTINGS)
     counting = CountingSketch(WindowedSketch(SETTINGS.window))
@@ -148,7 +148,7 @@ def test_censored_lower_bounds_above_the_threshold_are_kept() -> None:
 
 
 def test_censored_lower_bounds_below_the_threshold_are_dropped() -> None:
-    """Risk 9 of issue 10: a loser cancelled at 10 ms or a client gone at 5 ms says nothing
+    """a loser cancelled at 10 ms or a client gone at 5 ms says nothing
     about the tail, and recorded, it would pull the delay (and the median) down."""
     delay, _ = fed(SETTINGS, [0.2] * 19 + [0.3] * 1)
     before = delay.delay(0.2)
@@ -169,7 +169,7 @@ def test_initial_threshold_also_filters_censored_samples() -> None:
 
 
 def test_a_quiet_pool_leaves_initial_and_keeps_what_it_learnt() -> None:
-    """Risk 9 of issue 10: at 10 requests a minute the 60 s window never holds min_samples
+    """at 10 requests a minute the 60 s window never holds min_samples
     (20), yet the delay must become adaptive after 20 requests and stay so while idle."""
     delay = HedgeDelay(SETTINGS)
     now = 0.0

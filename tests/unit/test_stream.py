@@ -1,4 +1,4 @@
-"""How the SSE response classifies the end of a stream (issue 10, risk 14), in virtual time
+"""How the SSE response classifies the end of a stream, in virtual time
 and without sockets: a socket that breaks under a send is a client that left; an exception of
 ours in the relay is not, and is not swallowed."""
 
@@ -71,7 +71,7 @@ def test_a_bug_in_the_relay_propagates_and_is_not_a_client_that_left() -> None:
 
 
 def test_a_stream_shorter_than_a_tick_runs_no_extra_task_and_a_long_one_keeps_alive() -> None:
-    """Issue 11: per stream, the keep-alive/stuck-client ticker starts one period in (a timer
+    """Per stream, the keep-alive/stuck-client ticker starts one period in (a timer
     before that), and the proxy's client watcher and the drain are callbacks: a short stream
     runs in its own task alone. A stream that goes quiet still gets its keep-alive."""
 

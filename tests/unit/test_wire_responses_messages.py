@@ -1,4 +1,4 @@
-"""The Responses API and Messages first-token predicates, end and error rules (SPEC §15),
+"""The Responses API and Messages first-token predicates, end and error rules,
 table-tested on wire bytes as the APIs send them, decoded by the gateway's own SSE decoder and
 split at every byte so that a token split across reads is still found exactly once."""
 

@@ -1,4 +1,4 @@
-"""Reload carry-over (SPEC §18), pure parts: what survives a new generation and what starts
+"""Reload carry-over, pure parts: what survives a new generation and what starts
 fresh. Fake clock, no sockets (the upstream client is built but never used: sim backends)."""
 
 from __future__ import annotations
