@@ -174,7 +174,8 @@ def _scan(value: object, root: str, refused: Callable[[str], bool], tally: list[
     """Refuse the first key `refused` names at any depth of `value` (at most
     `MAX_SCAN_DEPTH`); add the work done (values visited plus characters of keys examined)
     to `tally[0]`, however the scan ends. It is linear in the body: no path is built unless
-    it is answered."""
+    it is answered. Parsed JSON holds only dicts and lists (`isinstance` against them is
+    several times cheaper than against `Mapping`)."""
     work = 0
     stack: list[tuple[object, _Path, int]] = [(value, (None, root), 0)]
     try:
@@ -184,7 +185,7 @@ def _scan(value: object, root: str, refused: Callable[[str], bool], tally: list[
             if depth > MAX_SCAN_DEPTH:
                 where = _path_text(path)
                 raise InvalidRequest(f"{where} is nested too deeply", param=where)
-            if isinstance(item, Mapping):
+            if isinstance(item, dict):
                 for key, inner in item.items():
                     work += len(key)
                     if refused(key):
@@ -192,14 +193,16 @@ def _scan(value: object, root: str, refused: Callable[[str], bool], tally: list[
                         raise ForbiddenField(
                             f"field {where!r} may not choose a destination or credential",
                             param=where)
-                    if isinstance(inner, (Mapping, list)):
-                        stack.append((inner, (path, key), depth + 1))
+                    if isinstance(inner, (dict, list)):
+                        if inner:  # an empty one holds no key
+                            stack.append((inner, (path, key), depth + 1))
                     else:
                         work += 1
             elif isinstance(item, list):
                 for i, inner in enumerate(item):
-                    if isinstance(inner, (Mapping, list)):
-                        stack.append((inner, (path, i), depth + 1))
+                    if isinstance(inner, (dict, list)):
+                        if inner:
+                            stack.append((inner, (path, i), depth + 1))
                     else:
                         work += 1
     finally:
