@@ -46,6 +46,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.latency_saved_ms.p50/p99` / `.count` | hedge won: primary's tokenless time at commit |
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
 | `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
+| `<scope>.empty_answers` | requests answered by a stream that ended normally without a token |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
@@ -208,6 +209,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             if k.startswith("outcome.") and k != "outcome.ok" and v > 0
         },
         "panic": c["panic"],
+        "empty_answers": c["empty_answers"],
         "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
         "tokens": {
             "input": c["tokens.input"],
