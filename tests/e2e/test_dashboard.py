@@ -228,7 +228,8 @@ async def drive_with_key(origin: str, authorization: str) -> tuple[dict[str, Any
         await browser.call("Network.setExtraHTTPHeaders",
                            {"headers": {"Authorization": authorization}})
         await browser.call("Page.navigate", {"url": f"{origin}/dashboard"})
-        await browser.wait_for("Number(document.body.dataset.updates) >= 2", timeout=40.0)
+        await browser.wait_for("document.body !== null && "
+                               "Number(document.body.dataset.updates) >= 2", timeout=40.0)
         return await browser.evaluate(FACTS), browser.log
     finally:
         await browser.close()
