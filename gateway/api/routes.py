@@ -6,8 +6,6 @@ a `LogicalRequest` to the proxy.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.api.asgi import FastRoutes
 from gateway.api.end import AnswerThen
 from gateway.api.inference import errors_of, route
+from gateway.api.keys import KeyRing
 from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.drain import Drain
 from gateway.errors import (
@@ -33,6 +32,7 @@ from gateway.errors import (
     RequestTimeout,
     RouteNotFound,
     Unauthorized,
+    UnsupportedMediaType,
 )
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
@@ -45,7 +45,6 @@ from gateway.wire.validate import check_body, parse_body
 from providers.base import Endpoint
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_JSON_TYPES = ("application/json", "application/x-ndjson")
 
 
 def request_id_of(request: Request) -> str:
@@ -82,6 +81,17 @@ def error_response(exc: GatewayError, request_id: str, path: str = "",
         message = f"{exc.message} (request id {request_id})"
     body = protocol_for_path(path).error_body(exc, message)
     return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+def check_json_type(request: Request) -> None:
+    """Inference bodies must be declared `application/json` (any parameters): the types a
+    web page may post without asking first (`text/plain`, forms) get 415. A request without
+    a content type is read as JSON (programs omit it; browsers always send one, and an
+    `Origin`, on a POST)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None \
+            and content_type.split(";")[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType("content type must be application/json")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -143,55 +153,49 @@ def install_error_handlers(app: FastAPI) -> None:
 Guard = Callable[[Request], Awaitable[None]]
 
 
-def make_auth_guard(api_keys: tuple[str, ...], *, x_api_key: bool = False) -> Guard:
-    """A dependency that checks the gateway key in constant time; a no-op without keys.
+def make_auth_guard(keys: KeyRing | tuple[str, ...], *, x_api_key: bool = False) -> Guard:
+    """A dependency that checks the gateway key in constant time (`gateway.api.keys`); a
+    no-op while the ring is empty. The ring is read per request, so a reload that changes
+    `server.api_keys` takes effect for the next request.
 
     `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so).
-
-    Keys are compared as SHA-256 digests: `compare_digest` is constant-time only for inputs of
-    equal length, so comparing the raw strings would tell a prober each key's length. Every
-    configured key is compared, so the timing does not say which one matched either. The
-    401 never repeats what was sent."""
-    digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
+    The 401 never repeats what was sent."""
+    ring = keys if isinstance(keys, KeyRing) else KeyRing(keys)
 
     async def guard(request: Request) -> None:
-        if not digests:
+        if not ring.digests:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         supplied = token.strip() if scheme.lower() == "bearer" else ""
         if not supplied and x_api_key:
             supplied = request.headers.get("x-api-key", "").strip()
-        digest = hashlib.sha256(supplied.encode("latin-1")).digest()  # the bytes as sent
-        ok = False
-        for key in digests:
-            ok |= hmac.compare_digest(digest, key)
-        if not ok or not supplied:
+        if not ring.matches(supplied):
             raise Unauthorized("missing or invalid gateway API key")
 
     return guard
 
 
-def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes) -> APIRouter:
-    """The API routes. `settings.server` is bound here (keys, body limit: start-time keys);
-    the pools are read from `live` once per request, so a request keeps the generation it
-    started with through a reload. The inference routes go into `fast` too
+def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
+                 keys: KeyRing | None = None) -> APIRouter:
+    """The API routes. `settings.server` is bound here (body limit: a start-time key); the
+    gateway keys are `keys` (by default `server.api_keys`), read per request so a reload can
+    change them; the pools are read from `live` once per request, so a request keeps the
+    generation it started with through a reload. The inference routes go into `fast` too
     (`gateway.api.asgi`) and check the key themselves; `/v1/models` has it as a dependency."""
-    keyed = bool(settings.server.api_keys)
-    guard = make_auth_guard(settings.server.api_keys)
+    ring = keys if keys is not None else KeyRing(settings.server.api_keys)
+    guard = make_auth_guard(ring)
     router = APIRouter()
-    # without keys the guard lets everything through: no dependency at all then, since
-    # FastAPI solving one costs about 4 % of a streamed request's CPU
-    guarded = APIRouter(dependencies=[Depends(guard)] if keyed else [])
+    # the inference routes call the guard only while there are keys: FastAPI solving a
+    # dependency costs about 4 % of a streamed request's CPU; /v1/models is not hot
+    guarded = APIRouter(dependencies=[Depends(guard)])
     limit = settings.server.max_body_bytes
 
     async def proxied(request: Request, endpoint: Endpoint, needs: str | None) -> Response:
-        if keyed:
+        if ring.digests:
             await guard(request)
         rid = request_id_of(request)
-        content_type = request.headers.get("content-type", "application/json")
-        if content_type.split(";")[0].strip().lower() not in _JSON_TYPES:
-            raise InvalidRequest("content type must be application/json")
+        check_json_type(request)
         body = parse_body(await read_body(request, limit))
         model, stream = check_body(body, needs_prompt=needs)
         if endpoint == "embeddings" and stream:
