@@ -104,11 +104,12 @@ def test_streamed_chat_through_the_sync_sdk(
     seen: list[tuple[str, str, str]] = []
     with openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0,
                        timeout=60.0) as client:
-        for _ in range(3):
+        for turn in range(3):
             raw = client.chat.completions.with_raw_response.create(
                 model=POOL, messages=PROMPT, stream=True, max_tokens=MAX_TOKENS,
-                temperature=0)
+                temperature=0, extra_headers={"x-request-id": f"engine-stream-{turn}"})
             text, finish = read_stream(raw.parse())
+            assert raw.headers["x-request-id"] == f"engine-stream-{turn}"
             seen.append((raw.headers["x-hedge-backend"], finish, text))
             assert raw.http_response.status_code == 200
     for backend, finish, text in seen:
@@ -152,10 +153,14 @@ def test_non_streaming_chat(
 ) -> None:
     with openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0,
                        timeout=60.0) as client:
+        # a request id the engine itself would refuse (it takes UUIDs only): the gateway
+        # sends it a UUID and gives the client its own id back
         raw = client.chat.completions.with_raw_response.create(
-            model=POOL, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+            model=POOL, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+            extra_headers={"x-request-id": "engine-turn-1"})
         completion = raw.parse()
     assert raw.http_response.status_code == 200
+    assert raw.headers["x-request-id"] == "engine-turn-1"
     assert raw.headers["x-hedge-backend"] in backend_names(engines)
     (choice,) = completion.choices
     assert choice.finish_reason in FINISH_REASONS
