@@ -50,6 +50,11 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 def request_id_of(request: Request) -> str:
     """The client's `x-request-id` when it is sane, else a fresh one; remembered per request.
 
+    A fresh one is a UUID (version 4) because upstreams that validate request ids accept only
+    UUIDs: then the gateway's own id goes upstream unchanged, and both sides' logs show the
+    same id (a client's id that is not a UUID is mapped for the upstream, see
+    `providers.requestid`).
+
     Kept in the request's state dict (`scope["state"]`, what `request.state` wraps) and read
     from it directly: a miss through `request.state` raises and catches an AttributeError,
     which was a few percent of a request's CPU."""
@@ -58,7 +63,7 @@ def request_id_of(request: Request) -> str:
     if isinstance(existing, str):
         return existing
     supplied = request.headers.get("x-request-id", "")
-    rid = supplied if _REQUEST_ID.fullmatch(supplied) else f"req_{uuid.uuid4().hex}"
+    rid = supplied if _REQUEST_ID.fullmatch(supplied) else str(uuid.uuid4())
     state["request_id"] = rid
     return rid
 
