@@ -22,16 +22,13 @@ from fastapi import FastAPI
 
 from gateway.api.asgi import FastRoutes, GatewayAPI
 from gateway.api.browser import BrowserGuard
+from gateway.api.chat import build_router
+from gateway.api.common import gateway_error_response, install_error_handlers
 from gateway.api.end import report_bug
 from gateway.api.keys import KeyRing
+from gateway.api.ops import build_ops_router
 from gateway.api.protocols import build_protocol_router
 from gateway.api.proxy import Proxy
-from gateway.api.routes import (
-    build_ops_router,
-    build_router,
-    gateway_error_response,
-    install_error_handlers,
-)
 from gateway.clock import Clock, monotonic
 from gateway.dashboard import PerSecond, build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain

@@ -5,7 +5,7 @@ errors, exception handlers, the exit stack, telemetry, a body limit of its own) 
 and every one of its fifty-odd body messages passes back out through a send wrapper per
 layer. Profiled at c=50 that was a fifth of the gateway's CPU, none of it doing anything these
 routes need: they read and bound their own body, check their own key and turn our own error
-tree into answers (`gateway.api.routes.gateway_error_response`).
+tree into answers (`gateway.api.common.gateway_error_response`).
 
 So the few routes that carry traffic are kept in `FastRoutes`, a table of exact (method, path)
 pairs, and `GatewayAPI` answers a request that matches one by calling its handler directly

@@ -1,11 +1,11 @@
 """The Responses API and Anthropic Messages endpoints.
 
-Like `gateway.api.routes`, these only read and check a request and hand a `LogicalRequest` to the
+Like `gateway.api.chat`, these only read and check a request and hand a `LogicalRequest` to the
 proxy; what differs per route is the `WireProtocol` (first token, end, error shapes), the
 Responses store rules (hedge only a `"store": false` request that carries no stored state), and
 the response ids that name the backend holding a response (`gateway.api.stored`): minted into
 what the gateway relays, verified and translated back to the upstream's id on a follow-up.
-Errors under /v1/messages take Anthropic's shape (`gateway.api.routes.error_response` chooses by
+Errors under /v1/messages take Anthropic's shape (`gateway.api.common.error_response` chooses by
 path), and the gateway key may come there as `x-api-key` as well as Bearer.
 """
 
@@ -22,16 +22,16 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
-from gateway.api.inference import route
-from gateway.api.keys import KeyRing
-from gateway.api.proxy import LogicalRequest, Proxy
-from gateway.api.routes import (
+from gateway.api.common import (
     Guard,
     check_json_type,
     make_auth_guard,
     read_body,
     request_id_of,
 )
+from gateway.api.inference import route
+from gateway.api.keys import KeyRing
+from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.api.stored import (
     MAX_ID_CHARS,
     RESPONSE_OBJECT_EVENTS,
@@ -78,7 +78,7 @@ def build_protocol_router(
     fast: FastRoutes,
     keys: KeyRing | None = None,
 ) -> APIRouter:
-    """The Responses and Messages routes. Like `gateway.api.routes.build_router`, the pools
+    """The Responses and Messages routes. Like `gateway.api.chat.build_router`, the pools
     are read from `live` once per request (a reload never changes a running request's rules);
     a stored response whose pool or backend a reload removed is unknown from then on. The
     inference routes go into `fast` too (`gateway.api.asgi`) and check the key themselves.
