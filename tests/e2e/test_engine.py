@@ -8,10 +8,11 @@ is still generating. Answers are whatever the model says: the tests require a 20
 finish_reason and a backend of the pool, and accept an empty text (a complete answer without
 text is an answer). Each test ends with the leak check.
 
-The engine is built once into a cache outside the repository (`tests.harness.engine`): about 9
-minutes the first time on two cores, nothing after; where it cannot be built, these tests
-skip and say why. llama-cpp-python's server has no Anthropic Messages API (`/v1/messages`), so
-the Anthropic SDK is checked only for the gateway's answer to a pool that cannot serve it.
+The engine is built once into a cache outside the repository (`tests.harness.engine`): 9 to 17
+minutes of compiling the first time on two cores (at most 10 minutes a run; a cut build goes
+on in the next), nothing after; where it cannot be built, these tests skip and say why.
+llama-cpp-python's server has no Anthropic Messages API (`/v1/messages`), so the Anthropic SDK
+is checked only for the gateway's answer to a pool that cannot serve it.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ The engine is built once into a cache outside the repository, a dedicated virtua
 `$HEDGE_GATEWAY_ENGINE_CACHE` (default `~/.cache/hedge-gateway/engine`), one folder per engine
 version and Python, and reused whenever it is there. llama-cpp-python ships as a source
 package only, so the first build compiles llama.cpp with cmake: 544 s measured on a quiet
-two-core machine, over 15 minutes when other test runs share it. Each run's build is bounded
+two-core machine, 17 minutes on one that other test runs shared. Each run's build is bounded
 by `$HEDGE_GATEWAY_ENGINE_BUILD_TIMEOUT` seconds (default 600, so a run that builds stays
 within a suite's budget); the source and cmake's build folder are kept, so a build cut at
 that bound goes on where it stopped on the next run. A finished build costs nothing more:
-the servers load the model in about 3 s.
+the servers load the model in 2 to 4 s.
 
 `$HEDGE_GATEWAY_ENGINE_BUILD`: `auto` (default) builds when missing; `never` only uses a
 finished build (the tests skip otherwise); `force` deletes this version's folder and builds
