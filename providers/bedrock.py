@@ -66,6 +66,7 @@ from providers.base import UpstreamCall
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient, UpstreamResponse
 from providers.openai import PASS_HEADERS, AiohttpStream, media_type, parse_retry_after
+from providers.requestid import upstream_request_headers
 
 #: the signer logs the canonical request at DEBUG, session token included
 logging.getLogger("botocore.auth").setLevel(logging.INFO)
@@ -338,7 +339,7 @@ class BedrockProvider:
         """Every header the request carries, signed: ours, the trace context, the request id."""
         headers = {k: v for k, v in call.extra_headers.items() if k != "anthropic-beta"}
         headers.update(self._headers)
-        headers["x-request-id"] = call.request_id
+        headers.update(upstream_request_headers(call.request_id))  # a UUID: see requestid
         if call.stream:
             headers["accept"] = EVENT_STREAM
             headers["x-amzn-bedrock-accept"] = "application/json"

@@ -44,6 +44,7 @@ from providers.bedrock import THROTTLE_PAUSE
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient
 from providers.openai import PASS_HEADERS, AiohttpStream, media_type, parse_retry_after
+from providers.requestid import upstream_request_headers
 
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 #: the token endpoint's (or metadata server's) answer may take this long, in seconds
@@ -159,7 +160,7 @@ class VertexProvider:
         headers = dict(call.extra_headers)
         headers.update(self._headers)  # ours win: a client cannot replace the credential
         headers["authorization"] = f"Bearer {token}"
-        headers["x-request-id"] = call.request_id
+        headers.update(upstream_request_headers(call.request_id))  # a UUID: see requestid
         timeout = self._timeout
         if not call.stream:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect,
