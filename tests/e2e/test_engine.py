@@ -170,23 +170,26 @@ def test_non_streaming_chat(
     leak_check.check_live()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the gateway still treats a stream that ends normally without any token as a "
-           "failed attempt (it should relay it as an empty 200 answer)",
-)
 def test_a_complete_answer_without_text_is_relayed(
     gateway: RunningServer, engines: list[EngineServer], leak_check: LeakBaseline
 ) -> None:
     """The engine makes an empty turn on demand: a stop sequence that is the answer's first
-    word ends the turn before any text (role chunk, finish_reason stop, [DONE])."""
+    word ends the turn before any text (role chunk, finish_reason stop, [DONE]; as a whole
+    body, content ""). That is an answer, relayed with a 200, not a failed attempt."""
     with openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0,
                        timeout=60.0) as client:
         raw = client.chat.completions.with_raw_response.create(
             model=POOL, messages=PROMPT, stream=True, max_tokens=MAX_TOKENS, temperature=0,
             stop=["Hello"])
         text, finish = read_stream(raw.parse())
+        whole = client.chat.completions.with_raw_response.create(
+            model=POOL, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=["Hello"])
+        completion = whole.parse()
     assert (raw.http_response.status_code, finish, text) == (200, "stop", "")
+    assert raw.headers["x-hedge-backend"] in backend_names(engines)
+    (choice,) = completion.choices
+    assert (whole.http_response.status_code, choice.finish_reason) == (200, "stop")
+    assert not choice.message.content
     leak_check.check_live()
 
 
