@@ -69,6 +69,7 @@ class RequestEnd:
                 await self.prefix.aclose()
             await self._race.aclose()
             summary.panic = self._race.panic
+            summary.affinity = self._race.affinity
             summary.ended = self._clock()
             stats.record(summary)
             log_request(summary, stats.error_classes)

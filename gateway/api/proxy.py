@@ -34,6 +34,7 @@ from gateway.errors import (
     UpstreamRejectedRequest,
     UpstreamStatusError,
 )
+from gateway.hedge.affinity import AffinityRoute, route_for
 from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
@@ -137,6 +138,17 @@ def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
     return excluded
 
 
+def affinity_route(pool: PoolRuntime, req: LogicalRequest) -> AffinityRoute | None:
+    """The request's conversation key and order over the pool (`gateway.hedge.affinity`), or
+    None: affinity off for the pool, a request pinned to one backend, or no key."""
+    settings = pool.settings.affinity
+    if not settings.enabled or req.pinned is not None or req.single:
+        return None
+    weights = [(b.name, b.weight) for b in pool.settings.backends]
+    return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
+                     load_factor=settings.load_factor)
+
+
 class Proxy:
     """Runs logical requests against pools. One per app."""
 
@@ -195,9 +207,12 @@ class Proxy:
                 refusal is None and not req.single,
                 refusal,
                 excluded,
+                affinity_route(pool, req),
             ),
             self.clock,
         )
+        if race.options.affinity is None and pool.settings.affinity.enabled:
+            race.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=self.admission.leave, stats=self.stats,
                          clock=self.clock, trace=trace)
         try:

@@ -275,6 +275,8 @@ class Stats:
         outcome = request_class(summary, self.error_classes)
         pc[f"outcome.{outcome}"] += 1
         pc["panic"] += summary.panic
+        if summary.affinity is not None:
+            pc[f"affinity.{summary.affinity}"] += 1
         self.races.add(summary, outcome)
         pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:
