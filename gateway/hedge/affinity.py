@@ -133,26 +133,31 @@ def prefix_key(body: Mapping[str, Any]) -> str:
 
 
 def _stable_parts(body: Mapping[str, Any]) -> list[Any]:
-    parts: list[Any] = [body.get("system"), body.get("instructions"), body.get("tools")]
+    """System (or instructions), tools and the first user message, as separate parts so that
+    a long system prompt shared by many conversations cannot use up the bound of the first
+    user message that tells them apart."""
+    system: list[Any] = [body.get("system"), body.get("instructions")]
+    first: Any = None
     for field in ("messages", "input"):
         items = body.get(field)
         if isinstance(items, str):  # Responses: a bare string input is the first message
-            parts.append(items)
+            first = items
         elif isinstance(items, list):
-            parts.append(_up_to_first_user(items))
+            leading, first = _split_first_user(items)
+            system.extend(leading)
     prompt = body.get("prompt")  # legacy completions: the prompt's own start
     if isinstance(prompt, str):
-        parts.append(prompt)
-    return parts
+        first = prompt
+    return [system, body.get("tools"), first]
 
 
-def _up_to_first_user(items: list[Any]) -> list[Any]:
-    """The leading messages up to and including the first user message (all of a list that
-    has none, bounded later by `_feed`)."""
+def _split_first_user(items: list[Any]) -> tuple[list[Any], Any]:
+    """The messages before the first user message, and that message (the first item of a
+    list that has none)."""
     for index, item in enumerate(items):
         if isinstance(item, Mapping) and item.get("role") == "user":
-            return items[: index + 1]
-    return items[:1]
+            return items[:index], item
+    return [], items[0] if items else None
 
 
 def _feed(digest: Any, value: Any, budget: int) -> int:
