@@ -310,6 +310,11 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--midstream-error-probability", type=_probability,
         default=d.midstream_error_probability,
         help="share of streams that end with an in-band error event (default %(default)s)")
+    opt("--prefill-ms-per-1k", type=_non_negative, default=d.prefill_ms_per_1k,
+        help="TTFT added per 1,000 input tokens not in the prefix cache, ms; > 0 also turns "
+        "the prefix cache on (default %(default)s)")
+    opt("--prefix-cache-entries", type=_count, default=d.prefix_cache_entries,
+        help="message prefixes the prefix cache holds, LRU (default %(default)s)")
     opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
 
 
@@ -334,6 +339,8 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
         hang_probability=ns.hang_probability,
         midstream_error_probability=ns.midstream_error_probability,
         seed=ns.seed,
+        prefill_ms_per_1k=ns.prefill_ms_per_1k,
+        prefix_cache_entries=ns.prefix_cache_entries,
     )
 
 
