@@ -43,6 +43,10 @@ SESSION_HEADERS = (
     "x-session-affinity",
     "x-session-id",
 )
+#: the bound never falls below this many attempts in flight: at low load the proportional bound
+#: is 1, and a conversation's next turn, sent while its last stream is still being closed (its
+#: slot not yet given back), would spill to a cold backend for nothing
+MIN_CAPACITY = 2
 #: the rough bytes of JSON per token used to estimate a request's input from its size
 BYTES_PER_TOKEN = 4
 
@@ -232,12 +236,14 @@ class AffinityRoute:
     def capacity(self, name: str, inflight: Mapping[str, int], members: Collection[str]) -> int:
         """The in-flight attempts `name` may hold and still take this request: `load_factor`
         times its weighted share of the members' in-flight attempts counting this one, rounded
-        up (at least 1 for a backend with weight), as in consistent hashing with bounded loads."""
+        up, as in consistent hashing with bounded loads; never below `MIN_CAPACITY` for a
+        backend with weight."""
         total_weight = sum(self.weights.get(m, 0.0) for m in members)
         weight = self.weights.get(name, 0.0)
         share = weight / total_weight if total_weight > 0 else 1.0 / max(1, len(members))
         load = sum(inflight.get(m, 0) for m in members) + 1
-        return math.ceil(self.load_factor * load * share)
+        bound = math.ceil(self.load_factor * load * share)
+        return max(bound, MIN_CAPACITY) if weight > 0 or total_weight <= 0 else bound
 
     def choose(
         self,

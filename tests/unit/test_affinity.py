@@ -249,3 +249,11 @@ def test_route_for_orders_the_pool_by_the_key() -> None:
     assert r.order == tuple(rendezvous_order("pck:p", [("a", 1.0), ("b", 1.0)]))
     assert route_for(chat("s", "hi"), {"content-length": "50"}, [("a", 1.0)],
                      min_input_tokens=1024, load_factor=1.25) is None
+
+
+def test_a_stream_still_closing_does_not_spill_the_next_turn() -> None:
+    """At low load the proportional bound is 1; the floor keeps a conversation's next turn on
+    its backend while the last turn's stream still holds its slot."""
+    r = route()
+    assert r.choose(set(EVEN), {r.order[0]: 1}, members=EVEN) == r.order[0]
+    assert r.choose(set(EVEN), {r.order[0]: 2}, members=EVEN) == r.order[1]
