@@ -20,7 +20,9 @@ Each conversation has a size class (the tokens of each new user message: 200, 4,
 assistant's answer and a new user message. A token is a 4-byte word ("tok "), so the body's
 size over 4 is its token count, as the gateway estimates it, and the simulator counts words.
 Per size class: TTFT p50 and p99 as the client sees them, the cache hit rate (later turns whose
-usage reports cached tokens), and per mode the extra input tokens that hedges sent.
+usage reports the whole previous turn's prompt as cached: the conversation's own prefix, not
+only the system prompt that every conversation shares), and per mode the extra input tokens
+that hedges sent.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ class Turn:
     cached_tokens: int = 0
     backend: str = ""
     error: str | None = None
+    #: the prompt tokens of this conversation's previous turn (0 for its first)
+    previous_prompt: int = 0
+
+    @property
+    def hit(self) -> bool:
+        """A later turn whose backend held the whole previous turn's prompt: the
+        conversation's own prefix, not only the system prompt every conversation shares."""
+        return self.index > 0 and self.previous_prompt > 0 and \
+            self.cached_tokens >= self.previous_prompt
 
 
 @dataclass(slots=True)
@@ -149,8 +160,9 @@ async def _conversation(client: httpx.AsyncClient, url: str, model: str, number:
     messages: list[dict[str, str]] = [
         {"role": "system", "content": words(SYSTEM_TOKENS, "system")},
         {"role": "user", "content": words(size, f"c{number}t0")}]
+    previous = 0
     for index in range(plan.turns):
-        turn = Turn(number, index, size)
+        turn = Turn(number, index, size, previous_prompt=previous)
         out.append(turn)
         body = {"model": model, "messages": messages,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -161,6 +173,7 @@ async def _conversation(client: httpx.AsyncClient, url: str, model: str, number:
             return
         if turn.error is not None:
             return
+        previous = turn.prompt_tokens
         messages = [*messages, {"role": "assistant", "content": answer},
                     {"role": "user", "content": words(size, f"c{number}t{index + 1}")}]
 
@@ -236,7 +249,7 @@ def summarize(result: ModeResult) -> dict[str, Any]:
         turns = [t for t in result.turns if t.size == size and t.error is None]
         ttfts = [t.ttft * 1000 for t in turns if t.ttft is not None]
         later = [t for t in turns if t.index > 0]
-        hits = sum(1 for t in later if t.cached_tokens > 0)
+        hits = sum(1 for t in later if t.hit)
         classes[str(size)] = {
             "turns": len(turns),
             "ttft_p50_ms": _quantile(ttfts, 0.5), "ttft_p99_ms": _quantile(ttfts, 0.99),
@@ -254,8 +267,7 @@ def summarize(result: ModeResult) -> dict[str, Any]:
         "turns": len(result.turns),
         "errors": sum(1 for t in result.turns if t.error is not None),
         "ttft_p50_ms": _quantile(ttfts, 0.5), "ttft_p99_ms": _quantile(ttfts, 0.99),
-        "cache_hit_rate": (sum(1 for t in later if t.cached_tokens > 0) / len(later)
-                           if later else None),
+        "cache_hit_rate": sum(1 for t in later if t.hit) / len(later) if later else None,
         "cached_token_share": (sum(t.cached_tokens for t in ok) / input_tokens
                                if input_tokens else None),
         "input_tokens": input_tokens,
@@ -264,6 +276,11 @@ def summarize(result: ModeResult) -> dict[str, Any]:
         "hedges_started": hedges.get("started", 0), "hedges_won": hedges.get("won", 0),
         "affinity": result.stats.get("affinity") if result.stats else None,
         "classes": classes,
+        #: each turn: conversation, turn, size, TTFT ms, prompt and cached tokens, backend
+        "turns_detail": [[t.conversation, t.index, t.size,
+                          None if t.ttft is None else round(t.ttft * 1000, 1),
+                          t.prompt_tokens, t.cached_tokens, t.backend, t.error]
+                         for t in result.turns],
     }
 
 
