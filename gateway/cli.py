@@ -184,7 +184,7 @@ def _bench(ns: argparse.Namespace) -> int:
     plan = BenchPlan(workloads=selected(ns.workload, quick=ns.quick), seed=ns.seed,
                      progress=None if ns.no_progress else sys.stderr, tables=sys.stdout,
                      baseline_src=ns.baseline_src,
-                     workers=ns.workers, servers=ns.servers)
+                     workers=ns.workers, servers=ns.servers, repeat=ns.repeat)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
@@ -377,6 +377,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              " a smoke run of under a minute; targets its sample cannot decide"
                              " print as not judged")
     parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
+    parser.add_argument("--repeat", type=_positive, default=1,
+                        help="run each workload N times, seed after seed, and print the "
+                             "spread of each mode's TTFT p99 and of the hedging cut")
     parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--baseline-src", metavar="DIR",

@@ -94,6 +94,14 @@ class GatewayPoolFull(UpstreamError):
     backend_fault = False
 
 
+class UpstreamCredentialsUnavailable(UpstreamError):
+    """The backend's cloud credentials could not be had (no AWS credentials in the chain, a
+    token endpoint or metadata server that refused or did not answer): nothing was sent.
+    Another backend, with credentials of its own, may still serve the request."""
+
+    code = "credentials_unavailable"
+
+
 class UpstreamTimeout(UpstreamError):
     """A read or write on the upstream took longer than allowed."""
 

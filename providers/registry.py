@@ -14,9 +14,11 @@ from gateway.settings import BackendSettings, Timeouts
 from gateway.settings.model import TlsSettings
 from providers.anthropic import AnthropicProvider
 from providers.base import Provider
+from providers.bedrock import BedrockProvider
 from providers.http import UpstreamClient
 from providers.openai import OpenAIProvider
 from providers.sim import SimProvider
+from providers.vertex import VertexProvider
 
 #: connection bound of a backend's own client (the shared one is sized by the app)
 OWN_MAX_CONNECTIONS = 256
@@ -53,4 +55,8 @@ def build_provider(
         return OpenAIProvider(settings, http, timeouts, owns_client=own)
     if settings.provider == "anthropic":
         return AnthropicProvider(settings, http, timeouts, owns_client=own)
+    if settings.provider == "bedrock":
+        return BedrockProvider(settings, http, timeouts, owns_client=own)
+    if settings.provider == "vertex":
+        return VertexProvider(settings, http, timeouts, owns_client=own)
     raise ValueError(f"unknown provider {settings.provider!r}")  # the loader refuses it first

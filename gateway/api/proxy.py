@@ -287,7 +287,7 @@ class Proxy:
             try:
                 if req.stream:
                     return await open_until_first_token(
-                        provider, call, is_lost, protocol.classify
+                        provider, call, is_lost, protocol.classify, protocol.answered
                     )
                 return await open_whole_response(provider, call, is_lost, protocol.classify_body)
             except UpstreamStatusError as exc:

@@ -401,3 +401,39 @@ def write_json(path: str, report: Mapping[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as file:
         json.dump(public(report), file, indent=2, sort_keys=False)
         file.write("\n")
+
+
+def spread(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """TTFT p99 of each mode over repeated runs of one workload (seed after seed), and the
+    hedging cut (p99 hedging on / off) of each run: min, median, max. One run's p99 is one
+    draw; this says whether the cut holds every time."""
+    def summary(values: list[float]) -> dict[str, float]:
+        ordered = sorted(values)
+        return {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]}
+
+    p99: dict[str, list[float]] = {}
+    cuts: list[float] = []
+    for run in runs:
+        by_mode = {row["mode"]: row["ttft_ms"]["p99"] for row in run["modes"]}
+        for mode, value in by_mode.items():
+            if value is not None:
+                p99.setdefault(mode, []).append(value)
+        off, on = by_mode.get("hedging-off"), by_mode.get("hedging-on")
+        if off and on is not None:
+            cuts.append(on / off)
+    return {"runs": len(runs), "seeds": [run["seed"] for run in runs],
+            "ttft_p99_ms": {mode: summary(values) for mode, values in p99.items()},
+            "p99_on_over_off": summary(cuts) if cuts else None}
+
+
+def format_spread(name: str, spread: Mapping[str, Any]) -> str:
+    """The spread's printed lines."""
+    lines = [f"== {name}: spread over {spread['runs']} runs (seeds "
+             f"{spread['seeds'][0]}..{spread['seeds'][-1]}), TTFT p99 ms min / median / max"]
+    for mode, s in spread["ttft_p99_ms"].items():
+        lines.append(f"   {mode:<12} {s['min']:>8.1f} {s['median']:>8.1f} {s['max']:>8.1f}")
+    cut = spread["p99_on_over_off"]
+    if cut is not None:
+        lines.append(f"   p99 on / off  {cut['min']:.2f} / {cut['median']:.2f} / "
+                     f"{cut['max']:.2f}")
+    return "\n".join(lines) + "\n"

@@ -30,6 +30,7 @@ command line `gateway.cli`'s.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -81,6 +82,9 @@ class BenchPlan:
     #: the front servers compared: uvicorn serves the standard modes, each other one adds a
     #: mode of its name (`gateway.bench.servers`)
     servers: tuple[str, ...] = ("uvicorn",)
+    #: how many times each workload runs, seed after seed: one run's p99 is one draw, and
+    #: the spread over several says whether a cut holds every time or only on a good seed
+    repeat: int = 1
 
 
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
@@ -405,10 +409,21 @@ async def _run(plan: BenchPlan, children: Children, sizes: Sequence[tuple[int, i
         sims = [f"http://127.0.0.1:{p}" for p in ports]
         await asyncio.gather(*(wait_ready(client, f"{s}/v1/models", proc, children)
                                for s, proc in zip(sims, procs, strict=True)))
-        ctx = _Context(plan, children, client, sims, ports, [p.pid for p in procs], pinning,
-                       quick)
-        return [await _run_workload(ctx, w, n, c)
-                for w, (n, c) in zip(plan.workloads, sizes, strict=True)]
+        results: list[dict[str, Any]] = []
+        for w, (n, c) in zip(plan.workloads, sizes, strict=True):
+            runs = []
+            for k in range(plan.repeat):
+                seeded = dataclasses.replace(plan, seed=plan.seed + k)
+                ctx = _Context(seeded, children, client, sims, ports, [p.pid for p in procs],
+                               pinning, quick)
+                runs.append(await _run_workload(ctx, w, n, c))
+            if plan.repeat > 1:
+                runs[-1]["spread"] = report.spread(runs)
+                if plan.tables is not None:
+                    print(report.format_spread(w.name, runs[-1]["spread"]), file=plan.tables,
+                          flush=True)
+            results += runs
+        return results
 
 
 def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int | None = None,

@@ -2,8 +2,11 @@
 
 The runner hands the race a `Prefix`: the events read so far (the role chunk, the first token)
 and the still-open event iterator, so the relay can continue exactly where the race stopped.
-Whatever ends the runner other than a token (a failure, a cancellation) closes the upstream
-on the way out, shielded from the cancellation that caused it.
+A stream that ends normally before any token (its end event, and for chat a finish reason) is
+a complete answer without text, not a failure: the runner hands it back as a `Prefix` marked
+`empty`, holding every event up to its end, and the race decides whether it is relayed.
+Whatever ends the runner other than a token or a complete answer (a failure, a cancellation)
+closes the upstream on the way out, shielded from the cancellation that caused it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Literal
 
 from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
 from gateway.wire.base import Kind
-from gateway.wire.chat import classify, classify_payload
+from gateway.wire.chat import chat_answered, classify, classify_payload
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
@@ -47,14 +50,20 @@ class AttemptRecord:
     ended: float | None = None
     #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
     probe: bool = False
+    #: its stream ended normally without a token: a complete (perhaps empty) answer
+    empty: bool = False
 
 
 #: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)
 CANCELLED_BEFORE_TOKEN = "cancelled before its first token"
 CANCELLED_AFTER_TOKEN = "cancelled after its first token"
+#: `AttemptRecord.reason` of a complete answer without a token that another attempt's token beat
+EMPTY_ANSWER_LOST = "complete answer without a token; another attempt's token won"
 
 
-#: events an upstream may send before its first token (role chunks, empty deltas)
+#: events an upstream may send before its first token (role chunks, empty deltas, pings):
+#: scaffolding only, since anything that is output (text, a tool item, a partial image) is a
+#: token; an attempt whose reads pass this many without a token or an end has failed
 MAX_PRE_TOKEN_EVENTS = 1024
 
 
@@ -66,6 +75,8 @@ class Prefix:
     batches: AsyncIterator[SSEBatch]
     #: every event read so far, in order: up to the first token and the rest of its batch
     buffered: list[SSEEvent]
+    #: the stream ended normally without a token: `buffered` holds the whole answer
+    empty: bool = False
 
     async def aclose(self) -> None:
         await close_quietly(self.stream, self.batches)
@@ -95,9 +106,14 @@ async def open_until_first_token(
     call: UpstreamCall,
     is_lost: Callable[[], bool],
     classify: Callable[[SSEEvent], Kind] = classify,
+    answered: Callable[[list[SSEEvent]], bool] = chat_answered,
 ) -> Prefix:
-    """Open a streaming attempt and read until its first token (`classify` is the
-    route's predicate)."""
+    """Open a streaming attempt and read until its first token or its normal end.
+
+    `classify` is the route's per-event predicate; `answered` says, once, whether a stream
+    that reached its end event without a token is a complete answer (chat: it gave a finish
+    reason) or a failure. The bound on events before the first token counts every event read,
+    checked after each read that brought neither a token nor an end."""
     stream = await provider.open(call)
     batches = stream.batches()
     try:
@@ -105,7 +121,6 @@ async def open_until_first_token(
         async for batch in batches:
             if is_lost():  # counts a read that arrived after another attempt committed
                 raise UpstreamProtocolError("lost the race")
-            start = len(buffered)
             events = batch.events
             buffered += events
             for event in events:
@@ -115,10 +130,12 @@ async def open_until_first_token(
                 if kind is Kind.ERROR:
                     raise UpstreamInBandError("error event before the first token")
                 if kind is Kind.DONE:
-                    raise UpstreamNoToken("stream ended without a token")
-            if start > MAX_PRE_TOKEN_EVENTS:
+                    if answered(buffered):
+                        return Prefix(stream, batches, buffered, empty=True)
+                    raise UpstreamNoToken("stream ended without a token or a finish reason")
+            if len(buffered) > MAX_PRE_TOKEN_EVENTS:
                 raise UpstreamProtocolError("too many events before the first token")
-        raise UpstreamNoToken("stream ended without a token")
+        raise UpstreamNoToken("stream ended without a token and without its end event")
     except BaseException:
         await close_quietly(stream, batches)
         raise

@@ -15,16 +15,24 @@ unbounded hedging would double the load exactly when the backends can least take
 - each extra attempt (hedge or failure replacement) spends one token;
 - at most max(3, 20 % of in-flight requests) extra attempts run at once, so a burst of tokens
   cannot become a burst of duplicates;
-- the efficacy guard watches whether hedges actually win. If fewer than `min_win_rate` of the
-  last `win_window` hedges won, slowness is shared and hedges are wasted: only one probe hedge
-  per `probe_interval` is let through (it still spends a token), and probes that win push the
-  win rate back up until the guard lets go. Failure replacements are not subject to the guard:
+- the efficacy guard watches whether hedges actually win. When the last `win_window` hedge
+  outcomes show, with 95 % confidence, a win rate below `min_win_rate` (the upper end of the
+  Wilson score interval is below it), slowness is shared and hedges are wasted: only one probe
+  hedge per `probe_interval` is let through (it still spends a token), and probes that win
+  push the interval back up until the guard lets go. A test on the interval, not on the
+  point estimate: a healthy pool whose hedges win a third of the time shows 2 wins in 20 by
+  chance often enough (checked after every hedge) that a point-estimate guard switched
+  hedging off for the rest of short runs. With the interval, 16 straight losses engage it
+  (faster than the 20 the point estimate needed), and in a window of 20 only a window
+  without a single win does, which a pool whose hedges win a third of the time shows about
+  once in 3,000 windows. Failure replacements are not subject to the guard:
   a failed attempt needs a replacement whether or not delay-triggered hedges are winning.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 
 from gateway.settings import BudgetSettings
@@ -32,6 +40,8 @@ from gateway.settings import BudgetSettings
 #: the in-flight cap on extra attempts is max(_MIN_EXTRA_IN_FLIGHT, _EXTRA_SHARE * requests)
 _MIN_EXTRA_IN_FLIGHT = 3
 _EXTRA_SHARE = 0.2
+#: the normal quantile of the guard's one-sided 95 % confidence
+_Z = 1.645
 #: slack when comparing the float token level with 1: ten deposits of 0.1 sum to
 #: 0.9999999999999999, and the tenth request must still earn its token
 _EPSILON = 1e-9
@@ -175,9 +185,20 @@ class HedgeBudget:
         return self._wins / len(self._outcomes)
 
     def ineffective(self, now: float) -> bool:
-        """True while the efficacy guard is on: a full window of hedge outcomes whose win rate
-        is below `min_win_rate`. (`now` is accepted for symmetry; the guard is by count.)"""
-        outcomes = self._outcomes
-        if len(outcomes) < self.settings.win_window:
+        """True while the efficacy guard is on: the recent hedge outcomes' win rate is below
+        `min_win_rate` with 95 % confidence (the module docstring says why a confidence
+        bound). `now` is accepted for symmetry; the guard is by count."""
+        n = len(self._outcomes)
+        if n == 0:
             return False
-        return self._wins / len(outcomes) < self.settings.min_win_rate
+        return wilson_upper(self._wins, n) < self.settings.min_win_rate
+
+
+def wilson_upper(wins: int, n: int, z: float = _Z) -> float:
+    """The upper end of the Wilson score interval for `wins` out of `n` (n > 0): the largest
+    win rate the outcomes are still consistent with, at the confidence `z` stands for."""
+    p = wins / n
+    z2 = z * z
+    centre = p + z2 / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return (centre + spread) / (1 + z2 / n)

@@ -17,6 +17,13 @@ Rules where several things land in one tick (one `asyncio.wait` wake-up):
   that "would fail everywhere", and a fast refusal must not win over a success;
 - among several tokens the attempt started first wins.
 
+A complete answer without a token (a runner's `Prefix` marked `empty`: the stream ended
+normally, perhaps with nothing in it) is an answer, not a failure: the race keeps the first
+one and starts nothing more (no hedge, no failover), waits for the attempts still running to
+yield a token (a token beats it: the client gets the text) or to fail, and commits the kept
+answer when none is left, or at the deadline. It counts as a success of its backend, never a
+failure; like a token, it proves the request is not one that would fail everywhere.
+
 The hedge timer: the next hedge is considered one delay after the last hedge check, and a
 failover restarts it with the replacement's delay from the replacement's start. Once
 every allowed attempt has started, nothing can start any more: `max_attempts` is counted once
@@ -49,6 +56,7 @@ from gateway.hedge.affinity import AffinityRoute, Outcome
 from gateway.hedge.attempt import (
     CANCELLED_AFTER_TOKEN,
     CANCELLED_BEFORE_TOKEN,
+    EMPTY_ANSWER_LOST,
     AttemptKind,
     AttemptRecord,
     Prefix,
@@ -129,6 +137,8 @@ class Race:
     _next_hedge: float = math.inf
     #: the committed attempt, holding its backend slot until `aclose`
     _streaming: AttemptRecord | None = None
+    #: the first complete answer without a token, relayed if no running attempt yields one
+    _kept: tuple[asyncio.Task[Prefix], AttemptRecord] | None = None
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
@@ -156,6 +166,8 @@ class Race:
                 if result is not None:
                     return result
                 now = self.clock()
+                if self._kept is not None and (not self._tasks or now >= self.options.deadline):
+                    return self._commit(self._kept, [])
                 if now >= self.options.deadline:
                     raise FirstTokenTimeout(self._reasons)
                 if now >= self._next_hedge:
@@ -169,6 +181,7 @@ class Race:
             # a client that left (CancelledError), a 400, a 502 or a 504: no token decided
             # the race, so it says nothing of the hedges' efficacy (only `_commit` feeds it)
             self._cancel_all()
+            self._drop_kept()
             raise
 
     def _record_hedges(self) -> None:
@@ -190,7 +203,10 @@ class Race:
         for task in sorted(done, key=lambda t: self._tasks[t].index):
             record = self._tasks.pop(task)
             if not task.cancelled() and task.exception() is None:
-                winners.append((task, record))  # accounted for in `_commit`
+                if task.result().empty:
+                    self._keep(task, record)
+                else:
+                    winners.append((task, record))  # accounted for in `_commit`
                 continue
             self._finished(record)
             if task.cancelled():  # not by us (we pop before cancelling): count it as failed
@@ -211,6 +227,8 @@ class Race:
                 rejected = UpstreamClientError.of(exc.status, record.backend)
         if winners:  # a token beats a same-tick 4xx; the attempt started first wins
             return self._commit(winners[0], winners[1:])
+        if self._kept is not None:  # an answer is in hand: nothing to replace, no 4xx to give
+            return None
         if rejected is not None:
             raise rejected
         now = self.clock()
@@ -218,6 +236,24 @@ class Race:
             if now < self.options.deadline:
                 self._try_extra("failover", now)
         return None
+
+    def _keep(self, task: asyncio.Task[Prefix], record: AttemptRecord) -> None:
+        """A complete answer without a token: a success of its backend, at its own time.
+
+        The first one is kept for relay; any later one is closed at once (the kept answer
+        is as good). Once one is kept, no hedge starts any more."""
+        now = self.clock()
+        record.empty = True
+        self.pool.balancer.on_success(record.backend, now)
+        self._observe(record, censored=False)
+        self._next_hedge = math.inf
+        if self._kept is None:
+            self._kept = (task, record)
+            return
+        self._finished(record)
+        record.outcome = "lost"
+        record.reason = EMPTY_ANSWER_LOST
+        self._close_prefix(task, record, now)
 
     def _commit(
         self,
@@ -233,8 +269,15 @@ class Race:
         if record.spent_budget:
             self.pool.budget.release()
         self._streaming = record
-        self.pool.balancer.on_success(record.backend, now)
-        self._observe(record, censored=False)
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[1] is not record:  # a token beat the kept empty answer
+            self._finished(kept[1])
+            kept[1].outcome = "lost"
+            kept[1].reason = EMPTY_ANSWER_LOST
+            self._close_prefix(kept[0], kept[1], now)
+        if kept is None or kept[1] is not record:  # a kept answer was observed when kept
+            self.pool.balancer.on_success(record.backend, now)
+            self._observe(record, censored=False)
         for loser, loser_record in same_tick:  # a real TTFT, but it lost: close it now
             self._finished(loser_record)
             loser_record.outcome = "lost"
@@ -390,6 +433,16 @@ class Race:
                 task.add_done_callback(_close_timer(record, self.clock, cancelled_at))
             self._losers.append(task)
         self._tasks.clear()
+
+    def _drop_kept(self) -> None:
+        """The race ended without relaying its kept answer (the client left): close it."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            task, record = kept
+            self._finished(record)
+            record.outcome = "cancelled"
+            record.reason = CANCELLED_AFTER_TOKEN  # it held its (empty) answer
+            self._close_prefix(task, record, self.clock())
 
     def _close_prefix(
         self, task: asyncio.Task[Prefix], record: AttemptRecord, cancelled_at: float

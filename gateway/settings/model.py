@@ -67,7 +67,8 @@ class BudgetSettings(Checked):
     min_per_second: float = field(default=0.5, metadata=scalar(
         cv.number(0), "reserve refill per second, so quiet pools can hedge"))
     min_win_rate: float = field(default=0.15, metadata=scalar(
-        _probability, "below this hedge win rate (0..1) hedges are probes only"))
+        _probability, "when the hedge win rate (0..1) is below this with 95 % confidence, "
+        "hedges are probes only"))
     win_window: int = field(default=20, metadata=scalar(
         cv.integer(20), "how many recent hedge outcomes the win rate is computed over"))
     probe_interval: float = field(default=5.0, metadata=scalar(
@@ -187,8 +188,47 @@ class TlsSettings(Checked):
             yield f"{at('ca_file')}: no such file"
 
 
-#: how each provider sends `api_key` unless `auth` says otherwise
-DEFAULT_AUTH = {"openai": "bearer", "anthropic": "x-api-key", "sim": "none"}
+@dataclass(frozen=True, slots=True)
+class AwsSettings(Checked):
+    """AWS credentials of a bedrock backend; without them, botocore's standard chain."""
+
+    access_key_id: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.secret, "with secret_access_key; empty or null (both): the standard chain "
+        "(environment, profile files, web identity). Never logged"))
+    secret_access_key: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.secret, "the secret of access_key_id; never logged, never printed"))
+    session_token: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.secret, "for temporary credentials; empty or null: none. Never logged"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            yield (f"{at('access_key_id')}: access_key_id and secret_access_key go together "
+                   "(both empty: the standard credential chain)")
+        elif self.session_token is not None and self.access_key_id is None:
+            yield f"{at('session_token')}: needs access_key_id and secret_access_key"
+
+
+@dataclass(frozen=True, slots=True)
+class GoogleSettings(Checked):
+    """Google credentials of a vertex backend; without a file, the metadata server."""
+
+    credentials_file: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.nonempty_text), "a service-account JSON key file; null: the "
+        "metadata server (GCE, GKE, Cloud Run)"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if self.credentials_file is not None and not os.path.isfile(self.credentials_file):
+            yield f"{at('credentials_file')}: no such file"
+
+
+#: how each provider sends `api_key` unless `auth` says otherwise (bedrock signs its requests
+#: with AWS credentials, vertex sends a Google OAuth token: neither takes an api_key)
+DEFAULT_AUTH = {"openai": "bearer", "anthropic": "x-api-key", "sim": "none",
+                "bedrock": "none", "vertex": "none"}
+#: the body's `anthropic_version` of the cloud providers, unless the backend sets its own
+CLOUD_ANTHROPIC_VERSIONS = {"bedrock": "bedrock-2023-05-31", "vertex": "vertex-2023-10-16"}
+#: providers that find their upstream from `region` (and `project`), not from `base_url`
+CLOUD_PROVIDERS = ("bedrock", "vertex")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,18 +237,30 @@ class BackendSettings(Checked):
 
     name: str = field(metadata=scalar(cv.name, "unique within the pool; same characters as "
                                      "pool names"))
-    provider: Literal["openai", "anthropic", "sim"] = field(default="openai", metadata=scalar(
-        cv.choice(("openai", "anthropic", "sim")),
-        "openai: any OpenAI-compatible HTTP API (chat, completions, embeddings, responses); "
-        "anthropic: the Messages API; sim: the built-in simulator (every route)"))
+    provider: Literal["openai", "anthropic", "bedrock", "vertex", "sim"] = field(
+        default="openai", metadata=scalar(
+            cv.choice(("openai", "anthropic", "bedrock", "vertex", "sim")),
+            "openai: any OpenAI-compatible HTTP API (chat, completions, embeddings, "
+            "responses); anthropic: the Messages API; bedrock, vertex: Claude's Messages on "
+            "AWS Bedrock and Google Vertex AI; sim: the built-in simulator (every route)"))
     #: "" until the pool fills in its own name (`PoolSettings._complete`)
     model: str = field(default="", metadata=scalar(
         cv.nonempty_text, "the model name sent upstream; default: the pool name",
         default_shown=False))
     base_url: str | None = field(default=None, metadata=scalar(
         cv.optional(cv.http_url), "required for openai and anthropic: http(s), no user:pass@, "
-        "no query; openai appends /chat/completions, anthropic /v1/messages",
+        "no query; openai appends /chat/completions, anthropic /v1/messages; bedrock and "
+        "vertex derive it from region", default_shown=False))
+    region: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.cloud_region), "bedrock and vertex (required): us-east-1, "
+        "europe-west1, global (vertex)", default_shown=False))
+    project: str | None = field(default=None, metadata=scalar(
+        cv.optional(cv.cloud_project), "vertex (required): the Google Cloud project id",
         default_shown=False))
+    aws: AwsSettings | None = field(default=None, metadata=section(
+        AwsSettings, "bedrock's AWS credentials; absent: the standard chain"))
+    google: GoogleSettings | None = field(default=None, metadata=section(
+        GoogleSettings, "vertex's Google credentials; absent: the metadata server"))
     api_key: str | None = field(default=None, repr=False, metadata=scalar(
         cv.secret, "sent as `auth` says; empty or null: none. Never logged, never printed"))
     auth: Literal["bearer", "api-key", "x-api-key", "none"] | None = field(
@@ -216,8 +268,11 @@ class BackendSettings(Checked):
             cv.optional(cv.choice(("bearer", "api-key", "x-api-key", "none"))),
             "how api_key is sent: bearer (openai's default), api-key (classic Azure), "
             "x-api-key (anthropic's default), none", default_shown=False))
-    anthropic_version: str = field(default="2023-06-01", metadata=scalar(
-        cv.version, "the anthropic-version header (provider anthropic)"))
+    #: "" until `_complete` fills in the provider's own default
+    anthropic_version: str = field(default="", metadata=scalar(
+        cv.version, "anthropic: the anthropic-version header (default 2023-06-01); bedrock, "
+        "vertex: the body's anthropic_version (default bedrock-2023-05-31, "
+        "vertex-2023-10-16)", default_shown=False))
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
         cv.headers, "static request headers {name: value}; ${VAR} allowed; never logged"))
     query: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
@@ -243,7 +298,18 @@ class BackendSettings(Checked):
     json_rules: ClassVar[dict[str, object]] = {
         "if": {"properties": {"provider": {"const": "sim"}}, "required": ["provider"]},
         "then": {"not": {"anyOf": [{"required": ["base_url"]}, {"required": ["api_key"]}]}},
-        "else": {"required": ["base_url"], "not": {"required": ["sim"]}},
+        "else": {
+            "not": {"required": ["sim"]},
+            "if": {"properties": {"provider": {"enum": list(CLOUD_PROVIDERS)}},
+                   "required": ["provider"]},
+            "then": {
+                "required": ["region"],
+                "if": {"properties": {"provider": {"const": "vertex"}}},
+                "then": {"required": ["project"]},
+                "else": {},
+            },
+            "else": {"required": ["base_url"]},
+        },
     }
 
     def _complete(self) -> None:
@@ -251,6 +317,9 @@ class BackendSettings(Checked):
             self._set("sim", SimProfile())
         if self.auth is None:
             self._set("auth", DEFAULT_AUTH[self.provider])
+        if not self.anthropic_version:
+            self._set("anthropic_version",
+                      CLOUD_ANTHROPIC_VERSIONS.get(self.provider, "2023-06-01"))
 
     def _rules(self, at: At) -> Iterator[str]:
         if self.provider in ("openai", "anthropic"):
@@ -263,6 +332,26 @@ class BackendSettings(Checked):
                 yield f"{at('base_url')}: not used by provider sim"
             if self.api_key is not None:
                 yield f"{at('api_key')}: not used by provider sim"
+        else:
+            yield from self._cloud_rules(at)
+        # the keys of one provider on another are a mistake, never silently ignored
+        owners = {"region": CLOUD_PROVIDERS, "project": ("vertex",), "aws": ("bedrock",),
+                  "google": ("vertex",)}
+        for key, providers in owners.items():
+            if getattr(self, key) is not None and self.provider not in providers:
+                yield f"{at(key)}: only used by provider {' and '.join(providers)}"
+
+    def _cloud_rules(self, at: At) -> Iterator[str]:
+        """bedrock and vertex: located by region (and project), credentials of their own."""
+        if self.region is None:
+            yield f"{at('region')}: required"
+        if self.provider == "vertex" and self.project is None:
+            yield f"{at('project')}: required"
+        if self.api_key is not None:
+            credentials = "aws" if self.provider == "bedrock" else "google"
+            yield f"{at('api_key')}: not used by provider {self.provider} (see `{credentials}`)"
+        if self.sim is not None:
+            yield f"{at('sim')}: only used by provider sim"
 
 
 @dataclass(frozen=True, slots=True)

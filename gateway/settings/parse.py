@@ -393,3 +393,26 @@ def _version(value: object) -> str:
 
 
 version = Parser(_version, {"type": "string", "minLength": 1})
+
+
+# --------------------------------------------------------------------------- cloud locations
+#: where a region or project lands in a URL (a host name, a path segment), so keep to the
+#: characters the clouds use: `us-east-1`, `europe-west1`, `global`; `my-project-123`
+_REGION = re.compile(r"[a-z][a-z0-9-]{0,49}")
+_PROJECT = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]{0,99}")
+
+
+def _located(pattern: re.Pattern[str], what: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        result = _text(value).strip()
+        if not pattern.fullmatch(result):
+            raise Invalid(f"must be {what}, got {show(value)}")
+        return result
+
+    return parse
+
+
+cloud_region = Parser(_located(_REGION, "a region such as us-east-1 or europe-west1"),
+                      _or_env({"type": "string", "pattern": f"^{_REGION.pattern}$"}))
+cloud_project = Parser(_located(_PROJECT, "a project id such as my-project-123"),
+                       _or_env({"type": "string", "pattern": f"^{_PROJECT.pattern}$"}))

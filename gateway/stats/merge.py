@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from gateway.hedge.latency import merge_states
@@ -181,6 +181,15 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"exports cover different windows: {sorted(windows)} s")
     return {"format": FORMAT, "window_s": windows.pop(), "uptime_s": uptime, "pools": pools,
             "workers": workers, "races": races}
+
+
+def only_pools(item: Mapping[str, Any], names: Collection[str]) -> dict[str, Any]:
+    """An export with only the pools in `names` (the configuration in force): a pool a
+    reload removed leaves the whole server as it leaves one process, even when a peer or
+    the retired numbers of a dead worker still count it."""
+    return {**item, "pools": {n: p for n, p in item["pools"].items() if n in names},
+            "workers": [{**w, "pools": {n: p for n, p in w["pools"].items() if n in names}}
+                        for w in item["workers"]]}
 
 
 def lifetime_only(item: Mapping[str, Any]) -> dict[str, Any]:

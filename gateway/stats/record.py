@@ -277,6 +277,7 @@ class Stats:
         pc["panic"] += summary.panic
         if summary.affinity is not None:
             pc[f"affinity.{summary.affinity}"] += 1
+        pc["empty_answers"] += winner is not None and winner.empty
         self.races.add(summary, outcome)
         pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:
@@ -354,6 +355,6 @@ def latency_saved(summary: RequestSummary) -> float | None:
     if winner is None or winner.kind != "hedge" or summary.committed_at is None or not attempts:
         return None
     primary = attempts[0]
-    if primary.kind != "primary" or primary.outcome != "lost":
-        return None
+    if primary.kind != "primary" or primary.outcome != "lost" or primary.empty:
+        return None  # (a primary that had answered, empty, was not slow: nothing was saved)
     return max(0.0, summary.committed_at - primary.started)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.stats.merge import document, export, lifetime_only, merge, rebuild
+from gateway.stats.merge import document, export, lifetime_only, merge, only_pools, rebuild
 from gateway.stats.prometheus import Metrics, Reading
 from gateway.stats.races import merge_races, races_view
 from gateway.stats.series import Reading as SeriesReading
@@ -213,7 +213,10 @@ class StatsSource:
         """This worker's export merged with its peers' files (no live object is touched, so
         this may run in a thread)."""
         peers = self.peers
-        return own if peers is None else merge([own, *peers.read(now)])
+        if peers is None:
+            return own
+        names = own["pools"].keys()
+        return merge([own, *(only_pools(item, names) for item in peers.read(now))])
 
     def mergeable(self) -> dict[str, Any]:
         """This process's export, or the whole server's merged one under workers."""

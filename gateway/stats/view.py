@@ -47,6 +47,7 @@ Top level: `window_s` (length of the recent window), `uptime_s` (since the stats
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
 | `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
 | `<scope>.affinity` | `hits`: primary first in its key's order; `spills`: a later one; `misses` |
+| `<scope>.empty_answers` | requests answered by a stream that ended normally without a token |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
@@ -211,6 +212,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         "panic": c["panic"],
         "affinity": {"hits": c["affinity.hit"], "spills": c["affinity.spill"],
                      "misses": c["affinity.miss"]},
+        "empty_answers": c["empty_answers"],
         "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
         "tokens": {
             "input": c["tokens.input"],

@@ -36,7 +36,7 @@ class Kind(enum.IntEnum):
     TOKEN = 1
     #: an error reported inside the stream: the attempt has failed
     ERROR = 2
-    #: the `[DONE]` sentinel: the stream is complete
+    #: the stream's end event (`[DONE]`, `response.completed`, `message_stop`): it is over
     DONE = 3
 
 
@@ -91,6 +91,9 @@ class WireProtocol:
     error_event: Callable[[str, str, str], bytes]
     #: (error, message) -> the JSON body of an HTTP error on this route
     error_body: Callable[[GatewayError, str], dict[str, object]]
+    #: the events of a stream that reached its end event without a token -> whether they are
+    #: a complete (empty) answer; called once per such stream, never per event
+    answered: Callable[[list[SSEEvent]], bool] = lambda _events: True
 
 
 def json_bytes(obj: object) -> bytes:

@@ -42,6 +42,25 @@ def classify(event: SSEEvent) -> Kind:
     return classify_payload(obj)
 
 
+def chat_answered(events: list[SSEEvent]) -> bool:
+    """Whether a stream that reached `[DONE]` without a token is a complete answer: some chunk
+    gave a choice its `finish_reason` (an empty answer, `stop` or `length`). A bare `[DONE]`
+    is not one. Read once, at the end of a token-less stream."""
+    for event in events:
+        if b'"finish_reason"' not in event.data:
+            continue
+        try:
+            obj = json.loads(event.data)
+        except (ValueError, RecursionError):
+            continue
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if isinstance(choices, list) and any(
+            isinstance(c, dict) and _nonempty_str(c.get("finish_reason")) for c in choices
+        ):
+            return True
+    return False
+
+
 def classify_payload(obj: object) -> Kind:
     """Classify a parsed chunk. ERROR beats TOKEN: a chunk reporting an error is a failure."""
     if not isinstance(obj, dict):
@@ -82,6 +101,11 @@ def _choice_has_output(choice: dict[object, object]) -> bool:
     for key in _DELTA_TEXT_KEYS:
         if _nonempty_str(delta.get(key)):
             return True
+    audio = delta.get("audio")  # audio output: its data or transcript, output though not text
+    if isinstance(audio, dict) and (
+        _nonempty_str(audio.get("data")) or _nonempty_str(audio.get("transcript"))
+    ):
+        return True
     tool_calls = delta.get("tool_calls")
     if isinstance(tool_calls, list):
         for call in tool_calls:
@@ -104,4 +128,4 @@ def openai_error_body(exc: GatewayError, message: str) -> dict[str, object]:
 
 
 CHAT = WireProtocol("chat", classify, classify_payload, frozenset(), openai_error_event,
-                    openai_error_body)
+                    openai_error_body, chat_answered)

@@ -33,8 +33,9 @@ MESSAGES_END = "message_stop"
 
 def classify_messages(event: SSEEvent) -> Kind:
     """One Messages stream event: TOKEN (a non-empty text/thinking/input_json delta, a tool
-    block start), ERROR (`error`), DONE (`message_stop`), else OTHER (`message_start`, `ping`,
-    an empty text block start, `signature_delta`, `message_delta`, malformed)."""
+    or redacted thinking block start), ERROR (`error`), DONE (`message_stop`), else OTHER
+    (`message_start`, `ping`, an empty text block start, `signature_delta`, `message_delta`,
+    malformed)."""
     kind, obj = typed_payload(event)
     if kind == "error":
         return Kind.ERROR
@@ -56,6 +57,8 @@ def classify_messages(event: SSEEvent) -> Kind:
                 return Kind.TOKEN
             if nonempty(block.get("text")) or nonempty(block.get("thinking")):
                 return Kind.TOKEN
+            if block.get("type") == "redacted_thinking" and nonempty(block.get("data")):
+                return Kind.TOKEN  # thinking the API encrypted: output, though not text
     return Kind.OTHER
 
 

@@ -21,7 +21,8 @@ from gateway.wire.base import (
 from gateway.wire.chat import openai_error_body
 from gateway.wire.sse import SSEEvent, encode_event
 
-#: delta events whose non-empty `delta` string is model output
+#: delta events whose non-empty `delta` string is model output (text, or not: code for the
+#: code interpreter, a tool's arguments, audio)
 RESPONSES_DELTAS = frozenset({
     "response.output_text.delta",
     "response.refusal.delta",
@@ -29,14 +30,26 @@ RESPONSES_DELTAS = frozenset({
     "response.reasoning_summary_text.delta",
     "response.function_call_arguments.delta",
     "response.custom_tool_call_input.delta",
+    "response.mcp_call_arguments.delta",
+    "response.code_interpreter_call_code.delta",
+    "response.audio.delta",
+    "response.audio.transcript.delta",
 })
+#: a partial image of an image generation call: output, in `partial_image_b64`
+RESPONSES_PARTIAL_IMAGE = "response.image_generation_call.partial_image"
+#: output items that are scaffolding until their content arrives (text, reasoning), and the
+#: server's own tool listing; every other item added (a tool call of any kind) is output
+RESPONSES_SCAFFOLD_ITEMS = frozenset({"message", "reasoning", "mcp_list_tools"})
+#: tool items whose output is their name: a token only once the name is there
+RESPONSES_NAMED_ITEMS = frozenset({"function_call", "custom_tool_call"})
 #: the events that end a Responses stream (there is no `[DONE]`)
 RESPONSES_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 def classify_responses(event: SSEEvent) -> Kind:
-    """One Responses stream event: TOKEN, ERROR (`error`, `response.failed`), DONE (the
-    other end events), else OTHER (`response.created`, `in_progress`, a message item added,
+    """One Responses stream event: TOKEN (a non-empty output delta, a partial image, a tool
+    item added), ERROR (`error`, `response.failed`), DONE (the other end events), else OTHER
+    (`response.created`, `in_progress`, a message or reasoning item added,
     `content_part.added`, empty deltas, anything malformed)."""
     kind, obj = typed_payload(event)
     if kind == "error" or kind == "response.failed":
@@ -49,15 +62,22 @@ def classify_responses(event: SSEEvent) -> Kind:
         return Kind.TOKEN if nonempty(obj.get("delta")) else Kind.OTHER
     if kind == "response.output_item.added":
         item = obj.get("item")
-        if isinstance(item, dict) and _is_tool_call(item):
+        if isinstance(item, dict) and _is_output_item(item):
             return Kind.TOKEN
+    elif kind == RESPONSES_PARTIAL_IMAGE and nonempty(obj.get("partial_image_b64")):
+        return Kind.TOKEN
     return Kind.OTHER
 
 
-def _is_tool_call(item: dict[str, object]) -> bool:
-    """An output item that is a function or tool call and already carries the tool's name."""
+def _is_output_item(item: dict[str, object]) -> bool:
+    """An output item that is output by itself: a tool call of any kind (computer, image
+    generation, code interpreter, web or file search, MCP, shell, ...), a function or custom
+    tool call once it carries its name; not a message or reasoning item, which wait for their
+    text."""
     kind = item.get("type")
-    return isinstance(kind, str) and kind.endswith("_call") and nonempty(item.get("name"))
+    if not nonempty(kind) or kind in RESPONSES_SCAFFOLD_ITEMS:
+        return False
+    return kind not in RESPONSES_NAMED_ITEMS or nonempty(item.get("name"))
 
 
 def classify_responses_body(obj: object) -> Kind:

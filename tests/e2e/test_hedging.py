@@ -258,8 +258,10 @@ FAST_FAILURES = {
             Send(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "error"}]})),
         ],
     ),
-    "ends-without-token": Script(
-        headers=SSE, steps=[Head(), Send(role_chunk()), Send(finish_chunk()), Send(DONE)]
+    # a finish reason and `[DONE]` without a token would be an empty answer, not a failure
+    # (tests/e2e/test_empty_answers.py); `[DONE]` alone answers nothing
+    "done-without-finish": Script(
+        headers=SSE, steps=[Head(), Send(role_chunk()), Send(DONE)]
     ),
     "closes-without-token": Script(headers=SSE, steps=[Head(), Send(role_chunk())]),
 }

@@ -23,6 +23,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.hedge.budget import wilson_upper
 from gateway.settings import BudgetSettings, DelaySettings, Settings
 from tests.harness import (
     DONE,
@@ -327,14 +328,17 @@ def by_request_id(first: Script, later: Script) -> Responder:
 def test_ineffective_once_a_window_of_hedges_has_lost(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
-    """Every hedge loses (primaries answer at 0.12 s, hedges at 3 s): after `win_window`
-    (20) lost hedges the guard lets one probe through per `probe_interval`, and the next
-    hedge is suppressed as `ineffective`."""
+    """Every hedge loses (primaries answer at 0.12 s, hedges at 3 s): once the lost hedges
+    are evidence of a win rate under `min_win_rate` (16 straight losses) the guard lets one
+    probe through per `probe_interval`, and the next hedge is suppressed as `ineffective`."""
     budget = BudgetSettings(ratio=1.0, burst=100.0)
     responder = by_request_id(stream_script(["p"], ttft=0.12), slow("h", 3.0))
     gateway, _ = start(loop_thread, scripted_upstream, responder, delay=0.03, budget=budget)
     pool = gateway.app.state.pools[POOL]
-    for _ in range(budget.win_window + 1):  # 20 lost hedges, then the probe
+    losses = next(n for n in range(1, budget.win_window + 1)
+                  if wilson_upper(0, n) < budget.min_win_rate)
+    assert losses == 16
+    for _ in range(losses + 1):  # the lost hedges, then the probe
         assert stream_text(gateway)[0] == "p"
     assert pool.budget.ineffective(time.monotonic())
     assert suppressed(gateway).get("ineffective", 0) == 0

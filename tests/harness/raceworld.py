@@ -1,9 +1,11 @@
 """A scripted world for the race in virtual time (see `virtualtime`).
 
 Each attempt of a race follows one `Step` of its row's script, chosen by the attempt's index:
-its upstream answers a token, a status, a reset, or nothing, `at` seconds after the attempt
-started. The attempts are real `open_until_first_token` calls on fake providers, so the close
-paths under test are the gateway's own; the fake streams record when they were closed.
+its upstream answers a token, a complete answer without a token (`empty`: role, finish,
+`[DONE]`), a token-less stream cut before `[DONE]` (`cut`), a status, a reset, or nothing, `at`
+seconds after the attempt started. The attempts are real `open_until_first_token` calls on
+fake providers, so the close paths under test are the gateway's own; the fake streams record
+when they were closed.
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ from tests.harness.virtualtime import VirtualLoop
 
 ROLE = SSEEvent(b'{"choices":[{"index":0,"delta":{"role":"assistant"}}]}')
 TOKEN = SSEEvent(b'{"choices":[{"index":0,"delta":{"content":"x"}}]}')
+FINISH = SSEEvent(b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}')
+DONE = SSEEvent(b"[DONE]")
 #: how long the winner's stream lasts after commit (and an error answer is read), virtually
 STREAM_FOR = 5.0
 
-What = Literal["token", "gone+token", "hang", "reset", "400", "503", "cancelled"]
+What = Literal["token", "gone+token", "empty", "cut", "hang", "reset", "400", "503",
+               "cancelled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +119,12 @@ class FakeStream:
         if step.what == "gone+token":  # the client leaves in the very tick of the token
             assert world.race_task is not None
             world.race_task.cancel()
+        if step.what == "empty":
+            yield SSEBatch([ROLE, FINISH, DONE])
+            return
+        if step.what == "cut":  # the stream ends, without a token and without `[DONE]`
+            yield SSEBatch([ROLE])
+            return
         yield SSEBatch([ROLE, TOKEN])
         await world.loop.create_future()
 

@@ -8,9 +8,11 @@ request is accounted for in every mode.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from gateway.bench import report
 from gateway.bench.load import Sample, is_content_token
 from gateway.bench.report import (
     compare,
@@ -152,3 +154,18 @@ def test_request_ttft_is_a_function_of_seed_backend_and_index() -> None:
     assert [w - x for w, x in zip(with_outage, a, strict=True)][9:21] == pytest.approx(
         [0.0] + [1.5] * 10 + [0.0])
     assert profile_from_json(profile_to_json(profile)) == profile
+
+
+def test_the_spread_over_repeated_runs_names_each_mode_and_the_cut() -> None:
+    def run(seed: int, off: float, on: float) -> dict[str, Any]:
+        return {"seed": seed, "modes": [{"mode": "hedging-off", "ttft_ms": {"p99": off}},
+                                        {"mode": "hedging-on", "ttft_ms": {"p99": on}}]}
+
+    spread = report.spread([run(1, 1600.0, 400.0), run(2, 1700.0, 1650.0),
+                            run(3, 1650.0, 420.0)])
+    assert spread["runs"] == 3 and spread["seeds"] == [1, 2, 3]
+    assert spread["ttft_p99_ms"]["hedging-on"] == {"min": 400.0, "median": 420.0, "max": 1650.0}
+    cut = spread["p99_on_over_off"]
+    assert cut["min"] == 0.25 and cut["max"] == pytest.approx(1650 / 1700)
+    printed = report.format_spread("stragglers", spread)
+    assert "spread over 3 runs (seeds 1..3)" in printed and "hedging-on" in printed

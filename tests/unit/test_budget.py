@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gateway.hedge.budget import HedgeBudget, SuppressReason
+from gateway.hedge.budget import HedgeBudget, SuppressReason, wilson_upper
 from gateway.settings import BudgetSettings
 
 #: no time-based reserve, so token arithmetic is exact unless a test wants the reserve
@@ -137,12 +137,28 @@ def test_win_rate_over_the_recent_window() -> None:
     assert budget.win_rate() == 1.0
 
 
-def test_guard_needs_a_full_window() -> None:
+def test_guard_needs_evidence_not_a_chance_run() -> None:
+    """The guard engages when the outcomes show a win rate below `min_win_rate` with 95 %
+    confidence: 16 straight losses do; 15 do not, nor does one win in a window of 20."""
     budget = HedgeBudget(BudgetSettings(win_window=20, min_win_rate=0.15), now=0.0)
-    trip_guard(budget, 0.0, losses=19)
+    trip_guard(budget, 0.0, losses=15)
     assert not budget.ineffective(0.0)
     budget.record_hedge(False, 0.0)
     assert budget.ineffective(0.0)
+    # a healthy pool's chance run: 2 wins in 20 (a point estimate of 0.10 < 0.15) is not
+    # evidence enough, and neither is 1
+    for wins in (2, 1):
+        chance = HedgeBudget(BudgetSettings(win_window=20, min_win_rate=0.15), now=0.0)
+        for index in range(20):
+            chance.record_hedge(index < wins, 0.0)
+        assert not chance.ineffective(0.0), wins
+
+
+def test_wilson_upper_bound() -> None:
+    assert wilson_upper(0, 20) == pytest.approx(0.1192, abs=1e-4)
+    assert wilson_upper(1, 20) == pytest.approx(0.1960, abs=1e-4)
+    assert wilson_upper(10, 20) > 0.5 > wilson_upper(2, 20)
+    assert wilson_upper(0, 10_000) < 0.001
 
 
 def test_guard_limits_hedges_to_the_probe_rate_and_probes_spend_tokens() -> None:
@@ -197,8 +213,8 @@ def test_winning_probes_recover_the_win_rate() -> None:
         budget.record_hedge(True, now)  # the backends got better: probes win
         wins += 1
         now += settings.probe_interval
-    assert wins == 3  # 3 of 20 = 0.15, no longer below min_win_rate
-    assert budget.win_rate() == pytest.approx(0.15)
+    assert wins == 1  # 1 of 20: no longer evidence of a win rate below min_win_rate
+    assert budget.win_rate() == pytest.approx(0.05)
     # the guard is off: hedges again limited by tokens only
     for _ in range(3):
         assert budget.try_spend(now, inflight_requests=1, hedge=True) is None

@@ -36,6 +36,7 @@ from gateway.settings.load import (
     load_settings,
     parse_settings,
 )
+from gateway.settings.model import AwsSettings, GoogleSettings
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 EXAMPLE_ENV = {"GATEWAY_KEY": "gw-test-key", "OPENAI_API_KEY": "sk-test-openai",
@@ -85,7 +86,8 @@ def test_every_example_config_loads(path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_there_are_examples() -> None:
     names = {path.name for path in CONFIG_DIR.glob("*.yaml")}
     assert {"demo.yaml", "vllm-pair.yaml", "openai-azure.yaml", "full-reference.yaml",
-            "azure-classic.yaml", "anthropic-pair.yaml"} <= names
+            "azure-classic.yaml", "anthropic-pair.yaml", "claude-everywhere.yaml",
+            "gemini-google.yaml"} <= names
 
 
 def test_classic_azure_example() -> None:
@@ -140,10 +142,14 @@ def test_full_reference_shows_the_defaults() -> None:
     assert pool.timeouts == Timeouts()
     assert pool.hedging == HedgingSettings()
     assert pool.health == HealthSettings()
-    openai_backend, sim_backend = pool.backends
+    openai_backend, sim_backend, bedrock_backend, vertex_backend = pool.backends
     assert openai_backend.api_key is None  # ${UPSTREAM_KEY:-} unset
     assert openai_backend.weight == 1.0 and openai_backend.max_concurrency is None
     assert sim_backend.sim == SimProfile()
+    assert bedrock_backend.aws == AwsSettings()  # every key empty: the standard chain
+    assert bedrock_backend.anthropic_version == "bedrock-2023-05-31"
+    assert vertex_backend.google == GoogleSettings()
+    assert vertex_backend.anthropic_version == "vertex-2023-10-16"
 
 
 def test_full_reference_lists_every_key() -> None:
@@ -164,8 +170,12 @@ def test_full_reference_lists_every_key() -> None:
     assert set(pool["hedging"]["budget"]) == keys(BudgetSettings)
     assert set(pool["health"]) == keys(HealthSettings)
     assert set(pool["affinity"]) == keys(AffinitySettings)
-    assert set(pool["backends"][0]) == keys(BackendSettings) - {"sim"}
+    cloud = {"region", "project", "aws", "google"}
+    assert set(pool["backends"][0]) == keys(BackendSettings) - {"sim"} - cloud
     assert set(pool["backends"][1]["sim"]) == keys(SimProfile)
+    assert cloud <= set(pool["backends"][2]) | set(pool["backends"][3])
+    assert set(pool["backends"][2]["aws"]) == keys(AwsSettings)
+    assert set(pool["backends"][3]["google"]) == keys(GoogleSettings)
 
 
 def test_openai_example_needs_its_key() -> None:
@@ -761,3 +771,47 @@ def test_settings_built_in_code_equal_the_loaded_ones() -> None:
     assert s.sim == SimProfile()
     replaced = dataclasses.replace(built, server=dataclasses.replace(built.server, port=0))
     assert replaced.server.port == 0 and replaced.pools == built.pools
+
+
+def test_claude_everywhere_example() -> None:
+    """One Claude pool over three clouds, each its own group so a hedge changes cloud; with
+    no AWS keys in the environment, bedrock takes the standard credential chain."""
+    settings = load_settings(CONFIG_DIR / "claude-everywhere.yaml", EXAMPLE_ENV)
+    (pool,) = settings.pools
+    anthropic, bedrock, vertex = pool.backends
+    assert [b.provider for b in pool.backends] == ["anthropic", "bedrock", "vertex"]
+    assert len({b.group for b in pool.backends}) == 3
+    assert bedrock.region == "us-east-1" and bedrock.aws == AwsSettings()
+    assert bedrock.anthropic_version == "bedrock-2023-05-31"
+    assert vertex.project == "my-project" and vertex.google is None
+    assert anthropic.api_key == "sk-test-anthropic"
+    env = {**EXAMPLE_ENV, "AWS_ACCESS_KEY_ID": "AKID", "AWS_SECRET_ACCESS_KEY": "s",
+           "AWS_REGION": "eu-west-1", "GOOGLE_CLOUD_PROJECT": "prod-123"}
+    settings = load_settings(CONFIG_DIR / "claude-everywhere.yaml", env)
+    _, bedrock, vertex = settings.pools[0].backends
+    assert bedrock.aws == AwsSettings(access_key_id="AKID", secret_access_key="s")
+    assert bedrock.region == "eu-west-1" and vertex.project == "prod-123"
+
+
+def test_cloud_backends_say_what_they_miss_and_what_they_do_not_take() -> None:
+    found = errors("""
+        pools:
+          - name: p
+            backends:
+              - {name: a, provider: bedrock, api_key: k, aws: {access_key_id: AKID}}
+              - {name: b, provider: vertex, region: europe-west1}
+              - {name: c, base_url: "http://127.0.0.1:9001/v1", region: us-east-1,
+                 google: {}}
+              - {name: d, provider: vertex, project: p1, region: "Bad Region"}
+    """)
+    assert found == [
+        "pools[0].backends[0].aws.access_key_id: access_key_id and secret_access_key go "
+        "together (both empty: the standard credential chain)",
+        "pools[0].backends[0].region: required",
+        "pools[0].backends[0].api_key: not used by provider bedrock (see `aws`)",
+        "pools[0].backends[1].project: required",
+        "pools[0].backends[2].region: only used by provider bedrock and vertex",
+        "pools[0].backends[2].google: only used by provider vertex",
+        "pools[0].backends[3].region: must be a region such as us-east-1 or europe-west1, "
+        "got 'Bad Region'",
+    ]

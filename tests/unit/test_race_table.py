@@ -49,6 +49,11 @@ def tok(at: float) -> Step:
     return Step("token", at)
 
 
+def empty(at: float) -> Step:
+    """A complete answer without a token: role, finish_reason, `[DONE]`."""
+    return Step("empty", at)
+
+
 P, H, F = "primary", "hedge", "failover"
 
 ROWS = [
@@ -79,6 +84,37 @@ ROWS = [
     Row("an attempt cancelled by something else than the race counts as failed",
         Setup([Step("cancelled", 0.125), tok(0.125)]), "commit 1", ((P, 0.0), (F, 0.125)),
         spent=1, restarts=1),
+    # -- a complete answer without a token ----------------------------------------------------
+    Row("an empty answer alone is the answer", Setup([empty(0.1)]), "commit 0", ((P, 0.0),)),
+    Row("an empty answer waits for the running hedge, whose token wins",
+        Setup([empty(0.375), tok(0.25)]), "commit 1", ((P, 0.0), (H, 0.25)), cancelled=(0,),
+        spent=1),
+    Row("an empty answer is relayed when the running hedge fails, with no failover",
+        Setup([empty(0.375), Step("503", 0.25)], max_attempts=3), "commit 0",
+        ((P, 0.0), (H, 0.25)), spent=1),
+    Row("an empty answer and a hanging hedge: the answer at the deadline, not a 504",
+        Setup([empty(0.375), HANG], deadline=1.0), "commit 0", ((P, 0.0), (H, 0.25)),
+        cancelled=(1,), spent=1),
+    Row("empty+token in one tick: the token wins",
+        Setup([empty(0.4375), tok(0.1875)]), "commit 1", ((P, 0.0), (H, 0.25)), cancelled=(0,),
+        spent=1),
+    Row("once an empty answer is kept no hedge starts; the primary's later token wins",
+        Setup([tok(0.625), empty(0.125), HANG], max_attempts=3), "commit 0",
+        ((P, 0.0), (H, 0.25)), cancelled=(1,), spent=1),
+    Row("an empty answer beats a 4xx: the request does not fail everywhere",
+        Setup([Step("400", 0.375), empty(0.0625)]), "commit 1", ((P, 0.0), (H, 0.25)), spent=1),
+    Row("two empty answers: the first is kept, the second closed",
+        Setup([empty(0.375), empty(0.25)]), "commit 0", ((P, 0.0), (H, 0.25)), cancelled=(1,),
+        spent=1),
+    Row("client gone while an empty answer waits for the hedge",
+        Setup([empty(0.375), HANG], gone_at=0.5), "gone", ((P, 0.0), (H, 0.25)),
+        cancelled=(0, 1), spent=1, after_token=(0,)),
+    Row("a token-less stream cut before its end fails over",
+        Setup([Step("cut", 0.125), tok(0.125)]), "commit 1", ((P, 0.0), (F, 0.125)), spent=1,
+        restarts=1),
+    Row("every attempt cut before its end without a token: 502",
+        Setup([Step("cut", 0.125), Step("cut", 0.125)]), "502", ((P, 0.0), (F, 0.125)),
+        spent=1, suppressed={"max_attempts": 1}, restarts=1),
     # -- the hedge timer and failovers -------------------------------------------------------
     Row("failover then hedge: the timer restarts at the failover",
         Setup([Step("503", 0.125), HANG, tok(0.125)], max_attempts=3), "commit 2",
@@ -210,3 +246,20 @@ def test_a_loser_closing_after_a_failure_is_not_cut_short_by_the_cancel() -> Non
     assert seen.outcome == "400"
     assert seen.world.interrupted == []
     assert set(seen.world.closed) == set(seen.world.opened)
+
+
+def test_an_empty_answer_is_a_success_of_its_backend_at_its_own_time() -> None:
+    """A complete answer without a token never counts against its backend's health, and its
+    time is the one it answered at, not the later commit (it waited for the hedge)."""
+    seen = run_virtual(lambda loop: play(Setup([empty(0.375), Step("503", 0.25)]), loop))
+    assert seen.outcome == "commit 0" and seen.decided_at == 0.5
+    primary, hedge = seen.race.attempts
+    assert primary.outcome == "won" and primary.ttft == 0.375 and primary.failure is None
+    assert hedge.outcome == "failed"
+    balancer = seen.race.pool.balancer
+    assert balancer._backends["b0"].failures == 0
+
+    seen = run_virtual(lambda loop: play(Setup([empty(0.375), empty(0.25)]), loop))
+    assert [a.outcome for a in seen.race.attempts] == ["won", "lost"]
+    assert all(a.failure is None for a in seen.race.attempts)
+    assert all(b.failures == 0 for b in seen.race.pool.balancer._backends.values())

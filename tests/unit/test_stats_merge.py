@@ -240,3 +240,22 @@ def test_a_bad_peer_file_is_left_out(tmp_path: Path) -> None:
     (tmp_path / "worker-2.json").write_text(json.dumps(bad))
     (tmp_path / "worker-3.json").write_text("{not json")
     assert [w["worker"] for item in mine.read(NOW) for w in item["workers"]] == [1]
+
+
+def test_a_pool_a_reload_removed_leaves_the_whole_server_too(tmp_path: Path) -> None:
+    """A dead worker's retired numbers (or a peer's file) may still hold a pool the current
+    configuration no longer has: the whole server's document shows the pools in force only,
+    as one process does after the same reload."""
+    from gateway.stats.shared import StatsSource
+
+    mine, dead = Peers(tmp_path, 0, pid=10), Peers(tmp_path, 1, pid=11)
+    old = Stats({**LAYOUT, "removed": ["a"]}, now=0.0)
+    for summary in traffic(3, 5):
+        old.record(summary)
+    dead.publish(export(old, {}, NOW, {"worker": 1}), NOW)
+    retire(tmp_path, 1)
+    assert "removed" in mine.read(NOW)[0]["pools"]  # the retired numbers still hold it
+    source = StatsSource(fed(traffic(4, 5)), {"chat": pool_runtime()}, lambda: NOW, mine)
+    doc = source.document()
+    assert list(doc["pools"]) == ["chat"]
+    assert doc["pools"]["chat"]["lifetime"]["requests"] == 10  # the dead worker's chat counts

@@ -37,6 +37,9 @@ CASES = [
     ),
     pytest.param(chunk({"tool_calls": [fn(name="", arguments="")]}), Kind.OTHER, id="tool-empty"),
     pytest.param(chunk({"tool_calls": [{"index": 0, "id": "c1"}]}), Kind.OTHER, id="tool-id-only"),
+    pytest.param(chunk({"audio": {"id": "au", "data": "", "transcript": ""}}), Kind.OTHER,
+                 id="audio-empty"),
+    pytest.param(chunk({"audio": "UklGR"}), Kind.OTHER, id="audio-not-object"),
     pytest.param(chunk({"function_call": {"name": ""}}), Kind.OTHER, id="function-call-empty"),
     pytest.param(b'{"choices":[{"text":""}]}', Kind.OTHER, id="legacy-empty-text"),
     # --- tokens
@@ -47,6 +50,8 @@ CASES = [
     pytest.param(chunk({"reasoning_content": "hmm"}), Kind.TOKEN, id="reasoning-content"),
     pytest.param(chunk({"reasoning": "think"}), Kind.TOKEN, id="reasoning"),
     pytest.param(chunk({"refusal": "I can't"}), Kind.TOKEN, id="refusal"),
+    pytest.param(chunk({"audio": {"id": "au", "data": "UklGR"}}), Kind.TOKEN, id="audio-data"),
+    pytest.param(chunk({"audio": {"transcript": "Hi"}}), Kind.TOKEN, id="audio-transcript"),
     pytest.param(chunk({"tool_calls": [fn(name="get_weather")]}), Kind.TOKEN, id="tool-name"),
     pytest.param(chunk({"tool_calls": [fn(arguments='{"ci')]}), Kind.TOKEN, id="tool-arguments"),
     pytest.param(

@@ -43,11 +43,18 @@ def first_kinds(wire: bytes, protocol: WireProtocol) -> list[Kind]:
     return [protocol.classify(event) for event in events]
 
 
+#: `first_token_index`: the stream failed (an error event) before any token
+FAILS = -1
+#: `first_token_index`: the stream reached its end event before any token: a complete
+#: (empty) answer, not a failure
+ENDS = -2
+
+
 def first_token_index(wire: bytes, protocol: WireProtocol) -> int | None:
     kinds = first_kinds(wire, protocol)
     for i, kind in enumerate(kinds):
         if kind is not Kind.OTHER:
-            return i if kind is Kind.TOKEN else -1
+            return i if kind is Kind.TOKEN else FAILS if kind is Kind.ERROR else ENDS
     return None
 
 
@@ -69,9 +76,33 @@ MESSAGES_TABLE = [
     ("input json", [message_start(), named("content_block_delta", {
         "index": 0, "delta": {"type": "input_json_delta", "partial_json": "{\""}})], 1),
     ("whitespace is a token", [message_start(), text_delta(" ")], 1),
-    ("error event before a token", [message_start(), PING, anthropic_error()], -1),
-    ("ends without a token", [message_start(), *message_end()], -1),
+    ("error event before a token", [message_start(), PING, anthropic_error()], FAILS),
+    ("ends without a token: an empty answer", [message_start(), *message_end()], ENDS),
     ("malformed json", [b"event: content_block_delta\ndata: {nope\n\n", text_delta("ok")], 1),
+    ("redacted thinking first", [message_start(), named("content_block_start", {
+        "index": 0, "content_block": {"type": "redacted_thinking", "data": "EmwK"}})], 1),
+]
+
+
+def item_added(item: dict[str, object]) -> bytes:
+    return named("response.output_item.added", {"output_index": 0, "item": item})
+
+
+#: tool items that are output by themselves, with no name and no text (the item as added)
+TOOL_ITEMS: list[dict[str, object]] = [
+    {"type": "computer_call", "id": "cu", "call_id": "c", "action": {"type": "screenshot"},
+     "pending_safety_checks": [], "status": "in_progress"},
+    {"type": "image_generation_call", "id": "ig", "status": "in_progress", "result": None},
+    {"type": "code_interpreter_call", "id": "ci", "code": "", "container_id": "cn",
+     "outputs": None, "status": "in_progress"},
+    {"type": "web_search_call", "id": "ws", "status": "in_progress"},
+    {"type": "file_search_call", "id": "fs", "queries": [], "status": "in_progress"},
+    {"type": "mcp_call", "id": "mc", "name": "fetch", "server_label": "s", "arguments": ""},
+    {"type": "mcp_approval_request", "id": "ma", "name": "fetch", "server_label": "s",
+     "arguments": "{}"},
+    {"type": "local_shell_call", "id": "ls", "call_id": "c", "status": "in_progress",
+     "action": {"type": "exec", "command": ["ls"], "env": {}}},
+    {"type": "custom_tool_call", "id": "ct", "call_id": "c", "name": "grammar", "input": ""},
 ]
 
 RESPONSES_TABLE = [
@@ -87,9 +118,32 @@ RESPONSES_TABLE = [
         "response.reasoning_summary_text.delta", {"item_id": "r", "delta": "Think"})], 2),
     ("refusal", [responses_head()[0], named("response.refusal.delta", {"delta": "No"})], 1),
     ("error event", [*responses_head()[:2], named("error", {"code": "server_error",
-                                                            "message": "x"})], -1),
-    ("failed", [responses_head()[0], named("response.failed", {"response": {}})], -1),
-    ("completed without output", [responses_head()[0], *responses_end("r", "")], -1),
+                                                            "message": "x"})], FAILS),
+    ("failed", [responses_head()[0], named("response.failed", {"response": {}})], FAILS),
+    ("completed without output: an empty answer",
+     [responses_head()[0], *responses_end("r", "")], ENDS),
+    *[(f"{item['type']} item first", [responses_head()[0], item_added(item)], 1)
+      for item in TOOL_ITEMS],
+    ("a reasoning item is scaffolding", [responses_head()[0], item_added(
+        {"type": "reasoning", "id": "rs", "summary": []}), output_delta("a")], 2),
+    ("a function call without its name yet", [responses_head()[0], item_added(
+        {"type": "function_call", "id": "fc", "call_id": "c", "name": "", "arguments": ""}),
+        output_delta("a")], 2),
+    ("the server's tool listing is scaffolding", [responses_head()[0], item_added(
+        {"type": "mcp_list_tools", "id": "ml", "server_label": "s", "tools": []}),
+        output_delta("a")], 2),
+    ("an item without a type", [responses_head()[0], item_added({"id": "x"}),
+                                output_delta("a")], 2),
+    ("code interpreter code", [responses_head()[0], named(
+        "response.code_interpreter_call_code.delta", {"item_id": "ci", "delta": "print("})], 1),
+    ("an empty code delta", [responses_head()[0], named(
+        "response.code_interpreter_call_code.delta", {"item_id": "ci", "delta": ""}),
+        output_delta("a")], 2),
+    ("a partial image", [responses_head()[0], named(
+        "response.image_generation_call.partial_image",
+        {"item_id": "ig", "partial_image_index": 0, "partial_image_b64": "iVBO"})], 1),
+    ("mcp call arguments", [responses_head()[0], named(
+        "response.mcp_call_arguments.delta", {"item_id": "mc", "delta": "{"})], 1),
     ("data-only events (no event: line)", [
         b'data: {"type":"response.created","response":{"id":"r"}}\n\n',
         b'data: {"type":"response.output_text.delta","delta":"x"}\n\n'], 1),
@@ -102,7 +156,8 @@ RESPONSES_TABLE = [
 ], ids=[f"messages: {n}" for n, _, _ in MESSAGES_TABLE]
     + [f"responses: {n}" for n, _, _ in RESPONSES_TABLE])
 def test_first_token(protocol: WireProtocol, events: list[bytes], expected: int) -> None:
-    """`expected`: index (among decoded events) of the first token; -1: fails first."""
+    """`expected`: index (among decoded events) of the first token; FAILS: an error first;
+    ENDS: the end event first (an empty answer)."""
     wire = b"".join(events)
     assert first_token_index(wire, protocol) == expected
 
@@ -198,7 +253,60 @@ def test_event_without_name_uses_the_payload_type() -> None:
     from gateway.wire.named import event_name
 
     assert event_name(SSEEvent(b'{"type":"message_stop"}')) == b"message_stop"
+    assert event_name(SSEEvent(b' { "type" : "ping"}')) == b"ping"
     assert event_name(SSEEvent(b"[1]")) is None
+
+
+def data_only(payload: dict[str, object]) -> bytes:
+    """A data-only event (no `event:` line) whose keys come in the order given."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_event_without_name_finds_its_type_in_any_key_order() -> None:
+    """`type` need not come first: a late top-level `type` is read, a nested one is not."""
+    from gateway.wire.named import event_name
+
+    (late,) = SSEDecoder().feed(data_only(
+        {"sequence_number": 9, "response": {"id": "r", "output": [{"type": "message"}]},
+         "type": "response.completed"}))
+    assert event_name(late) == b"response.completed"
+    (nested,) = SSEDecoder().feed(data_only(
+        {"index": 0, "delta": {"type": "message_stop"}, "type": "content_block_delta"}))
+    assert event_name(nested) == b"content_block_delta"
+    (delta,) = SSEDecoder().feed(data_only({"delta": "x", "type": "response.output_text.delta"}))
+    assert event_name(delta) is None  # no name the relay acts on: not parsed
+
+
+def test_relay_ends_whatever_the_key_order_of_a_nameless_end_event() -> None:
+    """Without `event:` lines and with `type` last, the end is still the end (not a cut
+    stream), an error still an error, and a usage event still read."""
+    responses = b"".join([
+        data_only({"delta": "a", "type": "response.output_text.delta"}),
+        data_only({"sequence_number": 9, "response": {
+            "id": "r", "object": "response", "status": "completed", "error": None,
+            "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}},
+            "type": "response.completed"}),
+        data_only({"delta": "after", "type": "response.output_text.delta"}),
+    ])
+    out, end = relayed(RESPONSES, responses)
+    assert end == "done" and b"after" not in out
+    messages = b"".join([
+        data_only({"index": 0, "delta": {"type": "text_delta", "text": "a"},
+                   "type": "content_block_delta"}),
+        data_only({"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2},
+                   "type": "message_delta"}),
+        data_only({"type": "message_stop"}),
+    ])
+    outcome = RelayOutcome()
+    named_encoder(MESSAGES)(SSEDecoder().feed(messages), "req_1", outcome)
+    assert outcome.end == "done"
+    assert outcome.usage is not None and outcome.usage.output == 2
+    out, end = relayed(MESSAGES, data_only(
+        {"error": {"type": "overloaded_error", "message": "x"}, "type": "error"}))
+    assert end == "upstream_error"
+    out, end = relayed(MESSAGES, data_only(
+        {"index": 0, "delta": {"type": "message_stop"}, "type": "content_block_delta"}))
+    assert end == "client_gone"  # a nested `type` is no end
 
 
 def test_relay_passes_named_events_through_unparsed() -> None:

@@ -1,0 +1,431 @@
+"""Claude on AWS Bedrock and on Google Vertex AI through the gateway, over real sockets: the
+Bedrock and Vertex simulators (`providers.sim.bedrock`, `providers.sim.vertex`) under uvicorn,
+the gateway under its own server class, the official `anthropic` SDK as the client, unchanged.
+
+The simulators check what the clouds check (a SigV4 signature recomputed with botocore, an
+OAuth token they issued against a service account's signed JWT), so every answer here also
+says the gateway signed and authenticated correctly. Tests order by causality: a simulator's
+`Reply.hold` keeps one backend silent until the test opens a gate. Each test ends with the
+automatic leak check.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import google.auth.compute_engine._metadata as gce_metadata
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import (
+    BackendSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    ServerSettings,
+    Settings,
+)
+from gateway.settings.model import AwsSettings, GoogleSettings
+from providers.sim.bedrock import AwsKey, BedrockSimulator
+from providers.sim.cloud import CallRecord, Reply, Responder
+from providers.sim.vertex import ServiceAccount, VertexSimulator
+from tests.harness import AsgiServerFactory, Gate, LoopThread
+from tests.harness.builders import POOL
+from tests.harness.limits_kit import Canary, stats_of, verbose_logs, wait_for
+
+GATEWAY_KEY = "gateway-client-key"
+REGION = "us-east-1"
+PROJECT = "sim-project"
+VERTEX_REGION = "europe-west1"
+BEDROCK_MODEL = "anthropic.claude-sonnet-4-5-20250929-v1:0"
+VERTEX_MODEL = "claude-sonnet-4-5@20250929"
+KEY = AwsKey("AKIDGATEWAYTEST00001", "bedrock-secret-0123456789abcdef",
+             "bedrock-session-token-0123456789")
+ANSWER = "Hello from the cloud"
+MESSAGES: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def account() -> ServiceAccount:
+    return ServiceAccount.generate()
+
+
+class Arrivals:
+    """A responder shared by several simulators: the n-th request to arrive anywhere gets the
+    n-th reply (the last one repeats). Which backend the balancer picks first is random, so
+    tests script by arrival: "the first request to arrive anywhere is the primary"."""
+
+    def __init__(self, *replies: Reply) -> None:
+        self.replies = replies
+        self.order: list[tuple[str, CallRecord]] = []
+        self._lock = threading.Lock()
+
+    def at(self, backend: str) -> Responder:
+        def respond(call: CallRecord) -> Reply:
+            with self._lock:
+                self.order.append((backend, call))
+                n = len(self.order) - 1
+            return self.replies[min(n, len(self.replies) - 1)]
+
+        return respond
+
+
+def bedrock_sim(asgi_server: AsgiServerFactory, responder: Responder | None = None,
+                ) -> tuple[BedrockSimulator, str]:
+    sim = BedrockSimulator(region=REGION, keys=[KEY])
+    if responder is not None:
+        sim.responder = responder
+    return sim, asgi_server(sim.app).base_url
+
+
+def vertex_sim(asgi_server: AsgiServerFactory, account: ServiceAccount, tmp_path: Path,
+               responder: Responder | None = None, *, token_lifetime: float = 3600.0,
+               ) -> tuple[VertexSimulator, str, Path]:
+    """The simulator, its root URL, and a service-account key file whose `token_uri` is it."""
+    sim = VertexSimulator(project=PROJECT, region=VERTEX_REGION, service_account=account,
+                          token_lifetime=token_lifetime)
+    if responder is not None:
+        sim.responder = responder
+    root = asgi_server(sim.app).base_url
+    sim.bind(root)
+    key_file = tmp_path / "service-account.json"
+    key_file.write_text(json.dumps(account.key_file(sim.token_uri)))
+    return sim, root, key_file
+
+
+def bedrock(name: str, url: str, *, key: AwsKey | None = KEY, weight: float = 1.0,
+            ) -> BackendSettings:
+    aws = None if key is None else AwsSettings(
+        access_key_id=key.access_key_id, secret_access_key=key.secret_access_key,
+        session_token=key.session_token)
+    return BackendSettings(name=name, provider="bedrock", region=REGION, base_url=url,
+                           model=BEDROCK_MODEL, aws=aws, group=name, weight=weight)
+
+
+def vertex(name: str, url: str, key_file: Path | None) -> BackendSettings:
+    google = None if key_file is None else GoogleSettings(credentials_file=str(key_file))
+    return BackendSettings(name=name, provider="vertex", project=PROJECT,
+                           region=VERTEX_REGION, base_url=url, model=VERTEX_MODEL,
+                           google=google, group=name)
+
+
+def pool(backends: Sequence[BackendSettings], *, name: str = POOL,
+         delay: float = 5.0) -> PoolSettings:
+    return PoolSettings(name=name, backends=tuple(backends), timeout=15.0,
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=delay)))
+
+
+def settings_for(*pools: PoolSettings) -> Settings:
+    return Settings(pools=pools, server=ServerSettings(api_keys=(GATEWAY_KEY,)))
+
+
+def serve(asgi_server: AsgiServerFactory, settings: Settings) -> str:
+    """The gateway under uvicorn; its root URL (what the Anthropic SDK takes as base_url)."""
+    return asgi_server(create_app(settings, seed=3)).base_url
+
+
+def claude(root: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=root, api_key=GATEWAY_KEY, max_retries=0,
+                               timeout=20.0)
+
+
+def streamed(client: anthropic.Anthropic, model: str = POOL) -> tuple[str, dict[str, str]]:
+    """The streamed answer's text and response headers."""
+    with client.messages.with_streaming_response.create(
+        model=model, max_tokens=16, messages=MESSAGES, stream=True,
+        extra_headers={"anthropic-beta": "fine-grained-tool-streaming-2025-05-14"},
+    ) as response:
+        headers = dict(response.headers)
+        text = "".join(
+            event.delta.text for event in response.parse()
+            if event.type == "content_block_delta" and event.delta.type == "text_delta")
+    return text, headers
+
+
+def whole(client: anthropic.Anthropic, model: str = POOL) -> str:
+    message = client.messages.create(model=model, max_tokens=16, messages=MESSAGES)
+    block = message.content[0]
+    assert block.type == "text"
+    return block.text
+
+
+def backend_stats(root: str, name: str) -> dict[str, Any]:
+    stats: dict[str, Any] = stats_of(root)["pools"][POOL]["backends"][name]
+    return stats
+
+
+def recorded(root: str, requests: int) -> None:
+    """Wait until `requests` requests are in the stats (a request is recorded a moment after
+    its client read the answer)."""
+    assert wait_for(lambda: stats_of(root)["pools"][POOL]["lifetime"]["requests"] >= requests)
+
+
+# --- each provider on its own --------------------------------------------------------------------
+
+
+def test_bedrock_streams_and_answers_through_the_anthropic_sdk(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory
+) -> None:
+    sim, url = bedrock_sim(asgi_server)
+    gateway = serve(asgi_server, settings_for(pool([bedrock("bedrock", url)])))
+    with claude(gateway) as client:
+        text, headers = streamed(client)
+        assert whole(client) == ANSWER
+        with client.messages.stream(model=POOL, max_tokens=16, messages=MESSAGES) as stream:
+            final = stream.get_final_message()
+    assert text == ANSWER and headers["x-hedge-backend"] == "bedrock"
+    assert final.usage.output_tokens == 2 and final.stop_reason == "end_turn"
+    assert sim.refused == []  # every signature verified
+    first, second, third = sim.calls
+    assert first.path == f"/model/{BEDROCK_MODEL}/invoke-with-response-stream"
+    assert second.path == f"/model/{BEDROCK_MODEL}/invoke"
+    assert first.model == second.model == BEDROCK_MODEL
+    for call in (first, second, third):
+        assert "model" not in call.body and "stream" not in call.body
+        assert call.body["anthropic_version"] == "bedrock-2023-05-31"
+        assert call.body["max_tokens"] == 16
+        assert call.credential == KEY.access_key_id
+        assert call.headers["x-amz-security-token"] == KEY.session_token
+    assert first.body["anthropic_beta"] == ["fine-grained-tool-streaming-2025-05-14"]
+    assert first.completed and third.completed
+
+
+def test_bedrock_credentials_from_the_standard_chain(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """No `aws` keys: botocore's chain finds them in the environment (and never looks for
+    an instance role: that would leave the machine)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", KEY.secret_access_key)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", KEY.session_token or "")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    sim, url = bedrock_sim(asgi_server)
+    gateway = serve(asgi_server, settings_for(pool([bedrock("bedrock", url, key=None)])))
+    with claude(gateway) as client:
+        assert streamed(client)[0] == ANSWER
+    assert sim.refused == [] and [c.credential for c in sim.calls] == [KEY.access_key_id]
+
+
+def test_vertex_streams_and_answers_with_a_service_account(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    tmp_path: Path,
+) -> None:
+    sim, url, key_file = vertex_sim(asgi_server, account, tmp_path)
+    gateway = serve(asgi_server, settings_for(pool([vertex("vertex", url, key_file)])))
+    with claude(gateway) as client:
+        text, headers = streamed(client)
+        assert whole(client) == ANSWER
+    assert text == ANSWER and headers["x-hedge-backend"] == "vertex"
+    assert sim.refused == []  # the JWT assertion and then the token were accepted
+    assert sim.token_grants == ["jwt"]  # one token serves both requests
+    first, second = sim.calls
+    root = (f"/v1/projects/{PROJECT}/locations/{VERTEX_REGION}/publishers/anthropic/models/"
+            f"{VERTEX_MODEL}")
+    assert first.path == root + ":streamRawPredict" and second.path == root + ":rawPredict"
+    assert first.body["stream"] is True and "stream" not in second.body
+    for call in (first, second):
+        assert "model" not in call.body
+        assert call.body["anthropic_version"] == "vertex-2023-10-16"
+        assert call.credential in sim.tokens
+    assert first.headers["anthropic-beta"] == "fine-grained-tool-streaming-2025-05-14"
+
+
+def test_vertex_tokens_from_the_metadata_server(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No key file: the token comes from the metadata server (here the simulator's; google-auth
+    reads its address once, at import, so the test points that at loopback)."""
+    sim, url, _ = vertex_sim(asgi_server, account, tmp_path)
+    monkeypatch.setattr(gce_metadata, "_GCE_METADATA_HOST", url.removeprefix("http://"))
+    gateway = serve(asgi_server, settings_for(pool([vertex("vertex", url, None)])))
+    with claude(gateway) as client:
+        assert whole(client) == ANSWER
+    assert sim.token_grants == ["metadata"] and sim.refused == []
+
+
+def test_a_vertex_token_is_refreshed_ahead_of_expiry_off_the_request_path(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    tmp_path: Path,
+) -> None:
+    """Tokens that live 4 s: the second is fetched with no request under way, before the first
+    expired, and the next request uses it without fetching anything itself."""
+    sim, url, key_file = vertex_sim(asgi_server, account, tmp_path, token_lifetime=4.0)
+    gateway = serve(asgi_server, settings_for(pool([vertex("vertex", url, key_file)])))
+    with claude(gateway) as client:
+        assert whole(client) == ANSWER
+        assert len(sim.token_grants) == 1
+        first_token = sim.calls[0].credential
+        assert wait_for(lambda: len(sim.token_grants) == 2, timeout=10.0)
+        assert len(sim.calls) == 1  # refreshed while nothing asked for it
+        assert whole(client) == ANSWER
+    assert len(sim.token_grants) == 2  # the request did not fetch a token
+    second_token = sim.calls[1].credential
+    assert second_token != first_token and sim.tokens[first_token] > 0
+    assert sim.refused == []
+
+
+# --- one pool over both ---------------------------------------------------------------------------
+
+
+def test_a_hedge_wins_across_providers(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    tmp_path: Path,
+) -> None:
+    """Whichever backend gets the primary sends its stream's head at once and then nothing
+    until the test says so; the hedge goes to the other provider, wins, and the primary's
+    stream is closed while it is still held."""
+    held = Gate()
+    arrivals = Arrivals(Reply(hold=held.wait), Reply())
+    b_sim, b_url = bedrock_sim(asgi_server, arrivals.at("bedrock"))
+    v_sim, v_url, key_file = vertex_sim(asgi_server, account, tmp_path, arrivals.at("vertex"))
+    gateway = serve(asgi_server, settings_for(pool(
+        [bedrock("bedrock", b_url), vertex("vertex", v_url, key_file)], delay=0.2)))
+    try:
+        with claude(gateway) as client:
+            text, headers = streamed(client)
+        assert text == ANSWER
+        (primary_backend, primary), (hedge_backend, hedge) = arrivals.order
+        assert {primary_backend, hedge_backend} == {"bedrock", "vertex"}
+        assert headers["x-hedge-backend"] == hedge_backend
+        assert hedge.completed and hedge.arrived > primary.arrived
+        assert primary.texts_sent == 0
+        assert wait_for(lambda: primary.closed_early)  # cancelled, not left to hang
+        assert not held.is_open
+    finally:
+        held.open()
+    recorded(gateway, 1)
+    assert backend_stats(gateway, hedge_backend)["lifetime"]["hedges_won"] == 1
+    assert b_sim.refused == [] and v_sim.refused == []
+
+
+# --- throttling -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("throttle", "code"),
+    [
+        (Reply(status=429, error_type="ThrottlingException"), "rate_limited"),
+        (Reply(fail_after=0, stream_exception="throttlingException"), "rate_limited"),
+        (Reply(fail_after=0, stream_exception="modelStreamErrorException"), "error_event"),
+    ],
+    ids=["status-429", "throttling-frame", "model-stream-error-frame"],
+)
+def test_a_refused_first_attempt_fails_over(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, throttle: Reply, code: str
+) -> None:
+    """The first attempt is throttled (by status, or by an exception frame inside its 200
+    stream) or its model stream fails before any token: the other backend answers at once,
+    and a throttled backend is paused."""
+    arrivals = Arrivals(throttle, Reply())
+    sim, url = bedrock_sim(asgi_server, arrivals.at("bedrock"))
+    names = ("east", "west")
+    gateway = serve(asgi_server, settings_for(pool([bedrock(n, url) for n in names])))
+    with claude(gateway) as client:
+        assert streamed(client)[0] == ANSWER
+    assert len(sim.calls) == 2 and sim.refused == []
+    recorded(gateway, 1)
+    by_backend = {name: backend_stats(gateway, name) for name in names}
+    (failed,) = [n for n, s in by_backend.items() if s["lifetime"]["failed"] == 1]
+    (served,) = [n for n in names if n != failed]
+    assert by_backend[failed]["lifetime"]["failures"] == {code: 1}
+    assert by_backend[served]["lifetime"]["failovers"] == 1
+    assert by_backend[served]["lifetime"]["won"] == 1
+    if code == "rate_limited":
+        assert by_backend[failed]["state"] == "paused"
+        assert 0 < by_backend[failed]["seconds_left"] <= 1.0
+
+
+def test_every_attempt_throttled_is_a_429_with_retry_after(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    tmp_path: Path,
+) -> None:
+    """Bedrock throttles (no Retry-After), Vertex answers 429 RESOURCE_EXHAUSTED (none
+    either): the client gets a 429 that says when to come back, and no `x-should-retry:
+    false`, so an SDK with retries waits and tries again."""
+    b_sim, b_url = bedrock_sim(
+        asgi_server, lambda call: Reply(status=429, error_type="ThrottlingException"))
+    v_sim, v_url, key_file = vertex_sim(
+        asgi_server, account, tmp_path, lambda call: Reply(status=429))
+    gateway = serve(asgi_server, settings_for(pool(
+        [bedrock("bedrock", b_url), vertex("vertex", v_url, key_file)])))
+    with claude(gateway) as client, pytest.raises(anthropic.RateLimitError) as caught:
+        whole(client)
+    response = caught.value.response
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "1"
+    assert response.headers["retry-after-ms"] == "1000"
+    assert "x-should-retry" not in response.headers
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "rate_limit_error", "message": caught.value.body["error"]["message"]}}  # type: ignore[index]
+    assert len(b_sim.calls) == len(v_sim.calls) == 1
+
+
+def test_a_model_stream_error_after_the_first_token_reaches_the_client(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory
+) -> None:
+    sim, url = bedrock_sim(asgi_server, lambda call: Reply(fail_after=1))
+    gateway = serve(asgi_server, settings_for(pool([bedrock("bedrock", url)])))
+    seen: list[str] = []
+    with claude(gateway) as client, pytest.raises(anthropic.APIStatusError) as caught, \
+            client.messages.stream(model=POOL, max_tokens=16, messages=MESSAGES) as stream:
+        for text in stream.text_stream:
+            seen.append(text)
+    assert seen == ["Hello"]  # the token before the failure, then the error event
+    assert "modelStreamErrorException" in str(caught.value.body)
+    assert sim.calls[0].texts_sent == 1
+
+
+# --- secrets --------------------------------------------------------------------------------------
+
+
+def test_no_credential_reaches_an_answer_a_log_or_the_stats(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pool whose Bedrock backend signs with a wrong secret (refused, fail over to Vertex),
+    and a pool with only that backend (a 502): with the SDKs' own loggers at DEBUG, neither the
+    AWS secret, the session token, the access key id, Google's tokens nor the private key
+    shows in an answer, a header, a log line, `/hedge/stats` or `/metrics`."""
+    verbose_logs(caplog)
+    for name in ("botocore", "google", "urllib3"):
+        caplog.set_level("DEBUG", logger=name)
+    wrong = AwsKey(KEY.access_key_id, "a-wrong-secret-0123456789", KEY.session_token)
+    b_sim, b_url = bedrock_sim(asgi_server)
+    v_sim, v_url, key_file = vertex_sim(asgi_server, account, tmp_path)
+    gateway = serve(asgi_server, settings_for(
+        pool([bedrock("bedrock", b_url, key=wrong, weight=1000.0),
+              vertex("vertex", v_url, key_file)]),
+        pool([bedrock("bedrock", b_url, key=wrong)], name="bedrock-only"),
+    ))
+    answers: list[str] = []
+    with claude(gateway) as client:
+        for _ in range(2):
+            with client.messages.with_streaming_response.create(
+                    model=POOL, max_tokens=16, messages=MESSAGES, stream=True) as response:
+                answers.append(json.dumps(dict(response.headers)) + response.read().decode())
+        answers.append(client.messages.with_raw_response.create(
+            model=POOL, max_tokens=16, messages=MESSAGES).http_response.text)
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            whole(client, model="bedrock-only")
+    failed = caught.value.response
+    assert failed.status_code == 502
+    answers.append(json.dumps(dict(failed.headers)) + failed.text)
+    assert "InvalidSignatureException" in b_sim.refused  # the wrong secret was tried
+    assert len(v_sim.calls) == 3
+    recorded(gateway, 3)
+    secrets = [KEY.secret_access_key, wrong.secret_access_key, KEY.session_token or "",
+               KEY.access_key_id, *v_sim.tokens,
+               account.private_key_pem.splitlines()[1]]
+    Canary(*secrets).assert_absent_everywhere(gateway, caplog, *answers)
+    dashboard = httpx.get(gateway + "/hedge/stats?window=all", timeout=5.0).text
+    Canary(*secrets).assert_absent("stats (all windows)", dashboard)
