@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -20,6 +21,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway.api.asgi import FastRoutes, GatewayAPI
+from gateway.api.end import report_bug
 from gateway.api.protocols import build_protocol_router
 from gateway.api.proxy import Proxy
 from gateway.api.routes import (
@@ -249,11 +251,15 @@ def create_app(
     app = GatewayAPI(
         fast=fast,
         on_error=gateway_error_response,
+        report=functools.partial(report_bug, stats),
         title="hedge-gateway",
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # no 307 to the path without its trailing slash: its Location would be built from
+        # the client's own Host header, and a POST body would be sent twice; a 404 instead
+        redirect_slashes=False,
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, live, proxy, fast))
@@ -283,9 +289,8 @@ def app_from_env() -> FastAPI:
     factory (`granian --interface asgi --factory gateway.app:app_from_env`): the bench's
     front-server comparison (`bench --servers`). Under such a server the app works,
     but the connection limits of `gateway.server.connection` (431, lingering 413, 408, the
-    connection
-    cap, the stuck-client abort) and the early drain of `gateway.server.serve` are not there: they
-    belong to `hedge-gateway serve` (README "The front server")."""
+    connection cap, the stuck-client abort) and the early drain of `gateway.server.serve` are
+    not there: they belong to `hedge-gateway serve` (README "The front server")."""
     path = os.environ.get(CONFIG_ENV)
     if not path:
         raise ConfigError(f"{CONFIG_ENV}: not set (the path of the configuration file to serve)")

@@ -24,8 +24,8 @@ Two trees, in this one file, and each class carries its facts as class attribute
     │   └── UpstreamServerError               ├── NoBackendAvailable
     ├── UpstreamProtocolError                 ├── UpstreamClientError (an upstream 4xx)
     │   └── UpstreamDisconnected              │   └── ...TooLarge, Unprocessable, NotFound, Conflict
-    ├── UpstreamInBandError                   └── FirstTokenTimeout
-    ├── UpstreamNoToken
+    ├── UpstreamInBandError                   ├── FirstTokenTimeout
+    ├── UpstreamNoToken                       └── InternalError (a bug of ours, 500)
     └── InternalAttemptError
 
 The statuses an upstream answers with are read in one place, `UpstreamStatusError.of`: each
@@ -204,7 +204,7 @@ def failure_codes() -> frozenset[str]:
     return frozenset(codes)
 
 
-# --- what a client is answered with: the client-facing tree ---------------------------------------
+# --- what a client is answered with: the client-facing tree -------------------------------
 
 
 def error_body(
@@ -344,6 +344,20 @@ class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "overloaded"
+
+
+class InternalError(GatewayError):
+    """An exception of ours on the request path (a bug): the client still gets an error in
+    its route's shape, every slot the request held is given back, and it is counted and
+    logged with its traceback. Its message names only the exception's class."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    @classmethod
+    def of(cls, exc: BaseException) -> InternalError:
+        return cls(f"internal error ({type(exc).__name__})")
 
 
 class TooManyConnections(Overloaded):

@@ -52,8 +52,9 @@ class UpstreamCall:
     method: str = "POST"
     #: the path below the API root when it is not `endpoint` (`responses/resp_1/cancel`)
     path: str | None = None
-    #: query parameters the client sent that the upstream should see (`limit`, `after`)
-    query: Mapping[str, str] = field(default_factory=dict)
+    #: query parameters the client sent that the upstream should see (`limit`, `after`), as
+    #: (name, value) pairs: a repeated parameter keeps every value, in order
+    query: tuple[tuple[str, str], ...] = ()
 
 
 class UpstreamStream(Protocol):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import aiohttp
 
@@ -169,7 +169,7 @@ class UpstreamClient:
         headers: Mapping[str, str],
         timeout: aiohttp.ClientTimeout,
         pool_timeout: float,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
     ) -> UpstreamResponse:
         """Send a request and return once its status and headers are in.
 

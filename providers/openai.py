@@ -192,6 +192,13 @@ class OpenAIProvider:
             sock_read=max(call.first_byte_timeout, 0.001),
         )
 
+    def _params(self, call: UpstreamCall) -> list[tuple[str, str]] | None:
+        """The client's query pairs, then the backend's static ones, which win: a client
+        cannot send its own `api-version`."""
+        pairs = [(k, v) for k, v in call.query if k not in self._query]
+        pairs += self._query.items()
+        return pairs or None
+
     async def open(self, call: UpstreamCall) -> AiohttpStream:
         headers = dict(call.extra_headers)
         headers.update(self._headers)  # ours win: a client cannot replace the credential
@@ -205,7 +212,7 @@ class OpenAIProvider:
         response = await self._client.request(
             call.method,
             self.url(call),
-            params={**call.query, **self._query} or None,
+            params=self._params(call),
             content=content,
             headers=headers,
             timeout=self._timeout if call.stream else self._whole_body_timeout(call),

@@ -15,8 +15,11 @@ the key check included (the handlers do it themselves). Everything else (the ops
 dashboard, routes with path parameters) goes through FastAPI as before.
 
 A `GatewayError` raised by a handler becomes its answer exactly as FastAPI's exception handler
-would make it; anything else is a bug of ours and propagates to the server, which logs it and
-answers 500 (what FastAPI's outer middleware does too).
+would make it; anything else is a bug of ours: `report` logs and counts it, and the answer is
+an `InternalError` (a 500 in the route's error shape), on these routes as on the framework's,
+so the server never answers a bare 500 of its own. A bug that escapes while the answer is
+being sent (a stream already under way) is reported; the answer it interrupted stays the
+only one.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, InternalError
 
 #: a route's handler: the request in, the response out (it may raise a `GatewayError`)
 Handler = Callable[[Request], Awaitable[Response]]
 #: the answer to a `GatewayError` raised by a handler
 OnError = Callable[[Request, GatewayError], Response]
+#: logs and counts any other exception (a bug of ours)
+Report = Callable[[Exception], None]
 
 
 class FastRoutes:
@@ -58,10 +63,21 @@ class FastRoutes:
 class GatewayAPI(FastAPI):
     """FastAPI, plus the shortcut for the routes of a `FastRoutes` table."""
 
-    def __init__(self, *, fast: FastRoutes, on_error: OnError, **kwargs: Any) -> None:
+    def __init__(self, *, fast: FastRoutes, on_error: OnError, report: Report,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._fast = fast.handlers
         self._on_error = on_error
+        self._report = report
+        # the framework's routes: its outermost middleware sends this handler's answer
+        self.add_exception_handler(Exception, self._framework_bug)
+
+    def _on_bug(self, request: Request, exc: Exception) -> Response:
+        self._report(exc)
+        return self._on_error(request, InternalError.of(exc))
+
+    async def _framework_bug(self, request: Request, exc: Exception) -> Response:
+        return self._on_bug(request, exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -73,6 +89,18 @@ class GatewayAPI(FastAPI):
                     response = await handler(request)
                 except GatewayError as exc:
                     response = self._on_error(request, exc)
-                await response(scope, receive, send)
+                except Exception as exc:  # noqa: BLE001 - a bug: answered, reported
+                    response = self._on_bug(request, exc)
+                try:
+                    await response(scope, receive, send)
+                except Exception as exc:  # noqa: BLE001 - the answer has begun: report only
+                    self._report(exc)
                 return
+            try:
+                await super().__call__(scope, receive, send)
+            except Exception:  # noqa: BLE001
+                # already answered and reported by `_framework_bug` (Starlette's outermost
+                # middleware re-raises after sending it): not the server's to answer again
+                return
+            return
         await super().__call__(scope, receive, send)

@@ -11,6 +11,7 @@ the relay is over. The proxy (`gateway.api.proxy`) decides which path a request 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,16 @@ from gateway.stats.requestlog import log_request
 
 if TYPE_CHECKING:
     from gateway.stats.tracing import RequestTrace
+
+#: exceptions of ours on the request path, with their tracebacks
+LOGGER = logging.getLogger("hedge_gateway.errors")
+
+
+def report_bug(stats: Stats, exc: BaseException) -> None:
+    """An exception of ours on the request path: logged with its traceback and counted
+    (`Stats.internal_errors`), once, by whoever turns it into the client's answer."""
+    stats.internal_errors += 1
+    LOGGER.error("internal error on the request path", exc_info=exc)
 
 
 class RequestEnd:
@@ -65,16 +76,27 @@ class RequestEnd:
             # client's next request on the same connection never meets its predecessor's slot)
             pool.inflight_requests -= 1
             self._leave()
-            if self.prefix is not None:
-                await self.prefix.aclose()
-            await self._race.aclose()
-            summary.panic = self._race.panic
-            summary.affinity = self._race.affinity
-            summary.ended = self._clock()
-            stats.record(summary)
-            log_request(summary, stats.error_classes)
-            if self.trace is not None:
-                self.trace.end(summary, stats.error_classes)
+            # each step on its own: a failing one must not keep the next from giving back
+            # what it holds (the winner's and the losers' upstreams, their backend slots)
+            try:
+                if self.prefix is not None:
+                    await self.prefix.aclose()
+            except Exception as exc:  # noqa: BLE001 - the end must go on; reported
+                report_bug(stats, exc)
+            try:
+                await self._race.aclose()
+            except Exception as exc:  # noqa: BLE001 - the end must go on; reported
+                report_bug(stats, exc)
+            try:
+                summary.panic = self._race.panic
+                summary.affinity = self._race.affinity
+                summary.ended = self._clock()
+                stats.record(summary)
+                log_request(summary, stats.error_classes)
+                if self.trace is not None:
+                    self.trace.end(summary, stats.error_classes)
+            except Exception as exc:  # noqa: BLE001 - the end must go on; reported
+                report_bug(stats, exc)
 
 
 class AnswerThen(Response):

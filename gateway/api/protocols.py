@@ -3,37 +3,50 @@
 Like `gateway.api.routes`, these only read and check a request and hand a `LogicalRequest` to the
 proxy; what differs per route is the `WireProtocol` (first token, end, error shapes), the
 Responses store rules (hedge only a `"store": false` request that carries no stored state), and
-the response-id directory that sends a follow-up to the backend holding the response.
+the response ids that name the backend holding a response (`gateway.api.stored`): minted into
+what the gateway relays, verified and translated back to the upstream's id on a follow-up.
 Errors under /v1/messages take Anthropic's shape (`gateway.api.routes.error_response` chooses by
 path), and the gateway key may come there as `x-api-key` as well as Bearer.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
+from gateway.api.inference import route
 from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.api.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
-from gateway.api.stored import ResponseDirectory
+from gateway.api.stored import (
+    MAX_ID_CHARS,
+    RESPONSE_OBJECT_EVENTS,
+    IdRewriter,
+    MintFor,
+    ResponseIds,
+    StoredRef,
+    generate_secret,
+)
 from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
 from gateway.wire.base import WireProtocol
 from gateway.wire.messages import COUNT_TOKENS, MESSAGES
+from gateway.wire.named import Rewrite
 from gateway.wire.responses import RESPONSES, RESPONSES_ITEM, response_id_of
 from gateway.wire.sse import SSEEvent
 from gateway.wire.validate import check_body, parse_body
 from providers.base import Endpoint
 
-_RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
+_RESPONSE_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_ID_CHARS}}}")
 #: client query parameters of `GET /v1/responses/{id}/input_items` passed upstream
 _ITEM_QUERY = ("after", "before", "limit", "order", "include", "include[]")
 #: client headers passed upstream on /v1/messages (the beta features it asks for)
@@ -56,13 +69,14 @@ def build_protocol_router(
     live: Live,
     proxy: Proxy,
     fast: FastRoutes,
-    directory: ResponseDirectory | None = None,
 ) -> APIRouter:
-    """The routes of Like `gateway.api.routes.build_router`, the pools are read from
-    `live` once per request (a reload never changes a running request's rules); a stored
-    response whose backend a reload removed is unknown from then on. The inference routes
-    go into `fast` too (`gateway.api.asgi`) and check the key themselves."""
-    origins = directory if directory is not None else ResponseDirectory()
+    """The Responses and Messages routes. Like `gateway.api.routes.build_router`, the pools
+    are read from `live` once per request (a reload never changes a running request's rules);
+    a stored response whose pool or backend a reload removed is unknown from then on. The
+    inference routes go into `fast` too (`gateway.api.asgi`) and check the key themselves.
+    Response ids are signed with `server.response_id_secret`, else with a secret of this
+    app's own (a single process: the supervisor gives its workers one)."""
+    ids = ResponseIds(settings.server.response_id_secret or generate_secret())
     bearer = make_auth_guard(settings.server.api_keys)
     either = make_auth_guard(settings.server.api_keys, x_api_key=True)
     keyed = bool(settings.server.api_keys)
@@ -87,11 +101,33 @@ def build_protocol_router(
     def headers_of(request: Request) -> dict[str, str]:
         return {k.lower(): v for k, v in request.headers.items()}
 
-    def remember(pool: str, stream: bool) -> Callable[[str, list[SSEEvent]], None]:
-        def on_commit(backend: str, events: list[SSEEvent]) -> None:
-            response_id = response_id_of(events, stream=stream)
-            if response_id is not None:
-                origins.remember(response_id, pool, backend)
+    def binding_of(request: Request) -> bytes:
+        """The binding of the client's gateway key (empty when the gateway has no keys)."""
+        return ids.binding(_bearer_key(request)) if keyed else b""
+
+    def find(response_id: object, binding: bytes) -> StoredRef | None:
+        """What a client's response id says, when it verifies and belongs to this client."""
+        if not isinstance(response_id, str) or not _RESPONSE_ID.fullmatch(response_id):
+            return None
+        ref = ids.read(response_id)
+        if ref is None or not hmac.compare_digest(ref.binding, binding):
+            return None
+        pool = live.current.pools.get(ref.pool)
+        return ref if pool is not None and ref.backend in pool.providers else None
+
+    def minting(pool: str, stream: bool, binding: bytes, previous: tuple[str, str] | None
+                ) -> Callable[[str, list[SSEEvent]], Rewrite | None]:
+        """At commit: the rewrite of the upstream's response id into the client's id, and of
+        the previous response's upstream id back into the one the client sent."""
+        def on_commit(backend: str, events: list[SSEEvent]) -> Rewrite:
+            mint = MintFor(ids, pool, backend, binding)
+            pairs = [previous] if previous is not None else []
+            upstream_id = response_id_of(events, stream=stream)
+            minted = None if upstream_id is None else mint(upstream_id)
+            if upstream_id is not None and minted is not None:
+                pairs.insert(0, (upstream_id, minted))
+            rewriter = IdRewriter(pairs, mint if upstream_id is None else None)
+            return RESPONSE_OBJECT_EVENTS, rewriter
 
         return on_commit
 
@@ -106,17 +142,18 @@ def build_protocol_router(
         req = LogicalRequest(request_id_of(request), endpoint, body, stream, headers,
                              protocol=protocol)
         if endpoint == "responses":
-            pinned = None
+            pinned = translated = None
+            binding = binding_of(request)
             previous = body.get("previous_response_id")
             if previous is not None:
-                origin = origins.find(previous) if isinstance(previous, str) else None
-                if origin is None or origin.pool != pool.settings.name \
-                        or origin.backend not in pool.providers:
+                ref = find(previous, binding)
+                if ref is None or ref.pool != pool.settings.name:
                     raise ResponseNotFound(f"no response {str(previous)[:200]!r} is known "
                                            "to this gateway", param="previous_response_id")
-                pinned = origin.backend
-            req = _with(req, stateful=responses_stateful(body), pinned=pinned,
-                        on_commit=remember(pool.settings.name, stream))
+                pinned, translated = ref.backend, (ref.upstream_id, str(previous))
+                body = {**body, "previous_response_id": ref.upstream_id}
+            req = _with(req, body=body, stateful=responses_stateful(body), pinned=pinned,
+                        on_commit=minting(pool.settings.name, stream, binding, translated))
         elif endpoint == "messages":
             forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
             req = _with(req, forward_headers=forward)
@@ -126,54 +163,72 @@ def build_protocol_router(
         return await proxy.handle(request, pool, req)
 
     async def stored(request: Request, response_id: str, method: str, suffix: str) -> Response:
-        """A stored response's operation, sent to the backend that made it."""
-        origin = origins.find(response_id) if _RESPONSE_ID.fullmatch(response_id) else None
-        pool = live.current.pools.get(origin.pool) if origin is not None else None
-        if origin is None or pool is None or origin.backend not in pool.providers:
+        """A stored response's operation, sent to the backend that made it under the id that
+        backend gave it; its answer carries the client's id again. Not a generation: no
+        tokens, no latency samples (`metered`)."""
+        ref = find(response_id, binding_of(request))
+        pool = live.current.pools.get(ref.pool) if ref is not None else None
+        if ref is None or pool is None:
             raise ResponseNotFound(f"no response {response_id[:200]!r} is known to this "
                                    "gateway", param="response_id")
-        query = {k: v for k, v in request.query_params.items() if k in _ITEM_QUERY}
+        # every value of a repeated parameter (`include[]=a&include[]=b`), in order
+        query = tuple((k, v) for k, v in request.query_params.multi_items()
+                      if k in _ITEM_QUERY)
+        rewrite: Rewrite = (RESPONSE_OBJECT_EVENTS,
+                            IdRewriter([(ref.upstream_id, response_id)]))
         req = LogicalRequest(
             request_id_of(request), "responses/item", {}, False, headers_of(request),
-            protocol=RESPONSES_ITEM, single=True, pinned=origin.backend, method=method,
-            path=f"responses/{response_id}{suffix}", query=query,
+            protocol=RESPONSES_ITEM, single=True, pinned=ref.backend, method=method,
+            path=f"responses/{quote(ref.upstream_id, safe='')}{suffix}", query=query,
+            on_commit=lambda _backend, _events: rewrite, metered=False,
         )
-        response = await proxy.handle(request, pool, req)
-        if method == "DELETE" and response.status_code == 200:
-            origins.forget(response_id)
-        return response
+        return await proxy.handle(request, pool, req)
 
-    @fast.post(router, "/v1/responses")
+    create = route("POST", "/v1/responses")
+    retrieve = route("GET", "/v1/responses/{response_id}")
+    delete = route("DELETE", "/v1/responses/{response_id}")
+    cancel = route("POST", "/v1/responses/{response_id}/cancel")
+    items = route("GET", "/v1/responses/{response_id}/input_items")
+    messages_route = route("POST", "/v1/messages")
+    count = route("POST", "/v1/messages/count_tokens")
+
+    @fast.post(router, create.path)
     async def responses(request: Request) -> Response:
-        return await inference(request, "responses", RESPONSES, None, bearer)
+        return await inference(request, create.endpoint, RESPONSES, create.prompt, bearer)
 
-    @router.get("/v1/responses/{response_id}", dependencies=[Depends(bearer)])
+    @router.get(retrieve.path, dependencies=[Depends(bearer)])
     async def get_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, "GET", "")
+        return await stored(request, response_id, retrieve.method, "")
 
-    @router.delete("/v1/responses/{response_id}", dependencies=[Depends(bearer)])
+    @router.delete(delete.path, dependencies=[Depends(bearer)])
     async def delete_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, "DELETE", "")
+        return await stored(request, response_id, delete.method, "")
 
-    @router.post("/v1/responses/{response_id}/cancel", dependencies=[Depends(bearer)])
+    @router.post(cancel.path, dependencies=[Depends(bearer)])
     async def cancel_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, "POST", "/cancel")
+        return await stored(request, response_id, cancel.method, "/cancel")
 
-    @router.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(bearer)])
+    @router.get(items.path, dependencies=[Depends(bearer)])
     async def input_items(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, "GET", "/input_items")
+        return await stored(request, response_id, items.method, "/input_items")
 
-    @fast.post(router, "/v1/messages")
+    @fast.post(router, messages_route.path)
     async def messages(request: Request) -> Response:
-        return await inference(request, "messages", MESSAGES, "messages", either)
+        return await inference(request, messages_route.endpoint, MESSAGES,
+                               messages_route.prompt, either)
 
-    @fast.post(router, "/v1/messages/count_tokens")
+    @fast.post(router, count.path)
     async def count_tokens(request: Request) -> Response:
-        return await inference(request, "messages/count_tokens", COUNT_TOKENS, "messages",
-                               either)
+        return await inference(request, count.endpoint, COUNT_TOKENS, count.prompt, either)
 
     return router
 
 
 def _with(req: LogicalRequest, **changes: Any) -> LogicalRequest:
     return replace(req, **changes)
+
+
+def _bearer_key(request: Request) -> str:
+    """The gateway key a Responses request presented (the guard has checked it)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""

@@ -23,12 +23,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway.api.end import AnswerThen, RequestEnd
+from gateway.api.end import AnswerThen, RequestEnd, report_bug
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
 from gateway.errors import (
     GatewayError,
+    InternalError,
     Overloaded,
     RouteNotServed,
     UpstreamRejectedRequest,
@@ -45,7 +46,7 @@ from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.wire.base import RelayOutcome, StreamEnd, WireProtocol
 from gateway.wire.chat import CHAT
-from gateway.wire.named import named_encoder
+from gateway.wire.named import Rewrite, named_encoder
 from gateway.wire.sse import SSEEvent
 from gateway.wire.usage import ask_for_usage, body_usage
 from providers.base import Endpoint, UpstreamCall
@@ -72,11 +73,15 @@ class LogicalRequest:
     #: upstream call details beyond the body (method, path, query, passed-through headers)
     method: str = "POST"
     path: str | None = None
-    query: Mapping[str, str] = field(default_factory=dict)
+    query: tuple[tuple[str, str], ...] = ()
     forward_headers: Mapping[str, str] = field(default_factory=dict)
-    #: called once at commit with the winner's backend and buffered events (remembers the
-    #: response id of a Responses request)
-    on_commit: Callable[[str, list[SSEEvent]], None] | None = None
+    #: called once at commit with the winner's backend and buffered events; what it returns
+    #: rewrites the named events it lists and a whole body (the Responses API's response id)
+    on_commit: Callable[[str, list[SSEEvent]], Rewrite | None] | None = None
+    #: False for a read of stored state (a stored response, its cancel): its body repeats a
+    #: past generation's usage and its quick answer is no time to first token, so it counts
+    #: no tokens and feeds neither the TTFT quantiles nor the hedge-delay trackers
+    metered: bool = True
 
 
 #: statuses of the one backend holding a stored response that answer the client as they are
@@ -138,11 +143,16 @@ def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
     return excluded
 
 
+def affinity_applies(pool: PoolRuntime, req: LogicalRequest) -> bool:
+    """Affinity is on for the pool and the request may go to more than one backend."""
+    return pool.settings.affinity.enabled and req.pinned is None and not req.single
+
+
 def affinity_route(pool: PoolRuntime, req: LogicalRequest) -> AffinityRoute | None:
     """The request's conversation key and order over the pool (`gateway.hedge.affinity`), or
-    None: affinity off for the pool, a request pinned to one backend, or no key."""
+    None: affinity does not apply (`affinity_applies`), or the request has no key."""
     settings = pool.settings.affinity
-    if not settings.enabled or req.pinned is not None or req.single:
+    if not affinity_applies(pool, req):
         return None
     weights = [(b.name, b.weight) for b in pool.settings.backends]
     return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
@@ -191,7 +201,75 @@ class Proxy:
         start = self.clock()
         pool.inflight_requests += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
-                                 start)
+                                 start, metered=req.metered)
+        try:
+            race, end, strip_usage = self._prepare(request, pool, req, summary, excluded)
+        except BaseException as exc:  # nothing owns the request's end yet: give back here
+            pool.inflight_requests -= 1
+            self.admission.leave()
+            if not isinstance(exc, Exception):
+                raise
+            error = exc if isinstance(exc, GatewayError) else InternalError.of(exc)
+            if not isinstance(exc, GatewayError):
+                report_bug(self.stats, exc)
+            summary.error = error.code or type(error).__name__
+            summary.ended = self.clock()
+            self.stats.record(summary)
+            log_request(summary, self.stats.error_classes)
+            if error is exc:
+                raise
+            raise error from exc
+        try:
+            result = await self._race_or_disconnect(race, request.receive, end)
+            summary.attach(race.attempts, race.suppressed, result)
+            if result is None:  # the client went away before the first token
+                summary.error = "client_disconnected"
+                return AnswerThen(Response(status_code=499), end)
+            end.prefix = winner = result.prefix
+            rewrite = None
+            if req.on_commit is not None:
+                rewrite = req.on_commit(result.winner.backend, winner.buffered)
+            headers = {
+                **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
+                "x-request-id": req.request_id,
+                "x-hedge-backend": result.winner.backend,
+                "x-hedge-attempts": str(len(race.attempts)),
+            }
+            if not req.stream:
+                body = winner.buffered[0].data
+                if rewrite is not None:
+                    body = rewrite[1](body)
+                if req.metered:
+                    summary.usage = body_usage(body)
+                return AnswerThen(
+                    Response(body, media_type="application/json", headers=headers), end
+                )
+            return self._streaming_response(pool, req, result, summary, headers, end,
+                                            strip_usage, rewrite)
+        except GatewayError as exc:
+            summary.attach(race.attempts, race.suppressed, None)
+            summary.error = exc.code or type(exc).__name__
+            exc.after_response = end  # the error handler answers, then ends the request
+            raise
+        except Exception as exc:  # a bug of ours: answered in the route's shape all the same
+            report_bug(self.stats, exc)
+            if summary.winner is None:
+                summary.attach(race.attempts, race.suppressed, None)
+            summary.error = InternalError.code
+            error = InternalError.of(exc)
+            error.after_response = end
+            raise error from exc
+        except BaseException:
+            await end()  # no response will carry the end (a bug of ours, a cancellation)
+            raise
+
+    def _prepare(
+        self, request: Request, pool: PoolRuntime, req: LogicalRequest,
+        summary: RequestSummary, excluded: frozenset[str],
+    ) -> tuple[Race, RequestEnd, bool]:
+        """The race of an admitted request, the owner of its end, and whether the usage the
+        gateway asked for is to be dropped from the stream."""
+        start = summary.started
         refusal = None if req.single else hedge_refusal(pool, req)
         deadline = self.deadline(pool, req, start)
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
@@ -207,45 +285,16 @@ class Proxy:
                 refusal is None and not req.single,
                 refusal,
                 excluded,
-                affinity_route(pool, req),
+                learn=req.metered,
+                affinity=affinity_route(pool, req),
             ),
             self.clock,
         )
-        if race.options.affinity is None and pool.settings.affinity.enabled:
+        if race.options.affinity is None and affinity_applies(pool, req):
             race.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=self.admission.leave, stats=self.stats,
                          clock=self.clock, trace=trace)
-        try:
-            result = await self._race_or_disconnect(race, request.receive, end)
-            summary.attach(race.attempts, race.suppressed, result)
-            if result is None:  # the client went away before the first token
-                summary.error = "client_disconnected"
-                return AnswerThen(Response(status_code=499), end)
-            end.prefix = winner = result.prefix
-            if req.on_commit is not None:
-                req.on_commit(result.winner.backend, winner.buffered)
-            headers = {
-                **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
-                "x-request-id": req.request_id,
-                "x-hedge-backend": result.winner.backend,
-                "x-hedge-attempts": str(len(race.attempts)),
-            }
-            if not req.stream:
-                body = winner.buffered[0].data
-                summary.usage = body_usage(body)
-                return AnswerThen(
-                    Response(body, media_type="application/json", headers=headers), end
-                )
-            return self._streaming_response(pool, req, result, summary, headers, end,
-                                            strip_usage)
-        except GatewayError as exc:
-            summary.attach(race.attempts, race.suppressed, None)
-            summary.error = exc.code or type(exc).__name__
-            exc.after_response = end  # the error handler answers, then ends the request
-            raise
-        except BaseException:
-            await end()  # no response will carry the end (a bug of ours, a cancellation)
-            raise
+        return race, end, strip_usage
 
     def _runner(
         self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
@@ -350,6 +399,7 @@ class Proxy:
         headers: dict[str, str],
         end: RequestEnd,
         strip_usage: bool,
+        rewrite: Rewrite | None = None,
     ) -> Response:
         outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
@@ -361,7 +411,7 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
-            encode_batch=named_encoder(protocol) if protocol.ends else None,
+            encode_batch=named_encoder(protocol, rewrite) if protocol.ends else None,
             error_event=protocol.error_event,
         )
 
@@ -383,6 +433,9 @@ class Proxy:
             on_close=finish,
             clock=self.clock,
             client_gone=end.watcher,
+            internal_event=protocol.error_event(
+                "internal error", InternalError.code, req.request_id
+            ),
         )
 
 def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:

@@ -10,7 +10,7 @@ import hashlib
 import hmac
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.api.asgi import FastRoutes
 from gateway.api.end import AnswerThen
+from gateway.api.inference import errors_of, route
 from gateway.api.proxy import LogicalRequest, Proxy
 from gateway.drain import Drain
 from gateway.errors import (
@@ -63,10 +64,12 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-def error_response(exc: GatewayError, request_id: str, path: str = "") -> JSONResponse:
+def error_response(exc: GatewayError, request_id: str, path: str = "",
+                   extra: Mapping[str, str] | None = None) -> JSONResponse:
     """The error as JSON in the shape of the route it answers (Anthropic's on /v1/messages,
-    OpenAI's elsewhere), with the retry headers the SDKs obey."""
-    headers = {"x-request-id": request_id}
+    OpenAI's elsewhere), with the retry headers the SDKs obey. `extra`: headers the status
+    calls for (a 405's `Allow`)."""
+    headers = {**(extra or {}), "x-request-id": request_id}
     if exc.should_retry is not None:
         headers["x-should-retry"] = "true" if exc.should_retry else "false"
     if exc.retry_after is not None:
@@ -122,7 +125,9 @@ def install_error_handlers(app: FastAPI) -> None:
             error = MethodNotAllowed("method not allowed")
         else:  # the framework refused the request in some other way
             error = InvalidRequest(str(exc.detail))
-        return error_response(error, request_id_of(request), request.url.path)
+        allow = (exc.headers or {}).get("Allow") if exc.status_code == 405 else None
+        return error_response(error, request_id_of(request), request.url.path,
+                              {"allow": allow} if allow else None)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         return error_response(
@@ -180,7 +185,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
     guarded = APIRouter(dependencies=[Depends(guard)] if keyed else [])
     limit = settings.server.max_body_bytes
 
-    async def proxied(request: Request, endpoint: Endpoint, needs: str) -> Response:
+    async def proxied(request: Request, endpoint: Endpoint, needs: str | None) -> Response:
         if keyed:
             await guard(request)
         rid = request_id_of(request)
@@ -201,17 +206,21 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes)
         req = LogicalRequest(rid, endpoint, body, stream, headers)
         return await proxy.handle(request, pool, req)
 
-    @fast.post(router, "/v1/chat/completions")
+    chat = route("POST", "/v1/chat/completions")
+    legacy = route("POST", "/v1/completions")
+    embed = route("POST", "/v1/embeddings")
+
+    @fast.post(router, chat.path)
     async def chat_completions(request: Request) -> Response:
-        return await proxied(request, "chat/completions", "messages")
+        return await proxied(request, chat.endpoint, chat.prompt)
 
-    @fast.post(router, "/v1/completions")
+    @fast.post(router, legacy.path)
     async def completions(request: Request) -> Response:
-        return await proxied(request, "completions", "prompt")
+        return await proxied(request, legacy.endpoint, legacy.prompt)
 
-    @fast.post(router, "/v1/embeddings")
+    @fast.post(router, embed.path)
     async def embeddings(request: Request) -> Response:
-        return await proxied(request, "embeddings", "input")
+        return await proxied(request, embed.endpoint, embed.prompt)
 
     @guarded.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -275,10 +284,8 @@ def build_ops_router(
 
 def protocol_for_path(path: str) -> WireProtocol:
     """The protocol whose error shape answers a request to `path`, even one no route matched
-    (a 404 under /v1/messages is still read by an Anthropic SDK)."""
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
-        return MESSAGES
-    return CHAT
+    (`gateway.api.inference.errors_of`)."""
+    return MESSAGES if errors_of(path) == "anthropic" else CHAT
 
 
 def anthropic_model_list(names: list[str]) -> dict[str, Any]:

@@ -65,7 +65,10 @@ class SSEResponse(Response):
         on_close: Callable[[StreamEnd | None], Awaitable[None]],
         clock: Callable[[], float],
         client_gone: asyncio.Future[None] | None = None,
+        internal_event: bytes = b"",
     ) -> None:
+        """`internal_event`: the final error event (in the route's shape) a client gets when
+        an exception of ours ends its stream, instead of a stream cut without a word."""
         self.status_code = 200
         self.body_iterator = body
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -78,6 +81,7 @@ class SSEResponse(Response):
         self.drain = drain
         self.grace = grace
         self.shutdown_event = shutdown_event
+        self.internal_event = internal_event
         self.on_close = on_close
         self.clock = clock
         #: a task already watching the client (the proxy's, from the race on): it ends when
@@ -135,6 +139,11 @@ class SSEResponse(Response):
                 # something else escaped (a bug of ours in the relay): it propagates, and the
                 # stats must not call it a client that left
                 self.end = StreamEnd.INTERNAL_ERROR
+                if self.internal_event and not self._completed and not self._in_send:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                        await self._send(send, {"type": "http.response.body",
+                                                "body": self.internal_event,
+                                                "more_body": False})
             with anyio.CancelScope(shield=True):
                 if not self._completed and self.end in _ABORTED:
                     abort = _abort_of(scope)

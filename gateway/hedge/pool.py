@@ -8,14 +8,31 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.hedge.balancer import Balancer
 from gateway.hedge.budget import HedgeBudget
 from gateway.hedge.delay import HedgeDelay
 from gateway.settings import PoolSettings
-from providers.base import ENDPOINTS, Provider
+from providers.base import ENDPOINTS, Endpoint, Provider
+
+
+@dataclass(slots=True)
+class InFlight:
+    """Logical requests of a pool in flight now. One object shared by every generation of the
+    pool: a request that started before a reload ends on the runtime it started with, and the
+    count the new runtime reads (the budget's in-flight cap, the stats) must still hold it."""
+
+    count: int = 0
+
+
+def _per_endpoint(
+    make: Callable[[Endpoint], dict[str, HedgeDelay]],
+) -> dict[str, dict[str, HedgeDelay]]:
+    """One delay map per route, for every route there is: a route added to `ENDPOINTS` gets
+    its trackers at start and after every reload alike."""
+    return {endpoint: make(endpoint) for endpoint in ENDPOINTS}
 
 
 @dataclass(slots=True)
@@ -37,9 +54,18 @@ class PoolRuntime:
     #: every attempt to put the backend's model into the serialized body)
     models: Mapping[str, str] = field(default_factory=dict)
     models_json: Mapping[str, bytes] = field(default_factory=dict)
-    #: logical requests of this pool in flight now (for the budget's in-flight cap)
-    inflight_requests: int = 0
+    #: logical requests of this pool in flight now (for the budget's in-flight cap), shared
+    #: with the pool's earlier and later generations
+    inflight: InFlight = field(default_factory=InFlight)
     rng: random.Random = field(default_factory=random.Random)
+
+    @property
+    def inflight_requests(self) -> int:
+        return self.inflight.count
+
+    @inflight_requests.setter
+    def inflight_requests(self, value: int) -> None:
+        self.inflight.count = value
 
     @classmethod
     def build(
@@ -58,12 +84,9 @@ class PoolRuntime:
             balancer=Balancer(settings.backends, settings.health, rng),
             budget=HedgeBudget(settings.hedging.budget, now),
             delays={b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends},
-            whole_delays={
-                endpoint: {
-                    b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends
-                }
-                for endpoint in ENDPOINTS
-            },
+            whole_delays=_per_endpoint(lambda _: {
+                b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends
+            }),
             groups={b.name: b.group for b in settings.backends},
             hedging_enabled=global_hedging and settings.hedging.enabled,
             rng=rng,
@@ -85,8 +108,9 @@ class PoolRuntime:
         (the balancer shares the backend's state object, so attempts of requests that started
         before the reload still count against it), its hedge-delay sketches, and the pool's
         budget (the same bucket, re-limited to the new settings). New backends start fresh;
-        removed ones are dropped from selection. This runtime is left untouched, so requests
-        that started on it finish under the configuration they started with."""
+        removed ones are dropped from selection; the in-flight count is shared. This runtime
+        is left untouched, so requests that started on it finish under the configuration
+        they started with."""
         self.budget.reconfigure(settings.hedging.budget, now)
         delay, ratio = settings.hedging.delay, settings.hedging.budget.ratio
 
@@ -103,12 +127,12 @@ class PoolRuntime:
             balancer=self.balancer.adopt(settings.backends, settings.health),
             budget=self.budget,
             delays=carried(self.delays),
-            whole_delays={
-                endpoint: carried(self.whole_delays.get(endpoint, {}))
-                for endpoint in ("chat/completions", "completions", "embeddings")
-            },
+            whole_delays=_per_endpoint(
+                lambda endpoint: carried(self.whole_delays.get(endpoint, {}))
+            ),
             groups={b.name: b.group for b in settings.backends},
             hedging_enabled=global_hedging and settings.hedging.enabled,
+            inflight=self.inflight,
             rng=self.rng,
             models=_models(settings),
             models_json=_models_json(settings),

@@ -105,6 +105,8 @@ class RaceOptions:
     #: backends this request may not use: they do not serve its route, or the request is
     #: pinned to the backend that holds its stored state
     excluded: frozenset[str] = frozenset()
+    #: False: this request's attempt times are not latency samples (a read of stored state)
+    learn: bool = True
     #: the request's conversation key and its order over the pool: the primary, hedges and
     #: failovers go to the first fitting backend in it (None: load-based selection)
     affinity: AffinityRoute | None = None
@@ -226,7 +228,11 @@ class Race:
             if isinstance(exc, UpstreamRejectedRequest) and rejected is None:
                 rejected = UpstreamClientError.of(exc.status, record.backend)
         if winners:  # a token beats a same-tick 4xx; the attempt started first wins
-            return self._commit(winners[0], winners[1:])
+            try:
+                return self._commit(winners[0], winners[1:])
+            except BaseException:
+                self._drop_uncommitted(winners)
+                raise
         if self._kept is not None:  # an answer is in hand: nothing to replace, no 4xx to give
             return None
         if rejected is not None:
@@ -287,6 +293,25 @@ class Race:
         self._cancel_all()
         self._record_hedges()
         return RaceResult(record, task.result(), self.attempts, self.suppressed, now)
+
+    def _drop_uncommitted(
+        self, winners: list[tuple[asyncio.Task[Prefix], AttemptRecord]]
+    ) -> None:
+        """A commit that raised (a bug of ours) handed no prefix over: every token holder
+        it had not closed yet is closed and gives its backend slot back, as a loser does
+        (`aclose` reaps them)."""
+        now = self.clock()
+        for task, record in winners:
+            if record.outcome == "lost":  # the commit closed it already
+                continue
+            if record is self._streaming:  # its budget was given back by the commit
+                self._streaming = None
+                self.pool.balancer.on_finish(record.backend, probe=record.probe)
+            else:
+                self._finished(record)
+            record.outcome = "lost"
+            record.reason = CANCELLED_AFTER_TOKEN
+            self._close_prefix(task, record, now)
 
     def _try_extra(self, kind: AttemptKind, now: float) -> None:
         """Start a hedge or a failover if the hedge rules allow it; else count why not.
@@ -407,7 +432,8 @@ class Race:
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()
         record.ttft = now - record.started
-        self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
+        if self.options.learn:
+            self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
 
     def _cancel_all(self) -> None:
         """Cancel every attempt still running, without waiting for it.

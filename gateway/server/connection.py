@@ -16,8 +16,12 @@ leaves to a proxy in front, done here.
   `httpx.AsyncClient`) reads it. The protocol sends its FIN, keeps reading and discarding the
   rest of the body for a bounded while (nginx's "lingering close"), then closes.
 - Slow and numerous clients. A request whose head and body have not arrived within
-  `server.body_timeout` gets 408; a new connection past `server.max_connections` gets 503.
-  Both are answered here, below the app, in the OpenAI error shape.
+  `server.body_timeout` gets 408; a new connection past `server.max_connections` gets 503
+  (once its request line is in, or after a short wait for it).
+- The answers given here, below the app (431, 408, 503), are in the error shape of the route
+  the request line names (Anthropic's under /v1/messages, `gateway.api.inference`), and each
+  ends with a lingering close, so a client still sending its head or body reads the answer
+  instead of a reset.
 """
 
 from __future__ import annotations
@@ -32,11 +36,20 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.api.inference import errors_of
 from gateway.api.stream import ABORT_EXTENSION
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
 from gateway.settings import ServerSettings
+from gateway.wire.messages import MESSAGES
 
 DEFAULT_HEAD_LIMIT = 16 * 1024
+#: a connection past the cap waits this long (at most) for its request line, whose path says
+#: which error shape the 503 takes; the bytes it may send meanwhile are bounded too
+CAP_LINE_WAIT = 1.0
+CAP_LINE_BYTES = 8 * 1024
+#: after a 431, at most this much more of the head is read and dropped: enough for the rest
+#: of a client's oversized header, not for an endless one
+HEAD_LINGER_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +82,14 @@ class HeadTooLarge(Exception):
     """Raised inside the parser callback to stop parsing a head that is over the limit."""
 
 
-def raw_error_response(error: GatewayError) -> bytes:
-    """A complete `connection: close` response in the OpenAI error shape, for answers given
-    below the app (no request id: the request never reached it)."""
-    body = json.dumps(error.body()).encode()
+def raw_error_response(error: GatewayError, path: bytes = b"") -> bytes:
+    """A complete `connection: close` response in the error shape of `path` (the OpenAI shape
+    when it is unknown), for answers given below the app (no request id: the request never
+    reached it)."""
+    route = path.split(b"?", 1)[0].decode("latin-1")
+    shape = MESSAGES.error_body(error, error.message) if errors_of(route) == "anthropic" \
+        else error.body()
+    body = json.dumps(shape).encode()
     lines = [
         f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
         "content-type: application/json",
@@ -125,6 +142,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._reading_head = True
         self._head_bytes = 0
         self._refused = False
+        # past the connection cap: the bytes of the request line so far, and its bound
+        self._cap_line: bytearray | None = None
+        self._cap_timer: asyncio.TimerHandle | None = None
         # the request being received: its declared length, body bytes seen, whether complete
         self._declared: int | None = None
         self._body_seen = 0
@@ -141,27 +161,36 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         if len(self.connections) > self._limits.max_connections:
             self._refused = True
-            self.transport.write(raw_error_response(TooManyConnections(
-                "the gateway has too many open connections", retry_after=1.0
-            )))
-            self._linger()
+            self._cap_line = bytearray()
+            self._cap_timer = self.loop.call_later(
+                min(CAP_LINE_WAIT, self._limits.body_timeout), self._refuse_connection)
             return
         self._start_body_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_body_timer()
+        if self._cap_timer is not None:
+            self._cap_timer.cancel()
+            self._cap_timer = None
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
         super().connection_lost(exc)
 
     def eof_received(self) -> None:
+        if self._cap_line is not None:  # no request line will come: answer without it
+            self._refuse_connection()
         if self._lingering:  # the client is done sending: nothing more to wait for
             self._end_linger()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
             self._discard(len(data))
+            return
+        if self._cap_line is not None:
+            self._cap_line += data
+            if b"\n" in self._cap_line or len(self._cap_line) > CAP_LINE_BYTES:
+                self._refuse_connection()
             return
         if self._refused:
             return
@@ -223,12 +252,29 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     # ---- refusing, timing out, lingering ---------------------------------------------------
 
     def _refuse(self) -> None:
+        """431. The client may still be sending its head: linger, so it reads the answer."""
         self._refused = True
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and not self._lingering:
             self.transport.write(raw_error_response(HeadersTooLarge(
                 f"request line and headers exceed {self._head_limit} bytes"
-            )))
-            self.transport.close()
+            ), getattr(self, "url", b"")))
+            self._linger(HEAD_LINGER_BYTES)
+
+    def _refuse_connection(self) -> None:
+        """503 to a connection past the cap, in the shape its request line's path asks for
+        (the OpenAI shape when none came); then the lingering close."""
+        line, self._cap_line = bytes(self._cap_line or b""), None
+        if self._cap_timer is not None:
+            self._cap_timer.cancel()
+            self._cap_timer = None
+        if self.transport.is_closing():
+            return
+        parts = line.split(b"\n", 1)[0].split(b" ")
+        path = parts[1] if len(parts) > 1 else b""
+        self.transport.write(raw_error_response(TooManyConnections(
+            "the gateway has too many open connections", retry_after=1.0
+        ), path))
+        self._linger()
 
     def _abort(self) -> None:
         """Drop the connection now, unsent bytes and all (a client that stopped reading)."""
@@ -262,7 +308,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 cycle.message_event.set()
             self.transport.write(raw_error_response(RequestTimeout(
                 f"the request did not arrive within {self._limits.body_timeout:g} s"
-            )))
+            ), getattr(self, "url", b"")))
         self._linger()
 
     def _close_after_response(self) -> None:
@@ -273,15 +319,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         else:
             self._linger()
 
-    def _linger(self) -> None:
+    def _linger(self, limit: int | None = None) -> None:
         """Send our FIN, then read and drop what the client still sends (the rest of the
-        declared body, or until its EOF), bounded in bytes and time, then close. A close
-        with unread bytes would reset the connection and destroy the response unread."""
+        declared body, or until its EOF), bounded in bytes (`limit`, else the configured
+        bound) and time, then close. A close with unread bytes would reset the connection
+        and destroy the response unread."""
         if self._lingering or self.transport.is_closing():
             return
         self._lingering = True
         self._cancel_body_timer()
-        left = self._limits.linger_bytes
+        left = min(self._limits.linger_bytes, limit or self._limits.linger_bytes)
         if self._declared is not None and not self._body_done and not self._reading_head:
             left = min(left, max(0, self._declared - self._body_seen))
             if left == 0:

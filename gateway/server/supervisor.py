@@ -54,7 +54,7 @@ from typing import Any, Protocol, TextIO
 
 from gateway.hedge.generation import ConfigOrigin
 from gateway.server.serve import build_server, graceful_timeout, tune_collector
-from gateway.server.workers import RestartLimiter
+from gateway.server.workers import RestartLimiter, with_response_id_secret
 from gateway.settings import ServerSettings, Settings
 from gateway.settings.fields import ConfigError
 from gateway.stats.shared import Peers, retire
@@ -190,7 +190,8 @@ class Supervisor:
         out: TextIO = sys.stderr,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings = settings
+        #: the workers inherit it through fork, response id secret included
+        self.settings = with_response_id_secret(settings)
         self.count = workers
         self.log_config = log_config
         self._build_app = build_app

@@ -7,6 +7,7 @@ The shell that forks, watches and signals the workers is `gateway.server.supervi
 from __future__ import annotations
 
 import math
+import secrets
 from collections import deque
 from dataclasses import replace
 
@@ -17,6 +18,17 @@ from gateway.settings import Settings
 #: become a fork loop. Past it the supervisor stops the server and says why.
 MAX_RESTARTS = 5
 RESTART_WINDOW = 60.0
+
+
+def with_response_id_secret(settings: Settings) -> Settings:
+    """The settings with a response id secret: the configured one, else a new one for this
+    server's lifetime. The supervisor calls this once before it forks, so every worker (and
+    every replacement worker) signs and reads the same response ids; a second replica has its
+    own unless `server.response_id_secret` gives them one."""
+    if settings.server.response_id_secret is not None:
+        return settings
+    server = replace(settings.server, response_id_secret=secrets.token_urlsafe(32))
+    return replace(settings, server=server)
 
 
 def worker_settings(settings: Settings, workers: int) -> Settings:

@@ -428,6 +428,10 @@ class ServerSettings(Checked):
     workers: int = field(default=1, metadata=scalar(
         cv.integer(1, 256), "processes accepting on the address, each with its own races, "
         "budget (burst / workers) and sketches; stats show the whole server"))
+    response_id_secret: str | None = field(default=None, repr=False, metadata=scalar(
+        cv.optional(cv.nonempty_text), "signs the Responses API ids the gateway hands out "
+        "(they name the backend holding the response); replicas behind one load balancer "
+        "need the same value (`${VAR}`); null: a new one each start, shared by the workers"))
     tracing: TracingSettings = field(default_factory=TracingSettings, metadata=section(
         TracingSettings, "OpenTelemetry traces of each race"))
 

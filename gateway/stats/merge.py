@@ -90,6 +90,7 @@ def export(stats: Stats, live: Mapping[str, Mapping[str, Any]], now: float,
         "window_s": stats.window,
         "uptime_s": max(0.0, now - stats.started),
         "pools": pools,
+        "internal_errors": stats.internal_errors,
         "workers": [{**worker, "age_s": 0.0, "pools": own}],
         "races": stats.races.export(worker),
     }
@@ -161,12 +162,14 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     workers: list[Any] = []
     races: list[Any] = []
     uptime = 0.0
+    internal_errors = 0
     for item in exports:
         if not isinstance(item, Mapping) or item.get("format") != FORMAT:
             raise ValueError(f"not a mergeable stats export (format {FORMAT!r} expected)")
         try:
             windows.add(float(item["window_s"]))
             uptime = max(uptime, float(item["uptime_s"]))
+            internal_errors += int(item.get("internal_errors", 0))
             for name, pool in item["pools"].items():
                 _merge_pool(pools.setdefault(str(name), {}), pool)
             entries = list(item["workers"])
@@ -180,7 +183,7 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if len(windows) != 1:
         raise ValueError(f"exports cover different windows: {sorted(windows)} s")
     return {"format": FORMAT, "window_s": windows.pop(), "uptime_s": uptime, "pools": pools,
-            "workers": workers, "races": races}
+            "internal_errors": internal_errors, "workers": workers, "races": races}
 
 
 def only_pools(item: Mapping[str, Any], names: Collection[str]) -> dict[str, Any]:
@@ -231,6 +234,7 @@ def rebuild(item: Mapping[str, Any]) -> tuple[Stats, dict[str, dict[str, Any]], 
     now = merged["uptime_s"]
     layout = {pool: list(p["backends"]) for pool, p in merged["pools"].items()}
     stats = Stats(layout, now=0.0, window=merged["window_s"])
+    stats.internal_errors = merged["internal_errors"]
     for name, pool in merged["pools"].items():
         ps = stats.pools[name]
         ps.counts.lifetime.update(pool["lifetime"])

@@ -33,6 +33,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `attempt_failures_total` | counter | pool, backend, code | failed attempts by failure code |
 | `tokens_total` | counter | pool, backend, type | `input`/`output` tokens the winners reported |
 | `hedge_input_tokens_total` | counter | pool | input tokens paid again by extra attempts |
+| `internal_errors_total` | counter | | exceptions of ours on the request path (answered 500) |
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
@@ -160,8 +161,10 @@ class GatewayCollector(Collector):
                 for key, value in sorted(bc.items()):
                     if key.startswith("failure.") and value > 0:
                         failures.add_metric([pool, backend, key[8:]], value)
+        bugs = _counter("internal_errors", "Exceptions of ours on the request path.", [])
+        bugs.add_metric([], stats.internal_errors)
         yield from (requests, routes, attempts, started, won, suppressed, failovers, panic,
-                    affinity, refused, losers, late, censored, failures, tokens, hedge_cost)
+                    affinity, refused, losers, late, censored, failures, tokens, hedge_cost, bugs)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

@@ -241,6 +241,9 @@ class Stats:
         self.failure_codes = failure_codes()
         #: summaries for a pool not in the layout (a bug elsewhere; never a new key)
         self.unrecorded = 0
+        #: exceptions of ours on the request path, each answered with a 500 in the route's
+        #: shape (those of an admitted request are its error class `internal_error` too)
+        self.internal_errors = 0
         #: the last races, for the dashboard's timeline
         self.races = RecentRaces(now)
 
@@ -283,9 +286,9 @@ class Stats:
         for reason in summary.suppressed:
             pc[f"suppressed.{SuppressReason(reason).value}"] += 1
         for attempt in summary.attempts:
-            self._record_attempt(pool, attempt, attempt is winner, pc, now)
+            self._record_attempt(pool, attempt, attempt is winner, pc, now, summary.metered)
         client_ttft = summary.client_ttft
-        if client_ttft is not None:
+        if client_ttft is not None and summary.metered:
             pool.client_ttft.add(client_ttft, now)
         saved = latency_saved(summary)
         if saved is not None:
@@ -301,7 +304,8 @@ class Stats:
         pool.counts.add(pc, now)
 
     def _record_attempt(
-        self, pool: PoolStats, attempt: AttemptRecord, won: bool, pc: Counter[str], now: float
+        self, pool: PoolStats, attempt: AttemptRecord, won: bool, pc: Counter[str], now: float,
+        metered: bool = True,
     ) -> None:
         outcome = attempt.outcome or "unknown"
         censored = attempt.reason == CANCELLED_BEFORE_TOKEN
@@ -327,7 +331,7 @@ class Stats:
             bc["hedges_won"] += won
         if outcome == "failed":
             bc[f"failure.{failure_class(attempt, self.failure_codes)}"] += 1
-        if attempt.ttft is not None:
+        if attempt.ttft is not None and metered:
             if censored:
                 bc["ttft_censored"] += 1
             else:

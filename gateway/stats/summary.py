@@ -36,6 +36,8 @@ class RequestSummary:
     usage: Usage | None = None
     #: a backend choice of this request ran in panic mode
     panic: bool = False
+    #: False for a read of stored state: no tokens, no TTFT samples (`LogicalRequest.metered`)
+    metered: bool = True
     #: how affinity chose the primary: "hit", "spill", "miss"; None when the pool has it off
     affinity: str | None = None
 

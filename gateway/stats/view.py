@@ -8,7 +8,9 @@ changes what it reads.
 denominator, a quantile with no data). `<scope>` is `lifetime` or `window` (same fields).
 
 Top level: `window_s` (length of the recent window), `uptime_s` (since the stats started),
-`config` (the configuration in force, below), `pools.<pool>` (one entry per configured pool):
+`internal_errors` (exceptions of ours on the request path, wherever they were raised, each
+answered with a 500 in the route's shape), `config` (the configuration in force, below),
+`pools.<pool>` (one entry per configured pool):
 
 | field under `config.` | meaning |
 |---|---|
@@ -135,6 +137,7 @@ def document(stats: Stats, state: Mapping[str, Mapping[str, Any]], now: float, *
     doc: dict[str, Any] = {
         "window_s": stats.window,
         "uptime_s": round(max(0.0, now - stats.started), 3),
+        "internal_errors": stats.internal_errors,
     }
     if config is not None:
         doc["config"] = dict(config)

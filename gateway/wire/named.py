@@ -23,6 +23,8 @@ from gateway.wire.sse import SSEEvent, encode_event
 from gateway.wire.usage import read_usage
 
 EncodeBatch = Callable[[list[SSEEvent], str, RelayOutcome], bytes]
+#: the event names a request rewrites, and how it rewrites their payloads
+Rewrite = tuple[frozenset[bytes], Callable[[bytes], bytes]]
 
 #: a payload that opens with its `type` (`{"type":"name"`): the top-level type, certainly
 _LEADING_TYPE = re.compile(rb'\s*\{\s*"type"\s*:\s*"([A-Za-z0-9_.]{1,80})"')
@@ -68,21 +70,28 @@ def _top_level_type(data: bytes) -> bytes | None:
     return kind.encode() if isinstance(kind, str) and kind else None
 
 
-def named_encoder(protocol: WireProtocol) -> EncodeBatch:
+def named_encoder(protocol: WireProtocol, rewrite: Rewrite | None = None) -> EncodeBatch:
     """The relay's batch encoder for `protocol`: pass every event through (with its name),
-    stop after an end event (`done`) or an error event (`upstream_error`)."""
+    stop after an end event (`done`) or an error event (`upstream_error`).
+
+    `rewrite`: (the events it applies to, a payload -> payload function), for the few events
+    a request must change (the Responses API's response id in the events that carry the
+    response object); every other event costs one set lookup more."""
     ends = protocol.ends
-    needles = _needles(ends | ERROR_NAMES | USAGE_NAMES)
+    rewritten, change = rewrite if rewrite is not None else (frozenset(), None)
+    needles = _needles(ends | ERROR_NAMES | USAGE_NAMES | rewritten)
 
     def encode(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
         parts: list[bytes] = []
         for event in batch:
             data, name = event.data, event.event
+            kind = name if name is not None else event_name(event, needles)
+            if change is not None and kind in rewritten:
+                data = change(data)
             if name is not None and b"\n" not in data:
                 parts.append(b"event: " + name + b"\ndata: " + data + b"\n\n")
             else:
                 parts.append(encode_event(data, name))
-            kind = name if name is not None else event_name(event, needles)
             if kind in USAGE_NAMES and (found := read_usage(data)) is not None:
                 outcome.usage = found[0].merge(outcome.usage)
             if kind in ERROR_NAMES:

@@ -157,13 +157,17 @@ def test_responses_hedge_wins_the_early_headers_trap(
     root = serve(asgi_server, settings_for(openai_backends(upstreams)))
     with gpt(root) as client:
         stream = client.responses.create(model=POOL, input="hi", store=False, stream=True)
-        kinds, text = [], ""
+        kinds, text, ids = [], "", set()
         for event in stream:
             kinds.append(event.type)
             if event.type == "response.output_text.delta":
                 text += event.delta
+            if event.type in ("response.created", "response.completed"):
+                ids.add(event.response.id)
     ended = time.monotonic()
     assert text == "fast answer"
+    (made,) = ids  # the gateway's id for resp_fast, in every event that carries it
+    assert made not in ("resp_fast", "resp_slow")
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     primary, hedge = order.arrivals
     assert primary.events_written == 4  # created, in_progress, item and part: no token
@@ -172,9 +176,10 @@ def test_responses_hedge_wins_the_early_headers_trap(
     # the winner's response id now routes follow-ups to the backend that made it
     with gpt(root) as client:
         again = client.responses.create(model=POOL, input="more", store=False,
-                                        previous_response_id="resp_fast")
-    assert again.id == "resp_1"
+                                        previous_response_id=made)
+    assert again.id.startswith("resp_") and again.id not in (made, "resp_1")
     assert order.arrivals[2] in upstreams[int(owner(upstreams, hedge)[1])].requests
+    assert order.arrivals[2].body["previous_response_id"] == "resp_fast"
 
 
 def test_responses_that_store_are_not_hedged(
@@ -217,17 +222,15 @@ def test_stored_response_operations_go_to_the_backend_that_made_it(
         maker = next(u for u in upstreams if u.requests)
         assert client.responses.retrieve(made.id).output_text == "stored"
         client.responses.input_items.list(made.id, limit=5)
-        client.responses.cancel(made.id)
+        assert client.responses.cancel(made.id).id == made.id
         client.responses.delete(made.id)
-        with pytest.raises(openai.NotFoundError) as missing:
-            client.responses.retrieve(made.id)  # forgotten once deleted
     paths = [(r.method, r.path, r.query) for r in maker.requests]
     assert paths[1:] == [("GET", "/v1/responses/resp_9", ""),
                          ("GET", "/v1/responses/resp_9/input_items", "limit=5"),
                          ("POST", "/v1/responses/resp_9/cancel", ""),
                          ("DELETE", "/v1/responses/resp_9", "")]
     assert sum(len(u.requests) for u in upstreams) == 5
-    assert missing.value.body["code"] == "response_not_found"  # type: ignore[index]
+    assert made.id != "resp_9"  # the client sees the gateway's id, the upstream its own
 
 
 def test_unknown_previous_response_id_is_404(
@@ -503,9 +506,9 @@ def test_the_backend_holding_a_response_answers_its_404_itself(
     upstreams = scripted_upstream(2, responder=order)
     root = serve(asgi_server, settings_for(openai_backends(upstreams)))
     with gpt(root) as client:
-        client.responses.create(model=POOL, input="hi")
+        response = client.responses.create(model=POOL, input="hi")
         with pytest.raises(openai.NotFoundError) as caught:
-            client.responses.retrieve("resp_7")
+            client.responses.retrieve(response.id)
     assert caught.value.body["code"] == "upstream_rejected_request"  # type: ignore[index]
     maker, getter = order.arrivals
     assert owner(upstreams, maker) == owner(upstreams, getter)

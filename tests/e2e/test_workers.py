@@ -410,3 +410,32 @@ def test_the_dashboard_data_covers_every_worker(
         assert len({r["id"] for r in listed}) == sent, listed
         assert {r["pid"] for r in listed} == set(served), listed  # races of both workers
         assert [r["t"] for r in listed] == sorted(r["t"] for r in listed)
+
+
+@pytest.mark.timeout(90)
+def test_every_worker_finds_a_stored_response_and_continues_it(
+    two_workers: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    """A stored response is made by one worker; every later request opens its own connection,
+    so the kernel spreads them over both workers, and each one finds it."""
+    _, root, _ = two_workers
+
+    def client() -> openai.OpenAI:
+        return openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0,
+                             timeout=openai.Timeout(15.0))
+
+    with client() as first:
+        made = first.responses.create(model="quick", input="hi")
+        with first.responses.create(model="quick", input="hi", stream=True) as stream:
+            ids = {e.response.id for e in stream if e.type in (
+                "response.created", "response.in_progress", "response.completed")}
+    assert len(ids) == 1 and made.id not in ids  # every event names the one response
+    streamed = ids.pop()
+    for response_id in [made.id, streamed] * 8:
+        with client() as other:
+            assert other.responses.retrieve(response_id).id == response_id
+    for _ in range(8):
+        with client() as other:
+            follow = other.responses.create(model="quick", input="more",
+                                            previous_response_id=made.id)
+            assert follow.output_text == QUICK_CONTENT

@@ -60,9 +60,17 @@ def gateway_in_use(app: Any) -> list[str]:
     problems: list[str] = []
     if proxy.admission.active:
         problems.append(f"gateway: {proxy.admission.active} admitted requests still active")
-    for name, pool in getattr(state, "pools", {}).items():
+    live = getattr(state, "live", None)
+    # the pools in force (after a reload, the current generation's; they share the in-flight
+    # count and the backends' slots with the generations before)
+    pools = live.current.pools if live is not None else getattr(state, "pools", {})
+    for name, pool in pools.items():
         if pool.inflight_requests:
             problems.append(f"gateway: pool {name} has {pool.inflight_requests} requests in flight")
+        for backend in pool.balancer.names:
+            if pool.balancer.inflight(backend):
+                problems.append(f"gateway: backend {name}/{backend} has "
+                                f"{pool.balancer.inflight(backend)} attempts running")
     client = getattr(state, "http_client", None)
     # a response that was never closed holds one of the client's slots
     in_use = getattr(client, "in_use", 0)

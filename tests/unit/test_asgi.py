@@ -45,7 +45,7 @@ def build() -> tuple[GatewayAPI, list[str]]:
         return JSONResponse({"error": {"message": exc.message, "param": exc.param}},
                             status_code=exc.status)
 
-    app = GatewayAPI(fast=fast, on_error=on_error)
+    app = GatewayAPI(fast=fast, on_error=on_error, report=lambda exc: None)
     app.include_router(router)
     seen: list[str] = []
     app.add_middleware(Recorder, seen=seen)

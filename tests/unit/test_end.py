@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import UpstreamClientError
+from gateway.errors import InternalError, UpstreamClientError
 from gateway.wire.usage import ask_for_usage
 from tests.harness.raceworld import (
     HANG,
@@ -88,8 +88,11 @@ def test_a_failure_building_the_stream_still_ends_the_request() -> None:
             raise RuntimeError("a bug while building the response")
 
         proxy._streaming_response = broken  # type: ignore[method-assign,assignment]
-        with pytest.raises(RuntimeError):
+        with pytest.raises(InternalError) as raised:
             await proxy.handle(http_request(), pool, logical_request(stream=True))
+        assert isinstance(raised.value.__cause__, RuntimeError)
+        assert raised.value.after_response is not None  # the error's answer ends the request
+        await raised.value.after_response()
         assert proxy.admission.active == 0 and pool.inflight_requests == 0
         assert set(world.closed) == set(world.opened) == {0}
         assert len(proxy.stats.summaries) == 1  # type: ignore[attr-defined]

@@ -27,6 +27,7 @@ from gateway.settings import (
 )
 from gateway.stats import Stats
 from gateway.stats.view import snapshot
+from providers.base import ENDPOINTS
 from providers.http import UpstreamClient
 
 
@@ -142,3 +143,39 @@ def test_reloader_swaps_a_valid_file_with_its_checksum(tmp_path: Path) -> None:
     assert doc["config"]["generation"] == 2 and doc["config"]["loaded_s_ago"] == 2.5
     assert list(doc["pools"]) == ["q"]
     assert len(live.retired) == 1  # the removed backend's provider, closed at shutdown
+
+
+def test_a_carried_over_pool_has_the_delays_of_every_route_streamed_or_not() -> None:
+    """A reloaded pool answers `delays_for` for every route there is, like a fresh one: the
+    non-streaming trackers are built from the one route table both times, so a route cannot
+    be left out of one of the two lists."""
+    client = UpstreamClient(max_connections=8)
+    clock = lambda: 5.0  # noqa: E731
+    rng = random.Random(1)
+    first = build_pools(Settings(pools=(pool("p", "a"),)), client, clock, rng)
+    second = build_pools(Settings(pools=(pool("p", "a", "b"),)), client, clock, rng, first)
+    for runtime in (first["p"], second["p"]):
+        assert set(runtime.whole_delays) == set(ENDPOINTS)
+        for endpoint in ENDPOINTS:
+            for stream in (True, False):
+                assert set(runtime.delays_for(endpoint, stream)) == {
+                    b.name for b in runtime.settings.backends}
+    for endpoint in ENDPOINTS:  # the learnt sketch of a surviving backend is the same one
+        old = first["p"].whole_delays[endpoint]["a"]
+        assert second["p"].whole_delays[endpoint]["a"] is old
+
+
+def test_the_inflight_count_survives_a_reload_and_old_requests_leave_it() -> None:
+    """Requests in flight across a reload still count in the new runtime (the budget's
+    in-flight cap reads it), and one that ends on the old runtime leaves the shared count."""
+    client = UpstreamClient(max_connections=8)
+    clock = lambda: 5.0  # noqa: E731
+    rng = random.Random(1)
+    first = build_pools(Settings(pools=(pool("p", "a"),)), client, clock, rng)
+    first["p"].inflight_requests += 2
+    second = build_pools(Settings(pools=(pool("p", "a"),)), client, clock, rng, first)
+    assert second["p"].inflight_requests == 2
+    first["p"].inflight_requests -= 1  # a request that started before the reload ends
+    assert second["p"].inflight_requests == 1
+    second["p"].inflight_requests += 1
+    assert first["p"].inflight_requests == second["p"].inflight_requests == 2

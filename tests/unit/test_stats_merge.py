@@ -76,6 +76,16 @@ def test_merge_is_associative_and_survives_json() -> None:
     assert scopes(document(left)) == scopes(document(flat))
 
 
+def test_internal_errors_add_up_over_the_workers() -> None:
+    parts = []
+    for seed, bugs in ((1, 2), (2, 3)):
+        stats = fed(traffic(seed, 10))
+        stats.internal_errors = bugs
+        parts.append(export(stats, {}, NOW, {"worker": seed, "pid": seed}))
+    assert document(merge(parts))["internal_errors"] == 5
+    assert document(merge([merge(parts), parts[0]]))["internal_errors"] == 7
+
+
 def test_one_export_reads_like_the_single_process_snapshot() -> None:
     runtime = pool_runtime()
     runtime.inflight_requests = 2

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gateway.api.routes import protocol_for_path
-from gateway.api.stored import ResponseDirectory
+from gateway.api.stored import RESPONSE_OBJECT_EVENTS, IdRewriter, MintFor, ResponseIds
 from gateway.errors import FirstTokenTimeout, Overloaded, PayloadTooLarge
 from gateway.wire.base import Kind, RelayOutcome, WireProtocol
 from gateway.wire.messages import (
@@ -238,15 +238,54 @@ def test_routes_per_provider() -> None:
     assert "messages" in sim and "responses" in sim
 
 
-def test_response_directory_is_bounded_lru() -> None:
-    ids = ResponseDirectory(capacity=2)
-    ids.remember("a", "p", "b0")
-    ids.remember("b", "p", "b1")
-    assert ids.find("a") == ("p", "b0")  # a is now the most recently used
-    ids.remember("c", "p", "b0")
-    assert ids.find("b") is None and ids.find("a") is not None and len(ids) == 2
-    ids.forget("a")
-    assert ids.find("a") is None
+def test_a_response_id_round_trips_and_only_with_its_secret() -> None:
+    ids = ResponseIds("s1")
+    binding = ids.binding("client-key")
+    minted = ids.mint("pool", "b0", "resp_up", binding)
+    assert minted is not None and minted.startswith("resp_")
+    assert ids.read(minted) == ("pool", "b0", "resp_up", binding)
+    assert ResponseIds("s1").read(minted) is not None  # another process, same secret
+    assert ResponseIds("s2").read(minted) is None
+    assert ids.binding("") == b"" and ids.binding("other") != binding
+    assert b"client-key" not in minted.encode()
+    for bad in ("resp_", "resp_!!", minted + "=", minted[:-1], "x" + minted[1:], "resp_up"):
+        assert ids.read(bad) is None
+    assert ids.mint("pool", "b0", "r" * 600, b"") is None  # too long to wrap: relayed as is
+
+
+def test_the_rewriter_swaps_ids_and_learns_one_it_did_not_see() -> None:
+    ids = ResponseIds("s")
+    known = IdRewriter([("resp_up", "resp_ours"), ("resp_prev_up", "resp_prev")])
+    assert known(b'{"id":"resp_up","previous_response_id":"resp_prev_up"}') == (
+        b'{"id":"resp_ours","previous_response_id":"resp_prev"}')
+    learning = IdRewriter([], MintFor(ids, "p", "b1", b""))
+    first = learning(b'{"type":"response.completed","response":{"id":"resp_late"}}')
+    minted = json.loads(first)["response"]["id"]
+    assert ids.read(minted) == ("p", "b1", "resp_late", b"")
+    assert learning(b'{"response":{"id":"resp_late"}}') == (
+        b'{"response":{"id":"' + minted.encode() + b'"}}')
+
+
+def test_the_relay_rewrites_only_the_events_that_carry_the_response_object() -> None:
+    """One set lookup per event; the replace runs on created/completed alone, so a delta
+    that happens to mention the upstream id is relayed as it came."""
+    seen: list[bytes] = []
+
+    def rewrite(data: bytes) -> bytes:
+        seen.append(data)
+        return data.replace(b'"resp_up"', b'"resp_ours"')
+
+    encode = named_encoder(RESPONSES, (RESPONSE_OBJECT_EVENTS, rewrite))
+    batch = [
+        SSEEvent(b'{"type":"response.created","response":{"id":"resp_up"}}',
+                 b"response.created"),
+        SSEEvent(b'{"type":"response.output_text.delta","delta":"resp_up"}',
+                 b"response.output_text.delta"),
+        SSEEvent(b'{"type":"response.completed","response":{"id":"resp_up"}}'),  # no name
+    ]
+    out = encode(batch, "req", RelayOutcome())
+    assert out.count(b'"resp_ours"') == 2 and len(seen) == 2
+    assert b'"delta":"resp_up"' in out
 
 
 def test_event_without_name_uses_the_payload_type() -> None:

@@ -8,7 +8,13 @@ import math
 import pytest
 
 from gateway.hedge.budget import HedgeBudget
-from gateway.server.workers import MAX_RESTARTS, RESTART_WINDOW, RestartLimiter, worker_settings
+from gateway.server.workers import (
+    MAX_RESTARTS,
+    RESTART_WINDOW,
+    RestartLimiter,
+    with_response_id_secret,
+    worker_settings,
+)
 from gateway.settings import (
     BackendSettings,
     BudgetSettings,
@@ -69,3 +75,20 @@ def test_restarts_are_bounded_per_window() -> None:
     assert not limiter.allow(float(MAX_RESTARTS))  # a crash loop stops here
     assert limiter.allow(RESTART_WINDOW + 0.5)  # the oldest restart left the window
     assert not limiter.allow(RESTART_WINDOW + 0.6)
+
+
+def test_the_supervisor_gives_its_workers_one_response_id_secret() -> None:
+    """Made once before the fork, so every worker (and a replacement) reads the others' ids;
+    a configured secret is kept, so replicas can share one."""
+    from dataclasses import replace
+
+    from gateway.server.supervisor import Supervisor
+
+    base = settings(burst=4)
+    made = with_response_id_secret(base).server.response_id_secret
+    assert made and made != with_response_id_secret(base).server.response_id_secret
+    configured = replace(base, server=replace(base.server, response_id_secret="shared"))
+    assert with_response_id_secret(configured) is configured
+    sup = Supervisor(base, 2, log_config=None, build_app=lambda *a, **k: None)
+    secret = sup.settings.server.response_id_secret
+    assert secret and secret not in repr(sup.settings)  # never shown

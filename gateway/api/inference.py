@@ -1,0 +1,80 @@
+"""The inference routes, in one table: method, path, route, whether it streams, error shape.
+
+The routers (`gateway.api.routes`, `gateway.api.protocols`) register these routes and the
+error handler answers them in the shape given here (`gateway.api.routes.protocol_for_path`);
+`tests/unit/test_inference_routes.py` checks that the app serves exactly this table, and the
+route matrix (`tests/e2e/test_route_matrix.py`) is generated from it: a new inference route
+is added here, and it is tested under reloads, client keys and workers like every other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from providers.base import Endpoint
+
+#: the JSON shape of an error answer: OpenAI's `{"error": {message, type, param, code}}` or
+#: Anthropic's `{"type": "error", "error": {type, message}}`
+ErrorShape = Literal["openai", "anthropic"]
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRoute:
+    method: str
+    #: the path as the router declares it (`{response_id}`: a stored response's id)
+    path: str
+    #: the upstream route it is sent to (`providers.base.ENDPOINTS`)
+    endpoint: Endpoint
+    #: accepts `"stream": true`
+    streams: bool
+    errors: ErrorShape
+    #: the body field that carries the prompt (checked present), None: no such rule; the
+    #: stored-response operations take no body
+    prompt: str | None
+    #: the operation acts on a stored response (its id is in the path)
+    stored: bool = False
+    #: the key may come as `x-api-key` as well as a Bearer token (Anthropic's SDKs)
+    x_api_key: bool = False
+
+
+INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
+    InferenceRoute("POST", "/v1/chat/completions", "chat/completions", True, "openai",
+                   "messages"),
+    InferenceRoute("POST", "/v1/completions", "completions", True, "openai", "prompt"),
+    InferenceRoute("POST", "/v1/embeddings", "embeddings", False, "openai", "input"),
+    InferenceRoute("POST", "/v1/responses", "responses", True, "openai", None),
+    InferenceRoute("GET", "/v1/responses/{response_id}", "responses/item", False, "openai",
+                   None, stored=True),
+    InferenceRoute("DELETE", "/v1/responses/{response_id}", "responses/item", False,
+                   "openai", None, stored=True),
+    InferenceRoute("POST", "/v1/responses/{response_id}/cancel", "responses/item", False,
+                   "openai", None, stored=True),
+    InferenceRoute("GET", "/v1/responses/{response_id}/input_items", "responses/item", False,
+                   "openai", None, stored=True),
+    InferenceRoute("POST", "/v1/messages", "messages", True, "anthropic", "messages",
+                   x_api_key=True),
+    InferenceRoute("POST", "/v1/messages/count_tokens", "messages/count_tokens", False,
+                   "anthropic", "messages", x_api_key=True),
+)
+
+#: the paths under which errors take Anthropic's shape, even on a path no route matched (a
+#: 404 under /v1/messages is still read by an Anthropic SDK); the unit test checks that it
+#: covers the Anthropic-shaped routes of the table and no other
+ANTHROPIC_PREFIXES: tuple[str, ...] = ("/v1/messages",)
+
+
+def errors_of(path: str) -> ErrorShape:
+    """The error shape of a request to `path`."""
+    for prefix in ANTHROPIC_PREFIXES:
+        if path == prefix or path.startswith(prefix + "/"):
+            return "anthropic"
+    return "openai"
+
+
+def route(method: str, path: str) -> InferenceRoute:
+    """The table's entry for `method path` (the routers take their facts from it)."""
+    for entry in INFERENCE_ROUTES:
+        if entry.method == method and entry.path == path:
+            return entry
+    raise KeyError(f"{method} {path} is not in INFERENCE_ROUTES")
