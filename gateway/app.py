@@ -15,23 +15,22 @@ import functools
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from gateway.api.asgi import FastRoutes, GatewayAPI
+from gateway.api.browser import BrowserGuard
+from gateway.api.chat import build_router
+from gateway.api.common import gateway_error_response, install_error_handlers
 from gateway.api.end import report_bug
+from gateway.api.keys import KeyRing
+from gateway.api.ops import build_ops_router
 from gateway.api.protocols import build_protocol_router
 from gateway.api.proxy import Proxy
-from gateway.api.routes import (
-    build_ops_router,
-    build_router,
-    gateway_error_response,
-    install_error_handlers,
-)
 from gateway.clock import Clock, monotonic
-from gateway.dashboard import build_dashboard_router, run_sampler, sample_now
+from gateway.dashboard import PerSecond, build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain
 from gateway.hedge.generation import ConfigOrigin, Generation, Live, LivePools
 from gateway.hedge.pool import PoolRuntime
@@ -134,15 +133,19 @@ class Reloader:
         clock: Clock,
         rng: random.Random,
         workers: int = 1,
+        keys: Mapping[str, KeyRing] | None = None,
     ) -> None:
         """`workers`: under `serve --workers N`, a reloaded file's budgets are split as at
-        start (`gateway.server.workers.worker_settings`)."""
+        start (`gateway.server.workers.worker_settings`). `keys`: the rings the routes
+        check, by their `server` field (`api_keys`, `ops_keys`): a reload that changes one
+        swaps it in."""
         self.live = live
         self.stats = stats
         self._client = client
         self._clock = clock
         self._rng = rng
         self._workers = workers
+        self._keys = dict(keys or {})
 
     def reload_file(self, path: str, *, started_server: ServerSettings | None = None) -> bool:
         """Load `path`; on success swap it in and return True. `started_server`: the file's
@@ -153,25 +156,44 @@ class Reloader:
                 data = file.read()
             settings = worker_settings(load_settings(path), self._workers)
         except (ConfigError, OSError) as exc:
-            self.live.failed_reloads += 1
             errors = exc.errors if isinstance(exc, ConfigError) else [f"{path}: {exc.strerror}"]
-            LOGGER.error("configuration reload refused, the running configuration is "
-                         "unchanged (%d error%s):\n  %s", len(errors),
-                         "" if len(errors) == 1 else "s", "\n  ".join(errors))
-            return False
+            return self._refused(errors)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours must not kill the handler
+            # never the message or traceback: they could repeat a value from the environment
+            return self._refused([f"{path}: could not be loaded ({type(exc).__name__})"])
         running = self.live.current.settings.server
-        changed = _changed_keys(started_server or running, settings.server)
+        # keys take effect now (rotating a leaked one must not need a restart)
+        swapped = {name: getattr(settings.server, name) for name in self._keys
+                   if getattr(settings.server, name) != getattr(running, name)}
+        running = dataclasses.replace(running, **swapped)
+        changed = [key for key in _changed_keys(started_server or running, settings.server)
+                   if key not in self._keys]
         if changed:
             LOGGER.warning("configuration reload: server.%s take%s effect only after a "
                            "restart; the running values stay", ", server.".join(changed),
                            "s" if len(changed) == 1 else "")
-        self.apply(dataclasses.replace(settings, server=running),
-                   ConfigOrigin.of_file(data, now=self._clock()))
+        try:
+            self.apply(dataclasses.replace(settings, server=running),
+                       ConfigOrigin.of_file(data, now=self._clock()))
+        except Exception as exc:  # noqa: BLE001 - building a backend failed: nothing swapped
+            return self._refused([f"{path}: its backends could not be built "
+                                  f"({type(exc).__name__})"])
+        for name, value in swapped.items():
+            self._keys[name].replace(value)
+            LOGGER.warning("configuration reload: server.%s changed (%d key%s), in effect for "
+                           "new requests", name, len(value), "" if len(value) == 1 else "s")
         current = self.live.current
         LOGGER.info("configuration reloaded from %s: generation %d, sha256 %s, pools %s",
                        path, current.number, current.origin.sha256[:12],
                        ", ".join(current.pools) or "none")
         return True
+
+    def _refused(self, errors: Sequence[str]) -> bool:
+        self.live.failed_reloads += 1
+        LOGGER.error("configuration reload refused, the running configuration is "
+                     "unchanged (%d error%s):\n  %s", len(errors),
+                     "" if len(errors) == 1 else "s", "\n  ".join(errors))
+        return False
 
     def apply(self, settings: Settings, origin: ConfigOrigin) -> None:
         """Swap in a validated configuration: new runtimes carrying over the learnt state,
@@ -248,10 +270,16 @@ def create_app(
             await client.aclose()
 
     fast = FastRoutes()
+    api_keys = KeyRing(settings.server.api_keys)
+    ops_keys = KeyRing(settings.server.ops_keys)
     app = GatewayAPI(
         fast=fast,
         on_error=gateway_error_response,
         report=functools.partial(report_bug, stats),
+        browser=BrowserGuard(listen_host=settings.server.host,
+                             allowed_origins=settings.server.allowed_origins,
+                             allowed_hosts=settings.server.allowed_hosts),
+        ops_keys=ops_keys,
         title="hedge-gateway",
         lifespan=lifespan,
         docs_url=None,
@@ -262,15 +290,18 @@ def create_app(
         redirect_slashes=False,
     )
     install_error_handlers(app)
-    app.include_router(build_router(settings, live, proxy, fast))
-    app.include_router(build_protocol_router(settings, live, proxy, fast))
+    app.include_router(build_router(settings, live, proxy, fast, api_keys))
+    app.include_router(build_protocol_router(settings, live, proxy, fast, keys=api_keys))
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
-    app.include_router(build_dashboard_router(series, source))
+    #: the per-second caches of /hedge/series and /hedge/races (their `builds` count)
+    app.state.ops_caches = (PerSecond(), PerSecond())
+    app.include_router(build_dashboard_router(series, source, app.state.ops_caches))
     #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools
     app.state.live = live
     #: `reloader.reload_file(path)` on SIGHUP (wired by `hedge-gateway serve`)
-    app.state.reloader = Reloader(live, stats, client, clock, rng, workers)
+    app.state.reloader = Reloader(live, stats, client, clock, rng, workers,
+                                  keys={"api_keys": api_keys, "ops_keys": ops_keys})
     app.state.stats = stats
     app.state.proxy = proxy
     #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`

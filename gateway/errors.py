@@ -283,6 +283,23 @@ class Unauthorized(GatewayError):
     code = "invalid_api_key"
 
 
+class ForbiddenOrigin(GatewayError):
+    """A browser request from a page the gateway does not allow, or to a host name it does
+    not answer to (DNS rebinding): refused before anything else is looked at."""
+
+    status = 403
+    type = "permission_error"
+    code = "origin_not_allowed"
+
+
+class UnsupportedMediaType(GatewayError):
+    """An inference request whose body is not declared as `application/json`."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"

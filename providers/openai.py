@@ -22,6 +22,7 @@ from gateway.settings import BackendSettings, Timeouts
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent, SSEProtocolError
 from providers.base import UpstreamCall
 from providers.http import UpstreamClient, UpstreamResponse
+from providers.requestid import upstream_request_headers
 
 #: response headers a client may see from an upstream; everything else stays behind
 PASS_HEADERS = frozenset(
@@ -202,7 +203,7 @@ class OpenAIProvider:
     async def open(self, call: UpstreamCall) -> AiohttpStream:
         headers = dict(call.extra_headers)
         headers.update(self._headers)  # ours win: a client cannot replace the credential
-        headers["x-request-id"] = call.request_id
+        headers.update(upstream_request_headers(call.request_id))  # a UUID: see requestid
         has_body = call.method not in ("GET", "DELETE")
         content: bytes | None = None
         if has_body:

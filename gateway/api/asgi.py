@@ -5,7 +5,7 @@ errors, exception handlers, the exit stack, telemetry, a body limit of its own) 
 and every one of its fifty-odd body messages passes back out through a send wrapper per
 layer. Profiled at c=50 that was a fifth of the gateway's CPU, none of it doing anything these
 routes need: they read and bound their own body, check their own key and turn our own error
-tree into answers (`gateway.api.routes.gateway_error_response`).
+tree into answers (`gateway.api.common.gateway_error_response`).
 
 So the few routes that carry traffic are kept in `FastRoutes`, a table of exact (method, path)
 pairs, and `GatewayAPI` answers a request that matches one by calling its handler directly
@@ -32,7 +32,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError, InternalError
+from gateway.api.browser import BrowserGuard
+from gateway.api.keys import KeyRing, credential, is_ops_path
+from gateway.errors import ForbiddenOrigin, GatewayError, InternalError, Unauthorized
 
 #: a route's handler: the request in, the response out (it may raise a `GatewayError`)
 Handler = Callable[[Request], Awaitable[Response]]
@@ -64,11 +66,15 @@ class GatewayAPI(FastAPI):
     """FastAPI, plus the shortcut for the routes of a `FastRoutes` table."""
 
     def __init__(self, *, fast: FastRoutes, on_error: OnError, report: Report,
+                 browser: BrowserGuard | None = None, ops_keys: KeyRing | None = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._fast = fast.handlers
         self._on_error = on_error
         self._report = report
+        self._browser = browser
+        #: `server.ops_keys`: while it holds keys, the operational reads need one
+        self._ops_keys = ops_keys
         # the framework's routes: its outermost middleware sends this handler's answer
         self.add_exception_handler(Exception, self._framework_bug)
 
@@ -81,6 +87,23 @@ class GatewayAPI(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if self._browser is not None:  # before any route: see `gateway.api.browser`
+                why = self._browser.refusal(scope["headers"], scope.get("scheme", "http"))
+                if why is not None:
+                    scope["app"] = self
+                    request = Request(scope, receive)
+                    await self._on_error(request, ForbiddenOrigin(why))(scope, receive, send)
+                    return
+            ops = self._ops_keys
+            if ops is not None and ops.digests and is_ops_path(scope["path"]) \
+                    and not ops.matches(_authorization(scope["headers"])):
+                scope["app"] = self
+                response = self._on_error(Request(scope, receive),
+                                          Unauthorized("missing or invalid operations key"))
+                # a browser asks for it (the dashboard's own reads then carry it too)
+                response.headers["www-authenticate"] = 'Basic realm="hedge-gateway ops"'
+                await response(scope, receive, send)
+                return
             handler = self._fast.get((scope["method"], scope["path"]))
             if handler is not None:
                 scope["app"] = self
@@ -104,3 +127,10 @@ class GatewayAPI(FastAPI):
                 return
             return
         await super().__call__(scope, receive, send)
+
+
+def _authorization(headers: list[tuple[bytes, bytes]]) -> str:
+    for name, value in headers:
+        if name == b"authorization":
+            return credential(value.decode("latin-1"))
+    return ""

@@ -1,11 +1,11 @@
 """The Responses API and Anthropic Messages endpoints.
 
-Like `gateway.api.routes`, these only read and check a request and hand a `LogicalRequest` to the
+Like `gateway.api.chat`, these only read and check a request and hand a `LogicalRequest` to the
 proxy; what differs per route is the `WireProtocol` (first token, end, error shapes), the
 Responses store rules (hedge only a `"store": false` request that carries no stored state), and
 the response ids that name the backend holding a response (`gateway.api.stored`): minted into
 what the gateway relays, verified and translated back to the upstream's id on a follow-up.
-Errors under /v1/messages take Anthropic's shape (`gateway.api.routes.error_response` chooses by
+Errors under /v1/messages take Anthropic's shape (`gateway.api.common.error_response` chooses by
 path), and the gateway key may come there as `x-api-key` as well as Bearer.
 """
 
@@ -22,9 +22,16 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
+from gateway.api.common import (
+    Guard,
+    check_json_type,
+    make_auth_guard,
+    read_body,
+    request_id_of,
+)
 from gateway.api.inference import route
+from gateway.api.keys import KeyRing
 from gateway.api.proxy import LogicalRequest, Proxy
-from gateway.api.routes import _JSON_TYPES, Guard, make_auth_guard, read_body, request_id_of
 from gateway.api.stored import (
     MAX_ID_CHARS,
     RESPONSE_OBJECT_EVENTS,
@@ -34,7 +41,7 @@ from gateway.api.stored import (
     StoredRef,
     generate_secret,
 )
-from gateway.errors import InvalidRequest, ModelNotFound, ResponseNotFound
+from gateway.errors import ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
@@ -69,24 +76,23 @@ def build_protocol_router(
     live: Live,
     proxy: Proxy,
     fast: FastRoutes,
+    keys: KeyRing | None = None,
 ) -> APIRouter:
-    """The Responses and Messages routes. Like `gateway.api.routes.build_router`, the pools
+    """The Responses and Messages routes. Like `gateway.api.chat.build_router`, the pools
     are read from `live` once per request (a reload never changes a running request's rules);
     a stored response whose pool or backend a reload removed is unknown from then on. The
     inference routes go into `fast` too (`gateway.api.asgi`) and check the key themselves.
     Response ids are signed with `server.response_id_secret`, else with a secret of this
     app's own (a single process: the supervisor gives its workers one)."""
     ids = ResponseIds(settings.server.response_id_secret or generate_secret())
-    bearer = make_auth_guard(settings.server.api_keys)
-    either = make_auth_guard(settings.server.api_keys, x_api_key=True)
-    keyed = bool(settings.server.api_keys)
+    ring = keys if keys is not None else KeyRing(settings.server.api_keys)
+    bearer = make_auth_guard(ring)
+    either = make_auth_guard(ring, x_api_key=True)
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
     async def read_json(request: Request) -> dict[str, Any]:
-        content_type = request.headers.get("content-type", "application/json")
-        if content_type.split(";")[0].strip().lower() not in _JSON_TYPES:
-            raise InvalidRequest("content type must be application/json")
+        check_json_type(request)
         return parse_body(await read_body(request, limit))
 
     def pool_of(model: str) -> PoolRuntime:
@@ -103,7 +109,7 @@ def build_protocol_router(
 
     def binding_of(request: Request) -> bytes:
         """The binding of the client's gateway key (empty when the gateway has no keys)."""
-        return ids.binding(_bearer_key(request)) if keyed else b""
+        return ids.binding(_bearer_key(request)) if ring.digests else b""
 
     def find(response_id: object, binding: bytes) -> StoredRef | None:
         """What a client's response id says, when it verifies and belongs to this client."""
@@ -133,7 +139,7 @@ def build_protocol_router(
 
     async def inference(request: Request, endpoint: Endpoint, protocol: WireProtocol,
                         needs: str | None, guard: Guard) -> Response:
-        if keyed:
+        if ring.digests:
             await guard(request)
         body = await read_json(request)
         model, stream = check_body(body, needs_prompt=needs)

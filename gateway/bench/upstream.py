@@ -7,14 +7,14 @@ be measured apart) and needs what `hedge-gateway sim` alone does not give it:
   *i* whatever draw comes next, so under concurrency the pairing of draws with requests
   changes with arrival order, and a hedge shifts the other backend's sequence. Here the TTFT
   of request *i* on backend *b* is drawn from a generator seeded with `(seed, b, i)`, where
-  *i* comes from the request id `bench-<i>` the load client sends (the gateway passes its
-  client's `x-request-id` upstream; warm-up requests are `warmup-<k>`). Every mode of a
-  workload, and every run with the same seed, therefore sees exactly the same latency for
-  request *i* on backend *b*, whatever the arrival order; the two backends draw
-  independently. The value reaches the simulator through its own `x-sim-ttft-ms` override,
-  added here to the request (the gateway never forwards client headers upstream, so the load
-  client could not set it). Everything else (tokens, timing between tokens, faults) is the
-  simulator's own.
+  *i* comes from the request id `bench-<i>` the load client sends (the gateway sends upstream
+  a UUID as `x-request-id` and its client's own id as `x-client-request-id`; warm-up requests
+  are `warmup-<k>`). Every mode of a workload, and every run with the same seed, therefore
+  sees exactly the same latency for request *i* on backend *b*, whatever the arrival order;
+  the two backends draw independently. The value reaches the simulator through its own
+  `x-sim-ttft-ms` override, added here to the request (the gateway never forwards client
+  headers upstream, so the load client could not set it). Everything else (tokens, timing
+  between tokens, faults) is the simulator's own.
 - **An outage by request index.** Requests `start <= i < end` get `extra_ms` on top, on every
   backend at once (the "outage" workload).
 - `POST /bench/reset {"profile", "seed", "backend", "outage"}`: a fresh simulator (new
@@ -113,7 +113,9 @@ class BenchSim:
     async def _tracked(self, scope: Scope, receive: Receive, send: Send) -> None:
         log = self._log  # a reset while this request runs must not receive its entry
         headers: list[tuple[bytes, bytes]] = [h for h in scope["headers"] if h[0] != _TTFT_HEADER]
-        raw_id = next((v for n, v in headers if n == b"x-request-id"), b"")
+        # the client's own id, which the gateway sends beside the UUID it puts in x-request-id
+        raw_id = next((v for n, v in headers if n == b"x-client-request-id"), b"") or next(
+            (v for n, v in headers if n == b"x-request-id"), b"")
         match = _BENCH_ID.match(raw_id)
         if match is not None:
             ttft = request_ttft(self._profile, self._seed, self._backend, int(match[2]),

@@ -5,6 +5,13 @@ in pyproject.toml) and are read once when the router is built. They load nothing
 the gateway, and a Content-Security-Policy says so to the browser as well. Same exposure as
 `/hedge/stats`: no gateway key needed, no prompt or key in any of it.
 
+Both JSON documents are bounded reads: each is built and encoded at most once per second
+(`PerSecond`; a `since` the cache has no room for gets the whole series, which the page
+filters by `seq` anyway), and an encoding larger than `MAX_JSON_BYTES` keeps only the newest
+points or races that fit (`"truncated": true`). A flood of reads costs one build a second.
+Behind `server.ops_keys` they need a key, like `/hedge/stats` and `/metrics`
+(`gateway.api.asgi`).
+
 `run_sampler` is the one background task: it adds a point to the `Series` once a second.
 Under `serve --workers N` both JSON documents cover the whole server whichever worker answers
 (`gateway.stats.shared`: every worker samples the whole server, and the races of every worker
@@ -14,11 +21,14 @@ are merged), and say which worker answered (`answered_by`).
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
+from typing import Any
 
 from fastapi import APIRouter
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from gateway.errors import RouteNotFound
 from gateway.stats.series import Reading, Series
@@ -37,11 +47,71 @@ _HEADERS = {"content-security-policy": CSP, "cache-control": "no-cache",
             "x-content-type-options": "nosniff"}
 
 
+#: the largest /hedge/series or /hedge/races answer (bytes of JSON)
+MAX_JSON_BYTES = 2 * 1024 * 1024
+#: how many different documents (`since` values) one second's cache holds
+CACHE_KEYS = 8
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def capped(doc: dict[str, Any], lists: Callable[[dict[str, Any]], list[tuple[Any, str]]],
+           limit: int) -> bytes:
+    """`doc` encoded, within `limit` bytes: while it is larger, the lists `lists(doc)` names
+    (container, key) keep only their newer half, and the document says `"truncated": true`.
+    At most a few encodings (halving), never unbounded work."""
+    body = _encode(doc)
+    while len(body) > limit:
+        shortened = False
+        for container, key in lists(doc):
+            items = container[key]
+            if items:
+                container[key] = items[len(items) // 2:] if len(items) > 1 else []
+                shortened = True
+        doc["truncated"] = True
+        body = _encode(doc)
+        if not shortened:
+            break
+    return body
+
+
+class PerSecond:
+    """Encoded documents by key, each built at most once per second: at most `keys` keys a
+    second; past that, callers use `fallback` (a key that is always allowed)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, keys: int = CACHE_KEYS
+                 ) -> None:
+        self._clock = clock
+        self._keys = keys
+        self._second = -1
+        self._cache: dict[object, bytes] = {}
+        #: documents built (for tests: a flood of reads is not a flood of builds)
+        self.builds = 0
+
+    async def get(self, key: object, fallback: object,
+                  build: Callable[[object], Awaitable[bytes]]) -> bytes:
+        second = int(self._clock())
+        if second != self._second:
+            self._second, self._cache = second, {}
+        if key not in self._cache and len(self._cache) >= self._keys:
+            key = fallback
+        found = self._cache.get(key)
+        if found is None:
+            self.builds += 1
+            found = self._cache[key] = await build(key)
+        return found
+
+
 def _read(name: str) -> bytes:
     return (resources.files(__name__) / "static" / name).read_bytes()
 
 
-def build_dashboard_router(series: Series, source: StatsSource) -> APIRouter:
+def build_dashboard_router(series: Series, source: StatsSource,
+                           caches: tuple[PerSecond, PerSecond] | None = None) -> APIRouter:
+    """The page, its files and its two JSON reads; `caches`: (series, races), each built at
+    most once a second."""
     page = _read("index.html")
     assets = {name: (_read(name), media) for name, media in ASSETS.items()}
     router = APIRouter()
@@ -57,17 +127,31 @@ def build_dashboard_router(series: Series, source: StatsSource) -> APIRouter:
             raise RouteNotFound("no such dashboard file")
         return Response(found[0], media_type=found[1], headers=_HEADERS)
 
-    @router.get("/hedge/series")
-    async def hedge_series(since: int = 0) -> JSONResponse:
+    series_cache, races_cache = caches if caches is not None else (PerSecond(), PerSecond())
+
+    async def build_series(since: object) -> bytes:
+        assert isinstance(since, int)
         doc = series.view(since)
         answered = source.answered_by()
         if answered is not None:
             doc["answered_by"] = answered
-        return JSONResponse(doc)
+        return capped(doc, lambda d: [(d["pools"], name) for name in d["pools"]],
+                      MAX_JSON_BYTES)
+
+    async def build_races(_: object) -> bytes:
+        doc = await source.races_async()
+        return capped(doc, lambda d: [(d, "races")], MAX_JSON_BYTES)
+
+    @router.get("/hedge/series")
+    async def hedge_series(since: int = 0) -> Response:
+        key = max(0, min(since, series.seq))  # a `since` past the newest point: none newer
+        body = await series_cache.get(key, 0, build_series)
+        return Response(body, media_type="application/json")
 
     @router.get("/hedge/races")
-    async def hedge_races() -> JSONResponse:
-        return JSONResponse(await source.races_async())
+    async def hedge_races() -> Response:
+        return Response(await races_cache.get(None, None, build_races),
+                        media_type="application/json")
 
     return router
 

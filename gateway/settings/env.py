@@ -27,6 +27,7 @@ def substitute(node: object, path: str, env: Mapping[str, str], errors: list[str
     if not isinstance(node, str) or "${" not in node:
         return node
     replaced = False
+    variables: list[str] = []
 
     def replace(match: re.Match[str]) -> str:
         nonlocal replaced
@@ -39,6 +40,7 @@ def substitute(node: object, path: str, env: Mapping[str, str], errors: list[str
             return ""
         replaced = True
         variable, default = parsed.group(1), parsed.group(2)
+        variables.append(variable)
         value = env.get(variable)
         if default is not None:
             return value if value else default
@@ -48,4 +50,4 @@ def substitute(node: object, path: str, env: Mapping[str, str], errors: list[str
         return value
 
     result = _REFERENCE.sub(replace, node)
-    return Substituted(result) if replaced else result
+    return Substituted.of(result, tuple(dict.fromkeys(variables))) if replaced else result

@@ -155,10 +155,11 @@ def _field(where: Section, key: str, f: dataclasses.Field[Any], spec: Spec,
     if spec.section is not None:
         return _build(spec.section, where.raw(key), where.at(key), errors)
     assert spec.parse is not None  # a spec is one of items, section or a parser
+    raw = where.raw(key)
     try:
-        return spec.parse(where.raw(key))
+        return spec.parse(raw)
     except cv.Invalid as problem:
-        errors.append(f"{where.at(key)}: {problem}")
+        errors.append(f"{where.at(key)}: {problem}{cv.source_of(raw)}")
         return default_of(f)
 
 

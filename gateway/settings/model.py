@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -186,6 +187,11 @@ class TlsSettings(Checked):
     def _rules(self, at: At) -> Iterator[str]:
         if self.ca_file is not None and not os.path.isfile(self.ca_file):
             yield f"{at('ca_file')}: no such file"
+        elif self.ca_file is not None:
+            try:  # what the backend's client will do with it at start
+                ssl.create_default_context(cafile=self.ca_file)
+            except (ssl.SSLError, OSError, ValueError):
+                yield f"{at('ca_file')}: not a readable PEM bundle of CA certificates"
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +416,16 @@ class ServerSettings(Checked):
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
         cv.keys, "keys clients must send as `Authorization: Bearer KEY` (or `x-api-key: KEY` "
         "on /v1/messages); empty: no authentication"))
+    allowed_origins: tuple[str, ...] = field(default=(), metadata=scalar(
+        cv.origins, "browser origins (`https://app.example.com`) whose pages may call the "
+        "gateway; a request with any other `Origin` gets 403 (the gateway's own pages always "
+        "may)"))
+    allowed_hosts: tuple[str, ...] = field(default=(), metadata=scalar(
+        cv.host_names, "host names a request's `Host` may name besides localhost, 127.0.0.1 "
+        "and [::1] while the gateway listens on loopback (against DNS rebinding); others get "
+        "403"))
+    ops_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
+        cv.keys, "keys for /hedge/*, /metrics and /dashboard (as Bearer); empty: open"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
         cv.size, "larger request bodies get 413", key="max_body"))
     max_header_bytes: int = field(default=16 * 1024, metadata=scalar(

@@ -33,20 +33,46 @@ class Invalid(Exception):
 
 class Substituted(str):
     """A string produced by `${VAR}` substitution: numeric fields may parse it, and error
-    messages never show it (it may be a secret)."""
+    messages never show it (it may be a secret); they name its `variables` instead."""
+
+    variables: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, text: str, variables: tuple[str, ...]) -> Substituted:
+        result = cls(text)
+        result.variables = variables
+        return result
+
+
+def source_of(value: object) -> str:
+    """What to add to a message about `value`: the variables it came from, if any."""
+    if isinstance(value, Substituted) and value.variables:
+        names = ", ".join(f"${{{name}}}" for name in value.variables)
+        return f" (the value comes from {names})"
+    return ""
 
 
 class Parser(Generic[T]):
     """A value parser and the JSON Schema of the raw values it accepts, written side by side."""
 
-    __slots__ = ("_parse", "schema")
+    __slots__ = ("_parse", "schema", "what")
 
-    def __init__(self, parse: Callable[[object], T], schema: Schema) -> None:
+    def __init__(self, parse: Callable[[object], T], schema: Schema, what: str = "value"
+                 ) -> None:
         self._parse = parse
         self.schema = schema
+        self.what = what
 
     def __call__(self, value: object) -> T:
-        return self._parse(value)
+        """The parsed value, or `Invalid`. A parser's own failure (a library that raises on a
+        value, as `urlsplit` does on `http://[x]/`) is `Invalid` too, with no message of its
+        own and no chained traceback: those messages repeat the value."""
+        try:
+            return self._parse(value)
+        except Invalid:
+            raise
+        except Exception:  # noqa: BLE001 - a value the parser's library cannot take
+            raise Invalid(f"is not a valid {self.what}") from None
 
 
 #: what a `${VAR}` reference looks like to a schema validator, which sees the file before
@@ -276,6 +302,30 @@ def _list_of_keys(value: object) -> tuple[str, ...]:
 
 
 keys = Parser(_list_of_keys, {"type": "array", "items": {"type": "string", "minLength": 1}})
+_ORIGIN = re.compile(r"https?://[a-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9a-f:.]+\](:[0-9]{1,5})?")
+_HOST_NAME = re.compile(r"[a-z0-9.-]{1,253}|\[[0-9a-f:.]+\]")
+
+
+def _strings(value: object, what: str, pattern: re.Pattern[str], example: str) -> tuple[
+    str, ...
+]:
+    if not isinstance(value, list | tuple):
+        raise Invalid(f"must be a list of {what}s, got {type_name(value)}")
+    result = []
+    for index, entry in enumerate(value):
+        text = entry.strip().lower().rstrip("/") if isinstance(entry, str) else None
+        if text is None or not pattern.fullmatch(text):
+            raise Invalid(f"entry [{index}] must be a {what} like {example}, got {show(entry)}")
+        result.append(text)
+    return tuple(result)
+
+
+#: browser origins (`scheme://host[:port]`), compared lowercase as browsers send them
+origins = Parser(lambda value: _strings(value, "origin", _ORIGIN, "https://app.example.com"),
+                 {"type": "array", "items": {"type": "string", "pattern": "^https?://"}})
+#: host names (without a port) a `Host` header may name
+host_names = Parser(lambda value: _strings(value, "host name", _HOST_NAME, "gateway.internal"),
+                    {"type": "array", "items": {"type": "string", "minLength": 1}})
 _NAME = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 
 
@@ -299,7 +349,11 @@ def _http_url(value: object) -> str:
     result = _text(value).strip()
     if any(char.isspace() or not char.isprintable() for char in result):
         raise Invalid("must not contain spaces or control characters")
-    parts = urlsplit(result)
+    try:
+        parts = urlsplit(result)
+    except ValueError:  # its message repeats the host
+        raise Invalid("is not a valid URL (check the host, and its [brackets] for IPv6)"
+                      ) from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise Invalid("must be an http(s) URL such as http://10.0.0.5:8000/v1")
     if "@" in parts.netloc:
@@ -315,7 +369,8 @@ def _http_url(value: object) -> str:
     return result.rstrip("/")
 
 
-http_url = Parser(_http_url, _or_env({"type": "string", "pattern": "^https?://[^@?#]+$"}))
+http_url = Parser(_http_url, _or_env({"type": "string", "pattern": "^https?://[^@?#]+$"}),
+                  "URL")
 
 
 # --------------------------------------------------------------------------- upstream options
@@ -376,7 +431,11 @@ def _proxy_url(value: object) -> str:
     """An egress proxy: http(s), credentials allowed (corporate proxies ask for them), so the
     value is never echoed."""
     result = _text(value).strip()
-    parts = urlsplit(result)
+    try:
+        parts = urlsplit(result)
+    except ValueError:  # its message repeats the host
+        raise Invalid("is not a valid URL (check the host, and its [brackets] for IPv6)"
+                      ) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise Invalid("must be an http(s) URL such as http://proxy.internal:3128")
     if any(char.isspace() or not char.isprintable() for char in result):

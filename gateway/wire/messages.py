@@ -84,9 +84,9 @@ def messages_error_event(message: str, code: str, request_id: str) -> bytes:
 _ANTHROPIC_TYPES: Mapping[int, str] = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-    413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
-    431: "invalid_request_error",
-    503: "overloaded_error", 529: "overloaded_error", 504: "timeout_error",
+    413: "request_too_large", 415: "invalid_request_error", 422: "invalid_request_error",
+    429: "rate_limit_error", 431: "invalid_request_error", 503: "overloaded_error",
+    529: "overloaded_error", 504: "timeout_error",
 }
 
 

@@ -3,14 +3,21 @@
 The gateway forwards bodies as received, so it must refuse what could steer a request to
 another destination or credential and what no upstream should be asked to parse.
 Message content is data: nothing inside `messages`/`prompt`/`input` is inspected.
+
+Every check is linear in the body's bytes and bounded in memory: before the JSON is turned
+into objects, a pass over the bytes (`measure`) bounds its nesting and its number of values,
+so a hostile body within the size limit can neither build a hundred megabytes of small
+objects nor nest deeper than the encoder that forwards it can go; the routing-field scan
+builds a field's path only when it refuses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gateway.errors import ForbiddenField, InvalidRequest
@@ -31,8 +38,20 @@ METADATA_FIELDS = frozenset({"apibase", "baseurl", "apikey", "apiversion", "azur
 METADATA_PREFIXES = ("aws", "vertex")
 #: a key split into words at separators and camelCase humps: `AWSRegion` -> AWS, Region
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
-#: guards the recursive scan against hostile nesting
+#: guards the scan of `extra_body` and `metadata` against hostile nesting
 MAX_SCAN_DEPTH = 32
+#: the deepest nesting of arrays and objects a body may have (the encoder that forwards it
+#: recurses once per level, and hundreds of levels are nobody's request)
+MAX_BODY_DEPTH = 64
+#: the most values (objects, arrays, strings, numbers, literals) a body may hold, counted as
+#: separators plus opening brackets (an empty object or array counts twice): each small
+#: object costs about 60 bytes of Python per 3 bytes of JSON, so this bounds what a body
+#: within the size limit can build
+MAX_BODY_VALUES = 100_000
+#: a JSON string (possessive: never backtracks), which may hold brackets and commas
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
+_MAX_STRINGS = 2 * MAX_BODY_VALUES + 2
+_TOO_DEEP = f"request body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
 
 POSITIVE_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of")
 
@@ -50,21 +69,73 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """Strict JSON object: UTF-8, no NaN/Infinity (literal or by overflow), an object at the
-    top, nesting the parser can handle."""
+def count_values(raw: bytes) -> tuple[int, int]:
+    """(an upper bound on the values of the JSON text `raw`, the bytes examined), in linear
+    time and without building any of it: every value but the first of each array or object
+    follows a comma, and every array or object opens a bracket. Counted first over the raw
+    bytes, where commas and brackets inside strings (data) make the count too high; only if
+    that is past the limit are the strings cut out and the count taken again, exactly for
+    valid JSON (for invalid JSON it can be off, but the parser refuses such a body anyway)."""
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+    if values <= MAX_BODY_VALUES:
+        return values, len(raw)
+    # every string is a value or a key, and an object has no more keys than values: past
+    # twice the limit of strings the body has too many values, whatever they are
+    structure, strings = _JSON_STRING.subn(b"", raw, count=_MAX_STRINGS)
+    work = 2 * len(raw) + len(structure)
+    if strings >= _MAX_STRINGS:
+        return MAX_BODY_VALUES + 1, work
+    return structure.count(b",") + structure.count(b"[") + structure.count(b"{") + 1, work
+
+
+def _too_deep(body: dict[str, Any], limit: int) -> tuple[bool, int]:
+    """(whether arrays and objects nest deeper than `limit` in `body`, containers visited)."""
+    work = 0
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(body, 1)]
+    while stack:
+        item, depth = stack.pop()
+        work += 1
+        if depth > limit:
+            return True, work
+        inner: Iterable[object] = item.values() if isinstance(item, dict) else item
+        for value in inner:
+            if isinstance(value, (dict, list)):
+                stack.append((value, depth + 1))
+    return False, work
+
+
+def parse_body_counted(raw: bytes) -> tuple[dict[str, Any], int]:
+    """`parse_body`, and the work its checks did around the parser (bytes examined plus
+    containers visited), which is linear in the body."""
+    values, work = count_values(raw)
+    if values > MAX_BODY_VALUES:
+        raise InvalidRequest(f"request body has too many values (more than {MAX_BODY_VALUES})")
     try:
         text = raw.decode("utf-8")
         body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError:
         raise InvalidRequest("request body is not valid UTF-8") from None
-    except RecursionError:  # hostile nesting (`[[[[...`) well within the size limit
-        raise InvalidRequest("request body is nested too deeply") from None
+    except RecursionError:  # deeper than the parser goes, yet within the size limit
+        raise InvalidRequest(_TOO_DEEP) from None
     except ValueError as exc:  # JSONDecodeError is a ValueError
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    return body
+    # fewer brackets than the limit cannot nest deeper: most bodies skip the walk
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:
+        deep, visited = _too_deep(body, MAX_BODY_DEPTH)
+        work += visited
+        if deep:
+            raise InvalidRequest(_TOO_DEEP)
+    return body, work
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """Strict JSON object: UTF-8, no NaN/Infinity (literal or by overflow), an object at the
+    top, at most `MAX_BODY_VALUES` values (counted before parsing, so a hostile body cannot
+    build more) and at most `MAX_BODY_DEPTH` levels deep (what the encoder that forwards it
+    can take)."""
+    return parse_body_counted(raw)[0]
 
 
 def is_routing_field(key: str) -> bool:
@@ -77,34 +148,92 @@ def is_metadata_routing_field(key: str) -> bool:
     return bool(words) and ("".join(words) in METADATA_FIELDS or words[0] in METADATA_PREFIXES)
 
 
-def _scan(value: object, path: str, depth: int, refused: Callable[[str], bool]) -> None:
-    if depth > MAX_SCAN_DEPTH:
-        raise InvalidRequest(f"{path} is nested too deeply", param=path)
-    if isinstance(value, Mapping):
-        for key, inner in value.items():
-            where = f"{path}.{key}"
-            if refused(key):
-                raise ForbiddenField(
-                    f"field {where!r} may not choose a destination or credential", param=where
-                )
-            _scan(inner, where, depth + 1, refused)
-    elif isinstance(value, list):
-        for i, inner in enumerate(value):
-            _scan(inner, f"{path}[{i}]", depth + 1, refused)
+def is_top_level_routing_field(key: str) -> bool:
+    """Refused at the top level and in `extra_body` (whose fields SDKs merge into the top
+    level): the strict names, and every name refused inside `metadata` too."""
+    return is_routing_field(key) or is_metadata_routing_field(key)
+
+
+#: a path into the body, built only when a field is refused: (parent, key or index)
+_Path = tuple[Any, str | int] | None
+
+
+def _path_text(path: _Path) -> str:
+    parts: list[str] = []
+    while path is not None:
+        parent, part = path
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        else:
+            parts.append(part if parent is None else f".{part}")
+        path = parent
+    return "".join(reversed(parts))
+
+
+def _scan(value: object, root: str, refused: Callable[[str], bool], tally: list[int]) -> None:
+    """Refuse the first key `refused` names at any depth of `value` (at most
+    `MAX_SCAN_DEPTH`); add the work done (values visited plus characters of keys examined)
+    to `tally[0]`, however the scan ends. It is linear in the body: no path is built unless
+    it is answered. Parsed JSON holds only dicts and lists (`isinstance` against them is
+    several times cheaper than against `Mapping`)."""
+    work = 0
+    stack: list[tuple[object, _Path, int]] = [(value, (None, root), 0)]
+    try:
+        while stack:
+            item, path, depth = stack.pop()
+            work += 1
+            if depth > MAX_SCAN_DEPTH:
+                where = _path_text(path)
+                raise InvalidRequest(f"{where} is nested too deeply", param=where)
+            if isinstance(item, dict):
+                for key, inner in item.items():
+                    work += len(key)
+                    if refused(key):
+                        where = _path_text((path, key))
+                        raise ForbiddenField(
+                            f"field {where!r} may not choose a destination or credential",
+                            param=where)
+                    if isinstance(inner, (dict, list)):
+                        if inner:  # an empty one holds no key
+                            stack.append((inner, (path, key), depth + 1))
+                    else:
+                        work += 1
+            elif isinstance(item, list):
+                for i, inner in enumerate(item):
+                    if isinstance(inner, (dict, list)):
+                        if inner:
+                            stack.append((inner, (path, i), depth + 1))
+                    else:
+                        work += 1
+    finally:
+        tally[0] += work
+
+
+def _scan_nested(body: Mapping[str, Any], tally: list[int]) -> None:
+    for key in NESTED_SCANNED:
+        if key in body:
+            _scan(body[key], key, is_top_level_routing_field, tally)
+    if "metadata" in body:
+        _scan(body["metadata"], "metadata", is_metadata_routing_field, tally)
+
+
+def scan_work(body: Mapping[str, Any]) -> int:
+    """The work of the routing-field scan `check_body` runs on `body`, up to its refusal if
+    it refuses a field (for tests: it is linear in the body)."""
+    tally = [len(body)]
+    with contextlib.suppress(InvalidRequest):
+        _scan_nested(body, tally)
+    return tally[0]
 
 
 def check_body(body: Mapping[str, Any], *, needs_prompt: str | None) -> tuple[str, bool]:
     """Validate the fields the gateway relies on; return (model, stream)."""
     for key in body:
-        if is_routing_field(key):
+        if is_top_level_routing_field(key):
             raise ForbiddenField(
                 f"field {key!r} may not choose a destination or credential", param=key
             )
-    for key in NESTED_SCANNED:
-        if key in body:
-            _scan(body[key], key, 0, is_routing_field)
-    if "metadata" in body:
-        _scan(body["metadata"], "metadata", 0, is_metadata_routing_field)
+    _scan_nested(body, [0])
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string", param="model")

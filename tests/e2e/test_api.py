@@ -29,6 +29,7 @@ from gateway.settings import (
     Settings,
     SimProfile,
 )
+from providers.requestid import upstream_request_id
 from providers.sim.server import create_sim_app
 from tests.harness import (
     DONE,
@@ -64,9 +65,13 @@ MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [
     {"role": "user", "content": "say something short"}
 ]
 #: a request id both the direct call and the gateway call send, so the simulator (which
-#: derives its response ids from it) answers both with the same ids
-SHARED_REQUEST_ID = "foundation-req-1"
-GENERATED_ID = re.compile(r"^req_[0-9a-f]{32}$")
+#: derives its response ids from it) answers both with the same ids; a version-4 UUID, which
+#: the gateway passes upstream unchanged (any other id goes upstream mapped to a UUID)
+SHARED_REQUEST_ID = "2b0c6f0e-8a4e-4c1b-9f57-0d6b3c2a9e11"
+#: the gateway's own ids are version-4 UUIDs (upstreams that validate request ids take only
+#: UUIDs)
+GENERATED_ID = re.compile(
+    r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 #: the simulator as a deterministic upstream: no latency, no stragglers, no faults
 SIM_PROFILE = SimProfile(
     ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0, tokens=6, inter_token=0.0,
@@ -579,8 +584,10 @@ def test_response_headers_echo_or_generate_the_request_id_and_name_the_backend(
     assert echoed.headers["x-request-id"] == "client-req-42"
     assert GENERATED_ID.match(generated.headers["x-request-id"])
     first, second = up.requests
-    # the upstream is told the same id, so logs on both sides line up
-    assert first.headers["x-request-id"] == "client-req-42"
+    # the upstream is told an id its logs line up with: the client's, mapped to a UUID (the
+    # client's own beside it), or the gateway's own UUID as it is
+    assert first.headers["x-request-id"] == upstream_request_id("client-req-42")
+    assert first.headers["x-client-request-id"] == "client-req-42"
     assert second.headers["x-request-id"] == generated.headers["x-request-id"]
 
 

@@ -10,6 +10,7 @@ made that way).
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import os
 import subprocess
@@ -30,6 +31,7 @@ from gateway.settings import (
     DelaySettings,
     HedgingSettings,
     PoolSettings,
+    ServerSettings,
     Settings,
     SimProfile,
 )
@@ -215,3 +217,38 @@ def test_the_dashboard_of_two_workers_shows_both(
     assert sent > 0
     assert log.errors == []
     assert kept == sorted(kept) and kept[0] > 0, kept  # points only ever added
+
+
+async def drive_with_key(origin: str, authorization: str) -> tuple[dict[str, Any], PageLog]:
+    """The page opened by a browser that holds the ops key (as after the Basic prompt)."""
+    assert CHROMIUM is not None
+    browser = Browser(CHROMIUM)
+    try:
+        await browser.start()
+        await browser.call("Network.setExtraHTTPHeaders",
+                           {"headers": {"Authorization": authorization}})
+        await browser.call("Page.navigate", {"url": f"{origin}/dashboard"})
+        await browser.wait_for("document.body !== null && "
+                               "Number(document.body.dataset.updates) >= 2", timeout=40.0)
+        return await browser.evaluate(FACTS), browser.log
+    finally:
+        await browser.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
+@pytest.mark.timeout(120)
+def test_dashboard_behind_ops_keys_works_in_a_real_browser_that_holds_the_key(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    settings = dataclasses.replace(
+        sim_settings(), server=ServerSettings(ops_keys=("ops-key-0001",)))
+    gateway = asgi_server.build(lambda: create_app(settings, seed=5))
+    origin = gateway.url("").rstrip("/")
+    refused = httpx.get(f"{origin}/dashboard", timeout=10.0)
+    assert refused.status_code == 401 and "basic" in refused.headers["www-authenticate"].lower()
+    basic = "Basic " + base64.b64encode(b"ops:ops-key-0001").decode()
+    facts, log = asyncio.run(drive_with_key(origin, basic))
+    assert log.errors == []
+    assert facts["pools"] == 1 and facts["updates"] >= 2
+    loaded = {url[len(origin):].split("?")[0] for url in log.requests}
+    assert {"/hedge/stats", "/hedge/series", "/hedge/races"} <= loaded

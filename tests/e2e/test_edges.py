@@ -93,7 +93,8 @@ def test_repeated_query_parameters_all_reach_the_upstream(
     made = httpx.post(gateway.v1 + "/responses", json={"model": POOL, "input": "hi"},
                       timeout=5.0)
     assert made.status_code == 200, made.text
-    items = httpx.get(gateway.v1 + "/responses/resp_1/input_items?include[]=a&include[]=b"
+    made_id = made.json()["id"]  # the gateway's own id for the upstream's resp_1
+    items = httpx.get(gateway.v1 + f"/responses/{made_id}/input_items?include[]=a&include[]=b"
                       "&limit=2&unknown=x", timeout=5.0)
     assert items.status_code == 200, items.text
     sent = upstream.requests[-1]

@@ -147,7 +147,7 @@ def assert_raw_openai_error(raw: Any, status: int, code: str) -> None:
 #: of the body
 SLOW = {
     "nothing": b"",
-    "half-head": b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n",
+    "half-head": b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n",
     "half-body": request_head(
         "/v1/chat/completions", {"content-type": "application/json", "content-length": "400"}
     ) + b'{"model": "pool", "mess',

@@ -408,7 +408,8 @@ def test_hedging_disabled_still_fails_over(
 def raw_request(port: int, body: bytes) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"content-type: application/json\r\n"
         + f"content-length: {len(body)}\r\n\r\n".encode()
         + body
     )

@@ -126,11 +126,11 @@ class Step:
 
 
 STEPS = (
-    Step("body read", _patch(("gateway.api.routes", "read_body", _araise),
+    Step("body read", _patch(("gateway.api.chat", "read_body", _araise),
                              ("gateway.api.protocols", "read_body", _araise))),
-    Step("body parse", _patch(("gateway.api.routes", "parse_body", _raise),
+    Step("body parse", _patch(("gateway.api.chat", "parse_body", _raise),
                               ("gateway.api.protocols", "parse_body", _raise))),
-    Step("validation", _patch(("gateway.api.routes", "check_body", _raise),
+    Step("validation", _patch(("gateway.api.chat", "check_body", _raise),
                               ("gateway.api.protocols", "check_body", _raise))),
     Step("pool lookup", _break_pool_lookup),
     Step("eligibility", _patch(("gateway.api.proxy", "excluded_backends", _raise))),
@@ -269,7 +269,7 @@ def test_a_bug_on_a_framework_route_is_answered_in_its_shape(
     app = create_app(settings(), seed=1)
     server = asgi_server(app)
     HITS.clear()
-    monkeypatch.setattr("gateway.api.stored.ResponseDirectory.find", _raise)
+    monkeypatch.setattr("gateway.api.stored.ResponseIds.read", _raise)
     with httpx.Client(base_url=server.base_url, timeout=10.0, trust_env=False) as client:
         reply = client.get("/v1/responses/resp_1")
     monkeypatch.undo()

@@ -198,7 +198,7 @@ def test_stats_match_upstreams_and_client_over_a_scripted_run(
     primary_of: dict[str, str] = {}
     hedged: set[str] = set()
     for _, name, rec in arrivals:
-        rid = rec.headers["x-request-id"]
+        rid = rec.headers["x-client-request-id"]  # the client's `req-i` (upstream ids are UUIDs)
         if rid in primary_of:
             hedged.add(rid)
         else:

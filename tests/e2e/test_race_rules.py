@@ -182,7 +182,7 @@ def test_the_hedge_starts_after_the_learned_delay_not_the_initial_one(
     def responder(request: RecordedRequest) -> Script:
         # by request id, not by arrival count: a warm-up attempt that fails over (a pooled
         # connection the upstream closed meanwhile) must not shift the trap
-        if request.headers.get("x-request-id") != "trap":
+        if request.headers.get("x-client-request-id") != "trap":
             return warm
         with lock:
             arrivals.append(request)

@@ -244,3 +244,51 @@ def test_sighup_without_a_config_file_keeps_serving(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(5.0)
+
+
+def keyed_config(keys: list[str], secret_url: bool = False) -> str:
+    server = f"server: {{host: 127.0.0.1, port: 8080, api_keys: {json.dumps(keys)}}}\n"
+    backend = ("      - {name: u, provider: openai, model: m, api_key: k, "
+               "base_url: 'http://[${UPSTREAM_HOST}]/v1'}\n") if secret_url else ""
+    return server + "pools:\n" + chat_pool("300ms", ["a"]) + backend
+
+
+@pytest.fixture
+def upstream_host_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value the served process reads from its environment (set before it starts)."""
+    monkeypatch.setenv("UPSTREAM_HOST", "secret-host-value")
+
+
+def test_sighup_with_new_api_keys_puts_them_in_force_and_a_bad_file_is_refused_quietly(
+    upstream_host_env: None, gateway: tuple[subprocess.Popen[bytes], str, Path, Path]
+) -> None:
+    """Rotating a leaked key must not need a restart; a file whose error involves a value
+    from the environment is refused, counted, and the value is not in the log."""
+    proc, root, log, cfg = gateway
+    wait_healthy(proc, root + "/healthz", log)
+    cfg.write_text(keyed_config(["key-old-0001"]))
+    proc.send_signal(signal.SIGHUP)
+
+    def status(key: str) -> int:
+        with httpx.Client(base_url=root, timeout=10.0, trust_env=False) as client:
+            body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+            return client.post("/v1/chat/completions", json=body,
+                               headers={"authorization": f"Bearer {key}"}).status_code
+
+    poll(lambda: status("nothing") == 401, proc, log)
+    assert status("key-old-0001") == 200
+    cfg.write_text(keyed_config(["key-new-0002"]))
+    proc.send_signal(signal.SIGHUP)
+    poll(lambda: status("key-new-0002") == 200, proc, log)
+    assert status("key-old-0001") == 401
+    assert "server.api_keys changed" in log.read_text()
+    assert "key-new-0002" not in log.read_text()
+
+    cfg.write_text(keyed_config(["key-new-0002"], secret_url=True))
+    proc.send_signal(signal.SIGHUP)
+    with httpx.Client(base_url=root, timeout=10.0, trust_env=False) as side:
+        poll(lambda: stats(side)["config"]["failed_reloads"] == 1, proc, log)
+    assert status("key-new-0002") == 200
+    output = log.read_text()
+    assert "reload refused" in output and "${UPSTREAM_HOST}" in output
+    assert "secret-host-value" not in output and "Traceback" not in output

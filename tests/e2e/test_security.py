@@ -197,14 +197,21 @@ CONTENT_TYPES = ["text/plain", "multipart/form-data; boundary=x",
 
 
 @pytest.mark.parametrize("content_type", CONTENT_TYPES)
-def test_a_body_that_is_not_json_by_content_type_gets_400(
+def test_a_body_that_is_not_json_by_content_type_gets_415(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory, content_type: str
 ) -> None:
+    """The types a web page may post without a CORS preflight are refused on every
+    inference route, in that route's shape."""
     gateway, upstream, attacker = start(loop_thread, scripted_upstream)
-    reply = httpx.post(gateway.v1 + "/chat/completions", content=json.dumps(GOOD).encode(),
+    for route in ("/chat/completions", "/completions", "/embeddings", "/responses"):
+        reply = httpx.post(gateway.v1 + route, content=json.dumps(GOOD).encode(),
+                           headers={"content-type": content_type}, timeout=5.0)
+        error = assert_openai_error(reply, 415, "unsupported_media_type")
+        assert "content type" in error["message"]
+    reply = httpx.post(gateway.v1 + "/messages", content=json.dumps(GOOD).encode(),
                        headers={"content-type": content_type}, timeout=5.0)
-    error = assert_openai_error(reply, 400, "invalid_request")
-    assert "content type" in error["message"]
+    assert reply.status_code == 415
+    assert reply.json()["error"]["type"] == "invalid_request_error"
     untouched(upstream, attacker)
 
 
@@ -216,6 +223,72 @@ def test_json_with_a_charset_parameter_is_accepted(
                        headers={"content-type": "Application/JSON; charset=utf-8"}, timeout=5.0)
     assert reply.status_code == 200
     assert len(upstream.requests) == 1
+
+
+# ---- browsers: origins and DNS rebinding ------------------------------------------------------
+
+FOREIGN_ORIGINS = ["https://evil.example", "http://evil.example:8080", "null",
+                   "http://localhost.evil.example"]
+
+
+@pytest.mark.parametrize("origin", FOREIGN_ORIGINS)
+def test_a_request_from_a_foreign_web_origin_is_refused_before_any_upstream_attempt(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, origin: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    headers = {"origin": origin}
+    reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, headers=headers,
+                       timeout=5.0)
+    error = assert_openai_error(reply, 403, "origin_not_allowed")
+    assert origin not in error["message"]
+    reply = httpx.post(gateway.v1 + "/messages", json={**GOOD, "max_tokens": 8},
+                       headers=headers, timeout=5.0)
+    assert reply.status_code == 403
+    assert reply.json()["error"]["type"] == "permission_error"
+    assert httpx.get(gateway.url("/hedge/stats"), headers=headers).status_code == 403
+    untouched(upstream, attacker)
+
+
+def test_the_gateways_own_origin_and_configured_origins_are_answered(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    server = ServerSettings(allowed_origins=("https://app.example.com",))
+    gateway, upstream, _ = start(loop_thread, scripted_upstream, server=server)
+    own = gateway.root
+    for origin in (own, "https://app.example.com", "HTTPS://APP.EXAMPLE.COM"):
+        reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD,
+                           headers={"origin": origin}, timeout=5.0)
+        assert reply.status_code == 200, (origin, reply.text)
+    assert len(upstream.requests) == 3
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:80", "127.0.0.2.nip.io",
+                                  "localhost.evil.example"])
+def test_a_rebound_host_name_is_refused_on_a_loopback_listener(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, host: str
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    for path in ("/v1/chat/completions", "/hedge/stats", "/dashboard"):
+        if path.startswith("/v1"):
+            reply = httpx.post(gateway.url(path), json=GOOD, headers={"host": host})
+        else:
+            reply = httpx.get(gateway.url(path), headers={"host": host})
+        assert_openai_error(reply, 403, "origin_not_allowed")
+    untouched(upstream, attacker)
+
+
+def test_loopback_names_and_configured_hosts_are_answered(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    server = ServerSettings(allowed_hosts=("gateway.internal",))
+    gateway, upstream, _ = start(loop_thread, scripted_upstream, server=server)
+    port = gateway.port
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST",
+                 f"gateway.internal:{port}"):
+        reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD,
+                           headers={"host": host}, timeout=5.0)
+        assert reply.status_code == 200, (host, reply.text)
+    assert len(upstream.requests) == 5
 
 
 #: raw body -> the field the 400 must name (None: the body as a whole)
@@ -251,26 +324,43 @@ def test_malformed_bodies_get_400_naming_the_field_and_reach_nothing(
     untouched(upstream, attacker)
 
 
-@pytest.mark.parametrize("depth", [200, 900, 960, 990, 999, 1100, 100_000])
-def test_deep_nesting_is_refused_or_forwarded_never_a_server_error(
+@pytest.mark.parametrize("depth", [64, 200, 900, 980, 999, 1100, 100_000])
+def test_deep_nesting_is_refused_with_400_never_a_server_error(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory, depth: int
 ) -> None:
-    """Near the interpreter's recursion limit a body may parse in the route but fail to be
-    re-encoded for the upstream: that must not turn into a 5xx (which would also count as a
-    backend failure and could get healthy backends ejected)."""
-    gateway, upstream, _ = start(loop_thread, scripted_upstream)
+    """Near the interpreter's recursion limit a body may parse but fail to be re-encoded for
+    the upstream: nesting is bounded before that (64 levels), so it is a 400, never a 5xx
+    (which would also count as a backend failure) and never a held admission slot."""
+    server = ServerSettings(max_concurrent_requests=1)
+    gateway, upstream, _ = start(loop_thread, scripted_upstream, server=server)
     raw = b'{"model": "pool", "messages": [], "x": ' + b"[" * depth + b"]" * depth + b"}"
-    reply = httpx.post(gateway.v1 + "/chat/completions", content=raw,
-                       headers={"content-type": "application/json"}, timeout=10.0)
-    if reply.status_code == 200:
-        (request,) = upstream.requests
-        assert request.raw_body.count(b"[") == depth + 1  # and the empty `messages`
-    else:
-        error = assert_openai_error(reply, 400, "invalid_request")
-        assert "nested too deeply" in error["message"]
+    with httpx.Client(base_url=gateway.v1, timeout=10.0,
+                      headers={"content-type": "application/json"}) as http:
+        for _ in range(3):
+            reply = http.post("/chat/completions", content=raw)
+            error = assert_openai_error(reply, 400, "invalid_request")
+            assert "nested too deeply" in error["message"] or "too many" in error["message"]
         assert upstream.requests == []
+        assert http.post("/chat/completions", json=GOOD).status_code == 200  # slot is free
     pool = gateway.app.state.pools[POOL]
     assert loop_thread.call(lambda: pool.balancer.state("b0", 0.0)[0]) != "ejected"
+
+
+def test_a_body_of_too_many_values_is_refused_in_the_shape_of_its_route(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    raw = b'{"model": "pool", "messages": [], "x": [' + b"{}," * 1_000_000 + b"{}]}"
+    headers = {"content-type": "application/json"}
+    reply = httpx.post(gateway.v1 + "/chat/completions", content=raw, headers=headers,
+                       timeout=10.0)
+    assert "too many values" in assert_openai_error(reply, 400, "invalid_request")["message"]
+    reply = httpx.post(gateway.v1 + "/messages", content=raw, headers=headers, timeout=10.0)
+    assert reply.status_code == 400
+    body = reply.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "too many values" in body["error"]["message"]
+    untouched(upstream, attacker)
 
 
 # ---- model names -----------------------------------------------------------------------------
@@ -345,6 +435,27 @@ def test_destination_and_credential_fields_are_refused_and_the_attacker_hears_no
             error = assert_openai_error(reply, 400, "forbidden_field")
             assert error["param"] == _param_of(place, name)
             assert str(attacker.port) not in reply.text
+    untouched(upstream, attacker)
+
+
+#: the names refused inside `metadata` are refused at the top level too
+TOP_LEVEL_ONLY_IN_METADATA = ["azure_endpoint", "AzureEndpoint", "aws_region",
+                              "AWS-Secret-Access-Key", "awsProfile", "vertex_project",
+                              "VERTEX-LOCATION", "vertexCredentials"]
+
+
+def test_cloud_destination_names_at_the_top_level_are_refused_naming_the_field(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    with httpx.Client(base_url=gateway.v1, timeout=5.0) as http:
+        for name in TOP_LEVEL_ONLY_IN_METADATA:
+            reply = http.post("/chat/completions", json={**GOOD, name: attacker.base_url})
+            error = assert_openai_error(reply, 400, "forbidden_field")
+            assert error["param"] == name and name in error["message"]
+            reply = http.post("/messages", json={**GOOD, "max_tokens": 8, name: "x"})
+            assert reply.status_code == 400
+            assert reply.json()["error"]["type"] == "invalid_request_error"
     untouched(upstream, attacker)
 
 

@@ -34,7 +34,14 @@ Two modules for the unit tests, imported by path (no sockets beyond the loop's o
 - `raceworld`: scripted attempts (`Step`: token, status, reset, hang, at a virtual time) for
   the race (`play`) and for the whole proxy (`proxy_for`).
 
-This package re-exports the public names, so tests import from `tests.harness` only.
+One more, imported by path by the test of a real engine (it starts child processes and may
+build them first, so nothing else should pull it in by accident):
+
+- `engine`: llama-cpp-python's OpenAI-compatible server with a small model, built once into a
+  cache outside the repository, started and stopped as real processes on 127.0.0.1.
+
+This package re-exports the public names, so tests import from `tests.harness` only (apart
+from the modules imported by path).
 """
 
 from tests.harness.asgi import RunningServer, StartupFailed, serve_asgi

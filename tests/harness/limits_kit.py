@@ -210,7 +210,7 @@ def connect(port: int, *, timeout: float = 5.0, rcvbuf: int | None = None) -> so
 def request_head(
     path: str, headers: Mapping[str, str], *, method: str = "POST"
 ) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "host: gateway"]
+    lines = [f"{method} {path} HTTP/1.1", "host: localhost"]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.api.routes import error_response
+from gateway.api.common import error_response
 from gateway.errors import (
     AllAttemptsFailed,
     GatewayPoolFull,

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Iterator
 from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute
 
+from gateway.api.common import protocol_for_path
 from gateway.api.inference import ANTHROPIC_PREFIXES, INFERENCE_ROUTES, errors_of
-from gateway.api.routes import protocol_for_path
 from gateway.app import create_app
 from gateway.settings import BackendSettings, PoolSettings, Settings
 from gateway.wire.messages import MESSAGES

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gateway.api.routes import protocol_for_path
+from gateway.api.common import protocol_for_path
 from gateway.api.stored import RESPONSE_OBJECT_EVENTS, IdRewriter, MintFor, ResponseIds
 from gateway.errors import FirstTokenTimeout, Overloaded, PayloadTooLarge
 from gateway.wire.base import Kind, RelayOutcome, WireProtocol

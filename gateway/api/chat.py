@@ -1,0 +1,102 @@
+"""The OpenAI routes: chat completions, legacy completions, embeddings, and the model list
+(in Anthropic's shape too, for the Anthropic SDKs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+from gateway.api.asgi import FastRoutes
+from gateway.api.common import check_json_type, make_auth_guard, read_body, request_id_of
+from gateway.api.inference import route
+from gateway.api.keys import KeyRing
+from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.errors import (
+    InvalidRequest,
+    ModelNotFound,
+)
+from gateway.hedge.generation import Live
+from gateway.settings import Settings
+from gateway.wire.validate import check_body, parse_body
+from providers.base import Endpoint
+
+
+def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
+                 keys: KeyRing | None = None) -> APIRouter:
+    """The API routes. `settings.server` is bound here (body limit: a start-time key); the
+    gateway keys are `keys` (by default `server.api_keys`), read per request so a reload can
+    change them; the pools are read from `live` once per request, so a request keeps the
+    generation it started with through a reload. The inference routes go into `fast` too
+    (`gateway.api.asgi`) and check the key themselves; `/v1/models` has it as a dependency."""
+    ring = keys if keys is not None else KeyRing(settings.server.api_keys)
+    guard = make_auth_guard(ring)
+    router = APIRouter()
+    # the inference routes call the guard only while there are keys: FastAPI solving a
+    # dependency costs about 4 % of a streamed request's CPU; /v1/models is not hot
+    guarded = APIRouter(dependencies=[Depends(guard)])
+    limit = settings.server.max_body_bytes
+
+    async def proxied(request: Request, endpoint: Endpoint, needs: str | None) -> Response:
+        if ring.digests:
+            await guard(request)
+        rid = request_id_of(request)
+        check_json_type(request)
+        body = parse_body(await read_body(request, limit))
+        model, stream = check_body(body, needs_prompt=needs)
+        if endpoint == "embeddings" and stream:
+            raise InvalidRequest("embeddings cannot be streamed", param="stream")
+        pool = live.current.pools.get(model)
+        if pool is None:
+            raise ModelNotFound(
+                "the model does not exist in this gateway; GET /v1/models lists them",
+                param="model",
+            )
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        req = LogicalRequest(rid, endpoint, body, stream, headers)
+        return await proxy.handle(request, pool, req)
+
+    chat = route("POST", "/v1/chat/completions")
+    legacy = route("POST", "/v1/completions")
+    embed = route("POST", "/v1/embeddings")
+
+    @fast.post(router, chat.path)
+    async def chat_completions(request: Request) -> Response:
+        return await proxied(request, chat.endpoint, chat.prompt)
+
+    @fast.post(router, legacy.path)
+    async def completions(request: Request) -> Response:
+        return await proxied(request, legacy.endpoint, legacy.prompt)
+
+    @fast.post(router, embed.path)
+    async def embeddings(request: Request) -> Response:
+        return await proxied(request, embed.endpoint, embed.prompt)
+
+    @guarded.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        """The pools, in OpenAI's list shape, or in Anthropic's when the request carries
+        `anthropic-version` (the Anthropic SDKs and tools send it on every call)."""
+        names = list(live.current.pools)
+        if "anthropic-version" in request.headers:
+            return anthropic_model_list(names)
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "hedge-gateway"}
+                for name in names
+            ],
+        }
+
+    router.include_router(guarded)
+    return router
+
+
+def anthropic_model_list(names: list[str]) -> dict[str, Any]:
+    """Anthropic's `GET /v1/models` page: every pool on one page. A pool has no creation
+    date, so `created_at` is the epoch, as OpenAI's `created: 0` says the same."""
+    data = [{"type": "model", "id": name, "display_name": name,
+             "created_at": "1970-01-01T00:00:00Z"} for name in names]
+    return {"data": data, "has_more": False,
+            "first_id": names[0] if names else None, "last_id": names[-1] if names else None}

@@ -1,0 +1,177 @@
+"""What every route shares: the request id, the bounded JSON body, the key guard, and the
+error tree as an answer in the shape of the route it answers.
+
+Routes know nothing of hedge timing: they read and check the request, find the pool and hand
+a `LogicalRequest` to the proxy.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
+
+from gateway.api.end import AnswerThen
+from gateway.api.inference import errors_of
+from gateway.api.keys import KeyRing
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RequestTimeout,
+    RouteNotFound,
+    Unauthorized,
+    UnsupportedMediaType,
+)
+from gateway.wire.base import WireProtocol
+from gateway.wire.chat import CHAT
+from gateway.wire.messages import MESSAGES
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_of(request: Request) -> str:
+    """The client's `x-request-id` when it is sane, else a fresh one; remembered per request.
+
+    A fresh one is a UUID (version 4) because upstreams that validate request ids accept only
+    UUIDs: then the gateway's own id goes upstream unchanged, and both sides' logs show the
+    same id (a client's id that is not a UUID is mapped for the upstream, see
+    `providers.requestid`).
+
+    Kept in the request's state dict (`scope["state"]`, what `request.state` wraps) and read
+    from it directly: a miss through `request.state` raises and catches an AttributeError,
+    which was a few percent of a request's CPU."""
+    state = request.scope.setdefault("state", {})
+    existing = state.get("request_id")
+    if isinstance(existing, str):
+        return existing
+    supplied = request.headers.get("x-request-id", "")
+    rid = supplied if _REQUEST_ID.fullmatch(supplied) else str(uuid.uuid4())
+    state["request_id"] = rid
+    return rid
+
+
+def error_response(exc: GatewayError, request_id: str, path: str = "",
+                   extra: Mapping[str, str] | None = None) -> JSONResponse:
+    """The error as JSON in the shape of the route it answers (Anthropic's on /v1/messages,
+    OpenAI's elsewhere), with the retry headers the SDKs obey. `extra`: headers the status
+    calls for (a 405's `Allow`)."""
+    headers = {**(extra or {}), "x-request-id": request_id}
+    if exc.should_retry is not None:
+        headers["x-should-retry"] = "true" if exc.should_retry else "false"
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(1, round(exc.retry_after)))
+        headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
+    if isinstance(exc, PayloadTooLarge):
+        headers["connection"] = "close"
+    message = exc.message
+    if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
+        message = f"{exc.message} (request id {request_id})"
+    body = protocol_for_path(path).error_body(exc, message)
+    return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+def check_json_type(request: Request) -> None:
+    """Inference bodies must be declared `application/json` (any parameters): the types a
+    web page may post without asking first (`text/plain`, forms) get 415. A request without
+    a content type is read as JSON (programs omit it; browsers always send one, and an
+    `Origin`, on a POST)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None \
+            and content_type.split(";")[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType("content type must be application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it crosses `limit` (never buffered past it)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() \
+            and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            parts.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by `server.body_timeout` (the 408 is out)
+        raise RequestTimeout("the request body did not arrive") from None
+    return b"".join(parts)
+
+
+def gateway_error_response(request: Request, exc: GatewayError) -> Response:
+    """The answer to an error of ours raised while handling `request`."""
+    response = error_response(exc, request_id_of(request), request.url.path)
+    if exc.after_response is not None:  # answer first, then end the logical request
+        return AnswerThen(response, exc.after_response)
+    return response
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_gateway_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return gateway_error_response(request, exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        error: GatewayError
+        if exc.status_code == 404:
+            error = RouteNotFound("no such route")
+        elif exc.status_code == 405:
+            error = MethodNotAllowed("method not allowed")
+        else:  # the framework refused the request in some other way
+            error = InvalidRequest(str(exc.detail))
+        allow = (exc.headers or {}).get("Allow") if exc.status_code == 405 else None
+        return error_response(error, request_id_of(request), request.url.path,
+                              {"allow": allow} if allow else None)
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        return error_response(
+            InvalidRequest("invalid request"), request_id_of(request), request.url.path
+        )
+
+    app.add_exception_handler(GatewayError, on_gateway_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+
+
+#: checks a request's gateway key; raises `Unauthorized`
+Guard = Callable[[Request], Awaitable[None]]
+
+
+def make_auth_guard(keys: KeyRing | tuple[str, ...], *, x_api_key: bool = False) -> Guard:
+    """A dependency that checks the gateway key in constant time (`gateway.api.keys`); a
+    no-op while the ring is empty. The ring is read per request, so a reload that changes
+    `server.api_keys` takes effect for the next request.
+
+    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so).
+    The 401 never repeats what was sent."""
+    ring = keys if isinstance(keys, KeyRing) else KeyRing(keys)
+
+    async def guard(request: Request) -> None:
+        if not ring.digests:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        supplied = token.strip() if scheme.lower() == "bearer" else ""
+        if not supplied and x_api_key:
+            supplied = request.headers.get("x-api-key", "").strip()
+        if not ring.matches(supplied):
+            raise Unauthorized("missing or invalid gateway API key")
+
+    return guard
+
+
+def protocol_for_path(path: str) -> WireProtocol:
+    """The protocol whose error shape answers a request to `path`, even one no route matched
+    (`gateway.api.inference.errors_of`)."""
+    return MESSAGES if errors_of(path) == "anthropic" else CHAT
