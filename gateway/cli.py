@@ -166,10 +166,17 @@ def _sim(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from gateway.bench.commands import run_bench_command, run_soak_command
+    from gateway.bench.commands import (
+        run_bench_command,
+        run_conversations_command,
+        run_soak_command,
+    )
     from gateway.bench.run import BenchPlan
     from gateway.bench.workloads import selected
 
+    if ns.workload == "conversations":
+        return run_conversations_command(conversations=ns.requests, quick=ns.quick,
+                                         seed=ns.seed, out=ns.out)
     if ns.workload == "soak":
         return run_soak_command(duration=ns.duration, quick=ns.quick,
                                 concurrency=ns.concurrency, seed=ns.seed, out=ns.out,
@@ -310,6 +317,11 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--midstream-error-probability", type=_probability,
         default=d.midstream_error_probability,
         help="share of streams that end with an in-band error event (default %(default)s)")
+    opt("--prefill-ms-per-1k", type=_non_negative, default=d.prefill_ms_per_1k,
+        help="TTFT added per 1,000 input tokens not in the prefix cache, ms; > 0 also turns "
+        "the prefix cache on (default %(default)s)")
+    opt("--prefix-cache-entries", type=_count, default=d.prefix_cache_entries,
+        help="message prefixes the prefix cache holds, LRU (default %(default)s)")
     opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
 
 
@@ -334,6 +346,8 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
         hang_probability=ns.hang_probability,
         midstream_error_probability=ns.midstream_error_probability,
         seed=ns.seed,
+        prefill_ms_per_1k=ns.prefill_ms_per_1k,
+        prefix_cache_entries=ns.prefix_cache_entries,
     )
 
 
@@ -345,9 +359,12 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
 
     names = [w.name for w in WORKLOADS]
-    parser.add_argument("--workload", choices=[*names, *WORKLOAD_GROUPS, "soak", "all"],
+    parser.add_argument("--workload",
+                        choices=[*names, *WORKLOAD_GROUPS, "soak", "conversations", "all"],
                         default="all",
-                        help="which workload to run (default: all; `soak` only when named); "
+                        help="which workload to run (default: all; `soak` and "
+                             "`conversations` only when named; conversations: --requests is "
+                             "the number of conversations, default 48); "
                              "slow-shares: " + ", ".join(WORKLOAD_GROUPS["slow-shares"]))
     parser.add_argument("--duration", type=_positive_seconds,
                         help="soak: seconds of traffic (default 600; 20 with --quick)")

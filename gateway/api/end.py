@@ -89,6 +89,7 @@ class RequestEnd:
                 report_bug(stats, exc)
             try:
                 summary.panic = self._race.panic
+                summary.affinity = self._race.affinity
                 summary.ended = self._clock()
                 stats.record(summary)
                 log_request(summary, stats.error_classes)

@@ -35,6 +35,7 @@ from gateway.errors import (
     UpstreamRejectedRequest,
     UpstreamStatusError,
 )
+from gateway.hedge.affinity import AffinityRoute, route_for
 from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
@@ -140,6 +141,22 @@ def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
             f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
         )
     return excluded
+
+
+def affinity_applies(pool: PoolRuntime, req: LogicalRequest) -> bool:
+    """Affinity is on for the pool and the request may go to more than one backend."""
+    return pool.settings.affinity.enabled and req.pinned is None and not req.single
+
+
+def affinity_route(pool: PoolRuntime, req: LogicalRequest) -> AffinityRoute | None:
+    """The request's conversation key and order over the pool (`gateway.hedge.affinity`), or
+    None: affinity does not apply (`affinity_applies`), or the request has no key."""
+    settings = pool.settings.affinity
+    if not affinity_applies(pool, req):
+        return None
+    weights = [(b.name, b.weight) for b in pool.settings.backends]
+    return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
+                     load_factor=settings.load_factor)
 
 
 class Proxy:
@@ -269,9 +286,12 @@ class Proxy:
                 refusal,
                 excluded,
                 learn=req.metered,
+                affinity=affinity_route(pool, req),
             ),
             self.clock,
         )
+        if race.options.affinity is None and affinity_applies(pool, req):
+            race.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=self.admission.leave, stats=self.stats,
                          clock=self.clock, trace=trace)
         return race, end, strip_usage

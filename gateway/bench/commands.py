@@ -99,3 +99,25 @@ def run_soak_command(*, duration: float | None, quick: bool, concurrency: int | 
     report.write_json(path, result)
     print(f"JSON report: {path}")
     return 0 if soak.clean(result) else 1
+
+
+def run_conversations_command(*, conversations: int | None, quick: bool, seed: int,
+                              out: str | None) -> int:
+    """`--workload conversations`: sticky client, hedging off, hedging on over multi-turn
+    conversations on prefilling, caching simulators (`gateway.bench.conversations`)."""
+    from gateway.bench import conversations as conv
+
+    plan = conv.ConversationPlan(conversations=conversations or (24 if quick else 48),
+                                 turns=3 if quick else 4, seed=seed)
+    print(f"hedge-gateway bench: conversations; {plan.conversations} conversations of "
+          f"{plan.turns} turns, modes {', '.join(plan.modes)}", file=sys.stderr)
+    result = _run_children(lambda: conv.run_conversations(plan))
+    if isinstance(result, int):
+        return result
+    print(conv.format_table(result))
+    path = out or _default_out("conversations-")
+    report.write_json(path, {"workload": "conversations", "machine": machine(),
+                             "plan": {"conversations": plan.conversations, "turns": plan.turns,
+                                      "seed": seed}, "modes": result})
+    print(f"JSON report: {path}")
+    return 0

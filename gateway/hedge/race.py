@@ -52,6 +52,7 @@ from gateway.errors import (
     UpstreamRejectedRequest,
     all_attempts_failed,
 )
+from gateway.hedge.affinity import AffinityRoute, Outcome
 from gateway.hedge.attempt import (
     CANCELLED_AFTER_TOKEN,
     CANCELLED_BEFORE_TOKEN,
@@ -106,6 +107,9 @@ class RaceOptions:
     excluded: frozenset[str] = frozenset()
     #: False: this request's attempt times are not latency samples (a read of stored state)
     learn: bool = True
+    #: the request's conversation key and its order over the pool: the primary, hedges and
+    #: failovers go to the first fitting backend in it (None: load-based selection)
+    affinity: AffinityRoute | None = None
 
 
 @dataclass(slots=True)
@@ -125,6 +129,8 @@ class Race:
     committed: bool = False
     #: some backend choice of this request ran in panic mode (counted per pool)
     panic: bool = False
+    #: how the primary was chosen by affinity (None: affinity off for this pool)
+    affinity: Outcome | None = None
     #: how many times a failover restarted the hedge timer
     timer_restarts: int = 0
     #: the hedge delay in force (the primary's, then the latest replacement's)
@@ -401,8 +407,27 @@ class Race:
         never a backend this request may not use (`RaceOptions.excluded`)."""
         outside = self.options.excluded
         self.panic = self.panic or self.pool.balancer.panic(now, outside=outside)
+        route = self.options.affinity
+        if route is not None:
+            chosen = self._pick_in_order(route, now, exclude, avoid_groups)
+            if chosen is not None:
+                return chosen
         return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft,
                                        outside=outside)
+
+    def _pick_in_order(self, route: AffinityRoute, now: float, exclude: Collection[str],
+                       avoid_groups: Collection[str]) -> str | None:
+        """The first fitting backend in the key's order (`AffinityRoute.choose`); the
+        primary's choice is counted as a hit or a spill."""
+        balancer, outside = self.pool.balancer, self.options.excluded
+        members = [n for n in balancer.names if n not in outside]
+        inflight = {n: balancer.inflight(n) for n in members}
+        chosen = route.choose(balancer.usable(now), inflight, members=members,
+                              exclude={*exclude, *outside}, avoid_groups=avoid_groups,
+                              groups=self.pool.groups)
+        if not self.attempts:
+            self.affinity = "spill" if chosen is None else route.outcome(chosen, members)
+        return chosen
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()

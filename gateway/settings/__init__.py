@@ -15,6 +15,7 @@ from gateway.settings.load import (
     parse_settings,
 )
 from gateway.settings.model import (
+    AffinitySettings,
     BackendSettings,
     BudgetSettings,
     DelaySettings,
@@ -30,6 +31,7 @@ from gateway.settings.model import (
 )
 
 __all__ = [
+    "AffinitySettings",
     "BackendSettings",
     "BudgetSettings",
     "ConfigError",

@@ -231,13 +231,16 @@ def load_settings(path: str | os.PathLike[str], env: Mapping[str, str] | None = 
 def default_settings() -> Settings:
     """What `serve` runs with no config: pool `demo` of three simulated backends in three
     zones, with the bench's "stragglers" latency (lognormal TTFT, median 150 ms, sigma 0.25, 3 %
-    stragglers +1.5 s, 30 tokens at 5 ms), so a newcomer sees hedges win offline with no keys.
+    stragglers +1.5 s, 30 tokens at 5 ms), so a newcomer sees hedges win offline with no keys;
+    60 ms of prefill per 1,000 uncached input tokens and a prefix cache per backend, so a long
+    conversation shows affinity at work (its turns stay on the backend that caches it).
     The initial hedge delay is 300 ms, not 500 ms, so hedges show up before the adaptive
     delay has its 20 samples. config/demo.yaml is the same thing as a file (a test checks)."""
 
     def simulated(name: str, group: str, seed: int) -> BackendSettings:
         profile = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.03,
-                             straggler_extra=1.5, tokens=30, inter_token=0.005, seed=seed)
+                             straggler_extra=1.5, tokens=30, inter_token=0.005, seed=seed,
+                             prefill_ms_per_1k=60.0)
         return BackendSettings(name=name, provider="sim", model="demo", group=group, sim=profile)
 
     backends = (simulated("sim-a", "zone-a", 1), simulated("sim-b", "zone-b", 2),

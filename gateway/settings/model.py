@@ -91,6 +91,21 @@ class HedgingSettings(Checked):
 
 
 @dataclass(frozen=True, slots=True)
+class AffinitySettings(Checked):
+    """Which backend a conversation's requests go to first: the one most likely to hold its
+    prefix in its prompt cache (most of a long prompt's time to first token is prefill)."""
+
+    enabled: bool = field(default=True, metadata=scalar(
+        cv.boolean, "false: this pool spreads every request by load alone"))
+    min_input_tokens: int = field(default=1024, metadata=scalar(
+        cv.integer(0), "shorter requests (estimated from the body size) get no key unless "
+        "the client sent one: balance matters more than a cache there"))
+    load_factor: float = field(default=1.25, metadata=scalar(
+        cv.number(1), "a conversation's backend takes it while its in-flight attempts are at "
+        "most this many times its share of the pool's, rounded up; else it spills over"))
+
+
+@dataclass(frozen=True, slots=True)
 class Timeouts(Checked):
     """The request limits and deadlines, per pool."""
 
@@ -152,6 +167,12 @@ class SimProfile(Checked):
         _probability, "share that fail in-band after a few tokens"))
     seed: int | None = field(default=None, metadata=scalar(
         cv.optional(cv.integer(0)), "integer >= 0 for a repeatable sequence; null: random"))
+    prefill_ms_per_1k: float = field(default=0.0, metadata=scalar(
+        cv.number(0), "milliseconds added to the TTFT per 1,000 input tokens (words) not in "
+        "this backend's prefix cache; 0: no prefill time and no cache"))
+    prefix_cache_entries: int = field(default=4096, metadata=scalar(
+        cv.integer(0), "message prefixes the backend's prompt cache holds (least recently "
+        "used go first)"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,6 +376,8 @@ class PoolSettings(Checked):
         HedgingSettings, "when and how often this pool sends extra attempts"))
     health: HealthSettings = field(default_factory=HealthSettings, metadata=section(
         HealthSettings, "ejection of failing backends"))
+    affinity: AffinitySettings = field(default_factory=AffinitySettings, metadata=section(
+        AffinitySettings, "keep a conversation's requests on the backend that caches it"))
 
     def _complete(self) -> None:
         if any(not backend.model for backend in self.backends):
@@ -441,8 +464,22 @@ class Settings(Checked):
     hedging_enabled: bool = field(default=True, metadata=scalar(
         cv.boolean, "global switch: false turns off delay-triggered hedges in every pool "
         "(failure replacements still happen)", key="hedging.enabled"))
+    #: the global affinity switch; a pool keeps conversations together only when both are on
+    affinity_enabled: bool = field(default=True, metadata=scalar(
+        cv.boolean, "global switch: false spreads every pool's requests by load alone",
+        key="affinity.enabled"))
 
-    groups: ClassVar[dict[str, str]] = {"hedging": "options for every pool"}
+    groups: ClassVar[dict[str, str]] = {"hedging": "options for every pool",
+                                        "affinity": "conversation affinity in every pool"}
+
+    def _complete(self) -> None:
+        # the global switch is folded into each pool here, once, so the request path reads a
+        # single flag and a reload carries the resolved value with the pool
+        if not self.affinity_enabled and any(p.affinity.enabled for p in self.pools):
+            self._set("pools", tuple(
+                dataclasses.replace(p, affinity=dataclasses.replace(p.affinity, enabled=False))
+                for p in self.pools
+            ))
 
     def _rules(self, at: At) -> Iterator[str]:
         yield from unique_names(self.pools, "pools", "pool name {!r}", at)

@@ -25,6 +25,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `hedges_suppressed_total` | counter | pool, reason | hedges/failovers not started |
 | `failovers_total` | counter | pool | replacement attempts after failures |
 | `panic_total` | counter | pool | requests whose backend choice ran in panic mode |
+| `affinity_total` | counter | pool, result | how affinity chose the primary: hit, spill, miss |
 | `refused_no_backend_total` | counter | pool | requests refused untried: no backend had room |
 | `losers_cancelled_total` | counter | pool | attempts cancelled because another won |
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
@@ -109,6 +110,8 @@ class GatewayCollector(Collector):
                               ["pool", "reason"])
         failovers = _counter("failovers", "Replacement attempts after failures.", ["pool"])
         panic = _counter("panic", "Requests whose backend choice ran in panic mode.", ["pool"])
+        affinity = _counter("affinity", "Requests by how conversation affinity chose the "
+                            "primary (hit, spill, miss).", ["pool", "result"])
         refused = _counter("refused_no_backend",
                            "Requests refused untried: no backend could take them.", ["pool"])
         losers = _counter("losers_cancelled", "Attempts cancelled because another won.",
@@ -140,6 +143,8 @@ class GatewayCollector(Collector):
                 suppressed.add_metric([pool, reason.value], c[f"suppressed.{reason.value}"])
             failovers.add_metric([pool], c["failovers"])
             panic.add_metric([pool], c["panic"])
+            for result in ("hit", "spill", "miss"):
+                affinity.add_metric([pool, result], c[f"affinity.{result}"])
             refused.add_metric([pool], c[f"outcome.{NoBackendAvailable.code}"])
             losers.add_metric([pool], c["losers"])
             late.add_metric([pool], c["late_events"])
@@ -158,8 +163,8 @@ class GatewayCollector(Collector):
                         failures.add_metric([pool, backend, key[8:]], value)
         bugs = _counter("internal_errors", "Exceptions of ours on the request path.", [])
         bugs.add_metric([], stats.internal_errors)
-        yield from (requests, routes, attempts, started, won, suppressed, failovers, panic, refused,
-                    losers, late, censored, failures, tokens, hedge_cost, bugs)
+        yield from (requests, routes, attempts, started, won, suppressed, failovers, panic,
+                    affinity, refused, losers, late, censored, failures, tokens, hedge_cost, bugs)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

@@ -278,6 +278,8 @@ class Stats:
         outcome = request_class(summary, self.error_classes)
         pc[f"outcome.{outcome}"] += 1
         pc["panic"] += summary.panic
+        if summary.affinity is not None:
+            pc[f"affinity.{summary.affinity}"] += 1
         pc["empty_answers"] += winner is not None and winner.empty
         self.races.add(summary, outcome)
         pc[f"route.{route_label(summary.endpoint)}"] += 1

@@ -38,6 +38,8 @@ class RequestSummary:
     panic: bool = False
     #: False for a read of stored state: no tokens, no TTFT samples (`LogicalRequest.metered`)
     metered: bool = True
+    #: how affinity chose the primary: "hit", "spill", "miss"; None when the pool has it off
+    affinity: str | None = None
 
     def attach(
         self,

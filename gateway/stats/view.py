@@ -48,6 +48,7 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `<scope>.latency_saved_ms.p50/p99` / `.count` | hedge won: primary's tokenless time at commit |
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
 | `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
+| `<scope>.affinity` | `hits`: primary first in its key's order; `spills`: a later one; `misses` |
 | `<scope>.empty_answers` | requests answered by a stream that ended normally without a token |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
@@ -212,6 +213,8 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             if k.startswith("outcome.") and k != "outcome.ok" and v > 0
         },
         "panic": c["panic"],
+        "affinity": {"hits": c["affinity.hit"], "spills": c["affinity.spill"],
+                     "misses": c["affinity.miss"]},
         "empty_answers": c["empty_answers"],
         "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
         "tokens": {

@@ -32,6 +32,7 @@ from gateway.errors import error_body
 from gateway.settings import SimProfile
 from gateway.wire.sse import encode_event
 from providers.base import Endpoint
+from providers.sim.cache import PrefixCache
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -59,6 +60,8 @@ class SimPlan:
     prompt_tokens: int = 0
     #: embeddings inputs, one string each (token lists as their JSON)
     inputs: tuple[str, ...] = ()
+    #: prompt tokens found in the backend's prefix cache (None: the profile has no cache)
+    cached_tokens: int | None = None
 
     @property
     def content(self) -> str:
@@ -96,6 +99,9 @@ class SimModel:
     def __init__(self, profile: SimProfile, rng: random.Random) -> None:
         self.profile = profile
         self._rng = rng
+        #: the backend's prompt cache, when the profile models prefill
+        self.cache = PrefixCache(profile.prefix_cache_entries) if profile.prefill_ms_per_1k > 0 \
+            else None
 
     def plan(self, body: Mapping[str, Any], *, ttft_override: float | None = None) -> SimPlan:
         p = self.profile
@@ -110,6 +116,11 @@ class SimModel:
             ttft = p.ttft_median * math.exp(p.ttft_sigma * z) if p.ttft_median > 0 else 0.0
             if u_straggler < p.straggler_probability:
                 ttft += p.straggler_extra
+        cached: int | None = None
+        if self.cache is not None:
+            prompt, cached = self.cache.lookup_and_store(body)
+            if ttft_override is None:  # an override is the whole TTFT, prefill included
+                ttft += p.prefill_ms_per_1k * (prompt - cached) / 1e6
 
         n = p.tokens
         for key in ("max_tokens", "max_completion_tokens"):
@@ -138,6 +149,7 @@ class SimModel:
             usage=p.usage or include_usage,
             prompt_tokens=_prompt_words(body),
             inputs=_embedding_inputs(body.get("input")),
+            cached_tokens=cached,
         )
 
 
@@ -182,12 +194,15 @@ _MARKER = "\x00"
 _MARKER_JSON = json.dumps(_MARKER).encode()
 
 
-def _usage(plan: SimPlan, completion_tokens: int) -> dict[str, int]:
-    return {
+def _usage(plan: SimPlan, completion_tokens: int) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": plan.prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": plan.prompt_tokens + completion_tokens,
     }
+    if plan.cached_tokens is not None:  # as OpenAI reports its prompt cache
+        usage["prompt_tokens_details"] = {"cached_tokens": plan.cached_tokens}
+    return usage
 
 
 async def sim_payloads(

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from gateway.settings import (
+    AffinitySettings,
     BackendSettings,
     BudgetSettings,
     DelaySettings,
@@ -158,8 +159,9 @@ def test_full_reference_lists_every_key() -> None:
 
     tree = yaml.safe_load((CONFIG_DIR / "full-reference.yaml").read_text())
     pool = tree["pools"][0]
-    assert set(tree) == {"server", "hedging", "pools"} == keys(Settings)
+    assert set(tree) == {"server", "hedging", "affinity", "pools"} == keys(Settings)
     assert set(tree["hedging"]) == set(yaml_layout(Settings)["hedging"])
+    assert set(tree["affinity"]) == set(yaml_layout(Settings)["affinity"])
     assert set(tree["server"]) == keys(ServerSettings)
     assert set(pool) == keys(PoolSettings)
     assert set(pool["timeouts"]) == keys(Timeouts)
@@ -167,6 +169,7 @@ def test_full_reference_lists_every_key() -> None:
     assert set(pool["hedging"]["delay"]) == keys(DelaySettings)
     assert set(pool["hedging"]["budget"]) == keys(BudgetSettings)
     assert set(pool["health"]) == keys(HealthSettings)
+    assert set(pool["affinity"]) == keys(AffinitySettings)
     cloud = {"region", "project", "aws", "google"}
     assert set(pool["backends"][0]) == keys(BackendSettings) - {"sim"} - cloud
     assert set(pool["backends"][1]["sim"]) == keys(SimProfile)
@@ -384,7 +387,7 @@ def test_unknown_key_suggests_the_close_one() -> None:
 
 def test_unknown_key_without_close_match_lists_keys() -> None:
     (message,) = errors("colour: blue\n" + MINIMAL)
-    assert message == "colour: unknown key; expected one of server, hedging, pools"
+    assert message == "colour: unknown key; expected one of server, hedging, affinity, pools"
 
 
 def test_bad_url() -> None:

@@ -1,0 +1,332 @@
+"""`hedge-gateway bench --workload conversations`: multi-turn conversations against simulated
+backends that prefill and cache prefixes.
+
+Why a workload of its own: real time to first token is mostly prefill of the input a backend
+has not cached, and a conversation resends its whole history every turn. Whether the gateway
+helps or hurts then depends on where each turn lands, which the single-request workloads
+cannot show. Every mode starts three fresh simulators (`hedge-gateway sim` with
+`--prefill-ms-per-1k`, so their prefix caches start empty) and plays the same seeded
+conversations:
+
+- `sticky`: no gateway; each conversation goes to one backend chosen by a hash of its id. The
+  anchor: what a client that keeps its conversations together gets.
+- `hedging-off`: through the gateway, hedging off (affinity on, as by default);
+- `hedging-on`: through the gateway with the default adaptive hedging;
+- `no-affinity`: hedging on, affinity off: the load-only selection the gateway had before,
+  for comparison.
+
+Each conversation has a size class (the tokens of each new user message: 200, 4,000 or
+30,000, a mix), a system prompt of `SYSTEM_TOKENS` and `turns` turns; each turn appends the
+assistant's answer and a new user message. A token is a 4-byte word ("tok "), so the body's
+size over 4 is its token count, as the gateway estimates it, and the simulator counts words.
+Per size class: TTFT p50 and p99 as the client sees them, the cache hit rate (later turns whose
+usage reports the whole previous turn's prompt as cached: the conversation's own prefix, not
+only the system prompt that every conversation shares), and per mode the extra input tokens
+that hedges sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import yaml
+
+from gateway.bench import servers
+from gateway.bench.procs import Children, free_port, wait_ready
+
+POOL = "bench"
+MODES = ("sticky", "hedging-off", "hedging-on", "no-affinity")
+#: new-message sizes (tokens) and their shares of the conversations
+SIZES: tuple[tuple[int, float], ...] = ((200, 0.5), (4000, 0.35), (30000, 0.15))
+SYSTEM_TOKENS = 1000
+BACKENDS = 3
+#: the simulators' profile: the stragglers workload plus 60 ms of prefill per 1k uncached tokens
+SIM_ARGS = ("--ttft-median-ms", "150", "--ttft-sigma", "0.25", "--straggler-probability",
+            "0.03", "--straggler-extra-ms", "1500", "--tokens", "30", "--inter-token-ms", "5",
+            "--prefill-ms-per-1k", "60")
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationPlan:
+    conversations: int = 48
+    turns: int = 4
+    seed: int = 1
+    #: seconds between the starts of two conversations (they then run concurrently)
+    stagger: float = 0.05
+    modes: tuple[str, ...] = MODES
+
+
+@dataclass(slots=True)
+class Turn:
+    conversation: int
+    index: int
+    size: int
+    ttft: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    backend: str = ""
+    error: str | None = None
+    #: the prompt tokens of this conversation's previous turn (0 for its first)
+    previous_prompt: int = 0
+
+    @property
+    def hit(self) -> bool:
+        """A later turn whose backend held the whole previous turn's prompt: the
+        conversation's own prefix, not only the system prompt every conversation shares."""
+        return self.index > 0 and self.previous_prompt > 0 and \
+            self.cached_tokens >= self.previous_prompt
+
+
+@dataclass(slots=True)
+class ModeResult:
+    mode: str
+    turns: list[Turn] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def words(n: int, tag: str) -> str:
+    """`n` tokens of text whose first word tells messages apart."""
+    return tag + " " + "tok " * max(0, n - 1)
+
+
+def size_classes(plan: ConversationPlan) -> list[int]:
+    """Each conversation's new-message size, seeded."""
+    rng = random.Random(plan.seed)
+    sizes, weights = zip(*SIZES, strict=True)
+    return [rng.choices(sizes, weights=weights)[0] for _ in range(plan.conversations)]
+
+
+def sticky_backend(conversation: int, backends: int) -> int:
+    digest = hashlib.blake2b(f"conversation-{conversation}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % backends
+
+
+def gateway_yaml(port: int, sim_ports: Sequence[int], hedging: bool,
+                 affinity: bool = True) -> str:
+    backends = [{"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
+                 "base_url": f"http://127.0.0.1:{p}/v1", "group": f"zone-{chr(97 + k)}"}
+                for k, p in enumerate(sim_ports)]
+    config = {"server": {"host": "127.0.0.1", "port": port}, "hedging": {"enabled": hedging},
+              "affinity": {"enabled": affinity},
+              "pools": [{"name": POOL, "backends": backends, "timeout": "120s",
+                         "timeouts": {"first_token": "120s"}}]}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+async def _stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                       turn: Turn) -> str:
+    """One streamed turn: its TTFT (to the first content), usage and answer text."""
+    text: list[str] = []
+    started = time.monotonic()
+    async with client.stream("POST", url, json=body) as response:
+        turn.backend = response.headers.get("x-hedge-backend", turn.backend)
+        if response.status_code != 200:
+            turn.error = f"status {response.status_code}"
+            await response.aread()
+            return ""
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if turn.ttft is None:
+                        turn.ttft = time.monotonic() - started
+                    text.append(piece)
+            usage = chunk.get("usage")
+            if usage:
+                turn.prompt_tokens = usage.get("prompt_tokens", 0)
+                details = usage.get("prompt_tokens_details") or {}
+                turn.cached_tokens = details.get("cached_tokens") or 0
+    return "".join(text)
+
+
+async def _conversation(client: httpx.AsyncClient, url: str, model: str, number: int,
+                        size: int, plan: ConversationPlan, out: list[Turn]) -> None:
+    await asyncio.sleep(number * plan.stagger)
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": words(SYSTEM_TOKENS, "system")},
+        {"role": "user", "content": words(size, f"c{number}t0")}]
+    previous = 0
+    for index in range(plan.turns):
+        turn = Turn(number, index, size, previous_prompt=previous)
+        out.append(turn)
+        body = {"model": model, "messages": messages,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            answer = await _stream_turn(client, url, body, turn)
+        except httpx.HTTPError as exc:
+            turn.error = type(exc).__name__
+            return
+        if turn.error is not None:
+            return
+        previous = turn.prompt_tokens
+        messages = [*messages, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": words(size, f"c{number}t{index + 1}")}]
+
+
+async def _start_sims(children: Children, client: httpx.AsyncClient, mode: str,
+                      seed: int) -> list[int]:
+    ports = [free_port() for _ in range(BACKENDS)]
+    procs = [children.start(f"sim-{mode}-{k}", [sys.executable, "-m", "gateway.cli", "sim",
+                                                 "--port", str(p), "--seed", str(seed + k),
+                                                 *SIM_ARGS])
+             for k, p in enumerate(ports)]
+    for port, proc in zip(ports, procs, strict=True):
+        await wait_ready(client, f"http://127.0.0.1:{port}/v1/models", proc, children)
+    return ports
+
+
+async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> ModeResult:
+    result = ModeResult(mode)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
+        ports = await _start_sims(children, client, mode, plan.seed)
+        gateway = None
+        if mode != "sticky":
+            port = free_port()
+            path = os.path.join(children.logdir, f"conversations-{mode}.yaml")
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(gateway_yaml(port, ports, hedging=mode != "hedging-off",
+                                        affinity=mode != "no-affinity"))
+            argv, env = servers.server_command(servers.OWN, path, port)
+            proc = children.start(f"gateway-conversations-{mode}", argv, env=env)
+            gateway = f"http://127.0.0.1:{port}"
+            await wait_ready(client, gateway + "/healthz", proc, children)
+        sizes = size_classes(plan)
+        started = time.monotonic()
+        tasks = []
+        for number, size in enumerate(sizes):
+            if gateway is None:
+                k = sticky_backend(number, BACKENDS)
+                url = f"http://127.0.0.1:{ports[k]}/v1/chat/completions"
+                label = f"sim-{chr(97 + k)}"
+            else:
+                url, label = gateway + "/v1/chat/completions", ""
+            own: list[Turn] = []
+            model = POOL if gateway is not None else "sim"
+            tasks.append((own, label,
+                          _conversation(client, url, model, number, size, plan, own)))
+        await asyncio.gather(*(t[2] for t in tasks))
+        result.seconds = time.monotonic() - started
+        for own, label, _ in tasks:
+            for turn in own:
+                turn.backend = turn.backend or label
+            result.turns.extend(own)
+        if gateway is not None:
+            await asyncio.sleep(0.5)  # the last requests' ends are recorded
+            stats = (await client.get(gateway + "/hedge/stats")).json()
+            result.stats = stats["pools"][POOL]["lifetime"]
+    children.close()  # the next mode starts with cold caches
+    return result
+
+
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summarize(result: ModeResult) -> dict[str, Any]:
+    """Per size class: turns, TTFT p50/p99 (ms), cache hit rate of later turns; per mode:
+    errors, input tokens, hedges and the extra input tokens hedges sent."""
+    classes: dict[str, Any] = {}
+    for size, _ in SIZES:
+        turns = [t for t in result.turns if t.size == size and t.error is None]
+        ttfts = [t.ttft * 1000 for t in turns if t.ttft is not None]
+        later = [t for t in turns if t.index > 0]
+        hits = sum(1 for t in later if t.hit)
+        classes[str(size)] = {
+            "turns": len(turns),
+            "ttft_p50_ms": _quantile(ttfts, 0.5), "ttft_p99_ms": _quantile(ttfts, 0.99),
+            "cache_hit_rate": hits / len(later) if later else None,
+        }
+    ok = [t for t in result.turns if t.error is None]
+    later = [t for t in ok if t.index > 0]
+    input_tokens = sum(t.prompt_tokens for t in ok)
+    extra = int(result.stats.get("tokens", {}).get("hedge_input", 0)) if result.stats else 0
+    hedges = result.stats.get("hedges", {}) if result.stats else {}
+    ttfts = [t.ttft * 1000 for t in ok if t.ttft is not None]
+    return {
+        "mode": result.mode,
+        "seconds": round(result.seconds, 1),
+        "turns": len(result.turns),
+        "errors": sum(1 for t in result.turns if t.error is not None),
+        "ttft_p50_ms": _quantile(ttfts, 0.5), "ttft_p99_ms": _quantile(ttfts, 0.99),
+        "cache_hit_rate": sum(1 for t in later if t.hit) / len(later) if later else None,
+        "cached_token_share": (sum(t.cached_tokens for t in ok) / input_tokens
+                               if input_tokens else None),
+        "input_tokens": input_tokens,
+        "extra_input_tokens": extra,
+        "extra_input_share": extra / input_tokens if input_tokens else None,
+        "hedges_started": hedges.get("started", 0), "hedges_won": hedges.get("won", 0),
+        "affinity": result.stats.get("affinity") if result.stats else None,
+        "classes": classes,
+        #: each turn: conversation, turn, size, TTFT ms, prompt and cached tokens, backend
+        "turns_detail": [[t.conversation, t.index, t.size,
+                          None if t.ttft is None else round(t.ttft * 1000, 1),
+                          t.prompt_tokens, t.cached_tokens, t.backend, t.error]
+                         for t in result.turns],
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f} %"
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per mode and size class, then one per mode with its totals."""
+    head = (f"{'mode':<12} {'class':>7} {'turns':>5} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'cache hit':>9}")
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        for size, c in row["classes"].items():
+            lines.append(f"{row['mode']:<12} {int(size):>7,} {c['turns']:>5} "
+                         f"{_ms(c['ttft_p50_ms']):>8} {_ms(c['ttft_p99_ms']):>8} "
+                         f"{_pct(c['cache_hit_rate']):>9}")
+        lines.append(f"{row['mode']:<12} {'all':>7} {row['turns'] - row['errors']:>5} "
+                     f"{_ms(row['ttft_p50_ms']):>8} {_ms(row['ttft_p99_ms']):>8} "
+                     f"{_pct(row['cache_hit_rate']):>9}")
+    lines.append("")
+    head2 = (f"{'mode':<12} {'errors':>6} {'input tok':>11} {'extra tok':>10} {'extra':>6} "
+             f"{'hedges':>6} {'won':>4} {'cached tok':>10} {'affinity hit/spill/miss':>24}"
+             f" {'secs':>5}")
+    lines += [head2, "-" * len(head2)]
+    for row in rows:
+        aff = row["affinity"]
+        affinity = "-" if not aff else f"{aff['hits']}/{aff['spills']}/{aff['misses']}"
+        lines.append(f"{row['mode']:<12} {row['errors']:>6} {row['input_tokens']:>11,} "
+                     f"{row['extra_input_tokens']:>10,} {_pct(row['extra_input_share']):>6} "
+                     f"{row['hedges_started']:>6} {row['hedges_won']:>4} "
+                     f"{_pct(row['cached_token_share']):>10} {affinity:>24} "
+                     f"{row['seconds']:>5}")
+    return "\n".join(lines)
+
+
+def run_conversations(plan: ConversationPlan) -> list[dict[str, Any]]:
+    """Every mode of `plan`, one after the other, each with fresh simulators."""
+    with tempfile.TemporaryDirectory(prefix="hedge-conversations-") as logdir:
+        children = Children(logdir)
+        try:
+            return [summarize(asyncio.run(_run_mode(plan, mode, children)))
+                    for mode in plan.modes]
+        finally:
+            children.close()

@@ -1,0 +1,66 @@
+"""The conversations workload's plan, config and report, with plain data (no processes)."""
+
+from __future__ import annotations
+
+import yaml
+
+from gateway.bench.conversations import (
+    ConversationPlan,
+    ModeResult,
+    Turn,
+    format_table,
+    gateway_yaml,
+    size_classes,
+    sticky_backend,
+    summarize,
+    words,
+)
+from gateway.settings import parse_settings
+
+
+def test_sizes_are_seeded_and_mixed() -> None:
+    plan = ConversationPlan(conversations=200, seed=3)
+    sizes = size_classes(plan)
+    assert sizes == size_classes(plan)
+    assert set(sizes) == {200, 4000, 30000}
+    assert sizes != size_classes(ConversationPlan(conversations=200, seed=4))
+
+
+def test_a_token_is_four_bytes_and_a_word() -> None:
+    text = words(1000, "c1t0")
+    assert len(text.split()) == 1000
+    assert abs(len(text) / 4 - 1000) < 5
+
+
+def test_the_sticky_client_keeps_a_conversation_on_one_backend_and_spreads_them() -> None:
+    assert sticky_backend(5, 3) == sticky_backend(5, 3)
+    assert {sticky_backend(n, 3) for n in range(30)} == {0, 1, 2}
+
+
+def test_the_gateway_config_loads() -> None:
+    for affinity in (True, False):
+        tree = yaml.safe_load(gateway_yaml(8080, [9001, 9002, 9003], hedging=True,
+                                           affinity=affinity))
+        pool = parse_settings(tree, {}).pools[0]
+        assert pool.backends[0].base_url == "http://127.0.0.1:9001/v1"
+        assert pool.affinity.enabled is affinity
+
+
+def test_summary_counts_hits_on_later_turns_and_the_extra_tokens() -> None:
+    turns = [Turn(0, 0, 200, 0.1, 1000, 0), Turn(0, 1, 200, 0.05, 1300, 1000,
+                                                 previous_prompt=1000),
+             Turn(1, 0, 200, 0.1, 1000, 0),
+             Turn(1, 1, 200, 0.2, 1300, 500, previous_prompt=1000),  # the system prompt only
+             Turn(2, 0, 4000, None, 0, 0, error="status 502")]
+    result = ModeResult("hedging-on", turns, {"tokens": {"hedge_input": 460},
+                                              "hedges": {"started": 1, "won": 0},
+                                              "affinity": {"hits": 4, "spills": 0,
+                                                           "misses": 0}})
+    row = summarize(result)
+    assert row["errors"] == 1
+    assert row["cache_hit_rate"] == 0.5
+    assert row["input_tokens"] == 4600 and row["extra_input_share"] == 0.1
+    assert row["classes"]["200"]["turns"] == 4
+    assert row["classes"]["4000"]["turns"] == 0
+    table = format_table([row])
+    assert "hedging-on" in table and "4/0/0" in table
