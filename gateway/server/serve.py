@@ -72,6 +72,15 @@ class GatewayServer(uvicorn.Server):
             if hangup:
                 loop.remove_signal_handler(signal.SIGHUP)
 
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        """Start, then let a SIGHUP through: a worker keeps SIGHUP blocked while it starts
+        (`gateway.server.supervisor.worker_signals`), so one the supervisor forwarded
+        meanwhile waits, pending, and is acted on here, with the app up, instead of being
+        lost while the worker still ran the old file. A no-op where it was never blocked."""
+        await super().startup(sockets=sockets)
+        if threading.current_thread() is threading.main_thread():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+
     def _hangup(self) -> None:
         """SIGHUP, run by the loop: reload, or say there is nothing to reload."""
         if self.drain.draining:

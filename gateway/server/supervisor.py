@@ -140,13 +140,23 @@ class WorkerPlan:
     build_app: AppFactory | None = None
 
 
-def _worker_main(plan: WorkerPlan, index: int) -> None:
-    """The body of one worker process (runs in the forked child)."""
+def worker_signals() -> None:
+    """A forked worker's signals, before it builds its app: SIGTERM and SIGINT as usual;
+    SIGHUP stays blocked (it was blocked across the fork) until the server has started and
+    its reload handler is in place (`GatewayServer.startup` unblocks it). A SIGHUP the
+    supervisor forwards while the worker starts is then pending, not ignored: ignoring it
+    left a worker that started during a reload on the old file, disagreeing with its
+    peers about the pools."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the server's own handler (reload)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def _worker_main(plan: WorkerPlan, index: int) -> None:
+    """The body of one worker process (runs in the forked child)."""
+    worker_signals()
     threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True,
                      name="hedge-gateway-orphan-watch").start()
     server = plan.settings.server

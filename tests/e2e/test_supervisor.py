@@ -117,3 +117,46 @@ def test_sighup_reloads_then_reaches_every_worker_and_sigterm_stops_them(
     # burst 10 split over 2 workers; after the reload to 20, a replacement gets 10
     assert marks == [["upburst=5.0", "hup", "upburst=10.0"], ["upburst=5.0", "hup"]]
     assert "worker 0" in out.getvalue() and "exited with status -9" in out.getvalue()
+
+
+#: a worker's start as `_worker_main` runs it, with a SIGHUP arriving before the server is up
+_HANGUP_WHILE_STARTING = """
+import os, signal, socket, sys
+from gateway.app import create_app
+from gateway.server.serve import build_server
+from gateway.server.supervisor import worker_signals
+from gateway.settings import BackendSettings, PoolSettings, ServerSettings, Settings
+
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})  # as across the supervisor's fork
+worker_signals()
+os.kill(os.getpid(), signal.SIGHUP)  # the supervisor forwards a reload: the app is not built
+server = ServerSettings(host="127.0.0.1", port=0, shutdown_grace=1.0)
+settings = Settings(pools=(PoolSettings("p", (BackendSettings("a", provider="sim"),)),),
+                    server=server)
+app = create_app(settings)
+runner = None
+
+def hangup():
+    print("reloaded", "started" if runner.started else "not started", flush=True)
+    runner.should_exit = True
+
+runner = build_server(app, server, app.state.drain, log_config=None, on_hangup=hangup)
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+runner.run(sockets=[sock])
+sys.exit(0 if runner.started else 3)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sighup_while_a_worker_starts_is_acted_on_once_it_has_started() -> None:
+    """A SIGHUP forwarded while a worker is still starting waits for the server's reload
+    handler instead of being ignored (which left that worker on the old file): the worker
+    reloads once, after it has started, and then (here) stops."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _HANGUP_WHILE_STARTING], capture_output=True,
+                          text=True, timeout=45)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["reloaded started"]
