@@ -601,7 +601,8 @@ def test_error_responses_carry_the_request_id(
             gateway.url("/v1/chat/completions"), json={"model": "nope", "messages": MESSAGES},
             headers={"x-request-id": "client-req-43"},
         )
-        generated = client.post(gateway.url("/v1/chat/completions"), content=b"[]")
+        generated = client.post(gateway.url("/v1/chat/completions"), content=b"[]",
+                                headers={"content-type": "application/json"})
         no_route = client.get(gateway.url("/v1/nowhere"))
         wrong_method = client.get(gateway.url("/v1/chat/completions"))
     assert (no_route.status_code, no_route.json()["error"]["code"]) == (404, "not_found")

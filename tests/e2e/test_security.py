@@ -215,6 +215,21 @@ def test_a_body_that_is_not_json_by_content_type_gets_415(
     untouched(upstream, attacker)
 
 
+def test_a_body_without_a_content_type_gets_415(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """A page's `fetch` of an untyped Blob posts with no content type and no preflight: that
+    is refused too, not read as JSON."""
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    request = httpx.Request("POST", gateway.v1 + "/chat/completions",
+                            content=json.dumps(GOOD).encode())
+    assert "content-type" not in request.headers  # httpx declares no type for raw bytes
+    with httpx.Client(timeout=5.0) as client:
+        reply = client.send(request)
+    assert_openai_error(reply, 415, "unsupported_media_type")
+    untouched(upstream, attacker)
+
+
 def test_json_with_a_charset_parameter_is_accepted(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
