@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from gateway.settings.parse import Invalid, Parser
 
 #: the metadata key under which a field keeps its `Spec`
-SPEC = "hedge_gateway.spec"
+FIELD_KEY = "hedge_gateway.field"
 #: turns a key relative to one settings object into the path shown in a message
 At = Callable[[str], str]
 
@@ -56,24 +56,24 @@ class Spec:
 def scalar(parse: Parser[Any], doc: str, *, key: str | None = None,
            default_shown: bool = True) -> Mapping[str, Spec]:
     """The metadata of a scalar field: `field(default=..., metadata=scalar(parser, "doc"))`."""
-    return {SPEC: Spec(doc, parse=parse, key=key, default_shown=default_shown)}
+    return {FIELD_KEY: Spec(doc, parse=parse, key=key, default_shown=default_shown)}
 
 
 def section(cls: type[Checked], doc: str) -> Mapping[str, Spec]:
     """The metadata of a field that holds a nested settings object."""
-    return {SPEC: Spec(doc, section=cls)}
+    return {FIELD_KEY: Spec(doc, section=cls)}
 
 
 def items(cls: type[Checked], item_name: str, doc: str) -> Mapping[str, Spec]:
     """The metadata of a field that holds a tuple of settings objects, at least one."""
-    return {SPEC: Spec(doc, items=cls, item_name=item_name)}
+    return {FIELD_KEY: Spec(doc, items=cls, item_name=item_name)}
 
 
 def specs(cls: type[Any]) -> list[tuple[dataclasses.Field[Any], Spec]]:
     """Every field of a settings class with its spec, in the order a file writes them: the
     fields' order, except that lists of entries (`pools`, `backends`) come last, after the
     short keys. Messages ("expected one of ...", errors in file order) and the schema follow it."""
-    pairs = [(f, f.metadata[SPEC]) for f in dataclasses.fields(cls)]
+    pairs = [(f, f.metadata[FIELD_KEY]) for f in dataclasses.fields(cls)]
     return sorted(pairs, key=lambda pair: pair[1].items is not None)
 
 
