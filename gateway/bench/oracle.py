@@ -42,7 +42,7 @@ class SingleHedge:
 
 
 def _rank(sorted_values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (as `gateway.bench.report.quantile`)."""
+    """Linear interpolation between closest ranks (as `gateway.bench.rows.quantile`)."""
     pos = q * (len(sorted_values) - 1)
     low = math.floor(pos)
     high = min(low + 1, len(sorted_values) - 1)

@@ -42,9 +42,8 @@ from typing import Any, TextIO
 
 import httpx
 import uvloop
-import yaml
 
-from gateway.bench import report, servers, speed
+from gateway.bench import report, rows, servers, speed
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
 from gateway.bench.oracle import best_single_hedge, share_targets
 from gateway.bench.procs import (
@@ -55,20 +54,24 @@ from gateway.bench.procs import (
     pin_tree,
     wait_ready,
 )
+from gateway.bench.subject import (
+    POOL,
+    baseline_env,
+    counted_requests,
+    counted_stats,
+    gateway_config,
+    sim_logs,
+)
 from gateway.bench.upstream import profile_to_json, request_ttft
 from gateway.bench.workloads import Workload
 from gateway.settings import BudgetSettings
-
-POOL = "bench"
-
-
 
 
 @dataclass(frozen=True, slots=True)
 class BenchPlan:
     workloads: tuple[Workload, ...]
     seed: int = 1
-    modes: tuple[str, ...] = report.MODES
+    modes: tuple[str, ...] = rows.MODES
     #: where the progress bar goes (None: nowhere)
     progress: TextIO | None = None
     #: where each workload's table is printed as soon as it is done (None: nowhere)
@@ -85,24 +88,6 @@ class BenchPlan:
     #: how many times each workload runs, seed after seed: one run's p99 is one draw, and
     #: the spread over several says whether a cut holds every time or only on a good seed
     repeat: int = 1
-
-
-def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
-                   delay_window: float | None = None,
-                   max_concurrent_requests: int | None = None) -> str:
-    backends = [
-        {"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
-         "base_url": f"http://127.0.0.1:{p}/v1", "group": f"zone-{chr(97 + k)}"}
-        for k, p in enumerate(sim_ports)
-    ]
-    server: dict[str, Any] = {"host": "127.0.0.1", "port": port}
-    if max_concurrent_requests is not None:
-        server["max_concurrent_requests"] = max_concurrent_requests
-    pool: dict[str, Any] = {"name": POOL, "backends": backends}
-    if delay_window is not None:
-        pool["hedging"] = {"delay": {"window": delay_window}}
-    config = {"server": server, "hedging": {"enabled": hedging}, "pools": [pool]}
-    return yaml.safe_dump(config, sort_keys=False)
 
 
 def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
@@ -125,15 +110,6 @@ class _Context:
     sim_pids: list[int]
     pinning: speed.Pinning
     quick: bool = False
-
-
-def baseline_env(src: str) -> tuple[dict[str, str], str]:
-    """The environment and working directory that make `python -m gateway.cli` import the
-    checkout at `src`: both, since `-m` puts the working directory first on `sys.path`, before
-    `PYTHONPATH` (with only the variable, a bench started from this checkout ran its own code
-    as the baseline)."""
-    root = os.path.abspath(src)
-    return {"PYTHONPATH": root}, root
 
 
 async def _start_gateway(ctx: _Context, mode: str, workload: Workload
@@ -160,71 +136,6 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
     proc = ctx.children.start(f"gateway-{mode}", argv, env=env, cwd=cwd,
                               cpus=(*ctx.pinning.gateway, *ctx.pinning.others))
     return f"http://127.0.0.1:{port}", proc
-
-
-async def _hedge_stats(client: httpx.AsyncClient, base: str) -> object:
-    """The gateway's `/hedge/stats` document, or None when it has none."""
-    try:
-        response = await client.get(f"{base}/hedge/stats", timeout=5.0)
-        return response.json() if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def _requests(stats: object) -> int:
-    """Lifetime requests of the bench pool in a `/hedge/stats` document (0 without one)."""
-    try:
-        return int(stats["pools"][POOL]["lifetime"]["requests"])  # type: ignore[index]
-    except (TypeError, KeyError, ValueError):
-        return 0
-
-
-def _has_count(stats: object) -> bool:
-    """Whether a `/hedge/stats` document counts the bench pool's requests at all (another
-    checkout's gateway may not, and must not be waited for)."""
-    try:
-        return isinstance(stats["pools"][POOL]["lifetime"]["requests"], int)  # type: ignore[index]
-    except (TypeError, KeyError):
-        return False
-
-
-async def _counted_stats(client: httpx.AsyncClient, base: str, expect: int | None,
-                         workers: int, wait: float = 5.0) -> object:
-    """The gateway's stats once they count `expect` requests and, with workers, list every
-    worker (each publishes every 0.5 s); after `wait` seconds as they are. A request is
-    counted after its answer and its losers' reaping, so this is also the moment the
-    gateway is done with them: a poll, where a fixed pause either wasted time or was short."""
-    deadline = time.monotonic() + wait
-    while True:
-        stats = await _hedge_stats(client, base)
-        counted = expect is None or not _has_count(stats) or _requests(stats) >= expect
-        listed = workers <= 1 or (isinstance(stats, dict)
-                                  and len(stats.get("workers", [])) >= workers)
-        if (counted and listed) or time.monotonic() > deadline:
-            return stats
-        await asyncio.sleep(0.05 if workers <= 1 else 0.2)
-
-
-async def _sim_logs(client: httpx.AsyncClient, sims: Sequence[str], mode: str,
-                    requests: int) -> list[Any]:
-    """Every simulator's request log after a pass, once it has settled: an entry for each
-    measured request, and no new entry over the last 50 ms. An entry lands when its request
-    ends at the simulator, and a loser's when the simulator sees its close (it watches for
-    the disconnect, so within milliseconds of it; a gateway's losers are closed before
-    `_counted_stats` returns, the oracle's before the pass ends). At most 0.5 s: a fixed
-    0.3 s pause per mode was 4 s of a quick run."""
-    deadline = time.monotonic() + 0.5
-    previous = -1
-    while True:
-        logs = [(await client.get(f"{s}/bench/log")).json() for s in sims]
-        entries = sum(1 for entry in logs for item in entry["log"]
-                      if str(item[0]).startswith("bench-"))
-        one_each = entries >= requests
-        if ((one_each and (mode == "direct" or entries == previous))
-                or time.monotonic() > deadline):
-            return logs
-        previous = entries
-        await asyncio.sleep(0.05)
 
 
 def warm_or(body: dict[str, Any], index: int) -> dict[str, Any]:
@@ -282,7 +193,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
 
     async def after_warmup() -> None:
         if gateway is not None:  # the warm-up's last requests counted (with workers, published)
-            baseline.append(await _counted_stats(client, gateway[0], warmed, ctx.plan.workers,
+            baseline.append(await counted_stats(client, gateway[0], warmed, ctx.plan.workers,
                                                  wait=2.0))
         meters.append(ProcessMeter(pids, trees=("gateway",)))
         samplers.append(asyncio.create_task(meters[0].sample_until(done)))
@@ -307,11 +218,11 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     processes = meters[0].result()
     hedge_stats = None
     if gateway is not None:  # counted: answered, and the losers closed
-        hedge_stats = await _counted_stats(client, gateway[0],
-                                           _requests(baseline[0]) + len(samples),
+        hedge_stats = await counted_stats(client, gateway[0],
+                                           counted_requests(baseline[0]) + len(samples),
                                            ctx.plan.workers)
-    logs = await _sim_logs(client, sims, mode, len(samples))
-    row = report.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
+    logs = await sim_logs(client, sims, mode, len(samples))
+    row = rows.summarize_mode(mode, samples, wall, [entry["log"] for entry in logs],
                                 hedge_stats=hedge_stats,
                                 hedge_stats_before=baseline[0] if baseline else None,
                                 pool=POOL, process=processes.get("gateway"),
@@ -325,7 +236,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     row["hedge_stats"] = hedge_stats
     if gateway is not None:  # the gateway's own count of the measured requests, all workers
         row["gateway_counted"] = {
-            "requests": _requests(hedge_stats) - _requests(baseline[0]),
+            "requests": counted_requests(hedge_stats) - counted_requests(baseline[0]),
             "workers": len(hedge_stats.get("workers", [])) if isinstance(hedge_stats, dict)
             else None}
     progress.finish(f"ok {row['ok']}, errors {row['errors']}, "

@@ -24,7 +24,8 @@ from typing import Any
 
 from gateway.bench import judge
 from gateway.bench.load import Sample
-from gateway.bench.report import TTFT_QUANTILES, quantile, ttft_estimate
+from gateway.bench.report import ttft_estimate
+from gateway.bench.rows import TTFT_QUANTILES, quantile
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 
 from gateway.bench import run as bench
-from gateway.bench.report import (
-    MODES,
-)
+from gateway.bench.rows import MODES
 from gateway.bench.workloads import Workload
 from gateway.settings import SimProfile
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.bench.oracle import best_single_hedge, format_shares, share_targets
-from gateway.bench.run import gateway_config
+from gateway.bench.subject import gateway_config
 from gateway.bench.workloads import WORKLOAD_GROUPS, WORKLOADS
 
 

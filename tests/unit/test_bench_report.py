@@ -17,15 +17,12 @@ from gateway.bench.load import Sample, is_content_token
 from gateway.bench.report import (
     compare,
     format_workload,
-    gateway_hedges,
     outage_phases,
     paired_added_ms,
     public,
-    quantile,
-    summarize_mode,
     targets,
-    upstream_view,
 )
+from gateway.bench.rows import gateway_hedges, quantile, summarize_mode, upstream_view
 from gateway.bench.upstream import Outage, profile_from_json, profile_to_json, request_ttft
 from gateway.settings import BudgetSettings, SimProfile
 

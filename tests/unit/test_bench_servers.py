@@ -13,7 +13,8 @@ import pytest
 from gateway.app import CONFIG_ENV, app_from_env
 from gateway.bench import servers
 from gateway.bench.commands import run_bench_command
-from gateway.bench.run import BenchPlan, baseline_env, plan_modes
+from gateway.bench.run import BenchPlan, plan_modes
+from gateway.bench.subject import baseline_env
 from gateway.bench.workloads import WORKLOADS
 from gateway.cli import build_parser
 from gateway.settings import ConfigError
