@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from gateway.settings import parse as cv
+from gateway.settings import upstream as uv
 from gateway.settings.fields import At, Checked, items, scalar, section
 
 MiB = 1024 * 1024
@@ -258,10 +259,10 @@ class BackendSettings(Checked):
         "no query; openai appends /chat/completions, anthropic /v1/messages; bedrock and "
         "vertex derive it from region", default_shown=False))
     region: str | None = field(default=None, metadata=scalar(
-        cv.optional(cv.cloud_region), "bedrock and vertex (required): us-east-1, "
+        cv.optional(uv.cloud_region), "bedrock and vertex (required): us-east-1, "
         "europe-west1, global (vertex)", default_shown=False))
     project: str | None = field(default=None, metadata=scalar(
-        cv.optional(cv.cloud_project), "vertex (required): the Google Cloud project id",
+        cv.optional(uv.cloud_project), "vertex (required): the Google Cloud project id",
         default_shown=False))
     aws: AwsSettings | None = field(default=None, metadata=section(
         AwsSettings, "bedrock's AWS credentials; absent: the standard chain"))
@@ -276,18 +277,18 @@ class BackendSettings(Checked):
             "x-api-key (anthropic's default), none", default_shown=False))
     #: "" until `_complete` fills in the provider's own default
     anthropic_version: str = field(default="", metadata=scalar(
-        cv.version, "anthropic: the anthropic-version header (default 2023-06-01); bedrock, "
+        uv.version, "anthropic: the anthropic-version header (default 2023-06-01); bedrock, "
         "vertex: the body's anthropic_version (default bedrock-2023-05-31, "
         "vertex-2023-10-16)", default_shown=False))
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
-        cv.headers, "static request headers {name: value}; ${VAR} allowed; never logged"))
+        uv.headers, "static request headers {name: value}; ${VAR} allowed; never logged"))
     query: tuple[tuple[str, str], ...] = field(default=(), repr=False, metadata=scalar(
-        cv.query, "static query parameters {name: value} (classic Azure's api-version); "
+        uv.query, "static query parameters {name: value} (classic Azure's api-version); "
         "never logged (some APIs take a key there)"))
     tls: TlsSettings = field(default_factory=TlsSettings, metadata=section(
         TlsSettings, "certificate checks of this upstream"))
     proxy: str | None = field(default=None, repr=False, metadata=scalar(
-        cv.optional(cv.proxy_url), "an egress proxy URL for this upstream; null: none"))
+        cv.optional(uv.proxy_url), "an egress proxy URL for this upstream; null: none"))
     trust_env: bool = field(default=False, metadata=scalar(
         cv.boolean, "true: also read HTTP(S)_PROXY, NO_PROXY and SSL_CERT_FILE from the "
         "environment"))
