@@ -26,9 +26,10 @@ from gateway.api.chat import build_router
 from gateway.api.common import gateway_error_response, install_error_handlers
 from gateway.api.end import report_bug
 from gateway.api.keys import KeyRing
+from gateway.api.messages import build_messages_router
 from gateway.api.ops import build_ops_router
-from gateway.api.protocols import build_protocol_router
 from gateway.api.proxy import Proxy
+from gateway.api.responses import build_responses_router
 from gateway.clock import Clock, monotonic
 from gateway.dashboard import PerSecond, build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain
@@ -291,7 +292,8 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(build_router(settings, live, proxy, fast, api_keys))
-    app.include_router(build_protocol_router(settings, live, proxy, fast, keys=api_keys))
+    app.include_router(build_responses_router(settings, live, proxy, fast, keys=api_keys))
+    app.include_router(build_messages_router(settings, live, proxy, fast, keys=api_keys))
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
     #: the per-second caches of /hedge/series and /hedge/races (their `builds` count)
     app.state.ops_caches = (PerSecond(), PerSecond())

@@ -1,6 +1,6 @@
 """The inference routes, in one table: method, path, route, whether it streams, error shape.
 
-The routers (`gateway.api.chat`, `gateway.api.protocols`) register these routes and the
+The routers (`gateway.api.chat`, `.responses`, `.messages`) register these routes and the
 error handler answers them in the shape given here (`gateway.api.common.protocol_for_path`);
 `tests/unit/test_inference_routes.py` checks that the app serves exactly this table, and the
 route matrix (`tests/e2e/test_route_matrix.py`) is generated from it: a new inference route

@@ -127,11 +127,14 @@ class Step:
 
 STEPS = (
     Step("body read", _patch(("gateway.api.chat", "read_body", _araise),
-                             ("gateway.api.protocols", "read_body", _araise))),
+                             ("gateway.api.responses", "read_body", _araise),
+                             ("gateway.api.messages", "read_body", _araise))),
     Step("body parse", _patch(("gateway.api.chat", "parse_body", _raise),
-                              ("gateway.api.protocols", "parse_body", _raise))),
+                              ("gateway.api.responses", "parse_body", _raise),
+                              ("gateway.api.messages", "parse_body", _raise))),
     Step("validation", _patch(("gateway.api.chat", "check_body", _raise),
-                              ("gateway.api.protocols", "check_body", _raise))),
+                              ("gateway.api.responses", "check_body", _raise),
+                              ("gateway.api.messages", "check_body", _raise))),
     Step("pool lookup", _break_pool_lookup),
     Step("eligibility", _patch(("gateway.api.proxy", "excluded_backends", _raise))),
     Step("admission", _patch(("gateway.api.proxy.Admission", "enter", _raise))),

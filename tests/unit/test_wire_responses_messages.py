@@ -366,6 +366,6 @@ def test_relay_passes_named_events_through_unparsed() -> None:
     ({"store": False, "background": False}, False),
 ])
 def test_responses_store_rules(body: dict[str, object], stateful: bool) -> None:
-    from gateway.api.protocols import responses_stateful
+    from gateway.api.responses import responses_stateful
 
     assert responses_stateful(body) is stateful

@@ -1,12 +1,10 @@
-"""The Responses API and Anthropic Messages endpoints.
+"""The Responses API routes: create, and the operations on a stored response.
 
 Like `gateway.api.chat`, these only read and check a request and hand a `LogicalRequest` to the
-proxy; what differs per route is the `WireProtocol` (first token, end, error shapes), the
-Responses store rules (hedge only a `"store": false` request that carries no stored state), and
-the response ids that name the backend holding a response (`gateway.api.stored`): minted into
-what the gateway relays, verified and translated back to the upstream's id on a follow-up.
-Errors under /v1/messages take Anthropic's shape (`gateway.api.common.error_response` chooses by
-path), and the gateway key may come there as `x-api-key` as well as Bearer.
+proxy; what differs is the `WireProtocol` (first token, end, error shapes), the store rules
+(hedge only a `"store": false` request that carries no stored state), and the response ids
+that name the backend holding a response (`gateway.api.stored`): minted into what the gateway
+relays, verified and translated back to the upstream's id on a follow-up.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import hmac
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -23,7 +20,6 @@ from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
 from gateway.api.common import (
-    Guard,
     check_json_type,
     make_auth_guard,
     read_body,
@@ -45,8 +41,6 @@ from gateway.errors import ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
-from gateway.wire.base import WireProtocol
-from gateway.wire.messages import COUNT_TOKENS, MESSAGES
 from gateway.wire.named import Rewrite
 from gateway.wire.responses import RESPONSES, RESPONSES_ITEM, response_id_of
 from gateway.wire.sse import SSEEvent
@@ -56,8 +50,6 @@ from providers.base import Endpoint
 _RESPONSE_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_ID_CHARS}}}")
 #: client query parameters of `GET /v1/responses/{id}/input_items` passed upstream
 _ITEM_QUERY = ("after", "before", "limit", "order", "include", "include[]")
-#: client headers passed upstream on /v1/messages (the beta features it asks for)
-_MESSAGES_FORWARD = ("anthropic-beta",)
 
 
 def responses_stateful(body: Mapping[str, Any]) -> bool:
@@ -71,14 +63,14 @@ def responses_stateful(body: Mapping[str, Any]) -> bool:
     )
 
 
-def build_protocol_router(
+def build_responses_router(
     settings: Settings,
     live: Live,
     proxy: Proxy,
     fast: FastRoutes,
     keys: KeyRing | None = None,
 ) -> APIRouter:
-    """The Responses and Messages routes. Like `gateway.api.chat.build_router`, the pools
+    """The Responses routes. Like `gateway.api.chat.build_router`, the pools
     are read from `live` once per request (a reload never changes a running request's rules);
     a stored response whose pool or backend a reload removed is unknown from then on. The
     inference routes go into `fast` too (`gateway.api.asgi`) and check the key themselves.
@@ -87,7 +79,6 @@ def build_protocol_router(
     ids = ResponseIds(settings.server.response_id_secret or generate_secret())
     ring = keys if keys is not None else KeyRing(settings.server.api_keys)
     bearer = make_auth_guard(ring)
-    either = make_auth_guard(ring, x_api_key=True)
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
@@ -137,35 +128,27 @@ def build_protocol_router(
 
         return on_commit
 
-    async def inference(request: Request, endpoint: Endpoint, protocol: WireProtocol,
-                        needs: str | None, guard: Guard) -> Response:
+    async def inference(request: Request, endpoint: Endpoint, needs: str | None) -> Response:
         if ring.digests:
-            await guard(request)
+            await bearer(request)
         body = await read_json(request)
         model, stream = check_body(body, needs_prompt=needs)
         pool = pool_of(model)
-        headers = headers_of(request)
-        req = LogicalRequest(request_id_of(request), endpoint, body, stream, headers,
-                             protocol=protocol)
-        if endpoint == "responses":
-            pinned = translated = None
-            binding = binding_of(request)
-            previous = body.get("previous_response_id")
-            if previous is not None:
-                ref = find(previous, binding)
-                if ref is None or ref.pool != pool.settings.name:
-                    raise ResponseNotFound(f"no response {str(previous)[:200]!r} is known "
-                                           "to this gateway", param="previous_response_id")
-                pinned, translated = ref.backend, (ref.upstream_id, str(previous))
-                body = {**body, "previous_response_id": ref.upstream_id}
-            req = _with(req, body=body, stateful=responses_stateful(body), pinned=pinned,
-                        on_commit=minting(pool.settings.name, stream, binding, translated))
-        elif endpoint == "messages":
-            forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
-            req = _with(req, forward_headers=forward)
-        elif endpoint == "messages/count_tokens":
-            forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
-            req = _with(req, single=True, forward_headers=forward)
+        pinned = translated = None
+        binding = binding_of(request)
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            ref = find(previous, binding)
+            if ref is None or ref.pool != pool.settings.name:
+                raise ResponseNotFound(f"no response {str(previous)[:200]!r} is known "
+                                       "to this gateway", param="previous_response_id")
+            pinned, translated = ref.backend, (ref.upstream_id, str(previous))
+            body = {**body, "previous_response_id": ref.upstream_id}
+        req = LogicalRequest(
+            request_id_of(request), endpoint, body, stream, headers_of(request),
+            protocol=RESPONSES, stateful=responses_stateful(body), pinned=pinned,
+            on_commit=minting(pool.settings.name, stream, binding, translated),
+        )
         return await proxy.handle(request, pool, req)
 
     async def stored(request: Request, response_id: str, method: str, suffix: str) -> Response:
@@ -195,12 +178,10 @@ def build_protocol_router(
     delete = route("DELETE", "/v1/responses/{response_id}")
     cancel = route("POST", "/v1/responses/{response_id}/cancel")
     items = route("GET", "/v1/responses/{response_id}/input_items")
-    messages_route = route("POST", "/v1/messages")
-    count = route("POST", "/v1/messages/count_tokens")
 
     @fast.post(router, create.path)
     async def responses(request: Request) -> Response:
-        return await inference(request, create.endpoint, RESPONSES, create.prompt, bearer)
+        return await inference(request, create.endpoint, create.prompt)
 
     @router.get(retrieve.path, dependencies=[Depends(bearer)])
     async def get_response(request: Request, response_id: str) -> Response:
@@ -218,20 +199,7 @@ def build_protocol_router(
     async def input_items(request: Request, response_id: str) -> Response:
         return await stored(request, response_id, items.method, "/input_items")
 
-    @fast.post(router, messages_route.path)
-    async def messages(request: Request) -> Response:
-        return await inference(request, messages_route.endpoint, MESSAGES,
-                               messages_route.prompt, either)
-
-    @fast.post(router, count.path)
-    async def count_tokens(request: Request) -> Response:
-        return await inference(request, count.endpoint, COUNT_TOKENS, count.prompt, either)
-
     return router
-
-
-def _with(req: LogicalRequest, **changes: Any) -> LogicalRequest:
-    return replace(req, **changes)
 
 
 def _bearer_key(request: Request) -> str:

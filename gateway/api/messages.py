@@ -1,0 +1,72 @@
+"""The Anthropic Messages routes: `/v1/messages` and `/v1/messages/count_tokens`.
+
+Like `gateway.api.chat`, these only read and check a request and hand a `LogicalRequest` to the
+proxy; what differs is the `WireProtocol` (first token, end, error shapes: Anthropic's, which
+`gateway.api.common.error_response` chooses by path), the beta features the client asks for
+(`anthropic-beta`, passed upstream), and the gateway key, which may come as `x-api-key` as well
+as Bearer. Counting tokens is one attempt, never hedged.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.api.asgi import FastRoutes
+from gateway.api.common import check_json_type, make_auth_guard, read_body, request_id_of
+from gateway.api.inference import route
+from gateway.api.keys import KeyRing
+from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.errors import ModelNotFound
+from gateway.hedge.generation import Live
+from gateway.settings import Settings
+from gateway.wire.messages import COUNT_TOKENS, MESSAGES
+from gateway.wire.validate import check_body, parse_body
+from providers.base import Endpoint
+
+#: client headers passed upstream on /v1/messages (the beta features it asks for)
+_MESSAGES_FORWARD = ("anthropic-beta",)
+
+
+def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
+                          keys: KeyRing | None = None) -> APIRouter:
+    """The Messages routes. Like `gateway.api.chat.build_router`, the pools are read from
+    `live` once per request (a reload never changes a running request's rules); the routes go
+    into `fast` too (`gateway.api.asgi`) and check the key themselves."""
+    ring = keys if keys is not None else KeyRing(settings.server.api_keys)
+    guard = make_auth_guard(ring, x_api_key=True)
+    router = APIRouter()
+    limit = settings.server.max_body_bytes
+
+    async def inference(request: Request, endpoint: Endpoint, needs: str | None, *,
+                        single: bool) -> Response:
+        if ring.digests:
+            await guard(request)
+        check_json_type(request)
+        body = parse_body(await read_body(request, limit))
+        model, stream = check_body(body, needs_prompt=needs)
+        pool = live.current.pools.get(model)
+        if pool is None:
+            raise ModelNotFound(
+                "the model does not exist in this gateway; GET /v1/models lists them",
+                param="model",
+            )
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
+        req = LogicalRequest(request_id_of(request), endpoint, body, stream, headers,
+                             protocol=COUNT_TOKENS if single else MESSAGES, single=single,
+                             forward_headers=forward)
+        return await proxy.handle(request, pool, req)
+
+    create = route("POST", "/v1/messages")
+    count = route("POST", "/v1/messages/count_tokens")
+
+    @fast.post(router, create.path)
+    async def messages(request: Request) -> Response:
+        return await inference(request, create.endpoint, create.prompt, single=False)
+
+    @fast.post(router, count.path)
+    async def count_tokens(request: Request) -> Response:
+        return await inference(request, count.endpoint, count.prompt, single=True)
+
+    return router
