@@ -16,7 +16,8 @@ from gateway.api.asgi import FastRoutes
 from gateway.api.common import check_json_type, make_auth_guard, read_body, request_id_of
 from gateway.api.inference import route
 from gateway.api.keys import KeyRing
-from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.api.proxy import Proxy
+from gateway.api.request import LogicalRequest
 from gateway.errors import ModelNotFound
 from gateway.hedge.generation import Live
 from gateway.settings import Settings

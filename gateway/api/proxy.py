@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -24,6 +22,15 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway.api.end import AnswerThen, RequestEnd, report_bug
+from gateway.api.request import (
+    Admission,
+    LogicalRequest,
+    affinity_applies,
+    affinity_route,
+    excluded_backends,
+    header_seconds,
+    hedge_refusal,
+)
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
@@ -31,132 +38,28 @@ from gateway.errors import (
     GatewayError,
     InternalError,
     Overloaded,
-    RouteNotServed,
     UpstreamRejectedRequest,
     UpstreamStatusError,
 )
-from gateway.hedge.affinity import AffinityRoute, route_for
 from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
-from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import AttemptRunner, Race, RaceOptions, RaceResult
 from gateway.hedge.relay import relay
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
-from gateway.wire.base import RelayOutcome, StreamEnd, WireProtocol
-from gateway.wire.chat import CHAT
+from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.named import Rewrite, named_encoder
-from gateway.wire.sse import SSEEvent
 from gateway.wire.usage import ask_for_usage, body_usage
-from providers.base import Endpoint, UpstreamCall
+from providers.base import UpstreamCall
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
     from gateway.stats.tracing import RequestTrace, Tracing
 
 
-@dataclass(frozen=True, slots=True)
-class LogicalRequest:
-    request_id: str
-    endpoint: Endpoint
-    body: Mapping[str, Any]
-    stream: bool
-    headers: Mapping[str, str]
-    #: the route's wire rules: first token, end of stream, error shapes
-    protocol: WireProtocol = CHAT
-    #: delay-triggered hedges refused by the route's own rule (the Responses store rules)
-    stateful: bool = False
-    #: one backend at a time, not hedged and not counted as refused (count_tokens)
-    single: bool = False
-    #: the only backend this request may use (the one holding its stored response)
-    pinned: str | None = None
-    #: upstream call details beyond the body (method, path, query, passed-through headers)
-    method: str = "POST"
-    path: str | None = None
-    query: tuple[tuple[str, str], ...] = ()
-    forward_headers: Mapping[str, str] = field(default_factory=dict)
-    #: called once at commit with the winner's backend and buffered events; what it returns
-    #: rewrites the named events it lists and a whole body (the Responses API's response id)
-    on_commit: Callable[[str, list[SSEEvent]], Rewrite | None] | None = None
-    #: False for a read of stored state (a stored response, its cancel): its body repeats a
-    #: past generation's usage and its quick answer is no time to first token, so it counts
-    #: no tokens and feeds neither the TTFT quantiles nor the hedge-delay trackers
-    metered: bool = True
-
-
 #: statuses of the one backend holding a stored response that answer the client as they are
 #: (a 401 or 429 there says nothing about the client's request: those stay a 502)
 PINNED_ANSWERS = frozenset({400, 404, 409, 422})
-
-
-class Admission:
-    """The process-wide cap on concurrent logical requests."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-
-    def enter(self) -> None:
-        # retryable (no `x-should-retry: false`): SDKs come back after the pause
-        if self.active >= self.limit:
-            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
-        self.active += 1
-
-    def leave(self) -> None:
-        self.active -= 1
-
-
-def _header_seconds(headers: Mapping[str, str], name: str) -> float | None:
-    raw = headers.get(name)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
-    return value if value > 0 and math.isfinite(value) else None
-
-
-def hedge_refusal(pool: PoolRuntime, req: LogicalRequest) -> SuppressReason | None:
-    """Why delay-triggered hedges are off for this request, or None."""
-    if not pool.hedging_enabled:
-        return SuppressReason.DISABLED
-    if req.headers.get("x-hedge", "").lower() == "off":
-        return SuppressReason.DISABLED
-    if req.body.get("store") is True or "idempotency-key" in req.headers or req.stateful:
-        return SuppressReason.DISABLED
-    return None
-
-
-def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
-    """The pool's backends this request may not use: those whose provider does not serve its
-    route, and all but the pinned one. RouteNotServed (404) when none is left."""
-    excluded = frozenset(
-        b.name for b in pool.settings.backends
-        if req.endpoint not in pool.providers[b.name].serves
-        or (req.pinned not in (None, b.name))
-    )
-    if len(excluded) == len(pool.settings.backends):
-        raise RouteNotServed(
-            f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
-        )
-    return excluded
-
-
-def affinity_applies(pool: PoolRuntime, req: LogicalRequest) -> bool:
-    """Affinity is on for the pool and the request may go to more than one backend."""
-    return pool.settings.affinity.enabled and req.pinned is None and not req.single
-
-
-def affinity_route(pool: PoolRuntime, req: LogicalRequest) -> AffinityRoute | None:
-    """The request's conversation key and order over the pool (`gateway.hedge.affinity`), or
-    None: affinity does not apply (`affinity_applies`), or the request has no key."""
-    settings = pool.settings.affinity
-    if not affinity_applies(pool, req):
-        return None
-    weights = [(b.name, b.weight) for b in pool.settings.backends]
-    return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
-                     load_factor=settings.load_factor)
 
 
 class Proxy:
@@ -184,7 +87,7 @@ class Proxy:
         if req.stream:
             limits.append(pool.settings.timeouts.first_token)
         for name in ("x-request-timeout", "x-stainless-read-timeout"):
-            seconds = _header_seconds(req.headers, name)
+            seconds = header_seconds(req.headers, name)
             if seconds is not None:
                 limits.append(seconds)
         return start + min(limits)

@@ -27,7 +27,8 @@ from gateway.api.common import (
 )
 from gateway.api.inference import route
 from gateway.api.keys import KeyRing
-from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.api.proxy import Proxy
+from gateway.api.request import LogicalRequest
 from gateway.api.stored import (
     MAX_ID_CHARS,
     RESPONSE_OBJECT_EVENTS,

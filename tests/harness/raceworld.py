@@ -21,7 +21,8 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.api.proxy import Proxy
+from gateway.api.request import LogicalRequest
 from gateway.drain import Drain
 from gateway.errors import (
     AllAttemptsFailed,

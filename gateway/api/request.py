@@ -1,0 +1,123 @@
+"""One logical request, and the rules read from it before its race.
+
+What a route hands the proxy (`LogicalRequest`: the body, the route's wire rules, the upstream
+call details, the commit hook), and the decisions made from it and the pool alone, before any
+attempt: may it be hedged, which backends may serve it, its conversation key and backend order,
+a header's timeout. The process-wide admission cap is here too: the first thing a request meets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import Overloaded, RouteNotServed
+from gateway.hedge.affinity import AffinityRoute, route_for
+from gateway.hedge.budget import SuppressReason
+from gateway.hedge.pool import PoolRuntime
+from gateway.wire.base import WireProtocol
+from gateway.wire.chat import CHAT
+from gateway.wire.named import Rewrite
+from gateway.wire.sse import SSEEvent
+from providers.base import Endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalRequest:
+    request_id: str
+    endpoint: Endpoint
+    body: Mapping[str, Any]
+    stream: bool
+    headers: Mapping[str, str]
+    #: the route's wire rules: first token, end of stream, error shapes
+    protocol: WireProtocol = CHAT
+    #: delay-triggered hedges refused by the route's own rule (the Responses store rules)
+    stateful: bool = False
+    #: one backend at a time, not hedged and not counted as refused (count_tokens)
+    single: bool = False
+    #: the only backend this request may use (the one holding its stored response)
+    pinned: str | None = None
+    #: upstream call details beyond the body (method, path, query, passed-through headers)
+    method: str = "POST"
+    path: str | None = None
+    query: tuple[tuple[str, str], ...] = ()
+    forward_headers: Mapping[str, str] = field(default_factory=dict)
+    #: called once at commit with the winner's backend and buffered events; what it returns
+    #: rewrites the named events it lists and a whole body (the Responses API's response id)
+    on_commit: Callable[[str, list[SSEEvent]], Rewrite | None] | None = None
+    #: False for a read of stored state (a stored response, its cancel): its body repeats a
+    #: past generation's usage and its quick answer is no time to first token, so it counts
+    #: no tokens and feeds neither the TTFT quantiles nor the hedge-delay trackers
+    metered: bool = True
+
+
+class Admission:
+    """The process-wide cap on concurrent logical requests."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def enter(self) -> None:
+        # retryable (no `x-should-retry: false`): SDKs come back after the pause
+        if self.active >= self.limit:
+            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+def header_seconds(headers: Mapping[str, str], name: str) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value > 0 and math.isfinite(value) else None
+
+
+def hedge_refusal(pool: PoolRuntime, req: LogicalRequest) -> SuppressReason | None:
+    """Why delay-triggered hedges are off for this request, or None."""
+    if not pool.hedging_enabled:
+        return SuppressReason.DISABLED
+    if req.headers.get("x-hedge", "").lower() == "off":
+        return SuppressReason.DISABLED
+    if req.body.get("store") is True or "idempotency-key" in req.headers or req.stateful:
+        return SuppressReason.DISABLED
+    return None
+
+
+def excluded_backends(pool: PoolRuntime, req: LogicalRequest) -> frozenset[str]:
+    """The pool's backends this request may not use: those whose provider does not serve its
+    route, and all but the pinned one. RouteNotServed (404) when none is left."""
+    excluded = frozenset(
+        b.name for b in pool.settings.backends
+        if req.endpoint not in pool.providers[b.name].serves
+        or (req.pinned not in (None, b.name))
+    )
+    if len(excluded) == len(pool.settings.backends):
+        raise RouteNotServed(
+            f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
+        )
+    return excluded
+
+
+def affinity_applies(pool: PoolRuntime, req: LogicalRequest) -> bool:
+    """Affinity is on for the pool and the request may go to more than one backend."""
+    return pool.settings.affinity.enabled and req.pinned is None and not req.single
+
+
+def affinity_route(pool: PoolRuntime, req: LogicalRequest) -> AffinityRoute | None:
+    """The request's conversation key and order over the pool (`gateway.hedge.affinity`), or
+    None: affinity does not apply (`affinity_applies`), or the request has no key."""
+    settings = pool.settings.affinity
+    if not affinity_applies(pool, req):
+        return None
+    weights = [(b.name, b.weight) for b in pool.settings.backends]
+    return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
+                     load_factor=settings.load_factor)
