@@ -63,13 +63,10 @@ from gateway.hedge.attempt import (
 )
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.delay import HedgeDelay, min_useful
+from gateway.hedge.losers import Losers
 from gateway.hedge.pool import PoolRuntime
 
 log = logging.getLogger("hedge_gateway.race")
-
-#: how long the race waits for cancelled attempts to finish closing before it gives up on them
-REAP_TIMEOUT = 5.0
-
 
 @dataclass(slots=True)
 class RaceResult:
@@ -81,17 +78,6 @@ class RaceResult:
 
 
 AttemptRunner = Callable[[str, AttemptRecord], Coroutine[Any, Any, Prefix]]
-
-def _close_timer(
-    record: AttemptRecord, clock: Clock, cancelled_at: float
-) -> Callable[[asyncio.Future[Any]], None]:
-    """A done-callback that stores how long a cancelled attempt took to close (stats)."""
-
-    def done(_task: asyncio.Future[Any]) -> None:
-        record.close_s = max(0.0, clock() - cancelled_at)
-
-    return done
-
 
 @dataclass(slots=True)
 class RaceOptions:
@@ -123,7 +109,6 @@ class Race:
     attempts: list[AttemptRecord] = field(default_factory=list)
     suppressed: list[SuppressReason] = field(default_factory=list)
     _tasks: dict[asyncio.Task[Prefix], AttemptRecord] = field(default_factory=dict)
-    _losers: list[asyncio.Future[Any]] = field(default_factory=list)
     _reasons: list[str] = field(default_factory=list)
     _failures: list[UpstreamError] = field(default_factory=list)
     committed: bool = False
@@ -141,6 +126,11 @@ class Race:
     _streaming: AttemptRecord | None = None
     #: the first complete answer without a token, relayed if no running attempt yields one
     _kept: tuple[asyncio.Task[Prefix], AttemptRecord] | None = None
+    #: the attempts let go, until `aclose` has waited for them to close
+    _losers: Losers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._losers = Losers(self.clock)
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
@@ -454,10 +444,7 @@ class Race:
             if had_token:
                 self._close_prefix(task, record, cancelled_at)
                 continue
-            task.cancel()  # the runner closes its upstream, shielded (attempt.close_quietly)
-            if not task.done():
-                task.add_done_callback(_close_timer(record, self.clock, cancelled_at))
-            self._losers.append(task)
+            self._losers.cancel(task, record, cancelled_at)
         self._tasks.clear()
 
     def _drop_kept(self) -> None:
@@ -473,10 +460,8 @@ class Race:
     def _close_prefix(
         self, task: asyncio.Task[Prefix], record: AttemptRecord, cancelled_at: float
     ) -> None:
-        """Close a loser that holds a token, in a task the race owns and `aclose` reaps."""
-        closer = asyncio.ensure_future(task.result().aclose())
-        closer.add_done_callback(_close_timer(record, self.clock, cancelled_at))
-        self._losers.append(closer)
+        """Close a loser that holds a token, in a task `aclose` reaps."""
+        self._losers.close_prefix(task, record, cancelled_at)
 
     async def aclose(self) -> None:
         """At the request's end: give back the winner's backend slot, and wait (bounded) for
@@ -484,9 +469,4 @@ class Race:
         if self._streaming is not None:
             self.pool.balancer.on_finish(self._streaming.backend, probe=self._streaming.probe)
             self._streaming = None
-        losers, self._losers = self._losers, []
-        if losers:
-            await asyncio.wait(losers, timeout=REAP_TIMEOUT)
-            for task in losers:  # a loser's own failure while closing is no news: retrieve it
-                if task.done() and not task.cancelled():
-                    task.exception()
+        await self._losers.reap()
