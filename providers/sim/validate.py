@@ -278,11 +278,16 @@ def _anthropic(body: Mapping[str, Any], *, count: bool) -> Iterator[Rejection]:
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             yield Rejection("stream: Input should be a valid boolean")
-    yield from _anthropic_messages(body.get("messages"))
+    thread = body.get("thread")
+    continues = isinstance(thread, Mapping) and thread.get("type") == "continue"
+    yield from _anthropic_messages(body.get("messages"), continues=continues)
     yield from _anthropic_tools(body)
 
 
-def _anthropic_messages(messages: object) -> Iterator[Rejection]:
+def _anthropic_messages(messages: object, *, continues: bool) -> Iterator[Rejection]:
+    """The messages; on a `thread` continuation (the server holds the earlier turns; this
+    simulator pretends to, answering from the turn it is sent) the first message may answer
+    calls made in a turn the request does not repeat."""
     if messages is None:
         yield Rejection("messages: Field required")
         return
@@ -309,7 +314,8 @@ def _anthropic_messages(messages: object) -> Iterator[Rejection]:
         blocks = [b for b in content if isinstance(b, Mapping)] \
             if isinstance(content, list) else []
         for j, block in enumerate(blocks):
-            if block.get("type") == "tool_result" and block.get("tool_use_id") not in uses:
+            if block.get("type") == "tool_result" and block.get("tool_use_id") not in uses \
+                    and not (continues and i == 0):
                 yield Rejection(
                     f"messages.{i}.content.{j}: unexpected `tool_use_id` found in "
                     f"`tool_result` blocks: {block.get('tool_use_id')}. Each `tool_result` "

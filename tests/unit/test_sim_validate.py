@@ -160,6 +160,11 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
                   {"type": "web_search_20250305", "name": "web_search"}],
         "tool_choice": {"type": "auto"}}),
     ("messages/count_tokens", {"model": "m", "messages": HI}),
+    # a thread's next turn: the server holds the turn whose call this result answers
+    ("messages", {"model": "m", "max_tokens": 8, "thread": {
+        "type": "continue", "previous_message_id": "msg_1"}, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "x"}]}]}),
     ("responses/item", {}),
 ]
 
