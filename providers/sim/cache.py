@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from providers.sim.prompt import Segment, prompt_tokens
 
 
-def _prefixes(parts: Sequence[Segment]) -> list[tuple[bytes, int]]:
+def _prefixes(parts: Sequence[Segment], scope: str) -> list[tuple[bytes, int]]:
     """(chained hash, cumulative tokens) of each prefix of the segments, tokens counted as
-    the usage numbers count them (`providers.sim.prompt`)."""
+    the usage numbers count them (`providers.sim.prompt`), the chain started from `scope`."""
     out: list[tuple[bytes, int]] = []
-    digest, tokens = b"", 0
+    digest, tokens = scope.encode(), 0
     for part in parts:
         tokens += part.tokens
         digest = hashlib.blake2b(digest + part.role.encode("utf-8", "surrogatepass") + b"\x00" +
@@ -46,12 +46,14 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup_and_store(self, parts: Sequence[Segment]) -> tuple[int, int]:
+    def lookup_and_store(self, parts: Sequence[Segment], scope: str = "") -> tuple[int, int]:
         """(prompt tokens, of which cached) for a request's prompt segments, then store its
-        prefixes (the backend now holds this prompt). An empty prompt caches nothing."""
+        prefixes (the backend now holds this prompt). An empty prompt caches nothing.
+        `scope` keeps the prompts of different APIs apart: each renders its messages into a
+        prompt of its own, so the same words sent to another API share no cached prefix."""
         if not parts or self.capacity <= 0:
             return prompt_tokens(parts), 0
-        prefixes = _prefixes(parts)
+        prefixes = _prefixes(parts, scope)
         cached = 0
         for digest, tokens in reversed(prefixes):
             if digest in self._entries:

@@ -163,7 +163,7 @@ class SimModel:
         if self.cache is not None:
             cached = 0
             if endpoint in _PREFILLS and parts:
-                prompt, cached = self.cache.lookup_and_store(parts)
+                prompt, cached = self.cache.lookup_and_store(parts, api)
             if ttft_override is None:  # an override is the whole TTFT, prefill included
                 ttft += p.prefill_ms_per_1k * (prompt - cached) / 1e6
 

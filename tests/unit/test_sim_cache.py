@@ -81,6 +81,8 @@ def test_every_api_caches_its_own_prompt_shape() -> None:
                                      "output": words(5, "o")}]}
     assert cache.lookup_and_store(segments(responses, "responses")) == (18, 0)
     assert cache.lookup_and_store(segments(later, "responses")) == (18 + 1 + 5, 18)
+    # each API renders its own prompt: the same segments under another API's scope miss
+    assert cache.lookup_and_store(segments(later, "responses"), "chat") == (24, 0)
 
 
 def model(prefill_ms: float) -> SimModel:
