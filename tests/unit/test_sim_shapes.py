@@ -7,6 +7,7 @@ plans come from `SimModel`, a fake sleep records the delays."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import random
 import struct
@@ -343,7 +344,7 @@ async def test_cached_tokens_are_anthropic_s_cache_reads() -> None:
 @pytest.mark.parametrize("endpoint", ["chat/completions", "responses", "messages"])
 async def test_a_hanging_tool_call_sends_only_the_scaffolding(endpoint: str) -> None:
     plan = plan_of(endpoint, body(endpoint, tools=True))
-    hung = SimPlan(**{**{f: getattr(plan, f) for f in plan.__slots__}, "hang": True})
+    hung = dataclasses.replace(plan, hang=True)
     events = await stream(endpoint, hung)
     protocol = PROTOCOLS[endpoint]
     assert events and all(protocol.classify(e) is Kind.OTHER for _, e in events)
@@ -352,8 +353,7 @@ async def test_a_hanging_tool_call_sends_only_the_scaffolding(endpoint: str) -> 
 @pytest.mark.parametrize("endpoint", ["chat/completions", "responses", "messages"])
 async def test_a_tool_call_fails_midstream_after_its_first_token(endpoint: str) -> None:
     plan = plan_of(endpoint, body(endpoint, tools=True))
-    failing = SimPlan(**{**{f: getattr(plan, f) for f in plan.__slots__},
-                         "midstream_error_after": 2})
+    failing = dataclasses.replace(plan, midstream_error_after=2)
     kinds = [PROTOCOLS[endpoint].classify(e) for _, e in await stream(endpoint, failing)]
     assert Kind.TOKEN in kinds and kinds[-1] is Kind.ERROR
     assert kinds.index(Kind.TOKEN) < kinds.index(Kind.ERROR)
