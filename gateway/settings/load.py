@@ -233,7 +233,9 @@ def default_settings() -> Settings:
     zones, with the bench's "stragglers" latency (lognormal TTFT, median 150 ms, sigma 0.25, 3 %
     stragglers +1.5 s, 30 tokens at 5 ms), so a newcomer sees hedges win offline with no keys;
     60 ms of prefill per 1,000 uncached input tokens and a prefix cache per backend, so a long
-    conversation shows affinity at work (its turns stay on the backend that caches it).
+    conversation shows affinity at work (its turns stay on the backend that caches it). The
+    simulators speak every route as the real APIs do: a request that offers tools gets a call
+    to one (with arguments that fit its schema), so an agent can be tried against the demo.
     The initial hedge delay is 300 ms, not 500 ms, so hedges show up before the adaptive
     delay has its 20 samples. config/demo.yaml is the same thing as a file (a test checks)."""
 

@@ -31,7 +31,8 @@ _LEADING_TYPE = re.compile(rb'\s*\{\s*"type"\s*:\s*"([A-Za-z0-9_.]{1,80})"')
 #: event names that report a failure: relayed as they are, and the stream is over
 ERROR_NAMES = frozenset({b"error", b"response.failed"})
 #: the events that report token usage: read once each, by name, never per delta
-USAGE_NAMES = frozenset({b"response.completed", b"message_start", b"message_delta"})
+USAGE_NAMES = frozenset({b"response.completed", b"response.incomplete", b"message_start",
+                         b"message_delta"})
 #: every name the relay acts on, in both APIs (the fallback's default)
 WATCHED = ERROR_NAMES | USAGE_NAMES | frozenset(
     {b"response.completed", b"response.incomplete", b"message_stop"})

@@ -12,8 +12,8 @@ comparisons, not a parse per event.
 
 Shapes read (`usage_of`): OpenAI chat and legacy completions (`usage.prompt_tokens`,
 `usage.completion_tokens`), the Responses API (`response.usage.input_tokens`/`output_tokens`
-in `response.completed`) and Anthropic Messages (`message.usage` in `message_start`,
-`usage.output_tokens` in `message_delta`).
+in `response.completed` or `response.incomplete`) and Anthropic Messages (`message.usage` in
+`message_start`, `usage.output_tokens` in `message_delta`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ PURE = (
     "gateway.wire.usage",
     "gateway.api.stored",
     "gateway.server.workers",
+    "providers.sim.cache",
+    "providers.sim.prompt",
+    "providers.sim.schema",
+    "providers.sim.tools",
+    "providers.sim.validate",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 

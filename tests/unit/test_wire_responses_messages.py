@@ -348,6 +348,21 @@ def test_relay_ends_whatever_the_key_order_of_a_nameless_end_event() -> None:
     assert end == "client_gone"  # a nested `type` is no end
 
 
+@pytest.mark.parametrize("end", ["response.completed", "response.incomplete"])
+def test_the_usage_of_a_finished_response_is_read_complete_or_cut(end: str) -> None:
+    """A response cut by `max_output_tokens` ends with `response.incomplete`, and its tokens
+    were paid for as much as a completed one's: the relay reads the usage of both."""
+    wire = b"".join([
+        named("response.output_text.delta", {"delta": "a"}),
+        named(end, {"response": {"id": "r", "object": "response", "status": end[9:],
+                                 "usage": {"input_tokens": 7, "output_tokens": 16}}}),
+    ])
+    outcome = RelayOutcome()
+    named_encoder(RESPONSES)(SSEDecoder().feed(wire), "req_1", outcome)
+    assert outcome.end == "done"
+    assert outcome.usage is not None and (outcome.usage.input, outcome.usage.output) == (7, 16)
+
+
 def test_relay_passes_named_events_through_unparsed() -> None:
     """After commit the payload is never parsed: even one that is not JSON goes through as
     it came (with its name), and only a name ends the stream."""
