@@ -34,6 +34,8 @@ PURE = (
     "gateway.wire.usage",
     "gateway.api.stored",
     "gateway.server.workers",
+    "gateway.stats.loggable",
+    "gateway.settings.hidden",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 
