@@ -29,9 +29,10 @@ from gateway.api.common import (
     read_body,
     request_id_of,
 )
-from gateway.api.inference import route
+from gateway.api.inference import InferenceRoute, route
 from gateway.api.keys import KeyRing
 from gateway.api.proxy import LogicalRequest, Proxy
+from gateway.api.refusals import note_model
 from gateway.api.stored import (
     MAX_ID_CHARS,
     RESPONSE_OBJECT_EVENTS,
@@ -51,7 +52,6 @@ from gateway.wire.named import Rewrite
 from gateway.wire.responses import RESPONSES, RESPONSES_ITEM, response_id_of
 from gateway.wire.sse import SSEEvent
 from gateway.wire.validate import check_body, parse_body
-from providers.base import Endpoint
 
 _RESPONSE_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_ID_CHARS}}}")
 #: client query parameters of `GET /v1/responses/{id}/input_items` passed upstream
@@ -137,16 +137,18 @@ def build_protocol_router(
 
         return on_commit
 
-    async def inference(request: Request, endpoint: Endpoint, protocol: WireProtocol,
-                        needs: str | None, guard: Guard) -> Response:
+    async def inference(request: Request, entry: InferenceRoute, protocol: WireProtocol,
+                        guard: Guard) -> Response:
         if ring.digests:
             await guard(request)
         body = await read_json(request)
-        model, stream = check_body(body, needs_prompt=needs)
+        logged_model = note_model(request.scope, body, live.current.hidden)
+        model, stream = check_body(body, needs_prompt=entry.prompt)
         pool = pool_of(model)
         headers = headers_of(request)
+        endpoint = entry.endpoint
         req = LogicalRequest(request_id_of(request), endpoint, body, stream, headers,
-                             protocol=protocol)
+                             protocol=protocol, route=entry.path, model=logged_model)
         if endpoint == "responses":
             pinned = translated = None
             binding = binding_of(request)
@@ -168,7 +170,8 @@ def build_protocol_router(
             req = _with(req, single=True, forward_headers=forward)
         return await proxy.handle(request, pool, req)
 
-    async def stored(request: Request, response_id: str, method: str, suffix: str) -> Response:
+    async def stored(request: Request, entry: InferenceRoute, response_id: str, suffix: str
+                     ) -> Response:
         """A stored response's operation, sent to the backend that made it under the id that
         backend gave it; its answer carries the client's id again. Not a generation: no
         tokens, no latency samples (`metered`)."""
@@ -184,9 +187,9 @@ def build_protocol_router(
                             IdRewriter([(ref.upstream_id, response_id)]))
         req = LogicalRequest(
             request_id_of(request), "responses/item", {}, False, headers_of(request),
-            protocol=RESPONSES_ITEM, single=True, pinned=ref.backend, method=method,
+            protocol=RESPONSES_ITEM, single=True, pinned=ref.backend, method=entry.method,
             path=f"responses/{quote(ref.upstream_id, safe='')}{suffix}", query=query,
-            on_commit=lambda _backend, _events: rewrite, metered=False,
+            on_commit=lambda _backend, _events: rewrite, metered=False, route=entry.path,
         )
         return await proxy.handle(request, pool, req)
 
@@ -200,32 +203,31 @@ def build_protocol_router(
 
     @fast.post(router, create.path)
     async def responses(request: Request) -> Response:
-        return await inference(request, create.endpoint, RESPONSES, create.prompt, bearer)
+        return await inference(request, create, RESPONSES, bearer)
 
     @router.get(retrieve.path, dependencies=[Depends(bearer)])
     async def get_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, retrieve.method, "")
+        return await stored(request, retrieve, response_id, "")
 
     @router.delete(delete.path, dependencies=[Depends(bearer)])
     async def delete_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, delete.method, "")
+        return await stored(request, delete, response_id, "")
 
     @router.post(cancel.path, dependencies=[Depends(bearer)])
     async def cancel_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, cancel.method, "/cancel")
+        return await stored(request, cancel, response_id, "/cancel")
 
     @router.get(items.path, dependencies=[Depends(bearer)])
     async def input_items(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, items.method, "/input_items")
+        return await stored(request, items, response_id, "/input_items")
 
     @fast.post(router, messages_route.path)
     async def messages(request: Request) -> Response:
-        return await inference(request, messages_route.endpoint, MESSAGES,
-                               messages_route.prompt, either)
+        return await inference(request, messages_route, MESSAGES, either)
 
     @fast.post(router, count.path)
     async def count_tokens(request: Request) -> Response:
-        return await inference(request, count.endpoint, COUNT_TOKENS, count.prompt, either)
+        return await inference(request, count, COUNT_TOKENS, either)
 
     return router
 
