@@ -18,7 +18,7 @@ conversations:
 Each conversation has a size class (the tokens of each new user message: 200, 4,000 or
 30,000, a mix), a system prompt of `SYSTEM_TOKENS` and `turns` turns; each turn appends the
 assistant's answer and a new user message. A token is a 4-byte word ("tok "), so the body's
-size over 4 is its token count, as the gateway estimates it, and the simulator counts words.
+size over 4 is its token count, as the gateway estimates it and the simulator counts it.
 Per size class: TTFT p50 and p99 as the client sees them, the cache hit rate (later turns whose
 usage reports the whole previous turn's prompt as cached: the conversation's own prefix, not
 only the system prompt that every conversation shares), and per mode the extra input tokens

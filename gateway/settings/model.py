@@ -168,8 +168,8 @@ class SimProfile(Checked):
     seed: int | None = field(default=None, metadata=scalar(
         cv.optional(cv.integer(0)), "integer >= 0 for a repeatable sequence; null: random"))
     prefill_ms_per_1k: float = field(default=0.0, metadata=scalar(
-        cv.number(0), "milliseconds added to the TTFT per 1,000 input tokens (words) not in "
-        "this backend's prefix cache; 0: no prefill time and no cache"))
+        cv.number(0), "milliseconds added to the TTFT per 1,000 input tokens (about 4 bytes "
+        "of text each) not in this backend's prefix cache; 0: no prefill time and no cache"))
     prefix_cache_entries: int = field(default=4096, metadata=scalar(
         cv.integer(0), "message prefixes the backend's prompt cache holds (least recently "
         "used go first)"))

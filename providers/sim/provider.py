@@ -1,8 +1,10 @@
 """The simulator as an in-process provider: `SimProvider`, no sockets, same wire content.
 
-Plans and bytes come from `providers.sim.wire` (shared with the loopback server,
-`providers.sim.server`); this module only plays them out as `UpstreamStream`s inside the
-gateway's event loop, with delays that an `aclose` from another task can cut short.
+Plans come from `providers.sim.wire` and bytes from each API's module, shared with the loopback
+server (`providers.sim.server`); this module only plays them out as `UpstreamStream`s inside
+the gateway's event loop, with delays that an `aclose` from another task can cut short. A
+request the real API would refuse (`providers.sim.validate`) fails with status 400, as it
+would over HTTP.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from gateway.settings import BackendSettings, SimProfile
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import ENDPOINTS, UpstreamCall, UpstreamStream
 from providers.sim import protocols
+from providers.sim.chat import sim_payloads, sim_response
+from providers.sim.validate import check_request
 from providers.sim.wire import (
     TTFT_HEADER,
     SimModel,
@@ -25,8 +29,6 @@ from providers.sim.wire import (
     Sleep,
     parse_ttft_override,
     retry_after_for,
-    sim_payloads,
-    sim_response,
     wire_json,
 )
 
@@ -154,7 +156,9 @@ class SimProvider:
             override = parse_ttft_override(call.extra_headers.get(TTFT_HEADER))
         except ValueError:
             raise UpstreamStatusError.of(400) from None
-        plan = self.model.plan(call.body, ttft_override=override)
+        if check_request(call.endpoint, call.body) is not None:  # what the real API refuses
+            raise UpstreamStatusError.of(400)
+        plan = self.model.plan(call.body, endpoint=call.endpoint, ttft_override=override)
         if plan.status != 200:
             raise UpstreamStatusError.of(plan.status, retry_after=retry_after_for(plan.status))
         created = int(time.time())

@@ -3,9 +3,10 @@
 It takes a parsed `SimProfile`; the command line that describes one is `gateway.cli`'s.
 
 Integration tests and benchmarks need an upstream with real sockets, real framing and real
-disconnects; this serves the same plans and bytes (`providers.sim.wire`) as the in-process
-`SimProvider` (`providers.sim`). Each event is flushed as soon as it is produced, so TTFT on the
-wire is the plan's TTFT.
+disconnects; this serves the same plans and bytes (`providers.sim.wire`, each API's module)
+as the in-process `SimProvider` (`providers.sim`). Each event is flushed as soon as it is
+produced, so TTFT on the wire is the plan's TTFT. A request the real API would refuse gets its
+400 in the route's shape (`providers.sim.validate`).
 
 Per-request TTFT override: header ``x-sim-ttft-ms: <float>`` (deterministic tests and
 benchmarks; never a body field, since bodies are also forwarded to real upstreams).
@@ -35,19 +36,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import error_body
 from gateway.settings import SimProfile
 from gateway.wire.sse import encode_event
 from providers.base import Endpoint
 from providers.sim import protocols
+from providers.sim.chat import sim_events, sim_response
+from providers.sim.validate import Rejection, check_request, error_answer
 from providers.sim.wire import (
     TTFT_HEADER,
     SimModel,
     SimPlan,
     parse_ttft_override,
     retry_after_for,
-    sim_events,
-    sim_response,
 )
 
 
@@ -76,14 +76,10 @@ class SimStats:
         self.usage_output_tokens += len(plan.tokens)
 
 
-def _error(status: int, message: str) -> Response:
-    if status == 429:
-        kind = "rate_limit_error"
-    elif 400 <= status < 500:
-        kind = "invalid_request_error"
-    else:
-        kind = "server_error"
-    body = error_body(message, type=kind, code=None)
+def _error(status: int, message: str | Rejection, endpoint: str = "") -> Response:
+    """An error answer in the route's shape (Anthropic's on the Messages routes)."""
+    rejection = message if isinstance(message, Rejection) else Rejection(message)
+    body = error_answer(endpoint, status, rejection)
     headers: dict[str, str] = {}
     retry_after = retry_after_for(status)
     if retry_after is not None:
@@ -181,33 +177,38 @@ class _SimServer:
         self.model = SimModel(profile, random.Random(seed))
         self.stats = SimStats()
 
-    async def _plan(self, request: Request) -> tuple[dict[str, Any], SimPlan] | Response:
-        """The request's body and plan, or the error response (bad input, simulated fault).
-        A request without a body (GET a stored response) reads as `{}`."""
+    async def _plan(self, request: Request,
+                    endpoint: str) -> tuple[dict[str, Any], SimPlan] | Response:
+        """The request's body and plan, or the error response (bad input, what the real API
+        refuses, simulated fault). A request without a body (GET a stored response) reads as
+        `{}`."""
         self.stats.requests += 1
         raw = await request.body()
         try:
             body = json.loads(raw) if raw or request.method == "POST" else {}
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the body is not valid JSON")
+            return _error(400, "the body is not valid JSON", endpoint)
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+            return _error(400, "the body must be a JSON object", endpoint)
         try:
             override = parse_ttft_override(request.headers.get(TTFT_HEADER))
         except ValueError as exc:
-            return _error(400, str(exc))
-        plan = self.model.plan(body, ttft_override=override)
+            return _error(400, str(exc), endpoint)
+        rejection = check_request(endpoint, body)
+        if rejection is not None:
+            return _error(400, rejection, endpoint)
+        plan = self.model.plan(body, endpoint=endpoint, ttft_override=override)
         if plan.status != 200:
             self.stats.faults += 1
-            return _error(plan.status, "simulated failure")
+            return _error(plan.status, "simulated failure", endpoint)
         return body, plan
 
     async def _start(
-        self, request: Request
+        self, request: Request, endpoint: str
     ) -> Response | tuple[dict[str, Any], SimPlan, str, str, dict[str, str]]:
         """What both handlers begin with: the plan (or the planned failure as a response), the
         model to echo, the request id and the headers that carry it."""
-        planned = await self._plan(request)
+        planned = await self._plan(request, endpoint)
         if isinstance(planned, Response):
             return planned
         body, plan = planned
@@ -215,7 +216,7 @@ class _SimServer:
         return body, plan, str(body.get("model", "sim")), request_id, {"x-request-id": request_id}
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
-        started = await self._start(request)
+        started = await self._start(request, endpoint)
         if isinstance(started, Response):
             return started
         body, plan, model, request_id, headers = started
@@ -236,7 +237,7 @@ class _SimServer:
 
     async def handle_protocol(self, request: Request, endpoint: str) -> Response:
         """The Responses API and Messages routes: same plans, their own wire."""
-        started = await self._start(request)
+        started = await self._start(request, endpoint)
         if isinstance(started, Response):
             return started
         body, plan, model, request_id, headers = started
@@ -248,7 +249,7 @@ class _SimServer:
         if not await _sleep_while_connected(request, protocols.response_time(plan, endpoint)):
             return Response(status_code=499)
         if plan.midstream_error_after is not None:
-            return _error(500, "simulated failure")
+            return _error(500, "simulated failure", endpoint)
         path = request.url.path.removeprefix("/v1/")
         answer = protocols.protocol_body(plan, endpoint, method=request.method, path=path,
                                          model=model, request_id=request_id, created=created)

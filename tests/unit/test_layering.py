@@ -36,6 +36,11 @@ PURE = (
     "gateway.server.workers",
     "gateway.stats.loggable",
     "gateway.settings.hidden",
+    "providers.sim.cache",
+    "providers.sim.prompt",
+    "providers.sim.schema",
+    "providers.sim.tools",
+    "providers.sim.validate",
 )
 FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fastapi", "uvicorn")
 

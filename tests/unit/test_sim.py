@@ -20,16 +20,9 @@ from gateway.wire.chat import classify
 from gateway.wire.sse import SSEDecoder, SSEEvent
 from providers.base import Endpoint, UpstreamCall
 from providers.sim import SimProvider
-from providers.sim.wire import (
-    SimModel,
-    SimPlan,
-    embedding_vector,
-    parse_ttft_override,
-    sim_events,
-    sim_payloads,
-    sim_response,
-    wire_json,
-)
+from providers.sim.chat import sim_events, sim_payloads, sim_response
+from providers.sim.embeddings import embedding_vector
+from providers.sim.wire import SimModel, SimPlan, parse_ttft_override, wire_json
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "stream": True}
 
@@ -114,8 +107,10 @@ def test_max_tokens_caps_the_content_and_override_sets_ttft() -> None:
     assert plan.tokens == ("tok0 ", "tok1 ", "tok2 ")
     assert plan.content == "tok0 tok1 tok2 "
     assert plan.ttft == 0.02
-    assert plan.prompt_tokens == 2
+    assert plan.prompt_tokens == 3  # "hello there": 11 bytes, about 4 a token
+    assert plan.truncated
     assert model.plan({**CHAT, "max_completion_tokens": 0}).tokens == ()
+    assert not model.plan({**CHAT, "max_tokens": 30}).truncated  # the whole answer fits
 
 
 def test_ttft_header_parsing() -> None:
@@ -145,11 +140,13 @@ async def test_chat_stream_order_and_delays() -> None:
     ]
     role, *tokens, finish, usage = (loads(e) for e in events[:-1])
     assert role["object"] == "chat.completion.chunk"
-    assert role["choices"] == [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-    ]
+    assert role["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}]
+    # asked for usage: every chunk says `"usage": null` until the usage chunk, as OpenAI's do
+    assert [t["usage"] for t in (role, *tokens, finish)] == [None] * 5
     assert "".join(t["choices"][0]["delta"]["content"] for t in tokens) == PLAN.content
-    assert finish["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+    assert finish["choices"] == [{"index": 0, "delta": {}, "logprobs": None,
+                                  "finish_reason": "stop"}]
     assert usage["choices"] == []
     assert usage["usage"]["completion_tokens"] == 3
     assert events[-1].data == b"[DONE]"
@@ -189,8 +186,8 @@ async def test_token_chunks_are_byte_for_byte_the_dicts_json(endpoint: Endpoint)
             "model": model}
     for piece, data in zip(pieces, got[1:] if chat else got, strict=False):
         choice: dict[str, Any] = (
-            {"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat else
-            {"index": 0, "text": piece, "logprobs": None, "finish_reason": None})
+            {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
+            if chat else {"index": 0, "text": piece, "logprobs": None, "finish_reason": None})
         assert data == wire_json({**head, "choices": [choice]})
 
 
@@ -209,7 +206,8 @@ async def test_hang_sends_the_role_chunk_then_waits_forever() -> None:
 def test_non_streaming_bodies_match_the_stream_content() -> None:
     chat = sim_response(PLAN, "chat/completions", "m", "r1")
     assert chat["object"] == "chat.completion"
-    assert chat["choices"][0]["message"] == {"role": "assistant", "content": PLAN.content}
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": PLAN.content,
+                                             "refusal": None}
     assert chat["choices"][0]["finish_reason"] == "stop"
     assert chat["usage"]["completion_tokens"] == 3
     legacy = sim_response(PLAN, "completions", "m", "r1")
@@ -225,7 +223,8 @@ def test_response_time_of_each_endpoint() -> None:
 
 
 def test_embeddings_are_deterministic_unit_vectors() -> None:
-    plan = SimModel(SimProfile(), random.Random(0)).plan({"input": ["a b", "c"]})
+    plan = SimModel(SimProfile(), random.Random(0)).plan({"input": ["a b", "c"]},
+                                                         endpoint="embeddings")
     body = sim_response(plan, "embeddings", "e", "r")
     assert body["object"] == "list"
     assert [d["index"] for d in body["data"]] == [0, 1]
@@ -233,7 +232,7 @@ def test_embeddings_are_deterministic_unit_vectors() -> None:
     assert vector == embedding_vector("a b") and len(vector) == 8
     assert sum(x * x for x in vector) == pytest.approx(1.0, abs=1e-4)
     assert body["data"][1]["embedding"] != vector
-    assert body["usage"]["prompt_tokens"] == 3
+    assert body["usage"]["prompt_tokens"] == 2  # one token per input of up to 4 bytes
 
 
 # --- in-process provider --------------------------------------------------------------------
@@ -334,7 +333,8 @@ async def test_provider_non_streaming_and_timeouts() -> None:
     )
     with pytest.raises(UpstreamTimeout):
         await hanging.open(slow_call)
-    embeddings = await sim.open(call({"input": "a"}, stream=True, endpoint="embeddings"))
+    embeddings = await sim.open(call({"model": "e", "input": "a"}, stream=True,
+                                     endpoint="embeddings"))
     (event,) = [e async for b in embeddings.batches() for e in b.events]  # never streamed
     assert loads(event)["data"][0]["embedding"] == embedding_vector("a")
     with pytest.raises(UpstreamStatusError) as info:

@@ -10,11 +10,14 @@ import pytest
 
 from gateway.settings import SimProfile
 from providers.sim.cache import PrefixCache
-from providers.sim.wire import SimModel, sim_payloads, sim_response
+from providers.sim.chat import sim_payloads, sim_response
+from providers.sim.prompt import segments
+from providers.sim.wire import SimModel
 
 
 def words(n: int, tag: str) -> str:
-    return " ".join(f"{tag}{i}" for i in range(n))
+    """`n` tokens of text (four bytes each) that its tag tells apart."""
+    return f"{tag[:3]:<3} " + "tok " * (n - 1)
 
 
 def body(*contents: str) -> dict[str, Any]:
@@ -22,32 +25,62 @@ def body(*contents: str) -> dict[str, Any]:
     return {"messages": [{"role": r, "content": c} for r, c in zip(roles, contents, strict=False)]}
 
 
+def store(cache: PrefixCache, request: dict[str, Any]) -> tuple[int, int]:
+    return cache.lookup_and_store(segments(request, "chat"))
+
+
 def test_the_longest_cached_prefix_counts() -> None:
     cache = PrefixCache(100)
-    assert cache.lookup_and_store(body(words(10, "s"), words(100, "u"))) == (110, 0)
+    assert store(cache, body(words(10, "s"), words(100, "u"))) == (110, 0)
     turn2 = body(words(10, "s"), words(100, "u"), words(5, "a"), words(20, "v"))
-    assert cache.lookup_and_store(turn2) == (135, 110)
-    assert cache.lookup_and_store(turn2) == (135, 135)
+    assert store(cache, turn2) == (135, 110)
+    assert store(cache, turn2) == (135, 135)
     other = body(words(10, "s"), words(100, "x"))  # same system prompt, another question
-    assert cache.lookup_and_store(other) == (110, 10)
+    assert store(cache, other) == (110, 10)
 
 
 def test_the_cache_is_bounded_and_forgets_the_least_recently_used() -> None:
     cache = PrefixCache(4)
     first = body("a", "b")
-    cache.lookup_and_store(first)  # 2 entries
-    cache.lookup_and_store(body("c", "d"))  # 4 entries
-    cache.lookup_and_store(first)  # first's entries are the most recent now
-    cache.lookup_and_store(body("e", "f"))  # evicts c, d
+    store(cache, first)  # 2 entries
+    store(cache, body("c", "d"))  # 4 entries
+    store(cache, first)  # first's entries are the most recent now
+    store(cache, body("e", "f"))  # evicts c, d
     assert len(cache) == 4
-    assert cache.lookup_and_store(body("c", "d"))[1] == 0
-    assert cache.lookup_and_store(body("e", "f"))[1] == 2
+    assert store(cache, body("c", "d"))[1] == 0
+    assert store(cache, body("e", "f"))[1] == 2
 
 
-def test_requests_without_messages_cache_nothing() -> None:
+def test_an_empty_prompt_caches_nothing() -> None:
     cache = PrefixCache(10)
-    assert cache.lookup_and_store({"prompt": "hi"}) == (0, 0)
+    assert store(cache, {"prompt": "hi"}) == (0, 0)  # chat reads no `prompt`
+    assert cache.lookup_and_store([]) == (0, 0)
     assert len(cache) == 0
+
+
+def test_every_api_caches_its_own_prompt_shape() -> None:
+    """A conversation's next turn finds its prefix cached whichever API carries it: the
+    Responses API's `instructions` and input items, Messages' `system` and blocks, the tool
+    listing first in each."""
+    tools = [{"name": "t", "input_schema": {"type": "object"}}]
+    turn1 = {"system": words(10, "s"), "tools": tools,
+             "messages": [{"role": "user", "content": [{"type": "text", "text": words(8, "u")}]}]}
+    turn2 = {**turn1, "messages": [*turn1["messages"],
+                                   {"role": "assistant", "content": words(3, "a")},
+                                   {"role": "user", "content": words(4, "v")}]}
+    cache = PrefixCache(10)
+    first = cache.lookup_and_store(segments(turn1, "messages"))
+    second = cache.lookup_and_store(segments(turn2, "messages"))
+    assert second == (first[0] + 7, first[0])
+    responses = {"instructions": words(10, "s"), "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": words(8, "u")}]}]}
+    later = {**responses, "input": [*responses["input"],
+                                    {"type": "function_call", "call_id": "c", "name": "t",
+                                     "arguments": "{}"},
+                                    {"type": "function_call_output", "call_id": "c",
+                                     "output": words(5, "o")}]}
+    assert cache.lookup_and_store(segments(responses, "responses")) == (18, 0)
+    assert cache.lookup_and_store(segments(later, "responses")) == (18 + 1 + 5, 18)
 
 
 def model(prefill_ms: float) -> SimModel:
@@ -69,11 +102,13 @@ def test_prefill_grows_with_the_uncached_input_only() -> None:
     assert other_backend.plan(turn2).ttft == pytest.approx(0.1 + 0.060 * 3000 / 1000)
 
 
-def test_without_prefill_there_is_no_cache_and_usage_is_unchanged() -> None:
+def test_without_prefill_there_is_no_cache_and_nothing_is_cached() -> None:
     sim = model(0.0)
     plan = sim.plan(body("s", "u"))
     assert sim.cache is None and plan.cached_tokens is None
-    assert "prompt_tokens_details" not in sim_response(plan, "chat/completions", "m", "r")["usage"]
+    usage = sim_response(plan, "chat/completions", "m", "r")["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}  # as OpenAI always reports
+    assert "prompt_tokens_details" not in sim_response(plan, "completions", "m", "r")["usage"]
 
 
 async def test_cached_tokens_are_reported_in_usage() -> None:

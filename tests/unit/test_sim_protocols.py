@@ -17,6 +17,7 @@ from providers.sim.protocols import protocol_body, protocol_stream
 from providers.sim.wire import SimPlan
 
 PLAN = SimPlan(ttft=0.2, inter_token=0.01, tokens=("a ", "b "), prompt_tokens=2)
+HI = [{"role": "user", "content": "hi"}]
 
 
 class Timeline:
@@ -93,7 +94,7 @@ async def test_in_process_provider_names_its_events() -> None:
         ttft_median=0.0, straggler_probability=0.0, tokens=2, inter_token=0.0))
     provider = SimProvider(settings)
     call = UpstreamCall(endpoint="messages", body={"model": "m", "stream": True,
-                                                  "messages": []},
+                                                  "max_tokens": 8, "messages": HI},
                         stream=True, request_id="r", first_byte_timeout=5.0)
     stream = await provider.open(call)
     names = [e.event async for batch in stream.batches() for e in batch.events]
