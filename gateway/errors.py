@@ -11,13 +11,13 @@ body can hold internal hostnames or echo a key, so we keep only its status and a
 Two trees, in this one file, and each class carries its facts as class attributes:
 
     UpstreamError (one attempt)               GatewayError (the client's answer)
-    ├── UpstreamConnectError                  ├── InvalidRequest ── ForbiddenField
+    ├── UpstreamConnectError                  ├── InvalidRequest ── ForbiddenField, InvalidJSON
     │   └── UpstreamConnectTimeout            ├── Unauthorized
     ├── GatewayPoolFull                       ├── ModelNotFound, RouteNotServed, RouteNotFound
     ├── UpstreamTimeout                       ├── ResponseNotFound, MethodNotAllowed
     ├── UpstreamStatusError (`of(status)`)    ├── PayloadTooLarge, RequestTimeout
     │   ├── UpstreamRejectedRequest           ├── HeadersTooLarge
-    │   ├── UpstreamAuthFailed                ├── Overloaded ── TooManyConnections
+    │   ├── UpstreamAuthFailed                ├── Overloaded ── TooManyConnections, Draining
     │   ├── UpstreamNotFound                  ├── AllAttemptsFailed
     │   ├── UpstreamRateLimited               ├── UpstreamPushback
     │   ├── UpstreamUnavailable               │   └── UpstreamRateLimitedEverywhere
@@ -33,7 +33,9 @@ subclass names its `statuses`, and the race reads only the class (`replaceable`,
 `backend_fault`), never a number.
 
 - `GatewayError`: what a client is answered with: `status`, `type`, `code` (the OpenAI error
-  fields; the code is also the request's error class in stats and metrics);
+  fields; the code is also the request's error class in stats and metrics), and `reason`, the
+  short machine word of the request log (`unknown_model`, `invalid_json`, `draining`): finer
+  than the code where clients see one code for causes an operator tells apart;
 - `UpstreamError`: why one attempt failed: `code` (the failure class counted per backend)
   and `replaceable` (whether another backend could do better).
 An instance adds only its own detail (message, reason, retry_after). Where a fact depends on a
@@ -240,6 +242,8 @@ class GatewayError(Exception):
     status: int = 500
     type: str = "api_error"
     code: str | None = None
+    #: the request log's `reason`; empty: the code is the reason
+    reason: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -264,11 +268,23 @@ class GatewayError(Exception):
         return error_body(self.message, type=self.type, code=self.code, param=self.param,
                           request_id=request_id)
 
+    @classmethod
+    def log_reason(cls) -> str:
+        """The request log's machine reason for this error."""
+        return cls.reason or cls.code or "error"
+
 
 class InvalidRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class InvalidJSON(InvalidRequest):
+    """A body that is not a JSON object (not UTF-8, not JSON, not an object): the client's
+    code is the same as for any invalid request, the log tells it apart."""
+
+    reason = "invalid_json"
 
 
 class ForbiddenField(InvalidRequest):
@@ -281,6 +297,7 @@ class Unauthorized(GatewayError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+    reason = "unauthorized"
 
 
 class ForbiddenOrigin(GatewayError):
@@ -290,6 +307,7 @@ class ForbiddenOrigin(GatewayError):
     status = 403
     type = "permission_error"
     code = "origin_not_allowed"
+    reason = "forbidden_origin"
 
 
 class UnsupportedMediaType(GatewayError):
@@ -304,6 +322,7 @@ class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+    reason = "unknown_model"
 
 
 class RouteNotServed(GatewayError):
@@ -320,12 +339,14 @@ class ResponseNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "response_not_found"
+    reason = "unknown_response"
 
 
 class RouteNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+    reason = "unknown_route"
 
 
 class MethodNotAllowed(GatewayError):
@@ -338,6 +359,7 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+    reason = "body_too_large"
 
 
 class RequestTimeout(GatewayError):
@@ -346,6 +368,7 @@ class RequestTimeout(GatewayError):
     status = 408
     type = "invalid_request_error"
     code = "request_timeout"
+    reason = "body_timeout"
 
 
 class HeadersTooLarge(GatewayError):
@@ -361,6 +384,16 @@ class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "overloaded"
+
+
+class Draining(Overloaded):
+    """The gateway is shutting down: a new request is refused as overloaded (the client
+    retries after the pause, on a replica that is not leaving), logged as `draining`."""
+
+    reason = "draining"
+
+    def __init__(self) -> None:
+        super().__init__("the gateway is shutting down", retry_after=1.0)
 
 
 class InternalError(GatewayError):

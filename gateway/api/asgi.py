@@ -20,6 +20,9 @@ an `InternalError` (a 500 in the route's error shape), on these routes as on the
 so the server never answers a bare 500 of its own. A bug that escapes while the answer is
 being sent (a stream already under way) is reported; the answer it interrupted stays the
 only one.
+
+Every HTTP request ends here too, whichever way it was answered, so this is where a request
+refused before any race gets its request-log line (`gateway.api.refusals`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.browser import BrowserGuard
 from gateway.api.keys import KeyRing, credential, is_ops_path
+from gateway.api.refusals import write_refusal_line
 from gateway.errors import ForbiddenOrigin, GatewayError, InternalError, Unauthorized
 
 #: a route's handler: the request in, the response out (it may raise a `GatewayError`)
@@ -86,47 +90,53 @@ class GatewayAPI(FastAPI):
         return self._on_bug(request, exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            if self._browser is not None:  # before any route: see `gateway.api.browser`
-                why = self._browser.refusal(scope["headers"], scope.get("scheme", "http"))
-                if why is not None:
-                    scope["app"] = self
-                    request = Request(scope, receive)
-                    await self._on_error(request, ForbiddenOrigin(why))(scope, receive, send)
-                    return
-            ops = self._ops_keys
-            if ops is not None and ops.digests and is_ops_path(scope["path"]) \
-                    and not ops.matches(_authorization(scope["headers"])):
-                scope["app"] = self
-                response = self._on_error(Request(scope, receive),
-                                          Unauthorized("missing or invalid operations key"))
-                # a browser asks for it (the dashboard's own reads then carry it too)
-                response.headers["www-authenticate"] = 'Basic realm="hedge-gateway ops"'
-                await response(scope, receive, send)
-                return
-            handler = self._fast.get((scope["method"], scope["path"]))
-            if handler is not None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            await self._http(scope, receive, send)
+        finally:  # answered (or given up): a refused request's one log line, if it needs one
+            write_refusal_line(scope)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._browser is not None:  # before any route: see `gateway.api.browser`
+            why = self._browser.refusal(scope["headers"], scope.get("scheme", "http"))
+            if why is not None:
                 scope["app"] = self
                 request = Request(scope, receive)
-                try:
-                    response = await handler(request)
-                except GatewayError as exc:
-                    response = self._on_error(request, exc)
-                except Exception as exc:  # noqa: BLE001 - a bug: answered, reported
-                    response = self._on_bug(request, exc)
-                try:
-                    await response(scope, receive, send)
-                except Exception as exc:  # noqa: BLE001 - the answer has begun: report only
-                    self._report(exc)
+                await self._on_error(request, ForbiddenOrigin(why))(scope, receive, send)
                 return
-            try:
-                await super().__call__(scope, receive, send)
-            except Exception:  # noqa: BLE001
-                # already answered and reported by `_framework_bug` (Starlette's outermost
-                # middleware re-raises after sending it): not the server's to answer again
-                return
+        ops = self._ops_keys
+        if ops is not None and ops.digests and is_ops_path(scope["path"]) \
+                and not ops.matches(_authorization(scope["headers"])):
+            scope["app"] = self
+            response = self._on_error(Request(scope, receive),
+                                      Unauthorized("missing or invalid operations key"))
+            # a browser asks for it (the dashboard's own reads then carry it too)
+            response.headers["www-authenticate"] = 'Basic realm="hedge-gateway ops"'
+            await response(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        handler = self._fast.get((scope["method"], scope["path"]))
+        if handler is not None:
+            scope["app"] = self
+            request = Request(scope, receive)
+            try:
+                response = await handler(request)
+            except GatewayError as exc:
+                response = self._on_error(request, exc)
+            except Exception as exc:  # noqa: BLE001 - a bug: answered, reported
+                response = self._on_bug(request, exc)
+            try:
+                await response(scope, receive, send)
+            except Exception as exc:  # noqa: BLE001 - the answer has begun: report only
+                self._report(exc)
+            return
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception:  # noqa: BLE001
+            # already answered and reported by `_framework_bug` (Starlette's outermost
+            # middleware re-raises after sending it): not the server's to answer again
+            return
 
 
 def _authorization(headers: list[tuple[bytes, bytes]]) -> str:

@@ -11,9 +11,10 @@ from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
 from gateway.api.common import check_json_type, make_auth_guard, read_body, request_id_of
-from gateway.api.inference import route
+from gateway.api.inference import InferenceRoute, route
 from gateway.api.keys import KeyRing
 from gateway.api.proxy import Proxy
+from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
 from gateway.errors import (
     InvalidRequest,
@@ -22,7 +23,6 @@ from gateway.errors import (
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
 from gateway.wire.validate import check_body, parse_body
-from providers.base import Endpoint
 
 
 def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
@@ -40,23 +40,26 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
     guarded = APIRouter(dependencies=[Depends(guard)])
     limit = settings.server.max_body_bytes
 
-    async def proxied(request: Request, endpoint: Endpoint, needs: str | None) -> Response:
+    async def proxied(request: Request, entry: InferenceRoute) -> Response:
         if ring.digests:
             await guard(request)
         rid = request_id_of(request)
         check_json_type(request)
         body = parse_body(await read_body(request, limit))
-        model, stream = check_body(body, needs_prompt=needs)
-        if endpoint == "embeddings" and stream:
+        generation = live.current
+        logged_model = note_model(request.scope, body, generation.hidden)
+        model, stream = check_body(body, needs_prompt=entry.prompt)
+        if entry.endpoint == "embeddings" and stream:
             raise InvalidRequest("embeddings cannot be streamed", param="stream")
-        pool = live.current.pools.get(model)
+        pool = generation.pools.get(model)
         if pool is None:
             raise ModelNotFound(
                 "the model does not exist in this gateway; GET /v1/models lists them",
                 param="model",
             )
         headers = {k.lower(): v for k, v in request.headers.items()}
-        req = LogicalRequest(rid, endpoint, body, stream, headers)
+        req = LogicalRequest(rid, entry.endpoint, body, stream, headers, route=entry.path,
+                             model=logged_model)
         return await proxy.handle(request, pool, req)
 
     chat = route("POST", "/v1/chat/completions")
@@ -65,15 +68,15 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
 
     @fast.post(router, chat.path)
     async def chat_completions(request: Request) -> Response:
-        return await proxied(request, chat.endpoint, chat.prompt)
+        return await proxied(request, chat)
 
     @fast.post(router, legacy.path)
     async def completions(request: Request) -> Response:
-        return await proxied(request, legacy.endpoint, legacy.prompt)
+        return await proxied(request, legacy)
 
     @fast.post(router, embed.path)
     async def embeddings(request: Request) -> Response:
-        return await proxied(request, embed.endpoint, embed.prompt)
+        return await proxied(request, embed)
 
     @guarded.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

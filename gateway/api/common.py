@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.api.end import AnswerThen
 from gateway.api.inference import errors_of
 from gateway.api.keys import KeyRing
+from gateway.api.refusals import REQUEST_ID_KEY, note_refusal
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -49,12 +50,12 @@ def request_id_of(request: Request) -> str:
     from it directly: a miss through `request.state` raises and catches an AttributeError,
     which was a few percent of a request's CPU."""
     state = request.scope.setdefault("state", {})
-    existing = state.get("request_id")
+    existing = state.get(REQUEST_ID_KEY)
     if isinstance(existing, str):
         return existing
     supplied = request.headers.get("x-request-id", "")
     rid = supplied if _REQUEST_ID.fullmatch(supplied) else str(uuid.uuid4())
-    state["request_id"] = rid
+    state[REQUEST_ID_KEY] = rid
     return rid
 
 
@@ -107,7 +108,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def gateway_error_response(request: Request, exc: GatewayError) -> Response:
-    """The answer to an error of ours raised while handling `request`."""
+    """The answer to an error of ours raised while handling `request` (noted for the
+    request log's line, `gateway.api.refusals`)."""
+    note_refusal(request.scope, exc)
     response = error_response(exc, request_id_of(request), request.url.path)
     if exc.after_response is not None:  # answer first, then end the logical request
         return AnswerThen(response, exc.after_response)
@@ -129,13 +132,14 @@ def install_error_handlers(app: FastAPI) -> None:
         else:  # the framework refused the request in some other way
             error = InvalidRequest(str(exc.detail))
         allow = (exc.headers or {}).get("Allow") if exc.status_code == 405 else None
+        note_refusal(request.scope, error)
         return error_response(error, request_id_of(request), request.url.path,
                               {"allow": allow} if allow else None)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
-        return error_response(
-            InvalidRequest("invalid request"), request_id_of(request), request.url.path
-        )
+        error = InvalidRequest("invalid request")
+        note_refusal(request.scope, error)
+        return error_response(error, request_id_of(request), request.url.path)
 
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(HTTPException, on_http_error)

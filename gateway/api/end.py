@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 #: exceptions of ours on the request path, with their tracebacks
 LOGGER = logging.getLogger("hedge_gateway.errors")
+#: the key in a request's scope state that says its log line is (or will be) written by the
+#: proxy and this end; without it the app writes a refusal's line
+#: (`gateway.api.refusals`), so that every request has exactly one
+LINE_KEY = "hedge_line"
 
 
 def report_bug(stats: Stats, exc: BaseException) -> None:

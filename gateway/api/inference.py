@@ -72,6 +72,25 @@ def errors_of(path: str) -> ErrorShape:
     return "openai"
 
 
+#: the table's paths, by number of segments, for `route_path_of`
+_SEGMENTS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(dict.fromkeys(
+    (r.path, tuple(r.path.split("/"))) for r in INFERENCE_ROUTES))
+
+
+def route_path_of(path: str) -> str | None:
+    """The table's path that `path` is a request to, whatever its method (a path parameter
+    matches one non-empty segment), or None: `path` names no inference route. The request
+    log names a refused request's route so."""
+    parts = path.split("/")
+    for template, segments in _SEGMENTS:
+        if len(segments) == len(parts) and all(
+            seg == part or (seg.startswith("{") and part != "")
+            for seg, part in zip(segments, parts, strict=True)
+        ):
+            return template
+    return None
+
+
 def route(method: str, path: str) -> InferenceRoute:
     """The table's entry for `method path` (the routers take their facts from it)."""
     for entry in INFERENCE_ROUTES:

@@ -14,16 +14,16 @@ from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
 from gateway.api.common import check_json_type, make_auth_guard, read_body, request_id_of
-from gateway.api.inference import route
+from gateway.api.inference import InferenceRoute, route
 from gateway.api.keys import KeyRing
 from gateway.api.proxy import Proxy
+from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
 from gateway.errors import ModelNotFound
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
 from gateway.wire.messages import COUNT_TOKENS, MESSAGES
 from gateway.wire.validate import check_body, parse_body
-from providers.base import Endpoint
 
 #: client headers passed upstream on /v1/messages (the beta features it asks for)
 _MESSAGES_FORWARD = ("anthropic-beta",)
@@ -39,13 +39,13 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
-    async def inference(request: Request, endpoint: Endpoint, needs: str | None, *,
-                        single: bool) -> Response:
+    async def inference(request: Request, entry: InferenceRoute, *, single: bool) -> Response:
         if ring.digests:
             await guard(request)
         check_json_type(request)
         body = parse_body(await read_body(request, limit))
-        model, stream = check_body(body, needs_prompt=needs)
+        logged_model = note_model(request.scope, body, live.current.hidden)
+        model, stream = check_body(body, needs_prompt=entry.prompt)
         pool = live.current.pools.get(model)
         if pool is None:
             raise ModelNotFound(
@@ -54,9 +54,9 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
             )
         headers = {k.lower(): v for k, v in request.headers.items()}
         forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
-        req = LogicalRequest(request_id_of(request), endpoint, body, stream, headers,
+        req = LogicalRequest(request_id_of(request), entry.endpoint, body, stream, headers,
                              protocol=COUNT_TOKENS if single else MESSAGES, single=single,
-                             forward_headers=forward)
+                             forward_headers=forward, route=entry.path, model=logged_model)
         return await proxy.handle(request, pool, req)
 
     create = route("POST", "/v1/messages")
@@ -64,10 +64,10 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
 
     @fast.post(router, create.path)
     async def messages(request: Request) -> Response:
-        return await inference(request, create.endpoint, create.prompt, single=False)
+        return await inference(request, create, single=False)
 
     @fast.post(router, count.path)
     async def count_tokens(request: Request) -> Response:
-        return await inference(request, count.endpoint, count.prompt, single=True)
+        return await inference(request, count, single=True)
 
     return router

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway.api.end import AnswerThen, RequestEnd, report_bug
+from gateway.api.end import LINE_KEY, AnswerThen, RequestEnd, report_bug
 from gateway.api.request import (
     Admission,
     LogicalRequest,
@@ -35,6 +35,7 @@ from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
 from gateway.errors import (
+    Draining,
     GatewayError,
     InternalError,
     Overloaded,
@@ -94,17 +95,21 @@ class Proxy:
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
         excluded = excluded_backends(pool, req)
+        # from here every path writes the request's log line (the end, or a refusal below)
+        request.scope.setdefault("state", {})[LINE_KEY] = True
+        method = request.scope["method"]
         try:
             if self.drain.draining:
-                raise Overloaded("the gateway is shutting down", retry_after=1.0)
+                raise Draining()
             self.admission.enter()
         except Overloaded as exc:
-            self._record_refusal(pool, req, exc)
+            self._record_refusal(pool, req, exc, method)
             raise
         start = self.clock()
         pool.inflight_requests += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
-                                 start, metered=req.metered)
+                                 start, metered=req.metered, route=req.route, method=method,
+                                 model=req.model)
         try:
             race, end, strip_usage = self._prepare(request, pool, req, summary, excluded)
         except BaseException as exc:  # nothing owns the request's end yet: give back here
@@ -116,6 +121,7 @@ class Proxy:
             if not isinstance(exc, GatewayError):
                 report_bug(self.stats, exc)
             summary.error = error.code or type(error).__name__
+            summary.status, summary.reason = error.status, error.log_reason()
             summary.ended = self.clock()
             self.stats.record(summary)
             log_request(summary, self.stats.error_classes)
@@ -126,7 +132,8 @@ class Proxy:
             result = await self._race_or_disconnect(race, request.receive, end)
             summary.attach(race.attempts, race.suppressed, result)
             if result is None:  # the client went away before the first token
-                summary.error = "client_disconnected"
+                summary.error = summary.reason = "client_disconnected"
+                summary.status = 499
                 return AnswerThen(Response(status_code=499), end)
             end.prefix = winner = result.prefix
             rewrite = None
@@ -138,6 +145,7 @@ class Proxy:
                 "x-hedge-backend": result.winner.backend,
                 "x-hedge-attempts": str(len(race.attempts)),
             }
+            summary.status = 200
             if not req.stream:
                 body = winner.buffered[0].data
                 if rewrite is not None:
@@ -152,13 +160,15 @@ class Proxy:
         except GatewayError as exc:
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
+            summary.status, summary.reason = exc.status, exc.log_reason()
             exc.after_response = end  # the error handler answers, then ends the request
             raise
         except Exception as exc:  # a bug of ours: answered in the route's shape all the same
             report_bug(self.stats, exc)
             if summary.winner is None:
                 summary.attach(race.attempts, race.suppressed, None)
-            summary.error = InternalError.code
+            summary.error = summary.reason = InternalError.code
+            summary.status = InternalError.status
             error = InternalError.of(exc)
             error.after_response = end
             raise error from exc
@@ -279,15 +289,17 @@ class Proxy:
                 await asyncio.wait({race_task})
         if race_task.cancelled():
             if self.drain.draining and not _saw_disconnect(watcher):
-                raise Overloaded("the gateway is shutting down", retry_after=1.0)
+                raise Draining()
             return None
         return race_task.result()
 
-    def _record_refusal(self, pool: PoolRuntime, req: LogicalRequest, exc: Overloaded) -> None:
+    def _record_refusal(self, pool: PoolRuntime, req: LogicalRequest, exc: Overloaded,
+                        method: str) -> None:
         """A request refused before its race (overload, shutdown) still counts and logs."""
         now = self.clock()
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
-                                 now)
+                                 now, route=req.route, method=method, model=req.model,
+                                 status=exc.status, reason=exc.log_reason())
         summary.error = exc.code
         summary.ended = now
         self.stats.record(summary)

@@ -51,6 +51,10 @@ class LogicalRequest:
     #: past generation's usage and its quick answer is no time to first token, so it counts
     #: no tokens and feeds neither the TTFT quantiles nor the hedge-delay trackers
     metered: bool = True
+    #: for the request log: the client's route as the route table writes it, and the model
+    #: it sent, already loggable (`gateway.stats.loggable`)
+    route: str | None = None
+    model: str | None = None
 
 
 class Admission:

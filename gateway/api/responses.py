@@ -25,9 +25,10 @@ from gateway.api.common import (
     read_body,
     request_id_of,
 )
-from gateway.api.inference import route
+from gateway.api.inference import InferenceRoute, route
 from gateway.api.keys import KeyRing
 from gateway.api.proxy import Proxy
+from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
 from gateway.api.stored import (
     MAX_ID_CHARS,
@@ -46,7 +47,6 @@ from gateway.wire.named import Rewrite
 from gateway.wire.responses import RESPONSES, RESPONSES_ITEM, response_id_of
 from gateway.wire.sse import SSEEvent
 from gateway.wire.validate import check_body, parse_body
-from providers.base import Endpoint
 
 _RESPONSE_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_ID_CHARS}}}")
 #: client query parameters of `GET /v1/responses/{id}/input_items` passed upstream
@@ -129,11 +129,12 @@ def build_responses_router(
 
         return on_commit
 
-    async def inference(request: Request, endpoint: Endpoint, needs: str | None) -> Response:
+    async def inference(request: Request, entry: InferenceRoute) -> Response:
         if ring.digests:
             await bearer(request)
         body = await read_json(request)
-        model, stream = check_body(body, needs_prompt=needs)
+        logged_model = note_model(request.scope, body, live.current.hidden)
+        model, stream = check_body(body, needs_prompt=entry.prompt)
         pool = pool_of(model)
         pinned = translated = None
         binding = binding_of(request)
@@ -146,13 +147,15 @@ def build_responses_router(
             pinned, translated = ref.backend, (ref.upstream_id, str(previous))
             body = {**body, "previous_response_id": ref.upstream_id}
         req = LogicalRequest(
-            request_id_of(request), endpoint, body, stream, headers_of(request),
+            request_id_of(request), entry.endpoint, body, stream, headers_of(request),
             protocol=RESPONSES, stateful=responses_stateful(body), pinned=pinned,
             on_commit=minting(pool.settings.name, stream, binding, translated),
+            route=entry.path, model=logged_model,
         )
         return await proxy.handle(request, pool, req)
 
-    async def stored(request: Request, response_id: str, method: str, suffix: str) -> Response:
+    async def stored(request: Request, entry: InferenceRoute, response_id: str, suffix: str
+                     ) -> Response:
         """A stored response's operation, sent to the backend that made it under the id that
         backend gave it; its answer carries the client's id again. Not a generation: no
         tokens, no latency samples (`metered`)."""
@@ -168,9 +171,9 @@ def build_responses_router(
                             IdRewriter([(ref.upstream_id, response_id)]))
         req = LogicalRequest(
             request_id_of(request), "responses/item", {}, False, headers_of(request),
-            protocol=RESPONSES_ITEM, single=True, pinned=ref.backend, method=method,
+            protocol=RESPONSES_ITEM, single=True, pinned=ref.backend, method=entry.method,
             path=f"responses/{quote(ref.upstream_id, safe='')}{suffix}", query=query,
-            on_commit=lambda _backend, _events: rewrite, metered=False,
+            on_commit=lambda _backend, _events: rewrite, metered=False, route=entry.path,
         )
         return await proxy.handle(request, pool, req)
 
@@ -182,23 +185,23 @@ def build_responses_router(
 
     @fast.post(router, create.path)
     async def responses(request: Request) -> Response:
-        return await inference(request, create.endpoint, create.prompt)
+        return await inference(request, create)
 
     @router.get(retrieve.path, dependencies=[Depends(bearer)])
     async def get_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, retrieve.method, "")
+        return await stored(request, retrieve, response_id, "")
 
     @router.delete(delete.path, dependencies=[Depends(bearer)])
     async def delete_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, delete.method, "")
+        return await stored(request, delete, response_id, "")
 
     @router.post(cancel.path, dependencies=[Depends(bearer)])
     async def cancel_response(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, cancel.method, "/cancel")
+        return await stored(request, cancel, response_id, "/cancel")
 
     @router.get(items.path, dependencies=[Depends(bearer)])
     async def input_items(request: Request, response_id: str) -> Response:
-        return await stored(request, response_id, items.method, "/input_items")
+        return await stored(request, items, response_id, "/input_items")
 
     return router
 

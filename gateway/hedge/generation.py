@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
+from gateway.settings.hidden import hidden_values
 from providers.base import Provider
 
 
@@ -62,6 +63,12 @@ class Generation:
     origin: ConfigOrigin
     #: 1 for the configuration loaded at start, +1 per successful reload
     number: int = 1
+    #: the configuration's secrets, which the request log never repeats
+    #: (`gateway.settings.hidden`): computed once per generation, not per request
+    hidden: frozenset[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden", hidden_values(self.settings))
 
 
 @dataclass(slots=True)

@@ -1,18 +1,30 @@
-"""One structured log line per logical request.
+"""One structured log line per request to an inference route, refused ones included.
 
 Logger `hedge_gateway.requests`, level INFO, message = one JSON object, also attached to the
 record as `record.hedge_request` (a dict) for handlers that format structured data themselves.
 Written once per request when it has fully ended (same moment as `Stats.record`), never per
-event.
+event. A request refused before it reached a pool's race (a bad body, a wrong key, an unknown
+model or route, a foreign origin) never reaches the stats, but it gets its line all the same
+(`refusal_record`): without it, an operator looking for why a client fails would find nothing.
 
-What it holds: ids, pool, endpoint, each attempt's backend/kind/start/TTFT/outcome/reason,
+Every line, refused or not, starts with the same fields: `id`, `route` (the route table's
+path, `/v1/responses/{response_id}`; null for a path no route matched, then `path` holds it),
+`method`, `model` (as the client sent it: bounded, escaped, `[redacted]` if it holds or looks
+like a key, null when the body was not read or had none: `gateway.stats.loggable`), `status`
+(the HTTP status answered; 499 when the client left first), `reason` (`ok`, or a short machine
+word: `unknown_model`, `invalid_json`, `body_too_large`, `unsupported_media_type`,
+`unauthorized`, `overloaded`, `draining`, `upstream_failed`, ...: `GatewayError.log_reason`)
+and `outcome` (`refused` for a request refused before any pool's race; else `ok` or the
+error class the stats count it under).
+
+What it holds besides: ids, pool, endpoint, each attempt's backend/kind/start/TTFT/outcome/reason,
 the winner, the suppressed hedge reasons, the error class and stream end, timings. What it
 never holds: prompt or completion content, request or upstream bodies, headers, keys, URLs.
 Attempt reasons are the gateway's own short descriptions (`status 503`, `connect error`), the
 same text the client's 502 carries; `failure` is the failed attempt's code (`unavailable`,
 `connect_error`), the class the stats count it under.
 
-Fields: `id`, `pool`, `endpoint`, `stream`, `outcome` (`ok` or the error class),
+The line of a request that reached a pool goes on with: `pool`, `endpoint`, `stream`,
 `error` (error code or null), `relay_end` (how a stream ended: `done`, `truncated`, ...),
 `winner` (backend or null), `winner_kind`, `hedges` / `failovers` (extra attempts started),
 `suppressed` (reasons, in order), `ttft_ms` (client-observed, null without a token),
@@ -30,10 +42,13 @@ import logging
 from typing import Any
 
 from gateway.hedge.attempt import AttemptRecord
+from gateway.stats.loggable import loggable_path
 from gateway.stats.record import hedge_input_tokens, request_class
 from gateway.stats.summary import RequestSummary
 
 LOGGER_NAME = "hedge_gateway.requests"
+#: the `outcome` of a request refused before it reached a pool's race
+REFUSED = "refused"
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -59,12 +74,18 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
     winner = summary.winner
     kinds = [a.kind for a in summary.attempts]
     ended = summary.ended if summary.ended is not None else summary.started
+    outcome = request_class(summary, error_classes)
     return {
         "id": summary.request_id,
+        "route": summary.route,
+        "method": summary.method,
+        "model": summary.model,
+        "status": summary.status,
+        "reason": summary.reason or outcome,
+        "outcome": outcome,
         "pool": summary.pool,
         "endpoint": summary.endpoint,
         "stream": summary.stream,
-        "outcome": request_class(summary, error_classes),
         "error": summary.error,
         "relay_end": summary.relay_end,
         "winner": None if winner is None else winner.backend,
@@ -81,14 +102,39 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
     }
 
 
+def refusal_record(request_id: str | None, method: str, route: str | None, path: str,
+                   model: str | None, status: int | None, reason: str) -> dict[str, Any]:
+    """The line of a request refused before any pool's race. `model` is already loggable;
+    `path` is logged only when no route matched it (a route's own path is `route`)."""
+    record: dict[str, Any] = {
+        "id": request_id,
+        "route": route,
+        "method": method,
+        "model": model,
+        "status": status,
+        "reason": reason,
+        "outcome": REFUSED,
+    }
+    if route is None:
+        record["path"] = loggable_path(path)
+    return record
+
+
 def log_request(summary: RequestSummary, error_classes: frozenset[str]) -> None:
     """Write the request's line to `hedge_gateway.requests` at INFO (skipped cheaply when
     that level is off)."""
     logger = logging.getLogger(LOGGER_NAME)
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    record = request_record(summary, error_classes)
-    logger.info(
-        json.dumps(record, separators=(",", ":")),
-        extra={"hedge_request": record},
-    )
+    if logger.isEnabledFor(logging.INFO):
+        _write(logger, request_record(summary, error_classes))
+
+
+def log_refusal(request_id: str | None, method: str, route: str | None, path: str,
+                model: str | None, status: int | None, reason: str) -> None:
+    """Write a refused request's line (`refusal_record`) to `hedge_gateway.requests`."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if logger.isEnabledFor(logging.INFO):
+        _write(logger, refusal_record(request_id, method, route, path, model, status, reason))
+
+
+def _write(logger: logging.Logger, record: dict[str, Any]) -> None:
+    logger.info(json.dumps(record, separators=(",", ":")), extra={"hedge_request": record})

@@ -40,6 +40,15 @@ class RequestSummary:
     metered: bool = True
     #: how affinity chose the primary: "hit", "spill", "miss"; None when the pool has it off
     affinity: str | None = None
+    #: the client's route as the route table writes it (`/v1/responses/{response_id}`)
+    route: str | None = None
+    method: str = "POST"
+    #: the model name the client sent, already made loggable (`gateway.stats.loggable`)
+    model: str | None = None
+    #: the HTTP status the client was answered with (499: it left before the first token)
+    status: int | None = None
+    #: the machine reason of an error answer (`GatewayError.log_reason`); None: the outcome
+    reason: str | None = None
 
     def attach(
         self,

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from gateway.errors import ForbiddenField, InvalidRequest
+from gateway.errors import ForbiddenField, InvalidJSON, InvalidRequest
 
 #: keys that choose a destination or a credential, refused at the top level and at any depth
 #: inside `extra_body`
@@ -114,13 +114,13 @@ def parse_body_counted(raw: bytes) -> tuple[dict[str, Any], int]:
         text = raw.decode("utf-8")
         body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError:
-        raise InvalidRequest("request body is not valid UTF-8") from None
+        raise InvalidJSON("request body is not valid UTF-8") from None
     except RecursionError:  # deeper than the parser goes, yet within the size limit
         raise InvalidRequest(_TOO_DEEP) from None
     except ValueError as exc:  # JSONDecodeError is a ValueError
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
+        raise InvalidJSON("request body must be a JSON object")
     # fewer brackets than the limit cannot nest deeper: most bodies skip the walk
     if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:
         deep, visited = _too_deep(body, MAX_BODY_DEPTH)

@@ -7,9 +7,11 @@ treat a call as output: a simulator that only ever wrote text would test neither
 - no function offered, or `tool_choice` none: text;
 - `tool_choice` required (Messages: `any`) or naming a function: a call to it, always;
 - otherwise (auto) text when the last input is a tool's result (the model answers with what the
-  tool said), else a call `AUTO_CALL_SHARE` of the time.
+  tool said), else a call. Always, not some share of the time: an agent's round trip (call,
+  result, text) then completes on its first run, where a drawn share left one agent run in four
+  (its request, and so its draw, the same on every rerun) answering in text at once.
 
-Every choice (call or not, which tool, the arguments, the call's id) is drawn from a generator
+Every choice (which tool, the arguments, the call's id) is drawn from a generator
 seeded with the request's content (`prompt.content_key`), never from the backend's own random
 stream: the same request gets the same call on every backend and in every run, so a hedge's
 answer is the primary's, and drawing calls leaves the latency draws where they were.
@@ -27,8 +29,6 @@ from typing import Any
 from providers.sim.prompt import Api, content_key, ends_with_tool_result, offered_tools, tool_choice
 from providers.sim.schema import arguments_for
 
-#: how often an `auto` request that could call a tool does
-AUTO_CALL_SHARE = 0.75
 #: characters of the arguments' JSON per streamed piece: one output token each, about the four
 #: bytes a token of text is counted as
 PIECE_CHARS = 4
@@ -71,9 +71,8 @@ def plan_tool_call(body: Mapping[str, Any], api: Api) -> ToolCall | None:
         return None
     seed = hashlib.blake2b(content_key(body), digest_size=16).digest()
     rng = random.Random(int.from_bytes(seed, "big"))
-    calls = rng.random() < AUTO_CALL_SHARE  # drawn first, whatever the choice, for stability
     named = [tool for tool in tools if tool.name == name] if kind == "named" else []
-    if kind == "auto" and (not calls or ends_with_tool_result(body, api)):
+    if kind == "auto" and ends_with_tool_result(body, api):
         return None
     tool = named[0] if named else rng.choice(tools)
     arguments = json.dumps(arguments_for(tool.schema, rng), separators=(",", ":"),

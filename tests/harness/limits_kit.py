@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from gateway.app import create_app
 from gateway.server.serve import GatewayServer, build_server
@@ -78,7 +79,10 @@ class GatewayFactory:
     def __init__(self, loop_thread: LoopThread) -> None:
         self._lt = loop_thread
 
-    def __call__(self, settings: Settings, *, seed: int = 7) -> Gateway:
+    def __call__(self, settings: Settings, *, seed: int = 7,
+                 wrap: Callable[[ASGIApp], ASGIApp] | None = None) -> Gateway:
+        """`wrap`: an ASGI layer the server runs in front of the app (a test's recorder)."""
+
         async def start() -> tuple[Gateway, asyncio.Task[None], socket.socket]:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("127.0.0.1", 0))
@@ -86,7 +90,8 @@ class GatewayFactory:
             sock.setblocking(False)
             port: int = sock.getsockname()[1]
             app = create_app(settings, seed=seed)
-            server = build_server(app, settings.server, app.state.drain, log_config=None)
+            front = app if wrap is None else wrap(app)
+            server = build_server(front, settings.server, app.state.drain, log_config=None)
             task = asyncio.create_task(server.serve(sockets=[sock]), name=f"gateway-{port}")
             deadline = asyncio.get_running_loop().time() + 10.0
             while not server.started and not task.done():

@@ -34,6 +34,8 @@ PURE = (
     "gateway.wire.usage",
     "gateway.api.stored",
     "gateway.server.workers",
+    "gateway.stats.loggable",
+    "gateway.settings.hidden",
     "providers.sim.cache",
     "providers.sim.prompt",
     "providers.sim.schema",

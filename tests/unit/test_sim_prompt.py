@@ -21,7 +21,7 @@ from providers.sim.prompt import (
     segments,
     tool_choice,
 )
-from providers.sim.tools import AUTO_CALL_SHARE, PIECE_CHARS, plan_tool_call
+from providers.sim.tools import PIECE_CHARS, plan_tool_call
 from providers.sim.wire import SimModel
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -137,10 +137,9 @@ def asking(i: int, **more: Any) -> dict[str, Any]:
             "tools": CHAT_TOOLS, **more}
 
 
-def test_auto_calls_a_tool_most_of_the_time_and_the_same_request_alike() -> None:
+def test_auto_calls_a_tool_every_time_and_the_same_request_alike() -> None:
     calls = [plan_tool_call(asking(i), "chat") for i in range(400)]
-    share = sum(c is not None for c in calls) / len(calls)
-    assert abs(share - AUTO_CALL_SHARE) < 0.07
+    assert all(c is not None for c in calls)
     assert {c.name for c in calls if c is not None} == {"weather", "time"}
     # the model name and stream flag differ per backend and copy: the call does not
     again = [plan_tool_call({**asking(i), "model": "other", "stream": True}, "chat")
@@ -151,9 +150,7 @@ def test_auto_calls_a_tool_most_of_the_time_and_the_same_request_alike() -> None
 
 
 def test_forced_named_none_and_after_a_tool_result() -> None:
-    texts = [i for i in range(100) if plan_tool_call(asking(i), "chat") is None]
-    assert texts  # some auto requests are answered in text...
-    for i in texts:  # ...but `required` forces a call, and naming a tool calls that one
+    for i in range(50):  # `required` forces a call, and naming a tool calls that one
         assert plan_tool_call(asking(i, tool_choice="required"), "chat") is not None
         named = {"type": "function", "function": {"name": "time"}}
         call = plan_tool_call(asking(i, tool_choice=named), "chat")
