@@ -135,10 +135,18 @@ class HealthSettings(Checked):
     panic_below: float = field(default=0.5, metadata=scalar(
         _probability, "below this share (by weight) of usable backends, a request may go to "
         "paused or ejected ones too (0: never)"))
+    default_pause: float = field(default=1.0, metadata=scalar(
+        cv.duration(), "the pause of a throttle that names none (a 429 without Retry-After, "
+        "Bedrock's throttling); <= max_pause"))
+    min_headroom: float = field(default=0.05, metadata=scalar(
+        cv.number(0, 1, open_high=True), "a backend whose rate-limit headers show less than "
+        "this share of its quota left is skipped while another has room (0: never)"))
 
     def _rules(self, at: At) -> Iterator[str]:
         if self.cooldown > self.max_cooldown:
             yield f"{at('cooldown')}: must be <= max_cooldown"
+        if self.default_pause > self.max_pause:
+            yield f"{at('default_pause')}: must be <= max_pause"
 
 
 @dataclass(frozen=True, slots=True)
