@@ -40,6 +40,8 @@ class RequestSummary:
     metered: bool = True
     #: how affinity chose the primary: "hit", "spill", "miss"; None when the pool has it off
     affinity: str | None = None
+    #: the backends its choices left out for low quota headroom, once per choice
+    headroom_skips: Sequence[str] = ()
 
     def attach(
         self,
