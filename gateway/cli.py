@@ -322,6 +322,11 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "the prefix cache on (default %(default)s)")
     opt("--prefix-cache-entries", type=_count, default=d.prefix_cache_entries,
         help="message prefixes the prefix cache holds, LRU (default %(default)s)")
+    opt("--rate-limit-requests", type=_count, default=d.rate_limit_requests,
+        help="requests allowed per window, stated in rate-limit headers on every answer; "
+        "past it 429 with Retry-After; 0: no quota, no headers (default %(default)s)")
+    opt("--rate-limit-window-ms", type=_non_negative, default=d.rate_limit_window * 1000,
+        help="the quota's window, from the first request, ms (default %(default)s)")
     opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
 
 
@@ -348,6 +353,8 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
         seed=ns.seed,
         prefill_ms_per_1k=ns.prefill_ms_per_1k,
         prefix_cache_entries=ns.prefix_cache_entries,
+        rate_limit_requests=ns.rate_limit_requests,
+        rate_limit_window=max(ns.rate_limit_window_ms, 1.0) / 1000,
     )
 
 

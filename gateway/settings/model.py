@@ -181,6 +181,11 @@ class SimProfile(Checked):
     prefix_cache_entries: int = field(default=4096, metadata=scalar(
         cv.integer(0), "message prefixes the backend's prompt cache holds (least recently "
         "used go first)"))
+    rate_limit_requests: int = field(default=0, metadata=scalar(
+        cv.integer(0), "requests allowed per rate_limit_window, stated in rate-limit headers "
+        "on every answer; past it, 429 with Retry-After; 0: no quota and no headers"))
+    rate_limit_window: float = field(default=60.0, metadata=scalar(
+        cv.duration(), "the quota's window: it starts with the first request"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from gateway.settings import SimProfile
 from gateway.wire.sse import encode_event
 from providers.base import Endpoint
 from providers.sim import protocols
+from providers.sim.quota import SimQuota
 from providers.sim.wire import (
     TTFT_HEADER,
     SimModel,
@@ -180,6 +181,9 @@ class _SimServer:
     def __init__(self, profile: SimProfile, seed: int | None) -> None:
         self.model = SimModel(profile, random.Random(seed))
         self.stats = SimStats()
+        #: the request quota its answers state (`providers.sim.quota`), when it has one
+        self.quota = SimQuota(profile.rate_limit_requests, profile.rate_limit_window) \
+            if profile.rate_limit_requests else None
 
     async def _plan(self, request: Request) -> tuple[dict[str, Any], SimPlan] | Response:
         """The request's body and plan, or the error response (bad input, simulated fault).
@@ -203,19 +207,30 @@ class _SimServer:
         return body, plan
 
     async def _start(
-        self, request: Request
+        self, request: Request, endpoint: str
     ) -> Response | tuple[dict[str, Any], SimPlan, str, str, dict[str, str]]:
         """What both handlers begin with: the plan (or the planned failure as a response), the
-        model to echo, the request id and the headers that carry it."""
+        model to echo, the request id and the headers that carry it (with the quota's)."""
+        quota, now = self.quota, time.monotonic()
+        if quota is not None and not quota.take(now):
+            self.stats.requests += 1
+            self.stats.faults += 1
+            refused = _error(429, "simulated quota exceeded")
+            refused.headers.update({**quota.headers(endpoint, now),
+                                    "retry-after": f"{quota.retry_after(now):g}"})
+            return refused
         planned = await self._plan(request)
         if isinstance(planned, Response):
             return planned
         body, plan = planned
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return body, plan, str(body.get("model", "sim")), request_id, {"x-request-id": request_id}
+        headers = {"x-request-id": request_id}
+        if quota is not None:
+            headers.update(quota.headers(endpoint, now))
+        return body, plan, str(body.get("model", "sim")), request_id, headers
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
-        started = await self._start(request)
+        started = await self._start(request, endpoint)
         if isinstance(started, Response):
             return started
         body, plan, model, request_id, headers = started
@@ -236,7 +251,7 @@ class _SimServer:
 
     async def handle_protocol(self, request: Request, endpoint: str) -> Response:
         """The Responses API and Messages routes: same plans, their own wire."""
-        started = await self._start(request)
+        started = await self._start(request, endpoint)
         if isinstance(started, Response):
             return started
         body, plan, model, request_id, headers = started
