@@ -168,6 +168,7 @@ def _sim(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     from gateway.bench.commands import (
         run_bench_command,
+        run_clouds_command,
         run_conversations_command,
         run_soak_command,
     )
@@ -177,6 +178,9 @@ def _bench(ns: argparse.Namespace) -> int:
     if ns.workload == "conversations":
         return run_conversations_command(conversations=ns.requests, quick=ns.quick,
                                          seed=ns.seed, out=ns.out)
+    if ns.workload == "claude-everywhere":
+        return run_clouds_command(requests=ns.requests, concurrency=ns.concurrency,
+                                  quick=ns.quick, seed=ns.seed, out=ns.out)
     if ns.workload == "soak":
         return run_soak_command(duration=ns.duration, quick=ns.quick,
                                 concurrency=ns.concurrency, seed=ns.seed, out=ns.out,
@@ -367,11 +371,15 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     names = [w.name for w in WORKLOADS]
     parser.add_argument("--workload",
-                        choices=[*names, *WORKLOAD_GROUPS, "soak", "conversations", "all"],
+                        choices=[*names, *WORKLOAD_GROUPS, "soak", "conversations",
+                                 "claude-everywhere", "all"],
                         default="all",
-                        help="which workload to run (default: all; `soak` and "
-                             "`conversations` only when named; conversations: --requests is "
-                             "the number of conversations, default 48); "
+                        help="which workload to run (default: all; `soak`, `conversations` "
+                             "and `claude-everywhere` only when named; conversations: "
+                             "--requests is the number of conversations, default 48; "
+                             "claude-everywhere: the stragglers race over "
+                             "config/claude-everywhere.yaml's Anthropic, Bedrock and Vertex "
+                             "pool, on simulators); "
                              "slow-shares: " + ", ".join(WORKLOAD_GROUPS["slow-shares"]))
     parser.add_argument("--duration", type=_positive_seconds,
                         help="soak: seconds of traffic (default 600; 20 with --quick)")
