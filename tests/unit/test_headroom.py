@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
 
 import pytest
+import yaml
 
 from gateway.errors import (
     UpstreamError,
@@ -438,3 +439,38 @@ async def test_the_attempt_hands_a_refusals_headers_to_the_watch_as_a_successes(
         await open_until_first_token(Refusing(None), call, lambda: False,
                                      seen=seen.append)
     assert seen == [left(0), left(7)]
+
+
+# --- the settings --------------------------------------------------------------------------------
+
+
+def _health(text: str) -> HealthSettings:
+    from gateway.settings.load import parse_settings
+
+    data = {"pools": [{"name": "chat", "health": yaml.safe_load(text),
+                       "backends": [{"name": "a", "base_url": "http://127.0.0.1:9/v1"}]}]}
+    return parse_settings(data, {}).pools[0].health
+
+
+def test_default_pause_and_min_headroom_defaults_and_values() -> None:
+    assert (HealthSettings().default_pause, HealthSettings().min_headroom) == (1.0, 0.05)
+    health = _health("{default_pause: 250ms, min_headroom: 0.2}")
+    assert (health.default_pause, health.min_headroom) == (0.25, 0.2)
+    assert _health("{min_headroom: 0}").min_headroom == 0.0
+
+
+@pytest.mark.parametrize(("text", "complaint"), [
+    ("{default_pause: 0s}", "default_pause: must be > 0"),
+    ("{default_pause: -1}", "default_pause"),
+    ("{default_pause: 31s}", "default_pause: must be <= max_pause"),
+    ("{default_pause: 5s, max_pause: 2s}", "default_pause: must be <= max_pause"),
+    ("{min_headroom: 1}", "min_headroom"),
+    ("{min_headroom: -0.1}", "min_headroom"),
+    ("{min_headroom: lots}", "min_headroom"),
+])
+def test_default_pause_and_min_headroom_are_validated(text: str, complaint: str) -> None:
+    from gateway.settings.load import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        _health(text)
+    assert any(complaint in error for error in caught.value.errors), caught.value.errors
