@@ -23,6 +23,7 @@ import anthropic
 import httpx
 import openai
 
+from gateway.hedge.affinity import AffinityRoute
 from gateway.settings import (
     BackendSettings,
     HealthSettings,
@@ -130,18 +131,20 @@ def test_when_every_backend_is_low_both_keep_serving(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
     """Until both have answered, the one not heard from yet has room (and the low one is
-    skipped); from then on both are low and both serve, with no more skips."""
+    skipped); from then on both are low and requests are chosen as without headers (by load
+    and TTFT), with no more skips and none refused."""
     ups = [scripted_upstream.one(responder=answering(quota(1))) for _ in range(2)]
     gateway = start(loop_thread, [u.base_url for u in ups], hedging=False)
     with sdk(gateway.v1) as client:
         before = 0
-        while not all(u.requests for u in ups):
+        while not all(u.requests for u in ups):  # an unknown TTFT is explored: soon both
             served_by(client)
             before += 1
             assert before < 40
         skips = recorded(gateway, before)["lifetime"]["headroom_skips"]
-        served = [served_by(client) for _ in range(24)]
-    assert set(served) == {"b0", "b1"}  # none refused, none left out
+        served = [served_by(client) for _ in range(24)]  # each answered (or it raised)
+    assert set(served) <= {"b0", "b1"}
+    assert sum(len(u.requests) for u in ups) == before + 24  # none refused untried
     pool = recorded(gateway, before + 24)
     assert pool["lifetime"]["headroom_skips"] == skips
     assert pool["lifetime"]["errors"] == {}
@@ -230,40 +233,50 @@ def anthropic_pool(urls: Sequence[str]) -> Settings:
     return Settings((pool,), server=ServerSettings(api_keys=("gw-key",)))
 
 
-def test_anthropic_quota_headers_move_requests_and_reach_the_anthropic_sdk(
+def a_key_whose_first_backend_is(name: str, settings: Settings) -> str:
+    """A conversation key (`metadata.user_id`) whose affinity order starts at `name`."""
+    weights = {b.name: b.weight for b in settings.pools[0].backends}
+    return next(key for key in (f"user-{k}" for k in range(1000))
+                if AffinityRoute.of("user:" + key, weights, 1.25).order[0] == name)
+
+
+def test_anthropic_quota_headers_move_a_conversation_and_reach_the_anthropic_sdk(
     loop_thread: LoopThread, asgi_server: AsgiServerFactory
 ) -> None:
-    """Two simulators allow 20 requests an hour each and say so in Anthropic's headers (RFC
-    3339 resets): once one has 1 left (5 % < 10 %), every request goes to the other; the
-    client sees the headers of the simulator that answered it."""
+    """Two simulators allow 20 and 1,000 requests an hour and say so in Anthropic's headers
+    (RFC 3339 resets). One conversation's key starts at the small one: its turns go there
+    (affinity hits) until it has 1 left (5 % < 10 %), then spill to the other (each a spill and
+    a headroom skip); the client sees the headers of the simulator that answered it."""
     small = create_sim_app(QUOTA_PROFILE, seed=1)
     large = create_sim_app(dataclasses.replace(QUOTA_PROFILE, rate_limit_requests=1000), seed=2)
-    urls = [asgi_server(app).base_url for app in (small, large)]
-    gateway = GatewayFactory(loop_thread)(anthropic_pool(urls))
+    settings = anthropic_pool([asgi_server(app).base_url for app in (small, large)])
+    key = a_key_whose_first_backend_is("s0", settings)
+    gateway = GatewayFactory(loop_thread)(settings)
     with anthropic.Anthropic(base_url=gateway.root, api_key="gw-key", max_retries=0,
                              timeout=10.0) as client:
         def send() -> Mapping[str, str]:
             response = client.messages.with_raw_response.create(
-                model=POOL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+                model=POOL, max_tokens=8, metadata={"user_id": key},
+                messages=[{"role": "user", "content": "hi"}])
             response.parse()
             return response.headers
 
-        sent = 0
-        while small.stats.requests < 19:  # until the small quota has 1 left
+        for turn in range(1, 20):  # 2 left after 18 (10 %: room), 1 left after 19 (low)
             headers = send()
-            sent += 1
-            assert sent < 400
-            backend = headers["x-hedge-backend"]
-            left = int(headers["anthropic-ratelimit-requests-remaining"])
-            expected = (20 if backend == "s0" else 1000) - (
-                small.stats.requests if backend == "s0" else large.stats.requests)
-            assert left == expected  # the answering simulator's own count
+            assert headers["x-hedge-backend"] == "s0"
+            assert headers["anthropic-ratelimit-requests-limit"] == "20"
+            assert headers["anthropic-ratelimit-requests-remaining"] == str(20 - turn)
             assert headers["anthropic-ratelimit-requests-reset"].endswith("Z")
-        after = [send()["x-hedge-backend"] for _ in range(10)]
-    assert after == ["s1"] * 10 and small.stats.requests == 19
-    assert wait_for(lambda: stats_of(gateway.root)["pools"][POOL]["lifetime"]["requests"]
-                    >= sent + 10)
-    s0 = stats_of(gateway.root)["pools"][POOL]["backends"]["s0"]
+        spilled = [send() for _ in range(10)]
+    assert [h["x-hedge-backend"] for h in spilled] == ["s1"] * 10
+    assert [h["anthropic-ratelimit-requests-remaining"] for h in spilled] == [
+        str(1000 - n) for n in range(1, 11)]  # the large simulator's own count
+    assert small.stats.requests == 19 and large.stats.requests == 10
+    assert wait_for(lambda: stats_of(gateway.root)["pools"][POOL]["lifetime"]["requests"] >= 29)
+    pool = stats_of(gateway.root)["pools"][POOL]
+    assert pool["lifetime"]["affinity"] == {"hits": 19, "spills": 10, "misses": 0}
+    assert pool["lifetime"]["headroom_skips"] == 10
+    s0 = pool["backends"]["s0"]
     assert s0["state"] == "low" and s0["headroom"] == 0.05
     assert 0 < s0["seconds_left"] <= 30  # the hour's reset, capped by health.max_pause
     assert s0["lifetime"]["headroom_skips"] == 10
