@@ -168,6 +168,7 @@ def _sim(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     from gateway.bench.commands import (
         run_bench_command,
+        run_clouds_command,
         run_conversations_command,
         run_soak_command,
     )
@@ -177,6 +178,9 @@ def _bench(ns: argparse.Namespace) -> int:
     if ns.workload == "conversations":
         return run_conversations_command(conversations=ns.requests, quick=ns.quick,
                                          seed=ns.seed, out=ns.out)
+    if ns.workload == "claude-everywhere":
+        return run_clouds_command(requests=ns.requests, concurrency=ns.concurrency,
+                                  quick=ns.quick, seed=ns.seed, out=ns.out)
     if ns.workload == "soak":
         return run_soak_command(duration=ns.duration, quick=ns.quick,
                                 concurrency=ns.concurrency, seed=ns.seed, out=ns.out,
@@ -322,6 +326,11 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "the prefix cache on (default %(default)s)")
     opt("--prefix-cache-entries", type=_count, default=d.prefix_cache_entries,
         help="message prefixes the prefix cache holds, LRU (default %(default)s)")
+    opt("--rate-limit-requests", type=_count, default=d.rate_limit_requests,
+        help="requests allowed per window, stated in rate-limit headers on every answer; "
+        "past it 429 with Retry-After; 0: no quota, no headers (default %(default)s)")
+    opt("--rate-limit-window-ms", type=_non_negative, default=d.rate_limit_window * 1000,
+        help="the quota's window, from the first request, ms (default %(default)s)")
     opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
 
 
@@ -348,6 +357,8 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
         seed=ns.seed,
         prefill_ms_per_1k=ns.prefill_ms_per_1k,
         prefix_cache_entries=ns.prefix_cache_entries,
+        rate_limit_requests=ns.rate_limit_requests,
+        rate_limit_window=max(ns.rate_limit_window_ms, 1.0) / 1000,
     )
 
 
@@ -360,11 +371,15 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     names = [w.name for w in WORKLOADS]
     parser.add_argument("--workload",
-                        choices=[*names, *WORKLOAD_GROUPS, "soak", "conversations", "all"],
+                        choices=[*names, *WORKLOAD_GROUPS, "soak", "conversations",
+                                 "claude-everywhere", "all"],
                         default="all",
-                        help="which workload to run (default: all; `soak` and "
-                             "`conversations` only when named; conversations: --requests is "
-                             "the number of conversations, default 48); "
+                        help="which workload to run (default: all; `soak`, `conversations` "
+                             "and `claude-everywhere` only when named; conversations: "
+                             "--requests is the number of conversations, default 48; "
+                             "claude-everywhere: the stragglers race over "
+                             "config/claude-everywhere.yaml's Anthropic, Bedrock and Vertex "
+                             "pool, on simulators); "
                              "slow-shares: " + ", ".join(WORKLOAD_GROUPS["slow-shares"]))
     parser.add_argument("--duration", type=_positive_seconds,
                         help="soak: seconds of traffic (default 600; 20 with --quick)")

@@ -45,7 +45,7 @@ OpenAI error JSON itself is built in one place, `error_body`.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import ClassVar
 
 # --- why one attempt failed: the attempt-level tree ---------------------------------------------
@@ -60,11 +60,18 @@ class UpstreamError(Exception):
     #: whether the failure counts against the backend's health; False when the
     #: gateway itself failed the attempt
     backend_fault: bool = True
+    #: a throttle: without a `retry_after` of its own, the race pauses the backend for the
+    #: pool's `health.default_pause` and takes that as its Retry-After (every 429; Bedrock's
+    #: busy errors, which name no pause either)
+    throttle: bool = False
 
     def __init__(self, reason: str, *, retry_after: float | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
+        #: the answer's rate-limit headers (`gateway.wire.ratelimit`), when it was one: a
+        #: refusal states the backend's quota as a success does
+        self.quota: Mapping[str, str] = {}
 
 
 class InternalAttemptError(UpstreamError):
@@ -156,6 +163,7 @@ class UpstreamNotFound(UpstreamStatusError):
 class UpstreamRateLimited(UpstreamStatusError):
     code = "rate_limited"
     statuses = frozenset({429})
+    throttle = True
 
 
 class UpstreamUnavailable(UpstreamStatusError):

@@ -14,16 +14,9 @@ from providers.base import UpstreamCall
 from providers.http import UpstreamClient
 from providers.openai import PASS_HEADERS, OpenAIProvider
 
-#: Anthropic's own response headers worth passing on, beyond the OpenAI allowlist
-ANTHROPIC_PASS_HEADERS = frozenset({
-    "request-id",
-    "anthropic-ratelimit-requests-limit",
-    "anthropic-ratelimit-requests-remaining",
-    "anthropic-ratelimit-requests-reset",
-    "anthropic-ratelimit-tokens-limit",
-    "anthropic-ratelimit-tokens-remaining",
-    "anthropic-ratelimit-tokens-reset",
-}) | PASS_HEADERS
+#: Anthropic's own response headers worth passing on, beyond the OpenAI allowlist (which
+#: holds every rate-limit header, Anthropic's included)
+ANTHROPIC_PASS_HEADERS = frozenset({"request-id"}) | PASS_HEADERS
 
 
 class AnthropicProvider(OpenAIProvider):

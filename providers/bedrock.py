@@ -21,8 +21,9 @@ What differs from `provider: anthropic`, and why each piece is here:
   the first token it fails the attempt and after it reaches the client as an error event.
 - **Errors** map to the error tree by Bedrock's error type (`x-amzn-ErrorType`), not only by
   status: `ServiceQuotaExceededException` comes as a 400 but is no fault of the request.
-  Throttling carries no Retry-After, so it pauses the backend for `THROTTLE_PAUSE`, and a
-  client whose every attempt was throttled gets a 429 with Retry-After.
+  Throttling carries no Retry-After: it is a `throttle` without a pause of its own, so the
+  race pauses the backend for the pool's `health.default_pause`, and a client whose every
+  attempt was throttled gets a 429 with that as its Retry-After.
 
 Nothing of a credential leaves this module: the signature headers go upstream only, upstream
 error bodies are never read into a message, and botocore's signer is kept from logging its
@@ -65,7 +66,14 @@ from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import UpstreamCall
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient, UpstreamResponse
-from providers.openai import PASS_HEADERS, AiohttpStream, media_type, parse_retry_after
+from providers.openai import (
+    PASS_HEADERS,
+    AiohttpStream,
+    allowed_headers,
+    media_type,
+    parse_retry_after,
+    refused,
+)
 from providers.requestid import upstream_request_headers
 
 #: the signer logs the canonical request at DEBUG, session token included
@@ -73,8 +81,6 @@ logging.getLogger("botocore.auth").setLevel(logging.INFO)
 
 SERVICE = "bedrock"
 EVENT_STREAM = "application/vnd.amazon.eventstream"
-#: how long a throttled backend is left out of selection: Bedrock sends no Retry-After
-THROTTLE_PAUSE = 1.0
 #: Bedrock's own response headers worth passing on
 BEDROCK_PASS_HEADERS = frozenset({"x-amzn-requestid"}) | PASS_HEADERS
 #: the Messages event's `type` near the start of its JSON (it comes first)
@@ -112,12 +118,15 @@ def bedrock_error(
 
     Throttling and quotas are pushbacks (another backend at once, this one paused); access
     and signature errors are this backend's misconfiguration (fail over); a validation error
-    is the request's (it would fail everywhere, so the client gets 400)."""
+    is the request's (it would fail everywhere, so the client gets 400). Throttling and a
+    busy model name no pause: each is a `throttle`, paused for the pool's default."""
     kind = _error_kind(error_type)
     if kind in _PUSHBACK:
-        return UpstreamRateLimited(429, retry_after=retry_after or THROTTLE_PAUSE)
+        return UpstreamRateLimited(429, retry_after=retry_after)
     if kind in _BUSY:
-        return UpstreamUnavailable(503, retry_after=retry_after or THROTTLE_PAUSE)
+        busy = UpstreamUnavailable(503, retry_after=retry_after)
+        busy.throttle = True
+        return busy
     if kind == "validation":
         return UpstreamRejectedRequest(400)
     if kind in _AUTH:
@@ -130,7 +139,7 @@ def bedrock_error(
         return UpstreamServerError(status if status is not None and status >= 500 else 500)
     if status is not None:
         if status == 429:  # a throttle without its type is still a throttle
-            return UpstreamRateLimited(429, retry_after=retry_after or THROTTLE_PAUSE)
+            return UpstreamRateLimited(429, retry_after=retry_after)
         return UpstreamStatusError.of(status, retry_after=retry_after)
     return UpstreamProtocolError("unknown exception in the event stream")
 
@@ -226,11 +235,7 @@ class EventStream:
 
     def __init__(self, response: UpstreamResponse) -> None:
         self._response = response
-        self.headers: Mapping[str, str] = {
-            name.decode("latin-1").lower(): value.decode("latin-1")
-            for name, value in response.raw_headers
-            if name.decode("latin-1").lower() in BEDROCK_PASS_HEADERS
-        }
+        self.headers: Mapping[str, str] = allowed_headers(response, BEDROCK_PASS_HEADERS)
 
     async def batches(self) -> AsyncIterator[SSEBatch]:
         decoder = EventStreamDecoder()
@@ -369,10 +374,9 @@ class BedrockProvider:
             pool_timeout=self._connect,
         )
         if response.status != 200:
-            error = bedrock_error(response.headers.get("x-amzn-errortype"), response.status,
-                                  retry_after=parse_retry_after(response.headers))
-            response.close()
-            raise error
+            raise refused(response, bedrock_error(
+                response.headers.get("x-amzn-errortype"), response.status,
+                retry_after=parse_retry_after(response.headers)))
         content_type = media_type(response.headers.get("content-type", ""))
         expected = EVENT_STREAM if call.stream else "application/json"
         if content_type != expected or (

@@ -17,27 +17,19 @@ from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
 
-from gateway.errors import UpstreamProtocolError, UpstreamStatusError
+from gateway.errors import UpstreamError, UpstreamProtocolError, UpstreamStatusError
 from gateway.settings import BackendSettings, Timeouts
+from gateway.wire.ratelimit import RATE_LIMIT_HEADERS
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent, SSEProtocolError
 from providers.base import UpstreamCall
 from providers.http import UpstreamClient, UpstreamResponse
 from providers.requestid import upstream_request_headers
 
-#: response headers a client may see from an upstream; everything else stays behind
-PASS_HEADERS = frozenset(
-    {
-        "openai-processing-ms",
-        "openai-version",
-        "x-request-id",
-        "x-ratelimit-limit-requests",
-        "x-ratelimit-limit-tokens",
-        "x-ratelimit-remaining-requests",
-        "x-ratelimit-remaining-tokens",
-        "x-ratelimit-reset-requests",
-        "x-ratelimit-reset-tokens",
-    }
-)
+#: response headers a client may see from an upstream; everything else stays behind. The
+#: rate-limit headers of both families are in every adapter's list: the balancer reads them
+#: from every answer, and the client gets the winner's, as it would from the upstream itself
+PASS_HEADERS = frozenset({"openai-processing-ms", "openai-version", "x-request-id"}
+                         ) | RATE_LIMIT_HEADERS
 
 #: a non-streaming body larger than this is refused (a broken upstream must not fill memory)
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -76,6 +68,27 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     return max(0.0, seconds)
 
 
+def allowed_headers(response: UpstreamResponse, allowed: frozenset[str]) -> dict[str, str]:
+    """The response's headers named in `allowed`, names lower-cased.
+
+    From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes with): a
+    str decoded as UTF-8 may hold characters that cannot be written back into a header, which
+    made a hostile upstream's header a 500."""
+    return {
+        name.decode("latin-1").lower(): value.decode("latin-1")
+        for name, value in response.raw_headers
+        if name.decode("latin-1").lower() in allowed
+    }
+
+
+def refused(response: UpstreamResponse, error: UpstreamError) -> UpstreamError:
+    """`error` for a refusal, carrying the response's rate-limit headers (a 429 states the
+    quota it ran out of), and the response released."""
+    error.quota = allowed_headers(response, RATE_LIMIT_HEADERS)
+    response.close()
+    return error
+
+
 class AiohttpStream:
     """An open 200 response; `batches()` decodes it incrementally."""
 
@@ -84,14 +97,7 @@ class AiohttpStream:
     ) -> None:
         self._response = response
         self._stream = stream
-        # From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes
-        # with): a str decoded as UTF-8 may hold characters that cannot be written back into
-        # a header, which made a hostile upstream's header a 500.
-        self.headers: Mapping[str, str] = {
-            name.decode("latin-1").lower(): value.decode("latin-1")
-            for name, value in response.raw_headers
-            if name.decode("latin-1").lower() in allowed
-        }
+        self.headers: Mapping[str, str] = allowed_headers(response, allowed)
 
     def batches(self) -> AsyncIterator[SSEBatch]:
         return self._sse() if self._stream else self._whole_body()
@@ -221,8 +227,8 @@ class OpenAIProvider:
         )
         if response.status != 200:
             retry_after = parse_retry_after(response.headers)
-            response.close()
-            raise UpstreamStatusError.of(response.status, retry_after=retry_after)
+            raise refused(response, UpstreamStatusError.of(response.status,
+                                                           retry_after=retry_after))
         content_type = media_type(response.headers.get("content-type", ""))
         expected = "text/event-stream" if call.stream else "application/json"
         if content_type != expected:

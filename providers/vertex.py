@@ -15,9 +15,9 @@ What differs from `provider: anthropic`, and why each piece is here:
   request fetches a fresh one (a token revoked early).
 - **The stream** is Anthropic's own SSE, so the Anthropic adapter's decoding (`AiohttpStream`)
   and everything after it apply unchanged.
-- **Errors.** Vertex sends quota errors as 429 without Retry-After; like Bedrock's throttling,
-  such a 429 pauses the backend for `THROTTLE_PAUSE`, so that a client whose every attempt was
-  refused gets a 429 with Retry-After instead of a 502.
+- **Errors.** Vertex sends quota errors as 429 without Retry-After; like Bedrock's throttling
+  (and every 429), such a 429 pauses the backend for the pool's `health.default_pause`, so
+  that a client whose every attempt was refused gets a 429 with Retry-After instead of a 502.
 
 The token goes upstream only: never into a message, a log line or a stat (google-auth's own
 logging hashes it).
@@ -40,10 +40,9 @@ from google.oauth2 import service_account
 from gateway.errors import UpstreamAuthFailed, UpstreamProtocolError, UpstreamStatusError
 from gateway.settings import BackendSettings, Timeouts
 from providers.base import UpstreamCall
-from providers.bedrock import THROTTLE_PAUSE
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient
-from providers.openai import PASS_HEADERS, AiohttpStream, media_type, parse_retry_after
+from providers.openai import PASS_HEADERS, AiohttpStream, media_type, parse_retry_after, refused
 from providers.requestid import upstream_request_headers
 
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
@@ -171,14 +170,13 @@ class VertexProvider:
             pool_timeout=self._connect,
         )
         if response.status != 200:
-            retry_after = parse_retry_after(response.headers)
-            if response.status == 429 and retry_after is None:
-                retry_after = THROTTLE_PAUSE  # a quota pushback that names no pause
-            response.close()
-            error = UpstreamStatusError.of(response.status, retry_after=retry_after)
+            # a 429 without Retry-After (a quota error) is a throttle: the race pauses the
+            # backend for the pool's default
+            error = UpstreamStatusError.of(response.status,
+                                           retry_after=parse_retry_after(response.headers))
             if isinstance(error, UpstreamAuthFailed) and response.status == 401:
                 self._tokens.invalidate()
-            raise error
+            raise refused(response, error)
         content_type = media_type(response.headers.get("content-type", ""))
         expected = "text/event-stream" if call.stream else "application/json"
         if content_type != expected or (

@@ -94,6 +94,7 @@ class RequestEnd:
             try:
                 summary.panic = self._race.panic
                 summary.affinity = self._race.affinity
+                summary.headroom_skips = self._race.headroom_skips
                 summary.ended = self._clock()
                 stats.record(summary)
                 log_request(summary, stats.error_classes)

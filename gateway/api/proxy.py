@@ -246,12 +246,14 @@ class Proxy:
                 call = dataclasses.replace(
                     call, extra_headers={**call.extra_headers, **trace.attempt_started(record)})
             provider = pool.providers[backend]
+            seen = pool.quota_watch(backend, self.clock)
             try:
                 if req.stream:
                     return await open_until_first_token(
-                        provider, call, is_lost, protocol.classify, protocol.answered
+                        provider, call, is_lost, protocol.classify, protocol.answered, seen
                     )
-                return await open_whole_response(provider, call, is_lost, protocol.classify_body)
+                return await open_whole_response(provider, call, is_lost, protocol.classify_body,
+                                                 seen)
             except UpstreamStatusError as exc:
                 if req.pinned is not None and exc.status in PINNED_ANSWERS:
                     # no other backend holds this state: its verdict on the request (404: it

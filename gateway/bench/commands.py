@@ -101,6 +101,31 @@ def run_soak_command(*, duration: float | None, quick: bool, concurrency: int | 
     return 0 if soak.clean(result) else 1
 
 
+def run_clouds_command(*, requests: int | None, concurrency: int | None, quick: bool,
+                       seed: int, out: str | None) -> int:
+    """`--workload claude-everywhere`: the stragglers race over the example Claude pool of
+    Anthropic, Bedrock and Vertex simulators, hedging off and on (`gateway.bench.clouds`)."""
+    from gateway.bench import clouds
+
+    plan = clouds.CloudsPlan(requests=requests or (120 if quick else 300),
+                             concurrency=concurrency or 8, warmup=60 if quick else 90,
+                             seed=seed)
+    print(f"hedge-gateway bench: claude-everywhere; {plan.requests} requests per mode at "
+          f"concurrency {plan.concurrency} after {plan.warmup} warm-up requests, modes "
+          f"{', '.join(plan.modes)}", file=sys.stderr)
+    result = _run_children(lambda: clouds.run_clouds(plan))
+    if isinstance(result, int):
+        return result
+    print(clouds.format_table(result))
+    path = out or _default_out("claude-everywhere-")
+    report.write_json(path, {"workload": "claude-everywhere", "machine": machine(),
+                             "plan": {"requests": plan.requests, "warmup": plan.warmup,
+                                      "concurrency": plan.concurrency, "seed": seed},
+                             "modes": result})
+    print(f"JSON report: {path}")
+    return 0
+
+
 def run_conversations_command(*, conversations: int | None, quick: bool, seed: int,
                               out: str | None) -> int:
     """`--workload conversations`: sticky client, hedging off, hedging on over multi-turn

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.errors import UpstreamInBandError, UpstreamNoToken, UpstreamProtocolError
+from gateway.errors import (
+    UpstreamError,
+    UpstreamInBandError,
+    UpstreamNoToken,
+    UpstreamProtocolError,
+)
 from gateway.wire.base import Kind
 from gateway.wire.chat import chat_answered, classify, classify_payload
 from gateway.wire.sse import SSEBatch, SSEEvent
@@ -25,6 +30,9 @@ from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despit
 
 AttemptKind = Literal["primary", "hedge", "failover"]
 Outcome = Literal["won", "lost", "failed", "cancelled"]
+#: takes the headers of an upstream's answer (a refusal's too) as soon as they are in: the
+#: backend's quota headroom reads its rate-limit headers from them
+HeadersSeen = Callable[[Mapping[str, str]], None]
 
 
 @dataclass(slots=True)
@@ -101,20 +109,36 @@ async def _close(stream: UpstreamStream, batches: AsyncIterator[SSEBatch] | None
     await stream.aclose()
 
 
+async def _open(provider: Provider, call: UpstreamCall, seen: HeadersSeen | None
+                ) -> UpstreamStream:
+    """`provider.open`, handing `seen` the answer's headers, a refusal's as a success's."""
+    try:
+        stream = await provider.open(call)
+    except UpstreamError as exc:
+        if seen is not None and exc.quota:
+            seen(exc.quota)
+        raise
+    if seen is not None:
+        seen(stream.headers)
+    return stream
+
+
 async def open_until_first_token(
     provider: Provider,
     call: UpstreamCall,
     is_lost: Callable[[], bool],
     classify: Callable[[SSEEvent], Kind] = classify,
     answered: Callable[[list[SSEEvent]], bool] = chat_answered,
+    seen: HeadersSeen | None = None,
 ) -> Prefix:
     """Open a streaming attempt and read until its first token or its normal end.
 
     `classify` is the route's per-event predicate; `answered` says, once, whether a stream
     that reached its end event without a token is a complete answer (chat: it gave a finish
     reason) or a failure. The bound on events before the first token counts every event read,
-    checked after each read that brought neither a token nor an end."""
-    stream = await provider.open(call)
+    checked after each read that brought neither a token nor an end. `seen` gets the
+    answer's headers as soon as they are in."""
+    stream = await _open(provider, call, seen)
     batches = stream.batches()
     try:
         buffered: list[SSEEvent] = []
@@ -146,9 +170,11 @@ async def open_whole_response(
     call: UpstreamCall,
     is_lost: Callable[[], bool],
     classify_body: Callable[[object], Kind] = classify_payload,
+    seen: HeadersSeen | None = None,
 ) -> Prefix:
-    """Open a non-streaming attempt and read its whole body: its 'first token'."""
-    stream = await provider.open(call)
+    """Open a non-streaming attempt and read its whole body: its 'first token'. `seen` gets
+    the answer's headers as soon as they are in."""
+    stream = await _open(provider, call, seen)
     batches = stream.batches()
     try:
         async for batch in batches:

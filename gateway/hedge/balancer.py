@@ -25,14 +25,26 @@ and ejected backends become candidates again, behind the healthy ones, the one w
 cool-down ends soonest first. Without it, a few pushbacks (or a one-backend pool's single one)
 refuse every request without an upstream attempt, although most would succeed. Panic never
 overrides `max_concurrency`: a full backend stays full.
+
+Quota headroom (`gateway.hedge.headroom`): a backend whose rate-limit headers show less than
+`min_headroom` of a quota left is `low` until the reset. Every choice (primary, hedge,
+failover) leaves low candidates out while another candidate of that choice has room, and
+reports each one it left out (`skipped`, counted per backend as `headroom_skips`); when every
+candidate is low, the choice is made as if none were. So a low backend is never refused
+outright: it is neither paused nor ejected, its weight still counts for panic routing, and a
+pool whose every backend is near its quota serves as it would without the headers. Room
+comes before "another group" for a hedge: a backend about to refuse is a worse hedge than one
+in the primary's zone.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
+from gateway.hedge.headroom import Headroom
 from gateway.settings import BackendSettings, HealthSettings
+from gateway.wire.ratelimit import read_quotas
 
 #: a TTFT used in the load * TTFT product is at least this, so load still counts when a
 #: backend reports (near) zero TTFT
@@ -47,6 +59,7 @@ class _Backend:
         "ejections",
         "failures",
         "group",
+        "headroom",
         "inflight",
         "max_concurrency",
         "name",
@@ -70,6 +83,8 @@ class _Backend:
         #: the single post-cool-down probe attempt is running
         self.probing = False
         self.paused_until: float | None = None
+        #: its quota as its answers last told it
+        self.headroom = Headroom()
 
 
 class Balancer:
@@ -160,15 +175,17 @@ class Balancer:
 
     def seconds_left(self, name: str, now: float) -> float | None:
         """Seconds until the backend's pause or cool-down ends (0.0 when an ejected backend
-        only waits for its probe), None when it is ok. For stats, like `state`."""
+        only waits for its probe), or until it stops being low; None when it is ok. For
+        stats, like `state`."""
         b = self._backends[name]
         if b.ejected_until is None and (b.paused_until is None or now >= b.paused_until):
-            return None
+            low_until = self._low_until(b, now)
+            return None if low_until is None else low_until - now
         return self._ready_at(b, now) - now
 
     def state(self, name: str, now: float) -> tuple[str, str | None]:
-        """("ok" | "ejected" | "paused", reason) for stats. Ejection wins over a pause. The
-        time left is `seconds_left`'s."""
+        """("ok" | "ejected" | "paused" | "low", reason) for stats. Ejection wins over a
+        pause, a pause over low headroom. The time left is `seconds_left`'s."""
         b = self._backends[name]
         if b.ejected_until is not None:
             if now < b.ejected_until:
@@ -178,7 +195,47 @@ class Balancer:
             return ("ejected", "cool-down over, awaiting probe")
         if b.paused_until is not None and now < b.paused_until:
             return ("paused", "retry-after")
+        lowest = b.headroom.lowest(now)
+        if lowest is not None and self._low_until(b, now) is not None:
+            return ("low", f"{lowest.share:.1%} of its {lowest.resource} quota left")
         return ("ok", None)
+
+    # -- quota headroom -------------------------------------------------------------------
+
+    def observe_quota(self, name: str, headers: Mapping[str, str], now: float,
+                      wall: float) -> None:
+        """Take in the rate-limit headers of one of the backend's answers (any status) at
+        `now`; `wall` is the Unix time, for resets given as a time of day. A backend a reload
+        removed is ignored."""
+        b = self._backends.get(name)
+        if b is None:
+            return
+        quotas = read_quotas(headers, wall=wall)
+        if quotas:
+            b.headroom.observe(quotas, now, unknown_reset=self._health.default_pause,
+                               longest=self._health.max_pause)
+
+    def _low_until(self, b: _Backend, now: float) -> float | None:
+        return b.headroom.low_until(now, self._health.min_headroom)
+
+    def headroom(self, name: str, now: float) -> tuple[float, str] | None:
+        """The backend's least headroom (share left, resource) as its latest answer said,
+        None when unknown or past its reset. For stats."""
+        lowest = self._backends[name].headroom.lowest(now)
+        return None if lowest is None else (lowest.share, lowest.resource)
+
+    def prefer_room(self, names: Sequence[str], now: float) -> tuple[list[str], list[str]]:
+        """(the candidates to choose from, the low ones left out): `names` less the low ones
+        while one of them has room, else all of `names` and nothing left out."""
+        kept, skipped = self._with_room([self._backends[n] for n in names], now)
+        return [b.name for b in kept], [b.name for b in skipped]
+
+    def _with_room(self, candidates: list[_Backend], now: float
+                   ) -> tuple[list[_Backend], list[_Backend]]:
+        roomy = [b for b in candidates if self._low_until(b, now) is None]
+        if not roomy or len(roomy) == len(candidates):
+            return candidates, []
+        return roomy, [b for b in candidates if self._low_until(b, now) is not None]
 
     # -- selection ------------------------------------------------------------------------
 
@@ -190,6 +247,7 @@ class Balancer:
         avoid_groups: Collection[str] = (),
         ttft: Callable[[str], float | None],
         outside: Collection[str] = (),
+        skipped: list[str] | None = None,
     ) -> str | None:
         """Choose a backend for a new attempt, or None when no usable one is left.
 
@@ -200,17 +258,19 @@ class Balancer:
         them (hedge to another zone or provider). `ttft(name)`: that backend's recent TTFT in
         seconds, None when unknown. An unknown TTFT counts as the better one of the pair
         (explore it), so the comparison then rests on load alone. `outside`: backends the
-        request may not use at all (see `panic`); never chosen either.
+        request may not use at all (see `panic`); never chosen either. `skipped`: the low
+        candidates this choice left out are appended to it (module docstring).
         Does not count the attempt: call `on_start` when it actually starts.
         """
         open_ = [
             b for b in self._backends.values()
             if b.name not in exclude and b.name not in outside and self._has_room(b)
         ]
-        candidates = self._prefer_elsewhere(
-            [b for b in open_ if self._healthy(b, now)], avoid_groups
-        )
+        healthy, low = self._with_room([b for b in open_ if self._healthy(b, now)], now)
+        candidates = self._prefer_elsewhere(healthy, avoid_groups)
         if candidates:
+            if skipped is not None:
+                skipped.extend(b.name for b in low)
             if len(candidates) == 1:
                 return candidates[0].name
             first = self._sample(candidates)
@@ -218,7 +278,10 @@ class Balancer:
             return self._better(first, second, ttft).name
         if not open_ or not self.panic(now, outside=outside):
             return None
-        rest = self._prefer_elsewhere(open_, avoid_groups)
+        roomy, low = self._with_room(open_, now)
+        if skipped is not None:
+            skipped.extend(b.name for b in low)
+        rest = self._prefer_elsewhere(roomy, avoid_groups)
         return min(rest, key=lambda b: (self._ready_at(b, now), b.inflight)).name
 
     @staticmethod

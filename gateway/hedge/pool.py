@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from gateway.clock import Clock
 from gateway.hedge.balancer import Balancer
 from gateway.hedge.budget import HedgeBudget
 from gateway.hedge.delay import HedgeDelay
@@ -137,6 +139,17 @@ class PoolRuntime:
             models=_models(settings),
             models_json=_models_json(settings),
         )
+
+    def quota_watch(self, backend: str, clock: Clock) -> Callable[[Mapping[str, str]], None]:
+        """What an attempt on `backend` hands its answer's headers to: the balancer's quota
+        headroom reads their rate-limit headers at `clock()`, resets given as a time of day
+        against the wall clock."""
+        balancer = self.balancer
+
+        def seen(headers: Mapping[str, str]) -> None:
+            balancer.observe_quota(backend, headers, clock(), time.time())
+
+        return seen
 
     def delays_for(self, endpoint: str, stream: bool) -> Mapping[str, HedgeDelay]:
         return self.delays if stream else self.whole_delays[endpoint]

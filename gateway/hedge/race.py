@@ -116,6 +116,8 @@ class Race:
     panic: bool = False
     #: how the primary was chosen by affinity (None: affinity off for this pool)
     affinity: Outcome | None = None
+    #: the backends a choice of this request left out for low quota headroom, once per choice
+    headroom_skips: list[str] = field(default_factory=list)
     #: how many times a failover restarted the hedge timer
     timer_restarts: int = 0
     #: the hedge delay in force (the primary's, then the latest replacement's)
@@ -382,6 +384,8 @@ class Race:
         self._failures.append(exc)
         if exc.replaceable and backend_fault:
             self.pool.balancer.on_failure(record.backend, now)
+        if exc.retry_after is None and exc.throttle:  # a pushback that named no pause
+            exc.retry_after = self.pool.settings.health.default_pause
         if exc.retry_after is not None:
             self.pool.balancer.pause(record.backend, exc.retry_after, now)
 
@@ -403,16 +407,20 @@ class Race:
             if chosen is not None:
                 return chosen
         return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft,
-                                       outside=outside)
+                                       outside=outside, skipped=self.headroom_skips)
 
     def _pick_in_order(self, route: AffinityRoute, now: float, exclude: Collection[str],
                        avoid_groups: Collection[str]) -> str | None:
         """The first fitting backend in the key's order (`AffinityRoute.choose`); the
-        primary's choice is counted as a hit or a spill."""
+        primary's choice is counted as a hit or a spill. A low backend is passed over as an
+        unusable one is while another candidate has room: a spill, and a headroom skip."""
         balancer, outside = self.pool.balancer, self.options.excluded
         members = [n for n in balancer.names if n not in outside]
         inflight = {n: balancer.inflight(n) for n in members}
-        chosen = route.choose(balancer.usable(now), inflight, members=members,
+        usable, low = balancer.prefer_room(
+            [n for n in balancer.usable(now) if n not in exclude and n not in outside], now)
+        self.headroom_skips += low
+        chosen = route.choose(usable, inflight, members=members,
                               exclude={*exclude, *outside}, avoid_groups=avoid_groups,
                               groups=self.pool.groups)
         if not self.attempts:

@@ -236,17 +236,19 @@ def default_settings() -> Settings:
     conversation shows affinity at work (its turns stay on the backend that caches it). The
     simulators speak every route as the real APIs do: a request that offers tools gets a call
     to one (with arguments that fit its schema), so an agent can be tried against the demo.
+    sim-c has a quota of 600 requests a minute, stated in rate-limit headers, so steady
+    traffic shows quota headroom at work (it runs low, the others take its share).
     The initial hedge delay is 300 ms, not 500 ms, so hedges show up before the adaptive
     delay has its 20 samples. config/demo.yaml is the same thing as a file (a test checks)."""
 
-    def simulated(name: str, group: str, seed: int) -> BackendSettings:
+    def simulated(name: str, group: str, seed: int, quota: int = 0) -> BackendSettings:
         profile = SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.03,
                              straggler_extra=1.5, tokens=30, inter_token=0.005, seed=seed,
-                             prefill_ms_per_1k=60.0)
+                             prefill_ms_per_1k=60.0, rate_limit_requests=quota)
         return BackendSettings(name=name, provider="sim", model="demo", group=group, sim=profile)
 
     backends = (simulated("sim-a", "zone-a", 1), simulated("sim-b", "zone-b", 2),
-                simulated("sim-c", "zone-c", 3))
+                simulated("sim-c", "zone-c", 3, quota=600))
     hedging = HedgingSettings(enabled=True, max_attempts=2, delay=DelaySettings(initial=0.3))
     return Settings(pools=(PoolSettings(name="demo", backends=backends, hedging=hedging),))
 

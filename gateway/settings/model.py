@@ -136,10 +136,18 @@ class HealthSettings(Checked):
     panic_below: float = field(default=0.5, metadata=scalar(
         _probability, "below this share (by weight) of usable backends, a request may go to "
         "paused or ejected ones too (0: never)"))
+    default_pause: float = field(default=1.0, metadata=scalar(
+        cv.duration(), "the pause of a throttle that names none (a 429 without Retry-After, "
+        "Bedrock's throttling); <= max_pause"))
+    min_headroom: float = field(default=0.05, metadata=scalar(
+        cv.number(0, 1, open_high=True), "a backend whose rate-limit headers show less than "
+        "this share of its quota left is skipped while another has room (0: never)"))
 
     def _rules(self, at: At) -> Iterator[str]:
         if self.cooldown > self.max_cooldown:
             yield f"{at('cooldown')}: must be <= max_cooldown"
+        if self.default_pause > self.max_pause:
+            yield f"{at('default_pause')}: must be <= max_pause"
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +182,11 @@ class SimProfile(Checked):
     prefix_cache_entries: int = field(default=4096, metadata=scalar(
         cv.integer(0), "message prefixes the backend's prompt cache holds (least recently "
         "used go first)"))
+    rate_limit_requests: int = field(default=0, metadata=scalar(
+        cv.integer(0), "requests allowed per rate_limit_window, stated in rate-limit headers "
+        "on every answer; past it, 429 with Retry-After; 0: no quota and no headers"))
+    rate_limit_window: float = field(default=60.0, metadata=scalar(
+        cv.duration(), "the quota's window: it starts with the first request"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ and the pool's live fields summed or combined over the processes: `inflight_requ
 `budget.tokens`, `.burst`, `.min_per_second`, `.extra_in_flight` summed (the host's bucket);
 `budget.ineffective` true if any process's guard is on; `budget.recent_win_rate` the mean of the
 processes'; per backend `inflight` summed, `state`/`reason`/`seconds_left` of the worst process
-(`ejected` over `paused` over `ok`), `hedge_delay_ms` and `hedge_delay_quantile` the largest,
+(`ejected` over `paused` over `low` over `ok`), `headroom` the least any process saw (with its
+`headroom_resource`), `hedge_delay_ms` and `hedge_delay_quantile` the largest,
 `hedge_delay_mode` and `hedge_delay_rule` the common one or `mixed`. `config` is the first
 process's (the worker that answered); each process's own is in its `workers[]` entry.
 
@@ -48,7 +49,7 @@ FORMAT = "hedge-gateway-stats/1"
 #: the latency series of a pool, by export key and `PoolStats` attribute
 POOL_SERIES = {"client_ttft": "client_ttft", "latency_saved": "saved", "loser_close": "close"}
 #: the order of badness of backend states, for the merged state
-_STATE_RANK = {"ok": 0, "paused": 1, "ejected": 2}
+_STATE_RANK = {"ok": 0, "low": 1, "paused": 2, "ejected": 3}
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -308,10 +309,14 @@ def _combine_backend(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     rules = {e.get("hedge_delay_rule") for e in entries}
     quantiles = [e["hedge_delay_quantile"] for e in entries
                  if e.get("hedge_delay_quantile") is not None]
+    seen = [e for e in entries if e.get("headroom") is not None]
+    least = min(seen, key=lambda e: e["headroom"]) if seen else None
     return {
         "state": worst["state"],
         "reason": worst["reason"],
         "seconds_left": worst["seconds_left"],
+        "headroom": None if least is None else least["headroom"],
+        "headroom_resource": None if least is None else least.get("headroom_resource"),
         "group": worst["group"],
         "inflight": sum(e["inflight"] for e in entries),
         "hedge_delay_ms": max(e["hedge_delay_ms"] for e in entries),

@@ -26,6 +26,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `failovers_total` | counter | pool | replacement attempts after failures |
 | `panic_total` | counter | pool | requests whose backend choice ran in panic mode |
 | `affinity_total` | counter | pool, result | how affinity chose the primary: hit, spill, miss |
+| `headroom_skips_total` | counter | pool, backend | choices that left it out: low quota headroom |
 | `refused_no_backend_total` | counter | pool | requests refused untried: no backend had room |
 | `losers_cancelled_total` | counter | pool | attempts cancelled because another won |
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
@@ -43,7 +44,8 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `inflight_requests` | gauge | pool | logical requests in flight |
 | `inflight_attempts` | gauge | pool, backend | attempts in flight |
 | `hedge_delay_seconds` | gauge | pool, backend | hedge delay in force |
-| `backend_state` | gauge | pool, backend, state | 1 for the current state (ok/ejected/paused) |
+| `backend_state` | gauge | pool, backend, state | 1 for the current state (ok/ejected/paused/low) |
+| `backend_headroom` | gauge | pool, backend | least share of a quota left (when headers told) |
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ Reading = tuple[Stats, Mapping[str, Mapping[str, Any]]]
 PREFIX = "hedge_gateway_"
 KINDS = ("primary", "hedge", "failover")
 OUTCOMES = ("won", "lost", "failed", "cancelled")
-STATES = ("ok", "ejected", "paused")
+STATES = ("ok", "ejected", "paused", "low")
 
 
 def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
@@ -112,6 +114,8 @@ class GatewayCollector(Collector):
         panic = _counter("panic", "Requests whose backend choice ran in panic mode.", ["pool"])
         affinity = _counter("affinity", "Requests by how conversation affinity chose the "
                             "primary (hit, spill, miss).", ["pool", "result"])
+        skips = _counter("headroom_skips", "Choices that left a backend out for low quota "
+                         "headroom.", ["pool", "backend"])
         refused = _counter("refused_no_backend",
                            "Requests refused untried: no backend could take them.", ["pool"])
         losers = _counter("losers_cancelled", "Attempts cancelled because another won.",
@@ -156,6 +160,7 @@ class GatewayCollector(Collector):
                         value = bc[f"kind.{kind}.{outcome}"]
                         attempts.add_metric([pool, backend, kind, outcome], value)
                 censored.add_metric([pool, backend], bc["ttft_censored"])
+                skips.add_metric([pool, backend], bc["headroom_skips"])
                 for kind in ("input", "output"):
                     tokens.add_metric([pool, backend, kind], bc[f"tokens.{kind}"])
                 for key, value in sorted(bc.items()):
@@ -164,7 +169,8 @@ class GatewayCollector(Collector):
         bugs = _counter("internal_errors", "Exceptions of ours on the request path.", [])
         bugs.add_metric([], stats.internal_errors)
         yield from (requests, routes, attempts, started, won, suppressed, failovers, panic,
-                    affinity, refused, losers, late, censored, failures, tokens, hedge_cost, bugs)
+                    affinity, skips, refused, losers, late, censored, failures, tokens,
+                    hedge_cost, bugs)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(
@@ -204,6 +210,8 @@ class GatewayCollector(Collector):
         delay = _gauge("hedge_delay_seconds", "Hedge delay in force.", ["pool", "backend"])
         state = _gauge("backend_state", "1 for the backend's current state.",
                        ["pool", "backend", "state"])
+        headroom = _gauge("backend_headroom", "Least share of a quota left, per the backend's "
+                          "latest rate-limit headers.", ["pool", "backend"])
         for pool in stats.pools:
             entry = live.get(pool)
             if entry is None:
@@ -220,7 +228,9 @@ class GatewayCollector(Collector):
                 delay.add_metric([pool, backend], b["hedge_delay_ms"] / 1000)
                 for name in STATES:
                     state.add_metric([pool, backend, name], 1.0 if name == b["state"] else 0.0)
-        yield from (tokens, guard, inflight, attempts, delay, state)
+                if b.get("headroom") is not None:
+                    headroom.add_metric([pool, backend], b["headroom"])
+        yield from (tokens, guard, inflight, attempts, delay, state, headroom)
 
 
 class Metrics:

@@ -281,6 +281,11 @@ class Stats:
         if summary.affinity is not None:
             pc[f"affinity.{summary.affinity}"] += 1
         pc["empty_answers"] += winner is not None and winner.empty
+        pc["headroom_skips"] += len(summary.headroom_skips)
+        for name, skips in Counter(summary.headroom_skips).items():
+            skipped = pool.backends.get(name)
+            if skipped is not None:
+                skipped.counts.add(Counter(headroom_skips=skips), now)
         self.races.add(summary, outcome)
         pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:

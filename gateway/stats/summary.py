@@ -49,6 +49,8 @@ class RequestSummary:
     status: int | None = None
     #: the machine reason of an error answer (`GatewayError.log_reason`); None: the outcome
     reason: str | None = None
+    #: the backends its choices left out for low quota headroom, once per choice
+    headroom_skips: Sequence[str] = ()
 
     def attach(
         self,

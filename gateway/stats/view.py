@@ -49,6 +49,7 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `<scope>.errors.<class>` | requests that did not end cleanly, by `request_class` |
 | `<scope>.panic` | requests whose backend choice ran in panic mode (too few healthy backends) |
 | `<scope>.affinity` | `hits`: primary first in its key's order; `spills`: a later one; `misses` |
+| `<scope>.headroom_skips` | backends left out of a choice for low quota headroom, once per choice |
 | `<scope>.empty_answers` | requests answered by a stream that ended normally without a token |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
@@ -57,8 +58,10 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
-| `state` / `reason` | `ok`, `ejected` or `paused`, and why (null when ok) |
-| `seconds_left` | until the pause or cool-down ends (0: awaiting its probe; null when ok) |
+| `state` / `reason` | `ok`, `ejected`, `paused` or `low` (quota headroom), and why (null when ok) |
+| `seconds_left` | until the pause, cool-down or low mark ends (0: awaiting its probe; null: ok) |
+| `headroom` | least share of a quota left, as its latest rate-limit headers said (null: unknown) |
+| `headroom_resource` | which quota that is: `requests`, `tokens`, `input-tokens`, `output-tokens` |
 | `group` / `inflight` | the configured group; attempts running there now |
 | `hedge_delay_ms` | hedge delay in force for requests whose primary is here |
 | `hedge_delay_mode` | `adaptive` (TTFT quantile), `initial` (too few samples), `fixed` |
@@ -68,6 +71,7 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `<scope>.primaries` / `.hedges` / `.failovers` | the same, by kind |
 | `<scope>.won` / `.lost` / `.failed` / `.cancelled` | the same, by outcome |
 | `<scope>.hedges_won` | hedges on this backend that won |
+| `<scope>.headroom_skips` | choices that left it out for low quota headroom |
 | `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | attempt TTFT (own start), attempts with a token |
 | `<scope>.ttft_censored` | attempts cancelled before a token; kept out of `ttft_ms` |
 | `<scope>.failures.<code>` | failed attempts by failure code (`unavailable`, ...) |
@@ -216,6 +220,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         "affinity": {"hits": c["affinity.hit"], "spills": c["affinity.spill"],
                      "misses": c["affinity.miss"]},
         "empty_answers": c["empty_answers"],
+        "headroom_skips": c["headroom_skips"],
         "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
         "tokens": {
             "input": c["tokens.input"],
@@ -229,6 +234,7 @@ def backend_live(runtime: PoolRuntime, name: str, now: float) -> dict[str, Any]:
     """A backend's live fields: state and why, time left, group, in flight, hedge delay."""
     state, reason = runtime.balancer.state(name, now)
     left = runtime.balancer.seconds_left(name, now)
+    headroom = runtime.balancer.headroom(name, now)
     delay = runtime.delays[name]
     fixed = delay.settings.mode == "fixed"
     if fixed:
@@ -240,6 +246,8 @@ def backend_live(runtime: PoolRuntime, name: str, now: float) -> dict[str, Any]:
         "state": state,
         "reason": reason,
         "seconds_left": None if left is None else round(left, 3),
+        "headroom": None if headroom is None else round(headroom[0], 4),
+        "headroom_resource": None if headroom is None else headroom[1],
         "group": runtime.groups.get(name, ""),
         "inflight": runtime.balancer.inflight(name),
         "hedge_delay_ms": round(delay.delay(now) * 1000, 3),
@@ -263,6 +271,7 @@ def backend_view(bs: BackendStats, live: Mapping[str, Any] | None, now: float) -
             "failed": c["outcome.failed"],
             "cancelled": c["outcome.cancelled"],
             "hedges_won": c["hedges_won"],
+            "headroom_skips": c["headroom_skips"],
             "ttft_ms": bs.ttft.view_ms(scope, QUANTILES, now),
             "ttft_censored": c["ttft_censored"],
             "failures": {

@@ -21,6 +21,7 @@ from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import ENDPOINTS, UpstreamCall, UpstreamStream
 from providers.sim import protocols
 from providers.sim.chat import sim_payloads, sim_response
+from providers.sim.quota import SimQuota, refusal
 from providers.sim.validate import check_request
 from providers.sim.wire import (
     TTFT_HEADER,
@@ -150,8 +151,28 @@ class SimProvider:
         if profile.seed is not None or rng is None:
             rng = random.Random(profile.seed)
         self.model = SimModel(profile, rng)
+        self.quota = SimQuota(profile.rate_limit_requests, profile.rate_limit_window) \
+            if profile.rate_limit_requests else None
 
     async def open(self, call: UpstreamCall) -> UpstreamStream:
+        """The planned answer; with a quota, refused past it (429) and stating what is left
+        in its headers (`providers.sim.quota`)."""
+        quota = self.quota
+        if quota is None:
+            return await self._open(call)
+        now = time.monotonic()
+        if not quota.take(now):
+            raise refusal(quota, call.endpoint, now)
+        headers = quota.headers(call.endpoint, now)
+        try:
+            stream = await self._open(call)
+        except UpstreamStatusError as exc:
+            exc.quota = headers
+            raise
+        stream.headers = headers
+        return stream
+
+    async def _open(self, call: UpstreamCall) -> UpstreamStream:
         try:
             override = parse_ttft_override(call.extra_headers.get(TTFT_HEADER))
         except ValueError:

@@ -41,6 +41,7 @@ from gateway.wire.sse import encode_event
 from providers.base import Endpoint
 from providers.sim import protocols
 from providers.sim.chat import sim_events, sim_response
+from providers.sim.quota import SimQuota
 from providers.sim.validate import Rejection, check_request, error_answer
 from providers.sim.wire import (
     TTFT_HEADER,
@@ -176,6 +177,9 @@ class _SimServer:
     def __init__(self, profile: SimProfile, seed: int | None) -> None:
         self.model = SimModel(profile, random.Random(seed))
         self.stats = SimStats()
+        #: the request quota its answers state (`providers.sim.quota`), when it has one
+        self.quota = SimQuota(profile.rate_limit_requests, profile.rate_limit_window) \
+            if profile.rate_limit_requests else None
 
     async def _plan(self, request: Request,
                     endpoint: str) -> tuple[dict[str, Any], SimPlan] | Response:
@@ -207,13 +211,24 @@ class _SimServer:
         self, request: Request, endpoint: str
     ) -> Response | tuple[dict[str, Any], SimPlan, str, str, dict[str, str]]:
         """What both handlers begin with: the plan (or the planned failure as a response), the
-        model to echo, the request id and the headers that carry it."""
+        model to echo, the request id and the headers that carry it (with the quota's)."""
+        quota, now = self.quota, time.monotonic()
+        if quota is not None and not quota.take(now):
+            self.stats.requests += 1
+            self.stats.faults += 1
+            refused = _error(429, "simulated quota exceeded", endpoint)
+            refused.headers.update({**quota.headers(endpoint, now),
+                                    "retry-after": f"{quota.retry_after(now):g}"})
+            return refused
         planned = await self._plan(request, endpoint)
         if isinstance(planned, Response):
             return planned
         body, plan = planned
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return body, plan, str(body.get("model", "sim")), request_id, {"x-request-id": request_id}
+        headers = {"x-request-id": request_id}
+        if quota is not None:
+            headers.update(quota.headers(endpoint, now))
+        return body, plan, str(body.get("model", "sim")), request_id, headers
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = await self._start(request, endpoint)

@@ -11,6 +11,7 @@ automatic leak check.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from gateway.app import create_app
 from gateway.settings import (
     BackendSettings,
     DelaySettings,
+    HealthSettings,
     HedgingSettings,
     PoolSettings,
     ServerSettings,
@@ -368,6 +370,29 @@ def test_every_attempt_throttled_is_a_429_with_retry_after(
     assert caught.value.body == {"type": "error", "error": {
         "type": "rate_limit_error", "message": caught.value.body["error"]["message"]}}  # type: ignore[index]
     assert len(b_sim.calls) == len(v_sim.calls) == 1
+
+
+def test_a_throttled_bedrock_backend_is_paused_for_the_pools_default_pause(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory
+) -> None:
+    """Bedrock's throttling names no pause: `health.default_pause` (here 7 s, not the 1 s
+    default) is how long the backend is left out, and the client's Retry-After."""
+    sim, url = bedrock_sim(
+        asgi_server, lambda call: Reply(status=429, error_type="ThrottlingException"))
+    throttled = dataclasses.replace(pool([bedrock("bedrock", url)]),
+                                    health=HealthSettings(default_pause=7.0))
+    gateway = serve(asgi_server, settings_for(throttled))
+    with claude(gateway) as client, pytest.raises(anthropic.RateLimitError) as caught:
+        streamed(client)
+    response = caught.value.response
+    assert response.status_code == 429
+    assert (response.headers["retry-after"], response.headers["retry-after-ms"]) == ("7", "7000")
+    assert "x-should-retry" not in response.headers
+    recorded(gateway, 1)
+    state = backend_stats(gateway, "bedrock")
+    assert state["state"] == "paused" and 1.0 < state["seconds_left"] <= 7.0
+    assert state["lifetime"]["failures"] == {"rate_limited": 1}
+    assert len(sim.calls) == 1
 
 
 def test_a_model_stream_error_after_the_first_token_reaches_the_client(

@@ -119,6 +119,30 @@ async def test_real_server_fault_status_and_retry_after() -> None:
         assert bad.status_code == 400
 
 
+async def test_real_server_states_its_quota_and_refuses_past_it() -> None:
+    """`rate_limit_requests`: every answer says what is left, in the route's family; the
+    request past the quota gets a 429 with Retry-After and nothing left."""
+    profile = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0, tokens=2,
+                         inter_token=0.0, rate_limit_requests=3, rate_limit_window=3600.0)
+    message = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    async with serve(profile) as base, httpx.AsyncClient(base_url=base) as http:
+        chat = await http.post("/v1/chat/completions", json=CHAT)
+        assert chat.status_code == 200 and chat.headers["x-ratelimit-limit-requests"] == "3"
+        assert chat.headers["x-ratelimit-remaining-requests"] == "2"
+        assert chat.headers["x-ratelimit-reset-requests"].endswith("s")
+        whole = await http.post("/v1/messages", json=message)
+        assert whole.status_code == 200
+        assert whole.headers["anthropic-ratelimit-requests-remaining"] == "1"
+        assert whole.headers["anthropic-ratelimit-requests-reset"].endswith("Z")
+        streamed = await http.post("/v1/messages", json={**message, "stream": True})
+        assert streamed.headers["anthropic-ratelimit-requests-remaining"] == "0"
+        refused = await http.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 429
+        assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+        assert 3500 <= int(refused.headers["retry-after"]) <= 3600
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
 async def test_real_server_hang_is_counted_when_the_client_leaves() -> None:
     async with (
         serve(SimProfile(hang_probability=1.0)) as base,

@@ -33,7 +33,6 @@ from gateway.wire.base import Kind
 from gateway.wire.messages import classify_messages
 from providers.base import UpstreamCall
 from providers.bedrock import (
-    THROTTLE_PAUSE,
     BedrockProvider,
     EventStreamDecoder,
     bedrock_error,
@@ -104,7 +103,8 @@ def test_a_throttling_frame_is_a_pushback_after_the_events_before_it() -> None:
     assert [ev.event for ev in decoder.feed(read)] == [b"message_start"]
     failure = decoder.pending_failure()
     assert isinstance(failure, UpstreamRateLimited)
-    assert failure.status == 429 and failure.retry_after == THROTTLE_PAUSE
+    # no pause of its own: the race pauses it for the pool's `health.default_pause`
+    assert failure.status == 429 and failure.retry_after is None and failure.throttle
     assert "wait" not in failure.reason  # the upstream's text never reaches a message
 
 
@@ -145,12 +145,25 @@ def test_bedrock_errors_map_by_type(error_type: str | None, status: int | None,
     assert type(error) is expected and error.replaceable is replaceable
 
 
-def test_throttled_everywhere_is_a_429_with_the_default_pause() -> None:
+def test_bedrock_pushbacks_are_throttles_without_a_pause_of_their_own() -> None:
+    """Throttling, quotas and a busy model name no pause: the race gives each the pool's
+    `health.default_pause`; a validation error is no throttle."""
+    for error in (bedrock_error("ThrottlingException", 429), bedrock_error("throttlingException"),
+                  bedrock_error("ServiceQuotaExceededException", 400),
+                  bedrock_error("ServiceUnavailableException", 503)):
+        assert error.throttle and error.retry_after is None
+    assert bedrock_error("ThrottlingException", 429, retry_after=3.0).retry_after == 3.0
+    assert not bedrock_error("ValidationException", 400).throttle
+
+
+def test_throttled_everywhere_is_a_429_once_the_pauses_are_given() -> None:
     failures = [bedrock_error("ThrottlingException", 429),
                 bedrock_error("throttlingException")]
+    for failure in failures:  # what the race does with a throttle that names no pause
+        failure.retry_after = 2.5
     answer = all_attempts_failed(["a: status 429", "b: status 429"], failures, lambda s: s)
     assert isinstance(answer, UpstreamRateLimitedEverywhere)
-    assert answer.status == 429 and answer.retry_after == THROTTLE_PAUSE
+    assert answer.status == 429 and answer.retry_after == 2.5
 
 
 # --- the requests the providers build ----------------------------------------------------------

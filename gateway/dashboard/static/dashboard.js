@@ -187,8 +187,8 @@
   function backendTable(pool, backends) {
     const table = el("table", { class: "backends" });
     const head = el("tr", {});
-    for (const h of ["backend", "state", "in flight", "hedge delay", "TTFT p50", "TTFT p99",
-      "attempts", "won", "hedges won", "tokens in", "tokens out"]) {
+    for (const h of ["backend", "state", "headroom", "quota skips", "in flight", "hedge delay",
+      "TTFT p50", "TTFT p99", "attempts", "won", "hedges won", "tokens in", "tokens out"]) {
       head.appendChild(el("th", {}, h));
     }
     table.appendChild(head);
@@ -201,7 +201,11 @@
       const stateCell = el("td", { class: `state-${b.state}` },
         b.state + (b.reason ? ` (${b.reason})` : ""));
       row.appendChild(stateCell);
-      const cells = [b.inflight, `${fmt(b.hedge_delay_ms, 1)} ms ${b.hedge_delay_mode || ""}`,
+      // the least share of a quota left, as the backend's latest rate-limit headers said
+      const headroom = b.headroom === null || b.headroom === undefined ? "–"
+        : `${fmt(b.headroom * 100, 1)} % ${b.headroom_resource || ""}`;
+      row.appendChild(el("td", { class: "headroom" }, headroom));
+      const cells = [life.headroom_skips, b.inflight, `${fmt(b.hedge_delay_ms, 1)} ms ${b.hedge_delay_mode || ""}`,
         fmt((win.ttft_ms || {}).p50, 1), fmt((win.ttft_ms || {}).p99, 1), life.attempts,
         life.won, life.hedges_won, fmt(tokens.input), fmt(tokens.output)];
       for (const c of cells) row.appendChild(el("td", {}, String(c === undefined ? "–" : c)));
