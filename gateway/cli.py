@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from time import monotonic
 from typing import TYPE_CHECKING
+
+from gateway import argtypes
 
 if TYPE_CHECKING:
     from gateway.hedge.generation import ConfigOrigin
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML file; without it, the embedded demo pool")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--workers", type=_positive,
+    serve.add_argument("--workers", type=argtypes.positive,
                        help="processes serving the address (default: server.workers, 1)")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
@@ -244,51 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --- value types ------------------------------------------------------------------------------
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not a probability in [0, 1]")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a count >= 0")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not at least 1")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
-    return value
-
-
-def _status(text: str) -> int:
-    value = int(text)
-    if not 400 <= value <= 599:
-        raise argparse.ArgumentTypeError(f"{text} is not an error status (400-599)")
-    return value
-
-
 # --- sim ---------------------------------------------------------------------------------------
 
 
@@ -298,38 +254,38 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = SimProfile()
     opt = parser.add_argument
-    opt("--ttft-median-ms", type=_non_negative, default=d.ttft_median * 1000,
+    opt("--ttft-median-ms", type=argtypes.non_negative, default=d.ttft_median * 1000,
         help="median time to first token (lognormal body), ms (default %(default)s)")
-    opt("--ttft-sigma", type=_non_negative, default=d.ttft_sigma,
+    opt("--ttft-sigma", type=argtypes.non_negative, default=d.ttft_sigma,
         help="sigma of the lognormal TTFT (default %(default)s)")
-    opt("--straggler-probability", type=_probability, default=d.straggler_probability,
+    opt("--straggler-probability", type=argtypes.probability, default=d.straggler_probability,
         help="share of requests that get the straggler delay on top (default %(default)s)")
-    opt("--straggler-extra-ms", type=_non_negative, default=d.straggler_extra * 1000,
+    opt("--straggler-extra-ms", type=argtypes.non_negative, default=d.straggler_extra * 1000,
         help="extra TTFT of a straggler, ms (default %(default)s)")
-    opt("--tokens", type=_count, default=d.tokens,
+    opt("--tokens", type=argtypes.count, default=d.tokens,
         help="tokens per response, capped by max_tokens (default %(default)s)")
-    opt("--inter-token-ms", type=_non_negative, default=d.inter_token * 1000,
+    opt("--inter-token-ms", type=argtypes.non_negative, default=d.inter_token * 1000,
         help="delay between tokens, ms (default %(default)s)")
     opt("--no-usage", dest="usage", action="store_false",
         help="send a usage chunk only when the request asks (stream_options.include_usage)")
-    opt("--fail-probability", type=_probability, default=d.fail_probability,
+    opt("--fail-probability", type=argtypes.probability, default=d.fail_probability,
         help="share of requests answered with --fail-status (default %(default)s)")
-    opt("--fail-status", type=_status, default=d.fail_status,
+    opt("--fail-status", type=argtypes.status, default=d.fail_status,
         help="status of a simulated failure (default %(default)s)")
-    opt("--hang-probability", type=_probability, default=d.hang_probability,
+    opt("--hang-probability", type=argtypes.probability, default=d.hang_probability,
         help="share of streams that send the role chunk and then nothing (default %(default)s)")
-    opt("--midstream-error-probability", type=_probability,
+    opt("--midstream-error-probability", type=argtypes.probability,
         default=d.midstream_error_probability,
         help="share of streams that end with an in-band error event (default %(default)s)")
-    opt("--prefill-ms-per-1k", type=_non_negative, default=d.prefill_ms_per_1k,
+    opt("--prefill-ms-per-1k", type=argtypes.non_negative, default=d.prefill_ms_per_1k,
         help="TTFT added per 1,000 input tokens not in the prefix cache, ms; > 0 also turns "
         "the prefix cache on (default %(default)s)")
-    opt("--prefix-cache-entries", type=_count, default=d.prefix_cache_entries,
+    opt("--prefix-cache-entries", type=argtypes.count, default=d.prefix_cache_entries,
         help="message prefixes the prefix cache holds, LRU (default %(default)s)")
-    opt("--rate-limit-requests", type=_count, default=d.rate_limit_requests,
+    opt("--rate-limit-requests", type=argtypes.count, default=d.rate_limit_requests,
         help="requests allowed per window, stated in rate-limit headers on every answer; "
         "past it 429 with Retry-After; 0: no quota, no headers (default %(default)s)")
-    opt("--rate-limit-window-ms", type=_non_negative, default=d.rate_limit_window * 1000,
+    opt("--rate-limit-window-ms", type=argtypes.non_negative, default=d.rate_limit_window * 1000,
         help="the quota's window, from the first request, ms (default %(default)s)")
     opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
 
@@ -381,18 +337,18 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "config/claude-everywhere.yaml's Anthropic, Bedrock and Vertex "
                              "pool, on simulators); "
                              "slow-shares: " + ", ".join(WORKLOAD_GROUPS["slow-shares"]))
-    parser.add_argument("--duration", type=_positive_seconds,
+    parser.add_argument("--duration", type=argtypes.positive_seconds,
                         help="soak: seconds of traffic (default 600; 20 with --quick)")
-    parser.add_argument("--requests", type=_positive,
+    parser.add_argument("--requests", type=argtypes.positive,
                         help="requests per mode (default: per workload)")
-    parser.add_argument("--concurrency", type=_positive,
+    parser.add_argument("--concurrency", type=argtypes.positive,
                         help="requests in flight (default: per workload)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer requests per mode, and without --workload no slow shares:"
                              " a smoke run of under a minute; targets its sample cannot decide"
                              " print as not judged")
     parser.add_argument("--seed", type=int, default=1, help="simulator seed (default 1)")
-    parser.add_argument("--repeat", type=_positive, default=1,
+    parser.add_argument("--repeat", type=argtypes.positive, default=1,
                         help="run each workload N times, seed after seed, and print the "
                              "spread of each mode's TTFT p99 and of the hedging cut")
     parser.add_argument("--out", help="JSON report path (default bench-results/<time>.json)")
@@ -400,7 +356,7 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-src", metavar="DIR",
                         help="another hedge-gateway checkout: its gateway runs as an extra "
                              "mode, `baseline`, side by side in the same run")
-    parser.add_argument("--workers", type=_positive, default=1,
+    parser.add_argument("--workers", type=argtypes.positive, default=1,
                         help="serve the gateway under test with --workers N (default 1)")
     parser.add_argument("--servers", type=parse_servers, default=("uvicorn",), metavar="LIST",
                         help="e.g. uvicorn,granian: each server but uvicorn (`serve`, which runs"

@@ -49,7 +49,8 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 #: bottom to top; a module may import only from its own layer or lower ones. A name stands for
 #: the module and everything below it in the package tree; the longest matching name wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("gateway.errors", "gateway.clock", "gateway.drain", "gateway.settings", "gateway.wire.sse",
+    ("gateway.errors", "gateway.clock", "gateway.drain", "gateway.argtypes", "gateway.settings",
+     "gateway.wire.sse",
      "gateway.wire.usage", "gateway.hedge.latency", "gateway.stats.table"),
     ("gateway.wire", "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.balancer",
      "gateway.hedge.headroom", "gateway.hedge.affinity",
