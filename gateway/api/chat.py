@@ -44,7 +44,8 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
             await guard(request)
         rid = request_id_of(request)
         check_json_type(request)
-        body = parse_body(await read_body(request, limit))
+        raw = await read_body(request, limit)
+        body = parse_body(raw)
         model, stream = check_body(body, needs_prompt=needs)
         if endpoint == "embeddings" and stream:
             raise InvalidRequest("embeddings cannot be streamed", param="stream")
@@ -55,7 +56,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
                 param="model",
             )
         headers = {k.lower(): v for k, v in request.headers.items()}
-        req = LogicalRequest(rid, endpoint, body, stream, headers)
+        req = LogicalRequest(rid, endpoint, body, stream, headers, body_bytes=len(raw))
         return await proxy.handle(request, pool, req)
 
     chat = route("POST", "/v1/chat/completions")

@@ -91,9 +91,11 @@ def build_protocol_router(
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
-    async def read_json(request: Request) -> dict[str, Any]:
+    async def read_json(request: Request) -> tuple[dict[str, Any], int]:
+        """The body, parsed, and its size in bytes (the estimate of its input tokens)."""
         check_json_type(request)
-        return parse_body(await read_body(request, limit))
+        raw = await read_body(request, limit)
+        return parse_body(raw), len(raw)
 
     def pool_of(model: str) -> PoolRuntime:
         pool = live.current.pools.get(model)
@@ -141,12 +143,12 @@ def build_protocol_router(
                         needs: str | None, guard: Guard) -> Response:
         if ring.digests:
             await guard(request)
-        body = await read_json(request)
+        body, size = await read_json(request)
         model, stream = check_body(body, needs_prompt=needs)
         pool = pool_of(model)
         headers = headers_of(request)
         req = LogicalRequest(request_id_of(request), endpoint, body, stream, headers,
-                             protocol=protocol)
+                             protocol=protocol, body_bytes=size)
         if endpoint == "responses":
             pinned = translated = None
             binding = binding_of(request)

@@ -82,6 +82,8 @@ class LogicalRequest:
     #: past generation's usage and its quick answer is no time to first token, so it counts
     #: no tokens and feeds neither the TTFT quantiles nor the hedge-delay trackers
     metered: bool = True
+    #: the body's size as received (its input tokens are estimated from it); None: unknown
+    body_bytes: int | None = None
 
 
 #: statuses of the one backend holding a stored response that answer the client as they are
@@ -156,7 +158,7 @@ def affinity_route(pool: PoolRuntime, req: LogicalRequest) -> AffinityRoute | No
         return None
     weights = [(b.name, b.weight) for b in pool.settings.backends]
     return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
-                     load_factor=settings.load_factor)
+                     load_factor=settings.load_factor, body_bytes=req.body_bytes)
 
 
 class Proxy:
@@ -275,18 +277,23 @@ class Proxy:
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
+        route = affinity_route(pool, req)
+        summary.size = size = pool.size_of(req.body_bytes if req.metered else None, route)
+        delays, cold = pool.sized(size, req.endpoint, req.stream)
         race = Race(
             pool,
             self._runner(pool, req if upstream_body is req.body else
                          dataclasses.replace(req, body=upstream_body), deadline, trace),
             RaceOptions(
                 deadline,
-                pool.delays_for(req.endpoint, req.stream),
+                delays,
                 refusal is None and not req.single,
                 refusal,
                 excluded,
                 learn=req.metered,
-                affinity=affinity_route(pool, req),
+                affinity=route,
+                cold=cold,
+                input_tokens=0 if size is None else size.tokens,
             ),
             self.clock,
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.hedge.budget import SuppressReason
+from gateway.hedge.sizing import RequestSize
 from gateway.wire.base import StreamEnd
 from gateway.wire.usage import Usage
 
@@ -40,6 +41,8 @@ class RequestSummary:
     metered: bool = True
     #: how affinity chose the primary: "hit", "spill", "miss"; None when the pool has it off
     affinity: str | None = None
+    #: the request's estimated input, all of it and at its conversation's home (None: unknown)
+    size: RequestSize | None = None
 
     def attach(
         self,
