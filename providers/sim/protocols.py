@@ -36,10 +36,12 @@ def response_object(plan: SimPlan, model: str, response_id: str, *, status: str,
             "status": "completed",
             "content": [{"type": "output_text", "text": text, "annotations": []}],
         })
-    usage = None
+    usage: dict[str, Any] | None = None
     if status == "completed":
         usage = {"input_tokens": plan.prompt_tokens, "output_tokens": len(plan.tokens),
                  "total_tokens": plan.prompt_tokens + len(plan.tokens)}
+        if plan.cached_tokens is not None:  # as OpenAI reports its prompt cache
+            usage["input_tokens_details"] = {"cached_tokens": plan.cached_tokens}
     return {"id": response_id, "object": "response", "created_at": created, "model": model,
             "status": status, "output": output, "usage": usage, "error": None,
             "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
@@ -117,9 +119,12 @@ def responses_item_body(method: str, path: str, model: str, created: int) -> dic
 
 def _message(plan: SimPlan, model: str, message_id: str, content: list[dict[str, Any]],
              *, stop: str | None, output_tokens: int) -> dict[str, Any]:
+    usage: dict[str, Any] = {"input_tokens": plan.prompt_tokens, "output_tokens": output_tokens}
+    if plan.cached_tokens is not None:  # as Anthropic reports its cache: beside input_tokens
+        usage.update(input_tokens=max(0, plan.prompt_tokens - plan.cached_tokens),
+                     cache_read_input_tokens=plan.cached_tokens, cache_creation_input_tokens=0)
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": stop, "stop_sequence": None,
-            "usage": {"input_tokens": plan.prompt_tokens, "output_tokens": output_tokens}}
+            "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage}
 
 
 async def messages_stream(
