@@ -85,13 +85,12 @@ def key_homed_at(home: str, tag: str) -> str:
     raise AssertionError("no key found")
 
 
-def turn(client: openai.OpenAI, key: str, messages: list[dict[str, str]],
+def turn(client: openai.OpenAI, key: str, messages: list[Any],
          teach: bool = False) -> tuple[str, dict[str, str]]:
-    extra: dict[str, Any] = {"extra_body": {"prompt_cache_key": key}}
-    if teach:  # a whole sample: no hedge cuts the straggler's time short
-        extra["extra_headers"] = {"x-hedge": "off"}
+    # teaching: a whole sample, no hedge cuts the straggler's time short
     with client.chat.completions.with_streaming_response.create(
-        model=POOL, messages=messages, stream=True, **extra
+        model=POOL, messages=messages, stream=True, extra_body={"prompt_cache_key": key},
+        extra_headers={"x-hedge": "off"} if teach else None,
     ) as response:
         headers = dict(response.headers)
         text = "".join(c.choices[0].delta.content or "" for c in response.parse() if c.choices)
@@ -115,7 +114,7 @@ def test_a_long_prompt_s_cold_hedge_is_not_sent_and_a_short_one_s_is(
     pool = dataclasses.replace(pool, hedging=dataclasses.replace(pool.hedging, delay=delay))
     server = asgi_server(create_app(dataclasses.replace(config, pools=(pool,)), seed=3,
                                     delay_refresh=0.1))
-    history = [{"role": "user", "content": words(4000, "history")},
+    history: list[Any] = [{"role": "user", "content": words(4000, "history")},
                {"role": "assistant", "content": "b0 answers"}]
     long_key = key_homed_at("b0", "long")
     with sdk(server.v1) as client:
