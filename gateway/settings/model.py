@@ -80,7 +80,7 @@ class BudgetSettings(Checked):
     input_tokens: bool = field(default=True, metadata=scalar(
         cv.boolean, "also count input tokens: each request deposits ratio x its input "
         "tokens, each extra attempt costs its input tokens; false: attempts only"))
-    burst_input_tokens: int = field(default=200_000, metadata=scalar(
+    burst_input_tokens: int = field(default=100_000, metadata=scalar(
         cv.integer(1), "input tokens the bucket holds (it starts full); an attempt larger "
         "than this goes only from a full bucket"))
 

@@ -44,7 +44,7 @@ def test_each_worker_bucket_holds_burst_over_n_rounded_up(
 
 def test_each_worker_holds_its_share_of_the_input_token_bucket() -> None:
     budget = worker_settings(settings(10.0), 3).pools[0].hedging.budget
-    assert budget.burst_input_tokens == 66_667  # ceil(200,000 / 3)
+    assert budget.burst_input_tokens == 33_334  # ceil(100,000 / 3)
     assert budget.input_tokens
 
 
