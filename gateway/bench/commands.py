@@ -135,9 +135,9 @@ def run_conversations_command(*, conversations: int | None, quick: bool, seed: i
     print(conv.format_table(result))
     policies = conv.policy_rows(plan)
     if policies:
-        measured = next((r for r in result if r["mode"] == "hedging-on"), None)
+        by_mode = {r["mode"]: r for r in result}
         print()
-        print(format_policies(policies, measured))
+        print(format_policies(policies, by_mode.get("hedging-on"), by_mode.get("sticky")))
     path = out or _default_out("conversations-")
     report.write_json(path, {"workload": "conversations", "machine": machine(),
                              "plan": {"conversations": plan.conversations, "turns": plan.turns,

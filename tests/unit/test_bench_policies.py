@@ -82,9 +82,11 @@ def test_classes_reach_what_one_delay_cannot() -> None:
     assert one["score"] >= per["score"]
     for row in rows.values():
         assert row["extra_input_share"] <= 0.12 + 1e-9
-    text = format_policies(list(rows.values()), {"ttft_p99_ms": 2000.0,
-                                                 "classes": {"200": {"ttft_p99_ms": 800.0}}})
-    assert "delay per class" in text and "class 200" in text
+    text = format_policies(list(rows.values()),
+                           {"ttft_p99_ms": 2000.0, "classes": {"200": {"ttft_p99_ms": 800.0}}},
+                           {"ttft_p99_ms": 2000.0, "classes": {"200": {"ttft_p99_ms": 1600.0}}})
+    assert "delay per class" in text
+    assert "      200: measured 0.50 x, best simulated" in text
 
 
 def test_sizes_parse() -> None:
