@@ -63,19 +63,28 @@ class ClassView:
     """One backend's delay at one request's size, in the shape the race reads delays.
 
     `by_size=False` reads the backend's one delay over all requests but still feeds the
-    classes, so the cold rule can learn while per-class delays are off."""
+    classes, so the cold rule can learn while per-class delays are off.
 
-    __slots__ = ("by_size", "classes", "tokens")
+    `home`: the request's view at its conversation's warm home, when this backend is not it
+    (a primary that spilled off a loaded or paused home, a failover). Such a request is hedged
+    no later than the home's own delay at the home's size: the hedge goes home first, where
+    only the new part needs prefilling, and there it beats a primary that prefills the whole
+    history cold (a spilled 120,000-token turn takes seconds more than its home would)."""
 
-    def __init__(self, classes: ClassDelays, tokens: int, *, by_size: bool = True) -> None:
+    __slots__ = ("by_size", "classes", "home", "tokens")
+
+    def __init__(self, classes: ClassDelays, tokens: int, *, by_size: bool = True,
+                 home: ClassView | None = None) -> None:
         self.classes = classes
         self.tokens = tokens
         self.by_size = by_size
+        self.home = home
 
     def delay(self, now: float) -> float:
         if not self.by_size:
             return self.classes.overall.delay(now)
-        return self.classes.delay(self.tokens, now)
+        own = self.classes.delay(self.tokens, now)
+        return own if self.home is None else min(own, self.home.delay(now))
 
     def median(self, now: float) -> float | None:
         if not self.by_size:
@@ -103,8 +112,13 @@ class SizedDelays(Mapping[str, ClassView]):
     def __getitem__(self, name: str) -> ClassView:
         view = self._views.get(name)
         if view is None:
-            view = self._views[name] = ClassView(self._classes[name], self._size.uncached(name),
-                                                 by_size=self._by_size)
+            size = self._size
+            home = None
+            if size.home is not None and name != size.home and size.home in self._classes \
+                    and size.new < size.tokens:
+                home = self[size.home]
+            view = self._views[name] = ClassView(self._classes[name], size.uncached(name),
+                                                 by_size=self._by_size, home=home)
         return view
 
     def __iter__(self) -> Iterator[str]:

@@ -212,7 +212,7 @@ def test_a_sparse_size_borrows_its_delay_from_its_neighbours() -> None:
 
 
 def test_a_spilled_long_turn_is_hedged_back_home_where_it_is_warm() -> None:
-    async def main(loop: VirtualLoop) -> Played:
+    async def main(loop: VirtualLoop) -> tuple[Played, float]:
         pool = pool_for()
         await conversations(loop, pool, turns=TURNS, count=COUNT)
         route = route_home(pool, "b0", "c1")  # a long conversation whose home is b0
@@ -222,12 +222,19 @@ def test_a_spilled_long_turn_is_hedged_back_home_where_it_is_warm() -> None:
         def ttft(backend: str, uncached: int, primary: bool) -> float:
             return BASE + RATE * uncached
 
-        return await play_one(loop, pool, route, SYSTEM + 5 * LONG, straggler=False, ttft=ttft)
+        home_delay = pool.classes["b0"].delay(LONG, loop.time())
+        played = await play_one(loop, pool, route, SYSTEM + 5 * LONG, straggler=False,
+                                ttft=ttft)
+        return played, home_delay
 
-    played = run_virtual(main)
-    # the cold primary (b1 prefills 151,000 tokens, 9 s) is hedged home once the pause ends
-    # and its delay passes; home prefills only the new 30,000 and wins
+    played, home_delay = run_virtual(main)
+    # the cold primary (b1 prefills 151,000 tokens, 9 s) is hedged home at the home's own
+    # delay for the new 30,000 tokens (its pause over by then), not at its own cold class's;
+    # home prefills only the new part and wins
     assert [a.backend for a in played.race.attempts] == ["b1", "b0"]
+    primary, hedge = played.race.attempts
+    assert hedge.started - primary.started == pytest.approx(home_delay, rel=1e-6)
+    assert home_delay < 2.5
     assert played.winner == "hedge"
     assert SuppressReason.COLD not in played.race.suppressed
 

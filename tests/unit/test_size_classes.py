@@ -213,8 +213,13 @@ def test_a_request_reads_each_backend_at_its_own_uncached_size() -> None:
     view = SizedDelays(classes, size)
     now = 10.0
     assert view["a"].delay(now) == classes["a"].delay(30_000, now)
-    assert view["b"].delay(now) == classes["b"].delay(92_000, now)
-    assert view["b"].delay(now) > view["a"].delay(now)
+    assert view["b"].median(now) == classes["b"].median(92_000, now)
+    assert classes["b"].delay(92_000, now) > classes["a"].delay(30_000, now)
+    # away from its warm home the request is hedged no later than the home's own delay: the
+    # hedge goes home, where only the new 30,000 tokens need prefilling
+    assert view["b"].delay(now) == view["a"].delay(now)
+    first_turn = SizedDelays(classes, RequestSize(tokens=92_000, new=92_000, home="a"))
+    assert first_turn["b"].delay(now) == classes["b"].delay(92_000, now)  # no warm home
     assert set(view) == {"a", "b"} and len(view) == 2
     # observing feeds the backend's one delay and the request's class there
     before = classes["a"].overall.observations
