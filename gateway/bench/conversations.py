@@ -313,10 +313,11 @@ def summarize(result: ModeResult) -> dict[str, Any]:
         "hedges_started": hedges.get("started", 0), "hedges_won": hedges.get("won", 0),
         "affinity": result.stats.get("affinity") if result.stats else None,
         "classes": classes,
-        #: each turn: conversation, turn, size, TTFT ms, prompt and cached tokens, backend
+        #: each turn: conversation, turn, size, TTFT ms, prompt and cached tokens, backend,
+        #: error, attempts
         "turns_detail": [[t.conversation, t.index, t.size,
                           None if t.ttft is None else round(t.ttft * 1000, 1),
-                          t.prompt_tokens, t.cached_tokens, t.backend, t.error]
+                          t.prompt_tokens, t.cached_tokens, t.backend, t.error, t.attempts]
                          for t in result.turns],
     }
 

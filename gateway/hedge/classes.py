@@ -20,7 +20,12 @@ Until then it borrows, in this order:
    class reads that sketch's value plus its own prefill (`rate x tokens`);
 3. with no prefill rate fitted yet, from nothing: the backend's one delay over all requests
    applies, as it did before classes (a neighbour's value cannot be moved to another size
-   without a rate, and unmoved it would be wrong by the prefill of the difference).
+   without a rate, and unmoved it would be wrong by the prefill of the difference). Except
+   for a size above every size the backend has answered: a delay learnt on shorter requests
+   is too early for it by their difference in prefill, unknown without a rate, so it waits
+   `delay.max` (the most the configuration allows) until the backend has seen such a size or
+   fitted a rate. At a pool's start that is what keeps the first long prompts from being
+   copied at `initial`, long before they could have answered.
 
 The rate (`PrefillFit`) is redrawn at every refresh from the medians of the classes with at
 least FIT_MIN_SAMPLES observations, so its memory is the classes' own sketches. Everything
@@ -115,8 +120,13 @@ class ClassDelays:
             return self.overall.delay(now)
         value = self._read(tokens, now, lambda d: d.delay(now))
         if value is None:
-            return self.overall.delay(now)
+            return self.settings.max if self._beyond(tokens) else self.overall.delay(now)
         return min(max(value, self.settings.min), self.settings.max)
+
+    def _beyond(self, tokens: int) -> bool:
+        """The size is above every size this backend has answered (and it has answered some)."""
+        seen = self._tokens
+        return bool(seen) and size_class(tokens) > max(seen)
 
     def median(self, tokens: int, now: float) -> float | None:
         """The typical TTFT here at this size (the balancer's and `min_useful`'s input)."""

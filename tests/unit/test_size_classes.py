@@ -166,6 +166,19 @@ def test_a_class_far_from_any_learnt_one_reads_the_backend_without_its_prefill()
     assert classes.median(2_000_000, now) == pytest.approx(BASE + RATE * 2_000_000, rel=0.1)
 
 
+def test_a_size_beyond_anything_answered_waits_the_longest_delay_until_known() -> None:
+    # short requests only: no rate, so nothing can say when a 30,000-token prompt is late
+    classes, now = taught({200: 40})
+    assert classes.fit is None
+    assert classes.delay(30_000, now) == SETTINGS.max
+    assert classes.delay(200, now) < 0.3  # its own class
+    classes.observe(30_000, 2.0, now)  # once such a size was answered, the one delay
+    assert classes.delay(30_000, now) == classes.overall.delay(now)
+    # a backend that answered nothing yet keeps the one delay (`initial` at a pool's start)
+    fresh = ClassDelays(HedgeDelay(SETTINGS))
+    assert fresh.delay(30_000, 0.0) == SETTINGS.initial
+
+
 def test_before_any_class_learns_the_one_delay_applies() -> None:
     classes, now = taught({200: 5, 30_000: 5})
     assert not classes.learnt(now)
