@@ -178,7 +178,11 @@ def _bench(ns: argparse.Namespace) -> int:
 
     if ns.workload == "conversations":
         return run_conversations_command(conversations=ns.requests, quick=ns.quick,
-                                         seed=ns.seed, out=ns.out)
+                                         seed=ns.seed, out=ns.out, upstreams=ns.upstream,
+                                         model=ns.upstream_model, sizes=ns.sizes)
+    if ns.upstream:
+        print("hedge-gateway bench: --upstream runs --workload conversations", file=sys.stderr)
+        return 2
     if ns.workload == "claude-everywhere":
         return run_clouds_command(requests=ns.requests, concurrency=ns.concurrency,
                                   quick=ns.quick, seed=ns.seed, out=ns.out)
@@ -358,6 +362,16 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "mode, `baseline`, side by side in the same run")
     parser.add_argument("--workers", type=argtypes.positive, default=1,
                         help="serve the gateway under test with --workers N (default 1)")
+    parser.add_argument("--upstream", action="append", default=[], metavar="URL",
+                        help="conversations: your own OpenAI-compatible server (base URL, "
+                             ".../v1) instead of a simulator; repeat for each")
+    parser.add_argument("--upstream-model", metavar="NAME",
+                        help="the model to ask --upstream servers for (default: the first "
+                             "each lists)")
+    parser.add_argument("--sizes", metavar="LIST",
+                        help="conversations: new-message tokens, e.g. 200,4000,30000 or "
+                             "200:0.5,4000:0.35,30000:0.15 (default that, or 20,100,300 "
+                             "with --upstream)")
     parser.add_argument("--servers", type=parse_servers, default=("uvicorn",), metavar="LIST",
                         help="e.g. uvicorn,granian: each server but uvicorn (`serve`, which runs"
                              " the other modes) adds a mode of its name, hedging on")

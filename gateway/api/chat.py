@@ -45,7 +45,8 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
             await guard(request)
         rid = request_id_of(request)
         check_json_type(request)
-        body = parse_body(await read_body(request, limit))
+        raw = await read_body(request, limit)
+        body = parse_body(raw)
         generation = live.current
         logged_model = note_model(request.scope, body, generation.hidden)
         model, stream = check_body(body, needs_prompt=entry.prompt)
@@ -59,7 +60,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
             )
         headers = {k.lower(): v for k, v in request.headers.items()}
         req = LogicalRequest(rid, entry.endpoint, body, stream, headers, route=entry.path,
-                             model=logged_model)
+                             model=logged_model, body_bytes=len(raw))
         return await proxy.handle(request, pool, req)
 
     chat = route("POST", "/v1/chat/completions")

@@ -43,7 +43,8 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
         if ring.digests:
             await guard(request)
         check_json_type(request)
-        body = parse_body(await read_body(request, limit))
+        raw = await read_body(request, limit)
+        body = parse_body(raw)
         logged_model = note_model(request.scope, body, live.current.hidden)
         model, stream = check_body(body, needs_prompt=entry.prompt)
         pool = live.current.pools.get(model)
@@ -56,7 +57,8 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
         forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
         req = LogicalRequest(request_id_of(request), entry.endpoint, body, stream, headers,
                              protocol=COUNT_TOKENS if single else MESSAGES, single=single,
-                             forward_headers=forward, route=entry.path, model=logged_model)
+                             forward_headers=forward, route=entry.path, model=logged_model,
+                             body_bytes=len(raw))
         return await proxy.handle(request, pool, req)
 
     create = route("POST", "/v1/messages")

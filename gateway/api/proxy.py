@@ -188,18 +188,23 @@ class Proxy:
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
+        route = affinity_route(pool, req)
+        summary.size = size = pool.size_of(req.body_bytes if req.metered else None, route)
+        delays, cold = pool.sized(size, req.endpoint, req.stream)
         race = Race(
             pool,
             self._runner(pool, req if upstream_body is req.body else
                          dataclasses.replace(req, body=upstream_body), deadline, trace),
             RaceOptions(
                 deadline,
-                pool.delays_for(req.endpoint, req.stream),
+                delays,
                 refusal is None and not req.single,
                 refusal,
                 excluded,
                 learn=req.metered,
-                affinity=affinity_route(pool, req),
+                affinity=route,
+                cold=cold,
+                input_tokens=0 if size is None else size.tokens,
             ),
             self.clock,
         )

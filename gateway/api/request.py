@@ -55,6 +55,8 @@ class LogicalRequest:
     #: it sent, already loggable (`gateway.stats.loggable`)
     route: str | None = None
     model: str | None = None
+    #: the body's size as received (its input tokens are estimated from it); None: unknown
+    body_bytes: int | None = None
 
 
 class Admission:
@@ -124,4 +126,4 @@ def affinity_route(pool: PoolRuntime, req: LogicalRequest) -> AffinityRoute | No
         return None
     weights = [(b.name, b.weight) for b in pool.settings.backends]
     return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
-                     load_factor=settings.load_factor)
+                     load_factor=settings.load_factor, body_bytes=req.body_bytes)

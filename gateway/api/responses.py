@@ -83,9 +83,11 @@ def build_responses_router(
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
-    async def read_json(request: Request) -> dict[str, Any]:
+    async def read_json(request: Request) -> tuple[dict[str, Any], int]:
+        """The body, parsed, and its size in bytes (the estimate of its input tokens)."""
         check_json_type(request)
-        return parse_body(await read_body(request, limit))
+        raw = await read_body(request, limit)
+        return parse_body(raw), len(raw)
 
     def pool_of(model: str) -> PoolRuntime:
         pool = live.current.pools.get(model)
@@ -132,7 +134,7 @@ def build_responses_router(
     async def inference(request: Request, entry: InferenceRoute) -> Response:
         if ring.digests:
             await bearer(request)
-        body = await read_json(request)
+        body, size = await read_json(request)
         logged_model = note_model(request.scope, body, live.current.hidden)
         model, stream = check_body(body, needs_prompt=entry.prompt)
         pool = pool_of(model)
@@ -150,7 +152,7 @@ def build_responses_router(
             request_id_of(request), entry.endpoint, body, stream, headers_of(request),
             protocol=RESPONSES, stateful=responses_stateful(body), pinned=pinned,
             on_commit=minting(pool.settings.name, stream, binding, translated),
-            route=entry.path, model=logged_model,
+            route=entry.path, model=logged_model, body_bytes=size,
         )
         return await proxy.handle(request, pool, req)
 

@@ -12,7 +12,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from gateway.bench import report
@@ -127,22 +127,47 @@ def run_clouds_command(*, requests: int | None, concurrency: int | None, quick: 
 
 
 def run_conversations_command(*, conversations: int | None, quick: bool, seed: int,
-                              out: str | None) -> int:
+                              out: str | None, upstreams: Sequence[str] = (),
+                              model: str | None = None, sizes: str | None = None) -> int:
     """`--workload conversations`: sticky client, hedging off, hedging on over multi-turn
-    conversations on prefilling, caching simulators (`gateway.bench.conversations`)."""
+    conversations on prefilling, caching simulators (`gateway.bench.conversations`), or on
+    the user's own servers (`upstreams`: `gateway.bench.external`); then the best simulated
+    policies (`gateway.bench.policies`) and the measured row's distance to them."""
     from gateway.bench import conversations as conv
+    from gateway.bench import external
+    from gateway.bench.policies import format_policies
 
-    plan = conv.ConversationPlan(conversations=conversations or (24 if quick else 48),
-                                 turns=3 if quick else 4, seed=seed)
-    print(f"hedge-gateway bench: conversations; {plan.conversations} conversations of "
-          f"{plan.turns} turns, modes {', '.join(plan.modes)}", file=sys.stderr)
-    result = _run_children(lambda: conv.run_conversations(plan))
+    try:
+        mix = external.parse_sizes(sizes) if sizes else (
+            external.UPSTREAM_SIZES if upstreams else conv.SIZES)
+    except ValueError as exc:
+        print(f"hedge-gateway bench: --sizes: {exc}", file=sys.stderr)
+        return 2
+    plan = conv.ConversationPlan(
+        conversations=conversations or (24 if quick else 48), turns=3 if quick else 4,
+        seed=seed, sizes=mix, upstreams=tuple(upstreams), model=model,
+        system_tokens=external.UPSTREAM_SYSTEM_TOKENS if upstreams else conv.SYSTEM_TOKENS)
+    where = f"servers {', '.join(upstreams)}" if upstreams else "simulators"
+    print(f"hedge-gateway bench: conversations on {where}; {plan.conversations} conversations "
+          f"of {plan.turns} turns, modes {', '.join(plan.modes)}", file=sys.stderr)
+    try:
+        result = _run_children(lambda: conv.run_conversations(plan))
+    except ValueError as exc:  # an upstream whose model could not be found
+        print(f"hedge-gateway bench: {exc}", file=sys.stderr)
+        return 2
     if isinstance(result, int):
         return result
     print(conv.format_table(result))
+    policies = conv.policy_rows(plan)
+    if policies:
+        by_mode = {r["mode"]: r for r in result}
+        print()
+        print(format_policies(policies, by_mode.get("hedging-on"), by_mode.get("sticky")))
     path = out or _default_out("conversations-")
     report.write_json(path, {"workload": "conversations", "machine": machine(),
                              "plan": {"conversations": plan.conversations, "turns": plan.turns,
-                                      "seed": seed}, "modes": result})
+                                      "seed": seed, "sizes": [list(s) for s in plan.sizes],
+                                      "upstreams": list(plan.upstreams)},
+                             "modes": result, "policies": policies})
     print(f"JSON report: {path}")
     return 0

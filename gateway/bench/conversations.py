@@ -22,7 +22,11 @@ size over 4 is its token count, as the gateway estimates it and the simulator co
 Per size class: TTFT p50 and p99 as the client sees them, the cache hit rate (later turns whose
 usage reports the whole previous turn's prompt as cached: the conversation's own prefix, not
 only the system prompt that every conversation shares), and per mode the extra input tokens
-that hedges sent.
+that hedges sent. After the modes, the best policies of a simulation of the same workload
+(`gateway.bench.policies`) and the measured hedging-on row's distance to them.
+
+`--upstream URL` (repeated) plays the same workload against the user's own servers instead of
+simulators (`gateway.bench.external`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ import httpx
 import yaml
 
 from gateway.bench import servers
+from gateway.bench.external import MAX_TOKENS, base_url, served_models
+from gateway.bench.policies import Conversation, Model, best_policies
 from gateway.bench.procs import Children, free_port, wait_ready
 
 POOL = "bench"
@@ -65,6 +71,13 @@ class ConversationPlan:
     #: seconds between the starts of two conversations (they then run concurrently)
     stagger: float = 0.05
     modes: tuple[str, ...] = MODES
+    #: new-message sizes (tokens) and their shares
+    sizes: tuple[tuple[int, float], ...] = SIZES
+    system_tokens: int = SYSTEM_TOKENS
+    #: the user's own servers (`--upstream`, base URLs); empty: start simulators
+    upstreams: tuple[str, ...] = ()
+    #: the model to ask them for (None: each one's first listed model)
+    model: str | None = None
 
 
 @dataclass(slots=True)
@@ -75,7 +88,11 @@ class Turn:
     ttft: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    #: the usage reported a prompt cache at all (a real server may not)
+    cache_reported: bool = True
     backend: str = ""
+    #: attempts the gateway started for it (`x-hedge-attempts`; 1 without a gateway)
+    attempts: int = 1
     error: str | None = None
     #: the prompt tokens of this conversation's previous turn (0 for its first)
     previous_prompt: int = 0
@@ -104,7 +121,7 @@ def words(n: int, tag: str) -> str:
 def size_classes(plan: ConversationPlan) -> list[int]:
     """Each conversation's new-message size, seeded."""
     rng = random.Random(plan.seed)
-    sizes, weights = zip(*SIZES, strict=True)
+    sizes, weights = zip(*plan.sizes, strict=True)
     return [rng.choices(sizes, weights=weights)[0] for _ in range(plan.conversations)]
 
 
@@ -113,11 +130,15 @@ def sticky_backend(conversation: int, backends: int) -> int:
     return int.from_bytes(digest, "big") % backends
 
 
-def gateway_yaml(port: int, sim_ports: Sequence[int], hedging: bool,
-                 affinity: bool = True) -> str:
-    backends = [{"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
-                 "base_url": f"http://127.0.0.1:{p}/v1", "group": f"zone-{chr(97 + k)}"}
-                for k, p in enumerate(sim_ports)]
+def gateway_yaml(port: int, upstreams: Sequence[int | str], hedging: bool,
+                 affinity: bool = True, models: Sequence[str] | None = None) -> str:
+    """The gateway's configuration over `upstreams`: simulator ports on loopback, or base
+    URLs (with `models`, the model each serves)."""
+    backends = [{"name": f"sim-{chr(97 + k)}", "provider": "openai",
+                 "model": models[k] if models else "sim",
+                 "base_url": f"http://127.0.0.1:{u}/v1" if isinstance(u, int) else u,
+                 "group": f"zone-{chr(97 + k)}"}
+                for k, u in enumerate(upstreams)]
     config = {"server": {"host": "127.0.0.1", "port": port}, "hedging": {"enabled": hedging},
               "affinity": {"enabled": affinity},
               "pools": [{"name": POOL, "backends": backends, "timeout": "120s",
@@ -130,8 +151,11 @@ async def _stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     """One streamed turn: its TTFT (to the first content), usage and answer text."""
     text: list[str] = []
     started = time.monotonic()
+    turn.cache_reported = False
     async with client.stream("POST", url, json=body) as response:
         turn.backend = response.headers.get("x-hedge-backend", turn.backend)
+        attempts = response.headers.get("x-hedge-attempts", "1")
+        turn.attempts = int(attempts) if attempts.isdigit() else 1
         if response.status_code != 200:
             turn.error = f"status {response.status_code}"
             await response.aread()
@@ -150,22 +174,29 @@ async def _stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any]
             if usage:
                 turn.prompt_tokens = usage.get("prompt_tokens", 0)
                 details = usage.get("prompt_tokens_details") or {}
+                turn.cache_reported = details.get("cached_tokens") is not None
                 turn.cached_tokens = details.get("cached_tokens") or 0
     return "".join(text)
 
 
 async def _conversation(client: httpx.AsyncClient, url: str, model: str, number: int,
-                        size: int, plan: ConversationPlan, out: list[Turn]) -> None:
+                        size: int, plan: ConversationPlan, out: list[Turn],
+                        mode: str = "") -> None:
+    """One conversation's turns. Against real servers (which keep their caches from mode to
+    mode) its system prompt names the mode and its answers are capped."""
     await asyncio.sleep(number * plan.stagger)
+    tag = f"system-{mode}" if plan.upstreams else "system"
     messages: list[dict[str, str]] = [
-        {"role": "system", "content": words(SYSTEM_TOKENS, "system")},
+        {"role": "system", "content": words(plan.system_tokens, tag)},
         {"role": "user", "content": words(size, f"c{number}t0")}]
     previous = 0
     for index in range(plan.turns):
         turn = Turn(number, index, size, previous_prompt=previous)
         out.append(turn)
-        body = {"model": model, "messages": messages,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {"model": model, "messages": messages,
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if plan.upstreams:
+            body["max_tokens"] = MAX_TOKENS
         try:
             answer = await _stream_turn(client, url, body, turn)
         except httpx.HTTPError as exc:
@@ -194,14 +225,20 @@ async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> Mo
     result = ModeResult(mode)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
-        ports = await _start_sims(children, client, mode, plan.seed)
+        if plan.upstreams:
+            bases = [base_url(u) for u in plan.upstreams]
+            models = await served_models(client, bases, plan.model)
+        else:
+            ports = await _start_sims(children, client, mode, plan.seed)
+            bases = [f"http://127.0.0.1:{p}/v1" for p in ports]
+            models = ["sim"] * len(bases)
         gateway = None
         if mode != "sticky":
             port = free_port()
             path = os.path.join(children.logdir, f"conversations-{mode}.yaml")
             with open(path, "w", encoding="utf-8") as file:
-                file.write(gateway_yaml(port, ports, hedging=mode != "hedging-off",
-                                        affinity=mode != "no-affinity"))
+                file.write(gateway_yaml(port, bases, hedging=mode != "hedging-off",
+                                        affinity=mode != "no-affinity", models=models))
             argv, env = servers.server_command(servers.OWN, path, port)
             proc = children.start(f"gateway-conversations-{mode}", argv, env=env)
             gateway = f"http://127.0.0.1:{port}"
@@ -211,15 +248,14 @@ async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> Mo
         tasks = []
         for number, size in enumerate(sizes):
             if gateway is None:
-                k = sticky_backend(number, BACKENDS)
-                url = f"http://127.0.0.1:{ports[k]}/v1/chat/completions"
+                k = sticky_backend(number, len(bases))
+                url, model = f"{bases[k]}/chat/completions", models[k]
                 label = f"sim-{chr(97 + k)}"
             else:
-                url, label = gateway + "/v1/chat/completions", ""
+                url, model, label = gateway + "/v1/chat/completions", POOL, ""
             own: list[Turn] = []
-            model = POOL if gateway is not None else "sim"
             tasks.append((own, label,
-                          _conversation(client, url, model, number, size, plan, own)))
+                          _conversation(client, url, model, number, size, plan, own, mode)))
         await asyncio.gather(*(t[2] for t in tasks))
         result.seconds = time.monotonic() - started
         for own, label, _ in tasks:
@@ -245,18 +281,19 @@ def summarize(result: ModeResult) -> dict[str, Any]:
     """Per size class: turns, TTFT p50/p99 (ms), cache hit rate of later turns; per mode:
     errors, input tokens, hedges and the extra input tokens hedges sent."""
     classes: dict[str, Any] = {}
-    for size, _ in SIZES:
+    for size in sorted({t.size for t in result.turns}):
         turns = [t for t in result.turns if t.size == size and t.error is None]
         ttfts = [t.ttft * 1000 for t in turns if t.ttft is not None]
-        later = [t for t in turns if t.index > 0]
+        later = [t for t in turns if t.index > 0 and t.cache_reported]
         hits = sum(1 for t in later if t.hit)
         classes[str(size)] = {
             "turns": len(turns),
             "ttft_p50_ms": _quantile(ttfts, 0.5), "ttft_p99_ms": _quantile(ttfts, 0.99),
             "cache_hit_rate": hits / len(later) if later else None,
+            "hedged": sum(1 for t in turns if t.attempts > 1),
         }
     ok = [t for t in result.turns if t.error is None]
-    later = [t for t in ok if t.index > 0]
+    later = [t for t in ok if t.index > 0 and t.cache_reported]
     input_tokens = sum(t.prompt_tokens for t in ok)
     extra = int(result.stats.get("tokens", {}).get("hedge_input", 0)) if result.stats else 0
     hedges = result.stats.get("hedges", {}) if result.stats else {}
@@ -276,10 +313,11 @@ def summarize(result: ModeResult) -> dict[str, Any]:
         "hedges_started": hedges.get("started", 0), "hedges_won": hedges.get("won", 0),
         "affinity": result.stats.get("affinity") if result.stats else None,
         "classes": classes,
-        #: each turn: conversation, turn, size, TTFT ms, prompt and cached tokens, backend
+        #: each turn: conversation, turn, size, TTFT ms, prompt and cached tokens, backend,
+        #: error, attempts
         "turns_detail": [[t.conversation, t.index, t.size,
                           None if t.ttft is None else round(t.ttft * 1000, 1),
-                          t.prompt_tokens, t.cached_tokens, t.backend, t.error]
+                          t.prompt_tokens, t.cached_tokens, t.backend, t.error, t.attempts]
                          for t in result.turns],
     }
 
@@ -295,13 +333,13 @@ def _pct(value: float | None) -> str:
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """One line per mode and size class, then one per mode with its totals."""
     head = (f"{'mode':<12} {'class':>7} {'turns':>5} {'p50 ms':>8} {'p99 ms':>8} "
-            f"{'cache hit':>9}")
+            f"{'cache hit':>9} {'hedged':>6}")
     lines = [head, "-" * len(head)]
     for row in rows:
         for size, c in row["classes"].items():
             lines.append(f"{row['mode']:<12} {int(size):>7,} {c['turns']:>5} "
                          f"{_ms(c['ttft_p50_ms']):>8} {_ms(c['ttft_p99_ms']):>8} "
-                         f"{_pct(c['cache_hit_rate']):>9}")
+                         f"{_pct(c['cache_hit_rate']):>9} {c.get('hedged', 0):>6}")
         lines.append(f"{row['mode']:<12} {'all':>7} {row['turns'] - row['errors']:>5} "
                      f"{_ms(row['ttft_p50_ms']):>8} {_ms(row['ttft_p99_ms']):>8} "
                      f"{_pct(row['cache_hit_rate']):>9}")
@@ -319,6 +357,17 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                      f"{_pct(row['cached_token_share']):>10} {affinity:>24} "
                      f"{row['seconds']:>5}")
     return "\n".join(lines)
+
+
+def policy_rows(plan: ConversationPlan) -> list[dict[str, Any]]:
+    """The best simulated policies over this plan's conversations (`gateway.bench.policies`);
+    none against real servers, whose model the simulation does not know."""
+    if plan.upstreams:
+        return []
+    conversations = [Conversation(n, size, plan.turns)
+                     for n, size in enumerate(size_classes(plan))]
+    return best_policies(conversations, seed=plan.seed,
+                         model=Model(backends=BACKENDS, system_tokens=plan.system_tokens))
 
 
 def run_conversations(plan: ConversationPlan) -> list[dict[str, Any]]:

@@ -284,10 +284,12 @@ def route_for(
     *,
     min_input_tokens: int,
     load_factor: float,
+    body_bytes: int | None = None,
 ) -> AffinityRoute | None:
-    """The request's route over `backends` ((name, weight) pairs), or None without a key."""
-    key = conversation_key(body, headers, min_input_tokens=min_input_tokens,
-                           body_bytes=body_size(headers))
+    """The request's route over `backends` ((name, weight) pairs), or None without a key.
+    `body_bytes`: the body's size as received; else its `content-length`."""
+    size = body_bytes if body_bytes is not None else body_size(headers)
+    key = conversation_key(body, headers, min_input_tokens=min_input_tokens, body_bytes=size)
     if key is None:
         return None
     return AffinityRoute.of(key, dict(backends), load_factor)

@@ -27,6 +27,18 @@ unbounded hedging would double the load exactly when the backends can least take
   without a single win does, which a pool whose hedges win a third of the time shows about
   once in 3,000 windows. Failure replacements are not subject to the guard:
   a failed attempt needs a replacement whether or not delay-triggered hedges are winning.
+
+Input tokens (`input_tokens`, on by default): an extra attempt resends the whole prompt, so a
+hedge of a 30,000-token turn costs what 150 hedges of a 200-token one do, and counting
+attempts alone lets a few long prompts spend many times the share of input the ratio means.
+Beside the attempt bucket runs a second one in input tokens, with the same rules: each request
+deposits `ratio` x its input tokens, each extra attempt needs (and spends) its input tokens,
+capped at `burst_input_tokens`, starting full, with a reserve that refills the whole bucket in
+the same time the attempt reserve refills its own (`min_per_second / burst` of it a second).
+An extra attempt needs both. One larger than the whole bucket goes only from a full bucket and
+leaves it in debt, to be paid back by deposits: a pool of very long prompts can still replace
+a failed attempt now and then, never often. Tokens here are the gateway's estimate (body
+bytes / 4), known before any upstream answers.
 """
 
 from __future__ import annotations
@@ -60,6 +72,8 @@ class SuppressReason(enum.StrEnum):
     DEADLINE = "deadline"
     INEFFECTIVE = "ineffective"
     DISABLED = "disabled"
+    #: the copy would prefill the whole input cold for longer than the primary likely needs
+    COLD = "cold"
 
 
 class HedgeBudget:
@@ -67,6 +81,7 @@ class HedgeBudget:
 
     __slots__ = (
         "_extra_in_flight",
+        "_input",
         "_last_probe",
         "_outcomes",
         "_tokens",
@@ -79,6 +94,8 @@ class HedgeBudget:
     def __init__(self, settings: BudgetSettings, now: float) -> None:
         self.settings = settings
         self._tokens = settings.burst
+        #: the input-token bucket's level (negative: in debt after an oversized attempt)
+        self._input = float(settings.burst_input_tokens)
         self._updated = now
         self._extra_in_flight = 0
         #: recent hedge outcomes (True = won), newest last
@@ -98,6 +115,7 @@ class HedgeBudget:
         self._accrue(now)
         self.settings = settings
         self._tokens = min(self._tokens, settings.burst)
+        self._input = min(self._input, float(settings.burst_input_tokens))
         size = max(1, settings.win_window)
         if self._outcomes.maxlen != size:
             self._outcomes = deque(self._outcomes, maxlen=size)
@@ -111,7 +129,16 @@ class HedgeBudget:
             return self._tokens
         return min(self.settings.burst, self._tokens + self.settings.min_per_second * elapsed)
 
+    def _input_level(self, now: float) -> float:
+        elapsed = now - self._updated
+        cap = float(self.settings.burst_input_tokens)
+        if elapsed <= 0:
+            return self._input
+        refill = cap * self.settings.min_per_second / self.settings.burst
+        return min(cap, self._input + refill * elapsed)
+
     def _accrue(self, now: float) -> None:
+        self._input = self._input_level(now)
         self._tokens = self._level(now)
         self._updated = max(self._updated, now)
 
@@ -119,10 +146,20 @@ class HedgeBudget:
         """Tokens available at `now`, reserve accrual included."""
         return self._level(now)
 
-    def on_request(self, now: float) -> None:
-        """A logical request arrived: deposit `ratio` tokens (capped at `burst`)."""
+    def input_tokens(self, now: float) -> float:
+        """Input tokens available at `now` in the input-token bucket (negative: in debt)."""
+        return self._input_level(now)
+
+    def on_request(self, now: float, tokens: int = 0) -> None:
+        """A logical request of `tokens` estimated input tokens arrived: deposit `ratio`
+        tokens (capped at `burst`) and `ratio x tokens` input tokens (capped at
+        `burst_input_tokens`)."""
         self._accrue(now)
-        self._tokens = min(self.settings.burst, self._tokens + self.settings.ratio)
+        settings = self.settings
+        self._tokens = min(settings.burst, self._tokens + settings.ratio)
+        if settings.input_tokens and tokens > 0:
+            self._input = min(float(settings.burst_input_tokens),
+                              self._input + settings.ratio * tokens)
 
     # -- spending -------------------------------------------------------------------------
 
@@ -132,15 +169,17 @@ class HedgeBudget:
         return self._extra_in_flight
 
     def try_spend(
-        self, now: float, *, inflight_requests: int, hedge: bool
+        self, now: float, *, inflight_requests: int, hedge: bool, tokens: int = 0
     ) -> SuppressReason | None:
-        """Ask for one extra attempt; None means granted (one token spent, one more extra
-        attempt in flight: call `release()` when it ends, whatever the outcome).
+        """Ask for one extra attempt of `tokens` estimated input tokens; None means granted
+        (one token and its input tokens spent, one more extra attempt in flight: call
+        `release()` when it ends, whatever the outcome).
 
         `hedge=True` for a delay-triggered hedge, False for a replacement after a failure.
         Refusals: INEFFECTIVE (hedges only) when the efficacy guard is on and this probe
-        interval's probe was already used; BUDGET when under one token or when the in-flight
-        cap is reached. Nothing changes on a refusal.
+        interval's probe was already used; BUDGET when under one token, under its input
+        tokens (or, for an attempt larger than the whole bucket, under a full bucket), or
+        when the in-flight cap is reached. Nothing changes on a refusal.
         """
         guarded = hedge and self.ineffective(now)
         last_probe = self._last_probe
@@ -149,10 +188,15 @@ class HedgeBudget:
         self._accrue(now)
         if self._tokens < 1.0 - _EPSILON:
             return SuppressReason.BUDGET
+        priced = self.settings.input_tokens and tokens > 0
+        if priced and self._input < min(tokens, self.settings.burst_input_tokens) - _EPSILON:
+            return SuppressReason.BUDGET
         cap = max(_MIN_EXTRA_IN_FLIGHT, _EXTRA_SHARE * inflight_requests)
         if self._extra_in_flight >= cap:
             return SuppressReason.BUDGET
         self._tokens = max(0.0, self._tokens - 1.0)
+        if priced:
+            self._input -= tokens
         self._extra_in_flight += 1
         if guarded:
             self._last_probe = now

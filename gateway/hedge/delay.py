@@ -49,6 +49,9 @@ AUTO_STEP = 0.85
 #: the fallback for a quiet window keeps at least this many of the newest samples: a tail
 #: quantile of only `min_samples` (20) values would be little more than their maximum
 RECENT_SAMPLES = 100
+#: the TTFT by which an attempt has almost surely answered (`HedgeDelay.tail`): what the
+#: cold-hedge rule compares a copy's prefill with
+TAIL_QUANTILE = 0.99
 
 
 def min_useful(median: float | None) -> float:
@@ -115,10 +118,12 @@ class HedgeDelay:
         "_base_tail",
         "_budget_ratio",
         "_epoch",
+        "_learnt",
         "_median",
         "_recent",
         "_sketch",
         "_steered_at",
+        "_tail",
         "_threshold",
         "censored_count",
         "censored_dropped",
@@ -142,7 +147,9 @@ class HedgeDelay:
         self._recent = RecentSketch(max(settings.min_samples, RECENT_SAMPLES))
         self._threshold = settings.value if settings.mode == "fixed" else settings.initial
         self._adaptive = False
+        self._learnt = False
         self._median: float | None = None
+        self._tail: float | None = None
         #: observations added since the last refresh, and the window slice it ran in
         self._added = 0
         self._epoch: int | None = None
@@ -231,14 +238,17 @@ class HedgeDelay:
         self._added, self._epoch = 0, epoch
         settings = self.settings
         high: float | None = None
+        qs = (self.quantile, 0.5, TAIL_QUANTILE)
         if self._sketch.count(now) >= settings.min_samples:
-            high, self._median = self._sketch.quantiles((self.quantile, 0.5), now)
+            high, self._median, self._tail = self._sketch.quantiles(qs, now)
         elif self._recent.count >= settings.min_samples:
-            high, self._median = self._recent.quantiles((self.quantile, 0.5))
+            high, self._median, self._tail = self._recent.quantiles(qs)
         else:
             self._median = self._sketch.quantiles((0.5,), now)[0]
             if self._median is None:
                 self._median = self._recent.quantiles((0.5,))[0]
+            self._tail = None
+        self._learnt = high is not None
         if settings.mode == "fixed":
             self._threshold = settings.value
             self._adaptive = False
@@ -260,6 +270,15 @@ class HedgeDelay:
         """True when the delay comes from the quantile; False while `initial` applies or in
         `fixed` mode (as of the last refresh)."""
         return self._adaptive
+
+    def learnt(self, now: float) -> bool:
+        """True when the last refresh had `min_samples` observations, in either mode: the
+        quantiles (`tail`) come from data."""
+        return self._learnt
+
+    def tail(self, now: float) -> float | None:
+        """The recent TAIL_QUANTILE (q99) as of the last refresh; None until `learnt`."""
+        return self._tail
 
     def median(self, now: float) -> float | None:
         """The recent median TTFT as of the last refresh (for `min_useful` and the balancer);

@@ -13,9 +13,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.clock import Clock
+from gateway.hedge.affinity import AffinityRoute
 from gateway.hedge.balancer import Balancer
 from gateway.hedge.budget import HedgeBudget
+from gateway.hedge.classes import ClassDelays
 from gateway.hedge.delay import HedgeDelay
+from gateway.hedge.prefill import ConversationMemory, estimate_tokens, new_tokens
+from gateway.hedge.sizing import ColdRule, DelayReader, RequestSize, SizedDelays
 from gateway.settings import PoolSettings
 from providers.base import ENDPOINTS, Endpoint, Provider
 
@@ -60,6 +64,10 @@ class PoolRuntime:
     #: with the pool's earlier and later generations
     inflight: InFlight = field(default_factory=InFlight)
     rng: random.Random = field(default_factory=random.Random)
+    #: per backend: the streaming delays per size class and the prefill fit, beside `delays`
+    classes: Mapping[str, ClassDelays] = field(default_factory=dict)
+    #: the last size of each recent conversation key (what its home backend has seen)
+    memory: ConversationMemory = field(default_factory=ConversationMemory)
 
     @property
     def inflight_requests(self) -> int:
@@ -80,12 +88,14 @@ class PoolRuntime:
         rng: random.Random,
     ) -> PoolRuntime:
         delay, ratio = settings.hedging.delay, settings.hedging.budget.ratio
+        delays = {b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends}
         return cls(
             settings=settings,
             providers=providers,
             balancer=Balancer(settings.backends, settings.health, rng),
             budget=HedgeBudget(settings.hedging.budget, now),
-            delays={b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends},
+            delays=delays,
+            classes={name: ClassDelays(d, budget_ratio=ratio) for name, d in delays.items()},
             whole_delays=_per_endpoint(lambda _: {
                 b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends
             }),
@@ -123,12 +133,17 @@ class PoolRuntime:
                 for b in settings.backends
             }
 
+        delays = carried(self.delays)
         return PoolRuntime(
             settings=settings,
             providers=providers,
             balancer=self.balancer.adopt(settings.backends, settings.health),
             budget=self.budget,
-            delays=carried(self.delays),
+            delays=delays,
+            classes={name: self.classes[name].adopt(d, budget_ratio=ratio, now=now)
+                     if name in self.classes else ClassDelays(d, budget_ratio=ratio)
+                     for name, d in delays.items()},
+            memory=self.memory,
             whole_delays=_per_endpoint(
                 lambda endpoint: carried(self.whole_delays.get(endpoint, {}))
             ),
@@ -154,6 +169,30 @@ class PoolRuntime:
     def delays_for(self, endpoint: str, stream: bool) -> Mapping[str, HedgeDelay]:
         return self.delays if stream else self.whole_delays[endpoint]
 
+    def size_of(self, body_bytes: int | None, route: AffinityRoute | None) -> RequestSize | None:
+        """The request's estimated size (None: its body size is unknown), remembering this turn
+        of its conversation: the next turn's home will hold what this one sends."""
+        if body_bytes is None:
+            return None
+        tokens = estimate_tokens(body_bytes)
+        if route is None:
+            return RequestSize(tokens, tokens)
+        previous = self.memory.turn(route.key, tokens)
+        return RequestSize(tokens, new_tokens(tokens, previous), route.order[0])
+
+    def sized(self, size: RequestSize | None, endpoint: str, stream: bool
+              ) -> tuple[Mapping[str, DelayReader], ColdRule | None]:
+        """The delays a request's race reads, and its cold rule. Streams with a known size get
+        the per-class delays (`hedging.delay.by_size`) and the cold rule (`skip_cold`); the
+        rest the one delay per backend (a whole response's time is mostly generation, which
+        the prompt's size does not predict) and no cold rule."""
+        hedging = self.settings.hedging
+        if size is None or not stream or not (hedging.delay.by_size or hedging.skip_cold):
+            return self.delays_for(endpoint, stream), None
+        delays = SizedDelays(self.classes, size, by_size=hedging.delay.by_size)
+        cold = ColdRule(self.classes, size) if hedging.skip_cold else None
+        return delays, cold
+
     def refresh_delays(self, now: float) -> None:
         """Recompute every hedge delay of the pool (off the request path; the
         composition root calls this periodically). `quantile: auto` delays first take in the
@@ -163,6 +202,8 @@ class PoolRuntime:
             for delay in delays.values():
                 delay.steer(win_rate, recorded)
                 delay.refresh(now)
+        for classes in self.classes.values():
+            classes.refresh(now, win_rate, recorded)
 
 
 def _models(settings: PoolSettings) -> dict[str, str]:

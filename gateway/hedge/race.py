@@ -62,9 +62,10 @@ from gateway.hedge.attempt import (
     Prefix,
 )
 from gateway.hedge.budget import SuppressReason
-from gateway.hedge.delay import HedgeDelay, min_useful
+from gateway.hedge.delay import min_useful
 from gateway.hedge.losers import Losers
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.sizing import ColdRule, DelayReader
 
 log = logging.getLogger("hedge_gateway.race")
 
@@ -82,8 +83,9 @@ AttemptRunner = Callable[[str, AttemptRecord], Coroutine[Any, Any, Prefix]]
 @dataclass(slots=True)
 class RaceOptions:
     deadline: float
-    #: the latency trackers this request's attempts feed and take their delay from
-    delays: Mapping[str, HedgeDelay]
+    #: the latency trackers this request's attempts feed and take their delay from (per
+    #: backend; at the request's size class when it has one: `gateway.hedge.sizing`)
+    delays: Mapping[str, DelayReader]
     #: delay-triggered hedges allowed for this request (pool switch, opt-outs, safety rules)
     hedging: bool
     #: when hedging was refused for this request, the reason counted once (`disabled`)
@@ -96,6 +98,10 @@ class RaceOptions:
     #: the request's conversation key and its order over the pool: the primary, hedges and
     #: failovers go to the first fitting backend in it (None: load-based selection)
     affinity: AffinityRoute | None = None
+    #: whether a hedge to a backend would prefill cold for nothing (None: no such rule)
+    cold: ColdRule | None = None
+    #: the request's estimated input tokens: the budget's deposit and each extra attempt's price
+    input_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -136,7 +142,7 @@ class Race:
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
-        pool.budget.on_request(now)
+        pool.budget.on_request(now, self.options.input_tokens)
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
         delays = self.options.delays
@@ -347,11 +353,22 @@ class Race:
         remaining = self.options.deadline - now
         if remaining < min_useful(self.options.delays[backend].median(now)):
             return SuppressReason.DEADLINE
-        refused = pool.budget.try_spend(now, inflight_requests=pool.inflight_requests, hedge=hedge)
+        if hedge and self._cold(backend, now):
+            return SuppressReason.COLD
+        refused = pool.budget.try_spend(now, inflight_requests=pool.inflight_requests,
+                                        hedge=hedge, tokens=self.options.input_tokens)
         if refused is not None:
             return refused
         self._start(backend, kind, spent_budget=True)
         return None
+
+    def _cold(self, backend: str, now: float) -> bool:
+        """The cold rule for a hedge to `backend`, against the oldest attempt running."""
+        rule = self.options.cold
+        running = min(self._tasks.values(), key=lambda r: r.started, default=None)
+        if rule is None or running is None:
+            return False
+        return rule.cold(backend, running.backend, now - running.started, now)
 
     def _max_attempts(self) -> int:
         configured = min(self.pool.settings.hedging.max_attempts, 5)

@@ -33,7 +33,8 @@ def with_response_id_secret(settings: Settings) -> Settings:
 
 def worker_settings(settings: Settings, workers: int) -> Settings:
     """The settings one of `workers` processes runs with: every pool's budget bucket holds
-    `ceil(burst / workers)`, deposits and reserve unchanged.
+    `ceil(burst / workers)` (and `ceil(burst_input_tokens / workers)` input tokens), deposits
+    and reserve unchanged.
 
     Why: each worker keeps its own bucket (no shared memory on the request path), so the host's
     extra attempts are bounded by the sum of the buckets plus the deposits: at most
@@ -45,7 +46,8 @@ def worker_settings(settings: Settings, workers: int) -> Settings:
     pools = tuple(
         replace(pool, hedging=replace(pool.hedging, budget=replace(
             pool.hedging.budget,
-            burst=float(math.ceil(pool.hedging.budget.burst / workers)))))
+            burst=float(math.ceil(pool.hedging.budget.burst / workers)),
+            burst_input_tokens=math.ceil(pool.hedging.budget.burst_input_tokens / workers))))
         for pool in settings.pools
     )
     return replace(settings, pools=pools)

@@ -52,6 +52,9 @@ class DelaySettings(Checked):
         cv.integer(1), "TTFT samples needed before the adaptive delay is used"))
     value: float = field(default=0.3, metadata=scalar(
         cv.duration(zero=True), "the delay in fixed mode (0 allowed: hedge at once)"))
+    by_size: bool = field(default=True, metadata=scalar(
+        cv.boolean, "learn the delay per size class of the request's uncached input "
+        "(streams); false: one delay per backend"))
 
     def _rules(self, at: At) -> Iterator[str]:
         if self.min > self.max:
@@ -75,6 +78,12 @@ class BudgetSettings(Checked):
         cv.integer(20), "how many recent hedge outcomes the win rate is computed over"))
     probe_interval: float = field(default=5.0, metadata=scalar(
         cv.duration(), "while hedges do not win: at most one hedge this often"))
+    input_tokens: bool = field(default=True, metadata=scalar(
+        cv.boolean, "also count input tokens: each request deposits ratio x its input "
+        "tokens, each extra attempt costs its input tokens; false: attempts only"))
+    burst_input_tokens: int = field(default=100_000, metadata=scalar(
+        cv.integer(1), "input tokens the bucket holds (it starts full); an attempt larger "
+        "than this goes only from a full bucket"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +98,9 @@ class HedgingSettings(Checked):
         DelaySettings, "when a hedge starts"))
     budget: BudgetSettings = field(default_factory=BudgetSettings, metadata=section(
         BudgetSettings, "the token bucket that caps extra attempts"))
+    skip_cold: bool = field(default=True, metadata=scalar(
+        cv.boolean, "no hedge whose copy would prefill the whole input cold for longer "
+        "than the primary likely still needs (streams)"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,9 @@ and the pool's live fields summed or combined over the processes: `inflight_requ
 processes'; per backend `inflight` summed, `state`/`reason`/`seconds_left` of the worst process
 (`ejected` over `paused` over `low` over `ok`), `headroom` the least any process saw (with its
 `headroom_resource`), `hedge_delay_ms` and `hedge_delay_quantile` the largest,
-`hedge_delay_mode` and `hedge_delay_rule` the common one or `mixed`. `config` is the first
+`hedge_delay_mode` and `hedge_delay_rule` the common one or `mixed`, `hedge_delay_by_class_ms`
+the largest per class, `prefill_ms_per_1k` the largest; `budget.input_tokens` and
+`.burst_input_tokens` summed. `config` is the first
 process's (the worker that answered); each process's own is in its `workers[]` entry.
 
 Exports may come from other machines (`stats URL URL`): anything malformed raises ValueError.
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from gateway.hedge.latency import merge_states
@@ -288,6 +290,8 @@ def _combine_pool(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "ratio": budgets[0]["ratio"],
         "burst": sum(b["burst"] for b in budgets),
         "min_per_second": sum(b["min_per_second"] for b in budgets),
+        "input_tokens": _sum_known(b.get("input_tokens") for b in budgets),
+        "burst_input_tokens": _sum_known(b.get("burst_input_tokens") for b in budgets),
         "extra_in_flight": sum(b["extra_in_flight"] for b in budgets),
         "ineffective": any(b["ineffective"] for b in budgets),
         "recent_win_rate": round(sum(rates) / len(rates), 4) if rates else None,
@@ -323,4 +327,27 @@ def _combine_backend(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "hedge_delay_mode": modes.pop() if len(modes) == 1 else "mixed",
         "hedge_delay_quantile": max(quantiles) if quantiles else None,
         "hedge_delay_rule": rules.pop() if len(rules) == 1 else "mixed",
+        "hedge_delay_by_class_ms": _largest_per_key(
+            e.get("hedge_delay_by_class_ms") or {} for e in entries),
+        "prefill_ms_per_1k": _largest_known(e.get("prefill_ms_per_1k") for e in entries),
     }
+
+
+def _sum_known(values: Iterable[float | None]) -> float | None:
+    """The sum of the values given, None when none is (a field every process left null)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _largest_known(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _largest_per_key(maps: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Per key the largest value any map gives (the latest delay of a class, per process)."""
+    out: dict[str, float] = {}
+    for values in maps:
+        for key, value in values.items():
+            out[key] = max(value, out.get(key, value))
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))

@@ -32,14 +32,17 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
 | `attempt_ttft_censored_total` | counter | pool, backend | attempts cancelled before a token |
 | `attempt_failures_total` | counter | pool, backend, code | failed attempts by failure code |
-| `tokens_total` | counter | pool, backend, type | `input`/`output` tokens the winners reported |
+| `tokens_total` | counter | pool, backend, type | `input`, `output`, `cached`, `cache_write` |
 | `hedge_input_tokens_total` | counter | pool | input tokens paid again by extra attempts |
+| `hedge_input_miss_tokens_total` | counter | pool | of those, cache misses where they were sent |
 | `internal_errors_total` | counter | | exceptions of ours on the request path (answered 500) |
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
 | `latency_saved_seconds` | histogram | pool | hedge won: primary's tokenless time at commit |
 | `budget_tokens` | gauge | pool | hedge budget tokens available |
+| `budget_input_tokens` | gauge | pool | input tokens the budget holds (pools that count them) |
+| `prefill_seconds_per_1k_tokens` | gauge | pool, backend | the fitted prefill rate (once fitted) |
 | `budget_ineffective` | gauge | pool | 1 while the efficacy guard holds hedges back |
 | `inflight_requests` | gauge | pool | logical requests in flight |
 | `inflight_attempts` | gauge | pool, backend | attempts in flight |
@@ -131,6 +134,9 @@ class GatewayCollector(Collector):
         hedge_cost = _counter("hedge_input_tokens",
                               "Input tokens paid again by extra attempts that reached a backend.",
                               ["pool"])
+        hedge_miss = _counter("hedge_input_miss_tokens",
+                              "Of the hedge cost, input tokens that were cache misses where sent.",
+                              ["pool"])
         for pool, ps in stats.pools.items():
             c = ps.counts.lifetime
             outcomes = {"ok": c["outcome.ok"]}
@@ -153,6 +159,7 @@ class GatewayCollector(Collector):
             losers.add_metric([pool], c["losers"])
             late.add_metric([pool], c["late_events"])
             hedge_cost.add_metric([pool], c["tokens.hedge_input"])
+            hedge_miss.add_metric([pool], c["tokens.hedge_input_miss"])
             for backend, bs in ps.backends.items():
                 bc = bs.counts.lifetime
                 for kind in KINDS:
@@ -161,7 +168,7 @@ class GatewayCollector(Collector):
                         attempts.add_metric([pool, backend, kind, outcome], value)
                 censored.add_metric([pool, backend], bc["ttft_censored"])
                 skips.add_metric([pool, backend], bc["headroom_skips"])
-                for kind in ("input", "output"):
+                for kind in ("input", "output", "cached", "cache_write"):
                     tokens.add_metric([pool, backend, kind], bc[f"tokens.{kind}"])
                 for key, value in sorted(bc.items()):
                     if key.startswith("failure.") and value > 0:
@@ -170,7 +177,7 @@ class GatewayCollector(Collector):
         bugs.add_metric([], stats.internal_errors)
         yield from (requests, routes, attempts, started, won, suppressed, failovers, panic,
                     affinity, skips, refused, losers, late, censored, failures, tokens,
-                    hedge_cost, bugs)
+                    hedge_cost, hedge_miss, bugs)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(
@@ -203,6 +210,11 @@ class GatewayCollector(Collector):
 
     def _live(self, stats: Stats, live: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
         tokens = _gauge("budget_tokens", "Hedge budget tokens available.", ["pool"])
+        input_tokens = _gauge("budget_input_tokens", "Input tokens the hedge budget holds.",
+                              ["pool"])
+        prefill = _gauge("prefill_seconds_per_1k_tokens",
+                         "The backend's fitted prefill time per 1,000 uncached input tokens.",
+                         ["pool", "backend"])
         guard = _gauge("budget_ineffective", "1 while the efficacy guard limits hedges.",
                        ["pool"])
         inflight = _gauge("inflight_requests", "Logical requests in flight.", ["pool"])
@@ -218,6 +230,8 @@ class GatewayCollector(Collector):
                 continue
             budget = entry["budget"]
             tokens.add_metric([pool], budget["tokens"])
+            if budget.get("input_tokens") is not None:
+                input_tokens.add_metric([pool], budget["input_tokens"])
             guard.add_metric([pool], 1.0 if budget["ineffective"] else 0.0)
             inflight.add_metric([pool], entry["inflight_requests"])
             for backend in stats.pools[pool].backends:
@@ -226,11 +240,14 @@ class GatewayCollector(Collector):
                     continue
                 attempts.add_metric([pool, backend], b["inflight"])
                 delay.add_metric([pool, backend], b["hedge_delay_ms"] / 1000)
+                if b.get("prefill_ms_per_1k") is not None:
+                    prefill.add_metric([pool, backend], b["prefill_ms_per_1k"] / 1000)
                 for name in STATES:
                     state.add_metric([pool, backend, name], 1.0 if name == b["state"] else 0.0)
                 if b.get("headroom") is not None:
                     headroom.add_metric([pool, backend], b["headroom"])
-        yield from (tokens, guard, inflight, attempts, delay, state, headroom)
+        yield from (tokens, input_tokens, guard, inflight, attempts, delay, prefill, state,
+                    headroom)
 
 
 class Metrics:

@@ -301,8 +301,14 @@ class Stats:
         usage = summary.usage
         if usage is not None and winner is not None:
             tokens = Counter({"tokens.input": usage.input, "tokens.output": usage.output})
+            if usage.cached is not None:  # the upstream reports its cache: a hit rate's input
+                tokens.update({"tokens.cached": usage.cached,
+                               "tokens.input_cache_reported": usage.input})
+            if usage.cache_write is not None:
+                tokens["tokens.cache_write"] += usage.cache_write
             pc.update(tokens)
             pc["tokens.hedge_input"] += hedge_input_tokens(summary)
+            pc["tokens.hedge_input_miss"] += hedge_input_miss_tokens(summary)
             backend = pool.backends.get(winner.backend)
             if backend is not None:
                 backend.counts.add(tokens, now)
@@ -355,6 +361,29 @@ def hedge_input_tokens(summary: RequestSummary) -> int:
         return 0
     reached = sum(1 for a in summary.attempts if a.failure not in UNREACHED)
     return summary.usage.input * max(0, reached - 1)
+
+
+def hedge_input_miss_tokens(summary: RequestSummary) -> int:
+    """Of the hedge cost (`hedge_input_tokens`), the input tokens that were cache misses where
+    they were sent. The extra copies are the attempts that reached a backend after the first
+    one that did. A copy that won has its upstream's own count (input less cached, when the
+    usage reports a cache); a losing copy reported nothing (it was cut off before its usage),
+    so its share is the gateway's estimate (`RequestSize.uncached`: the whole input away
+    from the conversation's home, what grew since its last turn at home); with no estimate
+    at all, the whole input counts as a miss."""
+    usage = summary.usage
+    if usage is None:
+        return 0
+    reached = [a for a in summary.attempts if a.failure not in UNREACHED]
+    size, winner, missed = summary.size, summary.winner, 0
+    for attempt in reached[1:]:
+        if attempt is winner and usage.cached is not None:
+            missed += max(0, usage.input - usage.cached)
+        elif size is None or size.tokens <= 0:
+            missed += usage.input
+        else:
+            missed += round(usage.input * min(1.0, size.uncached(attempt.backend) / size.tokens))
+    return missed
 
 
 def latency_saved(summary: RequestSummary) -> float | None:

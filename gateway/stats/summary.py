@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.hedge.budget import SuppressReason
+from gateway.hedge.sizing import RequestSize
 from gateway.wire.base import StreamEnd
 from gateway.wire.usage import Usage
 
@@ -51,6 +52,8 @@ class RequestSummary:
     reason: str | None = None
     #: the backends its choices left out for low quota headroom, once per choice
     headroom_skips: Sequence[str] = ()
+    #: the request's estimated input, all of it and at its conversation's home (None: unknown)
+    size: RequestSize | None = None
 
     def attach(
         self,

@@ -27,6 +27,8 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `inflight_requests` | logical requests of the pool in flight now |
 | `budget.tokens` | hedge budget tokens available now; each extra attempt costs 1 |
 | `budget.ratio` / `.burst` / `.min_per_second` | configured deposit, bucket size, reserve |
+| `budget.input_tokens` | input tokens available now (null: the budget counts attempts only) |
+| `budget.burst_input_tokens` | the input-token bucket's size (null: not counted) |
 | `budget.extra_in_flight` | extra attempts (hedges, failovers) running now |
 | `budget.ineffective` | efficacy guard on: hedges held to the probe rate |
 | `budget.recent_win_rate` | win rate over the guard's window of recent hedges |
@@ -54,7 +56,13 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
+| `<scope>.tokens.cached` | of the input, read from the upstreams' prompt caches (as reported) |
+| `<scope>.tokens.cache_write` | of the input, written to a prompt cache (Anthropic's creation) |
+| `<scope>.tokens.cache_hit_rate` | cached / input, over requests whose upstream reports a cache |
 | `<scope>.tokens.hedge_input` | hedge cost: input tokens again per extra attempt that got sent |
+| `<scope>.tokens.hedge_input_miss` | of the hedge cost, tokens that were cache misses where sent |
+| `<scope>.tokens.hedge_input_miss_share` | hedge_input_miss / hedge_input |
+| `<scope>.affinity.hit_rate` | hits / (hits + spills + misses) |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
@@ -67,6 +75,8 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `hedge_delay_mode` | `adaptive` (TTFT quantile), `initial` (too few samples), `fixed` |
 | `hedge_delay_quantile` | the TTFT quantile the delay follows (null in `fixed` mode) |
 | `hedge_delay_rule` | `auto` (quantile from the budget ratio), `pinned` (configured), `fixed` |
+| `hedge_delay_by_class_ms` | streams: delay per learnt size class, by its lower bound in tokens |
+| `prefill_ms_per_1k` | the fitted prefill rate, ms per 1,000 uncached tokens (null: not fitted) |
 | `<scope>.attempts` | attempts sent to the backend |
 | `<scope>.primaries` / `.hedges` / `.failovers` | the same, by kind |
 | `<scope>.won` / `.lost` / `.failed` / `.cancelled` | the same, by outcome |
@@ -85,6 +95,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.errors import NoBackendAvailable
 from gateway.hedge.budget import SuppressReason
+from gateway.hedge.prefill import class_label
 from gateway.stats.record import ROUTES
 
 if TYPE_CHECKING:
@@ -169,11 +180,14 @@ def _rate(num: float, den: float) -> float | None:
 def budget_view(runtime: PoolRuntime, now: float) -> dict[str, Any]:
     budget = runtime.budget
     settings = budget.settings
+    priced = settings.input_tokens
     return {
         "tokens": round(budget.tokens(now), 3),
         "ratio": settings.ratio,
         "burst": settings.burst,
         "min_per_second": settings.min_per_second,
+        "input_tokens": round(budget.input_tokens(now)) if priced else None,
+        "burst_input_tokens": settings.burst_input_tokens if priced else None,
         "extra_in_flight": budget.extra_in_flight,
         "ineffective": budget.ineffective(now),
         "recent_win_rate": budget.win_rate(),
@@ -218,14 +232,22 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         },
         "panic": c["panic"],
         "affinity": {"hits": c["affinity.hit"], "spills": c["affinity.spill"],
-                     "misses": c["affinity.miss"]},
+                     "misses": c["affinity.miss"],
+                     "hit_rate": _rate(c["affinity.hit"], c["affinity.hit"]
+                                       + c["affinity.spill"] + c["affinity.miss"])},
         "empty_answers": c["empty_answers"],
         "headroom_skips": c["headroom_skips"],
         "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
         "tokens": {
             "input": c["tokens.input"],
             "output": c["tokens.output"],
+            "cached": c["tokens.cached"],
+            "cache_write": c["tokens.cache_write"],
+            "cache_hit_rate": _rate(c["tokens.cached"], c["tokens.input_cache_reported"]),
             "hedge_input": c["tokens.hedge_input"],
+            "hedge_input_miss": c["tokens.hedge_input_miss"],
+            "hedge_input_miss_share": _rate(c["tokens.hedge_input_miss"],
+                                            c["tokens.hedge_input"]),
         },
     }
 
@@ -254,6 +276,19 @@ def backend_live(runtime: PoolRuntime, name: str, now: float) -> dict[str, Any]:
         "hedge_delay_mode": mode,
         "hedge_delay_quantile": None if fixed else round(delay.quantile, 4),
         "hedge_delay_rule": rule,
+        **class_view(runtime, name, now),
+    }
+
+
+def class_view(runtime: PoolRuntime, name: str, now: float) -> dict[str, Any]:
+    """A backend's delays per size class (those learnt) and its fitted prefill rate."""
+    classes = runtime.classes.get(name)
+    if classes is None:
+        return {"hedge_delay_by_class_ms": {}, "prefill_ms_per_1k": None}
+    return {
+        "hedge_delay_by_class_ms": {class_label(c): round(d.delay(now) * 1000, 3)
+                                    for c, d in classes.learnt(now).items()},
+        "prefill_ms_per_1k": None if classes.fit is None else round(classes.fit.ms_per_1k, 3),
     }
 
 

@@ -14,6 +14,15 @@ Shapes read (`usage_of`): OpenAI chat and legacy completions (`usage.prompt_toke
 `usage.completion_tokens`), the Responses API (`response.usage.input_tokens`/`output_tokens`
 in `response.completed` or `response.incomplete`) and Anthropic Messages (`message.usage` in
 `message_start`, `usage.output_tokens` in `message_delta`).
+
+Cached input, as each API reports its prompt cache: chat's
+`usage.prompt_tokens_details.cached_tokens` and the Responses API's
+`usage.input_tokens_details.cached_tokens` (both part of the input count), Anthropic's
+`cache_read_input_tokens` and `cache_creation_input_tokens` (both *beside* its
+`input_tokens`, which counts only the input after the last cache breakpoint: here they are
+added in, so `input` is every input token whatever the API). `cached` is None when the
+upstream said nothing about its cache, so that a hit rate is taken only over the requests
+whose upstream reports one.
 """
 
 from __future__ import annotations
@@ -31,15 +40,28 @@ _SPACE = b" \t\r\n"
 class Usage:
     """Tokens one logical request paid for on its winning attempt."""
 
+    #: every input token, cached or not
     input: int
     output: int
+    #: of `input`, read from the upstream's prompt cache (None: the upstream did not say)
+    cached: int | None = None
+    #: of `input`, written to the prompt cache (Anthropic's cache creation; None: not said)
+    cache_write: int | None = None
 
     def merge(self, later: Usage | None) -> Usage:
         """Combine two reports of one stream: Anthropic sends input tokens in `message_start`
         and output tokens in `message_delta`; counts only grow, so the larger one is right."""
         if later is None:
             return self
-        return Usage(max(self.input, later.input), max(self.output, later.output))
+        return Usage(max(self.input, later.input), max(self.output, later.output),
+                     _larger(self.cached, later.cached),
+                     _larger(self.cache_write, later.cache_write))
+
+
+def _larger(a: int | None, b: int | None) -> int | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return max(a, b)
 
 
 def _count(value: object) -> int | None:
@@ -48,13 +70,22 @@ def _count(value: object) -> int | None:
     return value
 
 
+#: Anthropic's cache counts, reported beside (not within) its `input_tokens`
+_CACHE_READ, _CACHE_WRITE = "cache_read_input_tokens", "cache_creation_input_tokens"
+
+
 def _pair(usage: object, names: tuple[str, str]) -> Usage | None:
     if not isinstance(usage, Mapping):
         return None
     counts = [_count(usage.get(name)) for name in names]
     if counts[0] is None and counts[1] is None:
         return None
-    return Usage(counts[0] or 0, counts[1] or 0)
+    read, write = _count(usage.get(_CACHE_READ)), _count(usage.get(_CACHE_WRITE))
+    if read is not None or write is not None:  # Anthropic: the cache counts come on top
+        return Usage((counts[0] or 0) + (read or 0) + (write or 0), counts[1] or 0, read, write)
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+    return Usage(counts[0] or 0, counts[1] or 0, cached)
 
 
 def usage_of(payload: object) -> Usage | None:

@@ -95,7 +95,7 @@ def test_each_conversation_stays_on_one_backend(
         if affinity["hits"] >= 48 or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    assert affinity == {"hits": 48, "spills": 0, "misses": 0}
+    assert affinity == {"hits": 48, "spills": 0, "misses": 0, "hit_rate": 1.0}
 
 
 def test_a_short_request_without_a_key_is_a_miss_and_a_keyed_one_a_hit(
@@ -116,7 +116,7 @@ def test_a_short_request_without_a_key_is_a_miss_and_a_keyed_one_a_hit(
         if affinity["hits"] + affinity["misses"] >= 6 or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    assert affinity == {"hits": 5, "spills": 0, "misses": 1}
+    assert affinity == {"hits": 5, "spills": 0, "misses": 1, "hit_rate": 0.8333}
 
 
 def test_a_hedge_goes_to_the_second_backend_of_the_keys_order(

@@ -157,6 +157,10 @@ def test_dashboard_shows_live_races_in_a_real_browser(asgi_server: AsgiServerFac
     tokens_in, tokens_out = second["tiles"]["tokens in / out"].split(" / ")
     assert float(tokens_in.rstrip("k")) > 0 and float(tokens_out.rstrip("k")) > 0
     assert float(second["tiles"]["hedge cost (input tokens)"].rstrip("k")) > 0
+    # short prompts get no conversation key: affinity counts them as misses
+    hits, spills, misses = second["tiles"]["affinity hit / spill / miss"].split(" / ")
+    assert (hits, spills) == ("0", "0") and float(misses.rstrip("k")) > 0
+    assert "prompt cache hit rate" in second["tiles"]
     # and it updated itself while it was open
     assert second["updates"] >= first["updates"] + 2
     assert second["uptime"] != first["uptime"]

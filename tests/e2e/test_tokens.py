@@ -9,6 +9,7 @@ usage must not see the usage chunk the gateway asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -115,10 +116,18 @@ def test_token_counters_equal_what_the_simulators_reported(
     assert reached > requests, "no hedge reached a backend: the scenario tests nothing"
 
     pool = stats["pools"][POOL]
+    # these simulators keep no prefix cache: they report none cached (as the real APIs do),
+    # a hit rate of 0, and every copy's input missed (a short prompt has no conversation key:
+    # no home to be warm at)
     assert pool["lifetime"]["tokens"] == {
         "input": emitted_in,
         "output": emitted_out,
+        "cached": 0,
+        "cache_write": 0,
+        "cache_hit_rate": 0.0,
         "hedge_input": PROMPT_TOKENS * (reached - requests),
+        "hedge_input_miss": PROMPT_TOKENS * (reached - requests),
+        "hedge_input_miss_share": 1.0,
     }
     for name, sim in zip(("a", "b"), sim_stats, strict=True):
         assert pool["backends"][name]["lifetime"]["tokens"] == {
@@ -137,3 +146,45 @@ def test_token_counters_equal_what_the_simulators_reported(
     assert sum(line["usage"]["input"] for line in lines) == emitted_in
     assert sum(line["usage"]["output"] for line in lines) == emitted_out
     assert sum(line["hedge_input_tokens"] for line in lines) == PROMPT_TOKENS * (reached - requests)
+
+
+@pytest.mark.timeout(90)
+def test_the_cached_input_counted_is_what_the_upstreams_reported(
+    asgi_server: AsgiServerFactory
+) -> None:
+    """Simulators that prefill and keep a prefix cache report cached tokens in their usage;
+    the gateway's `tokens.cached` is their sum, over chat streams and Messages alike, and
+    its hit rate is cached over input."""
+    cache = dataclasses.replace(PROFILE, straggler_probability=0.0, usage=True,
+                                prefill_ms_per_1k=1.0)
+    sims = [asgi_server.build(functools.partial(create_sim_app, cache, seed=seed))
+            for seed in (31, 32)]
+    backends = tuple(BackendSettings(name, "openai", "sim-model", base_url=sim.v1, group=name)
+                     for name, sim in zip(("a", "b"), sims, strict=True))
+    config = Settings((PoolSettings(POOL, backends, hedging=HedgingSettings(enabled=False)),))
+    gateway = asgi_server.build(lambda: create_app(config, seed=5))
+    reported_in = reported_cached = 0
+    system = "a long system prompt " * 400  # a derived conversation key: one backend
+    with openai.OpenAI(base_url=gateway.v1, api_key="sk-none", max_retries=0,
+                       timeout=openai.Timeout(20.0)) as client:
+        messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+            {"role": "system", "content": system}, {"role": "user", "content": PROMPT}]
+        for n in range(4):
+            chunks = list(client.chat.completions.create(
+                model=POOL, messages=messages, stream=True,
+                stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            reported_in += usage.prompt_tokens
+            reported_cached += usage.prompt_tokens_details.cached_tokens or 0
+            messages = [*messages, {"role": "assistant", "content": "ok"},
+                        {"role": "user", "content": f"and then {n}?"}]
+        stats = wait_for_requests(gateway, 4)
+    assert reported_cached > 0  # later turns found their history in the cache
+    tokens = stats["pools"][POOL]["lifetime"]["tokens"]
+    assert (tokens["input"], tokens["cached"]) == (reported_in, reported_cached)
+    assert tokens["cache_hit_rate"] == round(reported_cached / reported_in, 4)
+    metrics = metric_values(gateway)
+    cached_total = sum(metrics.get(("hedge_gateway_tokens_total", (
+        ("backend", name), ("pool", POOL), ("type", "cached"))), 0.0) for name in ("a", "b"))
+    assert cached_total == reported_cached

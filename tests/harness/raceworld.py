@@ -74,8 +74,10 @@ class CountingBudget(HedgeBudget):
         self.released = 0
         self.hedge_outcomes: list[bool] = []
 
-    def try_spend(self, now: float, *, inflight_requests: int, hedge: bool):  # type: ignore[no-untyped-def]
-        refused = super().try_spend(now, inflight_requests=inflight_requests, hedge=hedge)
+    def try_spend(self, now: float, *, inflight_requests: int, hedge: bool,
+                  tokens: int = 0) -> SuppressReason | None:
+        refused = super().try_spend(now, inflight_requests=inflight_requests, hedge=hedge,
+                                    tokens=tokens)
         self.spent += refused is None
         return refused
 

@@ -30,6 +30,7 @@ def test_reason_values_are_the_stats_keys() -> None:
         "deadline",
         "ineffective",
         "disabled",
+        "cold",
     ]
     assert str(SuppressReason.BUDGET) == "budget"
     assert isinstance(SuppressReason.BUDGET, str)

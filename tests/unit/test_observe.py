@@ -13,6 +13,7 @@ import pytest
 
 from gateway.hedge.attempt import CANCELLED_BEFORE_TOKEN
 from gateway.hedge.relay import _encode_batch, _encode_events
+from gateway.hedge.sizing import RequestSize
 from gateway.settings import TracingSettings
 from gateway.stats import Stats
 from gateway.stats.races import RecentRaces
@@ -47,6 +48,36 @@ TOKEN_CHUNK = b'{"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}],"usag
 )
 def test_usage_of_reads_each_protocols_shape(payload: object, expected: Usage | None) -> None:
     assert usage_of(payload) == expected
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ({"usage": {"prompt_tokens": 3000, "completion_tokens": 4,
+                    "prompt_tokens_details": {"cached_tokens": 2048}}}, Usage(3000, 4, 2048)),
+        ({"type": "response.completed",
+          "response": {"usage": {"input_tokens": 7000, "output_tokens": 2,
+                                 "input_tokens_details": {"cached_tokens": 6000}}}},
+         Usage(7000, 2, 6000)),
+        # Anthropic counts cache reads and writes beside its input_tokens: all of it is input
+        ({"type": "message_start", "message": {"usage": {
+            "input_tokens": 11, "cache_read_input_tokens": 5000,
+            "cache_creation_input_tokens": 300, "output_tokens": 1}}},
+         Usage(5311, 1, 5000, 300)),
+        ({"usage": {"prompt_tokens": 3, "completion_tokens": 4,
+                    "prompt_tokens_details": {"cached_tokens": None}}}, Usage(3, 4)),
+    ],
+    ids=["chat", "responses", "messages", "chat-null-cached"],
+)
+def test_usage_of_reads_the_cached_input(payload: object, expected: Usage | None) -> None:
+    assert usage_of(payload) == expected
+
+
+def test_a_stream_s_reports_of_the_cache_merge() -> None:
+    start = Usage(5311, 1, 5000, 300)
+    assert start.merge(Usage(0, 60)) == Usage(5311, 60, 5000, 300)
+    assert Usage(0, 60).merge(start) == Usage(5311, 60, 5000, 300)
+    assert Usage(10, 1).merge(Usage(10, 2)) == Usage(10, 2)  # no cache said: none assumed
 
 
 def test_read_usage_parses_only_a_usage_object() -> None:
@@ -145,9 +176,46 @@ def test_stats_count_tokens_per_pool_and_winning_backend() -> None:
     stats.record(served)
     stats.record(plain(3.0))  # no usage reported: nothing counted
     doc = snapshot(stats, {}, 10.0)["pools"]["chat"]
-    assert doc["lifetime"]["tokens"] == {"input": 45, "output": 17, "hedge_input": 40}
+    # no upstream reported its cache: no hit rate, and the hedge's input counts as a miss
+    assert doc["lifetime"]["tokens"] == {
+        "input": 45, "output": 17, "cached": 0, "cache_write": 0, "cache_hit_rate": None,
+        "hedge_input": 40, "hedge_input_miss": 40, "hedge_input_miss_share": 1.0}
     assert doc["backends"]["a"]["lifetime"]["tokens"] == {"input": 5, "output": 7}
     assert doc["backends"]["b"]["lifetime"]["tokens"] == {"input": 40, "output": 10}
+
+
+def test_stats_count_cached_input_and_the_hedge_cost_s_cache_misses() -> None:
+    stats = Stats(LAYOUT, now=0.0)
+    # a conversation's turn of 10,000 tokens, 2,000 of them new since its last turn at its
+    # home `a`; the primary went to `a` and lost, the hedge on `b` won and reports no cache
+    won = hedge_won(1.0)
+    won.size = RequestSize(10_000, 2_000, home="a")
+    won.usage = Usage(10_000, 10, cached=0)
+    stats.record(won)
+    # the primary on `b` (a spill) won, the hedge went home to `a`: a losing copy reports
+    # nothing, so its misses are the estimate, what `a` had not seen
+    spilled = summary(2.0, [attempt(0, "b", "primary", 2.0, "won", ttft=0.2),
+                            attempt(1, "a", "hedge", 2.1, "lost", ttft=0.1)])
+    spilled.size = RequestSize(10_000, 2_000, home="a")
+    spilled.usage = Usage(10_000, 10, cached=0)
+    stats.record(spilled)
+    # a turn served at home: 8,000 of 10,000 tokens from the cache; one whose upstream says
+    # nothing of its cache is left out of the hit rate
+    served = plain(3.0)
+    served.usage = Usage(10_000, 10, cached=8_000)
+    stats.record(served)
+    silent = plain(4.0)
+    silent.usage = Usage(30_000, 10)
+    stats.record(silent)
+    anthropic = plain(5.0)
+    anthropic.usage = Usage(5_311, 10, cached=5_000, cache_write=300)
+    stats.record(anthropic)
+    tokens = snapshot(stats, {}, 10.0)["pools"]["chat"]["lifetime"]["tokens"]
+    assert tokens["cached"] == 13_000 and tokens["cache_write"] == 300
+    assert tokens["cache_hit_rate"] == round(13_000 / 35_311, 4)
+    assert tokens["hedge_input"] == 20_000
+    assert tokens["hedge_input_miss"] == 10_000 + 2_000
+    assert tokens["hedge_input_miss_share"] == 0.6
 
 
 def test_series_one_point_per_sample_with_rates_and_a_bound() -> None:

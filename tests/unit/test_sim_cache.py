@@ -128,3 +128,25 @@ async def test_cached_tokens_are_reported_in_usage() -> None:
     assert usage["prompt_tokens"] == 4
     whole = sim_response(plan, "chat/completions", "m", "r")["usage"]
     assert whole["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+def test_the_messages_and_responses_usage_report_the_cache_as_those_apis_do() -> None:
+    from gateway.wire.usage import usage_of
+    from providers.sim.messages import messages_body
+    from providers.sim.responses import response_object
+
+    sim = model(10.0)
+    sim.plan(body("s", "u"))
+    plan = sim.plan(body("s", "u", "a", "v"))
+    # Anthropic: cache reads beside input_tokens, which counts the rest only
+    usage = messages_body(plan, "m", "msg_1")["usage"]
+    assert usage["cache_read_input_tokens"] == 2 and usage["cache_creation_input_tokens"] == 0
+    assert usage["input_tokens"] == plan.prompt_tokens - 2
+    read = usage_of({"usage": usage})
+    assert read is not None and (read.input, read.cached) == (plan.prompt_tokens, 2)
+    # Responses: cached tokens within input_tokens
+    whole = response_object(plan, "m", "resp_1", created=0, done=True)["usage"]
+    assert whole["input_tokens_details"] == {"cached_tokens": plan.cached_tokens}
+    # a profile without prefill has no cache: it reports none cached, as the real APIs do
+    plain = model(0.0).plan(body("s", "u"))
+    assert messages_body(plain, "m", "msg_2")["usage"]["cache_read_input_tokens"] == 0

@@ -281,6 +281,7 @@ def test_suppressed_by_reason_and_failovers() -> None:
         "deadline": 0,
         "ineffective": 0,
         "disabled": 1,
+        "cold": 0,
     }
     assert v["failovers"] == 1 and v["failovers_won"] == 1
     assert v["hedges"]["started"] == 0

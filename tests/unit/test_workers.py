@@ -42,6 +42,12 @@ def test_each_worker_bucket_holds_burst_over_n_rounded_up(
     assert (budget.ratio, budget.min_per_second) == (0.1, 0.5)  # deposits and reserve as before
 
 
+def test_each_worker_holds_its_share_of_the_input_token_bucket() -> None:
+    budget = worker_settings(settings(10.0), 3).pools[0].hedging.budget
+    assert budget.burst_input_tokens == 33_334  # ceil(100,000 / 3)
+    assert budget.input_tokens
+
+
 def test_one_worker_keeps_the_settings_unchanged() -> None:
     original = settings(10.0)
     assert worker_settings(original, 1) is original

@@ -11,7 +11,7 @@
   const PALETTE = ["#3b6fd8", "#e07b1f", "#2f9e57", "#8a5cc7", "#c2417a", "#1f9bb0"];
   const SUPPRESS_COLORS = {
     budget: "#d23c3c", max_attempts: "#8a5cc7", no_backend: "#6b7280",
-    deadline: "#c98a0b", ineffective: "#c2417a", disabled: "#9ca3af",
+    deadline: "#c98a0b", ineffective: "#c2417a", disabled: "#9ca3af", cold: "#3b9fc2",
   };
   const state = { seq: 0, points: {}, stats: null, races: [], updates: 0 };
 
@@ -188,6 +188,7 @@
     const table = el("table", { class: "backends" });
     const head = el("tr", {});
     for (const h of ["backend", "state", "headroom", "quota skips", "in flight", "hedge delay",
+      "prefill ms/1k",
       "TTFT p50", "TTFT p99", "attempts", "won", "hedges won", "tokens in", "tokens out"]) {
       head.appendChild(el("th", {}, h));
     }
@@ -205,7 +206,8 @@
       const headroom = b.headroom === null || b.headroom === undefined ? "–"
         : `${fmt(b.headroom * 100, 1)} % ${b.headroom_resource || ""}`;
       row.appendChild(el("td", { class: "headroom" }, headroom));
-      const cells = [life.headroom_skips, b.inflight, `${fmt(b.hedge_delay_ms, 1)} ms ${b.hedge_delay_mode || ""}`,
+      const cells = [life.headroom_skips, b.inflight,
+        `${fmt(b.hedge_delay_ms, 1)} ms ${b.hedge_delay_mode || ""}`, fmt(b.prefill_ms_per_1k, 1),
         fmt((win.ttft_ms || {}).p50, 1), fmt((win.ttft_ms || {}).p99, 1), life.attempts,
         life.won, life.hedges_won, fmt(tokens.input), fmt(tokens.output)];
       for (const c of cells) row.appendChild(el("td", {}, String(c === undefined ? "–" : c)));
@@ -234,6 +236,12 @@
     tiles.appendChild(tile("loser close p99 (ms)", fmt(((win.losers || {}).close_ms || {}).p99, 2)));
     tiles.appendChild(tile("tokens in / out", `${fmt(tokens.input)} / ${fmt(tokens.output)}`));
     tiles.appendChild(tile("hedge cost (input tokens)", fmt(tokens.hedge_input)));
+    const share = (x) => (x === null || x === undefined ? "–" : `${fmt(100 * x, 1)} %`);
+    tiles.appendChild(tile("prompt cache hit rate", share(tokens.cache_hit_rate)));
+    tiles.appendChild(tile("hedge cost: cache misses", share(tokens.hedge_input_miss_share)));
+    const affinity = life.affinity || {};
+    tiles.appendChild(tile("affinity hit / spill / miss",
+      `${fmt(affinity.hits)} / ${fmt(affinity.spills)} / ${fmt(affinity.misses)}`));
     section.appendChild(tiles);
 
     const grid = el("div", { class: "grid" });

@@ -1,0 +1,74 @@
+"""`bench --upstream URL`: a workload against the user's own OpenAI-compatible servers.
+
+The simulators answer what the bench asks of them; a real inference server (vLLM, SGLang,
+llama.cpp, a hosted API) is what the gateway will actually front, with its own prefill, its
+own prefix cache and its own tail. `--upstream URL` (repeated, one per server; the base URL
+as the OpenAI SDK takes it, `http://host:8000/v1`) runs the conversations workload against
+those servers instead of starting simulators: the sticky client goes to them directly, the
+gateway's modes through a gateway whose backends they are.
+
+What differs from the simulated run, and why:
+- the model each server serves is read from its `GET /models` (the first listed) unless
+  `--upstream-model` names one for all;
+- the servers keep their prefix caches from one mode to the next, so each mode's
+  conversations open with a system prompt of their own: no mode reuses another's prefix;
+- prompts are smaller by default (a 100-token system prompt, new messages of 20, 100 and 300
+  tokens: `--sizes` changes them) and answers are capped at 30 tokens, so that a small
+  model's context holds every turn;
+- no policy simulation: its model is the simulators', which says nothing of these servers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import httpx
+
+#: new-message sizes (tokens) and their shares against real servers, and their system prompt
+UPSTREAM_SIZES: tuple[tuple[int, float], ...] = ((20, 0.5), (100, 0.35), (300, 0.15))
+UPSTREAM_SYSTEM_TOKENS = 100
+#: the answer's length against real servers (the simulators answer 30 tokens by themselves)
+MAX_TOKENS = 30
+
+
+def base_url(url: str) -> str:
+    """The base URL as given, without a trailing slash."""
+    return url.rstrip("/")
+
+
+async def served_models(client: httpx.AsyncClient, bases: Sequence[str],
+                        model: str | None) -> list[str]:
+    """The model to ask each server for: `model` when given, else the first its `GET /models`
+    lists. ValueError naming the server when it lists none or cannot be read."""
+    if model is not None:
+        return [model for _ in bases]
+    found = []
+    for base in bases:
+        try:
+            response = await client.get(base + "/models", timeout=10.0)
+            data = response.json().get("data") or []
+            name = data[0]["id"] if data and isinstance(data[0], dict) else None
+        except (httpx.HTTPError, ValueError, KeyError, AttributeError) as exc:
+            raise ValueError(f"{base}/models could not be read ({type(exc).__name__}); "
+                             "name the model with --upstream-model") from None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{base}/models lists no model; name one with --upstream-model")
+        found.append(name)
+    return found
+
+
+def parse_sizes(text: str) -> tuple[tuple[int, float], ...]:
+    """`--sizes 200,4000,30000` (new-message tokens, equal shares) or with shares,
+    `200:0.5,4000:0.35,30000:0.15`. ValueError on anything else."""
+    out: list[tuple[int, float]] = []
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    for part in parts:
+        size, _, share = part.partition(":")
+        tokens = int(size)
+        weight = float(share) if share else 1.0
+        if tokens < 1 or not weight > 0:
+            raise ValueError(f"size {part!r}: tokens >= 1 and a share > 0")
+        out.append((tokens, weight))
+    if not out:
+        raise ValueError("no sizes given")
+    return tuple(out)

@@ -1,0 +1,50 @@
+"""`bench --workload conversations --upstream URL` end to end: the workload played against
+servers the bench did not start (here two simulators on loopback, standing in for the user's
+own), directly and through a gateway child process, every turn accounted for."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import httpx
+import pytest
+
+from gateway.bench.conversations import ConversationPlan, run_conversations
+from gateway.settings import SimProfile
+from providers.sim.server import create_sim_app
+from tests.harness import AsgiServerFactory
+
+#: fast, and with a prefix cache, so the usage reports cached tokens
+PROFILE = SimProfile(ttft_median=0.01, ttft_sigma=0.1, straggler_probability=0.0,
+                     tokens=3, inter_token=0.001, prefill_ms_per_1k=1.0)
+
+
+@pytest.mark.timeout(120)
+def test_conversations_run_against_servers_the_bench_did_not_start(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    sims = [asgi_server.build(functools.partial(create_sim_app, PROFILE, seed=seed))
+            for seed in (41, 42)]
+    plan = ConversationPlan(conversations=6, turns=3, stagger=0.2,
+                            modes=("sticky", "hedging-on"), sizes=((40, 1.0),),
+                            # past affinity's 1,024 tokens: each conversation gets a key
+                            system_tokens=1100, upstreams=tuple(s.v1 + "/" for s in sims))
+    with tempfile.TemporaryDirectory(prefix="hedge-conversations-test-"):
+        rows = run_conversations(plan)
+    assert [row["mode"] for row in rows] == ["sticky", "hedging-on"]
+    for row in rows:
+        assert row["turns"] == 18 and row["errors"] == 0
+    # later turns found their own history in the server's cache (the sticky client always;
+    # through the gateway, every turn that did not spill off a busy backend)
+    assert rows[0]["cache_hit_rate"] == 1.0
+    assert rows[1]["cache_hit_rate"] >= 0.5
+    # every turn reached the servers, the gateway's through the gateway (which counted them)
+    received = sum(httpx.get(s.url("/sim/stats"), timeout=5.0).json()["requests"]
+                   for s in sims)
+    assert received >= 2 * 18
+    affinity = rows[1]["affinity"]
+    assert affinity["hits"] + affinity["spills"] == 18 and affinity["hits"] >= 9
+    # the modes do not share prefixes: each opened with a system prompt of its own
+    first_turns = [t for t in rows[1]["turns_detail"] if t[1] == 0]
+    assert first_turns and all(t[5] < 1100 for t in first_turns[:2])
