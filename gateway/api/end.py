@@ -92,9 +92,9 @@ class RequestEnd:
             except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                 report_bug(stats, exc)
             try:
-                summary.panic = self._race.panic
-                summary.affinity = self._race.affinity
-                summary.headroom_skips = self._race.headroom_skips
+                summary.panic = self._race.placement.panic
+                summary.affinity = self._race.placement.affinity
+                summary.headroom_skips = self._race.placement.headroom_skips
                 summary.ended = self._clock()
                 stats.record(summary)
                 log_request(summary, stats.error_classes)

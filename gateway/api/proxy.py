@@ -43,8 +43,9 @@ from gateway.errors import (
     UpstreamStatusError,
 )
 from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
+from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.race import AttemptRunner, Race, RaceOptions, RaceResult
+from gateway.hedge.race import AttemptRunner, Race, RaceResult
 from gateway.hedge.relay import relay
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
@@ -209,7 +210,7 @@ class Proxy:
             self.clock,
         )
         if race.options.affinity is None and affinity_applies(pool, req):
-            race.affinity = "miss"
+            race.placement.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=self.admission.leave, stats=self.stats,
                          clock=self.clock, trace=trace)
         return race, end, strip_usage

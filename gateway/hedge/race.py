@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,6 @@ from gateway.errors import (
     UpstreamRejectedRequest,
     all_attempts_failed,
 )
-from gateway.hedge.affinity import AffinityRoute, Outcome
 from gateway.hedge.attempt import (
     CANCELLED_AFTER_TOKEN,
     CANCELLED_BEFORE_TOKEN,
@@ -64,8 +63,8 @@ from gateway.hedge.attempt import (
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.delay import min_useful
 from gateway.hedge.losers import Losers
+from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.sizing import ColdRule, DelayReader
 
 log = logging.getLogger("hedge_gateway.race")
 
@@ -81,30 +80,6 @@ class RaceResult:
 AttemptRunner = Callable[[str, AttemptRecord], Coroutine[Any, Any, Prefix]]
 
 @dataclass(slots=True)
-class RaceOptions:
-    deadline: float
-    #: the latency trackers this request's attempts feed and take their delay from (per
-    #: backend; at the request's size class when it has one: `gateway.hedge.sizing`)
-    delays: Mapping[str, DelayReader]
-    #: delay-triggered hedges allowed for this request (pool switch, opt-outs, safety rules)
-    hedging: bool
-    #: when hedging was refused for this request, the reason counted once (`disabled`)
-    refused_reason: SuppressReason | None = None
-    #: backends this request may not use: they do not serve its route, or the request is
-    #: pinned to the backend that holds its stored state
-    excluded: frozenset[str] = frozenset()
-    #: False: this request's attempt times are not latency samples (a read of stored state)
-    learn: bool = True
-    #: the request's conversation key and its order over the pool: the primary, hedges and
-    #: failovers go to the first fitting backend in it (None: load-based selection)
-    affinity: AffinityRoute | None = None
-    #: whether a hedge to a backend would prefill cold for nothing (None: no such rule)
-    cold: ColdRule | None = None
-    #: the request's estimated input tokens: the budget's deposit and each extra attempt's price
-    input_tokens: int = 0
-
-
-@dataclass(slots=True)
 class Race:
     """The state of one race. Use `run()` once, then `aclose()` in a finally."""
 
@@ -118,12 +93,6 @@ class Race:
     _reasons: list[str] = field(default_factory=list)
     _failures: list[UpstreamError] = field(default_factory=list)
     committed: bool = False
-    #: some backend choice of this request ran in panic mode (counted per pool)
-    panic: bool = False
-    #: how the primary was chosen by affinity (None: affinity off for this pool)
-    affinity: Outcome | None = None
-    #: the backends a choice of this request left out for low quota headroom, once per choice
-    headroom_skips: list[str] = field(default_factory=list)
     #: how many times a failover restarted the hedge timer
     timer_restarts: int = 0
     #: the hedge delay in force (the primary's, then the latest replacement's)
@@ -136,21 +105,23 @@ class Race:
     _kept: tuple[asyncio.Task[Prefix], AttemptRecord] | None = None
     #: the attempts let go, until `aclose` has waited for them to close
     _losers: Losers = field(init=False)
+    #: where this request's attempts go, and what the stats count of those choices
+    placement: Placement = field(init=False)
 
     def __post_init__(self) -> None:
         self._losers = Losers(self.clock)
+        self.placement = Placement(self.pool, self.options)
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
         pool.budget.on_request(now, self.options.input_tokens)
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
-        delays = self.options.delays
-        primary = self._pick(now, ttft=lambda name: delays[name].median(now))
+        primary = self.placement.primary(now)
         if primary is None:
             raise NoBackendAvailable()
         self._start(primary, "primary", spent_budget=False)
-        self._delay = delays[primary].delay(now)
+        self._delay = self.options.delays[primary].delay(now)
         self._next_hedge = now + self._delay if self.options.hedging else math.inf
         try:
             while True:
@@ -334,26 +305,16 @@ class Race:
     def _start_extra(self, kind: AttemptKind, now: float) -> SuppressReason | None:
         pool = self.pool
         hedge = kind == "hedge"
-        if len(self.attempts) >= self._max_attempts():
+        if len(self.attempts) >= self.placement.max_attempts():
             return SuppressReason.MAX_ATTEMPTS
-        in_flight = {r.backend for r in self._tasks.values()}
-        tried = {r.backend for r in self.attempts}
-        running_groups = {pool.groups[b] for b in in_flight}
-
-        def ttft(name: str) -> float | None:
-            return self.options.delays[name].median(now)
-
-        backend = self._pick(
-            now, exclude=in_flight | tried, avoid_groups=running_groups, ttft=ttft
-        )
-        if backend is None and not hedge:
-            backend = self._pick(now, exclude=in_flight, ttft=ttft)
+        running = self._tasks.values()
+        backend = self.placement.extra(now, running, self.attempts, hedge=hedge)
         if backend is None:
             return SuppressReason.NO_BACKEND
         remaining = self.options.deadline - now
         if remaining < min_useful(self.options.delays[backend].median(now)):
             return SuppressReason.DEADLINE
-        if hedge and self._cold(backend, now):
+        if hedge and self.placement.cold(backend, running, now):
             return SuppressReason.COLD
         refused = pool.budget.try_spend(now, inflight_requests=pool.inflight_requests,
                                         hedge=hedge, tokens=self.options.input_tokens)
@@ -361,19 +322,6 @@ class Race:
             return refused
         self._start(backend, kind, spent_budget=True)
         return None
-
-    def _cold(self, backend: str, now: float) -> bool:
-        """The cold rule for a hedge to `backend`, against the oldest attempt running."""
-        rule = self.options.cold
-        running = min(self._tasks.values(), key=lambda r: r.started, default=None)
-        if rule is None or running is None:
-            return False
-        return rule.cold(backend, running.backend, now - running.started, now)
-
-    def _max_attempts(self) -> int:
-        configured = min(self.pool.settings.hedging.max_attempts, 5)
-        eligible = len(self.pool.settings.backends) - len(self.options.excluded)
-        return max(1, min(configured, eligible))
 
     def _start(self, backend: str, kind: AttemptKind, *, spent_budget: bool) -> None:
         record = AttemptRecord(len(self.attempts), backend, kind, self.clock(), spent_budget)
@@ -405,44 +353,6 @@ class Race:
             exc.retry_after = self.pool.settings.health.default_pause
         if exc.retry_after is not None:
             self.pool.balancer.pause(record.backend, exc.retry_after, now)
-
-    def _pick(
-        self,
-        now: float,
-        *,
-        exclude: Collection[str] = (),
-        avoid_groups: Collection[str] = (),
-        ttft: Callable[[str], float | None],
-    ) -> str | None:
-        """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
-        never a backend this request may not use (`RaceOptions.excluded`)."""
-        outside = self.options.excluded
-        self.panic = self.panic or self.pool.balancer.panic(now, outside=outside)
-        route = self.options.affinity
-        if route is not None:
-            chosen = self._pick_in_order(route, now, exclude, avoid_groups)
-            if chosen is not None:
-                return chosen
-        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft,
-                                       outside=outside, skipped=self.headroom_skips)
-
-    def _pick_in_order(self, route: AffinityRoute, now: float, exclude: Collection[str],
-                       avoid_groups: Collection[str]) -> str | None:
-        """The first fitting backend in the key's order (`AffinityRoute.choose`); the
-        primary's choice is counted as a hit or a spill. A low backend is passed over as an
-        unusable one is while another candidate has room: a spill, and a headroom skip."""
-        balancer, outside = self.pool.balancer, self.options.excluded
-        members = [n for n in balancer.names if n not in outside]
-        inflight = {n: balancer.inflight(n) for n in members}
-        usable, low = balancer.prefer_room(
-            [n for n in balancer.usable(now) if n not in exclude and n not in outside], now)
-        self.headroom_skips += low
-        chosen = route.choose(usable, inflight, members=members,
-                              exclude={*exclude, *outside}, avoid_groups=avoid_groups,
-                              groups=self.pool.groups)
-        if not self.attempts:
-            self.affinity = "spill" if chosen is None else route.outcome(chosen, members)
-        return chosen
 
     def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
         now = self.clock()

@@ -274,7 +274,8 @@ def test_anthropic_quota_headers_move_a_conversation_and_reach_the_anthropic_sdk
     assert small.stats.requests == 19 and large.stats.requests == 10
     assert wait_for(lambda: stats_of(gateway.root)["pools"][POOL]["lifetime"]["requests"] >= 29)
     pool = stats_of(gateway.root)["pools"][POOL]
-    assert pool["lifetime"]["affinity"] == {"hits": 19, "spills": 10, "misses": 0}
+    assert pool["lifetime"]["affinity"] == {"hits": 19, "spills": 10, "misses": 0,
+                                            "hit_rate": round(19 / 29, 4)}
     assert pool["lifetime"]["headroom_skips"] == 10
     s0 = pool["backends"]["s0"]
     assert s0["state"] == "low" and s0["headroom"] == 0.05

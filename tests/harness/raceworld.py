@@ -34,8 +34,9 @@ from gateway.errors import (
 from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
 from gateway.hedge.budget import HedgeBudget, SuppressReason
 from gateway.hedge.delay import HedgeDelay
+from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.race import Race, RaceOptions, RaceResult
+from gateway.hedge.race import Race, RaceResult
 from gateway.settings import BudgetSettings, DelaySettings, ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.wire.sse import SSEBatch, SSEEvent

@@ -32,8 +32,9 @@ from gateway.hedge.affinity import AffinityRoute
 from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
 from gateway.hedge.balancer import Balancer
 from gateway.hedge.headroom import Headroom
+from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.race import Race, RaceOptions
+from gateway.hedge.race import Race
 from gateway.settings import BackendSettings, HealthSettings
 from gateway.wire.ratelimit import Quota
 from gateway.wire.sse import SSEBatch, SSEEvent
@@ -334,13 +335,13 @@ async def test_the_race_sends_no_primary_to_a_low_backend_and_keeps_its_skips() 
     pool.balancer.observe_quota("b1", left(3), clock(), WALL)
     for _ in range(30):
         race, seen = await run_race(pool, clock)
-        assert seen[0] != "b1" and race.headroom_skips == ["b1"]
+        assert seen[0] != "b1" and race.placement.headroom_skips == ["b1"]
     clock.now += 10.0  # its reset
     primaries = set()
     for _ in range(60):
         race, seen = await run_race(pool, clock)
         primaries.add(seen[0])
-        assert race.headroom_skips == []
+        assert race.placement.headroom_skips == []
     assert "b1" in primaries
 
 
@@ -361,13 +362,14 @@ async def test_a_low_first_backend_of_a_conversation_is_a_spill_and_a_skip() -> 
     route = route_of(pool, "conversation-1")
     first, second = route.order[0], route.order[1]
     race, seen = await run_race(pool, clock, route)
-    assert (seen, race.affinity, race.headroom_skips) == ([first], "hit", [])
+    assert (seen, race.placement.affinity, race.placement.headroom_skips) == ([first], "hit", [])
     pool.balancer.observe_quota(first, left(1), clock(), WALL)
     race, seen = await run_race(pool, clock, route)
-    assert (seen, race.affinity, race.headroom_skips) == ([second], "spill", [first])
+    placed = race.placement
+    assert (seen, placed.affinity, placed.headroom_skips) == ([second], "spill", [first])
     clock.now += 10.0  # the reset: the conversation goes home
     race, seen = await run_race(pool, clock, route)
-    assert (seen, race.affinity, race.headroom_skips) == ([first], "hit", [])
+    assert (seen, race.placement.affinity, race.placement.headroom_skips) == ([first], "hit", [])
 
 
 async def test_a_conversation_whose_every_backend_is_low_goes_home() -> None:
@@ -377,7 +379,8 @@ async def test_a_conversation_whose_every_backend_is_low_goes_home() -> None:
     for name in route.order:
         pool.balancer.observe_quota(name, left(1), clock(), WALL)
     race, seen = await run_race(pool, clock, route)
-    assert (seen, race.affinity, race.headroom_skips) == ([route.order[0]], "hit", [])
+    placed = race.placement
+    assert (seen, placed.affinity, placed.headroom_skips) == ([route.order[0]], "hit", [])
 
 
 @pytest.mark.parametrize("default_pause", [0.5, 7.0])

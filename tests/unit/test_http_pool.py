@@ -14,8 +14,9 @@ import pytest
 
 from gateway.errors import AllAttemptsFailed, GatewayPoolFull, UpstreamConnectError, UpstreamError
 from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.race import Race, RaceOptions
+from gateway.hedge.race import Race
 from providers.http import translate
 from tests.harness.builders import gateway_settings
 

@@ -22,8 +22,9 @@ from gateway.errors import (
     all_attempts_failed,
 )
 from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.race import AttemptRunner, Race, RaceOptions
+from gateway.hedge.race import AttemptRunner, Race
 from gateway.wire.sse import SSEBatch, SSEEvent
 from tests.harness.builders import gateway_settings
 
@@ -199,7 +200,7 @@ async def test_a_request_no_backend_can_take_is_refused_untried() -> None:
         await race.run()
     await race.aclose()
     assert (info.value.status, info.value.retry_after, info.value.should_retry) == (503, 1.0, None)
-    assert calls == [] and not race.panic
+    assert calls == [] and not race.placement.panic
 
 
 async def test_a_paused_one_backend_pool_is_tried_in_panic() -> None:
@@ -214,7 +215,7 @@ async def test_a_paused_one_backend_pool_is_tried_in_panic() -> None:
                 time.monotonic)
     result = await race.run()
     await race.aclose()
-    assert result.winner.backend == "b0" and race.panic
+    assert result.winner.backend == "b0" and race.placement.panic
 
 
 async def test_the_winner_holds_its_backend_slot_until_the_request_ends() -> None:

@@ -12,8 +12,9 @@ from types import MappingProxyType
 from gateway.errors import UpstreamConnectError
 from gateway.hedge.affinity import AffinityRoute
 from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.race import Race, RaceOptions
+from gateway.hedge.race import Race
 from gateway.wire.sse import SSEBatch, SSEEvent
 from tests.harness.builders import gateway_settings
 
@@ -66,7 +67,7 @@ async def test_every_turn_of_a_key_starts_on_its_first_backend() -> None:
             race = Race(pool, runner, options(pool, r), time.monotonic)
             await race.run()
             await race.aclose()
-            assert race.affinity == "hit"
+            assert race.placement.affinity == "hit"
         assert seen == [r.order[0]] * 5
 
 
@@ -118,7 +119,7 @@ async def test_a_loaded_first_backend_spills_and_is_counted() -> None:
     await race.run()
     await race.aclose()
     assert race.attempts[0].backend == r.order[1]
-    assert race.affinity == "spill"
+    assert race.placement.affinity == "spill"
 
 
 async def test_the_winner_re_pins_nothing() -> None:

@@ -1,0 +1,134 @@
+"""Where one request's attempts go: its options, and the choice of a backend for each attempt.
+
+The race (`gateway.hedge.race`) decides *when* an attempt starts and which one commits; this
+decides *where*: the first fitting backend in the conversation key's order when the request
+has one (`gateway.hedge.affinity`), else the balancer's choice; never a backend the request may
+not use; a backend low on quota headroom only while no other has room; a hedge to another
+zone than the attempts running, a failover anywhere but where one is running. It also notes,
+for the stats, how the primary was placed (affinity hit, spill), whether a choice ran in
+panic mode and which backends were skipped for headroom. No event loop: times are numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+
+from gateway.hedge.affinity import AffinityRoute, Outcome
+from gateway.hedge.attempt import AttemptRecord
+from gateway.hedge.budget import SuppressReason
+from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.sizing import ColdRule, DelayReader
+
+#: a race never starts more attempts than this, whatever `max_attempts` says
+MAX_ATTEMPTS_CAP = 5
+
+
+@dataclass(slots=True)
+class RaceOptions:
+    deadline: float
+    #: the latency trackers this request's attempts feed and take their delay from (per
+    #: backend; at the request's size class when it has one: `gateway.hedge.sizing`)
+    delays: Mapping[str, DelayReader]
+    #: delay-triggered hedges allowed for this request (pool switch, opt-outs, safety rules)
+    hedging: bool
+    #: when hedging was refused for this request, the reason counted once (`disabled`)
+    refused_reason: SuppressReason | None = None
+    #: backends this request may not use: they do not serve its route, or the request is
+    #: pinned to the backend that holds its stored state
+    excluded: frozenset[str] = frozenset()
+    #: False: this request's attempt times are not latency samples (a read of stored state)
+    learn: bool = True
+    #: the request's conversation key and its order over the pool: the primary, hedges and
+    #: failovers go to the first fitting backend in it (None: load-based selection)
+    affinity: AffinityRoute | None = None
+    #: whether a hedge to a backend would prefill cold for nothing (None: no such rule)
+    cold: ColdRule | None = None
+    #: the request's estimated input tokens: the budget's deposit and each extra attempt's price
+    input_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Placement:
+    """The backend choices of one request, and what the stats count of them."""
+
+    pool: PoolRuntime
+    options: RaceOptions
+    #: some backend choice of this request ran in panic mode (counted per pool)
+    panic: bool = False
+    #: how the primary was chosen by affinity (None: affinity off for this pool)
+    affinity: Outcome | None = None
+    #: the backends a choice of this request left out for low quota headroom, once per choice
+    headroom_skips: list[str] = field(default_factory=list)
+
+    def primary(self, now: float) -> str | None:
+        delays = self.options.delays
+        return self.pick(now, first=True, ttft=lambda name: delays[name].median(now))
+
+    def extra(self, now: float, running: Collection[AttemptRecord],
+              tried: Collection[AttemptRecord], *, hedge: bool) -> str | None:
+        """The backend of a hedge or a failover: one not tried yet, in another zone than the
+        attempts running; a failover may go back to a backend tried before (not one running)."""
+        in_flight = {r.backend for r in running}
+        groups = {self.pool.groups[b] for b in in_flight}
+
+        def ttft(name: str) -> float | None:
+            return self.options.delays[name].median(now)
+
+        backend = self.pick(now, first=False, exclude=in_flight | {r.backend for r in tried},
+                            avoid_groups=groups, ttft=ttft)
+        if backend is None and not hedge:
+            backend = self.pick(now, first=False, exclude=in_flight, ttft=ttft)
+        return backend
+
+    def max_attempts(self) -> int:
+        configured = min(self.pool.settings.hedging.max_attempts, MAX_ATTEMPTS_CAP)
+        eligible = len(self.pool.settings.backends) - len(self.options.excluded)
+        return max(1, min(configured, eligible))
+
+    def cold(self, backend: str, running: Collection[AttemptRecord], now: float) -> bool:
+        """The cold rule for a hedge to `backend`, against the oldest attempt running."""
+        rule = self.options.cold
+        oldest = min(running, key=lambda r: r.started, default=None)
+        if rule is None or oldest is None:
+            return False
+        return rule.cold(backend, oldest.backend, now - oldest.started, now)
+
+    def pick(
+        self,
+        now: float,
+        *,
+        first: bool,
+        exclude: Collection[str] = (),
+        avoid_groups: Collection[str] = (),
+        ttft: Callable[[str], float | None],
+    ) -> str | None:
+        """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
+        never a backend this request may not use (`RaceOptions.excluded`)."""
+        outside = self.options.excluded
+        self.panic = self.panic or self.pool.balancer.panic(now, outside=outside)
+        route = self.options.affinity
+        if route is not None:
+            chosen = self._in_order(route, now, exclude, avoid_groups, first=first)
+            if chosen is not None:
+                return chosen
+        return self.pool.balancer.pick(now, exclude=exclude, avoid_groups=avoid_groups, ttft=ttft,
+                                       outside=outside, skipped=self.headroom_skips)
+
+    def _in_order(self, route: AffinityRoute, now: float, exclude: Collection[str],
+                  avoid_groups: Collection[str], *, first: bool) -> str | None:
+        """The first fitting backend in the key's order (`AffinityRoute.choose`); the
+        primary's choice is counted as a hit or a spill. A low backend is passed over as an
+        unusable one is while another candidate has room: a spill, and a headroom skip."""
+        balancer, outside = self.pool.balancer, self.options.excluded
+        members = [n for n in balancer.names if n not in outside]
+        inflight = {n: balancer.inflight(n) for n in members}
+        usable, low = balancer.prefer_room(
+            [n for n in balancer.usable(now) if n not in exclude and n not in outside], now)
+        self.headroom_skips += low
+        chosen = route.choose(usable, inflight, members=members,
+                              exclude={*exclude, *outside}, avoid_groups=avoid_groups,
+                              groups=self.pool.groups)
+        if first:
+            self.affinity = "spill" if chosen is None else route.outcome(chosen, members)
+        return chosen
