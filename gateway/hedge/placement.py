@@ -60,6 +60,8 @@ class Placement:
     affinity: Outcome | None = None
     #: the backends a choice of this request left out for low quota headroom, once per choice
     headroom_skips: list[str] = field(default_factory=list)
+    #: the primary stayed on its loaded home because a spill would have prefilled cold
+    held_home: bool = False
 
     def primary(self, now: float) -> str | None:
         delays = self.options.delays
@@ -129,6 +131,19 @@ class Placement:
         chosen = route.choose(usable, inflight, members=members,
                               exclude={*exclude, *outside}, avoid_groups=avoid_groups,
                               groups=self.pool.groups)
+        if first and chosen is not None:
+            chosen = self._held_home(chosen, usable, now)
         if first:
             self.affinity = "spill" if chosen is None else route.outcome(chosen, members)
         return chosen
+
+    def _held_home(self, chosen: str, usable: Collection[str], now: float) -> str:
+        """The primary's home instead of `chosen` when bounded load alone spilled it (the home
+        is usable) and the spill would be cold (`ColdRule.spill`): a long history prefilled
+        elsewhere costs more than the home's queue is likely to."""
+        rule = self.options.cold
+        home = None if rule is None else rule.size.home
+        if rule is None or home is None or home == chosen or home not in usable:
+            return chosen
+        self.held_home = rule.spill(chosen, now)
+        return home if self.held_home else chosen

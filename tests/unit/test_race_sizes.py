@@ -258,3 +258,33 @@ def test_the_budget_in_input_tokens_refuses_a_long_copy_and_grants_a_short_one()
     # 8,000 input tokens left: a 30,000-token copy is refused (the attempt bucket is full)
     assert long.kinds == ["primary"] and set(long.race.suppressed) == {SuppressReason.BUDGET}
     assert again.kinds == ["primary", "hedge"] and again.winner == "hedge"
+
+
+@pytest.mark.parametrize("skip_cold", [True, False])
+def test_a_loaded_home_keeps_a_long_history_and_spills_a_short_one(skip_cold: bool) -> None:
+    """Bounded load spills a primary off its loaded home; the cold rule keeps a later turn of a
+    long conversation home (prefilling its 121,000-token history elsewhere takes 7 s, more
+    than the home's tail for the new 30,000) and lets a short one go (its 1,400 tokens cost
+    less than the home's tail for 200)."""
+    async def main(loop: VirtualLoop) -> tuple[Played, Played]:
+        pool = pool_for(skip_cold=skip_cold)
+        await conversations(loop, pool, turns=TURNS, count=COUNT)
+        long_route = route_home(pool, "b0", "held-long")
+        short_route = route_home(pool, "b0", "held-short")
+        pool.memory.turn(long_route.key, SYSTEM + 3 * LONG)
+        pool.memory.turn(short_route.key, SYSTEM + 1 * SHORT)
+        for _ in range(4):  # four streams of other conversations already on b0
+            pool.balancer.on_start("b0")
+        long = await play_one(loop, pool, long_route, SYSTEM + 4 * LONG, straggler=False)
+        short = await play_one(loop, pool, short_route, SYSTEM + 2 * SHORT, straggler=False)
+        return long, short
+
+    long, short = run_virtual(main)
+    assert short.race.attempts[0].backend == "b1"
+    assert short.race.placement.affinity == "spill" and not short.race.placement.held_home
+    if skip_cold:
+        assert long.race.attempts[0].backend == "b0"
+        assert long.race.placement.affinity == "hit" and long.race.placement.held_home
+    else:
+        assert long.race.attempts[0].backend == "b1"
+        assert long.race.placement.affinity == "spill"
