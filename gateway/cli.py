@@ -179,7 +179,8 @@ def _bench(ns: argparse.Namespace) -> int:
     if ns.workload == "conversations":
         return run_conversations_command(conversations=ns.requests, quick=ns.quick,
                                          seed=ns.seed, out=ns.out, upstreams=ns.upstream,
-                                         model=ns.upstream_model, sizes=ns.sizes)
+                                         model=ns.upstream_model, sizes=ns.sizes,
+                                         concurrency=ns.concurrency)
     if ns.upstream:
         print("hedge-gateway bench: --upstream runs --workload conversations", file=sys.stderr)
         return 2
@@ -346,7 +347,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=argtypes.positive,
                         help="requests per mode (default: per workload)")
     parser.add_argument("--concurrency", type=argtypes.positive,
-                        help="requests in flight (default: per workload)")
+                        help="requests in flight (default: per workload; conversations: "
+                             "conversations at once, default all, one per server with "
+                             "--upstream)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer requests per mode, and without --workload no slow shares:"
                              " a smoke run of under a minute; targets its sample cannot decide"

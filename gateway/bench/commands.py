@@ -128,7 +128,8 @@ def run_clouds_command(*, requests: int | None, concurrency: int | None, quick: 
 
 def run_conversations_command(*, conversations: int | None, quick: bool, seed: int,
                               out: str | None, upstreams: Sequence[str] = (),
-                              model: str | None = None, sizes: str | None = None) -> int:
+                              model: str | None = None, sizes: str | None = None,
+                              concurrency: int | None = None) -> int:
     """`--workload conversations`: sticky client, hedging off, hedging on over multi-turn
     conversations on prefilling, caching simulators (`gateway.bench.conversations`), or on
     the user's own servers (`upstreams`: `gateway.bench.external`); then the best simulated
@@ -146,7 +147,9 @@ def run_conversations_command(*, conversations: int | None, quick: bool, seed: i
     plan = conv.ConversationPlan(
         conversations=conversations or (24 if quick else 48), turns=3 if quick else 4,
         seed=seed, sizes=mix, upstreams=tuple(upstreams), model=model,
-        system_tokens=external.UPSTREAM_SYSTEM_TOKENS if upstreams else conv.SYSTEM_TOKENS)
+        system_tokens=external.UPSTREAM_SYSTEM_TOKENS if upstreams else conv.SYSTEM_TOKENS,
+        concurrency=concurrency or (len(upstreams) if upstreams else None),
+        min_input_tokens=external.UPSTREAM_MIN_INPUT_TOKENS if upstreams else None)
     where = f"servers {', '.join(upstreams)}" if upstreams else "simulators"
     print(f"hedge-gateway bench: conversations on {where}; {plan.conversations} conversations "
           f"of {plan.turns} turns, modes {', '.join(plan.modes)}", file=sys.stderr)

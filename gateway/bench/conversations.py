@@ -78,6 +78,11 @@ class ConversationPlan:
     upstreams: tuple[str, ...] = ()
     #: the model to ask them for (None: each one's first listed model)
     model: str | None = None
+    #: conversations in flight at once (None: all of them, each started `stagger` after the
+    #: last); a conversation holds its slot for all its turns
+    concurrency: int | None = None
+    #: the gateway's `affinity.min_input_tokens` (None: its default)
+    min_input_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -131,7 +136,8 @@ def sticky_backend(conversation: int, backends: int) -> int:
 
 
 def gateway_yaml(port: int, upstreams: Sequence[int | str], hedging: bool,
-                 affinity: bool = True, models: Sequence[str] | None = None) -> str:
+                 affinity: bool = True, models: Sequence[str] | None = None,
+                 min_input_tokens: int | None = None) -> str:
     """The gateway's configuration over `upstreams`: simulator ports on loopback, or base
     URLs (with `models`, the model each serves)."""
     backends = [{"name": f"sim-{chr(97 + k)}", "provider": "openai",
@@ -142,7 +148,9 @@ def gateway_yaml(port: int, upstreams: Sequence[int | str], hedging: bool,
     config = {"server": {"host": "127.0.0.1", "port": port}, "hedging": {"enabled": hedging},
               "affinity": {"enabled": affinity},
               "pools": [{"name": POOL, "backends": backends, "timeout": "120s",
-                         "timeouts": {"first_token": "120s"}}]}
+                         "timeouts": {"first_token": "120s"}, **(
+                             {} if min_input_tokens is None
+                             else {"affinity": {"min_input_tokens": min_input_tokens}})}]}
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -181,10 +189,18 @@ async def _stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 async def _conversation(client: httpx.AsyncClient, url: str, model: str, number: int,
                         size: int, plan: ConversationPlan, out: list[Turn],
-                        mode: str = "") -> None:
-    """One conversation's turns. Against real servers (which keep their caches from mode to
-    mode) its system prompt names the mode and its answers are capped."""
-    await asyncio.sleep(number * plan.stagger)
+                        mode: str = "", slots: asyncio.Semaphore | None = None) -> None:
+    """One conversation's turns, holding one of `slots` throughout. Against real servers
+    (which keep their caches from mode to mode) its system prompt names the mode and its
+    answers are capped."""
+    if plan.concurrency is None:
+        await asyncio.sleep(number * plan.stagger)
+    async with slots or asyncio.Semaphore(1):
+        await _turns(client, url, model, number, size, plan, out, mode)
+
+
+async def _turns(client: httpx.AsyncClient, url: str, model: str, number: int, size: int,
+                 plan: ConversationPlan, out: list[Turn], mode: str) -> None:
     tag = f"system-{mode}" if plan.upstreams else "system"
     messages: list[dict[str, str]] = [
         {"role": "system", "content": words(plan.system_tokens, tag)},
@@ -238,13 +254,15 @@ async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> Mo
             path = os.path.join(children.logdir, f"conversations-{mode}.yaml")
             with open(path, "w", encoding="utf-8") as file:
                 file.write(gateway_yaml(port, bases, hedging=mode != "hedging-off",
-                                        affinity=mode != "no-affinity", models=models))
+                                        affinity=mode != "no-affinity", models=models,
+                                        min_input_tokens=plan.min_input_tokens))
             argv, env = servers.server_command(servers.OWN, path, port)
             proc = children.start(f"gateway-conversations-{mode}", argv, env=env)
             gateway = f"http://127.0.0.1:{port}"
             await wait_ready(client, gateway + "/healthz", proc, children)
         sizes = size_classes(plan)
         started = time.monotonic()
+        slots = asyncio.Semaphore(plan.concurrency or len(sizes) or 1)
         tasks = []
         for number, size in enumerate(sizes):
             if gateway is None:
@@ -254,8 +272,8 @@ async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> Mo
             else:
                 url, model, label = gateway + "/v1/chat/completions", POOL, ""
             own: list[Turn] = []
-            tasks.append((own, label,
-                          _conversation(client, url, model, number, size, plan, own, mode)))
+            tasks.append((own, label, _conversation(client, url, model, number, size, plan,
+                                                    own, mode, slots)))
         await asyncio.gather(*(t[2] for t in tasks))
         result.seconds = time.monotonic() - started
         for own, label, _ in tasks:

@@ -15,6 +15,12 @@ What differs from the simulated run, and why:
 - prompts are smaller by default (a 100-token system prompt, new messages of 20, 100 and 300
   tokens: `--sizes` changes them) and answers are capped at 30 tokens, so that a small
   model's context holds every turn;
+- conversations run as many at once as there are servers (`--concurrency` changes it): a
+  server that answers one request at a time (llama.cpp's) would otherwise measure its queue,
+  not where the turns landed;
+- the gateway keys conversations from 64 input tokens (`affinity.min_input_tokens`; 1,024 by
+  default), since these prompts are small: a small model's context must hold every turn,
+  and on a CPU server every turn's prefill counts;
 - no policy simulation: its model is the simulators', which says nothing of these servers.
 """
 
@@ -27,6 +33,8 @@ import httpx
 #: new-message sizes (tokens) and their shares against real servers, and their system prompt
 UPSTREAM_SIZES: tuple[tuple[int, float], ...] = ((20, 0.5), (100, 0.35), (300, 0.15))
 UPSTREAM_SYSTEM_TOKENS = 100
+#: the gateway's key threshold against real servers (their prompts are small: see above)
+UPSTREAM_MIN_INPUT_TOKENS = 64
 #: the answer's length against real servers (the simulators answer 30 tokens by themselves)
 MAX_TOKENS = 30
 
