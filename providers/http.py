@@ -18,6 +18,15 @@ What this module adds around aiohttp, because the gateway needs it:
   generating), and returns a fully read one to the pool.
 - No redirects, no environment proxies, TLS verified (the default context), keep-alive expiry,
   no transparent decompression (bytes are relayed as they are).
+- **A kept-alive connection the upstream closed as we reused it is no backend failure.**
+  Inference servers close idle connections sooner than we drop them (uvicorn, under vLLM,
+  SGLang and llama-cpp-python, after 5 s); when our loop is busy at that moment, its close is
+  still unread as we pick the connection, and the request meets a closed socket. The request
+  never reached the server, so it is sent once more on another connection (`_closed_idle`).
+  Without that it would fail over to another backend, cold for the conversation, and count
+  against a healthy one. Only a reused connection is retried (aiohttp's reuse signal), only
+  before the response head, only once: a fresh connection closed unanswered is the server's
+  doing and fails as before.
 
 The session is created on first use, inside the running loop (aiohttp binds it to one).
 """
@@ -25,6 +34,7 @@ The session is created on first use, inside the running loop (aiohttp binds it t
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -65,6 +75,37 @@ def translate(exc: aiohttp.ClientError | asyncio.TimeoutError) -> UpstreamError:
     if isinstance(exc, aiohttp.ClientResponseError):  # a head the parser refused
         return UpstreamProtocolError("malformed response head")
     return UpstreamProtocolError(f"transport error ({type(exc).__name__})")
+
+
+#: the errors of a request sent on a connection the upstream had closed: its close read as we
+#: sent (EOF: `ServerDisconnectedError`) or the reset its kernel answered our request with
+_CLOSED_UNDER_US = frozenset({errno.ECONNRESET, errno.EPIPE})
+
+
+class _Reuse:
+    """One request's record of whether aiohttp gave it a kept-alive connection."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(session: aiohttp.ClientSession, context: object,
+                    params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    holder = getattr(context, "trace_request_ctx", None)
+    if isinstance(holder, _Reuse):
+        holder.reused = True
+
+
+def _closed_idle(exc: BaseException, reuse: _Reuse) -> bool:
+    """The request met a kept-alive connection its upstream had closed (see the module
+    docstring): safe to send once more, since the upstream never read it."""
+    if not reuse.reused or isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _CLOSED_UNDER_US
 
 
 class UpstreamResponse:
@@ -150,9 +191,11 @@ class UpstreamClient:
                 keepalive_timeout=self.keepalive_expiry,
                 ssl=self.ssl,
             )
+            reuse = aiohttp.TraceConfig()
+            reuse.on_connection_reuseconn.append(_on_reuse)
             session = self._session = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False, trust_env=self.trust_env,
-                timeout=aiohttp.ClientTimeout(total=None),
+                timeout=aiohttp.ClientTimeout(total=None), trace_configs=[reuse],
             )
         return session
 
@@ -187,16 +230,32 @@ class UpstreamClient:
             await self._slots.acquire()
         self.in_use += 1
         try:
-            response = await self._get_session().request(
-                method, url, data=content, headers=headers, params=params, timeout=timeout,
-                allow_redirects=False, proxy=self.proxy,
-            )
+            response = await self._send(method, url, content, headers, timeout, params)
         except BaseException as exc:
             self.release()
             if isinstance(exc, aiohttp.ClientError | asyncio.TimeoutError):
                 raise translate(exc) from None
             raise
         return UpstreamResponse(self, response)
+
+    async def _send(self, method: str, url: str, content: bytes | None,
+                    headers: Mapping[str, str], timeout: aiohttp.ClientTimeout,
+                    params: Mapping[str, str] | Sequence[tuple[str, str]] | None
+                    ) -> aiohttp.ClientResponse:
+        """The request up to its response head, sent a second time when the first met a
+        kept-alive connection the upstream had closed (`_closed_idle`)."""
+        session = self._get_session()
+        reuse = _Reuse()
+        try:
+            return await session.request(
+                method, url, data=content, headers=headers, params=params, timeout=timeout,
+                allow_redirects=False, proxy=self.proxy, trace_request_ctx=reuse)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if not _closed_idle(exc, reuse):
+                raise
+        return await session.request(
+            method, url, data=content, headers=headers, params=params, timeout=timeout,
+            allow_redirects=False, proxy=self.proxy)
 
     async def aclose(self) -> None:
         if self._session is not None:

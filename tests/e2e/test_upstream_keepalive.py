@@ -1,0 +1,148 @@
+"""A kept-alive connection the upstream closed while the gateway's loop was busy.
+
+Inference servers close idle connections after a few seconds (uvicorn's default is 5 s, under
+vLLM, SGLang and llama-cpp-python); the gateway keeps them for 30. When the server's close
+arrives while the gateway's event loop is busy, the close is still unread as the next request
+picks that connection, and the request meets a closed socket. Seen in the conversations
+benchmark: a turn failed over to another backend, cold for it, and prefilled its whole history
+there. The request never reached the server, so the client sends it once more on a fresh
+connection (`providers.http`), and only in that case.
+
+The upstream is a raw asyncio server in its own thread, so the test decides the order: it
+answers, closes, and tells the test; the test then blocks its own loop (as a busy gateway's
+is) until the close has surely reached its socket, and sends the next request without
+yielding to the loop first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+
+from gateway.errors import UpstreamDisconnected
+from providers.http import UpstreamClient
+
+TIMEOUT = aiohttp.ClientTimeout(sock_connect=2.0, sock_read=5.0)
+ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+
+
+@dataclass
+class ClosingUpstream:
+    """Answers each connection's requests; closes a connection after `answers` of them
+    (None: never) and sets `closed` when it has."""
+
+    answers: int | None
+    port: int = 0
+    connections: int = 0
+    requests: int = 0
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served = 0
+        try:
+            while self.answers is None or served < self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.requests += 1
+                served += 1
+                writer.write(ANSWER)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            self.closed.set()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[int | None], ClosingUpstream]]:
+    """Start `ClosingUpstream`s on 127.0.0.1, in a loop thread of their own."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    servers: list[asyncio.Server] = []
+
+    def start(answers: int | None) -> ClosingUpstream:
+        upstream = ClosingUpstream(answers)
+        server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(upstream.handle, "127.0.0.1", 0), loop).result(5.0)
+        servers.append(server)
+        upstream.port = server.sockets[0].getsockname()[1]
+        return upstream
+
+    yield start
+    for server in servers:
+        loop.call_soon_threadsafe(server.close)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5.0)
+    loop.close()
+
+
+async def post(client: UpstreamClient, upstream: ClosingUpstream) -> bytes:
+    response = await client.request("POST", f"http://127.0.0.1:{upstream.port}/v1/x",
+                                    content=b"{}", headers={"content-type": "application/json"},
+                                    timeout=TIMEOUT, pool_timeout=1.0)
+    try:
+        return b"".join([chunk async for chunk in response.chunks()])
+    finally:
+        response.close()
+
+
+def wait_for_close(upstream: ClosingUpstream) -> None:
+    """Block this thread, and so its loop, until the upstream has closed and its FIN has had
+    time to reach our socket (on loopback far less than the 0.2 s given)."""
+    assert upstream.closed.wait(5.0)
+    time.sleep(0.2)
+
+
+async def test_a_request_on_a_connection_closed_while_idle_is_sent_again(
+    serve: Callable[[int | None], ClosingUpstream],
+) -> None:
+    upstream = serve(1)  # closes each connection after its first answer
+    client = UpstreamClient(max_connections=4)
+    try:
+        assert await post(client, upstream) == b"ok"
+        wait_for_close(upstream)
+        # the pooled connection still looks open to our unrun loop: the request meets the
+        # closed socket, and is sent again on a new connection
+        assert await post(client, upstream) == b"ok"
+    finally:
+        await client.aclose()
+    assert (upstream.connections, upstream.requests) == (2, 2)
+    assert client.in_use == 0
+
+
+async def test_a_fresh_connection_closed_unanswered_fails_as_before(
+    serve: Callable[[int | None], ClosingUpstream],
+) -> None:
+    upstream = serve(0)  # closes every connection without an answer
+    client = UpstreamClient(max_connections=4)
+    try:
+        with pytest.raises(UpstreamDisconnected):
+            await post(client, upstream)
+    finally:
+        await client.aclose()
+    assert upstream.connections == 1  # not sent again: nothing says the server did not read it
+    assert client.in_use == 0
+
+
+async def test_a_kept_alive_connection_is_reused_while_the_upstream_keeps_it(
+    serve: Callable[[int | None], ClosingUpstream],
+) -> None:
+    upstream = serve(None)
+    client = UpstreamClient(max_connections=4)
+    try:
+        for _ in range(3):
+            assert await post(client, upstream) == b"ok"
+    finally:
+        await client.aclose()
+    assert (upstream.connections, upstream.requests) == (1, 3)
