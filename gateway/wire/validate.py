@@ -48,8 +48,12 @@ MAX_BODY_DEPTH = 64
 #: object costs about 60 bytes of Python per 3 bytes of JSON, so this bounds what a body
 #: within the size limit can build
 MAX_BODY_VALUES = 100_000
-#: a JSON string (possessive: never backtracks), which may hold brackets and commas
-_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
+#: a JSON string (possessive: never backtracks), which may hold brackets and commas; one
+#: left open runs to the end of the body (a lone backslash included), so a match that starts
+#: never fails: a failing one would be tried again from each quote inside it, each time to the
+#: end, which is quadratic in a body of escaped quotes (`"\"\"\"...`). Such a body is not
+#: JSON, and the parser refuses it where the string opens
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
 _MAX_STRINGS = 2 * MAX_BODY_VALUES + 2
 _TOO_DEEP = f"request body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
 
