@@ -38,6 +38,10 @@ METADATA_FIELDS = frozenset({"apibase", "baseurl", "apikey", "apiversion", "azur
 METADATA_PREFIXES = ("aws", "vertex")
 #: a key split into words at separators and camelCase humps: `AWSRegion` -> AWS, Region
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+#: what falls between those words
+_NOT_WORD = re.compile(r"[^A-Za-z0-9]+")
+_LONGEST_FIELD = max(map(len, METADATA_FIELDS))
+_LONGEST_PREFIX = max(map(len, METADATA_PREFIXES))
 #: guards the scan of `extra_body` and `metadata` against hostile nesting
 MAX_SCAN_DEPTH = 32
 #: the deepest nesting of arrays and objects a body may have (the encoder that forwards it
@@ -147,9 +151,18 @@ def is_routing_field(key: str) -> bool:
 
 
 def is_metadata_routing_field(key: str) -> bool:
-    """A destination or credential name inside `metadata`, in any case or separator."""
-    words = [word.lower() for word in _WORDS.findall(key)]
-    return bool(words) and ("".join(words) in METADATA_FIELDS or words[0] in METADATA_PREFIXES)
+    """A destination or credential name inside `metadata`, in any case or separator. The
+    check reads the key's first word and the key without its separators (every ASCII letter
+    and digit is in some word), never the list of its words: a key of millions of one-letter
+    words would hold them all at once."""
+    first = _WORDS.search(key)
+    if first is None:
+        return False
+    short = first.end() - first.start() <= _LONGEST_PREFIX
+    if short and first.group().lower() in METADATA_PREFIXES:
+        return True
+    letters = _NOT_WORD.sub("", key)
+    return len(letters) <= _LONGEST_FIELD and letters.lower() in METADATA_FIELDS
 
 
 def is_top_level_routing_field(key: str) -> bool:

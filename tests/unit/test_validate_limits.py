@@ -133,6 +133,25 @@ def test_an_unterminated_string_of_escaped_quotes_is_counted_without_rescanning_
         tail *= 2
 
 
+@pytest.mark.parametrize("where", ["top", "metadata"])
+def test_a_long_key_of_many_words_is_checked_in_memory_a_few_times_its_length(
+    where: str,
+) -> None:
+    """Each key is checked for routing names; splitting a 4 MiB key into its two million
+    words held them all at once (hundreds of megabytes), where the check needs only the
+    first word and the key without its separators."""
+    key = "a1" * (2 * MiB - 40)
+    body = {key: 0} if where == "top" else {"metadata": {key: 0}}
+    raw = body_of(**body)
+    tracemalloc.start()
+    try:
+        checked(raw)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * len(raw), peak / len(raw)
+
+
 # ---- seeded fuzz -----------------------------------------------------------------------------
 
 Shape = Callable[[random.Random, int], bytes]
@@ -174,6 +193,13 @@ def _random_tree(rng: random.Random, size: int) -> bytes:
     return body_of(metadata=tree(size, 0), extra_body=tree(size, 0))
 
 
+def _humped_key(rng: random.Random, size: int) -> bytes:
+    # a word every character or two, at the top level or in `metadata`
+    unit = rng.choice(["a1", "aB", "Ab1", "a_"])
+    key = unit * max(1, (size - 40) // len(unit))
+    return body_of(**({key: 0} if rng.random() < 0.5 else {"metadata": {key: 0}}))
+
+
 def _escaped_quotes(rng: random.Random, size: int) -> bytes:
     # escaped quotes or quote-backslash pairs, the string ending there or on a lone backslash
     raw = unterminated_escaped_quotes(size, rng.choice([b'\\"', b'"\\']))
@@ -182,7 +208,7 @@ def _escaped_quotes(rng: random.Random, size: int) -> bytes:
 
 SHAPES: dict[str, Shape] = {"long_key_list": _long_key_list, "small_objects": _small_objects,
                             "deep": _deep, "prose": _prose, "random_tree": _random_tree,
-                            "escaped_quotes": _escaped_quotes}
+                            "escaped_quotes": _escaped_quotes, "humped_key": _humped_key}
 
 
 def checked(raw: bytes) -> int:
