@@ -4,11 +4,14 @@ The gateway forwards bodies as received, so it must refuse what could steer a re
 another destination or credential and what no upstream should be asked to parse.
 Message content is data: nothing inside `messages`/`prompt`/`input` is inspected.
 
-Every check is linear in the body's bytes and bounded in memory: before the JSON is turned
-into objects, a pass over the bytes (`measure`) bounds its nesting and its number of values,
-so a hostile body within the size limit can neither build a hundred megabytes of small
-objects nor nest deeper than the encoder that forwards it can go; the routing-field scan
-builds a field's path only when it refuses it.
+Every check is linear in the body's bytes and bounded in memory. Before the JSON is turned
+into objects, a pass over the bytes (`count_values`) bounds its number of values, so a
+hostile body within the size limit cannot build a hundred megabytes of small objects. Its
+nesting is checked on the parsed objects (`_too_deep`, walked only when the body has more
+brackets than the depth limit), which that count keeps small, so nothing deeper than the
+encoder that forwards it can go is forwarded; nesting deeper than the parser itself goes
+is refused the same way. The routing-field scan builds a field's path only when it refuses
+it.
 """
 
 from __future__ import annotations
