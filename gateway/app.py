@@ -37,7 +37,13 @@ from gateway.hedge.generation import ConfigOrigin, Generation, Live, LivePools
 from gateway.hedge.pool import PoolRuntime
 from gateway.server.serve import tune_collector
 from gateway.server.workers import worker_settings
-from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
+from gateway.settings import (
+    RELOADED_SERVER_KEYS,
+    ConfigError,
+    ServerSettings,
+    Settings,
+    load_settings,
+)
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
@@ -271,8 +277,8 @@ def create_app(
             await client.aclose()
 
     fast = FastRoutes()
-    api_keys = KeyRing(settings.server.api_keys)
-    ops_keys = KeyRing(settings.server.ops_keys)
+    rings = {name: KeyRing(getattr(settings.server, name)) for name in RELOADED_SERVER_KEYS}
+    api_keys, ops_keys = rings["api_keys"], rings["ops_keys"]
     app = GatewayAPI(
         fast=fast,
         on_error=gateway_error_response,
@@ -302,8 +308,7 @@ def create_app(
     app.state.pools = pools
     app.state.live = live
     #: `reloader.reload_file(path)` on SIGHUP (wired by `hedge-gateway serve`)
-    app.state.reloader = Reloader(live, stats, client, clock, rng, workers,
-                                  keys={"api_keys": api_keys, "ops_keys": ops_keys})
+    app.state.reloader = Reloader(live, stats, client, clock, rng, workers, keys=rings)
     app.state.stats = stats
     app.state.proxy = proxy
     #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`

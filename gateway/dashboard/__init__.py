@@ -6,9 +6,11 @@ the gateway, and a Content-Security-Policy says so to the browser as well. Same 
 `/hedge/stats`: no gateway key needed, no prompt or key in any of it.
 
 Both JSON documents are bounded reads: each is built and encoded at most once per second
-(`PerSecond`; a `since` the cache has no room for gets the whole series, which the page
-filters by `seq` anyway), and an encoding larger than `MAX_JSON_BYTES` keeps only the newest
-points or races that fit (`"truncated": true`). A flood of reads costs one build a second.
+(`PerSecond`), and an encoding larger than `MAX_JSON_BYTES` keeps only the newest points or
+races that fit (`"truncated": true`). A `since` more than `RECENT_POINTS` behind the newest
+point gets the whole series, which the page filters by `seq` anyway (`series_key`), so a
+flood of reads costs at most one build of the whole series a second, and a few of the last
+few points.
 Behind `server.ops_keys` they need a key, like `/hedge/stats` and `/metrics`
 (`gateway.api.asgi`).
 
@@ -51,6 +53,21 @@ _HEADERS = {"content-security-policy": CSP, "cache-control": "no-cache",
 MAX_JSON_BYTES = 2 * 1024 * 1024
 #: how many different documents (`since` values) one second's cache holds
 CACHE_KEYS = 8
+#: a `since` at most this many points behind the newest gets a document of its own: the page
+#: asks for the points after the last one it has, one or two behind; the documents of every
+#: such `since`, within a second in which the newest point moves on once, and the whole
+#: series fit in `CACHE_KEYS`
+RECENT_POINTS = 5
+
+
+def series_key(since: int, newest: int) -> int:
+    """The `since` the series document answering `since` is built for, when the newest point
+    is `newest`: itself if it is one of the last `RECENT_POINTS` points, else 0, the whole
+    series. The reader filters by `seq`, so a whole series answers any `since`; one document
+    per old `since` let a reader asking for since=0, 1, 2... force a build of nearly the whole
+    series for each, several a second."""
+    key = max(0, min(since, newest))  # a `since` past the newest point: none newer
+    return key if newest - key <= RECENT_POINTS else 0
 
 
 def _encode(doc: dict[str, Any]) -> bytes:
@@ -144,8 +161,7 @@ def build_dashboard_router(series: Series, source: StatsSource,
 
     @router.get("/hedge/series")
     async def hedge_series(since: int = 0) -> Response:
-        key = max(0, min(since, series.seq))  # a `since` past the newest point: none newer
-        body = await series_cache.get(key, 0, build_series)
+        body = await series_cache.get(series_key(since, series.seq), 0, build_series)
         return Response(body, media_type="application/json")
 
     @router.get("/hedge/races")

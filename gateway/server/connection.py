@@ -18,6 +18,9 @@ leaves to a proxy in front, done here.
 - Slow and numerous clients. A request whose head and body have not arrived within
   `server.body_timeout` gets 408; a new connection past `server.max_connections` gets 503
   (once its request line is in, or after a short wait for it).
+- A body no framing delimits. A `Transfer-Encoding` whose last coding is not `chunked` gets
+  uvicorn's 400 before the app is handed the request: httptools refuses it only once the head
+  is complete, after the app had started waiting for a body that never comes.
 - The answers given here, below the app (431, 408, 503), are in the error shape of the route
   the request line names (Anthropic's under /v1/messages, `gateway.api.inference`), and each
   ends with a lingering close, so a client still sending its head or body reads the answer
@@ -80,6 +83,18 @@ class GatewayConfig(uvicorn.Config):
 
 class HeadTooLarge(Exception):
     """Raised inside the parser callback to stop parsing a head that is over the limit."""
+
+
+class UnframedBody(Exception):
+    """Raised inside the parser callback for a `Transfer-Encoding` whose last coding is not
+    `chunked`: the parser refuses such a body, but only once the head is complete, after the
+    app was already handed the request (it then waited for a body that never came)."""
+
+
+def chunked_last(values: list[bytes]) -> bool:
+    """Whether the codings of these `Transfer-Encoding` values, in order, end in `chunked`
+    (the only framing of a request body by transfer coding)."""
+    return b",".join(values).rsplit(b",", 1)[-1].strip().lower() == b"chunked"
 
 
 def raw_error_response(error: GatewayError, path: bytes = b"") -> bytes:
@@ -219,9 +234,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             raise HeadTooLarge  # httptools wraps it; uvicorn calls send_400_response
         self._reading_head = False
         self._head_bytes = 0
+        codings: list[bytes] = []
         for name, value in self.headers:
             if name == b"content-length" and value.isdigit():
                 self._declared = int(value)
+            elif name == b"transfer-encoding":
+                codings.append(value)
+        if codings and not chunked_last(codings):
+            raise UnframedBody  # uvicorn answers 400 and closes; the app never sees it
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = _CloseHook(self.transport, self._close_after_response)

@@ -25,7 +25,9 @@ and then only waits: for a worker to exit (it is replaced, at a bounded rate) or
 - SIGHUP is forwarded to every worker, and each reloads the configuration file itself as a
   single process does (`gateway.app.Reloader`, with its budgets split again). The supervisor
   re-reads the file first, so a worker started later runs the configuration the others
-  reloaded (the `server` section stays as started, as in every worker).
+  reloaded: the `server` section as started, as in every worker, but with the reloaded
+  client and ops keys, which every worker swaps in (a replacement must not bring back a
+  revoked key).
 
 A worker whose supervisor disappears (SIGKILL) notices within a second and drains as on
 SIGTERM, so no worker outlives its supervisor. Signals are blocked around each fork, so a
@@ -55,7 +57,7 @@ from typing import Any, Protocol, TextIO
 from gateway.hedge.generation import ConfigOrigin
 from gateway.server.serve import build_server, graceful_timeout, tune_collector
 from gateway.server.workers import RestartLimiter, with_response_id_secret
-from gateway.settings import ServerSettings, Settings
+from gateway.settings import RELOADED_SERVER_KEYS, ServerSettings, Settings
 from gateway.settings.fields import ConfigError
 from gateway.stats.shared import Peers, retire
 
@@ -138,6 +140,14 @@ class WorkerPlan:
     #: the dashboard's series and races of every worker count from it
     started: float = 0.0
     build_app: AppFactory | None = None
+
+
+def kept_server(running: ServerSettings, reloaded: ServerSettings) -> ServerSettings:
+    """The `server` section of a worker started after a reload: the one the server started
+    with (its socket and limits are bound at start, and each running worker's reload keeps
+    them) but with the reloaded keys, which each running worker swapped in. Keeping the
+    started keys let a replacement worker accept a key the reload revoked."""
+    return replace(running, **{name: getattr(reloaded, name) for name in RELOADED_SERVER_KEYS})
 
 
 def worker_signals() -> None:
@@ -334,8 +344,9 @@ class Supervisor:
             except (ConfigError, OSError) as exc:
                 self._say(f"SIGHUP: workers started from now on keep the configuration in "
                           f"force ({type(exc).__name__}: {exc})")
-            else:  # the server section stays as started, as each worker's reload keeps it
-                self.settings = replace(fresh, server=self.settings.server)
+            else:
+                self.settings = replace(fresh, server=kept_server(self.settings.server,
+                                                                  fresh.server))
                 self._origin = origin
                 plan = self._plan(stats_dir)
         for proc in slots.values():

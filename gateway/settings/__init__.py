@@ -15,6 +15,7 @@ from gateway.settings.load import (
     parse_settings,
 )
 from gateway.settings.model import (
+    RELOADED_SERVER_KEYS,
     AffinitySettings,
     BackendSettings,
     BudgetSettings,
@@ -31,6 +32,7 @@ from gateway.settings.model import (
 )
 
 __all__ = [
+    "RELOADED_SERVER_KEYS",
     "AffinitySettings",
     "BackendSettings",
     "BudgetSettings",

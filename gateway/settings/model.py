@@ -431,6 +431,11 @@ class TracingSettings(Checked):
         cv.optional(cv.nonempty_text), "service.name; null: OTEL_SERVICE_NAME or hedge-gateway"))
 
 
+#: the `server` keys a reload changes in a running server: the client and ops keys, so a leaked
+#: one is revoked without a restart (the others are bound at start: the socket, the limits)
+RELOADED_SERVER_KEYS = ("api_keys", "ops_keys")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings(Checked):
     """The listening side: address, client authentication and request limits."""

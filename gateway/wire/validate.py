@@ -4,11 +4,14 @@ The gateway forwards bodies as received, so it must refuse what could steer a re
 another destination or credential and what no upstream should be asked to parse.
 Message content is data: nothing inside `messages`/`prompt`/`input` is inspected.
 
-Every check is linear in the body's bytes and bounded in memory: before the JSON is turned
-into objects, a pass over the bytes (`measure`) bounds its nesting and its number of values,
-so a hostile body within the size limit can neither build a hundred megabytes of small
-objects nor nest deeper than the encoder that forwards it can go; the routing-field scan
-builds a field's path only when it refuses it.
+Every check is linear in the body's bytes and bounded in memory. Before the JSON is turned
+into objects, a pass over the bytes (`count_values`) bounds its number of values, so a
+hostile body within the size limit cannot build a hundred megabytes of small objects. Its
+nesting is checked on the parsed objects (`_too_deep`, walked only when the body has more
+brackets than the depth limit), which that count keeps small, so nothing deeper than the
+encoder that forwards it can go is forwarded; nesting deeper than the parser itself goes
+is refused the same way. The routing-field scan builds a field's path only when it refuses
+it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ METADATA_FIELDS = frozenset({"apibase", "baseurl", "apikey", "apiversion", "azur
 METADATA_PREFIXES = ("aws", "vertex")
 #: a key split into words at separators and camelCase humps: `AWSRegion` -> AWS, Region
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+#: what falls between those words
+_NOT_WORD = re.compile(r"[^A-Za-z0-9]+")
+_LONGEST_FIELD = max(map(len, METADATA_FIELDS))
+_LONGEST_PREFIX = max(map(len, METADATA_PREFIXES))
 #: guards the scan of `extra_body` and `metadata` against hostile nesting
 MAX_SCAN_DEPTH = 32
 #: the deepest nesting of arrays and objects a body may have (the encoder that forwards it
@@ -48,8 +55,12 @@ MAX_BODY_DEPTH = 64
 #: object costs about 60 bytes of Python per 3 bytes of JSON, so this bounds what a body
 #: within the size limit can build
 MAX_BODY_VALUES = 100_000
-#: a JSON string (possessive: never backtracks), which may hold brackets and commas
-_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
+#: a JSON string (possessive: never backtracks), which may hold brackets and commas; one
+#: left open runs to the end of the body (a lone backslash included), so a match that starts
+#: never fails: a failing one would be tried again from each quote inside it, each time to the
+#: end, which is quadratic in a body of escaped quotes (`"\"\"\"...`). Such a body is not
+#: JSON, and the parser refuses it where the string opens
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
 _MAX_STRINGS = 2 * MAX_BODY_VALUES + 2
 _TOO_DEEP = f"request body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
 
@@ -143,9 +154,18 @@ def is_routing_field(key: str) -> bool:
 
 
 def is_metadata_routing_field(key: str) -> bool:
-    """A destination or credential name inside `metadata`, in any case or separator."""
-    words = [word.lower() for word in _WORDS.findall(key)]
-    return bool(words) and ("".join(words) in METADATA_FIELDS or words[0] in METADATA_PREFIXES)
+    """A destination or credential name inside `metadata`, in any case or separator. The
+    check reads the key's first word and the key without its separators (every ASCII letter
+    and digit is in some word), never the list of its words: a key of millions of one-letter
+    words would hold them all at once."""
+    first = _WORDS.search(key)
+    if first is None:
+        return False
+    short = first.end() - first.start() <= _LONGEST_PREFIX
+    if short and first.group().lower() in METADATA_PREFIXES:
+        return True
+    letters = _NOT_WORD.sub("", key)
+    return len(letters) <= _LONGEST_FIELD and letters.lower() in METADATA_FIELDS
 
 
 def is_top_level_routing_field(key: str) -> bool:

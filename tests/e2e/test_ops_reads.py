@@ -15,10 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 import gateway.dashboard as dashboard
-from gateway.dashboard import CACHE_KEYS, PerSecond, capped
+from gateway.dashboard import CACHE_KEYS, PerSecond, build_dashboard_router, capped
 from gateway.settings import ServerSettings
+from gateway.stats.record import Stats
+from gateway.stats.series import Reading, Series
+from gateway.stats.shared import StatsSource
 from tests.harness import LoopThread, UpstreamFactory
 from tests.harness.builders import POOL, gateway_settings
 from tests.harness.limits_kit import MESSAGES, Gateway, GatewayFactory
@@ -96,6 +100,43 @@ async def test_per_second_builds_once_per_key_and_second_and_bounds_its_keys() -
     assert cache.builds == 3  # 1, 2, and the fallback once
     now[0] = 101.0
     assert await cache.get(1, 0, build) == b"1" and cache.builds == 4
+
+
+class CountedSeries(Series):
+    """A full series (every point kept) that records which `since` each view was built for."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        stats = Stats({"p": ["a"]}, now=0.0)
+        for second in range(self.capacity):
+            self.sample(Reading(stats, float(second), {}, {}), float(second))
+        self.built: list[int] = []
+
+    def view(self, since: int = 0) -> dict[str, Any]:
+        self.built.append(since)
+        return super().view(since)
+
+
+async def test_a_flood_of_old_since_values_costs_one_whole_series_build_a_second() -> None:
+    """Each `since` was a document of its own, up to eight a second: a reader asking for
+    since=0..7 made eight builds of nearly the whole series every second. A `since` older
+    than the last few points now gets the whole series, which a reader filters by `seq` as
+    the dashboard does: what it asked for is in it. Counted on a frozen clock, never timed."""
+    series = CountedSeries()
+    source = StatsSource(Stats({"p": ["a"]}, now=0.0), {}, lambda: 0.0)
+    app = FastAPI()
+    app.include_router(build_dashboard_router(
+        series, source, (PerSecond(lambda: 100.5), PerSecond(lambda: 100.5))))
+    newest = series.seq
+    asked = [*range(51), *range(newest - 3, newest + 2)]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://gateway") as http:
+        for since in asked:
+            reply = (await http.get("/hedge/series", params={"since": since})).json()
+            seqs = [point["seq"] for point in reply["pools"]["p"] if point["seq"] > since]
+            assert seqs == list(range(since + 1, newest + 1)), since
+    large = [since for since in series.built if newest - since > 10]
+    assert len(large) <= 1, large
 
 
 def basic(password: str) -> str:

@@ -10,9 +10,11 @@ test ends with the automatic leak check.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ import httpx
 import openai
 import pytest
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.settings import ServerSettings
 from tests.harness import LoopThread, ScriptedUpstream, UpstreamFactory
@@ -188,6 +191,70 @@ def test_an_endless_header_line_is_cut_off_not_buffered(
     finally:
         sock.close()
     untouched(upstream, attacker)
+
+
+# ---- request smuggling -----------------------------------------------------------------------
+
+#: a good request's body, and heads whose framing a proxy in front could read another way than
+#: the gateway does (so one connection could carry a request the proxy never saw): each must be
+#: refused outright, never guessed at
+SMUGGLED_BODY = json.dumps(GOOD).encode()
+_CT = b"content-type: application/json"
+_CL = b"content-length: %d" % len(SMUGGLED_BODY)
+SMUGGLING = {
+    "content-length and transfer-encoding": [_CT, _CL, b"transfer-encoding: chunked"],
+    "two content-lengths": [_CT, _CL, b"content-length: 5"],
+    "obsolete line folding": [_CT, b"x-folded: a", b" b", _CL],
+    "bare LF line endings": [_CT, _CL],
+    "transfer-encoding xchunked": [_CT, b"transfer-encoding: xchunked"],
+    "chunked then another coding": [_CT, b"transfer-encoding: chunked", b"transfer-encoding: x"],
+}
+
+
+def smuggling_request(case: str) -> bytes:
+    end = b"\n" if case == "bare LF line endings" else b"\r\n"
+    lines = [b"POST /v1/chat/completions HTTP/1.1", b"host: localhost", *SMUGGLING[case]]
+    return end.join(lines) + end + end + SMUGGLED_BODY
+
+
+def everything_until_closed(sock: socket.socket) -> bytes:
+    """What the gateway sends before it hangs up (the socket timeout fails a gateway that
+    keeps the connection open waiting for more)."""
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while data := sock.recv(65536):
+            received += data
+    return received
+
+
+@pytest.mark.parametrize("case", list(SMUGGLING))
+def test_a_request_framed_ambiguously_gets_400_and_reaches_no_upstream(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, case: str
+) -> None:
+    seen: list[str] = []
+
+    def recorder(app: ASGIApp) -> ASGIApp:
+        async def front(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                seen.append(scope["path"])
+            await app(scope, receive, send)
+        return front
+
+    upstream = scripted_upstream.one(name="upstream")
+    gateway = GatewayFactory(loop_thread)(gateway_settings([upstream.base_url]), wrap=recorder)
+    sock = connect(gateway.port)
+    try:
+        sock.sendall(smuggling_request(case))
+        answer = everything_until_closed(sock)
+    finally:
+        sock.close()
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert seen == [], "the app was handed the request"
+    untouched(upstream)
+    # the same request framed plainly is answered: the refusal is the framing's
+    plain = httpx.post(gateway.v1 + "/chat/completions", content=SMUGGLED_BODY,
+                       headers={"content-type": "application/json"}, timeout=5.0)
+    assert plain.status_code == 200, plain.text
 
 
 # ---- malformed requests ----------------------------------------------------------------------

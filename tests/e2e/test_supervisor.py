@@ -26,13 +26,14 @@ from gateway.settings import BackendSettings, PoolSettings, ServerSettings, Sett
 WAIT = 20.0
 
 
-def settings(burst: float = 10.0) -> Settings:
+def settings(burst: float = 10.0, key: str = "key-old-0001") -> Settings:
     from gateway.settings import BudgetSettings, HedgingSettings
 
     pool = PoolSettings("p", (BackendSettings("a", provider="sim"),),
                         hedging=HedgingSettings(budget=BudgetSettings(burst=burst)))
-    return Settings(pools=(pool,), server=ServerSettings(host="127.0.0.1", port=0,
-                                                         shutdown_grace=1.0))
+    server = ServerSettings(host="127.0.0.1", port=0, shutdown_grace=1.0, api_keys=(key,),
+                            ops_keys=(f"ops-{key}",))
+    return Settings(pools=(pool,), server=server)
 
 
 def wait_for(probe: Callable[[], bool], what: str) -> None:
@@ -80,7 +81,8 @@ def test_sighup_reloads_then_reaches_every_worker_and_sigterm_stops_them(
         signal.signal(signal.SIGTERM, lambda s, f: os._exit(0))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGHUP, signal.SIGTERM))
         share = worker_settings(plan.settings, plan.workers).pools[0].hedging.budget.burst
-        mark(f"up {os.getpid()} burst={share}")
+        keys = ",".join(plan.settings.server.api_keys + plan.settings.server.ops_keys)
+        mark(f"up {os.getpid()} keys={keys} burst={share}")
         while True:
             time.sleep(0.05)
 
@@ -89,7 +91,7 @@ def test_sighup_reloads_then_reaches_every_worker_and_sigterm_stops_them(
 
     def reload() -> tuple[None, Settings]:
         reloads.append(1)
-        return None, settings(burst=20.0)
+        return None, settings(burst=20.0, key="key-new-0002")  # a leaked key rotated
 
     def read(index: int) -> str:
         path = tmp_path / f"worker-{index}"
@@ -112,10 +114,13 @@ def test_sighup_reloads_then_reaches_every_worker_and_sigterm_stops_them(
     helper.join(WAIT)
     assert code == 0, out.getvalue()
     assert reloads == [1]  # the supervisor re-read the settings before forwarding
-    marks = [[line.split()[0] + line.split()[-1] if line.startswith("up") else line
+    marks = [[" ".join(line.split()[2:]) if line.startswith("up") else line
               for line in read(i).splitlines()] for i in range(2)]
-    # burst 10 split over 2 workers; after the reload to 20, a replacement gets 10
-    assert marks == [["upburst=5.0", "hup", "upburst=10.0"], ["upburst=5.0", "hup"]]
+    # burst 10 split over 2 workers; after the reload to 20, a replacement gets 10, and it
+    # checks the reloaded keys (which its peers swapped in), never the revoked ones
+    old, new = "keys=key-old-0001,ops-key-old-0001", "keys=key-new-0002,ops-key-new-0002"
+    assert marks == [[f"{old} burst=5.0", "hup", f"{new} burst=10.0"],
+                     [f"{old} burst=5.0", "hup"]]
     assert "worker 0" in out.getvalue() and "exited with status -9" in out.getvalue()
 
 

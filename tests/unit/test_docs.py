@@ -133,6 +133,35 @@ def test_the_readme_is_a_front_page() -> None:
     assert len(lines) <= README_MAX_LINES, len(lines)
 
 
+def readme_section(title: str) -> str:
+    """The prose of the README's `## title` section, up to the next heading of its level."""
+    lines = prose_lines((ROOT / "README.md").read_text(encoding="utf-8"))
+    start = lines.index(f"## {title}") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def code_constant(path: str, name: str) -> int:
+    """An integer constant as written in a module (read as text: no gateway import)."""
+    found = re.search(rf"^{name} = ([0-9_]+)$", (ROOT / path).read_text(encoding="utf-8"),
+                      re.MULTILINE)
+    assert found, f"{path}: no {name}"
+    return int(found.group(1))
+
+
+def test_the_readme_says_what_the_secure_defaults_cost() -> None:
+    """The front page tells a new user which defaults refuse what, before they find out from
+    a 403 or a 415: the settings that loosen each, and the body limits as the code has them."""
+    section = " ".join(readme_section("Security").split())
+    for said in ("server.api_keys", "server.allowed_origins", "server.allowed_hosts",
+                 "server.ops_keys", "403", "415", "content-type: application/json",
+                 "no CORS headers", "(docs/security.md)"):
+        assert said in section, said
+    depth = code_constant("gateway/wire/validate.py", "MAX_BODY_DEPTH")
+    values = code_constant("gateway/wire/validate.py", "MAX_BODY_VALUES")
+    assert f"{depth} levels" in section and f"{values:,} values" in section
+
+
 def test_the_readme_keeps_the_test_command_in_a_code_block() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     code = [line for line in text.splitlines() if line not in prose_lines(text)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import time
 import tracemalloc
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from gateway.wire.validate import (
     MAX_BODY_DEPTH,
     MAX_BODY_VALUES,
     check_body,
+    count_values,
     parse_body,
     parse_body_counted,
     scan_work,
@@ -106,6 +108,50 @@ def test_routing_names_refused_in_metadata_are_refused_at_the_top_and_in_extra_b
         assert info.value.param is not None and info.value.param.endswith(field)
 
 
+def unterminated_escaped_quotes(tail_bytes: int, unit: bytes = b'\\"') -> bytes:
+    """Past the value limit in commas (so the strings are cut out and counted again), then
+    one string that never ends, made of escaped quotes: every quote in it starts a string."""
+    return (b'{"model": "m", "x": [' + b"0," * MAX_BODY_VALUES + b'0], "y": "'
+            + unit * (tail_bytes // len(unit)))
+
+
+def test_an_unterminated_string_of_escaped_quotes_is_counted_without_rescanning_it() -> None:
+    """A string the scan could not end made it start again at each quote inside it and read
+    to the end of the body each time: quadratic, hours of CPU for a 4 MiB body. Counting is
+    linear (tens of milliseconds for 4 MiB), so the bound on process time below is not a
+    measurement of speed: it is tens of times the linear figure and only the quadratic scan
+    can cross it. The body doubles from 32 KiB, so such a scan fails at a size that takes
+    seconds, not at the 4 MiB that would take hours."""
+    tail = 32 * 1024
+    while tail <= 4 * MiB:
+        raw = unterminated_escaped_quotes(tail)
+        start = time.process_time()
+        values, _ = count_values(raw)
+        spent = time.process_time() - start
+        assert values > MAX_BODY_VALUES
+        assert spent < 2.0, (len(raw), spent)
+        tail *= 2
+
+
+@pytest.mark.parametrize("where", ["top", "metadata"])
+def test_a_long_key_of_many_words_is_checked_in_memory_a_few_times_its_length(
+    where: str,
+) -> None:
+    """Each key is checked for routing names; splitting a 4 MiB key into its two million
+    words held them all at once (hundreds of megabytes), where the check needs only the
+    first word and the key without its separators."""
+    key = "a1" * (2 * MiB - 40)
+    body = {key: 0} if where == "top" else {"metadata": {key: 0}}
+    raw = body_of(**body)
+    tracemalloc.start()
+    try:
+        checked(raw)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * len(raw), peak / len(raw)
+
+
 # ---- seeded fuzz -----------------------------------------------------------------------------
 
 Shape = Callable[[random.Random, int], bytes]
@@ -147,8 +193,22 @@ def _random_tree(rng: random.Random, size: int) -> bytes:
     return body_of(metadata=tree(size, 0), extra_body=tree(size, 0))
 
 
+def _humped_key(rng: random.Random, size: int) -> bytes:
+    # a word every character or two, at the top level or in `metadata`
+    unit = rng.choice(["a1", "aB", "Ab1", "a_"])
+    key = unit * max(1, (size - 40) // len(unit))
+    return body_of(**({key: 0} if rng.random() < 0.5 else {"metadata": {key: 0}}))
+
+
+def _escaped_quotes(rng: random.Random, size: int) -> bytes:
+    # escaped quotes or quote-backslash pairs, the string ending there or on a lone backslash
+    raw = unterminated_escaped_quotes(size, rng.choice([b'\\"', b'"\\']))
+    return raw + rng.choice([b"", b"\\"])
+
+
 SHAPES: dict[str, Shape] = {"long_key_list": _long_key_list, "small_objects": _small_objects,
-                            "deep": _deep, "prose": _prose, "random_tree": _random_tree}
+                            "deep": _deep, "prose": _prose, "random_tree": _random_tree,
+                            "escaped_quotes": _escaped_quotes, "humped_key": _humped_key}
 
 
 def checked(raw: bytes) -> int:
