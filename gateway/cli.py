@@ -293,6 +293,10 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--rate-limit-window-ms", type=argtypes.non_negative, default=d.rate_limit_window * 1000,
         help="the quota's window, from the first request, ms (default %(default)s)")
     opt("--seed", type=int, default=None, help="seed for reproducible draws (default: random)")
+    opt("--draws", choices=("sequence", "request"), default=d.draws,
+        help="sequence: each request takes the next seeded draws; request: drawn from the seed "
+        "and the request's messages, equal for equal requests whatever their order "
+        "(default %(default)s)")
 
 
 def sim_profile(ns: argparse.Namespace) -> SimProfile:
@@ -316,6 +320,7 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
         hang_probability=ns.hang_probability,
         midstream_error_probability=ns.midstream_error_probability,
         seed=ns.seed,
+        draws=ns.draws,
         prefill_ms_per_1k=ns.prefill_ms_per_1k,
         prefix_cache_entries=ns.prefix_cache_entries,
         rate_limit_requests=ns.rate_limit_requests,

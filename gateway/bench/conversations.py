@@ -50,6 +50,8 @@ from gateway.bench import servers
 from gateway.bench.external import MAX_TOKENS, base_url, served_models
 from gateway.bench.policies import Conversation, Model, best_policies
 from gateway.bench.procs import Children, free_port, wait_ready
+from gateway.hedge.affinity import route_for
+from gateway.settings import AffinitySettings
 
 POOL = "bench"
 MODES = ("sticky", "hedging-off", "hedging-on", "no-affinity")
@@ -60,7 +62,7 @@ BACKENDS = 3
 #: the simulators' profile: the stragglers workload plus 60 ms of prefill per 1k uncached tokens
 SIM_ARGS = ("--ttft-median-ms", "150", "--ttft-sigma", "0.25", "--straggler-probability",
             "0.03", "--straggler-extra-ms", "1500", "--tokens", "30", "--inter-token-ms", "5",
-            "--prefill-ms-per-1k", "60")
+            "--prefill-ms-per-1k", "60", "--draws", "request")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +132,37 @@ def size_classes(plan: ConversationPlan) -> list[int]:
     return [rng.choices(sizes, weights=weights)[0] for _ in range(plan.conversations)]
 
 
-def sticky_backend(conversation: int, backends: int) -> int:
-    digest = hashlib.blake2b(f"conversation-{conversation}".encode(), digest_size=8).digest()
+def backend_names(count: int) -> list[str]:
+    """The backends' names, in the gateway's pool and as the sticky client labels them."""
+    return [f"sim-{chr(97 + k)}" for k in range(count)]
+
+
+def first_messages(plan: ConversationPlan, number: int, size: int,
+                   mode: str) -> list[dict[str, str]]:
+    """A conversation's opening messages. Against real servers (which keep their caches from
+    mode to mode) the system prompt names the mode, so no mode reuses another's prefix."""
+    tag = f"system-{mode}" if plan.upstreams else "system"
+    return [{"role": "system", "content": words(plan.system_tokens, tag)},
+            {"role": "user", "content": words(size, f"c{number}t0")}]
+
+
+def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int) -> int:
+    """The one backend the sticky client keeps conversation `number` on: its home by the
+    gateway's own key and order (`gateway.hedge.affinity`), so that both place a turn on the
+    same backend, where the simulators (`--draws request`) give it the same luck; the modes
+    then differ by what the gateway does, not by the draws. A conversation too short for a key
+    goes by a hash of its number."""
+    messages = first_messages(plan, number, size, "sticky")
+    body = {"model": "sim", "messages": messages, "stream": True,
+            "stream_options": {"include_usage": True}}
+    names = backend_names(backends)
+    route = route_for(body, {}, [(name, 1.0) for name in names],
+                      min_input_tokens=plan.min_input_tokens or AffinitySettings().min_input_tokens,
+                      load_factor=AffinitySettings().load_factor,
+                      body_bytes=len(json.dumps(body).encode()))
+    if route is not None:
+        return names.index(route.order[0])
+    digest = hashlib.blake2b(f"conversation-{number}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % backends
 
 
@@ -140,11 +171,12 @@ def gateway_yaml(port: int, upstreams: Sequence[int | str], hedging: bool,
                  min_input_tokens: int | None = None) -> str:
     """The gateway's configuration over `upstreams`: simulator ports on loopback, or base
     URLs (with `models`, the model each serves)."""
-    backends = [{"name": f"sim-{chr(97 + k)}", "provider": "openai",
+    backends = [{"name": name, "provider": "openai",
                  "model": models[k] if models else "sim",
                  "base_url": f"http://127.0.0.1:{u}/v1" if isinstance(u, int) else u,
                  "group": f"zone-{chr(97 + k)}"}
-                for k, u in enumerate(upstreams)]
+                for k, (name, u) in enumerate(zip(backend_names(len(upstreams)), upstreams,
+                                                  strict=True))]
     config = {"server": {"host": "127.0.0.1", "port": port}, "hedging": {"enabled": hedging},
               "affinity": {"enabled": affinity},
               "pools": [{"name": POOL, "backends": backends, "timeout": "120s",
@@ -201,10 +233,7 @@ async def _conversation(client: httpx.AsyncClient, url: str, model: str, number:
 
 async def _turns(client: httpx.AsyncClient, url: str, model: str, number: int, size: int,
                  plan: ConversationPlan, out: list[Turn], mode: str) -> None:
-    tag = f"system-{mode}" if plan.upstreams else "system"
-    messages: list[dict[str, str]] = [
-        {"role": "system", "content": words(plan.system_tokens, tag)},
-        {"role": "user", "content": words(size, f"c{number}t0")}]
+    messages = first_messages(plan, number, size, mode)
     previous = 0
     for index in range(plan.turns):
         turn = Turn(number, index, size, previous_prompt=previous)
@@ -266,9 +295,9 @@ async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> Mo
         tasks = []
         for number, size in enumerate(sizes):
             if gateway is None:
-                k = sticky_backend(number, len(bases))
+                k = sticky_backend(plan, number, size, len(bases))
                 url, model = f"{bases[k]}/chat/completions", models[k]
-                label = f"sim-{chr(97 + k)}"
+                label = backend_names(len(bases))[k]
             else:
                 url, model, label = gateway + "/v1/chat/completions", POOL, ""
             own: list[Turn] = []

@@ -188,6 +188,11 @@ class SimProfile(Checked):
         _probability, "share that fail in-band after a few tokens"))
     seed: int | None = field(default=None, metadata=scalar(
         cv.optional(cv.integer(0)), "integer >= 0 for a repeatable sequence; null: random"))
+    draws: str = field(default="sequence", metadata=scalar(
+        cv.choice(("sequence", "request")), "sequence: each request takes the next draws of "
+        "the seeded sequence; request: a request's draws follow from the seed and its "
+        "messages, so the same request meets the same luck whatever came before it (the "
+        "benchmarks compare modes on equal draws)"))
     prefill_ms_per_1k: float = field(default=0.0, metadata=scalar(
         cv.number(0), "milliseconds added to the TTFT per 1,000 input tokens (about 4 bytes "
         "of text each) not in this backend's prefix cache; 0: no prefill time and no cache"))

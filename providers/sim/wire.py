@@ -21,6 +21,7 @@ field, because bodies are forwarded unchanged to real upstreams too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -129,6 +130,20 @@ def output_limit(body: Mapping[str, Any], api: Api) -> int | None:
     return max(0, min(caps)) if caps else None
 
 
+#: the body fields that say what a request asks, in every API (its model and options aside)
+_ASKED = ("messages", "system", "input", "prompt")
+
+
+def request_rng(salt: bytes, body: Mapping[str, Any], endpoint: str) -> random.Random:
+    """The draws of one request under `draws: request`: seeded by the backend's salt, the
+    endpoint and what the request asks, so equal requests get equal draws on this backend
+    whatever arrived before them, and a copy on another backend (another salt) gets its own."""
+    asked = json.dumps([endpoint, *(body.get(k) for k in _ASKED)], sort_keys=True,
+                       separators=(",", ":"), default=str).encode()
+    digest = hashlib.blake2b(asked, key=salt, digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "big"))
+
+
 class SimModel:
     """Draws plans from a profile. Each plan consumes the same number of draws from `rng`, so
     a seeded model gives the same TTFT sequence whatever the fault settings are (and whatever
@@ -137,6 +152,10 @@ class SimModel:
     def __init__(self, profile: SimProfile, rng: random.Random) -> None:
         self.profile = profile
         self._rng = rng
+        #: `draws: request`: what, with the request's messages, seeds its draws (from `rng`,
+        #: so each seeded backend has its own luck)
+        self._salt = rng.getrandbits(64).to_bytes(8, "big") if profile.draws == "request" \
+            else None
         #: the backend's prompt cache, when the profile models prefill
         self.cache = PrefixCache(profile.prefix_cache_entries) if profile.prefill_ms_per_1k > 0 \
             else None
@@ -144,10 +163,11 @@ class SimModel:
     def plan(self, body: Mapping[str, Any], *, endpoint: str = "chat/completions",
              ttft_override: float | None = None) -> SimPlan:
         p = self.profile
-        u_fault = self._rng.random()
-        z = self._rng.gauss(0.0, 1.0)
-        u_straggler = self._rng.random()
-        u_after = self._rng.random()
+        rng = self._rng if self._salt is None else request_rng(self._salt, body, endpoint)
+        u_fault = rng.random()
+        z = rng.gauss(0.0, 1.0)
+        u_straggler = rng.random()
+        u_after = rng.random()
 
         if ttft_override is not None:
             ttft = ttft_override

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import yaml
 
 from gateway.bench.conversations import (
     ConversationPlan,
     ModeResult,
     Turn,
+    backend_names,
+    first_messages,
     format_table,
     gateway_yaml,
     size_classes,
@@ -15,6 +19,7 @@ from gateway.bench.conversations import (
     summarize,
     words,
 )
+from gateway.hedge.affinity import route_for
 from gateway.settings import parse_settings
 
 
@@ -33,8 +38,23 @@ def test_a_token_is_four_bytes_and_a_word() -> None:
 
 
 def test_the_sticky_client_keeps_a_conversation_on_one_backend_and_spreads_them() -> None:
-    assert sticky_backend(5, 3) == sticky_backend(5, 3)
-    assert {sticky_backend(n, 3) for n in range(30)} == {0, 1, 2}
+    plan = ConversationPlan()
+    assert sticky_backend(plan, 5, 200, 3) == sticky_backend(plan, 5, 200, 3)
+    assert {sticky_backend(plan, n, 200, 3) for n in range(30)} == {0, 1, 2}
+
+
+def test_the_sticky_client_keeps_a_conversation_where_the_gateway_puts_it_first() -> None:
+    """Same backend, same draws: the sticky client's backend for a conversation is the first
+    of the gateway's order for the key the gateway derives from the same body."""
+    plan = ConversationPlan()
+    names = backend_names(3)
+    for number in range(12):
+        body = {"model": "bench", "messages": first_messages(plan, number, 200, "sticky"),
+                "stream": True}  # as the gateway receives it: the pool for a model
+        route = route_for(body, {}, [(n, 1.0) for n in names], min_input_tokens=1024,
+                          load_factor=1.25, body_bytes=len(json.dumps(body)))
+        assert route is not None
+        assert names[sticky_backend(plan, number, 200, 3)] == route.order[0]
 
 
 def test_the_gateway_config_loads() -> None:

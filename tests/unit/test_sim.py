@@ -371,3 +371,21 @@ def test_profile_from_command_line_options(capsys: pytest.CaptureFixture[str]) -
     # the command says so and exits 2 (no traceback, no server started)
     assert main(too_many) == 2
     assert "add up to more than 1" in capsys.readouterr().err
+
+
+def test_request_draws_follow_the_request_not_the_order() -> None:
+    """`draws: request`: a request meets the same TTFT on a backend whatever came before it,
+    another request or another backend's seed its own."""
+    profile = SimProfile(draws="request", straggler_probability=0.5)
+    one = {"messages": [{"role": "user", "content": "one"}]}
+    two = {"messages": [{"role": "user", "content": "two"}]}
+    first, second = SimModel(profile, random.Random(7)), SimModel(profile, random.Random(7))
+    a = [first.plan(one).ttft, first.plan(two).ttft]
+    b = [second.plan(two).ttft, second.plan(one).ttft]
+    assert a == b[::-1]
+    assert a[0] != a[1]
+    others = {SimModel(profile, random.Random(seed)).plan(one).ttft for seed in range(8)}
+    assert len(others) == 8
+    # by default the seeded sequence decides: the same request again gets the next draws
+    seq = SimModel(SimProfile(), random.Random(7))
+    assert seq.plan(one).ttft != seq.plan(one).ttft
