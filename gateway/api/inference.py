@@ -1,4 +1,5 @@
-"""The inference routes, in one table: method, path, route, whether it streams, error shape.
+"""The inference routes, in one table: method, path, route, whether it streams, error shape,
+whether it is hedged.
 
 The routers (`gateway.api.chat`, `.responses`, `.messages`) register these routes and the
 error handler answers them in the shape given here (`gateway.api.common.protocol_for_path`);
@@ -36,6 +37,9 @@ class InferenceRoute:
     stored: bool = False
     #: the key may come as `x-api-key` as well as a Bearer token (Anthropic's SDKs)
     x_api_key: bool = False
+    #: one attempt at a time, never hedged: a token count is cheap and its answer the same
+    #: from any backend; a stored response is held by one backend only
+    single: bool = False
 
 
 INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
@@ -45,17 +49,17 @@ INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
     InferenceRoute("POST", "/v1/embeddings", "embeddings", False, "openai", "input"),
     InferenceRoute("POST", "/v1/responses", "responses", True, "openai", None),
     InferenceRoute("GET", "/v1/responses/{response_id}", "responses/item", False, "openai",
-                   None, stored=True),
+                   None, stored=True, single=True),
     InferenceRoute("DELETE", "/v1/responses/{response_id}", "responses/item", False,
-                   "openai", None, stored=True),
+                   "openai", None, stored=True, single=True),
     InferenceRoute("POST", "/v1/responses/{response_id}/cancel", "responses/item", False,
-                   "openai", None, stored=True),
+                   "openai", None, stored=True, single=True),
     InferenceRoute("GET", "/v1/responses/{response_id}/input_items", "responses/item", False,
-                   "openai", None, stored=True),
+                   "openai", None, stored=True, single=True),
     InferenceRoute("POST", "/v1/messages", "messages", True, "anthropic", "messages",
                    x_api_key=True),
     InferenceRoute("POST", "/v1/messages/count_tokens", "messages/count_tokens", False,
-                   "anthropic", "messages", x_api_key=True),
+                   "anthropic", "messages", x_api_key=True, single=True),
 )
 
 #: the paths under which errors take Anthropic's shape, even on a path no route matched (a

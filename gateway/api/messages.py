@@ -39,7 +39,7 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
-    async def inference(request: Request, entry: InferenceRoute, *, single: bool) -> Response:
+    async def inference(request: Request, entry: InferenceRoute) -> Response:
         if ring.digests:
             await guard(request)
         check_json_type(request)
@@ -56,7 +56,8 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
         headers = {k.lower(): v for k, v in request.headers.items()}
         forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
         req = LogicalRequest(request_id_of(request), entry.endpoint, body, stream, headers,
-                             protocol=COUNT_TOKENS if single else MESSAGES, single=single,
+                             protocol=COUNT_TOKENS if entry.single else MESSAGES,
+                             single=entry.single,
                              forward_headers=forward, route=entry.path, model=logged_model,
                              body_bytes=len(raw))
         return await proxy.handle(request, pool, req)
@@ -66,10 +67,10 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
 
     @fast.post(router, create.path)
     async def messages(request: Request) -> Response:
-        return await inference(request, create, single=False)
+        return await inference(request, create)
 
     @fast.post(router, count.path)
     async def count_tokens(request: Request) -> Response:
-        return await inference(request, count, single=True)
+        return await inference(request, count)
 
     return router

@@ -173,7 +173,7 @@ def build_responses_router(
                             IdRewriter([(ref.upstream_id, response_id)]))
         req = LogicalRequest(
             request_id_of(request), "responses/item", {}, False, headers_of(request),
-            protocol=RESPONSES_ITEM, single=True, pinned=ref.backend, method=entry.method,
+            protocol=RESPONSES_ITEM, single=entry.single, pinned=ref.backend, method=entry.method,
             path=f"responses/{quote(ref.upstream_id, safe='')}{suffix}", query=query,
             on_commit=lambda _backend, _events: rewrite, metered=False, route=entry.path,
         )

@@ -7,6 +7,14 @@ shape, then that the admission slot, the pool's in-flight count and every backen
 concurrency slot are back to zero and that the bug was counted. The automatic leak check
 runs at the end of each case too. Before the fix, a step that raised answered uvicorn's
 plain-text 500, and one after admission kept its slot for good.
+
+The cases are generated from the route table (`gateway.api.inference.INFERENCE_ROUTES`):
+each step says from the route's fields whether a request goes through it (a stored-response
+operation reads no body, a route of one attempt asks no hedge rule, only a stream is
+relayed), and each answer is checked in the route's error shape. A step of the route's own
+code, or one only some routes take, is tried on every route, streamed and whole; a step of
+the proxy that every request takes alike, on the first route of each error shape and way of
+routing (`REPRESENTATIVES`). A route added to the table joins at the steps it has.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute
 from gateway.app import create_app
 from gateway.settings import (
     BackendSettings,
@@ -119,61 +128,132 @@ class Step:
     #: attempt (the race counts it as that attempt's failure and no attempt is left); 200
     #: when the answer was out before the step (the request's end, a cut stream)
     status: int = 500
-    #: the step exists only for streamed (True) or whole (False) answers
-    stream: bool | None = None
+    #: whether a request to the route, streamed or not, goes through the step: read from the
+    #: route table, so a new route is tried at exactly the steps it has
+    applies: Callable[[InferenceRoute, bool], bool] = lambda route, stream: True
     #: the bug is counted in `Stats.internal_errors` (an attempt's is a backend failure)
     counted: bool = True
+    #: the step is the proxy's, past the route's own code, and every route goes through it
+    #: alike: it is tried on the first route of each kind (`REPRESENTATIVES`) only, as the
+    #: other routes would run the same code again (every route at every step is nearly twice
+    #: the cases, and the run time)
+    shared: bool = False
 
+
+def _bodied(route: InferenceRoute, stream: bool) -> bool:
+    """A stored-response operation has no body: its id, in the path, is all it reads."""
+    return not route.stored
+
+
+def _stored(route: InferenceRoute, stream: bool) -> bool:
+    return route.stored
+
+
+def _hedged(route: InferenceRoute, stream: bool) -> bool:
+    """A route of one attempt at a time never asks whether it may be hedged."""
+    return not route.single
+
+
+def _whole_generation(route: InferenceRoute, stream: bool) -> bool:
+    """The usage is read from a whole answer of a generation; a read of stored state counts
+    no tokens (it repeats a past generation's usage)."""
+    return not stream and not route.stored
+
+
+def _streamed(route: InferenceRoute, stream: bool) -> bool:
+    return stream
+
+
+#: the modules whose routes read and check a body (their names, as imported there)
+_ROUTERS = ("gateway.api.chat", "gateway.api.responses", "gateway.api.messages")
 
 STEPS = (
-    Step("body read", _patch(("gateway.api.chat", "read_body", _araise),
-                             ("gateway.api.responses", "read_body", _araise),
-                             ("gateway.api.messages", "read_body", _araise))),
-    Step("body parse", _patch(("gateway.api.chat", "parse_body", _raise),
-                              ("gateway.api.responses", "parse_body", _raise),
-                              ("gateway.api.messages", "parse_body", _raise))),
-    Step("validation", _patch(("gateway.api.chat", "check_body", _raise),
-                              ("gateway.api.responses", "check_body", _raise),
-                              ("gateway.api.messages", "check_body", _raise))),
+    Step("body read", _patch(*((m, "read_body", _araise) for m in _ROUTERS)),
+         applies=_bodied),
+    Step("body parse", _patch(*((m, "parse_body", _raise) for m in _ROUTERS)),
+         applies=_bodied),
+    Step("validation", _patch(*((m, "check_body", _raise) for m in _ROUTERS)),
+         applies=_bodied),
+    Step("response id", _patch(("gateway.api.stored.ResponseIds", "read", _raise)),
+         applies=_stored),
     Step("pool lookup", _break_pool_lookup),
-    Step("eligibility", _patch(("gateway.api.proxy", "excluded_backends", _raise))),
-    Step("admission", _patch(("gateway.api.proxy.Admission", "enter", _raise))),
-    Step("hedge rules", _patch(("gateway.api.proxy", "hedge_refusal", _raise))),
-    Step("deadline", _patch(("gateway.api.proxy.Proxy", "deadline", _raise))),
-    Step("usage request", _patch(("gateway.api.proxy", "ask_for_usage", _raise))),
-    Step("hedge delays", _patch(("gateway.hedge.pool.PoolRuntime", "sized", _raise))),
-    Step("request size", _patch(("gateway.hedge.pool.PoolRuntime", "size_of", _raise))),
-    Step("race start", _patch(("gateway.hedge.race.Race", "run", _araise))),
-    Step("backend choice", _patch(("gateway.hedge.balancer.Balancer", "pick", _raise))),
+    Step("eligibility", _patch(("gateway.api.proxy", "excluded_backends", _raise)),
+         shared=True),
+    Step("admission", _patch(("gateway.api.proxy.Admission", "enter", _raise)),
+         shared=True),
+    Step("hedge rules", _patch(("gateway.api.proxy", "hedge_refusal", _raise)),
+         applies=_hedged),
+    Step("deadline", _patch(("gateway.api.proxy.Proxy", "deadline", _raise)),
+         shared=True),
+    Step("usage request", _patch(("gateway.api.proxy", "ask_for_usage", _raise)),
+         shared=True),
+    Step("hedge delays", _patch(("gateway.hedge.pool.PoolRuntime", "sized", _raise)),
+         shared=True),
+    Step("request size", _patch(("gateway.hedge.pool.PoolRuntime", "size_of", _raise)),
+         shared=True),
+    Step("race start", _patch(("gateway.hedge.race.Race", "run", _araise)),
+         shared=True),
+    Step("backend choice", _patch(("gateway.hedge.balancer.Balancer", "pick", _raise)),
+         shared=True),
     Step("attempt open", _patch(("providers.sim.provider.SimProvider", "open", _araise)),
-         status=502, counted=False),
+         status=502, counted=False, shared=True),
     Step("first token", _patch(("gateway.api.proxy", "open_until_first_token", _araise),
                                ("gateway.api.proxy", "open_whole_response", _araise)),
-         status=502, counted=False),
-    Step("commit", _patch(("gateway.hedge.race.Race", "_commit", _raise))),
-    Step("usage read", _patch(("gateway.api.proxy", "body_usage", _raise)), stream=False),
-    Step("relay start", _patch(("gateway.api.proxy", "relay", _raise)), stream=True),
-    Step("relay mid-stream", _cut_relay, status=200, stream=True),
+         status=502, counted=False, shared=True),
+    Step("commit", _patch(("gateway.hedge.race.Race", "_commit", _raise)),
+         shared=True),
+    Step("usage read", _patch(("gateway.api.proxy", "body_usage", _raise)),
+         applies=_whole_generation),
+    Step("relay start", _patch(("gateway.api.proxy", "relay", _raise)), applies=_streamed),
+    Step("relay mid-stream", _cut_relay, status=200, applies=_streamed),
     Step("stats record", _patch(("gateway.stats.record.Stats", "record", _raise)),
-         status=200),
-    Step("log line", _patch(("gateway.api.end", "log_request", _raise)), status=200),
+         status=200, shared=True),
+    Step("log line", _patch(("gateway.api.end", "log_request", _raise)), status=200,
+         shared=True),
 )
 
-#: (path, body, error shape) of the routes the steps are tried on
-ROUTES: dict[str, tuple[str, dict[str, Any], str]] = {
-    "chat": ("/v1/chat/completions",
-             {"messages": [{"role": "user", "content": "hi"}]}, "openai"),
-    "messages": ("/v1/messages",
-                 {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
-                 "anthropic"),
-}
+PROMPTS: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}],
+                           "prompt": "hi", "input": "hi"}
+
+
+def body_for(route: InferenceRoute, stream: bool) -> dict[str, Any] | None:
+    """The smallest valid request to the route (None: the route takes no body)."""
+    if route.stored:
+        return None
+    body: dict[str, Any] = {"model": POOL, "stream": stream}
+    if route.prompt is not None:
+        body[route.prompt] = PROMPTS[route.prompt]
+    if route.endpoint == "responses":
+        body["input"] = "hi"
+    if route.errors == "anthropic":
+        body["max_tokens"] = 8
+    return body
+
+
+def _name(route: InferenceRoute) -> str:
+    return f"{route.method} {route.path}"
+
+
+def _first_of_each_kind() -> tuple[InferenceRoute, ...]:
+    """The first route of the table in each error shape and each way a request reaches its
+    route (the fast path; the framework's routing, for a path with a stored response's id):
+    past the route's own code, what differs between routes is how an error is answered and
+    how the slots are given back."""
+    first: dict[tuple[str, bool], InferenceRoute] = {}
+    for route in INFERENCE_ROUTES:
+        first.setdefault((route.errors, route.stored), route)
+    return tuple(first.values())
+
+
+REPRESENTATIVES = _first_of_each_kind()
 
 CASES = [
-    pytest.param(step, route, stream, id=f"{step.name}-{route}-{'stream' if stream else 'json'}")
+    pytest.param(step, route, stream,
+                 id=f"{step.name}-{_name(route)}-{'stream' if stream else 'json'}")
     for step in STEPS
-    for route in ROUTES
-    for stream in (False, True)
-    if step.stream in (None, stream)
+    for route in INFERENCE_ROUTES
+    for stream in ((False, True) if route.streams else (False,))
+    if step.applies(route, stream) and (route in REPRESENTATIVES or not step.shared)
 ]
 
 
@@ -219,21 +299,46 @@ def check_shape(body: Any, shape: str, status: int) -> None:
         assert body["error"]["type"] in ("server_error", "upstream_error"), body
 
 
+def check_stream_error(raw: bytes, shape: str) -> None:
+    """The stream's last event is an error in the route's protocol: Anthropic's `error`
+    event, the Responses API's `error` event, or chat's data-only error payload."""
+    last = raw.decode().replace("\r\n", "\n").strip().split("\n\n")[-1]
+    head, _, data = last.partition("data: ")
+    payload = json.loads(data)
+    if shape == "anthropic":
+        assert head == "event: error\n", raw
+        assert payload["type"] == "error" and payload["error"]["type"] == "api_error", raw
+    elif head:  # a protocol that names its events
+        assert head == "event: error\n", raw
+        assert payload["type"] == "error" and payload["code"] == "internal_error", raw
+    else:
+        assert payload["error"]["code"] == "internal_error", raw
+
+
+def stored_path(client: httpx.Client, route: InferenceRoute) -> str:
+    """The route's path with a response the gateway stored (made before the step breaks)."""
+    made = client.post("/v1/responses", json={"model": POOL, "input": "hi"})
+    assert made.status_code == 200, made.text
+    return route.path.replace("{response_id}", made.json()["id"])
+
+
 @pytest.mark.parametrize(("step", "route", "stream"), CASES)
 def test_a_bug_at_any_step_is_answered_in_the_route_shape_and_releases_everything(
-    step: Step, route: str, stream: bool, asgi_server: AsgiServerFactory,
+    step: Step, route: InferenceRoute, stream: bool, asgi_server: AsgiServerFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     app = create_app(settings(), seed=1)
     server = asgi_server(app)
-    path, body, shape = ROUTES[route]
-    before = app.state.stats.internal_errors
-    HITS.clear()
-    step.breaks(monkeypatch, app)
-    with httpx.Client(base_url=server.base_url, timeout=10.0, trust_env=False) as client, \
-            client.stream("POST", path, json={"model": POOL, "stream": stream, **body}) as r:
-        raw = r.read()
-        status, content_type = r.status_code, r.headers.get("content-type", "")
+    body = body_for(route, stream)
+    with httpx.Client(base_url=server.base_url, timeout=10.0, trust_env=False) as client:
+        path = stored_path(client, route) if route.stored else route.path
+        _wait_released(app)
+        before = app.state.stats.internal_errors
+        HITS.clear()
+        step.breaks(monkeypatch, app)
+        with client.stream(route.method, path, json=body) as r:
+            raw = r.read()
+            status, content_type = r.status_code, r.headers.get("content-type", "")
     _wait_released(app)
     if step.counted:  # the request's end may still be recording it: poll, bounded
         deadline = time.monotonic() + 5.0
@@ -244,14 +349,9 @@ def test_a_bug_at_any_step_is_answered_in_the_route_shape_and_releases_everythin
     assert status == step.status, raw
     if status != 200:
         assert content_type.startswith("application/json"), raw
-        check_shape(json.loads(raw), shape, status)
+        check_shape(json.loads(raw), route.errors, status)
     elif step.name == "relay mid-stream":  # a final error event in the route's shape
-        last = raw.decode().strip().split("\n\n")[-1]
-        if shape == "anthropic":
-            assert last.startswith("event: error\n"), raw
-            assert json.loads(last.split("data: ", 1)[1])["type"] == "error"
-        else:
-            assert json.loads(last.removeprefix("data: "))["error"]["code"] == "internal_error"
+        check_stream_error(raw, route.errors)
     if step.counted:  # and shown where an operator looks
         assert app.state.stats.internal_errors == before + 1
         shown = httpx.get(server.url("/hedge/stats"), timeout=5.0, trust_env=False).json()
@@ -260,26 +360,6 @@ def test_a_bug_at_any_step_is_answered_in_the_route_shape_and_releases_everythin
         assert f"hedge_gateway_internal_errors_total {before + 1}.0" in metrics
     # and the gateway serves the next request as if nothing had happened
     with httpx.Client(base_url=server.base_url, timeout=10.0, trust_env=False) as client:
-        again = client.post(path, json={"model": POOL, **body})
+        again = client.request(route.method, path, json=body_for(route, False))
     assert again.status_code == 200, again.text
-    _wait_released(app)
-
-
-def test_a_bug_on_a_framework_route_is_answered_in_its_shape(
-    asgi_server: AsgiServerFactory, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The stored-response operations are routed by the framework (their path has the id),
-    not by the fast path: a bug there is answered by the same rule."""
-    app = create_app(settings(), seed=1)
-    server = asgi_server(app)
-    HITS.clear()
-    monkeypatch.setattr("gateway.api.stored.ResponseIds.read", _raise)
-    with httpx.Client(base_url=server.base_url, timeout=10.0, trust_env=False) as client:
-        reply = client.get("/v1/responses/resp_1")
-    monkeypatch.undo()
-    assert HITS
-    assert reply.status_code == 500, reply.text
-    assert reply.headers["content-type"].startswith("application/json")
-    check_shape(reply.json(), "openai", 500)
-    assert app.state.stats.internal_errors == 1
     _wait_released(app)

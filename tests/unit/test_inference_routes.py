@@ -68,3 +68,9 @@ def test_only_the_routes_that_stream_are_marked_so() -> None:
     streaming = {r.endpoint for r in INFERENCE_ROUTES if r.streams}
     assert streaming == {"chat/completions", "completions", "responses", "messages"}
     assert all(not r.streams for r in INFERENCE_ROUTES if r.stored)
+
+
+def test_only_counting_tokens_and_the_stored_operations_are_never_hedged() -> None:
+    single = {r.endpoint for r in INFERENCE_ROUTES if r.single}
+    assert single == {"messages/count_tokens", "responses/item"}
+    assert all(r.single for r in INFERENCE_ROUTES if r.stored)
