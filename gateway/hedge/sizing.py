@@ -21,11 +21,12 @@ whose hedge goes back home).
 `ColdRule` is the rule the race asks before a hedge: a target other than the home must prefill
 the whole input, and when that prefill alone outlasts what the primary very likely still needs
 (`gateway.hedge.prefill.cold_hedge`), the hedge is not sent (counted `cold`). The placement asks
-the same rule before it spills a primary off a loaded home (`ColdRule.spill`): a later turn
-whose history would take longer to prefill elsewhere than its home very likely takes for the
-new part stays home, loaded or not. Bounded load keeps a hot set of conversations from piling
+a rule of the same kind before it spills a primary off a loaded home (`ColdRule.spill`): a
+conversation whose input would take longer to prefill elsewhere than the wait it could dodge
+at home stays home, loaded or not. Bounded load keeps a hot set of conversations from piling
 onto one backend; it should not send a 120,000-token history to be prefilled cold (seconds)
-to dodge a queue that costs less.
+to dodge a queue that costs less, nor cache a long first turn where its next turns will not
+go.
 """
 
 from __future__ import annotations
@@ -158,19 +159,23 @@ class ColdRule:
         return cold_hedge(elapsed=elapsed, primary_tail=tail, cold_prefill=prefill)
 
     def spill(self, target: str, now: float) -> bool:
-        """Whether a primary placed on `target` instead of its warm home would be cold: it
-        prefills the whole input there for longer than the home very likely needs for the new
-        part (its tail at that size). False without a home that holds a history, a fitted
-        rate at `target` or a learnt tail at the home: the spill goes ahead as before."""
+        """Whether placing the primary on `target` instead of its home would be cold: the
+        whole input prefilled where the conversation's turns do not go costs more than the
+        wait it could dodge at the home. A spill pays that prefill once, now (a later turn:
+        the history, again) or on the next turn (a first turn: the home never saw it); the
+        wait it dodges is at most the home's spread at this size (its q99 over its median,
+        queueing and stragglers included). False without a key, a fitted rate at `target`
+        or a learnt home: the spill goes ahead as before."""
         size = self.size
         home = size.home
-        if home is None or target == home or size.new >= size.tokens:
+        if home is None or target == home:
             return False
         target_classes, home_classes = self._classes.get(target), self._classes.get(home)
         if target_classes is None or home_classes is None:
             return False
         prefill = target_classes.cold_prefill(size.tokens)
         tail = home_classes.tail(size.new, now)
-        if prefill is None or tail is None:
+        median = home_classes.median(size.new, now)
+        if prefill is None or tail is None or median is None:
             return False
-        return cold_hedge(elapsed=0.0, primary_tail=tail, cold_prefill=prefill)
+        return prefill > tail - median

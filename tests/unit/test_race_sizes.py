@@ -260,31 +260,59 @@ def test_the_budget_in_input_tokens_refuses_a_long_copy_and_grants_a_short_one()
     assert again.kinds == ["primary", "hedge"] and again.winner == "hedge"
 
 
-@pytest.mark.parametrize("skip_cold", [True, False])
-def test_a_loaded_home_keeps_a_long_history_and_spills_a_short_one(skip_cold: bool) -> None:
-    """Bounded load spills a primary off its loaded home; the cold rule keeps a later turn of a
-    long conversation home (prefilling its 121,000-token history elsewhere takes 7 s, more
-    than the home's tail for the new 30,000) and lets a short one go (its 1,400 tokens cost
-    less than the home's tail for 200)."""
-    async def main(loop: VirtualLoop) -> tuple[Played, Played]:
+def _held(skip_cold: bool, slow_short_home: bool) -> list[Played]:
+    """After the conversations, four turns whose home b0 is loaded past its bound: a long
+    later turn, a long first turn, a short later turn, a short first turn. `slow_short_home`:
+    one short request in ten at b0 took 1.5 s more (its spread at that size is wide)."""
+    async def main(loop: VirtualLoop) -> list[Played]:
         pool = pool_for(skip_cold=skip_cold)
         await conversations(loop, pool, turns=TURNS, count=COUNT)
-        long_route = route_home(pool, "b0", "held-long")
-        short_route = route_home(pool, "b0", "held-short")
-        pool.memory.turn(long_route.key, SYSTEM + 3 * LONG)
-        pool.memory.turn(short_route.key, SYSTEM + 1 * SHORT)
+        if slow_short_home:
+            for n in range(200):
+                for tokens in (SHORT, SYSTEM + SHORT):  # a later and a first short turn
+                    pool.classes["b0"].observe(
+                        tokens, BASE + RATE * tokens + (STRAGGLE if n % 10 == 0 else 0.0),
+                        loop.time())
+            pool.refresh_delays(loop.time())
+        later_long = route_home(pool, "b0", "held-long")
+        later_short = route_home(pool, "b0", "held-short")
+        pool.memory.turn(later_long.key, SYSTEM + 3 * LONG)
+        pool.memory.turn(later_short.key, SYSTEM + 1 * SHORT)
+        first_long = route_home(pool, "b0", "first-long")
+        first_short = route_home(pool, "b0", "first-short")
         for _ in range(4):  # four streams of other conversations already on b0
             pool.balancer.on_start("b0")
-        long = await play_one(loop, pool, long_route, SYSTEM + 4 * LONG, straggler=False)
-        short = await play_one(loop, pool, short_route, SYSTEM + 2 * SHORT, straggler=False)
-        return long, short
+        return [await play_one(loop, pool, route, tokens, straggler=False)
+                for route, tokens in ((later_long, SYSTEM + 4 * LONG),
+                                      (first_long, SYSTEM + LONG),
+                                      (later_short, SYSTEM + 2 * SHORT),
+                                      (first_short, SYSTEM + SHORT))]
 
-    long, short = run_virtual(main)
-    assert short.race.attempts[0].backend == "b1"
-    assert short.race.placement.affinity == "spill" and not short.race.placement.held_home
-    if skip_cold:
-        assert long.race.attempts[0].backend == "b0"
-        assert long.race.placement.affinity == "hit" and long.race.placement.held_home
-    else:
-        assert long.race.attempts[0].backend == "b1"
-        assert long.race.placement.affinity == "spill"
+    return run_virtual(main)
+
+
+def _stayed(played: Played) -> bool:
+    placement = played.race.placement
+    home = played.race.attempts[0].backend == "b0"
+    assert placement.held_home is home and placement.affinity == ("hit" if home else "spill")
+    return home
+
+
+@pytest.mark.parametrize("skip_cold", [True, False])
+def test_a_loaded_home_keeps_its_conversations_while_a_spill_would_cost_more(
+        skip_cold: bool) -> None:
+    """Bounded load spills a primary off its loaded home; the cold rule keeps it home when
+    prefilling its input elsewhere (where its next turns will not go) costs more than the
+    wait it could dodge there, at most the home's spread at its size (q99 over median). A
+    calm home's is tens of milliseconds: every turn stays, the long first turn too (its
+    31,000 tokens would be cached where the next turns do not go)."""
+    played = _held(skip_cold, slow_short_home=False)
+    assert played[1].new == played[1].tokens  # no history: a first turn
+    assert [_stayed(p) for p in played] == [skip_cold] * 4
+
+
+def test_a_home_slow_at_a_size_lets_short_turns_spill_and_keeps_long_ones() -> None:
+    """At a home whose short requests straggle (a spread of 1.5 s), a short turn's cold
+    prefill elsewhere (84 ms) is worth the wait it dodges; a long one's (seconds) is not."""
+    played = _held(True, slow_short_home=True)
+    assert [_stayed(p) for p in played] == [True, True, False, False]
