@@ -38,6 +38,11 @@ from typing import Protocol
 from gateway.hedge.classes import ClassDelays
 from gateway.hedge.prefill import cold_hedge
 
+#: before anything is learnt, a spill of this many input tokens or more is taken as cold: at
+#: the prefill rates of the servers we front (a GPU server's thousands of tokens a second, a
+#: CPU's hundreds) it costs a second or more, more than bounded load's imbalance is likely to
+UNLEARNT_HOLD_TOKENS = 16_384
+
 
 class DelayReader(Protocol):
     """What the race reads of a backend's delay: `HedgeDelay` itself, or a `ClassView`."""
@@ -164,18 +169,19 @@ class ColdRule:
         wait it could dodge at the home. A spill pays that prefill once, now (a later turn:
         the history, again) or on the next turn (a first turn: the home never saw it); the
         wait it dodges is at most the home's spread at this size (its q99 over its median,
-        queueing and stragglers included). False without a key, a fitted rate at `target`
-        or a learnt home: the spill goes ahead as before."""
+        queueing and stragglers included). Before a rate is fitted at `target` and the home
+        has learnt this size (a pool just started or reloaded), an input of
+        `UNLEARNT_HOLD_TOKENS` or more is held and a shorter one spills. False without a
+        key."""
         size = self.size
         home = size.home
         if home is None or target == home:
             return False
         target_classes, home_classes = self._classes.get(target), self._classes.get(home)
-        if target_classes is None or home_classes is None:
-            return False
-        prefill = target_classes.cold_prefill(size.tokens)
-        tail = home_classes.tail(size.new, now)
-        median = home_classes.median(size.new, now)
+        prefill = None if target_classes is None else target_classes.cold_prefill(size.tokens)
+        tail = median = None
+        if home_classes is not None:
+            tail, median = home_classes.tail(size.new, now), home_classes.median(size.new, now)
         if prefill is None or tail is None or median is None:
-            return False
+            return size.tokens >= UNLEARNT_HOLD_TOKENS
         return prefill > tail - median

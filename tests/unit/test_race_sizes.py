@@ -316,3 +316,20 @@ def test_a_home_slow_at_a_size_lets_short_turns_spill_and_keeps_long_ones() -> N
     prefill elsewhere (84 ms) is worth the wait it dodges; a long one's (seconds) is not."""
     played = _held(True, slow_short_home=True)
     assert [_stayed(p) for p in played] == [True, True, False, False]
+
+
+def test_before_anything_is_learnt_a_long_input_is_held_and_a_short_one_spills() -> None:
+    """A pool just started knows no prefill rate: a spill of 16,384 input tokens or more is
+    taken as cold (a long first turn stays home, where its next turns go), a shorter one is
+    not."""
+    async def main(loop: VirtualLoop) -> list[Played]:
+        pool = pool_for()
+        routes = [route_home(pool, "b0", f"fresh-{n}") for n in range(2)]
+        for _ in range(4):
+            pool.balancer.on_start("b0")
+        return [await play_one(loop, pool, route, tokens, straggler=False)
+                for route, tokens in zip(routes, (SYSTEM + LONG, SYSTEM + 4 * SHORT),
+                                         strict=True)]
+
+    long, short = run_virtual(main)
+    assert [_stayed(long), _stayed(short)] == [True, False]
