@@ -47,7 +47,7 @@ import httpx
 import yaml
 
 from gateway.bench import servers
-from gateway.bench.external import MAX_TOKENS, base_url, served_models
+from gateway.bench.external import MAX_TOKENS, base_url, served_models, settle
 from gateway.bench.policies import Conversation, Model, best_policies
 from gateway.bench.procs import Children, free_port, wait_ready
 from gateway.hedge.affinity import route_for
@@ -272,6 +272,7 @@ async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> Mo
     async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
         if plan.upstreams:
             bases = [base_url(u) for u in plan.upstreams]
+            await settle(client, bases)
             models = await served_models(client, bases, plan.model)
         else:
             ports = await _start_sims(children, client, mode, plan.seed)

@@ -21,11 +21,14 @@ What differs from the simulated run, and why:
 - the gateway keys conversations from 64 input tokens (`affinity.min_input_tokens`; 1,024 by
   default), since these prompts are small: a small model's context must hold every turn,
   and on a CPU server every turn's prefill counts;
+- each mode waits until every server answers `GET /models` (up to 180 s), so none starts
+  while a server still works through the last mode's cancelled requests;
 - no policy simulation: its model is the simulators', which says nothing of these servers.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import httpx
@@ -42,6 +45,29 @@ MAX_TOKENS = 30
 def base_url(url: str) -> str:
     """The base URL as given, without a trailing slash."""
     return url.rstrip("/")
+
+
+#: how long a mode waits for the servers to answer `GET /models` before it starts: a server
+#: that answers one request at a time may still be finishing the last mode's cancelled work
+SETTLE_SECONDS = 180.0
+
+
+async def settle(client: httpx.AsyncClient, bases: Sequence[str],
+                 timeout: float = SETTLE_SECONDS) -> None:
+    """Wait until every server answers `GET /models`, so that no mode starts while a server
+    still works on the previous mode's requests. ValueError naming a server that does not
+    answer within `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    for base in bases:
+        while True:
+            try:
+                (await client.get(base + "/models", timeout=10.0)).raise_for_status()
+                break
+            except httpx.HTTPError as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ValueError(f"{base}/models did not answer within {timeout:.0f} s "
+                                     f"({type(exc).__name__})") from None
+                await asyncio.sleep(1.0)
 
 
 async def served_models(client: httpx.AsyncClient, bases: Sequence[str],
