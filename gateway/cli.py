@@ -353,7 +353,7 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per mode (default: per workload)")
     parser.add_argument("--concurrency", type=argtypes.positive,
                         help="requests in flight (default: per workload; conversations: "
-                             "conversations at once, default all, one per server with "
+                             "conversations at once, default all, as many as servers with "
                              "--upstream)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer requests per mode, and without --workload no slow shares:"

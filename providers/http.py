@@ -21,12 +21,15 @@ What this module adds around aiohttp, because the gateway needs it:
 - **A kept-alive connection the upstream closed as we reused it is no backend failure.**
   Inference servers close idle connections sooner than we drop them (uvicorn, under vLLM,
   SGLang and llama-cpp-python, after 5 s); when our loop is busy at that moment, its close is
-  still unread as we pick the connection, and the request meets a closed socket. The request
-  never reached the server, so it is sent once more on another connection (`_closed_idle`).
-  Without that it would fail over to another backend, cold for the conversation, and count
-  against a healthy one. Only a reused connection is retried (aiohttp's reuse signal), only
-  before the response head, only once: a fresh connection closed unanswered is the server's
-  doing and fails as before.
+  still unread as we pick the connection, and the request meets a closed socket. A POST that
+  fails so on a reused connection, before any byte of an answer, is sent again
+  (`_closed_idle`), up to `RESENDS` times, since the next idle connection may be as stale
+  (aiohttp hands out the oldest first); each try drops the dead one, so the last goes out on
+  a fresh connection at worst. Without that it would fail over to another backend, cold for
+  the conversation, and count against a healthy one. If the server did read it (it crashed
+  right then), the copy is what a failover would have sent anyway, only to the same backend.
+  A fresh connection closed unanswered is the server's doing and fails as before; other
+  methods are left to aiohttp, which resends idempotent ones once by itself.
 
 The session is created on first use, inside the running loop (aiohttp binds it to one).
 """
@@ -78,8 +81,9 @@ def translate(exc: aiohttp.ClientError | asyncio.TimeoutError) -> UpstreamError:
 
 
 #: the errors of a request sent on a connection the upstream had closed: its close read as we
-#: sent (EOF: `ServerDisconnectedError`) or the reset its kernel answered our request with
-_CLOSED_UNDER_US = frozenset({errno.ECONNRESET, errno.EPIPE})
+#: sent (EOF: `ServerDisconnectedError`), the reset its kernel answered our request with, or a
+#: write refused by the closing transport (aiohttp's "Can not write request body": no errno)
+_CLOSED_UNDER_US = frozenset({errno.ECONNRESET, errno.EPIPE, None})
 
 
 class _Reuse:
@@ -98,9 +102,13 @@ async def _on_reuse(session: aiohttp.ClientSession, context: object,
         holder.reused = True
 
 
+#: the times a POST that met a closed kept-alive connection is sent again (module docstring)
+RESENDS = 3
+
+
 def _closed_idle(exc: BaseException, reuse: _Reuse) -> bool:
     """The request met a kept-alive connection its upstream had closed (see the module
-    docstring): safe to send once more, since the upstream never read it."""
+    docstring): most likely unread by the upstream, so worth sending again."""
     if not reuse.reused or isinstance(exc, aiohttp.ClientConnectorError):
         return False
     if isinstance(exc, aiohttp.ServerDisconnectedError):
@@ -242,20 +250,21 @@ class UpstreamClient:
                     headers: Mapping[str, str], timeout: aiohttp.ClientTimeout,
                     params: Mapping[str, str] | Sequence[tuple[str, str]] | None
                     ) -> aiohttp.ClientResponse:
-        """The request up to its response head, sent a second time when the first met a
-        kept-alive connection the upstream had closed (`_closed_idle`)."""
+        """The request up to its response head; a POST that met a kept-alive connection its
+        upstream had closed is sent again, up to `RESENDS` times (`_closed_idle`)."""
         session = self._get_session()
-        reuse = _Reuse()
-        try:
-            return await session.request(
-                method, url, data=content, headers=headers, params=params, timeout=timeout,
-                allow_redirects=False, proxy=self.proxy, trace_request_ctx=reuse)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if not _closed_idle(exc, reuse):
-                raise
-        return await session.request(
-            method, url, data=content, headers=headers, params=params, timeout=timeout,
-            allow_redirects=False, proxy=self.proxy)
+        resends = RESENDS if method == "POST" else 0
+        while True:
+            reuse = _Reuse()
+            try:
+                return await session.request(
+                    method, url, data=content, headers=headers, params=params,
+                    timeout=timeout, allow_redirects=False, proxy=self.proxy,
+                    trace_request_ctx=reuse)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if resends <= 0 or not _closed_idle(exc, reuse):
+                    raise
+                resends -= 1
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -148,10 +148,11 @@ def first_messages(plan: ConversationPlan, number: int, size: int,
 
 def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int) -> int:
     """The one backend the sticky client keeps conversation `number` on: its home by the
-    gateway's own key and order (`gateway.hedge.affinity`), so that both place a turn on the
-    same backend, where the simulators (`--draws request`) give it the same luck; the modes
-    then differ by what the gateway does, not by the draws. A conversation too short for a key
-    goes by a hash of its number."""
+    gateway's own key and order (`gateway.hedge.affinity`). On simulators (whose prompts are
+    the same in every mode) both place a turn on the same backend, where `--draws request`
+    gives it the same luck: the modes then differ by what the gateway does, not by the draws.
+    Against real servers each mode's system prompt is its own, so the homes are drawn anew. A
+    conversation too short for a key goes by a hash of its number."""
     messages = first_messages(plan, number, size, "sticky")
     body = {"model": "sim", "messages": messages, "stream": True,
             "stream_options": {"include_usage": True}}

@@ -54,16 +54,16 @@ SETTLE_SECONDS = 180.0
 
 async def settle(client: httpx.AsyncClient, bases: Sequence[str],
                  timeout: float = SETTLE_SECONDS) -> None:
-    """Wait until every server answers `GET /models`, so that no mode starts while a server
-    still works on the previous mode's requests. ValueError naming a server that does not
-    answer within `timeout` seconds."""
+    """Wait until every server answers `GET /models` (any status), so that no mode starts
+    while a server is too busy with the previous mode's requests to answer at all.
+    ValueError naming a server that does not answer within `timeout` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout
     for base in bases:
         while True:
             try:
-                (await client.get(base + "/models", timeout=10.0)).raise_for_status()
+                await client.get(base + "/models", timeout=10.0)  # any answer will do
                 break
-            except httpx.HTTPError as exc:
+            except httpx.TransportError as exc:
                 if asyncio.get_running_loop().time() > deadline:
                     raise ValueError(f"{base}/models did not answer within {timeout:.0f} s "
                                      f"({type(exc).__name__})") from None

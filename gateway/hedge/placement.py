@@ -22,6 +22,9 @@ from gateway.hedge.sizing import ColdRule, DelayReader
 
 #: a race never starts more attempts than this, whatever `max_attempts` says
 MAX_ATTEMPTS_CAP = 5
+#: a loaded home keeps a conversation whose spill would be cold only while its attempts in
+#: flight are under this many times its bounded load
+HOLD_LOAD_FACTOR = 2
 
 
 @dataclass(slots=True)
@@ -132,18 +135,22 @@ class Placement:
                               exclude={*exclude, *outside}, avoid_groups=avoid_groups,
                               groups=self.pool.groups)
         if first and chosen is not None:
-            chosen = self._held_home(chosen, usable, now)
+            chosen = self._held_home(route, chosen, usable, inflight, members, now)
         if first:
             self.affinity = "spill" if chosen is None else route.outcome(chosen, members)
         return chosen
 
-    def _held_home(self, chosen: str, usable: Collection[str], now: float) -> str:
+    def _held_home(self, route: AffinityRoute, chosen: str, usable: Collection[str],
+                   inflight: Mapping[str, int], members: Collection[str], now: float) -> str:
         """The primary's home instead of `chosen` when bounded load alone spilled it (the home
-        is usable) and the spill would be cold (`ColdRule.spill`): a long history prefilled
-        elsewhere costs more than the home's queue is likely to."""
+        is usable, and under twice its bound: a pile-up past that spills whatever it costs)
+        and the spill would be cold (`ColdRule.spill`): a long history prefilled elsewhere
+        costs more than the home's queue is likely to."""
         rule = self.options.cold
         home = None if rule is None else rule.size.home
         if rule is None or home is None or home == chosen or home not in usable:
+            return chosen
+        if inflight.get(home, 0) >= HOLD_LOAD_FACTOR * route.capacity(home, inflight, members):
             return chosen
         self.held_home = rule.spill(chosen, now)
         return home if self.held_home else chosen

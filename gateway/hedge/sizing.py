@@ -169,8 +169,8 @@ class ColdRule:
         wait it could dodge at the home. A spill pays that prefill once, now (a later turn:
         the history, again) or on the next turn (a first turn: the home never saw it); the
         wait it dodges is at most the home's spread at this size (its q99 over its median,
-        queueing and stragglers included). Before a rate is fitted at `target` and the home
-        has learnt this size (a pool just started or reloaded), an input of
+        queueing and stragglers included). While no rate is fitted at `target` or the home
+        has not learnt this size (a pool just started), an input of
         `UNLEARNT_HOLD_TOKENS` or more is held and a shorter one spills. False without a
         key."""
         size = self.size

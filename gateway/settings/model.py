@@ -100,7 +100,8 @@ class HedgingSettings(Checked):
         BudgetSettings, "the token bucket that caps extra attempts"))
     skip_cold: bool = field(default=True, metadata=scalar(
         cv.boolean, "no hedge whose copy would prefill the whole input cold for longer "
-        "than the primary likely still needs (streams)"))
+        "than the primary likely still needs, and no spill off a loaded home that would "
+        "prefill it cold for longer than the wait it dodges (streams)"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,9 @@ vLLM, SGLang and llama-cpp-python); the gateway keeps them for 30. When the serv
 arrives while the gateway's event loop is busy, the close is still unread as the next request
 picks that connection, and the request meets a closed socket. Seen in the conversations
 benchmark: a turn failed over to another backend, cold for it, and prefilled its whole history
-there. The request never reached the server, so the client sends it once more on a fresh
-connection (`providers.http`), and only in that case.
+there. The request most likely never reached the server, so the client sends it again
+(`providers.http`): a POST, on a reused connection, up to three times (the next idle
+connection may be as stale), and only in that case.
 
 The upstream is a raw asyncio server in its own thread, so the test decides the order: it
 answers, closes, and tells the test; the test then blocks its own loop (as a busy gateway's
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
+import providers.http as http_module
 from gateway.errors import UpstreamDisconnected
 from providers.http import UpstreamClient
 
@@ -41,6 +43,7 @@ class ClosingUpstream:
     port: int = 0
     connections: int = 0
     requests: int = 0
+    closes: int = 0
     closed: threading.Event = field(default_factory=threading.Event)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -60,6 +63,7 @@ class ClosingUpstream:
             pass
         finally:
             writer.close()
+            self.closes += 1
             self.closed.set()
 
 
@@ -97,11 +101,22 @@ async def post(client: UpstreamClient, upstream: ClosingUpstream) -> bytes:
         response.close()
 
 
-def wait_for_close(upstream: ClosingUpstream) -> None:
-    """Block this thread, and so its loop, until the upstream has closed and its FIN has had
-    time to reach our socket (on loopback far less than the 0.2 s given)."""
+def wait_for_close(upstream: ClosingUpstream, closes: int = 1) -> None:
+    """Block this thread, and so its loop, until the upstream has closed `closes` connections
+    and their FINs have had time to reach our sockets (on loopback far less than 0.2 s)."""
     assert upstream.closed.wait(5.0)
+    deadline = time.monotonic() + 5.0
+    while upstream.closes < closes and time.monotonic() < deadline:
+        time.sleep(0.01)
     time.sleep(0.2)
+
+
+async def stale_pool(client: UpstreamClient, upstream: ClosingUpstream, count: int) -> None:
+    """Leave `count` idle connections in the client's pool that the upstream has closed."""
+    assert await asyncio.gather(*(post(client, upstream) for _ in range(count))) == \
+        [b"ok"] * count
+    assert upstream.connections == count
+    wait_for_close(upstream, count)
 
 
 async def test_a_request_on_a_connection_closed_while_idle_is_sent_again(
@@ -146,3 +161,44 @@ async def test_a_kept_alive_connection_is_reused_while_the_upstream_keeps_it(
     finally:
         await client.aclose()
     assert (upstream.connections, upstream.requests) == (1, 3)
+
+
+async def test_several_stale_connections_are_passed_until_a_fresh_one_answers(
+    serve: Callable[[int | None], ClosingUpstream],
+) -> None:
+    upstream = serve(1)
+    client = UpstreamClient(max_connections=8)
+    try:
+        await stale_pool(client, upstream, 3)
+        assert await post(client, upstream) == b"ok"  # three stale, then a new connection
+    finally:
+        await client.aclose()
+    assert (upstream.connections, upstream.requests) == (4, 4)
+    assert client.in_use == 0
+
+
+async def test_a_failed_try_lets_the_loop_read_the_other_closes(
+    serve: Callable[[int | None], ClosingUpstream],
+) -> None:
+    """At most the first try meets a stale connection: while it fails, the loop reads the
+    other connections' closes, and the pool drops them before the next try (whether the
+    first try still finds one open depends on what the loop ran before it picked one)."""
+    upstream = serve(1)
+    client = UpstreamClient(max_connections=8)
+    tries: list[bool] = []
+    original = http_module._closed_idle
+
+    def counted(exc: BaseException, reuse: http_module._Reuse) -> bool:
+        tries.append(original(exc, reuse))
+        return tries[-1]
+
+    http_module._closed_idle = counted
+    try:
+        await stale_pool(client, upstream, 5)
+        assert await post(client, upstream) == b"ok"
+    finally:
+        http_module._closed_idle = original
+        await client.aclose()
+    assert tries in ([], [True])
+    assert (upstream.connections, upstream.requests) == (6, 6)
+    assert client.in_use == 0

@@ -43,9 +43,9 @@ GAP = 0.5
 
 
 def pool_for(*, by_size: bool = True, skip_cold: bool = True,
-             budget: BudgetSettings | None = None) -> PoolRuntime:
+             budget: BudgetSettings | None = None, backends: int = 2) -> PoolRuntime:
     settings = PoolSettings(
-        name="pool", backends=backends_for(["http://127.0.0.1:9/v1"] * 2),
+        name="pool", backends=backends_for(["http://127.0.0.1:9/v1"] * backends),
         hedging=HedgingSettings(
             max_attempts=2, skip_cold=skip_cold,
             delay=DelaySettings(quantile=0.9, window=600.0, min_samples=20, by_size=by_size),
@@ -333,3 +333,18 @@ def test_before_anything_is_learnt_a_long_input_is_held_and_a_short_one_spills()
 
     long, short = run_virtual(main)
     assert [_stayed(long), _stayed(short)] == [True, False]
+
+
+def test_a_home_past_twice_its_bound_spills_even_a_long_conversation() -> None:
+    """The cold-spill rule holds a conversation on a loaded home, not on a pile-up: past twice
+    its bounded load the home spills whatever the cold prefill costs."""
+    async def main(loop: VirtualLoop) -> Played:
+        pool = pool_for(backends=3)
+        await conversations(loop, pool, turns=TURNS, count=COUNT)
+        route = route_home(pool, "b0", "piled")
+        pool.memory.turn(route.key, SYSTEM + 3 * LONG)
+        for _ in range(12):  # b0 holds every attempt in flight: past twice its share x 1.25
+            pool.balancer.on_start("b0")
+        return await play_one(loop, pool, route, SYSTEM + 4 * LONG, straggler=False)
+
+    assert not _stayed(run_virtual(main))
