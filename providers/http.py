@@ -29,7 +29,10 @@ What this module adds around aiohttp, because the gateway needs it:
   the conversation, and count against a healthy one. If the server did read it (it crashed
   right then), the copy is what a failover would have sent anyway, only to the same backend.
   A fresh connection closed unanswered is the server's doing and fails as before; other
-  methods are left to aiohttp, which resends idempotent ones once by itself.
+  methods are left to aiohttp, which resends idempotent ones once by itself. Knowing that a
+  connection was reused costs aiohttp's request tracing: about 16-20 us of CPU per upstream
+  request (measured on loopback, 164 -> 180 us a request in the client's thread), some 2 % of
+  the gateway's CPU per request, the price of not failing over from a healthy backend.
 
 The session is created on first use, inside the running loop (aiohttp binds it to one).
 """
