@@ -84,8 +84,20 @@ def serve() -> Iterator[Callable[[int | None], ClosingUpstream]]:
         return upstream
 
     yield start
-    for server in servers:
-        loop.call_soon_threadsafe(server.close)
+
+    async def shutdown() -> None:
+        """Close the servers and end their connection handlers, so no task is left pending
+        for the garbage collector to destroy later (in some other test)."""
+        for server in servers:
+            server.close()
+        handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        for server in servers:
+            await server.wait_closed()
+
+    asyncio.run_coroutine_threadsafe(shutdown(), loop).result(5.0)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5.0)
     loop.close()
