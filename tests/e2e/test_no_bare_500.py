@@ -40,6 +40,7 @@ from gateway.settings import (
     SimProfile,
 )
 from tests.harness import AsgiServerFactory
+from tests.harness.bodies import smallest_body
 
 POOL = "pool"
 FAST = SimProfile(ttft_median=0.001, ttft_sigma=0.0, straggler_probability=0.0, tokens=3,
@@ -212,22 +213,8 @@ STEPS = (
          shared=True),
 )
 
-PROMPTS: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}],
-                           "prompt": "hi", "input": "hi"}
-
-
 def body_for(route: InferenceRoute, stream: bool) -> dict[str, Any] | None:
-    """The smallest valid request to the route (None: the route takes no body)."""
-    if route.stored:
-        return None
-    body: dict[str, Any] = {"model": POOL, "stream": stream}
-    if route.prompt is not None:
-        body[route.prompt] = PROMPTS[route.prompt]
-    if route.endpoint == "responses":
-        body["input"] = "hi"
-    if route.errors == "anthropic":
-        body["max_tokens"] = 8
-    return body
+    return smallest_body(route, POOL, stream)
 
 
 def _name(route: InferenceRoute) -> str:

@@ -39,6 +39,7 @@ from gateway.settings import (
 )
 from gateway.stats.requestlog import LOGGER_NAME
 from tests.harness import LoopThread
+from tests.harness.bodies import PROMPTS, smallest_body
 from tests.harness.limits_kit import Gateway, GatewayFactory, connect, request_head, wait_for
 
 CLIENT_KEY = "gw-client-key-7f3a9c"
@@ -54,8 +55,6 @@ MAX_BODY = 2048
 #: a model name with a newline, an escape sequence and a bidi override in it
 HOSTILE_MODEL = "no-such\nmodel\x1b[2J\u202e"
 HOSTILE_LOGGED = "no-such\\x0amodel\\x1b[2J\\u202e"
-PROMPTS: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}],
-                           "prompt": "hi", "input": "hi"}
 _ids = itertools.count()
 
 
@@ -121,15 +120,8 @@ def stored_id(binding_key: str | None = CLIENT_KEY) -> str:
 def default_request(route: InferenceRoute, model: str = POOL) -> dict[str, Any]:
     path = route.path.replace("{response_id}", stored_id())
     headers = {"authorization": f"Bearer {CLIENT_KEY}", "x-request-id": f"refused-{next(_ids)}"}
-    body: dict[str, Any] | None = None
-    if not route.stored:
-        body = {"model": model}
-        if route.prompt is not None:
-            body[route.prompt] = PROMPTS[route.prompt]
-        if route.endpoint == "responses":
-            body["input"] = "hi"
-        if route.errors == "anthropic":
-            body["max_tokens"] = 8
+    body = smallest_body(route, model)
+    if body is not None:
         headers["content-type"] = "application/json"
     return {"method": route.method, "path": path, "headers": headers,
             "content": None if body is None else json.dumps(body).encode()}

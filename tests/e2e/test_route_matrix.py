@@ -33,14 +33,13 @@ from gateway.settings import SimProfile, load_settings
 from providers.sim.server import create_sim_app
 from tests.e2e.test_cli import command, free_port, keyless_env
 from tests.harness import AsgiServerFactory, LoopThread, RunningServer
+from tests.harness.bodies import smallest_body
 from tests.harness.limits_kit import Gateway, GatewayFactory
 
 POOL = "pool"
 KEY = "client-key"
 #: small, so a request that kept its admission slot shows as 503s within a few cases
 MAX_CONCURRENT = 4
-PROMPTS: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}],
-                           "prompt": "hi", "input": "hi"}
 #: how each upstream route's whole answer says it is one (a new route: status and JSON only)
 WHOLE_ANSWERS: dict[tuple[str, str], tuple[str, Any]] = {
     ("chat/completions", ""): ("object", "chat.completion"),
@@ -104,18 +103,7 @@ def credentials(route: InferenceRoute, key: str | None) -> dict[str, str]:
 
 
 def body_for(route: InferenceRoute, stream: bool) -> dict[str, Any] | None:
-    if route.stored:
-        return None
-    body: dict[str, Any] = {"model": POOL}
-    if route.prompt is not None:
-        body[route.prompt] = PROMPTS[route.prompt]
-    if route.endpoint == "responses":
-        body["input"] = "hi"
-    if route.errors == "anthropic":
-        body["max_tokens"] = 8
-    if route.streams:
-        body["stream"] = stream
-    return body
+    return smallest_body(route, POOL, stream)
 
 
 def stored_response(client: httpx.Client, key: str | None) -> str:

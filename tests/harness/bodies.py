@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.api.inference import InferenceRoute
 from tests.harness.scripts import Framing, Hang, Head, Reset, Script, Send, Step
 
 DONE = b"data: [DONE]\n\n"
@@ -180,3 +181,27 @@ def hang_script() -> Script:
 def reset_script() -> Script:
     """Reset the connection before any byte of the response."""
     return Script(steps=[Reset(), Head()])
+
+
+#: the smallest prompt of each field a route takes it in (`InferenceRoute.prompt`)
+PROMPTS: Mapping[str, Any] = {"messages": [{"role": "user", "content": "hi"}],
+                              "prompt": "hi", "input": "hi"}
+
+
+def smallest_body(route: InferenceRoute, model: str, stream: bool | None = None
+                  ) -> dict[str, Any] | None:
+    """The smallest valid request body for `route` (None: the route takes no body), asking
+    `model`; `stream` is set only on a route that streams, and only when given. One builder,
+    so the tests generated from the route table send the same requests."""
+    if route.stored:
+        return None
+    body: dict[str, Any] = {"model": model}
+    if route.prompt is not None:
+        body[route.prompt] = PROMPTS[route.prompt]
+    if route.endpoint == "responses":
+        body["input"] = "hi"
+    if route.errors == "anthropic":
+        body["max_tokens"] = 8
+    if stream is not None and route.streams:
+        body["stream"] = stream
+    return body
