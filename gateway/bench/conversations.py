@@ -146,6 +146,16 @@ def first_messages(plan: ConversationPlan, number: int, size: int,
             {"role": "user", "content": words(size, f"c{number}t0")}]
 
 
+def turn_body(plan: ConversationPlan, model: str,
+              messages: list[dict[str, str]]) -> dict[str, Any]:
+    """One turn's request: streamed with usage; against real servers, its answer capped."""
+    body: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if plan.upstreams:
+        body["max_tokens"] = MAX_TOKENS
+    return body
+
+
 def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int) -> int:
     """The one backend the sticky client keeps conversation `number` on: its home by the
     gateway's own key and order (`gateway.hedge.affinity`). On simulators (whose prompts are
@@ -153,9 +163,7 @@ def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int
     gives it the same luck: the modes then differ by what the gateway does, not by the draws.
     Against real servers each mode's system prompt is its own, so the homes are drawn anew. A
     conversation too short for a key goes by a hash of its number."""
-    messages = first_messages(plan, number, size, "sticky")
-    body = {"model": "sim", "messages": messages, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = turn_body(plan, "sim", first_messages(plan, number, size, "sticky"))
     names = backend_names(backends)
     route = route_for(body, {}, [(name, 1.0) for name in names],
                       min_input_tokens=plan.min_input_tokens or AffinitySettings().min_input_tokens,
@@ -222,13 +230,13 @@ async def _stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 async def _conversation(client: httpx.AsyncClient, url: str, model: str, number: int,
                         size: int, plan: ConversationPlan, out: list[Turn],
-                        mode: str = "", slots: asyncio.Semaphore | None = None) -> None:
+                        mode: str, slots: asyncio.Semaphore) -> None:
     """One conversation's turns, holding one of `slots` throughout. Against real servers
     (which keep their caches from mode to mode) its system prompt names the mode and its
     answers are capped."""
     if plan.concurrency is None:
         await asyncio.sleep(number * plan.stagger)
-    async with slots or asyncio.Semaphore(1):
+    async with slots:
         await _turns(client, url, model, number, size, plan, out, mode)
 
 
@@ -239,10 +247,7 @@ async def _turns(client: httpx.AsyncClient, url: str, model: str, number: int, s
     for index in range(plan.turns):
         turn = Turn(number, index, size, previous_prompt=previous)
         out.append(turn)
-        body: dict[str, Any] = {"model": model, "messages": messages,
-                                "stream": True, "stream_options": {"include_usage": True}}
-        if plan.upstreams:
-            body["max_tokens"] = MAX_TOKENS
+        body = turn_body(plan, model, messages)
         try:
             answer = await _stream_turn(client, url, body, turn)
         except httpx.HTTPError as exc:
