@@ -50,7 +50,7 @@ from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
 from gateway.stats.tracing import Tracing, build_tracing
 from providers.http import UpstreamClient
-from providers.registry import build_provider
+from providers.registry import build_provider, missing_extras
 
 
 def make_http_client(settings: Settings) -> UpstreamClient:
@@ -161,7 +161,7 @@ class Reloader:
         try:
             with open(path, "rb") as file:
                 data = file.read()
-            settings = worker_settings(load_settings(path), self._workers)
+            settings = worker_settings(load_settings(path, installed=missing_extras), self._workers)
         except (ConfigError, OSError) as exc:
             errors = exc.errors if isinstance(exc, ConfigError) else [f"{path}: {exc.strerror}"]
             return self._refused(errors)
@@ -334,6 +334,6 @@ def app_from_env() -> FastAPI:
         raise ConfigError(f"{CONFIG_ENV}: not set (the path of the configuration file to serve)")
     with open(path, "rb") as file:
         origin = ConfigOrigin.of_file(file.read(), now=monotonic())
-    app = create_app(load_settings(path), origin=origin)
+    app = create_app(load_settings(path, installed=missing_extras), origin=origin)
     tune_collector()  # as `serve` does, so the comparison is of the servers alone
     return app

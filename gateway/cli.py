@@ -45,16 +45,15 @@ def _serve(ns: argparse.Namespace) -> int:
     raised = f" (raised from {before})" if after != before else ""  # inherit the limit)
     print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
     source = ns.config or "embedded default (pool 'demo' of simulated backends)"
+    for line in startup_lines(settings, source):
+        print(line, file=sys.stderr)
     if server.workers > 1:
         from gateway.server.supervisor import ConfigSource, Supervisor
 
-        print(f"hedge-gateway: serving {source}", file=sys.stderr)
         config = ConfigSource(ns.config, file_server, origin,
                               reload=lambda: _reload_for_workers(ns))
         return Supervisor(settings, server.workers, log_config=logging_config(ns.log_level),
                           build_app=create_app, config=config).run()
-    print(f"hedge-gateway: serving {source} on http://{server.host}:{server.port}/v1",
-          file=sys.stderr)
     try:
         app = create_app(settings, origin=origin)
     except ConfigError as exc:  # what only building can tell (tracing from OTEL_* variables)
@@ -74,17 +73,69 @@ def _serve(ns: argparse.Namespace) -> int:
     return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
 
 
+#: providers whose backends serve Chat Completions (the others speak Messages only)
+CHAT_PROVIDERS = ("sim", "openai")
+
+
+def startup_lines(settings: Settings, source: str) -> list[str]:
+    """What `serve` tells a newcomer before it starts: where it listens, the pools, the
+    dashboard, one curl line that works against the first pool as configured, and a warning
+    when the listener is reachable from other machines with no client keys."""
+    from gateway.api.browser import is_loopback
+
+    server = settings.server
+    listen = f"[{server.host}]" if ":" in server.host else server.host
+    local = listen if is_loopback(server.host) else ("[::1]" if ":" in server.host
+                                                     else "127.0.0.1")
+    root = f"http://{local}:{server.port}"
+    lines = [f"hedge-gateway: serving {source} on http://{listen}:{server.port}/v1"]
+    for pool in settings.pools:
+        kinds = sorted({b.provider for b in pool.backends})
+        lines.append(f"hedge-gateway:   pool {pool.name!r}: {len(pool.backends)} backend"
+                     f"{'s' if len(pool.backends) != 1 else ''} ({', '.join(kinds)})")
+    ops = " (with an ops key)" if server.ops_keys else ""
+    lines.append(f"hedge-gateway: dashboard {root}/dashboard, stats {root}/hedge/stats{ops}")
+    if settings.pools:
+        lines.append("hedge-gateway: try: " + _curl_line(settings, root))
+    if not is_loopback(server.host) and not server.api_keys:
+        lines.append(f"hedge-gateway: WARNING: listening on {server.host}, beyond this "
+                     "machine, with no server.api_keys: anyone who reaches the port can use "
+                     "every backend (docs/security.md)")
+    return lines
+
+
+def _curl_line(settings: Settings, root: str) -> str:
+    """A streamed request to the first pool that serves chat, else a Messages request."""
+    import json
+
+    auth = ' -H "authorization: Bearer $KEY"' if settings.server.api_keys else ""
+    chat = next((p for p in settings.pools
+                 if any(b.provider in CHAT_PROVIDERS for b in p.backends)), None)
+    if chat is not None:
+        body = {"model": chat.name, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}
+        path = "/v1/chat/completions"
+    else:
+        body = {"model": settings.pools[0].name, "max_tokens": 64, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}
+        path = "/v1/messages"
+    data = json.dumps(body, separators=(",", ":"))
+    return (f"curl -N {root}{path}{auth} -H 'content-type: application/json' "
+            f"-d '{data}'")
+
+
 def _load(path: str | None) -> tuple[ConfigOrigin | None, Settings]:
     """The configuration file's origin (checksum, load time) and settings; without a file,
     the embedded default. ConfigError or OSError when it cannot be used."""
     from gateway.hedge.generation import ConfigOrigin
     from gateway.settings.load import default_settings, load_settings
+    from providers.registry import missing_extras
 
     if not path:
         return None, default_settings()
     with open(path, "rb") as file:
         origin = ConfigOrigin.of_file(file.read(), now=monotonic())
-    return origin, load_settings(path)
+    return origin, load_settings(path, installed=missing_extras)
 
 
 def _reload_for_workers(ns: argparse.Namespace) -> tuple[ConfigOrigin | None, Settings]:
@@ -141,8 +192,9 @@ def logging_config(level: str) -> dict[str, object]:
 
 def _check_config(ns: argparse.Namespace) -> int:
     from gateway.settings.load import check_config
+    from providers.registry import missing_extras
 
-    return check_config(ns.file, sys.stdout, sys.stderr)
+    return check_config(ns.file, sys.stdout, sys.stderr, installed=missing_extras)
 
 
 def _schema(ns: argparse.Namespace) -> int:

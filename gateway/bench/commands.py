@@ -104,8 +104,15 @@ def run_soak_command(*, duration: float | None, quick: bool, concurrency: int | 
 def run_clouds_command(*, requests: int | None, concurrency: int | None, quick: bool,
                        seed: int, out: str | None) -> int:
     """`--workload claude-everywhere`: the stragglers race over the example Claude pool of
-    Anthropic, Bedrock and Vertex simulators, hedging off and on (`gateway.bench.clouds`)."""
-    from gateway.bench import clouds
+    Anthropic, Bedrock and Vertex simulators, hedging off and on (`gateway.bench.clouds`).
+    The simulators check SigV4 and sign tokens with the cloud providers' own libraries, so
+    this workload needs the `all` extra."""
+    try:
+        from gateway.bench import clouds
+    except ImportError as exc:
+        print(f"hedge-gateway bench: claude-everywhere needs the cloud providers' libraries "
+              f"({str(exc).splitlines()[0]}): pip install 'hedge-gateway[all]'", file=sys.stderr)
+        return 2
 
     plan = clouds.CloudsPlan(requests=requests or (120 if quick else 300),
                              concurrency=concurrency or 8, warmup=60 if quick else 90,

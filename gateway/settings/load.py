@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TextIO, TypeVar
 
 import yaml
@@ -205,8 +205,15 @@ def _load_yaml(source: str, name: str) -> tuple[object, list[str]]:
     return data, [f"{name}: {duplicate}" for duplicate in loader.duplicates]
 
 
-def load_settings(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Settings:
-    """Read, substitute and validate a YAML file. `env` defaults to `os.environ`."""
+def load_settings(
+    path: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    installed: Callable[[Settings], Sequence[str]] | None = None,
+) -> Settings:
+    """Read, substitute and validate a YAML file. `env` defaults to `os.environ`.
+    `installed`: what a valid configuration needs that is not installed (a provider's extra),
+    one error line each; the settings layer knows no provider, so the caller says."""
     name = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as file:
@@ -222,6 +229,9 @@ def load_settings(path: str | os.PathLike[str], env: Mapping[str, str] | None = 
         raise ConfigError([*duplicates, *exc.errors]) from None
     if duplicates:
         raise ConfigError(duplicates)
+    missing = installed(settings) if installed is not None else ()
+    if missing:
+        raise ConfigError(missing)
     return settings
 
 
@@ -283,11 +293,17 @@ def describe_pools(settings: Settings) -> list[str]:
     return lines
 
 
-def check_config(path: str, out: TextIO, err: TextIO) -> int:
+def check_config(
+    path: str,
+    out: TextIO,
+    err: TextIO,
+    installed: Callable[[Settings], Sequence[str]] | None = None,
+) -> int:
     """`hedge-gateway check-config FILE`: 0 and a summary per pool when the file is valid,
-    1 and every error (one per line, with key paths) when it is not."""
+    1 and every error (one per line, with key paths) when it is not. `installed`: as for
+    `load_settings`."""
     try:
-        settings = load_settings(path)
+        settings = load_settings(path, installed=installed)
     except ConfigError as exc:
         count = len(exc.errors)
         print(f"{path}: invalid configuration ({count} error{'s' if count != 1 else ''})",

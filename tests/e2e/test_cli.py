@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -76,17 +76,22 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
 
 @contextlib.contextmanager
 def serving(
-    tmp_path: Path, *, preexec_fn: Callable[[], None] | None = None
+    tmp_path: Path,
+    *,
+    preexec_fn: Callable[[], None] | None = None,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    """`hedge-gateway serve --port N`, run from an empty directory (no config file nearby);
-    killed at the end if the test did not stop it."""
+    """`hedge-gateway serve --port N [args]`, run from an empty directory (no config file
+    nearby) with the keyless environment plus `env`; killed at the end if the test did not
+    stop it."""
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [*command(), "serve", "--port", str(port)],
+            [*command(), "serve", "--port", str(port), *args],
             cwd=tmp_path,
-            env=keyless_env(),
+            env={**keyless_env(), **(env or {})},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
