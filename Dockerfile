@@ -8,21 +8,27 @@
 # ENTRYPOINT and CMD below as a real process: change them here and the test follows.
 
 # One base for both stages: the virtualenv built in the first is copied into the second,
-# and its interpreter link points at this image's /usr/local/bin/python3.11.
+# and its interpreter link points at this image's /usr/local/bin/python3.11. A release build
+# pins it by digest: --build-arg PYTHON_IMAGE=python:3.11-slim-trixie@sha256:... with the
+# digest `docker buildx imagetools inspect python:3.11-slim-trixie` prints (docs/deploy.md).
 ARG PYTHON_IMAGE=python:3.11-slim-trixie
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# Only what the wheel is built from (pyproject names README.md as its readme): no tests,
-# benchmarks or dev extras reach the image.
-COPY pyproject.toml README.md ./
+# Only what the wheel is built from (pyproject names README.md as its readme) and the lock
+# file: no tests, benchmarks or dev extras reach the image.
+COPY pyproject.toml README.md requirements.lock ./
 COPY gateway ./gateway
 COPY providers ./providers
-# A plain (non-editable) install, so the virtualenv holds the package itself and does not
-# point back at /src, which the final stage does not have.
+# Every dependency from the lock file, each file checked against its hash (every provider's
+# extra: `hedge-gateway[all]`), then the package itself with nothing resolved again. A plain
+# (non-editable) install, so the virtualenv holds the package itself and does not point back
+# at /src, which the final stage does not have.
 RUN python -m venv /opt/hedge-gateway \
-    && /opt/hedge-gateway/bin/pip install --no-cache-dir /src
+    && /opt/hedge-gateway/bin/pip install --no-cache-dir --require-hashes --no-deps \
+       -r /src/requirements.lock \
+    && /opt/hedge-gateway/bin/pip install --no-cache-dir --no-deps /src
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="hedge-gateway" \
