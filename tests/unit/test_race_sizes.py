@@ -348,3 +348,16 @@ def test_a_home_past_twice_its_bound_spills_even_a_long_conversation() -> None:
         return await play_one(loop, pool, route, SYSTEM + 4 * LONG, straggler=False)
 
     assert not _stayed(run_virtual(main))
+
+
+def test_a_session_key_shared_by_a_main_loop_and_its_sub_agent_counts_each_ones_growth() -> None:
+    """Claude Code sends one session key for its main loop and its sub-agents: the main
+    loop's 50,400-token turn after its 50,000 and a sub-agent's 5,000 is 400 new tokens."""
+    pool = pool_for()
+    route = route_home(pool, "b0", "agent")
+    news = []
+    for tokens in (50_000, 5_000, 50_400, 50_800):
+        size = pool.size_of(tokens * 4, route)
+        assert size is not None and size.home == "b0"
+        news.append(size.new)
+    assert news == [50_000, 5_000, 400, 400]
