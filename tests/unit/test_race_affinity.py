@@ -185,6 +185,6 @@ def test_in_a_pool_of_mixed_providers_the_home_is_a_backend_that_serves_the_rout
         assert placement.affinity == "hit"
         homes.append((size.home, primary))
     # the second turn's 1,000 new tokens are read at the backend both turns went to
-    assert size.new == 1_000
+    assert size is not None and size.new == 1_000
     assert homes[0][0] == homes[0][1] == homes[1][0] == homes[1][1] != "b0"
 
