@@ -189,7 +189,7 @@ class Proxy:
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
-        route = affinity_route(pool, req)
+        route = affinity_route(pool, req, excluded)
         summary.size = size = pool.size_of(req.body_bytes if req.metered else None, route)
         delays, cold = pool.sized(size, req.endpoint, req.stream)
         race = Race(

@@ -118,12 +118,21 @@ def affinity_applies(pool: PoolRuntime, req: LogicalRequest) -> bool:
     return pool.settings.affinity.enabled and req.pinned is None and not req.single
 
 
-def affinity_route(pool: PoolRuntime, req: LogicalRequest) -> AffinityRoute | None:
-    """The request's conversation key and order over the pool (`gateway.hedge.affinity`), or
-    None: affinity does not apply (`affinity_applies`), or the request has no key."""
+def affinity_route(pool: PoolRuntime, req: LogicalRequest, excluded: frozenset[str]
+                   ) -> AffinityRoute | None:
+    """The request's conversation key and order over the backends it may use (the pool's, less
+    `excluded_backends`), or None: affinity does not apply (`affinity_applies`), or the
+    request has no key.
+
+    Why not over the whole pool: the first of the order is the conversation's home, which the
+    size rules take as the backend holding its history. In a pool that mixes providers the
+    first of the pool's order can be one that does not serve the route, so the home would be
+    a backend no turn ever reaches, and the real one's delay, warmth and hold-at-home rule
+    would be read as a stranger's. Rendezvous hashing keeps the relative order of the rest,
+    so the order is the pool's own with the excluded ones left out."""
     settings = pool.settings.affinity
     if not affinity_applies(pool, req):
         return None
-    weights = [(b.name, b.weight) for b in pool.settings.backends]
+    weights = [(b.name, b.weight) for b in pool.settings.backends if b.name not in excluded]
     return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
                      load_factor=settings.load_factor, body_bytes=req.body_bytes)

@@ -198,8 +198,11 @@ def _feed(digest: Any, value: Any, budget: int) -> int:
 
 
 def _unit(key: str, name: str) -> float:
-    """A uniform number in (0, 1) from the pair: the same everywhere, for ever."""
-    raw = hashlib.blake2b(f"{key}\x00{name}".encode(), digest_size=8).digest()
+    """A uniform number in (0, 1) from the pair: the same everywhere, for ever. A key is what
+    a client sent, and JSON may carry a lone surrogate (`"\\ud800"`): it is hashed as it came
+    (`surrogatepass`, as `_feed` does), never refused."""
+    raw = hashlib.blake2b(f"{key}\x00{name}".encode("utf-8", "surrogatepass"),
+                          digest_size=8).digest()
     return (int.from_bytes(raw, "big") + 0.5) / 2.0**64
 
 

@@ -36,9 +36,14 @@ deposits `ratio` x its input tokens, each extra attempt needs (and spends) its i
 capped at `burst_input_tokens`, starting full, with a reserve that refills the whole bucket in
 the same time the attempt reserve refills its own (`min_per_second / burst` of it a second).
 An extra attempt needs both. One larger than the whole bucket goes only from a full bucket and
-leaves it in debt, to be paid back by deposits: a pool of very long prompts can still replace
-a failed attempt now and then, never often. Tokens here are the gateway's estimate (body
-bytes / 4), known before any upstream answers.
+is charged the whole bucket, no more: it empties the bucket and leaves no debt. Why not its
+full size: a debt takes every later extra attempt of the pool with it until deposits repay it,
+and one estimate can be far off (a base64 screenshot counts about 100 times its real tokens),
+so one 3 MiB body's failover would refuse every small failover of the pool for minutes while
+a healthy backend stands by. Emptying the bucket is enough to keep such attempts rare: each
+one needs a full bucket again, and the attempt bucket still counts it as one of its `ratio`
+extra attempts per request. Tokens here are the gateway's estimate (body bytes / 4), known
+before any upstream answers.
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ class HedgeBudget:
     def __init__(self, settings: BudgetSettings, now: float) -> None:
         self.settings = settings
         self._tokens = settings.burst
-        #: the input-token bucket's level (negative: in debt after an oversized attempt)
+        #: the input-token bucket's level: never below 0 (an attempt is charged at most the
+        #: whole bucket)
         self._input = float(settings.burst_input_tokens)
         self._updated = now
         self._extra_in_flight = 0
@@ -147,7 +153,7 @@ class HedgeBudget:
         return self._level(now)
 
     def input_tokens(self, now: float) -> float:
-        """Input tokens available at `now` in the input-token bucket (negative: in debt)."""
+        """Input tokens available at `now` in the input-token bucket (never below 0)."""
         return self._input_level(now)
 
     def on_request(self, now: float, tokens: int = 0) -> None:
@@ -179,7 +185,9 @@ class HedgeBudget:
         Refusals: INEFFECTIVE (hedges only) when the efficacy guard is on and this probe
         interval's probe was already used; BUDGET when under one token, under its input
         tokens (or, for an attempt larger than the whole bucket, under a full bucket), or
-        when the in-flight cap is reached. Nothing changes on a refusal.
+        when the in-flight cap is reached. Nothing changes on a refusal. An attempt larger
+        than the bucket is charged the whole bucket: the level never goes below 0 (the module
+        docstring says why no debt).
         """
         guarded = hedge and self.ineffective(now)
         last_probe = self._last_probe
@@ -189,14 +197,15 @@ class HedgeBudget:
         if self._tokens < 1.0 - _EPSILON:
             return SuppressReason.BUDGET
         priced = self.settings.input_tokens and tokens > 0
-        if priced and self._input < min(tokens, self.settings.burst_input_tokens) - _EPSILON:
+        price = min(float(tokens), float(self.settings.burst_input_tokens))
+        if priced and self._input < price - _EPSILON:
             return SuppressReason.BUDGET
         cap = max(_MIN_EXTRA_IN_FLIGHT, _EXTRA_SHARE * inflight_requests)
         if self._extra_in_flight >= cap:
             return SuppressReason.BUDGET
         self._tokens = max(0.0, self._tokens - 1.0)
         if priced:
-            self._input -= tokens
+            self._input = max(0.0, self._input - price)
         self._extra_in_flight += 1
         if guarded:
             self._last_probe = now

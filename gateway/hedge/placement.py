@@ -18,7 +18,7 @@ from gateway.hedge.affinity import AffinityRoute, Outcome
 from gateway.hedge.attempt import AttemptRecord
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.sizing import ColdRule, DelayReader
+from gateway.hedge.sizing import ColdRule, DelayReader, SizedDelays
 
 #: a race never starts more attempts than this, whatever `max_attempts` says
 MAX_ATTEMPTS_CAP = 5
@@ -86,6 +86,33 @@ class Placement:
             backend = self.pick(now, first=False, exclude=in_flight, ttft=ttft)
         return backend
 
+    def early_hedge(self, timed: AttemptRecord, running: Collection[AttemptRecord],
+                    tried: Collection[AttemptRecord], now: float) -> float | None:
+        """When a hedge due now must wait, else None (it goes now).
+
+        `timed` is the attempt whose delay is in force (the primary, or the latest
+        failover). Away from its conversation's warm home it reads the home's shorter delay
+        (`ClassView`), because the hedge was to go home, where only the new part needs
+        prefilling. That holds only while the hedge would go home: when the choice made now
+        would send it elsewhere (the home still loaded, paused, low on headroom, or the
+        attempt that failed there), the copy is as cold as `timed` and is sent no earlier
+        than `timed`'s own delay at its size, the time returned. The choice is asked as
+        `extra` would make it, counting nothing."""
+        delays, route = self.options.delays, self.options.affinity
+        if route is None or not isinstance(delays, SizedDelays) or delays.home is None:
+            return None
+        view = delays[timed.backend]
+        if view.home is None:
+            return None
+        due = timed.started + view.own(now)
+        if now >= due:
+            return None
+        in_flight = {r.backend for r in running}
+        target = self._in_order(route, now, in_flight | {r.backend for r in tried},
+                                {self.pool.groups[b] for b in in_flight}, first=False,
+                                count=False)
+        return None if target == delays.home else due
+
     def max_attempts(self) -> int:
         configured = min(self.pool.settings.hedging.max_attempts, MAX_ATTEMPTS_CAP)
         eligible = len(self.pool.settings.backends) - len(self.options.excluded)
@@ -121,16 +148,19 @@ class Placement:
                                        outside=outside, skipped=self.headroom_skips)
 
     def _in_order(self, route: AffinityRoute, now: float, exclude: Collection[str],
-                  avoid_groups: Collection[str], *, first: bool) -> str | None:
+                  avoid_groups: Collection[str], *, first: bool, count: bool = True
+                  ) -> str | None:
         """The first fitting backend in the key's order (`AffinityRoute.choose`); the
         primary's choice is counted as a hit or a spill. A low backend is passed over as an
-        unusable one is while another candidate has room: a spill, and a headroom skip."""
+        unusable one is while another candidate has room: a spill, and a headroom skip
+        (`count=False`: a choice only asked about, not made, counts no skip)."""
         balancer, outside = self.pool.balancer, self.options.excluded
         members = [n for n in balancer.names if n not in outside]
         inflight = {n: balancer.inflight(n) for n in members}
         usable, low = balancer.prefer_room(
             [n for n in balancer.usable(now) if n not in exclude and n not in outside], now)
-        self.headroom_skips += low
+        if count:
+            self.headroom_skips += low
         chosen = route.choose(usable, inflight, members=members,
                               exclude={*exclude, *outside}, avoid_groups=avoid_groups,
                               groups=self.pool.groups)

@@ -21,6 +21,7 @@ the small pieces the size-aware rules share:
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ MIN_CLASS = 8
 MAX_CLASS = 21
 #: conversations a pool remembers the last size of (least recently seen forgotten first)
 MEMORY_KEYS = 16384
+#: sizes remembered per key: the streams that share one key (an agent's main loop and its
+#: sub-agents, parallel calls of one session) each keep their own last size, up to this many
+MEMORY_SIZES = 4
+#: bytes of the digest a key is remembered by, whatever the key's own length
+KEY_DIGEST_BYTES = 16
 
 
 def estimate_tokens(body_bytes: int) -> int:
@@ -124,23 +130,46 @@ def new_tokens(tokens: int, previous: int | None) -> int:
     return tokens - previous
 
 
+def key_digest(key: str) -> bytes:
+    """The fixed-size digest a conversation key is remembered by: a key is what a client
+    sends (a `prompt_cache_key` may be megabytes), and the memory must be bounded in bytes,
+    not in keys only. Lone surrogates (valid in JSON) are hashed as they came."""
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"),
+                           digest_size=KEY_DIGEST_BYTES).digest()
+
+
 class ConversationMemory:
-    """The last input size (estimated tokens) of each recent conversation key of one pool:
-    bounded, least recently seen forgotten first. Holds sizes only, never text."""
+    """The last input sizes (estimated tokens) of each recent conversation key of one pool:
+    bounded, least recently seen forgotten first. Holds a fixed-size digest of each key and
+    at most `MEMORY_SIZES` sizes under it, never a key or text: the bytes held are bounded
+    by `capacity` alone (a few hundred bytes a key), however long the clients' keys are.
+
+    Why several sizes a key: one key can name several streams at once (Claude Code sends its
+    session in `metadata.user_id` and its session header for its main loop and its
+    sub-agents alike). With one size a key, a 5,000-token sub-agent turn between two main
+    turns of 50,000 and 50,400 tokens made the second look like 45,400 new tokens. Each turn
+    continues the largest remembered size not above its own (the stream it most likely
+    extends), which it then replaces; a turn below every remembered size starts a stream of
+    its own, and past `MEMORY_SIZES` streams the least recently seen is forgotten."""
 
     __slots__ = ("_sizes", "capacity")
 
     def __init__(self, capacity: int = MEMORY_KEYS) -> None:
         self.capacity = capacity
-        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._sizes: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sizes)
 
     def turn(self, key: str, tokens: int) -> int | None:
-        """Record this turn's size; the conversation's previous one (None: not seen)."""
-        previous = self._sizes.pop(key, None)
-        self._sizes[key] = tokens
+        """Record this turn's size; the size of the stream it continues under its key (the
+        largest remembered size not above `tokens`; None: nothing remembered fits)."""
+        digest = key_digest(key)
+        sizes = self._sizes.pop(digest, ())
+        previous = max((size for size in sizes if size <= tokens), default=None)
+        kept = [size for size in sizes if size != previous]
+        kept.append(tokens)
+        self._sizes[digest] = tuple(kept[-MEMORY_SIZES:])
         while len(self._sizes) > self.capacity:
             self._sizes.popitem(last=False)
         return previous

@@ -27,7 +27,9 @@ failure; like a token, it proves the request is not one that would fail everywhe
 The hedge timer: the next hedge is considered one delay after the last hedge check, and a
 failover restarts it with the replacement's delay from the replacement's start. Once
 every allowed attempt has started, nothing can start any more: `max_attempts` is counted once
-and the timer stops waking the race.
+and the timer stops waking the race. A delay shortened to the conversation's home's (an
+attempt away from its warm home) is kept only if the hedge would go home when it is due;
+else the timer waits for the attempt's own delay (`Placement.early_hedge`).
 
 The race knows no HTTP framework and no wire format: what an attempt does is the `AttemptRunner`
 it is given, and "token" means "the runner returned".
@@ -97,6 +99,8 @@ class Race:
     timer_restarts: int = 0
     #: the hedge delay in force (the primary's, then the latest replacement's)
     _delay: float = math.inf
+    #: the attempt whose delay is in force (the primary, then the latest replacement)
+    _timed: AttemptRecord | None = None
     #: when the next hedge is considered (inf: hedging off, or every attempt started)
     _next_hedge: float = math.inf
     #: the committed attempt, holding its backend slot until `aclose`
@@ -121,6 +125,7 @@ class Race:
         if primary is None:
             raise NoBackendAvailable()
         self._start(primary, "primary", spent_budget=False)
+        self._timed = self.attempts[-1]
         self._delay = self.options.delays[primary].delay(now)
         self._next_hedge = now + self._delay if self.options.hedging else math.inf
         try:
@@ -142,8 +147,7 @@ class Race:
                 if now >= self.options.deadline:
                     raise FirstTokenTimeout(self._reasons)
                 if now >= self._next_hedge:
-                    self._next_hedge = now + self._delay
-                    self._try_extra("hedge", now)
+                    self._hedge_due(now)
                 if not self._tasks:
                     raise all_attempts_failed(
                         self._reasons, self._failures, pool.balancer.capped_pause
@@ -282,6 +286,19 @@ class Race:
             record.reason = CANCELLED_AFTER_TOKEN
             self._close_prefix(task, record, now)
 
+    def _hedge_due(self, now: float) -> None:
+        """The hedge timer is due: try a hedge, unless the delay in force was its home's and
+        the hedge would not go home (`Placement.early_hedge`): then the timer waits for the
+        timed attempt's own delay, and nothing is counted (no hedge was due by that one)."""
+        timed = self._timed
+        wait = None if timed is None else self.placement.early_hedge(
+            timed, self._tasks.values(), self.attempts, now)
+        if wait is not None:
+            self._next_hedge = wait
+            return
+        self._next_hedge = now + self._delay
+        self._try_extra("hedge", now)
+
     def _try_extra(self, kind: AttemptKind, now: float) -> None:
         """Start a hedge or a failover if the hedge rules allow it; else count why not.
 
@@ -291,7 +308,7 @@ class Race:
         reason = self._start_extra(kind, now)
         if reason is None:
             if kind == "failover" and self.options.hedging:
-                replacement = self.attempts[-1]
+                replacement = self._timed = self.attempts[-1]
                 self._delay = self.options.delays[replacement.backend].delay(now)
                 self._next_hedge = replacement.started + self._delay
                 self.timer_restarts += 1

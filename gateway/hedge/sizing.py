@@ -80,7 +80,9 @@ class ClassView:
     (a primary that spilled off a loaded or paused home, a failover). Such a request is hedged
     no later than the home's own delay at the home's size: the hedge goes home first, where
     only the new part needs prefilling, and there it beats a primary that prefills the whole
-    history cold (a spilled 120,000-token turn takes seconds more than its home would)."""
+    history cold (a spilled 120,000-token turn takes seconds more than its home would). That
+    holds only while the hedge would go home: the race asks the placement when the hedge is
+    due (`Placement.early_hedge`), and one that would go elsewhere waits for `own`."""
 
     __slots__ = ("by_size", "classes", "home", "tokens")
 
@@ -92,10 +94,14 @@ class ClassView:
         self.home = home
 
     def delay(self, now: float) -> float:
+        own = self.own(now)
+        return own if self.home is None or not self.by_size else min(own, self.home.delay(now))
+
+    def own(self, now: float) -> float:
+        """This backend's own delay at this size, the home's left out."""
         if not self.by_size:
             return self.classes.overall.delay(now)
-        own = self.classes.delay(self.tokens, now)
-        return own if self.home is None else min(own, self.home.delay(now))
+        return self.classes.delay(self.tokens, now)
 
     def median(self, now: float) -> float | None:
         if not self.by_size:
@@ -131,6 +137,11 @@ class SizedDelays(Mapping[str, ClassView]):
             view = self._views[name] = ClassView(self._classes[name], size.uncached(name),
                                                  by_size=self._by_size, home=home)
         return view
+
+    @property
+    def home(self) -> str | None:
+        """The request's conversation home (None: no key)."""
+        return self._size.home
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._classes)

@@ -138,3 +138,37 @@ def test_a_hedge_goes_to_the_second_backend_of_the_keys_order(
     assert len(by_name[order[2]].requests) == 0
     primary, hedge = by_name[order[0]].requests[0], by_name[order[1]].requests[0]
     assert primary.received_at <= hedge.received_at
+
+
+def test_a_lone_surrogate_in_a_client_key_is_served_not_a_500(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """JSON may escape a lone surrogate (`"\\ud800"`; JavaScript's `JSON.stringify` writes one
+    for a string cut between the halves of a pair), so a `prompt_cache_key` or a
+    `metadata.user_id` may hold one. The key's hash takes it as it came: the request is
+    served at its key's first backend, where it was a 500 and an internal error. The
+    official SDKs cannot encode such a string, so the bodies go as raw JSON."""
+    _, _, root = start(asgi_server, scripted_upstream, [fast] * 3, delay=2.0)
+    names = [("b0", 1.0), ("b1", 1.0), ("b2", 1.0)]
+    cases = [
+        ('"prompt_cache_key":"conv-\\ud800"', "pck:conv-\ud800"),
+        ('"metadata":{"user_id":"u-\\udc80"}', "user:u-\udc80"),
+    ]
+    for field, key in cases:
+        head = f'{{"model":"{POOL}","stream":true,{field},'
+        body = (head + '"messages":[{"role":"user","content":"hi"}]}').encode()
+        with httpx.stream("POST", root + "/v1/chat/completions", content=body, timeout=10.0,
+                          headers={"content-type": "application/json"}) as response:
+            raw = response.read()
+        assert response.status_code == 200, raw
+        assert b"answer" in raw
+        assert response.headers["x-hedge-backend"] == rendezvous_order(key, names)[0]
+    deadline = time.monotonic() + 5.0
+    while True:  # a request is counted once it has fully ended
+        stats = httpx.get(root + "/hedge/stats", timeout=5.0).json()
+        affinity = stats["pools"][POOL]["lifetime"]["affinity"]
+        if affinity["hits"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert affinity["hits"] == 2
+    assert stats["internal_errors"] == 0

@@ -47,16 +47,41 @@ def test_deposits_are_ratio_times_the_input() -> None:
     assert spend(budget, 3_000) is None
 
 
-def test_an_attempt_larger_than_the_bucket_goes_only_from_a_full_one_into_debt() -> None:
+def test_an_attempt_larger_than_the_bucket_goes_only_from_a_full_one_and_empties_it() -> None:
     budget = HedgeBudget(PRICED, 0.0)
     assert spend(budget, 100_000) is None  # full bucket: let through ...
-    assert budget.input_tokens(0.0) == pytest.approx(-70_000)  # ... into debt
-    for _ in range(99):
-        budget.on_request(0.0, 10_000)  # 99 x 1,000 pays the debt back, then refills
+    assert budget.input_tokens(0.0) == 0.0  # ... charged the whole bucket, no debt
+    for _ in range(29):
+        budget.on_request(0.0, 10_000)  # 29 x 1,000 refill it ...
     assert budget.input_tokens(0.0) == pytest.approx(29_000)
-    assert spend(budget, 100_000) is SuppressReason.BUDGET  # not full again yet
+    assert spend(budget, 100_000) is SuppressReason.BUDGET  # ... not full again yet
     budget.on_request(0.0, 10_000)
     assert spend(budget, 100_000) is None
+
+
+def failover(budget: HedgeBudget, tokens: int, now: float) -> SuppressReason | None:
+    """Ask for a replacement of a failed attempt of `tokens` input tokens (released at once)."""
+    refused = budget.try_spend(now, inflight_requests=1, hedge=False, tokens=tokens)
+    if refused is None:
+        budget.release()
+    return refused
+
+
+def test_one_huge_failover_does_not_refuse_the_small_ones_after_it() -> None:
+    """A 3 MiB body's failover (786,432 estimated tokens, eight buckets: a base64 screenshot
+    counts about 100 times its real tokens) empties the bucket and leaves no debt, so the
+    small failovers after it wait only for their own price: with the defaults (100,000
+    tokens, refilled in 20 s) a 500-token one is granted 0.2 s later and ten small
+    requests' deposits pay for one, where a debt of 686,432 tokens refused them for minutes
+    while another backend was healthy."""
+    budget = HedgeBudget(BudgetSettings(), 0.0)
+    assert failover(budget, 786_432, 0.0) is None
+    assert budget.input_tokens(0.0) == 0.0
+    assert failover(budget, 500, 0.0) is SuppressReason.BUDGET  # nothing left this instant
+    assert failover(budget, 500, 0.2) is None  # the reserve's 1,000 tokens
+    for _ in range(10):
+        budget.on_request(0.2, 500)  # ten small requests deposit 10 x 50
+    assert failover(budget, 500, 0.2) is None
 
 
 def test_the_reserve_refills_both_buckets_in_the_same_time() -> None:

@@ -9,10 +9,11 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
 
+from gateway.api.request import LogicalRequest, affinity_route, excluded_backends
 from gateway.errors import UpstreamConnectError
-from gateway.hedge.affinity import AffinityRoute
+from gateway.hedge.affinity import AffinityRoute, rendezvous_order
 from gateway.hedge.attempt import AttemptRecord, Prefix
-from gateway.hedge.placement import RaceOptions
+from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
 from gateway.wire.sse import SSEBatch, SSEEvent
@@ -144,3 +145,46 @@ async def test_the_winner_re_pins_nothing() -> None:
     race = Race(pool, fast, options(pool, r), time.monotonic)
     assert (await race.run()).winner.backend == r.order[0]
     await race.aclose()
+
+
+class Serving:
+    """A provider stub that serves `routes` (all that eligibility reads of one)."""
+
+    def __init__(self, *routes: str) -> None:
+        self.serves = frozenset(routes)
+
+
+def test_in_a_pool_of_mixed_providers_the_home_is_a_backend_that_serves_the_route() -> None:
+    """b0 serves chat only, b1 and b2 serve Anthropic's messages. For a messages conversation
+    whose key puts b0 first in the pool's order, the home the size rules read (the backend
+    taken to hold its history) is the backend its turns go to, not b0, which no turn of it
+    can reach."""
+    settings = gateway_settings(["http://127.0.0.1:9/v1"] * 3).pools[0]
+    providers = {"b0": Serving("chat/completions"), "b1": Serving("messages"),
+                 "b2": Serving("messages")}
+    pool = PoolRuntime.build(settings, providers, global_hedging=True,  # type: ignore[arg-type]
+                             now=0.0, rng=random.Random(1))
+    names = [("b0", 1.0), ("b1", 1.0), ("b2", 1.0)]
+    user = next(f"user-{n}" for n in range(1000)
+                if rendezvous_order(f"user:user-{n}", names)[0] == "b0")
+    homes = []
+    for turn, body_bytes in enumerate((120_000, 124_000)):
+        body = {"model": "pool", "max_tokens": 16, "metadata": {"user_id": user},
+                "messages": [{"role": "user", "content": f"turn {turn}"}]}
+        req = LogicalRequest("r", "messages", body, True, {}, body_bytes=body_bytes)
+        excluded = excluded_backends(pool, req)
+        assert excluded == {"b0"}
+        route = affinity_route(pool, req, excluded)
+        assert route is not None
+        size = pool.size_of(body_bytes, route)
+        assert size is not None
+        delays, cold = pool.sized(size, "messages", True)
+        placement = Placement(pool, RaceOptions(60.0, delays, True, excluded=excluded,
+                                                affinity=route, cold=cold))
+        primary = placement.primary(0.0)
+        assert placement.affinity == "hit"
+        homes.append((size.home, primary))
+    # the second turn's 1,000 new tokens are read at the backend both turns went to
+    assert size is not None and size.new == 1_000
+    assert homes[0][0] == homes[0][1] == homes[1][0] == homes[1][1] != "b0"
+

@@ -348,3 +348,55 @@ def test_a_home_past_twice_its_bound_spills_even_a_long_conversation() -> None:
         return await play_one(loop, pool, route, SYSTEM + 4 * LONG, straggler=False)
 
     assert not _stayed(run_virtual(main))
+
+
+def test_a_session_key_shared_by_a_main_loop_and_its_sub_agent_counts_each_ones_growth() -> None:
+    """Claude Code sends one session key for its main loop and its sub-agents: the main
+    loop's 50,400-token turn after its 50,000 and a sub-agent's 5,000 is 400 new tokens."""
+    pool = pool_for()
+    route = route_home(pool, "b0", "agent")
+    news = []
+    for tokens in (50_000, 5_000, 50_400, 50_800):
+        size = pool.size_of(tokens * 4, route)
+        assert size is not None and size.home == "b0"
+        news.append(size.new)
+    assert news == [50_000, 5_000, 400, 400]
+
+
+def test_a_spilled_primary_whose_hedge_would_not_go_home_waits_for_its_own_delay() -> None:
+    """A spilled primary reads its home's short delay because its hedge was to go home; with
+    the home still loaded when that delay passes, the hedge would go to a third backend as
+    cold as the primary: it waits for the primary's own delay at its size instead of
+    sending a 31,000-token copy two seconds early."""
+    async def main(loop: VirtualLoop) -> tuple[Played, tuple[str, ...], float, float]:
+        pool = pool_for(backends=3, skip_cold=False)
+        now = loop.time()
+        for classes in pool.classes.values():  # every backend: 150 ms + 60 ms per 1k tokens
+            for tokens in (300, 1_000, 4_000, 16_000, 32_000):
+                for i in range(30):
+                    seconds = BASE + RATE * tokens * (1 + i / 300)
+                    classes.overall.observe(seconds, now)
+                    classes.observe(tokens, seconds, now)
+        pool.refresh_delays(now)
+        route = route_home(pool, "b0", "spilled")
+        pool.memory.turn(route.key, 30_000)
+        for _ in range(8):  # the home holds eight streams, past twice its bound: a spill
+            pool.balancer.on_start("b0")
+        own = pool.classes[route.order[1]].delay(31_025, now)  # where the primary spills
+        home = pool.classes["b0"].delay(1_025, now)
+
+        def ttft(backend: str, uncached: int, primary: bool) -> float:
+            return 5.0 if primary else BASE + RATE * uncached
+
+        played = await play_one(loop, pool, route, 31_025, False, ttft=ttft)
+        return played, route.order, own, home
+
+    played, order, own, home = run_virtual(main)
+    assert played.new == 1_025 and home < 0.5 < 1.5 < own
+    primary, hedge = played.race.attempts
+    assert (primary.backend, hedge.backend) == order[1:]
+    assert played.race.placement.affinity == "spill"
+    # not at the home's delay: at the primary's own, where b2's copy still beats it
+    assert hedge.started - primary.started == pytest.approx(own, rel=1e-6)
+    assert played.winner == "hedge"
+

@@ -4,6 +4,7 @@ parts, on a plain-number clock."""
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import pytest
 
@@ -287,6 +288,45 @@ def test_new_tokens_and_the_conversation_memory() -> None:
     memory.turn("z", 1)  # over capacity: x, the least recently seen, goes
     assert len(memory) == 2
     assert memory.turn("x", 500) is None
+
+
+def test_the_memory_holds_a_digest_of_each_key_not_the_key() -> None:
+    """Keys are what clients send: 100 keys of 64 KiB each (6.4 MiB of key) leave the
+    memory holding a few hundred bytes a key."""
+    memory = ConversationMemory()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(100):
+            memory.turn(f"{n:04d}" + "k" * 65_536, 1_000 + n)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(memory) == 100
+    assert held < 100 * 1_024
+    # the same key still finds its sizes, a surrogate in it included
+    assert memory.turn("0007" + "k" * 65_536, 2_000) == 1_007
+    assert memory.turn("conv-\ud800", 10) is None
+    assert memory.turn("conv-\ud800", 30) == 10
+
+
+def test_streams_that_share_a_key_keep_their_own_sizes() -> None:
+    """An agent's main loop and its sub-agent under one session key: each turn continues the
+    largest remembered size not above it, so the main loop's 50,400-token turn after a
+    5,000-token sub-agent turn is 400 new tokens, not 45,400."""
+    memory = ConversationMemory()
+    seen = []
+    for tokens in (50_000, 5_000, 50_400, 5_300, 50_800):
+        seen.append(new_tokens(tokens, memory.turn("session", tokens)))
+    assert seen == [50_000, 5_000, 400, 300, 400]
+    # a resend of the same size continues nothing (as with one size a key)
+    assert new_tokens(50_800, memory.turn("session", 50_800)) == 50_800
+    # five streams, each shorter than every one before: each starts a stream of its own,
+    # and past four (`MEMORY_SIZES`) the least recently seen, 5,000, is forgotten
+    many = ConversationMemory()
+    for tokens in (5_000, 4_000, 3_000, 2_000, 1_000):
+        assert many.turn("k", tokens) is None
+    assert many.turn("k", 5_100) == 4_000
 
 
 def test_where_nothing_straggles_even_a_short_copy_cannot_win() -> None:
