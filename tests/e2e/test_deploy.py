@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 DEPLOY = ROOT / "deploy"
 #: the manifests `kubectl apply -k deploy/` applies, and the Secret example applied by hand
-MANIFESTS = ("configmap.yaml", "deployment.yaml", "service.yaml", "pdb.yaml", "hpa.yaml")
+MANIFESTS = ("configmap.yaml", "deployment.yaml", "service.yaml", "pdb.yaml", "hpa.yaml",
+             "networkpolicy.yaml")
 SECRET_EXAMPLE = "secret.example.yaml"
 #: Kubernetes versions the manifests must be valid for: an older release still widely run
 #: by managed clusters, and the newest whose schemas kubernetes-validate bundles here
@@ -333,6 +334,19 @@ def test_kustomization_applies_every_manifest_but_the_secret_example() -> None:
     assert on_disk == {*MANIFESTS, SECRET_EXAMPLE}
 
 
+def test_network_policy_selects_the_gateways_pods_and_admits_only_its_port() -> None:
+    policy = manifest("networkpolicy.yaml")["spec"]
+    pod_labels = manifest("deployment.yaml")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"] == pod_labels
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["from"], "ingress from chosen namespaces only, never from everywhere"
+    named = {p["name"]: p["containerPort"] for p in container()["ports"]}
+    assert [named.get(p["port"], p["port"]) for p in rule["ports"]] == [image_port()]
+    egress_ports = sorted({p["port"] for r in policy["egress"] for p in r["ports"]})
+    assert egress_ports == [53, 443, 8000]
+
+
 def test_configmap_config_passes_check_config_with_the_deployments_environment(
     tmp_path: Path,
 ) -> None:
@@ -347,7 +361,8 @@ def test_configmap_config_passes_check_config_with_the_deployments_environment(
     without = subprocess.run(check, env=keyless_env(), capture_output=True, text=True,
                              timeout=60, check=False)
     assert without.returncode == 1, without.stdout + without.stderr
-    for variable in ("GATEWAY_KEY", "OPENAI_API_KEY", "AZURE_OPENAI_API_KEY"):
+    for variable in ("GATEWAY_KEY", "GATEWAY_OPS_KEY", "GATEWAY_RESPONSE_ID_SECRET",
+                     "OPENAI_API_KEY", "AZURE_OPENAI_API_KEY"):
         assert f"environment variable {variable} is not set" in without.stderr
 
 
@@ -493,6 +508,11 @@ def test_deployment_command_serves_the_configmap_with_the_secrets_and_drains(
         assert httpx.get(models, timeout=5.0, trust_env=False).status_code == 401
         key = {"Authorization": f"Bearer {env['GATEWAY_KEY']}"}
         listed = httpx.get(models, headers=key, timeout=5.0, trust_env=False).json()
+        # the ops reads ask for the ops key, which the client key is not
+        metrics = f"{root}/metrics"
+        assert httpx.get(metrics, headers=key, timeout=5.0, trust_env=False).status_code == 401
+        ops = {"Authorization": f"Bearer {env['GATEWAY_OPS_KEY']}"}
+        assert httpx.get(metrics, headers=ops, timeout=5.0, trust_env=False).status_code == 200
         configured = yaml.safe_load(manifest("configmap.yaml")["data"]["config.yaml"])
         assert [m["id"] for m in listed["data"]] == [p["name"] for p in configured["pools"]]
         code, output = terminate(proc, log)
