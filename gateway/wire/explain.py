@@ -21,7 +21,8 @@ code), each bounded, and the message is scrubbed word by word:
 - control characters are dropped, whitespace runs folded, and the result cut to
   `MAX_MESSAGE` characters.
 `type`, `param` and `code` are kept only when they are short words of a safe alphabet (an
-identifier path such as `messages[0].content`); anything else is dropped, never scrubbed.
+identifier path such as `messages[0].content`) that hold no secret and look like no
+credential or address; anything else is dropped, never scrubbed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from gateway.settings.hidden import MIN_SECRET_CHARS, looks_like_credential
+from gateway.settings.hidden import MIN_SECRET_CHARS, holds_secret, looks_like_credential
 
 #: the longest message shown, in characters (after scrubbing)
 MAX_MESSAGE = 600
@@ -98,8 +99,13 @@ def _names_credential(word: str) -> bool:
     return named is not None and not named.group(3)
 
 
-def _field(value: object) -> str | None:
-    return value if isinstance(value, str) and _FIELD.fullmatch(value) else None
+def _field(value: object, secrets: Collection[str]) -> str | None:
+    """A short identifier of a safe alphabet that holds no secret, else nothing."""
+    if not isinstance(value, str) or not _FIELD.fullmatch(value):
+        return None
+    if holds_secret(value, secrets) or looks_like_credential(value) or _ADDRESS.search(value):
+        return None
+    return value
 
 
 def explain(body: bytes, secrets: Collection[str] = ()) -> Explanation | None:
@@ -130,5 +136,5 @@ def explain(body: bytes, secrets: Collection[str] = ()) -> Explanation | None:
         return None
     kind = where.get("type", where.get("status"))
     code = where.get("code")
-    return Explanation(shown, _field(kind), _field(where.get("param")),
-                       _field(code) if isinstance(code, str) else None)
+    return Explanation(shown, _field(kind, secrets), _field(where.get("param"), secrets),
+                       _field(code, secrets))
