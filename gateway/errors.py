@@ -7,6 +7,9 @@ provider boundary; nothing above `providers/` ever sees an httpx exception.
 
 Messages never contain provider keys, upstream URLs or upstream error bodies: an upstream's
 body can hold internal hostnames or echo a key, so we keep only its status and a short class.
+The one exception is a rejection (400/413/422) that reaches the client: its upstream's own
+explanation (message, type, param, code) is relayed, bounded and scrubbed of credentials and
+addresses (`gateway.wire.explain`), because a client cannot fix a request without it.
 
 Two trees, in this one file, and each class carries its facts as class attributes:
 
@@ -17,6 +20,7 @@ Two trees, in this one file, and each class carries its facts as class attribute
     ├── UpstreamTimeout                       ├── ResponseNotFound, MethodNotAllowed
     ├── UpstreamStatusError (`of(status)`)    ├── PayloadTooLarge, RequestTimeout
     │   ├── UpstreamRejectedRequest           ├── HeadersTooLarge
+    │   │   └── UpstreamRejectedHere          │
     │   ├── UpstreamAuthFailed                ├── Overloaded ── TooManyConnections, Draining
     │   ├── UpstreamNotFound                  ├── AllAttemptsFailed
     │   ├── UpstreamRateLimited               ├── UpstreamPushback
@@ -47,6 +51,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import ClassVar
+
+from gateway.wire.explain import Explanation
 
 # --- why one attempt failed: the attempt-level tree ---------------------------------------------
 
@@ -139,11 +145,38 @@ class UpstreamStatusError(UpstreamError):
 
 
 class UpstreamRejectedRequest(UpstreamStatusError):
-    """400/413/422 describe the request, not the backend: it would fail everywhere."""
+    """400/413/422: the upstream judged the request. It is the request's fault when every
+    backend that could judge it otherwise agrees, and this backend's when another serves it.
+
+    Backends of one kind (one provider: one API's checks) judge a body alike, so the race
+    does not ask another of them (`replaceable` is False: no failover to the same kind); a
+    backend of another provider may accept what this one refused (a beta flag Bedrock does
+    not know, a model id that needs an inference profile there), so the race fails over to
+    one while the pool has it. When none is left, the client gets this rejection with the
+    upstream's `explanation`; when another backend then serves the body, the race counts
+    this attempt as `UpstreamRejectedHere`, a failure of its backend."""
 
     code = "request_rejected"
     replaceable = False
+    backend_fault = False
     statuses = frozenset({400, 413, 422})
+
+    def __init__(self, status: int, *, retry_after: float | None = None,
+                 explanation: Explanation | None = None) -> None:
+        super().__init__(status, retry_after=retry_after)
+        #: what the upstream said of the request, scrubbed (`gateway.wire.explain`)
+        self.explanation = explanation
+
+
+class UpstreamRejectedHere(UpstreamRejectedRequest):
+    """A rejection another backend of the pool then served: the rejecting backend's fault
+    (it does not take what its peers take), counted against its health like any failure,
+    so a backend that keeps rejecting what the others serve is ejected. Only the race can
+    know it, after the fact (`of` never picks it: it claims no status)."""
+
+    code = "rejected_served"
+    backend_fault = True
+    statuses = frozenset()
 
 
 class UpstreamAuthFailed(UpstreamStatusError):
@@ -272,9 +305,19 @@ class GatewayError(Exception):
         #: its attempts, record it); the HTTP error handler runs it after sending the answer
         self.after_response: Callable[[], Awaitable[None]] | None = None
 
+    @property
+    def shown_type(self) -> str:
+        """The `type` the client's error body shows (an upstream's, for a relayed one)."""
+        return self.type
+
+    @property
+    def shown_code(self) -> str | None:
+        """The `code` the client's error body shows; `code` stays the stats' class."""
+        return self.code
+
     def body(self, request_id: str | None = None) -> dict[str, object]:
-        return error_body(self.message, type=self.type, code=self.code, param=self.param,
-                          request_id=request_id)
+        return error_body(self.message, type=self.shown_type, code=self.shown_code,
+                          param=self.param, request_id=request_id)
 
     @classmethod
     def log_reason(cls) -> str:
@@ -483,27 +526,45 @@ class NoBackendAvailable(GatewayError):
 
 
 class UpstreamClientError(GatewayError):
-    """An upstream refused the request itself (400/413/422): it would fail everywhere.
+    """An upstream refused the request itself (400/413/422), and no backend of the pool
+    that could judge it otherwise served it.
 
-    The client gets the upstream's status: one subclass per status, chosen by `of`."""
+    The client gets the upstream's status (one subclass per status, chosen by `of`) and the
+    upstream's own explanation, scrubbed (`gateway.wire.explain`), with the backend named
+    beside it: `message`, and in the OpenAI shape the upstream's `type`, `param` and `code`
+    (`shown_type`, `shown_code`). `code` itself stays ours: it is the request's error class
+    in the stats and metrics, which an upstream's words must not multiply."""
 
     status = 400
     type = "invalid_request_error"
     code = "upstream_rejected_request"
 
-    def __init__(self, backend: str) -> None:
-        super().__init__(
-            f"the upstream rejected the request with status {self.status} (backend {backend})",
-            should_retry=False,
-        )
+    def __init__(self, backend: str, explanation: Explanation | None = None) -> None:
+        if explanation is None:
+            message = (f"the upstream rejected the request with status {self.status} "
+                       f"(backend {backend})")
+        else:
+            message = f"{explanation.message} (backend {backend})"
+        super().__init__(message, param=explanation.param if explanation else None,
+                         should_retry=False)
+        self.explanation = explanation
+
+    @property
+    def shown_type(self) -> str:
+        return (self.explanation and self.explanation.type) or self.type
+
+    @property
+    def shown_code(self) -> str | None:
+        return (self.explanation and self.explanation.code) or self.code
 
     @classmethod
-    def of(cls, status: int, backend: str) -> UpstreamClientError:
+    def of(cls, status: int, backend: str,
+           explanation: Explanation | None = None) -> UpstreamClientError:
         """The error for an upstream status that describes the request (400 if unknown)."""
         for sub in UpstreamClientError.__subclasses__():
             if sub.status == status:
-                return sub(backend)
-        return UpstreamClientError(backend)
+                return sub(backend, explanation)
+        return UpstreamClientError(backend, explanation)
 
 
 class UpstreamRejectedTooLarge(UpstreamClientError):

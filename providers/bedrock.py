@@ -25,8 +25,9 @@ What differs from `provider: anthropic`, and why each piece is here:
   race pauses the backend for the pool's `health.default_pause`, and a client whose every
   attempt was throttled gets a 429 with that as its Retry-After.
 
-Nothing of a credential leaves this module: the signature headers go upstream only, upstream
-error bodies are never read into a message, and botocore's signer is kept from logging its
+Nothing of a credential leaves this module: the signature headers go upstream only, an
+upstream error body is read only for a rejection's explanation, scrubbed of credentials and
+addresses (`providers.openai.rejected`), and botocore's signer is kept from logging its
 canonical request (which holds the session token) even under a DEBUG root logger.
 """
 
@@ -72,7 +73,8 @@ from providers.openai import (
     allowed_headers,
     media_type,
     parse_retry_after,
-    refused,
+    rejected,
+    secrets_of,
 )
 from providers.requestid import upstream_request_headers
 
@@ -118,7 +120,9 @@ def bedrock_error(
 
     Throttling and quotas are pushbacks (another backend at once, this one paused); access
     and signature errors are this backend's misconfiguration (fail over); a validation error
-    is the request's (it would fail everywhere, so the client gets 400). Throttling and a
+    is a rejection, judged as every upstream's 400 is (`UpstreamRejectedRequest`: another
+    kind of backend in the pool is asked, and one that serves it makes the rejection this
+    backend's fault). Throttling and a
     busy model name no pause: each is a `throttle`, paused for the pool's default."""
     kind = _error_kind(error_type)
     if kind in _PUSHBACK:
@@ -320,6 +324,7 @@ class BedrockProvider:
         self._headers = {name.lower(): value for name, value in settings.headers}
         self._headers["content-type"] = "application/json"
         self._headers["accept-encoding"] = "identity"
+        self._secrets = secrets_of(settings)
         self._credentials = Refresher(AwsCredentialSource(settings).fetch,
                                       what=f"backend {settings.name}: AWS credentials")
         self._connect = timeouts.connect
@@ -374,9 +379,9 @@ class BedrockProvider:
             pool_timeout=self._connect,
         )
         if response.status != 200:
-            raise refused(response, bedrock_error(
+            raise await rejected(response, bedrock_error(
                 response.headers.get("x-amzn-errortype"), response.status,
-                retry_after=parse_retry_after(response.headers)))
+                retry_after=parse_retry_after(response.headers)), self._secrets)
         content_type = media_type(response.headers.get("content-type", ""))
         expected = EVENT_STREAM if call.stream else "application/json"
         if content_type != expected or (

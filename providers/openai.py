@@ -10,15 +10,24 @@ exactly what a cancelled hedge needs: the upstream sees the disconnect and stops
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from gateway.errors import UpstreamError, UpstreamProtocolError, UpstreamStatusError
+from gateway.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamRejectedRequest,
+    UpstreamStatusError,
+)
 from gateway.settings import BackendSettings, Timeouts
+from gateway.settings.hidden import hidden_values
+from gateway.wire.explain import MAX_BODY, explain
 from gateway.wire.ratelimit import RATE_LIMIT_HEADERS
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent, SSEProtocolError
 from providers.base import UpstreamCall
@@ -87,6 +96,46 @@ def refused(response: UpstreamResponse, error: UpstreamError) -> UpstreamError:
     error.quota = allowed_headers(response, RATE_LIMIT_HEADERS)
     response.close()
     return error
+
+
+#: how long a rejection's body may take to arrive, in seconds: its explanation is worth a
+#: moment (the client cannot fix the request without it), not a stalled attempt
+EXPLANATION_WAIT = 1.0
+
+
+async def rejected(response: UpstreamResponse, error: UpstreamError,
+                   secrets: Collection[str]) -> UpstreamError:
+    """`refused`, and for a rejection (400/413/422) the upstream's explanation read from its
+    body first: at most `MAX_BODY` bytes within `EXPLANATION_WAIT`, scrubbed of `secrets`
+    and of anything shaped like a credential or an address (`gateway.wire.explain`). A body
+    that is too large, too slow or unreadable gives no explanation, never another failure.
+    Every other refusal's body stays unread: only a rejection's words reach a client."""
+    if isinstance(error, UpstreamRejectedRequest):
+        error.explanation = explain(await _error_body(response), secrets)
+    return refused(response, error)
+
+
+async def _error_body(response: UpstreamResponse) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(EXPLANATION_WAIT):
+            while chunk := await response.read_chunk():
+                size += len(chunk)
+                if size > MAX_BODY:
+                    return b""
+                parts.append(chunk)
+    except (TimeoutError, UpstreamError):
+        return b""
+    return b"".join(parts)
+
+
+def secrets_of(settings: BackendSettings) -> frozenset[str]:
+    """What of a backend's settings must never reach a client, whatever an upstream echoes:
+    every secret field's value (`hidden_values`: its key, static header and query values,
+    cloud keys, proxy URL) and the host of its URL."""
+    host = urlsplit(settings.base_url).hostname if settings.base_url else None
+    return hidden_values(settings) | ({host} if host else set())
 
 
 class AiohttpStream:
@@ -178,6 +227,7 @@ class OpenAIProvider:
         self._base_url = settings.base_url.rstrip("/")
         self._headers = upstream_headers(settings)
         self._query = dict(settings.query)
+        self._secrets = secrets_of(settings)
         self.pass_headers = PASS_HEADERS
         self._connect = timeouts.connect
         # No read timeout on a stream: before the first token the race's deadline bounds
@@ -227,8 +277,8 @@ class OpenAIProvider:
         )
         if response.status != 200:
             retry_after = parse_retry_after(response.headers)
-            raise refused(response, UpstreamStatusError.of(response.status,
-                                                           retry_after=retry_after))
+            raise await rejected(response, UpstreamStatusError.of(
+                response.status, retry_after=retry_after), self._secrets)
         content_type = media_type(response.headers.get("content-type", ""))
         expected = "text/event-stream" if call.stream else "application/json"
         if content_type != expected:

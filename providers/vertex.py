@@ -42,7 +42,14 @@ from gateway.settings import BackendSettings, Timeouts
 from providers.base import UpstreamCall
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient
-from providers.openai import PASS_HEADERS, AiohttpStream, media_type, parse_retry_after, refused
+from providers.openai import (
+    PASS_HEADERS,
+    AiohttpStream,
+    media_type,
+    parse_retry_after,
+    rejected,
+    secrets_of,
+)
 from providers.requestid import upstream_request_headers
 
 SCOPE = "https://www.googleapis.com/auth/cloud-platform"
@@ -135,6 +142,7 @@ class VertexProvider:
         self._headers = {name.lower(): value for name, value in settings.headers}
         self._headers["content-type"] = "application/json"
         self._headers["accept-encoding"] = "identity"
+        self._secrets = secrets_of(settings)
         self._tokens_source = GoogleTokenSource(settings, timeouts.connect)
         self._tokens = Refresher(self._tokens_source.fetch,
                                  what=f"backend {settings.name}: Google access token")
@@ -176,7 +184,7 @@ class VertexProvider:
                                            retry_after=parse_retry_after(response.headers))
             if isinstance(error, UpstreamAuthFailed) and response.status == 401:
                 self._tokens.invalidate()
-            raise refused(response, error)
+            raise await rejected(response, error, self._secrets)
         content_type = media_type(response.headers.get("content-type", ""))
         expected = "text/event-stream" if call.stream else "application/json"
         if content_type != expected or (

@@ -63,6 +63,10 @@ class Placement:
     affinity: Outcome | None = None
     #: the backends a choice of this request left out for low quota headroom, once per choice
     headroom_skips: list[str] = field(default_factory=list)
+    #: the backends of every kind that rejected this request's body (400/413/422): backends
+    #: of one kind (one provider: one API's checks) judge a body alike, so no attempt goes
+    #: to them
+    judged: set[str] = field(default_factory=set)
     #: the primary stayed on its loaded home because a spill would have prefilled cold
     held_home: bool = False
 
@@ -80,10 +84,12 @@ class Placement:
         def ttft(name: str) -> float | None:
             return self.options.delays[name].median(now)
 
-        backend = self.pick(now, first=False, exclude=in_flight | {r.backend for r in tried},
+        judged = self.judged
+        backend = self.pick(now, first=False,
+                            exclude=in_flight | judged | {r.backend for r in tried},
                             avoid_groups=groups, ttft=ttft)
         if backend is None and not hedge:
-            backend = self.pick(now, first=False, exclude=in_flight, ttft=ttft)
+            backend = self.pick(now, first=False, exclude=in_flight | judged, ttft=ttft)
         return backend
 
     def early_hedge(self, timed: AttemptRecord, running: Collection[AttemptRecord],
@@ -108,10 +114,26 @@ class Placement:
         if now >= due:
             return None
         in_flight = {r.backend for r in running}
-        target = self._in_order(route, now, in_flight | {r.backend for r in tried},
+        target = self._in_order(route, now,
+                                in_flight | self.judged | {r.backend for r in tried},
                                 {self.pool.groups[b] for b in in_flight}, first=False,
                                 count=False)
         return None if target == delays.home else due
+
+    def rejected_by(self, backend: str) -> None:
+        """`backend` rejected the request's body: leave out every backend of its kind."""
+        kinds = _kinds(self.pool)
+        self.judged.update(name for name, kind in kinds.items() if kind == kinds[backend])
+
+    def may_judge(self, backend: str) -> bool:
+        """`backend` is of a kind that has not rejected the body (it may still serve it)."""
+        return backend not in self.judged
+
+    def unjudged_left(self) -> bool:
+        """Some backend this request may use is of a kind that has not rejected its body."""
+        outside = self.options.excluded
+        return any(name not in outside and name not in self.judged
+                   for name in self.pool.balancer.names)
 
     def max_attempts(self) -> int:
         configured = min(self.pool.settings.hedging.max_attempts, MAX_ATTEMPTS_CAP)
@@ -184,3 +206,9 @@ class Placement:
             return chosen
         self.held_home = rule.spill(chosen, now)
         return home if self.held_home else chosen
+
+
+def _kinds(pool: PoolRuntime) -> dict[str, str]:
+    """Backend -> its kind: its provider, whose API checks a body (read only on a rejection,
+    so no request pays for it otherwise)."""
+    return {b.name: b.provider for b in pool.settings.backends}

@@ -51,6 +51,7 @@ from gateway.errors import (
     NoBackendAvailable,
     UpstreamClientError,
     UpstreamError,
+    UpstreamRejectedHere,
     UpstreamRejectedRequest,
     all_attempts_failed,
 )
@@ -107,6 +108,9 @@ class Race:
     _streaming: AttemptRecord | None = None
     #: the first complete answer without a token, relayed if no running attempt yields one
     _kept: tuple[asyncio.Task[Prefix], AttemptRecord] | None = None
+    #: the first rejection (400/413/422), the client's answer once no backend of a kind that
+    #: has not rejected the body is running or can start
+    _rejection: UpstreamClientError | None = None
     #: the attempts let go, until `aclose` has waited for them to close
     _losers: Losers = field(init=False)
     #: where this request's attempts go, and what the stats count of those choices
@@ -149,6 +153,8 @@ class Race:
                 if now >= self._next_hedge:
                     self._hedge_due(now)
                 if not self._tasks:
+                    if self._rejection is not None:  # the most the upstreams said of it
+                        raise self._rejection
                     raise all_attempts_failed(
                         self._reasons, self._failures, pool.balancer.capped_pause
                     )
@@ -174,7 +180,7 @@ class Race:
         docstring for the same-tick rules)."""
         winners: list[tuple[asyncio.Task[Prefix], AttemptRecord]] = []
         failures = 0
-        rejected: UpstreamClientError | None = None
+        rejected = 0
         for task in sorted(done, key=lambda t: self._tasks[t].index):
             record = self._tasks.pop(task)
             if not task.cancelled() and task.exception() is None:
@@ -198,8 +204,13 @@ class Race:
                              backend_fault=False)
                 continue
             self._failed(record, exc, backend_fault=exc.backend_fault)
-            if isinstance(exc, UpstreamRejectedRequest) and rejected is None:
-                rejected = UpstreamClientError.of(exc.status, record.backend)
+            if isinstance(exc, UpstreamRejectedRequest):
+                failures -= 1  # replaced only by another kind of backend (below)
+                rejected += 1
+                self.placement.rejected_by(record.backend)
+                if self._rejection is None:
+                    self._rejection = UpstreamClientError.of(exc.status, record.backend,
+                                                             exc.explanation)
         if winners:  # a token beats a same-tick 4xx; the attempt started first wins
             try:
                 return self._commit(winners[0], winners[1:])
@@ -208,12 +219,16 @@ class Race:
                 raise
         if self._kept is not None:  # an answer is in hand: nothing to replace, no 4xx to give
             return None
-        if rejected is not None:
-            raise rejected
         now = self.clock()
+        if rejected and self.placement.unjudged_left():
+            failures += rejected  # another kind of backend may serve what this one refused
         for _ in range(failures):
             if now < self.options.deadline:
                 self._try_extra("failover", now)
+        rejection = self._rejection
+        if rejection is not None and not any(
+                self.placement.may_judge(r.backend) for r in self._tasks.values()):
+            raise rejection  # no backend that could judge the body otherwise is left
         return None
 
     def _keep(self, task: asyncio.Task[Prefix], record: AttemptRecord) -> None:
@@ -257,6 +272,8 @@ class Race:
         if kept is None or kept[1] is not record:  # a kept answer was observed when kept
             self.pool.balancer.on_success(record.backend, now)
             self._observe(record, censored=False)
+        if self._rejection is not None:
+            self._blame_rejections(now)
         for loser, loser_record in same_tick:  # a real TTFT, but it lost: close it now
             self._finished(loser_record)
             loser_record.outcome = "lost"
@@ -266,6 +283,15 @@ class Race:
         self._cancel_all()
         self._record_hedges()
         return RaceResult(record, task.result(), self.attempts, self.suppressed, now)
+
+    def _blame_rejections(self, now: float) -> None:
+        """Another backend served the body some attempts had rejected: each rejection was
+        its backend's (a beta flag or a model id it does not take), so it counts as that
+        backend's failure, in the stats and towards its ejection."""
+        for attempt in self.attempts:
+            if attempt.failure == UpstreamRejectedRequest.code:
+                attempt.failure = UpstreamRejectedHere.code
+                self.pool.balancer.on_failure(attempt.backend, now)
 
     def _drop_uncommitted(
         self, winners: list[tuple[asyncio.Task[Prefix], AttemptRecord]]

@@ -5,18 +5,59 @@ that no `repr` of the settings, and no configuration checksum built from one, sh
 `hidden_values` walks the model and collects every string such a field holds (client and
 ops keys, the response-id secret, provider keys, AWS credentials, static headers' and query
 parameters' values, proxy URLs), so a new secret field is covered the day it is declared.
+
+And what text looks like a secret whatever its value (`looks_like_credential`), for text the
+gateway shows or logs but did not write: a model name a client sent, an upstream's words.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Collection
 from typing import Any
 
-from gateway.settings.model import Settings
+#: a secret shorter than this is matched only as the whole value, never inside one (a short
+#: string inside a model name is likelier a coincidence than a leak)
+MIN_SECRET_CHARS = 8
+
+_CREDENTIAL = re.compile(
+    r"(?i:\b(?:bearer|basic)\s)"                    # an Authorization header's value
+    r"|\b(?:sk|pk|rk)-[A-Za-z0-9_-]{12,}"           # OpenAI, Anthropic (sk-ant-), and alike
+    r"|\bA(?:KIA|SIA)[0-9A-Z]{16}\b"                # an AWS access key id
+    r"|\bAIza[0-9A-Za-z_-]{20,}"                    # a Google API key
+    r"|\bgh[pousr]_[A-Za-z0-9]{20,}"                # a GitHub token
+    r"|\bxox[abprs]-"                               # a Slack token
+    r"|\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"   # a JWT (base64 of `{"`)
+)
+#: a run this long of letters and digits with no separator holds both kinds in keys, not in
+#: model names (`claude-sonnet-4-5-20250929`, `meta-llama/Llama-3.1-8B-Instruct` have dashes)
+_TOKEN_RUN = re.compile(r"[A-Za-z0-9]{32,}")
 
 
-def hidden_values(settings: Settings) -> frozenset[str]:
-    """Every non-empty string held by a `repr=False` field anywhere in `settings`."""
+def looks_like_credential(text: str) -> bool:
+    """True for text shaped like a key or token: an Authorization scheme, a vendor key's
+    prefix (`sk-`, `AKIA`, `AIza`, `ghp_`, `xoxb-`), a JWT, or a long run of letters and
+    digits that holds both."""
+    if _CREDENTIAL.search(text):
+        return True
+    return any(_mixed(run.group()) for run in _TOKEN_RUN.finditer(text))
+
+
+def _mixed(run: str) -> bool:
+    return any(c.isdigit() for c in run) and any(c.isalpha() for c in run)
+
+
+def holds_secret(text: str, hidden: Collection[str]) -> bool:
+    """True when `text` is one of `hidden` or contains one of its longer values."""
+    if text in hidden:
+        return True
+    return any(len(s) >= MIN_SECRET_CHARS and s in text for s in hidden)
+
+
+def hidden_values(settings: object) -> frozenset[str]:
+    """Every non-empty string held by a `repr=False` field anywhere in `settings` (the whole
+    configuration, or one part of it such as a backend's)."""
     found: set[str] = set()
     _walk(settings, found)
     return frozenset(found)

@@ -12,18 +12,22 @@ leaking through it:
   operator reads, whatever handler prints it (the JSON encoder escapes only some of them);
 - never a key: a value that contains one of the gateway's own secrets (client and ops keys,
   provider keys and headers: `Generation.hidden`) or looks like a credential (`Bearer ...`,
-  `sk-...`, an AWS key id, a JWT, a long run of letters and digits) is logged as
-  `[redacted]`. A client that pastes its key into `model` by mistake does not leave it in the
-  log.
+  `sk-...`, an AWS key id, a JWT, a long run of letters and digits:
+  `gateway.settings.hidden.looks_like_credential`) is logged as `[redacted]`. A client
+  that pastes its key into `model` by mistake does not leave it in the log.
 
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-import re
 import unicodedata
 from collections.abc import Collection
+
+from gateway.settings.hidden import holds_secret, looks_like_credential
+
+__all__ = ["MODEL_CHARS", "PATH_CHARS", "REDACTED", "escaped", "holds_secret", "loggable_model",
+           "loggable_path", "looks_like_credential"]
 
 #: the longest model name a line carries (model names are short; a longer one is cut)
 MODEL_CHARS = 128
@@ -31,26 +35,9 @@ MODEL_CHARS = 128
 PATH_CHARS = 200
 #: what stands in for a value that holds or looks like a credential
 REDACTED = "[redacted]"
-#: a secret shorter than this is matched only as the whole value, never inside one (a short
-#: string inside a model name is likelier a coincidence than a leak)
-_MIN_SECRET_CHARS = 8
 #: the Unicode categories that are escaped: controls, format characters (bidi, zero width),
 #: line and paragraph separators, surrogates, unassigned code points
 _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Cn"})
-
-_CREDENTIAL = re.compile(
-    r"(?i:\b(?:bearer|basic)\s)"                    # an Authorization header's value
-    r"|\b(?:sk|pk|rk)-[A-Za-z0-9_-]{12,}"           # OpenAI, Anthropic (sk-ant-), and alike
-    r"|\bA(?:KIA|SIA)[0-9A-Z]{16}\b"                # an AWS access key id
-    r"|\bAIza[0-9A-Za-z_-]{20,}"                    # a Google API key
-    r"|\bgh[pousr]_[A-Za-z0-9]{20,}"                # a GitHub token
-    r"|\bxox[abprs]-"                               # a Slack token
-    r"|\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"   # a JWT (base64 of `{"`)
-)
-#: a run this long of letters and digits with no separator holds both kinds in keys, not in
-#: model names (`claude-sonnet-4-5-20250929`, `meta-llama/Llama-3.1-8B-Instruct` have dashes)
-_TOKEN_RUN = re.compile(r"[A-Za-z0-9]{32,}")
-
 
 def escaped(text: str, limit: int) -> str:
     """`text` cut to `limit` characters (marked `…`), control and format characters escaped."""
@@ -66,24 +53,6 @@ def _escape(ch: str) -> str:
     code = ord(ch)
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
         else f"\\U{code:08x}"
-
-
-def looks_like_credential(text: str) -> bool:
-    """True for text shaped like a key or token (see the module docstring)."""
-    if _CREDENTIAL.search(text):
-        return True
-    return any(_mixed(run.group()) for run in _TOKEN_RUN.finditer(text))
-
-
-def _mixed(run: str) -> bool:
-    return any(c.isdigit() for c in run) and any(c.isalpha() for c in run)
-
-
-def holds_secret(text: str, hidden: Collection[str]) -> bool:
-    """True when `text` is one of `hidden` or contains one of its longer values."""
-    if text in hidden:
-        return True
-    return any(len(s) >= _MIN_SECRET_CHARS and s in text for s in hidden)
 
 
 def loggable_model(value: object, hidden: Collection[str] = ()) -> str | None:

@@ -124,7 +124,7 @@ def openai_error_event(message: str, code: str, request_id: str) -> bytes:
 
 
 def openai_error_body(exc: GatewayError, message: str) -> dict[str, object]:
-    return error_body(message, type=exc.type, code=exc.code, param=exc.param)
+    return error_body(message, type=exc.shown_type, code=exc.shown_code, param=exc.param)
 
 
 CHAT = WireProtocol("chat", classify, classify_payload, frozenset(), openai_error_event,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, UpstreamClientError
 from gateway.wire.base import (
     Kind,
     WireProtocol,
@@ -96,8 +96,23 @@ def anthropic_error_body(status: int, message: str) -> dict[str, object]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+#: the error types Anthropic's shape has (an upstream's relayed type is kept when one)
+ANTHROPIC_TYPES = frozenset(_ANTHROPIC_TYPES.values()) | {"api_error"}
+
+
 def _anthropic_body(exc: GatewayError, message: str) -> dict[str, object]:
-    return anthropic_error_body(exc.status, message)
+    """Anthropic's shape: a type and a message. An upstream's relayed explanation keeps its
+    type when Anthropic's shape has it, and its `param` and `code`, which the shape has no
+    field for, are named at the end of the message."""
+    explanation = exc.explanation if isinstance(exc, UpstreamClientError) else None
+    if explanation is None:
+        return anthropic_error_body(exc.status, message)
+    named = ", ".join(f"{name} {value}" for name, value in
+                      (("param", explanation.param), ("code", explanation.code)) if value)
+    kind = explanation.type if explanation.type in ANTHROPIC_TYPES else None
+    return {"type": "error", "error": {
+        "type": kind or _ANTHROPIC_TYPES.get(exc.status, "api_error"),
+        "message": f"{message} [{named}]" if named else message}}
 
 
 MESSAGES = WireProtocol("messages", classify_messages, classify_messages_body,

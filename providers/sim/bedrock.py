@@ -212,7 +212,7 @@ class BedrockSimulator:
         reply = self.responder(call)
         if reply.status != 200:
             return bedrock_error(reply.error_type or "InternalServerException",
-                                 "simulated failure", reply.status)
+                                 reply.error_message, reply.status)
         message_id = f"msg_bdrk_{uuid.uuid4().hex[:12]}"
         if not stream:
             if reply.hold is not None:

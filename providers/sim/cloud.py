@@ -33,6 +33,8 @@ class Reply:
     #: `ThrottlingException`, Google's `RESOURCE_EXHAUSTED`)
     status: int = 200
     error_type: str | None = None
+    #: the error answer's message (the cloud's own words, which the gateway relays for a 400)
+    error_message: str = "simulated failure"
     #: a failure inside a 200 stream after this many texts (0: before the first): Bedrock
     #: sends an exception frame of `stream_exception`, Vertex an `event: error`
     fail_after: int | None = None

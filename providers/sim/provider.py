@@ -15,14 +15,15 @@ import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 
-from gateway.errors import UpstreamStatusError, UpstreamTimeout
+from gateway.errors import UpstreamRejectedRequest, UpstreamStatusError, UpstreamTimeout
 from gateway.settings import BackendSettings, SimProfile
+from gateway.wire.explain import explain
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import ENDPOINTS, UpstreamCall, UpstreamStream
 from providers.sim import protocols
 from providers.sim.chat import sim_payloads, sim_response
 from providers.sim.quota import SimQuota, refusal
-from providers.sim.validate import check_request
+from providers.sim.validate import check_request, error_answer
 from providers.sim.wire import (
     TTFT_HEADER,
     SimModel,
@@ -177,8 +178,10 @@ class SimProvider:
             override = parse_ttft_override(call.extra_headers.get(TTFT_HEADER))
         except ValueError:
             raise UpstreamStatusError.of(400) from None
-        if check_request(call.endpoint, call.body) is not None:  # what the real API refuses
-            raise UpstreamStatusError.of(400)
+        rejection = check_request(call.endpoint, call.body)
+        if rejection is not None:  # what the real API refuses, in its words (as over HTTP)
+            raise UpstreamRejectedRequest(400, explanation=explain(
+                wire_json(error_answer(call.endpoint, 400, rejection))))
         plan = self.model.plan(call.body, endpoint=call.endpoint, ttft_override=override)
         if plan.status != 200:
             raise UpstreamStatusError.of(plan.status, retry_after=retry_after_for(plan.status))

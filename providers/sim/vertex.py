@@ -207,7 +207,7 @@ class VertexSimulator:
         self.calls.append(call)
         reply = self.responder(call)
         if reply.status != 200:
-            return google_error(reply.status, "simulated failure")
+            return google_error(reply.status, reply.error_message)
         message_id = f"msg_vrtx_{uuid.uuid4().hex[:12]}"
         if not stream:
             if reply.hold is not None:

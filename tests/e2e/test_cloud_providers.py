@@ -410,6 +410,81 @@ def test_a_model_stream_error_after_the_first_token_reaches_the_client(
     assert sim.calls[0].texts_sent == 1
 
 
+# --- a rejection only one provider makes ----------------------------------------------------------
+
+#: what Bedrock answers to an `anthropic-beta` flag it does not know (Anthropic's API takes it)
+INVALID_BETA = Reply(status=400, error_type="ValidationException",
+                     error_message="invalid beta flag")
+
+
+def rejects_betas(call: CallRecord) -> Reply:
+    return INVALID_BETA if "anthropic_beta" in call.body else Reply()
+
+
+def test_a_bedrock_validation_error_fails_over_and_ejects_bedrock(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    tmp_path: Path,
+) -> None:
+    """Bedrock refuses a beta flag that the pool's Vertex backend serves: each request whose
+    primary is Bedrock fails over to Vertex and is answered; each such rejection counts as
+    Bedrock's failure (`rejected_served`), and after `eject_after` of them Bedrock is out."""
+    b_sim, b_url = bedrock_sim(asgi_server, rejects_betas)
+    v_sim, v_url, key_file = vertex_sim(asgi_server, account, tmp_path)
+    mixed = dataclasses.replace(pool([bedrock("bedrock", b_url), vertex("vertex", v_url,
+                                                                         key_file)]),
+                                health=HealthSettings(eject_after=2))
+    gateway = serve(asgi_server, settings_for(mixed))
+    with claude(gateway) as client:
+        for sent in range(1, 41):  # which backend is primary is the balancer's draw
+            text, headers = streamed(client)
+            assert (text, headers["x-hedge-backend"]) == (ANSWER, "vertex")
+            recorded(gateway, sent)
+            if backend_stats(gateway, "bedrock")["state"] == "ejected":
+                break
+    state = backend_stats(gateway, "bedrock")
+    assert state["state"] == "ejected"
+    assert state["lifetime"]["failures"] == {"rejected_served": len(b_sim.calls)} \
+        and len(b_sim.calls) == 2
+    assert all(c.body["anthropic_beta"] == ["fine-grained-tool-streaming-2025-05-14"]
+               for c in b_sim.calls)
+    assert len(v_sim.calls) == sent
+    with claude(gateway) as client:  # ejected: Vertex serves at once
+        assert streamed(client)[1]["x-hedge-attempts"] == "1"
+    assert len(b_sim.calls) == 2
+
+
+def test_a_rejection_by_every_provider_reaches_the_client_with_its_explanation(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    tmp_path: Path,
+) -> None:
+    """Both providers reject the body: the client gets the first rejection with that
+    upstream's own words, and neither backend is counted as failing (the request was at
+    fault). A pool of one provider asks only one of its backends."""
+    b_sim, b_url = bedrock_sim(asgi_server, lambda call: INVALID_BETA)
+    v_sim, v_url, key_file = vertex_sim(asgi_server, account, tmp_path, lambda call: Reply(
+        status=400, error_message="anthropic-beta: unknown flag"))
+    gateway = serve(asgi_server, settings_for(
+        pool([bedrock("bedrock", b_url), vertex("vertex", v_url, key_file)]),
+        pool([bedrock("east", b_url), bedrock("west", b_url)], name="bedrock-only")))
+    with claude(gateway) as client, pytest.raises(anthropic.BadRequestError) as caught:
+        streamed(client)
+    first = "bedrock" if b_sim.calls[0].arrived < v_sim.calls[0].arrived else "vertex"
+    words = {"bedrock": "invalid beta flag", "vertex": "anthropic-beta: unknown flag"}[first]
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": f"{words} (backend {first})"}}
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert len(b_sim.calls) == len(v_sim.calls) == 1
+    recorded(gateway, 1)
+    for name in ("bedrock", "vertex"):
+        assert backend_stats(gateway, name)["lifetime"]["failures"] == {"request_rejected": 1}
+        assert backend_stats(gateway, name)["state"] == "ok"
+    with claude(gateway) as client, pytest.raises(anthropic.BadRequestError) as caught:
+        streamed(client, model="bedrock-only")
+    message = caught.value.body["error"]["message"]  # type: ignore[index]
+    assert message in ("invalid beta flag (backend east)", "invalid beta flag (backend west)")
+    assert len(b_sim.calls) == 2  # one more: the other Bedrock backend was not asked
+
+
 # --- secrets --------------------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ PURE = (
     "gateway.hedge.sizing",
     "gateway.hedge.latency",
     "gateway.wire.base",
+    "gateway.wire.explain",
     "gateway.wire.ratelimit",
     "gateway.wire.sse",
     "gateway.wire.chat",
@@ -53,7 +54,7 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 #: the module and everything below it in the package tree; the longest matching name wins.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.clock", "gateway.drain", "gateway.argtypes", "gateway.settings",
-     "gateway.wire.sse",
+     "gateway.wire.sse", "gateway.wire.explain",
      "gateway.wire.usage", "gateway.hedge.latency", "gateway.stats.table"),
     ("gateway.wire", "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.balancer",
      "gateway.hedge.headroom", "gateway.hedge.affinity", "gateway.hedge.prefill",

@@ -4,6 +4,7 @@ outside. Streaming behaviour over real sockets is in test_hedging.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -18,6 +19,7 @@ from gateway.errors import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamPushback,
+    UpstreamRejectedRequest,
     UpstreamStatusError,
     all_attempts_failed,
 )
@@ -25,6 +27,7 @@ from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import AttemptRunner, Race
+from gateway.wire.explain import Explanation
 from gateway.wire.sse import SSEBatch, SSEEvent
 from tests.harness.builders import gateway_settings
 
@@ -238,3 +241,59 @@ async def test_the_winner_holds_its_backend_slot_until_the_request_ends() -> Non
     await race.aclose()
     assert pool.balancer.inflight("b0") == 0
     assert pool.balancer.usable(now) == ["b0"]
+
+
+# -- a rejection only one provider makes ----------------------------------------------------
+
+
+def mixed_pool() -> PoolRuntime:
+    """b0 an `anthropic` backend, b1 a `bedrock` one (the settings only: nothing is sent)."""
+    pool = pool_of()
+    settings = pool.settings
+    b0, b1 = settings.backends
+    backends = (dataclasses.replace(b0, provider="anthropic"),
+                dataclasses.replace(b1, provider="bedrock", region="us-east-1"))
+    return dataclasses.replace(pool, settings=dataclasses.replace(settings, backends=backends))
+
+
+async def test_a_rejection_fails_over_to_another_provider_which_serves_it() -> None:
+    """The rejecting backend's rejection becomes its failure once the other provider served
+    the same body: counted (`rejected_served`) and towards its ejection."""
+    pool = mixed_pool()
+    explanation = Explanation("invalid beta flag")
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        if record.index == 0:
+            raise UpstreamRejectedRequest(400, explanation=explanation)
+        await asyncio.sleep(0)
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, False),
+                time.monotonic)
+    result = await race.run()
+    await race.aclose()
+    first, second = race.attempts
+    assert (result.winner is second, second.kind) == (True, "failover")
+    assert first.backend != second.backend
+    assert (first.outcome, first.failure) == ("failed", "rejected_served")
+    assert pool.balancer._backends[first.backend].failures == 1
+    assert pool.balancer._backends[second.backend].failures == 0
+
+
+async def test_a_rejection_by_every_provider_is_the_clients_with_the_first_explanation() -> None:
+    pool = mixed_pool()
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        raise UpstreamRejectedRequest(422, explanation=Explanation(f"no, says {backend}"))
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, False),
+                time.monotonic)
+    with pytest.raises(UpstreamClientError) as info:
+        await race.run()
+    await race.aclose()
+    first = race.attempts[0].backend
+    assert info.value.status == 422
+    assert info.value.message == f"no, says {first} (backend {first})"
+    assert [r.failure for r in race.attempts] == ["request_rejected", "request_rejected"]
+    for name in ("b0", "b1"):
+        assert pool.balancer._backends[name].failures == 0
