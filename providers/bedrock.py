@@ -70,7 +70,7 @@ from gateway.errors import (
 )
 from gateway.settings import BackendSettings, Timeouts
 from gateway.wire.sse import SSEBatch, SSEEvent
-from providers.base import UpstreamCall
+from providers.base import Provider, UpstreamCall
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient, UpstreamResponse
 from providers.openai import (
@@ -362,6 +362,10 @@ class BedrockProvider:
         self._source = AwsCredentialSource(settings)
         self._credentials = Refresher(self._source.fetch,
                                       what=f"backend {settings.name}: AWS credentials")
+        #: what the credentials come from: a reload that keeps it keeps them
+        self._credential_settings = (settings.aws, settings.region)
+        #: False once a reloaded provider took the credentials over (it closes them)
+        self._owns_credentials = True
         self._connect = timeouts.connect
         # as for the OpenAI adapter: no read timeout on a stream (the race's deadline, then
         # the relay's idle and max_stream deadlines bound it)
@@ -450,7 +454,18 @@ class BedrockProvider:
             return None
         return fresh
 
+    def adopt_credentials(self, previous: Provider) -> bool:
+        """The previous provider of this backend (a reload rebuilt it: a weight, a pool's
+        timeouts): its credentials, still good, when they come from the same settings."""
+        if not isinstance(previous, BedrockProvider) or not previous._owns_credentials or (
+                previous._credential_settings != self._credential_settings):
+            return False
+        self._source, self._credentials = previous._source, previous._credentials
+        previous._owns_credentials = False
+        return True
+
     async def aclose(self) -> None:
-        await self._credentials.aclose()
+        if self._owns_credentials:
+            await self._credentials.aclose()
         if self._owns_client:
             await self._client.aclose()

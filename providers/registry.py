@@ -18,6 +18,7 @@ from providers.bedrock import BedrockProvider
 from providers.http import UpstreamClient
 from providers.openai import OpenAIProvider
 from providers.sim import SimProvider
+from providers.tls import CaContexts
 from providers.vertex import VertexProvider
 
 #: connection bound of a backend's own client (the shared one is sized by the app)
@@ -28,11 +29,13 @@ def needs_own_client(settings: BackendSettings) -> bool:
     return settings.tls != TlsSettings() or settings.proxy is not None or settings.trust_env
 
 
-def own_client(settings: BackendSettings) -> UpstreamClient:
-    """A client with this backend's TLS, proxy and environment settings; never redirects."""
+def own_client(settings: BackendSettings, contexts: CaContexts | None = None) -> UpstreamClient:
+    """A client with this backend's TLS, proxy and environment settings; never redirects.
+    `contexts`: the app's contexts by CA bundle, shared across backends and reloads."""
     verify: ssl.SSLContext | bool = settings.tls.verify
     if settings.tls.verify and settings.tls.ca_file is not None:
-        verify = ssl.create_default_context(cafile=settings.tls.ca_file)
+        verify = (contexts.get(settings.tls.ca_file) if contexts is not None
+                  else ssl.create_default_context(cafile=settings.tls.ca_file))
     return UpstreamClient(
         max_connections=OWN_MAX_CONNECTIONS,
         ssl=verify,
@@ -46,11 +49,12 @@ def build_provider(
     client: UpstreamClient,
     timeouts: Timeouts,
     rng: random.Random,
+    contexts: CaContexts | None = None,
 ) -> Provider:
     if settings.provider == "sim":
         return SimProvider(settings, rng=random.Random(rng.random()))
     own = needs_own_client(settings)
-    http = own_client(settings) if own else client
+    http = own_client(settings, contexts) if own else client
     if settings.provider == "openai":
         return OpenAIProvider(settings, http, timeouts, owns_client=own)
     if settings.provider == "anthropic":

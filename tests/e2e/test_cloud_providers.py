@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import sys
 import threading
@@ -26,6 +27,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.hedge.generation import ConfigOrigin
 from gateway.settings import (
     BackendSettings,
     DelaySettings,
@@ -341,6 +343,43 @@ def test_an_expired_token_answer_rereads_the_chain_and_resends_once(
             whole(client)
     assert sim.refused == ["ExpiredTokenException"] * 3  # one more, and its one resend
     assert len(sim.calls) == 1
+
+
+def test_a_reload_that_rebuilds_cloud_backends_keeps_their_credentials(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """A reload that changes a Bedrock and a Vertex backend (their weights) rebuilds their
+    providers, but not where their credentials come from: the new providers sign with the
+    credentials already fetched, and nothing is fetched again, before or after a request."""
+    issued = process_chain(monkeypatch, tmp_path, lifetime=3600.0)
+    b_sim = BedrockSimulator(region=REGION, keys=issued)
+    b_url = asgi_server(b_sim.app).base_url
+    v_sim, v_url, key_file = vertex_sim(asgi_server, account, tmp_path)
+
+    def configured(weight: float) -> Settings:
+        return settings_for(
+            pool([bedrock("bedrock", b_url, key=None, weight=weight)], name="b"),
+            pool([dataclasses.replace(vertex("vertex", v_url, key_file), weight=weight)],
+                 name="v"))
+
+    app = create_app(configured(1.0), seed=3)
+    gateway = asgi_server(app).base_url
+    live = app.state.live
+    with claude(gateway) as client:
+        assert whole(client, model="b") == ANSWER and whole(client, model="v") == ANSWER
+        keys, grants = len(issued), list(v_sim.token_grants)
+        backends = (("b", "bedrock"), ("v", "vertex"))
+        before = [live.current.pools[p].providers[n] for p, n in backends]
+        changed = configured(2.0)
+        loop_thread.call(functools.partial(
+            app.state.reloader.apply, changed, ConfigOrigin.embedded(changed, now=0.0)))
+        after = [live.current.pools[p].providers[n] for p, n in backends]
+        assert all(new is not old for new, old in zip(after, before, strict=True))  # rebuilt
+        assert whole(client, model="b") == ANSWER and whole(client, model="v") == ANSWER
+    assert len(issued) == keys == 1 and v_sim.token_grants == grants == ["jwt"]
+    assert b_sim.refused == [] and v_sim.refused == []
+    assert len({call.credential for call in b_sim.calls}) == 1
 
 
 def test_vertex_streams_and_answers_with_a_service_account(
