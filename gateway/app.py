@@ -49,8 +49,10 @@ from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
 from gateway.stats.tracing import Tracing, build_tracing
+from providers.base import CarriesCredentials, Provider
 from providers.http import UpstreamClient
 from providers.registry import build_provider, missing_extras
+from providers.tls import CaContexts
 
 
 def make_http_client(settings: Settings) -> UpstreamClient:
@@ -70,10 +72,12 @@ def build_pools(
     clock: Clock,
     rng: random.Random,
     previous: Mapping[str, PoolRuntime] | None = None,
+    contexts: CaContexts | None = None,
 ) -> dict[str, PoolRuntime]:
     """One runtime per configured pool. With `previous` (a reload), a pool that keeps its
     name carries over its learnt state (`PoolRuntime.carried_over`) and a backend whose
-    settings and pool timeouts are unchanged keeps its provider."""
+    settings and pool timeouts are unchanged keeps its provider. `contexts`: the TLS
+    contexts by CA bundle, built once for every backend and reload that names a bundle."""
     pools: dict[str, PoolRuntime] = {}
     now = clock()
     for pool in settings.pools:
@@ -81,12 +85,16 @@ def build_pools(
         kept: Mapping[str, object] = {}
         if before is not None and before.settings.timeouts == pool.timeouts:
             kept = {b.name: b for b in before.settings.backends}
-        providers = {
-            b.name: before.providers[b.name]
-            if before is not None and kept.get(b.name) == b
-            else build_provider(b, client, pool.timeouts, rng)
-            for b in pool.backends
-        }
+        providers: dict[str, Provider] = {}
+        for b in pool.backends:
+            old = before.providers.get(b.name) if before is not None else None
+            if old is not None and kept.get(b.name) == b:
+                providers[b.name] = old
+                continue
+            provider = build_provider(b, client, pool.timeouts, rng, contexts)
+            if old is not None and isinstance(provider, CarriesCredentials):
+                provider.adopt_credentials(old)  # a rebuilt backend keeps its cloud credentials
+            providers[b.name] = provider
         if before is None:
             pools[pool.name] = PoolRuntime.build(
                 pool,
@@ -117,6 +125,23 @@ async def refresh_delays(live: Live, clock: Clock, interval: float) -> None:
         await asyncio.sleep(interval)
 
 
+async def close_retired(live: Live, stats: Stats, interval: float) -> None:
+    """Every `interval` seconds, close the providers a reload retired that no running
+    request holds any more (`Live.reap`), until cancelled."""
+    while True:
+        await asyncio.sleep(interval)
+        done = live.reap()
+        while done:
+            try:
+                await done[0].aclose()
+            except asyncio.CancelledError:  # shutdown: it closes what is left (idempotent)
+                live.retired.extend(done)
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bug of ours: reported, the rest closed
+                report_bug(stats, exc)
+            done.pop(0)
+
+
 def _layout(pools: Mapping[str, PoolRuntime]) -> dict[str, list[str]]:
     return {name: [b.name for b in p.settings.backends] for name, p in pools.items()}
 
@@ -124,10 +149,13 @@ def _layout(pools: Mapping[str, PoolRuntime]) -> dict[str, list[str]]:
 class Reloader:
     """Re-reads the configuration file and swaps in the next generation.
 
-    Runs on the event loop (from the SIGHUP handler), synchronously: reading and validating
-    a configuration file takes milliseconds, and doing it in one step means no request can
-    see a half-built generation. An invalid file changes nothing: the error, with every key
-    path, goes to the log and `failed_reloads` counts it. The `server` section is bound at
+    On SIGHUP (`hangup`) the blocking part runs in a worker thread: reading the file,
+    validating it (which loads every CA bundle it names) and loading those bundles into the
+    app's TLS contexts (`providers.tls.CaContexts`). Then, on the event loop and in one step,
+    the generation is built from those contexts and swapped in, so no request can see a
+    half-built one and the loop never waits on a file. `reload_file` does it all at once, for
+    callers without a running loop. An invalid file changes nothing: the error, with every
+    key path, goes to the log and `failed_reloads` counts it. The `server` section is bound at
     start (the listening socket, the connection and concurrency limits): a reload that
     changes it keeps the running values and says which keys need a restart.
     """
@@ -141,11 +169,12 @@ class Reloader:
         rng: random.Random,
         workers: int = 1,
         keys: Mapping[str, KeyRing] | None = None,
+        contexts: CaContexts | None = None,
     ) -> None:
         """`workers`: under `serve --workers N`, a reloaded file's budgets are split as at
         start (`gateway.server.workers.worker_settings`). `keys`: the rings the routes
         check, by their `server` field (`api_keys`, `ops_keys`): a reload that changes one
-        swaps it in."""
+        swaps it in. `contexts`: the TLS contexts the backends were built with."""
         self.live = live
         self.stats = stats
         self._client = client
@@ -153,21 +182,60 @@ class Reloader:
         self._rng = rng
         self._workers = workers
         self._keys = dict(keys or {})
+        self._contexts = contexts if contexts is not None else CaContexts()
+        #: the reload a SIGHUP started, and whether another SIGHUP came meanwhile
+        self._running: asyncio.Task[bool] | None = None
+        self._again = False
+
+    def _read(self, path: str) -> tuple[bytes, Settings] | list[str]:
+        """The file's bytes and its validated settings, or the errors that refuse it.
+        Blocking (file reads, CA bundles): the SIGHUP path runs it in a worker thread."""
+        try:
+            with open(path, "rb") as file:
+                data = file.read()
+            settings = worker_settings(load_settings(path, installed=missing_extras),
+                                       self._workers)
+            self._contexts.load({b.tls.ca_file for pool in settings.pools
+                                 for b in pool.backends
+                                 if b.tls.verify and b.tls.ca_file is not None})
+        except (ConfigError, OSError) as exc:
+            return list(exc.errors) if isinstance(exc, ConfigError) else [f"{path}: {exc.strerror}"]
+        except Exception as exc:  # noqa: BLE001 - a bug of ours must not kill the handler
+            # never the message or traceback: they could repeat a value from the environment
+            return [f"{path}: could not be loaded ({type(exc).__name__})"]
+        return data, settings
 
     def reload_file(self, path: str, *, started_server: ServerSettings | None = None) -> bool:
         """Load `path`; on success swap it in and return True. `started_server`: the file's
         `server` section as loaded at start (before command-line overrides), to name the
-        server keys a reload cannot change."""
-        try:
-            with open(path, "rb") as file:
-                data = file.read()
-            settings = worker_settings(load_settings(path, installed=missing_extras), self._workers)
-        except (ConfigError, OSError) as exc:
-            errors = exc.errors if isinstance(exc, ConfigError) else [f"{path}: {exc.strerror}"]
-            return self._refused(errors)
-        except Exception as exc:  # noqa: BLE001 - a bug of ours must not kill the handler
-            # never the message or traceback: they could repeat a value from the environment
-            return self._refused([f"{path}: could not be loaded ({type(exc).__name__})"])
+        server keys a reload cannot change. Blocks while it reads (see `hangup`)."""
+        return self._swap_in(path, self._read(path), started_server)
+
+    async def reload(self, path: str, *, started_server: ServerSettings | None = None) -> bool:
+        """`reload_file` with its blocking part in a worker thread."""
+        return self._swap_in(path, await asyncio.to_thread(self._read, path), started_server)
+
+    def hangup(self, path: str, *, started_server: ServerSettings | None = None) -> None:
+        """SIGHUP, on the loop: start `reload`, or, while one runs, one more after it (the
+        file may have changed again since it was read). One task at most."""
+        if self._running is not None and not self._running.done():
+            self._again = True
+            return
+
+        async def run() -> bool:
+            done = await self.reload(path, started_server=started_server)
+            while self._again:
+                self._again = False
+                done = await self.reload(path, started_server=started_server)
+            return done
+
+        self._running = asyncio.get_running_loop().create_task(run(), name="config-reload")
+
+    def _swap_in(self, path: str, loaded: tuple[bytes, Settings] | list[str],
+                 started_server: ServerSettings | None) -> bool:
+        if isinstance(loaded, list):
+            return self._refused(loaded)
+        data, settings = loaded
         running = self.live.current.settings.server
         # keys take effect now (rotating a leaked one must not need a restart)
         swapped = {name: getattr(settings.server, name) for name in self._keys
@@ -206,7 +274,8 @@ class Reloader:
         """Swap in a validated configuration: new runtimes carrying over the learnt state,
         the stats re-laid, then the one assignment that new requests will see."""
         old = self.live.current
-        pools = build_pools(settings, self._client, self._clock, self._rng, old.pools)
+        pools = build_pools(settings, self._client, self._clock, self._rng, old.pools,
+                            self._contexts)
         self.stats.adopt(_layout(pools))
         self.live.swap(Generation(settings, pools, origin, old.number + 1))
 
@@ -239,7 +308,8 @@ def create_app(
     if tracing is None:
         tracing = build_tracing(settings.server.tracing, os.environ)
     client = make_http_client(settings)
-    pools = build_pools(settings, client, clock, rng)
+    contexts = CaContexts()
+    pools = build_pools(settings, client, clock, rng, contexts=contexts)
     stats = Stats.for_pools(pools, now=clock())
     live = Live(Generation(settings, pools, origin or ConfigOrigin.embedded(settings,
                                                                             now=clock())))
@@ -256,7 +326,8 @@ def create_app(
         )
         publisher = asyncio.create_task(
             source.publish_forever(), name="stats-publish") if peers else None
-        tasks = [refresher]
+        tasks = [refresher, asyncio.create_task(
+            close_retired(live, stats, delay_refresh), name="close-retired-providers")]
         try:
             await sample_now(series, source.series_reading_async)  # before serving: the baseline
             tasks.append(asyncio.create_task(
@@ -307,8 +378,9 @@ def create_app(
     #: the pools at start; after a reload, `app.state.live.current.pools`
     app.state.pools = pools
     app.state.live = live
-    #: `reloader.reload_file(path)` on SIGHUP (wired by `hedge-gateway serve`)
-    app.state.reloader = Reloader(live, stats, client, clock, rng, workers, keys=rings)
+    #: `reloader.hangup(path)` on SIGHUP (wired by `hedge-gateway serve`)
+    app.state.reloader = Reloader(live, stats, client, clock, rng, workers, keys=rings,
+                                  contexts=contexts)
     app.state.stats = stats
     app.state.proxy = proxy
     #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`

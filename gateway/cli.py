@@ -61,8 +61,8 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     path, reloader = ns.config, app.state.reloader
 
-    def reload() -> bool:  # SIGHUP: re-read the file; an invalid one changes nothing
-        return bool(reloader.reload_file(path, started_server=file_server))
+    def reload() -> None:  # SIGHUP: re-read the file; an invalid one changes nothing
+        reloader.hangup(path, started_server=file_server)
 
     # drains live streams on SIGTERM, bounds request heads, exits 0 after a graceful stop,
     # reloads the configuration on SIGHUP

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import anyio
 
@@ -98,6 +98,18 @@ class Provider(Protocol):
 
     async def aclose(self) -> None:
         """Release what the provider holds (not the shared HTTP client)."""
+        ...
+
+
+@runtime_checkable
+class CarriesCredentials(Protocol):
+    """A provider holding cloud credentials it refreshes (`providers.credentials`): a reload
+    that rebuilds its backend hands the new provider the old one's, when the settings they
+    come from are the same, so the first request after it does not wait for a fetch."""
+
+    def adopt_credentials(self, previous: Provider) -> bool:
+        """Take over `previous`'s credentials (its refresher and what it reads) when they come
+        from the same settings; `previous` then no longer closes them. True when taken."""
         ...
 
 

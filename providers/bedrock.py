@@ -11,7 +11,13 @@ What differs from `provider: anthropic`, and why each piece is here:
 - **Signing.** SigV4 (service `bedrock`) with botocore's signer, per request: microseconds of
   hashing, so it runs on the loop. The credentials come from the backend's `aws` keys or
   botocore's standard chain, read in a worker thread by a `Refresher` (the chain may read
-  files or call STS): never a blocking call on the event loop.
+  files or call STS): never a blocking call on the event loop. Temporary credentials (web
+  identity, container and instance roles, SSO, an assumed role, a `credential_process`) carry
+  their expiry, and the refresher is given it, so they are refreshed ahead of it however long
+  the backend sat idle; static keys have none and are read once. An answer that says the
+  credentials expired or are unknown (`ExpiredTokenException`, `UnrecognizedClientException`)
+  drops them and re-reads the chain, and the request is signed again and resent once, when
+  that gave other credentials (a token revoked, or the clocks disagreeing on its expiry).
 - **The stream.** AWS event-stream frames (binary: prelude, headers, payload, CRCs), parsed by
   botocore's `EventStreamBuffer`. Each `chunk` event's payload is `{"bytes": base64}` holding
   one Messages event as JSON: it is handed on as that SSE event, named by its `type`, so the
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime
 import json
 import logging
 import re
@@ -46,7 +53,7 @@ import aiohttp
 import botocore.session
 from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials, ReadOnlyCredentials
+from botocore.credentials import Credentials, ReadOnlyCredentials, RefreshableCredentials
 from botocore.eventstream import EventStreamBuffer, EventStreamMessage, ParserError
 
 from gateway.errors import (
@@ -64,7 +71,7 @@ from gateway.errors import (
 )
 from gateway.settings import BackendSettings, Timeouts
 from gateway.wire.sse import SSEBatch, SSEEvent
-from providers.base import UpstreamCall
+from providers.base import Provider, UpstreamCall
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient, UpstreamResponse
 from providers.openai import (
@@ -73,6 +80,7 @@ from providers.openai import (
     allowed_headers,
     media_type,
     parse_retry_after,
+    refused,
     rejected,
     secrets_of,
 )
@@ -110,6 +118,8 @@ _PUSHBACK = frozenset({"throttling", "servicequotaexceeded", "toomanyrequests"})
 _BUSY = frozenset({"serviceunavailable", "modelnotready"})
 _AUTH = frozenset({"accessdenied", "unrecognizedclient", "invalidsignature", "expiredtoken",
                    "incompletesignature", "missingauthenticationtoken", "invalidclienttokenid"})
+#: the error types that say the credentials themselves are stale: worth one re-read
+_STALE_CREDENTIALS = frozenset({"expiredtoken", "unrecognizedclient"})
 
 
 def bedrock_error(
@@ -146,6 +156,12 @@ def bedrock_error(
             return UpstreamRateLimited(429, retry_after=retry_after)
         return UpstreamStatusError.of(status, retry_after=retry_after)
     return UpstreamProtocolError("unknown exception in the event stream")
+
+
+def _refusal(response: UpstreamResponse) -> UpstreamError:
+    """The attempt failure for a non-200 answer, from its error type and status."""
+    return bedrock_error(response.headers.get("x-amzn-errortype"), response.status,
+                         retry_after=parse_retry_after(response.headers))
 
 
 def stream_error_event(kind: str) -> SSEEvent:
@@ -262,13 +278,30 @@ class EventStream:
 AwsCredentials = Credentials | ReadOnlyCredentials
 
 
+def lifetime_of(credentials: Credentials, now: datetime.datetime | None = None) -> float | None:
+    """Seconds until `credentials` expire; None for static keys, which do not.
+
+    botocore's refreshable credentials (every temporary source of the chain) keep their
+    expiry in `_expiry_time`, as its own refresh logic reads it; it has no public accessor."""
+    if not isinstance(credentials, RefreshableCredentials):
+        return None
+    expiry = getattr(credentials, "_expiry_time", None)
+    if not isinstance(expiry, datetime.datetime):
+        return None
+    if expiry.tzinfo is None:
+        expiry = expiry.replace(tzinfo=datetime.UTC)
+    moment = now or datetime.datetime.now(datetime.UTC)
+    return max(0.0, (expiry - moment).total_seconds())
+
+
 class AwsCredentialSource:
     """The backend's `aws` keys, else botocore's standard chain (environment, shared files,
     web identity, containers, instance metadata), read in a worker thread.
 
-    The chain's credentials object is kept between reads: a refreshable one (web identity, an
-    assumed role) refreshes itself when read close to its expiry, and it is read in the
-    worker, every `REREAD_INTERVAL` while the backend is used."""
+    The chain's credentials object is kept between reads: a refreshable one refreshes itself
+    when read within ten minutes of its expiry (botocore's mandatory window), and the
+    refresher reads it again at most five minutes before that expiry, which `fetch` returns
+    as the value's lifetime."""
 
     def __init__(self, settings: BackendSettings) -> None:
         aws = settings.aws
@@ -282,15 +315,22 @@ class AwsCredentialSource:
     def fetch(self) -> Fetched[AwsCredentials]:
         if self._static is not None:
             return Fetched(self._static, None)
-        if self._chain is None:
+        chain = self._chain
+        if chain is None:
             session = botocore.session.Session()
             if self._region:
                 session.set_config_variable("region", self._region)
-            self._chain = session.get_credentials()
-            if self._chain is None:
+            chain = session.get_credentials()
+            if chain is None:
                 raise LookupError("no AWS credentials in the standard chain")
-        frozen = self._chain.get_frozen_credentials()
-        return Fetched(frozen, None)
+            self._chain = chain
+        frozen = chain.get_frozen_credentials()  # refreshes first when close to the expiry
+        return Fetched(frozen, lifetime_of(chain))
+
+    def forget(self) -> None:
+        """The upstream refused the chain's credentials: resolve the chain anew on the next
+        fetch (a refreshable object would hand back the same until the expiry it believes)."""
+        self._chain = None
 
 
 # --- the provider -------------------------------------------------------------------------------
@@ -325,8 +365,13 @@ class BedrockProvider:
         self._headers["content-type"] = "application/json"
         self._headers["accept-encoding"] = "identity"
         self._secrets = secrets_of(settings)
-        self._credentials = Refresher(AwsCredentialSource(settings).fetch,
+        self._source = AwsCredentialSource(settings)
+        self._credentials = Refresher(self._source.fetch,
                                       what=f"backend {settings.name}: AWS credentials")
+        #: what the credentials come from: a reload that keeps it keeps them
+        self._credential_settings = (settings.aws, settings.region)
+        #: False once a reloaded provider took the credentials over (it closes them)
+        self._owns_credentials = True
         self._connect = timeouts.connect
         # as for the OpenAI adapter: no read timeout on a stream (the race's deadline, then
         # the relay's idle and max_stream deadlines bound it)
@@ -365,23 +410,16 @@ class BedrockProvider:
         credentials = await self._credentials.get()
         url = self._stream_url if call.stream else self._invoke_url
         content = self.body(call)
-        try:
-            headers = self.signed_headers(url, content, credentials, call)
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise UpstreamCredentialsUnavailable(
-                f"could not sign the request ({type(exc).__name__})") from None
-        timeout = self._timeout
-        if not call.stream:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect,
-                                            sock_read=max(call.first_byte_timeout, 0.001))
-        response = await self._client.request(
-            "POST", url, content=content, headers=headers, timeout=timeout,
-            pool_timeout=self._connect,
-        )
+        response = await self._send(url, content, credentials, call)
+        if response.status in (401, 403) and _error_kind(
+                response.headers.get("x-amzn-errortype")) in _STALE_CREDENTIALS:
+            refusal = refused(response, _refusal(response))
+            fresh = await self._reread(credentials)
+            if fresh is None:
+                raise refusal
+            response = await self._send(url, content, fresh, call)
         if response.status != 200:
-            raise await rejected(response, bedrock_error(
-                response.headers.get("x-amzn-errortype"), response.status,
-                retry_after=parse_retry_after(response.headers)), self._secrets)
+            raise await rejected(response, _refusal(response), self._secrets)
         content_type = media_type(response.headers.get("content-type", ""))
         expected = EVENT_STREAM if call.stream else "application/json"
         if content_type != expected or (
@@ -392,7 +430,48 @@ class BedrockProvider:
             return EventStream(response)
         return AiohttpStream(response, stream=False, allowed=BEDROCK_PASS_HEADERS)
 
+    async def _send(self, url: str, content: bytes, credentials: AwsCredentials,
+                    call: UpstreamCall) -> UpstreamResponse:
+        """The request signed with `credentials`, up to its response head."""
+        try:
+            headers = self.signed_headers(url, content, credentials, call)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UpstreamCredentialsUnavailable(
+                f"could not sign the request ({type(exc).__name__})") from None
+        timeout = self._timeout
+        if not call.stream:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect,
+                                            sock_read=max(call.first_byte_timeout, 0.001))
+        return await self._client.request(
+            "POST", url, content=content, headers=headers, timeout=timeout,
+            pool_timeout=self._connect,
+        )
+
+    async def _reread(self, refused_with: AwsCredentials) -> AwsCredentials | None:
+        """Bedrock called `refused_with` expired or unknown: drop them (once for every
+        request refused with them) and read the chain again. The credentials to resend
+        with, or None when the re-read gave the same ones (static keys: resending is
+        pointless)."""
+        if self._credentials.invalidate(refused_with):
+            self._source.forget()
+        fresh = await self._credentials.get()
+        if (fresh.access_key, fresh.secret_key, fresh.token) == (
+                refused_with.access_key, refused_with.secret_key, refused_with.token):
+            return None
+        return fresh
+
+    def adopt_credentials(self, previous: Provider) -> bool:
+        """The previous provider of this backend (a reload rebuilt it: a weight, a pool's
+        timeouts): its credentials, still good, when they come from the same settings."""
+        if not isinstance(previous, BedrockProvider) or not previous._owns_credentials or (
+                previous._credential_settings != self._credential_settings):
+            return False
+        self._source, self._credentials = previous._source, previous._credentials
+        previous._owns_credentials = False
+        return True
+
     async def aclose(self) -> None:
-        await self._credentials.aclose()
+        if self._owns_credentials:
+            await self._credentials.aclose()
         if self._owns_client:
             await self._client.aclose()

@@ -6,15 +6,19 @@ reads files and may call STS or the container endpoint. Made on the event loop, 
 would stall every stream the gateway relays; made on the request path, it would add its round
 trip to a request's time to first token. So a `Refresher` runs the blocking fetch in a worker
 thread, from a task of its own, and schedules the next fetch ahead of the credential's expiry:
-a request only reads the cached value.
+a request only reads the cached value. A value without a lifetime (`Fetched.lifetime` None:
+static keys) never expires and is not fetched again unless the upstream refuses it
+(`invalidate`); a temporary credential must come with its real lifetime, so that it is
+refreshed ahead of its expiry however long the backend sat idle.
 
 Life cycle: started lazily by the first `get()` (a provider has no start-up hook, and a backend
 that is never used should not fetch anything), stopped by `aclose()`. A refresher whose value
 nobody read since its last fetch stops refreshing (a backend dropped by a reload, or an idle
-one, stops calling its token endpoint); the next `get()` starts it again and waits for that
-one fetch. A failed fetch is retried with a growing pause; meanwhile a still valid value keeps
-serving, and a request that finds none fails at once with `UpstreamCredentialsUnavailable`
-(another backend may serve it) rather than waiting for the retry.
+one, stops calling its token endpoint); the next `get()` starts it again: in the background
+when the value is still good but due for its refresh, else waiting for that one fetch. A
+failed fetch is retried with a growing pause; meanwhile a still valid value keeps serving,
+and a request that finds none fails at once with `UpstreamCredentialsUnavailable` (another
+backend may serve it) rather than waiting for the retry.
 """
 
 from __future__ import annotations
@@ -38,10 +42,6 @@ SAFETY = 10.0
 #: first and longest pause after a failed fetch
 RETRY_MIN = 1.0
 RETRY_MAX = 30.0
-#: how often credentials without a known expiry are re-read (botocore's refreshable
-#: credentials refresh themselves when read close to their expiry, so reading them in the
-#: worker now and then is what keeps them fresh without ever refreshing on the loop)
-REREAD_INTERVAL = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,8 @@ class Refresher(Generic[T]):
         self._value: T | None = None
         #: monotonic time after which the value is not handed out (None: never expires)
         self._good_until: float | None = None
+        #: monotonic time from which the value is due for its refresh (None: never)
+        self._refresh_at: float | None = None
         self._error: str | None = None
         #: set when a fetch ended (with a value or an error); cleared when one starts
         self._settled = asyncio.Event()
@@ -86,19 +88,26 @@ class Refresher(Generic[T]):
         #: fetches made so far (tests and stats read it)
         self.fetches = 0
 
-    def _fresh(self) -> bool:
+    def _fresh(self, now: float | None = None) -> bool:
         if self._value is None:
             return False
-        return self._good_until is None or self._clock() < self._good_until
+        return self._good_until is None or (
+            self._clock() if now is None else now) < self._good_until
 
     async def get(self) -> T:
-        """The current value; waits only when there is none yet (the first fetch, or the
-        first after an idle stop). Raises `UpstreamCredentialsUnavailable`."""
+        """The current value; waits only when there is no good one (the first fetch, or the
+        first after an idle gap longer than the value's lifetime). A good value due for its
+        refresh, with no refresh running (it stopped while idle), starts one in the background.
+        Raises `UpstreamCredentialsUnavailable`."""
         if self._closed:
             raise UpstreamCredentialsUnavailable(f"{self._what}: the backend is closed")
         self._used = True
-        if self._fresh():
+        now = self._clock()
+        if self._fresh(now):
             assert self._value is not None
+            if self._refresh_at is not None and now >= self._refresh_at and (
+                    self._task is None or self._task.done()):
+                self._task = asyncio.create_task(self._run(), name=f"refresh-{self._what}")
             return self._value
         task = self._task
         if task is not None and not task.done() and not self._fetching:
@@ -130,6 +139,8 @@ class Refresher(Generic[T]):
                 self._used = False
                 continue
             pause = self._min_interval
+            if fetched.lifetime is None:
+                return  # never expires: nothing to refresh until `invalidate`
             await asyncio.sleep(self._next_refresh(fetched.lifetime))
             if not self._used:
                 return  # nobody read it since: stop, the next get() starts over
@@ -157,21 +168,24 @@ class Refresher(Generic[T]):
         self._value = fetched.value
         self._error = None
         if fetched.lifetime is None:
-            self._good_until = None
+            self._good_until = self._refresh_at = None
         else:
-            self._good_until = self._clock() + fetched.lifetime - min(SAFETY,
-                                                                      fetched.lifetime / 10)
+            now = self._clock()
+            self._good_until = now + fetched.lifetime - min(SAFETY, fetched.lifetime / 10)
+            self._refresh_at = now + self._next_refresh(fetched.lifetime)
 
-    def _next_refresh(self, lifetime: float | None) -> float:
-        if lifetime is None:
-            return max(REREAD_INTERVAL, self._min_interval)
+    def _next_refresh(self, lifetime: float) -> float:
         return max(self._min_interval, lifetime - min(REFRESH_AHEAD, lifetime / 2))
 
-    def invalidate(self) -> None:
-        """The upstream refused the value (a token revoked before its expiry): hand it out no
-        more; the next `get()` waits for a fresh one."""
-        if self._value is not None:
-            self._good_until = self._clock()
+    def invalidate(self, refused: T | None = None) -> bool:
+        """The upstream refused the value (a token revoked or expired before the time it
+        said): hand it out no more; the next `get()` waits for a fresh one. With `refused`
+        (the value a request was refused with), only when that is still the current value:
+        requests refused together make one fetch, not one each. True when it invalidated."""
+        if self._value is None or (refused is not None and refused is not self._value):
+            return False
+        self._good_until = self._clock()
+        return True
 
     async def aclose(self) -> None:
         """Stop refreshing. A fetch running in its thread finishes there, unobserved."""

@@ -18,21 +18,30 @@ What this module adds around aiohttp, because the gateway needs it:
   generating), and returns a fully read one to the pool.
 - No redirects, no environment proxies, TLS verified (the default context), keep-alive expiry,
   no transparent decompression (bytes are relayed as they are).
-- **A kept-alive connection the upstream closed as we reused it is no backend failure.**
+- **A kept-alive connection the upstream closed while it sat idle is no backend failure.**
   Inference servers close idle connections sooner than we drop them (uvicorn, under vLLM,
   SGLang and llama-cpp-python, after 5 s); when our loop is busy at that moment, its close is
-  still unread as we pick the connection, and the request meets a closed socket. A POST that
-  fails so on a reused connection, before any byte of an answer, is sent again
-  (`_closed_idle`), up to `RESENDS` times, since the next idle connection may be as stale
-  (aiohttp hands out the oldest first); each try drops the dead one, so the last goes out on
-  a fresh connection at worst. Without that it would fail over to another backend, cold for
-  the conversation, and count against a healthy one. If the server did read it (it crashed
-  right then), the copy is what a failover would have sent anyway, only to the same backend.
-  A fresh connection closed unanswered is the server's doing and fails as before; other
-  methods are left to aiohttp, which resends idempotent ones once by itself. Knowing that a
-  connection was reused costs aiohttp's request tracing: about 16-20 us of CPU per upstream
-  request (measured on loopback, 164 -> 180 us a request in the client's thread), some 2 % of
-  the gateway's CPU per request, the price of not failing over from a healthy backend.
+  still unread as we pick the connection. Written on such a connection, the request would
+  fail over to another backend, cold for the conversation, and count against a healthy one.
+  So a pooled connection is looked at as it is handed out (`_CheckedConnector`): if its socket
+  is readable, the server spoke while nobody asked (its FIN, a reset, a TLS close_notify, a
+  stray 408), it cannot carry a request, and it is closed before anything is written on it;
+  the next pooled or a new connection is taken. One `poll` of one descriptor, reused
+  connections only (about a microsecond).
+- **A POST is sent again only when the server provably did not start on it, and at most
+  once** (`_closed_idle`): on a reused connection, when writing the request failed (`EPIPE`,
+  `ECONNRESET`, or a transport already closing: aiohttp's "Can not write request body"). The
+  server then never had the whole request, and an HTTP server cannot act on a body it did not
+  receive. A close or a reset *after* the request was written is never resent, however soon it
+  came: the server may have read the request and worked on it (a proxy's timeout, a worker
+  that dies on this prompt), and a copy would repeat that work on the same server and delay
+  the failover; it fails over like any other failure. What that leaves out is a close that
+  reaches us between the look at hand-out and the write (one pass of the loop), rare and
+  answered by a failover. A fresh connection closed unanswered is the server's doing and is
+  never resent; other methods are left to aiohttp, which resends idempotent ones once by
+  itself. Knowing that a connection was reused costs aiohttp's request tracing: about 16-20
+  us of CPU per upstream request (measured on loopback, 164 -> 180 us a request in the
+  client's thread), some 2 % of the gateway's CPU per request.
 
 The session is created on first use, inside the running loop (aiohttp binds it to one).
 """
@@ -42,10 +51,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import re
+import select
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import aiohttp
+import aiohttp.connector
+from aiohttp.client_reqrep import ClientRequest
+from aiohttp.tracing import Trace
 
 from gateway.errors import (
     GatewayPoolFull,
@@ -83,10 +97,11 @@ def translate(exc: aiohttp.ClientError | asyncio.TimeoutError) -> UpstreamError:
     return UpstreamProtocolError(f"transport error ({type(exc).__name__})")
 
 
-#: the errors of a request sent on a connection the upstream had closed: its close read as we
-#: sent (EOF: `ServerDisconnectedError`), the reset its kernel answered our request with, or a
-#: write refused by the closing transport (aiohttp's "Can not write request body": no errno)
-_CLOSED_UNDER_US = frozenset({errno.ECONNRESET, errno.EPIPE, None})
+#: the errno of a failed write of the request: the peer reset the connection (EPIPE,
+#: ECONNRESET), or the transport was already closing (aiohttp's refusal carries no errno)
+_WRITE_FAILED = frozenset({errno.ECONNRESET, errno.EPIPE, None})
+#: how aiohttp words a failure to write the request (the write's, not the response's, error)
+_WRITE_FAILURE_TEXT = "Can not write request body"
 
 
 class _Reuse:
@@ -103,20 +118,61 @@ async def _on_reuse(session: aiohttp.ClientSession, context: object,
     holder = getattr(context, "trace_request_ctx", None)
     if isinstance(holder, _Reuse):
         holder.reused = True
+        connector = session.connector
+        if isinstance(connector, _CheckedConnector):
+            connector.handing_out = holder
 
 
-#: the times a POST that met a closed kept-alive connection is sent again (module docstring)
-RESENDS = 3
+#: the times a POST whose request could not be written is sent again (module docstring)
+RESENDS = 1
 
 
 def _closed_idle(exc: BaseException, reuse: _Reuse) -> bool:
-    """The request met a kept-alive connection its upstream had closed (see the module
-    docstring): most likely unread by the upstream, so worth sending again."""
-    if not reuse.reused or isinstance(exc, aiohttp.ClientConnectorError):
+    """The request failed on a kept-alive connection while it was being written, so the
+    server never had all of it (module docstring): worth sending again. A failure after the
+    write, a clean close included, is not: the server may have started on it."""
+    if not reuse.reused or not isinstance(exc, aiohttp.ClientOSError):
         return False
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return True
-    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _CLOSED_UNDER_US
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    return exc.errno in _WRITE_FAILED and _WRITE_FAILURE_TEXT in str(exc.strerror)
+
+
+def _peer_spoke(connection: aiohttp.connector.Connection) -> bool:
+    """An idle kept-alive connection whose socket is readable: the server closed or reset it,
+    or sent bytes nobody asked for. Either way it cannot carry a request."""
+    transport = connection.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or not hasattr(select, "poll"):
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class _CheckedConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, which also drops a pooled connection whose server has closed it
+    while it sat idle (module docstring), before the request is written on it."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        #: the request a pooled connection is being handed to (set by `_on_reuse` inside
+        #: `connect`, with no await in between, so it is always that call's request)
+        self.handing_out: _Reuse | None = None
+
+    async def connect(self, req: ClientRequest, traces: list[Trace],
+                      timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
+        # each pass takes one pooled connection out of the pool, so this ends; bounded
+        # anyway, in case others keep putting closed ones back
+        for _ in range(max(self.limit, 1)):
+            self.handing_out = None
+            connection = await super().connect(req, traces, timeout)
+            holder, self.handing_out = self.handing_out, None
+            if holder is None or not _peer_spoke(connection):
+                return connection
+            holder.reused = False  # the next one may be a new connection
+            connection.close()
+        return await super().connect(req, traces, timeout)
 
 
 class UpstreamResponse:
@@ -195,7 +251,7 @@ class UpstreamClient:
     def _get_session(self) -> aiohttp.ClientSession:
         session = self._session
         if session is None:
-            connector = aiohttp.TCPConnector(
+            connector = _CheckedConnector(
                 # our semaphore is the bound that answers "pool full"; this one is a backstop
                 limit=self.max_connections,
                 limit_per_host=0,
@@ -253,8 +309,8 @@ class UpstreamClient:
                     headers: Mapping[str, str], timeout: aiohttp.ClientTimeout,
                     params: Mapping[str, str] | Sequence[tuple[str, str]] | None
                     ) -> aiohttp.ClientResponse:
-        """The request up to its response head; a POST that met a kept-alive connection its
-        upstream had closed is sent again, up to `RESENDS` times (`_closed_idle`)."""
+        """The request up to its response head; a POST that could not be written on a
+        kept-alive connection is sent again, `RESENDS` times at most (`_closed_idle`)."""
         session = self._get_session()
         resends = RESENDS if method == "POST" else 0
         while True:
@@ -264,7 +320,7 @@ class UpstreamClient:
                     method, url, data=content, headers=headers, params=params,
                     timeout=timeout, allow_redirects=False, proxy=self.proxy,
                     trace_request_ctx=reuse)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            except aiohttp.ClientOSError as exc:
                 if resends <= 0 or not _closed_idle(exc, reuse):
                     raise
                 resends -= 1

@@ -24,6 +24,7 @@ from gateway.settings.model import TlsSettings
 from providers.base import Provider
 from providers.http import UpstreamClient
 from providers.sim import SimProvider
+from providers.tls import CaContexts
 
 #: connection bound of a backend's own client (the shared one is sized by the app)
 OWN_MAX_CONNECTIONS = 256
@@ -95,11 +96,13 @@ def needs_own_client(settings: BackendSettings) -> bool:
     return settings.tls != TlsSettings() or settings.proxy is not None or settings.trust_env
 
 
-def own_client(settings: BackendSettings) -> UpstreamClient:
-    """A client with this backend's TLS, proxy and environment settings; never redirects."""
+def own_client(settings: BackendSettings, contexts: CaContexts | None = None) -> UpstreamClient:
+    """A client with this backend's TLS, proxy and environment settings; never redirects.
+    `contexts`: the app's contexts by CA bundle, shared across backends and reloads."""
     verify: ssl.SSLContext | bool = settings.tls.verify
     if settings.tls.verify and settings.tls.ca_file is not None:
-        verify = ssl.create_default_context(cafile=settings.tls.ca_file)
+        verify = (contexts.get(settings.tls.ca_file) if contexts is not None
+                  else ssl.create_default_context(cafile=settings.tls.ca_file))
     return UpstreamClient(
         max_connections=OWN_MAX_CONNECTIONS,
         ssl=verify,
@@ -113,6 +116,7 @@ def build_provider(
     client: UpstreamClient,
     timeouts: Timeouts,
     rng: random.Random,
+    contexts: CaContexts | None = None,
 ) -> Provider:
     """The backend's adapter. MissingExtra when its provider's libraries are not installed
     (the loader's `missing_extras` names them first)."""
@@ -120,5 +124,5 @@ def build_provider(
         return SimProvider(settings, rng=random.Random(rng.random()))
     build: _HttpAdapter = _adapter(settings.provider)  # type: ignore[assignment]
     own = needs_own_client(settings)
-    http = own_client(settings) if own else client
+    http = own_client(settings, contexts) if own else client
     return build(settings, http, timeouts, owns_client=own)

@@ -39,7 +39,7 @@ from google.oauth2 import service_account
 
 from gateway.errors import UpstreamAuthFailed, UpstreamProtocolError, UpstreamStatusError
 from gateway.settings import BackendSettings, Timeouts
-from providers.base import UpstreamCall
+from providers.base import Provider, UpstreamCall
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient
 from providers.openai import (
@@ -146,6 +146,10 @@ class VertexProvider:
         self._tokens_source = GoogleTokenSource(settings, timeouts.connect)
         self._tokens = Refresher(self._tokens_source.fetch,
                                  what=f"backend {settings.name}: Google access token")
+        #: what the tokens come from: a reload that keeps it keeps them
+        self._credential_settings = (settings.google, settings.tls, timeouts.connect)
+        #: False once a reloaded provider took the tokens over (it closes them)
+        self._owns_credentials = True
         self._connect = timeouts.connect
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect, sock_read=None)
@@ -193,8 +197,20 @@ class VertexProvider:
             raise UpstreamProtocolError(f"unexpected content type {content_type}")
         return AiohttpStream(response, stream=call.stream, allowed=VERTEX_PASS_HEADERS)
 
+    def adopt_credentials(self, previous: Provider) -> bool:
+        """The previous provider of this backend (a reload rebuilt it): its token, still
+        good, when it comes from the same settings."""
+        if not isinstance(previous, VertexProvider) or not previous._owns_credentials or (
+                previous._credential_settings != self._credential_settings):
+            return False
+        self._tokens_source.close()  # never used: replaced by the previous one's
+        self._tokens_source, self._tokens = previous._tokens_source, previous._tokens
+        previous._owns_credentials = False
+        return True
+
     async def aclose(self) -> None:
-        await self._tokens.aclose()
-        self._tokens_source.close()
+        if self._owns_credentials:
+            await self._tokens.aclose()
+            self._tokens_source.close()
         if self._owns_client:
             await self._client.aclose()

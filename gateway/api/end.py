@@ -91,6 +91,9 @@ class RequestEnd:
                 await self._race.aclose()
             except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                 report_bug(stats, exc)
+            # every upstream given back: this runtime's providers may now be closed if a
+            # reload retired them
+            pool.holding -= 1
             try:
                 summary.panic = self._race.placement.panic
                 summary.affinity = self._race.placement.affinity

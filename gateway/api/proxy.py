@@ -108,6 +108,7 @@ class Proxy:
             raise
         start = self.clock()
         pool.inflight_requests += 1
+        pool.holding += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start, metered=req.metered, route=req.route, method=method,
                                  model=req.model)
@@ -115,6 +116,7 @@ class Proxy:
             race, end, strip_usage = self._prepare(request, pool, req, summary, excluded)
         except BaseException as exc:  # nothing owns the request's end yet: give back here
             pool.inflight_requests -= 1
+            pool.holding -= 1
             self.admission.leave()
             if not isinstance(exc, Exception):
                 raise

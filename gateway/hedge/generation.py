@@ -80,14 +80,31 @@ class Live:
     #: reloads refused because the file was invalid (the generation in force stayed)
     failed_reloads: int = 0
     #: providers of earlier generations that no generation uses any more; requests that
-    #: started before the reload may still hold them, so they are closed at shutdown
+    #: started before the reload may still hold them: `reap` hands each out to be closed
+    #: once none does (and shutdown closes what is left)
     retired: list[Provider] = field(default_factory=list)
+    #: runtimes replaced by a reload, kept while requests that started on them still run
+    #: (`PoolRuntime.holding`); dropped by `reap` once they are done
+    draining: list[PoolRuntime] = field(default_factory=list)
 
     def swap(self, generation: Generation) -> None:
         in_use = {id(p) for pool in generation.pools.values() for p in pool.providers.values()}
         for pool in self.current.pools.values():
             self.retired.extend(p for p in pool.providers.values() if id(p) not in in_use)
+        self.draining.extend(self.current.pools.values())
         self.current = generation
+
+    def reap(self) -> list[Provider]:
+        """The retired providers no running request holds any more, taken out of `retired`:
+        the caller closes them. Why not at the swap: a request keeps the runtime it started
+        on to its end, and its upstreams are its provider's; why not never: each reload that
+        rebuilds a backend retires a provider (a client of its own with a CA bundle, a
+        credential refresher), and a gateway reloaded hourly would keep them all."""
+        self.draining = [runtime for runtime in self.draining if runtime.holding > 0]
+        held = {id(p) for runtime in self.draining for p in runtime.providers.values()}
+        done = [p for p in self.retired if id(p) not in held]
+        self.retired = [p for p in self.retired if id(p) in held]
+        return done
 
     def providers(self) -> list[Provider]:
         """Every provider to close at shutdown: the current ones and the retired ones."""

@@ -63,6 +63,10 @@ class PoolRuntime:
     #: logical requests of this pool in flight now (for the budget's in-flight cap), shared
     #: with the pool's earlier and later generations
     inflight: InFlight = field(default_factory=InFlight)
+    #: requests that started on this runtime and have not given back their upstreams yet:
+    #: its own, never shared (a reload's retired providers are closed once it is 0 on every
+    #: runtime that holds them, `gateway.hedge.generation.Live.reap`)
+    holding: int = 0
     rng: random.Random = field(default_factory=random.Random)
     #: per backend: the streaming delays per size class and the prefill fit, beside `delays`
     classes: Mapping[str, ClassDelays] = field(default_factory=dict)

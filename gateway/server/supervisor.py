@@ -178,8 +178,8 @@ def _worker_main(plan: WorkerPlan, index: int) -> None:
     if plan.path is not None:  # SIGHUP: this worker re-reads the file, as a single process does
         reloader, path, started = app.state.reloader, plan.path, plan.file_server
 
-        def hangup() -> bool:
-            return bool(reloader.reload_file(path, started_server=started))
+        def hangup() -> None:
+            reloader.hangup(path, started_server=started)
 
     runner = build_server(app, server, app.state.drain, log_config=plan.log_config,
                           on_hangup=hangup)

@@ -5,7 +5,9 @@ that checks what the real service checks and answers in its wire format.
   (the path as sent, the signed headers, the body's hash, the `x-amz-date`) and the
   credentials the simulator was given, and compared; the credential scope must name the
   simulator's region and service `bedrock`, the date must be within five minutes, a session
-  token must match. A failure answers 403 in Bedrock's shape, so a wrong signer fails loudly.
+  token must match, and a key given an expiry is refused after it (`ExpiredTokenException`,
+  as for an expired session token). A failure answers 403 in Bedrock's shape, so a wrong
+  signer fails loudly.
 - **The routes** `POST /model/{model}/invoke` and `/invoke-with-response-stream`; the body must
   be a Messages body without `model` and `stream` and with Bedrock's `anthropic_version`.
 - **Event-stream frames.** botocore parses frames but has no encoder, so `encode_frame` writes
@@ -58,6 +60,7 @@ STATUSES = {
     "ThrottlingException": 429, "ServiceQuotaExceededException": 400,
     "ValidationException": 400, "AccessDeniedException": 403,
     "UnrecognizedClientException": 403, "InvalidSignatureException": 403,
+    "ExpiredTokenException": 403,
     "MissingAuthenticationTokenException": 403, "ResourceNotFoundException": 404,
     "ModelTimeoutException": 408, "ModelErrorException": 424, "ModelNotReadyException": 429,
     "InternalServerException": 500, "ServiceUnavailableException": 503,
@@ -102,11 +105,12 @@ def exception_frame(exception_type: str, message: str) -> bytes:
 
 @dataclass(frozen=True)
 class AwsKey:
-    """Credentials the simulator accepts."""
+    """Credentials the simulator accepts (until `expires`, when given)."""
 
     access_key_id: str
     secret_access_key: str
     session_token: str | None = None
+    expires: datetime.datetime | None = None
 
 
 class SignatureRefused(Exception):
@@ -149,6 +153,8 @@ def verify_sigv4(
         raise SignatureRefused("InvalidSignatureException", "signature expired")
     if key.session_token is not None and headers.get("x-amz-security-token") != key.session_token:
         raise SignatureRefused("UnrecognizedClientException", "the security token is invalid")
+    if key.expires is not None and current >= key.expires:
+        raise SignatureRefused("ExpiredTokenException", "the security token is expired")
     names = signed.split(";")
     if "host" not in names or "x-amz-date" not in names or any(n not in headers for n in names):
         raise SignatureRefused("InvalidSignatureException", "signed headers are incomplete")
@@ -179,10 +185,13 @@ def bedrock_error(error_type: str, message: str, status: int | None = None) -> R
 class BedrockSimulator:
     """The ASGI app (`app`) and what it saw (`calls`, `refused`)."""
 
-    def __init__(self, *, region: str, keys: list[AwsKey],
+    def __init__(self, *, region: str, keys: list[AwsKey] | Mapping[str, AwsKey],
                  responder: Responder = default_responder) -> None:
         self.region = region
-        self.keys = {key.access_key_id: key for key in keys}
+        #: the accepted keys by access key id (a mapping of the test's own can issue them as
+        #: a credential process does)
+        self.keys: Mapping[str, AwsKey] = (
+            keys if isinstance(keys, Mapping) else {key.access_key_id: key for key in keys})
         self.responder = responder
         #: every request that passed the signature check, in arrival order
         self.calls: list[CallRecord] = []

@@ -12,9 +12,12 @@ automatic leak check.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
 import json
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.hedge.generation import ConfigOrigin
 from gateway.settings import (
     BackendSettings,
     DelaySettings,
@@ -215,6 +219,167 @@ def test_bedrock_credentials_from_the_standard_chain(
     with claude(gateway) as client:
         assert streamed(client)[0] == ANSWER
     assert sim.refused == [] and [c.credential for c in sim.calls] == [KEY.access_key_id]
+
+
+# --- chain credentials that expire ----------------------------------------------------------------
+
+#: a `credential_process` (botocore runs it as the standard chain's process provider): each run
+#: issues the next numbered key, valid for `lifetime` seconds, and appends it to a log the
+#: simulator reads as the keys it accepts
+ISSUE_KEY = """
+import datetime, fcntl, json, sys
+log, lifetime = sys.argv[1], float(sys.argv[2])
+with open(log, "a+") as file:
+    fcntl.flock(file, fcntl.LOCK_EX)
+    file.seek(0)
+    n = sum(1 for _ in file) + 1
+    expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=lifetime)
+    key = {"AccessKeyId": f"AKIDPROCESS{n:09d}", "SecretAccessKey": f"process-secret-{n:04d}",
+           "SessionToken": f"process-token-{n:04d}", "Expiration": expires.isoformat()}
+    file.write(json.dumps(key) + "\\n")
+print(json.dumps({"Version": 1, **key}))
+"""
+
+
+class IssuedKeys(Mapping[str, AwsKey]):
+    """The keys the credential process issued so far, each until its expiry, as the
+    simulator's accepted keys; a key numbered `refused_up_to` or lower counts as expired
+    already (revoked, or a clock that disagrees)."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.refused_up_to = 0
+
+    def issued(self) -> list[AwsKey]:
+        if not self.log.exists():
+            return []
+        keys = []
+        for n, line in enumerate(self.log.read_text().splitlines(), start=1):
+            entry = json.loads(line)
+            expires = datetime.datetime.fromisoformat(entry["Expiration"])
+            if n <= self.refused_up_to:
+                expires = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
+            keys.append(AwsKey(entry["AccessKeyId"], entry["SecretAccessKey"],
+                               entry["SessionToken"], expires))
+        return keys
+
+    def __getitem__(self, access_key_id: str) -> AwsKey:
+        for key in self.issued():
+            if key.access_key_id == access_key_id:
+                return key
+        raise KeyError(access_key_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([key.access_key_id for key in self.issued()])
+
+    def __len__(self) -> int:
+        return len(self.issued())
+
+    def all_expired(self) -> bool:
+        now = datetime.datetime.now(datetime.UTC)
+        return all(key.expires is not None and key.expires <= now for key in self.issued())
+
+
+def process_chain(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, lifetime: float,
+                  ) -> IssuedKeys:
+    """botocore's standard chain with nothing but a `credential_process` in the config file
+    (no environment keys, no instance metadata: nothing leaves the machine)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_ROLE_ARN", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                 "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    script, log = tmp_path / "issue_key.py", tmp_path / "issued.jsonl"
+    script.write_text(ISSUE_KEY)
+    config = tmp_path / "aws-config"
+    config.write_text(f"[default]\ncredential_process = {sys.executable} {script} {log} "
+                      f"{lifetime}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    return IssuedKeys(log)
+
+
+def test_chain_credentials_that_expired_while_idle_are_never_signed_with(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Keys from a credential process that live 2 s: after an idle gap past the expiry of
+    every key issued so far, the next request is signed with a key issued after that, and
+    Bedrock (which refuses expired keys) answers it."""
+    issued = process_chain(monkeypatch, tmp_path, lifetime=2.0)
+    sim = BedrockSimulator(region=REGION, keys=issued)
+    url = asgi_server(sim.app).base_url
+    gateway = serve(asgi_server, settings_for(pool([bedrock("bedrock", url, key=None)])))
+    with claude(gateway) as client:
+        assert whole(client) == ANSWER
+        assert wait_for(issued.all_expired, timeout=20.0)  # idle: no request meanwhile
+        before_gap = {key.access_key_id for key in issued.issued()}
+        assert whole(client) == ANSWER
+    assert sim.refused == []
+    first, second = sim.calls
+    assert first.credential in before_gap and second.credential not in before_gap
+
+
+def test_an_expired_token_answer_rereads_the_chain_and_resends_once(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Keys valid for an hour, but Bedrock calls the first one expired (revoked, or its clock
+    ahead): the request is resent once with a key read anew from the chain, and answered. When
+    Bedrock refuses that one too, the request fails after that one resend."""
+    issued = process_chain(monkeypatch, tmp_path, lifetime=3600.0)
+    issued.refused_up_to = 1
+    sim = BedrockSimulator(region=REGION, keys=issued)
+    url = asgi_server(sim.app).base_url
+    gateway = serve(asgi_server, settings_for(pool([bedrock("bedrock", url, key=None)])))
+    with claude(gateway) as client:
+        assert whole(client) == ANSWER
+        assert sim.refused == ["ExpiredTokenException"]
+        (call,) = sim.calls
+        assert call.credential == issued.issued()[-1].access_key_id != "AKIDPROCESS000000001"
+        issued.refused_up_to = 10**6  # every key, past and future
+        with pytest.raises(anthropic.APIStatusError):
+            whole(client)
+    assert sim.refused == ["ExpiredTokenException"] * 3  # one more, and its one resend
+    assert len(sim.calls) == 1
+
+
+def test_a_reload_that_rebuilds_cloud_backends_keeps_their_credentials(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """A reload that changes a Bedrock and a Vertex backend (their weights) rebuilds their
+    providers, but not where their credentials come from: the new providers sign with the
+    credentials already fetched, and nothing is fetched again, before or after a request."""
+    issued = process_chain(monkeypatch, tmp_path, lifetime=3600.0)
+    b_sim = BedrockSimulator(region=REGION, keys=issued)
+    b_url = asgi_server(b_sim.app).base_url
+    v_sim, v_url, key_file = vertex_sim(asgi_server, account, tmp_path)
+
+    def configured(weight: float) -> Settings:
+        return settings_for(
+            pool([bedrock("bedrock", b_url, key=None, weight=weight)], name="b"),
+            pool([dataclasses.replace(vertex("vertex", v_url, key_file), weight=weight)],
+                 name="v"))
+
+    app = create_app(configured(1.0), seed=3)
+    gateway = asgi_server(app).base_url
+    live = app.state.live
+    with claude(gateway) as client:
+        assert whole(client, model="b") == ANSWER and whole(client, model="v") == ANSWER
+        keys, grants = len(issued), list(v_sim.token_grants)
+        backends = (("b", "bedrock"), ("v", "vertex"))
+        before = [live.current.pools[p].providers[n] for p, n in backends]
+        changed = configured(2.0)
+        loop_thread.call(functools.partial(
+            app.state.reloader.apply, changed, ConfigOrigin.embedded(changed, now=0.0)))
+        after = [live.current.pools[p].providers[n] for p, n in backends]
+        assert all(new is not old for new, old in zip(after, before, strict=True))  # rebuilt
+        assert whole(client, model="b") == ANSWER and whole(client, model="v") == ANSWER
+    assert len(issued) == keys == 1 and v_sim.token_grants == grants == ["jwt"]
+    assert b_sim.refused == [] and v_sim.refused == []
+    assert len({call.credential for call in b_sim.calls}) == 1
 
 
 def test_vertex_streams_and_answers_with_a_service_account(

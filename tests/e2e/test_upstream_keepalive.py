@@ -5,9 +5,10 @@ vLLM, SGLang and llama-cpp-python); the gateway keeps them for 30. When the serv
 arrives while the gateway's event loop is busy, the close is still unread as the next request
 picks that connection, and the request meets a closed socket. Seen in the conversations
 benchmark: a turn failed over to another backend, cold for it, and prefilled its whole history
-there. The request most likely never reached the server, so the client sends it again
-(`providers.http`): a POST, on a reused connection, up to three times (the next idle
-connection may be as stale), and only in that case.
+there. So the client drops a pooled connection whose server has closed it before writing on it
+(`providers.http`), and takes the next one or a new one. A POST is sent again only when it
+could not be written, once at most: one the server read and then dropped unanswered is not
+repeated there (the server may have worked on it).
 
 The upstream is a raw asyncio server in its own thread, so the test decides the order: it
 answers, closes, and tells the test; the test then blocks its own loop (as a busy gateway's
@@ -34,16 +35,24 @@ TIMEOUT = aiohttp.ClientTimeout(sock_connect=2.0, sock_read=5.0)
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
 
 
+#: the path `ClosingUpstream` reads whole, works on (`hold`), then closes without an answer
+SLOW = b"/v1/slow"
+
+
 @dataclass
 class ClosingUpstream:
     """Answers each connection's requests; closes a connection after `answers` of them
-    (None: never) and sets `closed` when it has."""
+    (None: never) and sets `closed` when it has. A request for `SLOW` is read whole, counted
+    in `slow_requests`, and after `hold` seconds its connection is closed unanswered (a
+    proxy's timeout, a worker that died on the prompt)."""
 
     answers: int | None
     port: int = 0
     connections: int = 0
     requests: int = 0
     closes: int = 0
+    slow_requests: int = 0
+    hold: float = 0.3
     closed: threading.Event = field(default_factory=threading.Event)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -55,6 +64,10 @@ class ClosingUpstream:
                 length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
                 await reader.readexactly(length)
+                if head.split(b" ", 2)[1] == SLOW:
+                    self.slow_requests += 1
+                    await asyncio.sleep(self.hold)
+                    return
                 self.requests += 1
                 served += 1
                 writer.write(ANSWER)
@@ -103,8 +116,8 @@ def serve() -> Iterator[Callable[[int | None], ClosingUpstream]]:
     loop.close()
 
 
-async def post(client: UpstreamClient, upstream: ClosingUpstream) -> bytes:
-    response = await client.request("POST", f"http://127.0.0.1:{upstream.port}/v1/x",
+async def post(client: UpstreamClient, upstream: ClosingUpstream, path: str = "/v1/x") -> bytes:
+    response = await client.request("POST", f"http://127.0.0.1:{upstream.port}{path}",
                                     content=b"{}", headers={"content-type": "application/json"},
                                     timeout=TIMEOUT, pool_timeout=1.0)
     try:
@@ -213,4 +226,24 @@ async def test_a_failed_try_lets_the_loop_read_the_other_closes(
         await client.aclose()
     assert tries in ([], [True])
     assert (upstream.connections, upstream.requests) == (6, 6)
+    assert client.in_use == 0
+
+
+async def test_a_post_the_server_read_and_then_dropped_is_not_sent_again(
+    serve: Callable[[int | None], ClosingUpstream],
+) -> None:
+    """Four answered requests leave four idle kept-alive connections; the server reads the
+    next POST whole, works on it, and closes without an answer. It may have done the work
+    (a prefill), so the client fails (the race fails over) rather than repeat it there."""
+    upstream = serve(None)
+    client = UpstreamClient(max_connections=8)
+    try:
+        assert await asyncio.gather(*(post(client, upstream) for _ in range(4))) == [b"ok"] * 4
+        assert upstream.connections == 4
+        with pytest.raises(UpstreamDisconnected):
+            await post(client, upstream, SLOW.decode())
+    finally:
+        await client.aclose()
+    assert upstream.slow_requests == 1  # received once
+    assert upstream.connections == 4  # on a kept-alive connection, and nothing opened after
     assert client.in_use == 0

@@ -315,3 +315,50 @@ async def test_an_idle_refresher_stops_and_a_failure_is_told_at_once() -> None:
         await refresher.aclose()
     with pytest.raises(UpstreamCredentialsUnavailable):
         await refresher.get()
+
+
+async def test_a_refresher_stopped_while_idle_refreshes_in_the_background_when_read_again(
+) -> None:
+    """Its value unread at the refresh point, the refresher stops; a read between that point
+    and the expiry gets the still good value at once and starts the refresh, so the value is
+    replaced before it expires rather than on a later request's path. (The refresher's clock
+    is the test's: it says where the value is in its life; its sleeps are real.)"""
+    now = [0.0]
+    source = Source(lifetime=0.2)  # due for refresh at 0.1, handed out until 0.18
+    refresher = Refresher(source, what="test", clock=lambda: now[0], min_interval=0.01)
+    try:
+        assert await refresher.get() == "token-1"  # read: refreshed once at its point
+        task = refresher._task
+        assert task is not None
+        await asyncio.wait_for(task, 5.0)  # token-2 unread at its refresh point: stopped
+        assert source.calls == 2
+        now[0] = 0.15
+        assert await refresher.get() == "token-2"  # still good: not waited for
+        for _ in range(500):  # no other read: the refresh runs by itself
+            if source.calls == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert source.calls == 3
+        assert await refresher.get() == "token-3"
+    finally:
+        await refresher.aclose()
+
+
+async def test_a_value_without_a_lifetime_is_fetched_once_until_it_is_refused() -> None:
+    """Static keys never expire: nothing re-reads them; a refusal of the value in force makes
+    the next read fetch, and a refusal of a value already replaced does nothing."""
+    source = Source(lifetime=None)
+    refresher = Refresher(source, what="test", min_interval=0.01)
+    try:
+        first = await refresher.get()
+        task = refresher._task
+        assert task is not None
+        await asyncio.wait_for(task, 5.0)  # nothing to refresh: the task ended
+        assert await refresher.get() == first and source.calls == 1
+        assert refresher.invalidate(first)
+        second = await refresher.get()
+        assert second == "token-2"
+        assert not refresher.invalidate(first)  # refused with the old one: already replaced
+        assert await refresher.get() == second and source.calls == 2
+    finally:
+        await refresher.aclose()

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import random
+import ssl
+import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, cast
 
+import certifi
 import pytest
 
 from gateway.app import Reloader, build_pools
@@ -24,11 +28,14 @@ from gateway.settings import (
     PoolSettings,
     Settings,
     SimProfile,
+    load_settings,
 )
 from gateway.stats import Stats
 from gateway.stats.view import snapshot
 from providers.base import ENDPOINTS
 from providers.http import UpstreamClient
+from providers.openai import OpenAIProvider
+from providers.tls import CaContexts
 
 
 def backend(name: str, weight: float = 1.0) -> BackendSettings:
@@ -179,3 +186,43 @@ def test_the_inflight_count_survives_a_reload_and_old_requests_leave_it() -> Non
     assert second["p"].inflight_requests == 1
     second["p"].inflight_requests += 1
     assert first["p"].inflight_requests == second["p"].inflight_requests == 2
+
+
+async def test_reloads_share_one_tls_context_per_ca_bundle_loaded_off_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend with its own CA bundle and a key from the environment, rotated by five
+    reloads: each reload rebuilds it, and every one of its clients trusts the one context
+    loaded for that bundle; what a reload loads (the check of the file, the bundle) is loaded
+    in a worker thread, never on the loop."""
+    ca_file = certifi.where()
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "pools:\n  - name: p\n    backends:\n"
+        "      - {name: a, provider: openai, base_url: 'http://127.0.0.1:9/v1', model: m,\n"
+        f"         api_key: '${{TOKEN}}', tls: {{ca_file: '{ca_file}'}}}}\n")
+    monkeypatch.setenv("TOKEN", "token-0")
+    contexts = CaContexts()
+    client = UpstreamClient(max_connections=8)
+    settings = load_settings(str(config))
+    pools = build_pools(settings, client, lambda: 0.0, random.Random(1), contexts=contexts)
+    live = Live(Generation(settings, pools, ConfigOrigin.embedded(settings, now=0.0)))
+    reloader = Reloader(live, Stats.for_pools(pools, now=0.0), client, lambda: 1.0,
+                        random.Random(2), contexts=contexts)
+    loaded_on: list[int] = []
+    real = ssl.create_default_context
+
+    def recorded(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        loaded_on.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", recorded)
+    built = [live.current.pools["p"].providers["a"]]
+    for n in range(1, 6):
+        monkeypatch.setenv("TOKEN", f"token-{n}")
+        assert await reloader.reload(str(config))
+        built.append(live.current.pools["p"].providers["a"])
+    assert len({id(p) for p in built}) == 6  # rebuilt by every reload
+    tls = {id(cast(OpenAIProvider, p)._client.ssl) for p in built}
+    assert len(tls) == 1 and contexts.loads == 1
+    assert loaded_on and threading.get_ident() not in loaded_on

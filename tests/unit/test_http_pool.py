@@ -6,6 +6,7 @@ failure would eject healthy backends one after another exactly when the gateway 
 
 from __future__ import annotations
 
+import errno
 import random
 import time
 
@@ -17,7 +18,7 @@ from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
-from providers.http import translate
+from providers.http import _closed_idle, _Reuse, translate
 from tests.harness.builders import gateway_settings
 
 
@@ -60,3 +61,30 @@ async def test_only_the_backends_own_failures_count_against_its_health(
     for name in calls:
         failures = pool.balancer._backends[name].failures
         assert failures == (1 if penalised else 0), name
+
+
+@pytest.mark.parametrize(
+    ("error", "reused", "resent"),
+    [
+        # the request could not be written: the server never had all of it
+        (aiohttp.ClientOSError(errno.EPIPE, "Can not write request body for http://u/v1"),
+         True, True),
+        (aiohttp.ClientOSError(errno.ECONNRESET, "Can not write request body for http://u"),
+         True, True),
+        (aiohttp.ClientOSError(None, "Can not write request body for http://u/v1"), True, True),
+        # ... but on a new connection that is the server's doing
+        (aiohttp.ClientOSError(errno.EPIPE, "Can not write request body for http://u/v1"),
+         False, False),
+        # written, then closed or reset: the server may have started on it
+        (aiohttp.ServerDisconnectedError(), True, False),
+        (aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer"), True, False),
+        (aiohttp.ClientOSError(errno.ETIMEDOUT, "Can not write request body for http://u"),
+         True, False),
+    ],
+)
+def test_a_post_is_sent_again_only_when_it_could_not_be_written(
+    error: BaseException, reused: bool, resent: bool
+) -> None:
+    reuse = _Reuse()
+    reuse.reused = reused
+    assert _closed_idle(error, reuse) is resent
