@@ -1,0 +1,270 @@
+"""The hot path's regression guard: CPU instructions per request, counted, not timed.
+
+Seconds are noise on a shared two-core machine; the number of instructions a fixed piece of
+work executes is not. `valgrind --tool=callgrind` runs the gateway (`serve`, a real process on
+loopback) with its counting off through start-up and warm-up, then on for a fixed number of
+requests of each kind (a streamed chat completion, a streamed Messages answer, a whole chat
+completion), sent one at a time by a standard-library client over one keep-alive connection to
+a pool of two backends served by the simulator in another process (not counted). Each kind's
+instructions divided by its requests (the lowest of three rounds) is compared with the
+committed baseline (`bench/instructions.json`): more than `TOLERANCE` above it fails.
+
+    python -m gateway.bench.instructions               # measure and compare: exit 1 if over
+    python -m gateway.bench.instructions --update      # measure and write the baseline
+
+The count is repeatable for the same interpreter and library versions, which is why `.ci/run`
+runs it in the virtualenv installed from `requirements.lock`; a baseline recorded under
+another Python is reported, not judged. A change that adds cost on purpose updates the
+baseline in the same commit (`--update`), so the cost is seen in review.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+#: how far above the baseline a kind's count may go before the guard fails
+TOLERANCE = 0.15
+#: requests of each kind before counting (imports, caches, first connections) and counted
+#: per round; a kind's count is its lowest round's, since what else runs in a window (a timer
+#: that fell due, a collection) only ever adds
+WARMUP = 10
+COUNTED = 20
+ROUNDS = 3
+BASELINE = Path(__file__).resolve().parents[2] / "bench" / "instructions.json"
+#: bounds on each wait, so a broken gateway fails the guard instead of hanging it
+START_TIMEOUT = 120.0
+REQUEST_TIMEOUT = 60.0
+
+CONFIG = """\
+pools:
+  - name: chat
+    backends:
+      - {{name: a, provider: openai, base_url: "http://127.0.0.1:{port}/v1", model: m}}
+      - {{name: b, provider: openai, base_url: "http://127.0.0.1:{port}/v1", model: m}}
+  - name: claude
+    backends:
+      - {{name: c, provider: anthropic, base_url: "http://127.0.0.1:{port}", model: m,
+         api_key: unused}}
+      - {{name: d, provider: anthropic, base_url: "http://127.0.0.1:{port}", model: m,
+         api_key: unused}}
+"""
+
+#: kind -> (path, body): what a client of each API sends
+KINDS: dict[str, tuple[str, dict[str, object]]] = {
+    "chat_stream": ("/v1/chat/completions", {
+        "model": "chat", "stream": True, "messages": [{"role": "user", "content": "hi"}]}),
+    "messages_stream": ("/v1/messages", {
+        "model": "claude", "stream": True, "max_tokens": 64,
+        "messages": [{"role": "user", "content": "hi"}]}),
+    "chat_whole": ("/v1/chat/completions", {
+        "model": "chat", "messages": [{"role": "user", "content": "hi"}]}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One kind's count against its baseline."""
+
+    kind: str
+    measured: int
+    baseline: int | None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.baseline else self.measured / self.baseline
+
+    @property
+    def over(self) -> bool:
+        return self.ratio is not None and self.ratio > 1 + TOLERANCE
+
+    def line(self) -> str:
+        if self.ratio is None:
+            return f"{self.kind:16} {self.measured:>12,} instructions/request  (no baseline)"
+        word = "OVER" if self.over else "ok"
+        return (f"{self.kind:16} {self.measured:>12,} instructions/request  baseline "
+                f"{self.baseline:>12,}  x{self.ratio:.3f}  {word}")
+
+
+def judge(measured: Mapping[str, int], baseline: Mapping[str, int]) -> list[Verdict]:
+    """Each kind's verdict; the guard fails when any is `over`."""
+    return [Verdict(kind, count, baseline.get(kind)) for kind, count in measured.items()]
+
+
+def environment() -> dict[str, str]:
+    """What a count depends on besides the code: recorded with the baseline."""
+    return {"python": platform.python_version(), "machine": platform.machine()}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.1)  # polling for start-up
+    raise RuntimeError(f"did not listen within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
+
+
+def _wait_for_line(text: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until the log shows `text` (not a request: a readiness probe would be counted)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if text in log.read_text(errors="replace"):
+            return
+        time.sleep(0.1)  # polling for start-up
+    raise RuntimeError(f"no {text!r} within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], log: Path, env: Mapping[str, str]) -> Iterator[
+        subprocess.Popen[bytes]]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _send(connection: http.client.HTTPConnection, kind: str) -> None:
+    path, body = KINDS[kind]
+    connection.request("POST", path, json.dumps(body),
+                       {"content-type": "application/json",
+                        "anthropic-version": "2023-06-01"})
+    response = connection.getresponse()
+    payload = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"{kind}: status {response.status}: {payload[:300]!r}")
+
+
+def _control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True,
+                   capture_output=True, timeout=60)
+
+
+def _dump_total(path: Path) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{path}: no instruction total")
+
+
+def measure(workdir: Path, *, counted: int = COUNTED,
+            extra_env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """Instructions per request of each kind, counted by callgrind in a real `serve`.
+    `extra_env`: added to the gateway's environment (the guard's own test uses it)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise RuntimeError("valgrind is not installed (Debian's package `valgrind`)")
+    sim_port, port = _free_port(), _free_port()
+    config = workdir / "config.yaml"
+    config.write_text(CONFIG.format(port=sim_port))
+    # the same hash seed every run: dict and set orders, hence the work done, repeat
+    env = {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    sim = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(sim_port),
+           "--seed", "1", "--ttft-median-ms", "0", "--ttft-sigma", "0",
+           "--straggler-probability", "0", "--tokens", "50", "--inter-token-ms", "0"]
+    out = workdir / "callgrind.out"
+    gateway = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+               f"--callgrind-out-file={out}", sys.executable, "-m", "gateway.cli", "serve",
+               "--config", str(config), "--port", str(port)]
+    with _process(sim, workdir / "sim.log", {"PYTHONHASHSEED": "0"}) as sim_proc:
+        _wait_for_port(sim_port, sim_proc, workdir / "sim.log")
+        log = workdir / "gateway.log"
+        with _process(gateway, log, env) as proc:
+            _wait_for_line("Uvicorn running on", proc, log)
+            connection = http.client.HTTPConnection("127.0.0.1", port,
+                                                    timeout=REQUEST_TIMEOUT)
+            try:
+                for kind in KINDS:
+                    for _ in range(WARMUP):
+                        _send(connection, kind)
+                counts: dict[str, int] = {}
+                dumps = 0
+                for _ in range(ROUNDS):
+                    for kind in KINDS:
+                        _control(proc.pid, "--zero")
+                        _control(proc.pid, "--instr=on")
+                        for _ in range(counted):
+                            _send(connection, kind)
+                        _control(proc.pid, "--instr=off")
+                        _control(proc.pid, "--dump")
+                        dumps += 1
+                        each = _dump_total(Path(f"{out}.{dumps}")) // counted
+                        counts[kind] = min(counts.get(kind, each), each)
+            finally:
+                connection.close()
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.bench.instructions",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--update", action="store_true",
+                        help="write the measured counts as the new baseline")
+    parser.add_argument("--baseline", type=Path, default=BASELINE)
+    ns = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="hedge-gateway-instructions-") as tmp:
+        try:
+            counts = measure(Path(tmp))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            print(f"instructions: could not measure: {exc}", file=sys.stderr)
+            return 2
+    if ns.update:
+        ns.baseline.write_text(json.dumps({"environment": environment(),
+                                           "per_request": counts}, indent=2) + "\n")
+        print(f"instructions: baseline written to {ns.baseline}")
+        for verdict in judge(counts, {}):
+            print(verdict.line())
+        return 0
+    recorded = json.loads(ns.baseline.read_text())
+    verdicts = judge(counts, recorded["per_request"])
+    for verdict in verdicts:
+        print(verdict.line())
+    if recorded["environment"] != environment():
+        print(f"instructions: the baseline was counted under {recorded['environment']}, "
+              f"this is {environment()}: not judged", file=sys.stderr)
+        return 0
+    over = [v.kind for v in verdicts if v.over]
+    if over:
+        print(f"instructions: {', '.join(over)} cost more than {TOLERANCE:.0%} over the "
+              "baseline. If that is meant, run `python -m gateway.bench.instructions "
+              "--update` and commit bench/instructions.json with the change.", file=sys.stderr)
+        return 1
+    print(f"instructions: every kind within {TOLERANCE:.0%} of the baseline")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
