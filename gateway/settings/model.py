@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 
 from gateway.settings import parse as cv
 from gateway.settings import upstream as uv
+from gateway.settings.caching import min_cached_prefix
 from gateway.settings.fields import At, Checked, items, scalar, section
 
 MiB = 1024 * 1024
@@ -111,9 +112,13 @@ class AffinitySettings(Checked):
 
     enabled: bool = field(default=True, metadata=scalar(
         cv.boolean, "false: this pool spreads every request by load alone"))
-    min_input_tokens: int = field(default=1024, metadata=scalar(
-        cv.integer(0), "shorter requests (estimated from the body size) get no key unless "
-        "the client sent one: balance matters more than a cache there"))
+    #: None until the pool fills in what its backends cache (`PoolSettings._complete`)
+    min_input_tokens: int | None = field(default=None, metadata=scalar(
+        cv.optional(cv.integer(0)), "shorter requests (estimated from the body size) get no "
+        "key unless the client sent one: no cache would hold them, balance matters more. "
+        "null: the shortest prompt the pool's backends cache, 0 when one is a self-hosted "
+        "engine (an openai backend not at a hosted API, a sim with a prefix cache), else "
+        "1024 (the hosted APIs')"))
     load_factor: float = field(default=1.25, metadata=scalar(
         cv.number(1), "a conversation's backend takes it while its in-flight attempts are at "
         "most this many times its share of the pool's, rounded up; else it spills over"))
@@ -359,6 +364,13 @@ class BackendSettings(Checked):
             self._set("anthropic_version",
                       CLOUD_ANTHROPIC_VERSIONS.get(self.provider, "2023-06-01"))
 
+    def min_cached_prefix(self) -> int:
+        """The shortest prompt (tokens) this backend's prompt cache keeps, by its provider
+        (`gateway.settings.caching`): the conversation key threshold its pool defaults to."""
+        sim = self.sim
+        caches = sim is not None and sim.prefill_ms_per_1k > 0 and sim.prefix_cache_entries > 0
+        return min_cached_prefix(self.provider, self.base_url, caches)
+
     def _rules(self, at: At) -> Iterator[str]:
         if self.provider in ("openai", "anthropic"):
             if self.base_url is None:
@@ -412,6 +424,9 @@ class PoolSettings(Checked):
         AffinitySettings, "keep a conversation's requests on the backend that caches it"))
 
     def _complete(self) -> None:
+        if self.affinity.min_input_tokens is None:
+            self._set("affinity", dataclasses.replace(self.affinity, min_input_tokens=min(
+                backend.min_cached_prefix() for backend in self.backends)))
         if any(not backend.model for backend in self.backends):
             self._set("backends", tuple(
                 backend if backend.model else dataclasses.replace(backend, model=self.name)
