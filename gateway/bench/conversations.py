@@ -52,7 +52,7 @@ from gateway.bench.policies import Conversation, Model, best_policies
 from gateway.bench.procs import Children, free_port, wait_ready
 from gateway.hedge.affinity import route_for
 from gateway.settings import AffinitySettings
-from gateway.settings.caching import min_cached_prefix
+from gateway.settings.caching import min_keyed_tokens
 
 POOL = "bench"
 MODES = ("sticky", "hedging-off", "hedging-on", "no-affinity")
@@ -183,7 +183,7 @@ def key_threshold(plan: ConversationPlan) -> int:
     if plan.min_input_tokens is not None:
         return plan.min_input_tokens
     urls = plan.upstreams or ("http://127.0.0.1/v1",)
-    return min(min_cached_prefix("openai", url, sim_caches=False) for url in urls)
+    return min(min_keyed_tokens("openai", url, sim_caches=False) for url in urls)
 
 
 def gateway_yaml(port: int, upstreams: Sequence[int | str], hedging: bool,

@@ -19,7 +19,7 @@ What differs from the simulated run, and why:
   server that answers one request at a time (llama.cpp's) would otherwise measure its queue,
   not where the turns landed;
 - the gateway runs on its default `affinity.min_input_tokens`, which for servers that are not
-  at a hosted API is 0 (`gateway.settings.caching`: an engine caches any prefix), so these
+  at a hosted API is 64 (`gateway.settings.caching`: an engine caches any prefix), so these
   short conversations are keyed as any user's would be; `--upstream` at a hosted API keys
   them from 1,024 tokens, as the gateway would;
 - each mode waits until every server answers `GET /models` (up to 180 s), so none starts
