@@ -134,5 +134,7 @@ def affinity_route(pool: PoolRuntime, req: LogicalRequest, excluded: frozenset[s
     if not affinity_applies(pool, req):
         return None
     weights = [(b.name, b.weight) for b in pool.settings.backends if b.name not in excluded]
-    return route_for(req.body, req.headers, weights, min_input_tokens=settings.min_input_tokens,
+    minimum = settings.min_input_tokens
+    assert minimum is not None  # `PoolSettings._complete` fills it in from the backends
+    return route_for(req.body, req.headers, weights, min_input_tokens=minimum,
                      load_factor=settings.load_factor, body_bytes=req.body_bytes)

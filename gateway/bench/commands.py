@@ -155,8 +155,7 @@ def run_conversations_command(*, conversations: int | None, quick: bool, seed: i
         conversations=conversations or (24 if quick else 48), turns=3 if quick else 4,
         seed=seed, sizes=mix, upstreams=tuple(upstreams), model=model,
         system_tokens=external.UPSTREAM_SYSTEM_TOKENS if upstreams else conv.SYSTEM_TOKENS,
-        concurrency=concurrency or (len(upstreams) if upstreams else None),
-        min_input_tokens=external.UPSTREAM_MIN_INPUT_TOKENS if upstreams else None)
+        concurrency=concurrency or (len(upstreams) if upstreams else None))
     where = f"servers {', '.join(upstreams)}" if upstreams else "simulators"
     print(f"hedge-gateway bench: conversations on {where}; {plan.conversations} conversations "
           f"of {plan.turns} turns, modes {', '.join(plan.modes)}", file=sys.stderr)

@@ -52,6 +52,7 @@ from gateway.bench.policies import Conversation, Model, best_policies
 from gateway.bench.procs import Children, free_port, wait_ready
 from gateway.hedge.affinity import route_for
 from gateway.settings import AffinitySettings
+from gateway.settings.caching import min_keyed_tokens
 
 POOL = "bench"
 MODES = ("sticky", "hedging-off", "hedging-on", "no-affinity")
@@ -166,13 +167,23 @@ def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int
     body = turn_body(plan, "sim", first_messages(plan, number, size, "sticky"))
     names = backend_names(backends)
     route = route_for(body, {}, [(name, 1.0) for name in names],
-                      min_input_tokens=plan.min_input_tokens or AffinitySettings().min_input_tokens,
+                      min_input_tokens=key_threshold(plan),
                       load_factor=AffinitySettings().load_factor,
                       body_bytes=len(json.dumps(body).encode()))
     if route is not None:
         return names.index(route.order[0])
     digest = hashlib.blake2b(f"conversation-{number}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % backends
+
+
+def key_threshold(plan: ConversationPlan) -> int:
+    """The gateway's `affinity.min_input_tokens` over this plan's backends: the plan's own,
+    else what the gateway makes of them by default (`gateway.settings.caching`): they are
+    `openai` backends, the simulators on loopback or the user's servers at their URLs."""
+    if plan.min_input_tokens is not None:
+        return plan.min_input_tokens
+    urls = plan.upstreams or ("http://127.0.0.1/v1",)
+    return min(min_keyed_tokens("openai", url, sim_caches=False) for url in urls)
 
 
 def gateway_yaml(port: int, upstreams: Sequence[int | str], hedging: bool,

@@ -18,9 +18,10 @@ What differs from the simulated run, and why:
 - conversations run as many at once as there are servers (`--concurrency` changes it): a
   server that answers one request at a time (llama.cpp's) would otherwise measure its queue,
   not where the turns landed;
-- the gateway keys conversations from 64 input tokens (`affinity.min_input_tokens`; 1,024 by
-  default), since these prompts are small: a small model's context must hold every turn,
-  and on a CPU server every turn's prefill counts;
+- the gateway runs on its default `affinity.min_input_tokens`, which for servers that are not
+  at a hosted API is 64 (`gateway.settings.caching`: an engine caches any prefix), so these
+  short conversations are keyed as any user's would be; `--upstream` at a hosted API keys
+  them from 1,024 tokens, as the gateway would;
 - each mode waits until every server answers `GET /models` (up to 180 s), so none starts
   while a server still works through the last mode's cancelled requests;
 - no policy simulation: its model is the simulators', which says nothing of these servers.
@@ -36,8 +37,6 @@ import httpx
 #: new-message sizes (tokens) and their shares against real servers, and their system prompt
 UPSTREAM_SIZES: tuple[tuple[int, float], ...] = ((20, 0.5), (100, 0.35), (300, 0.15))
 UPSTREAM_SYSTEM_TOKENS = 100
-#: the gateway's key threshold against real servers (their prompts are small: see above)
-UPSTREAM_MIN_INPUT_TOKENS = 64
 #: the answer's length against real servers (the simulators answer 30 tokens by themselves)
 MAX_TOKENS = 30
 

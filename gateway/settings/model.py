@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 
 from gateway.settings import parse as cv
 from gateway.settings import upstream as uv
+from gateway.settings.caching import min_keyed_tokens
 from gateway.settings.fields import At, Checked, items, scalar, section
 
 MiB = 1024 * 1024
@@ -111,9 +112,13 @@ class AffinitySettings(Checked):
 
     enabled: bool = field(default=True, metadata=scalar(
         cv.boolean, "false: this pool spreads every request by load alone"))
-    min_input_tokens: int = field(default=1024, metadata=scalar(
-        cv.integer(0), "shorter requests (estimated from the body size) get no key unless "
-        "the client sent one: balance matters more than a cache there"))
+    #: None until the pool fills in what its backends cache (`PoolSettings._complete`)
+    min_input_tokens: int | None = field(default=None, metadata=scalar(
+        cv.optional(cv.integer(0)), "shorter requests (estimated from the body size) get no "
+        "key unless the client sent one: no cache would hold them, balance matters more. "
+        "null: by what the pool's backends cache: 64 when one is a self-hosted engine (an "
+        "openai backend whose base_url is not a hosted API's, a sim with a prefix cache), "
+        "which caches any prefix; else 1024, the hosted APIs' smallest cacheable prompt"))
     load_factor: float = field(default=1.25, metadata=scalar(
         cv.number(1), "a conversation's backend takes it while its in-flight attempts are at "
         "most this many times its share of the pool's, rounded up; else it spills over"))
@@ -359,6 +364,14 @@ class BackendSettings(Checked):
             self._set("anthropic_version",
                       CLOUD_ANTHROPIC_VERSIONS.get(self.provider, "2023-06-01"))
 
+    def min_keyed_tokens(self) -> int:
+        """The shortest input (tokens) worth a conversation key on this backend, by what its
+        provider caches (`gateway.settings.caching`); its pool's default threshold is the
+        smallest of its backends'."""
+        sim = self.sim
+        caches = sim is not None and sim.prefill_ms_per_1k > 0 and sim.prefix_cache_entries > 0
+        return min_keyed_tokens(self.provider, self.base_url, caches)
+
     def _rules(self, at: At) -> Iterator[str]:
         if self.provider in ("openai", "anthropic"):
             if self.base_url is None:
@@ -412,6 +425,9 @@ class PoolSettings(Checked):
         AffinitySettings, "keep a conversation's requests on the backend that caches it"))
 
     def _complete(self) -> None:
+        if self.affinity.min_input_tokens is None:
+            self._set("affinity", dataclasses.replace(self.affinity, min_input_tokens=min(
+                backend.min_keyed_tokens() for backend in self.backends)))
         if any(not backend.model for backend in self.backends):
             self._set("backends", tuple(
                 backend if backend.model else dataclasses.replace(backend, model=self.name)

@@ -67,9 +67,10 @@ def turn(client: openai.OpenAI, messages: list[Any], **extra: Any) -> tuple[str,
     return text, headers
 
 
-def conversation(client: openai.OpenAI, first: str, turns: int, **extra: Any) -> list[str]:
+def conversation(client: openai.OpenAI, first: str, turns: int, system: str = SYSTEM,
+                 **extra: Any) -> list[str]:
     """Play `turns` turns of one conversation with a growing history; the backend of each."""
-    messages: list[Any] = [{"role": "system", "content": SYSTEM},
+    messages: list[Any] = [{"role": "system", "content": system},
                            {"role": "user", "content": first}]
     backends = []
     for n in range(turns):
@@ -93,6 +94,29 @@ def test_each_conversation_stays_on_one_backend(
         stats = httpx.get(root + "/hedge/stats", timeout=5.0).json()
         affinity = stats["pools"][POOL]["lifetime"]["affinity"]
         if affinity["hits"] >= 48 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert affinity == {"hits": 48, "spills": 0, "misses": 0, "hit_rate": 1.0}
+
+
+def test_a_short_conversation_stays_on_one_engine_by_default(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
+) -> None:
+    """Conversations far under 1,024 tokens (a 100-token system prompt), no key from the
+    client, the default config: the backends are engines (openai, not at a hosted API), which
+    cache any prefix, so every turn is keyed and goes where the conversation's history is."""
+    _, v1, root = start(asgi_server, scripted_upstream, [fast] * 3, delay=2.0)
+    short = "You are a terse assistant. " * 15
+    with sdk(v1) as client:
+        seen = [conversation(client, f"question number {i}", 4, system=short)
+                for i in range(12)]
+    assert all(len(set(backends)) == 1 for backends in seen), seen
+    assert len({backends[0] for backends in seen}) > 1  # conversations still spread
+    deadline = time.monotonic() + 5.0
+    while True:  # a request is counted once it has fully ended
+        affinity = httpx.get(root + "/hedge/stats", timeout=5.0).json()[
+            "pools"][POOL]["lifetime"]["affinity"]
+        if affinity["hits"] + affinity["misses"] >= 48 or time.monotonic() > deadline:
             break
         time.sleep(0.02)
     assert affinity == {"hits": 48, "spills": 0, "misses": 0, "hit_rate": 1.0}

@@ -42,6 +42,7 @@ from tests.harness.engine import (
     engine_servers,
     ensure_engine,
 )
+from tests.harness.limits_kit import stats_of, wait_for
 
 pytestmark = pytest.mark.timeout(120)  # a loaded two-core machine; nothing here is timed
 
@@ -209,4 +210,48 @@ def test_the_anthropic_sdk_gets_a_404_from_a_pool_without_messages(
                                messages=[{"role": "user", "content": "hi"}])
     assert caught.value.status_code == 404
     assert "messages" in str(caught.value.body)
+    leak_check.check_live()
+
+
+def test_a_short_conversation_stays_on_the_engine_that_holds_it(
+    engines: list[EngineServer], asgi_server: AsgiServerFactory, leak_check: LeakBaseline
+) -> None:
+    """Conversations far under 1,024 tokens, no key from the client, the pool on its default
+    affinity: the engines cache any prefix, so every turn is keyed from its conversation's
+    opening and goes to the engine that prefilled the turns before it (hedging off, so the
+    backend that answers is the one the turn was placed on)."""
+    backends = tuple(BackendSettings(name=s.name, provider="openai", model=MODEL_ALIAS,
+                                     base_url=s.base_url) for s in engines)
+    settings = Settings(pools=(PoolSettings(name=POOL, backends=backends, timeout=60.0,
+                                            hedging=HedgingSettings(enabled=False)),))
+    gateway = asgi_server.build(lambda: create_app(settings, seed=5))
+    system = "You are a terse assistant who answers in one short sentence. " * 8
+    seen: list[list[str]] = []
+    with openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0,
+                       timeout=60.0) as client:
+        for number in range(3):
+            messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Name a colour ({number})."}]
+            landed = []
+            for turn in range(3):
+                raw = client.chat.completions.with_raw_response.create(
+                    model=POOL, messages=messages, stream=True, max_tokens=MAX_TOKENS,
+                    temperature=0)
+                text, _ = read_stream(raw.parse())
+                assert raw.http_response.status_code == 200
+                landed.append(raw.headers["x-hedge-backend"])
+                messages += [{"role": "assistant", "content": text},
+                             {"role": "user", "content": f"And another ({turn})?"}]
+            seen.append(landed)
+    assert all(len(set(landed)) == 1 for landed in seen), seen
+
+    def affinity() -> dict[str, float]:
+        counts: dict[str, float] = stats_of(gateway.base_url)["pools"][POOL]["lifetime"][
+            "affinity"]
+        return counts
+
+    # every turn got a key and its key's first engine (a request is counted once it ended)
+    wait_for(lambda: affinity()["hits"] + affinity()["misses"] >= 9)
+    assert affinity() == {"hits": 9, "spills": 0, "misses": 0, "hit_rate": 1.0}
     leak_check.check_live()

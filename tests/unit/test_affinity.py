@@ -3,6 +3,7 @@ data (no clock, no I/O)."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -16,6 +17,7 @@ from gateway.hedge.affinity import (
     rendezvous_order,
     route_for,
 )
+from gateway.settings import AffinitySettings, BackendSettings, PoolSettings, SimProfile
 
 KEYS = [f"conversation-{i}" for i in range(4000)]
 EVEN = {"a": 1.0, "b": 1.0, "c": 1.0}
@@ -257,3 +259,69 @@ def test_a_stream_still_closing_does_not_spill_the_next_turn() -> None:
     r = route()
     assert r.choose(set(EVEN), {r.order[0]: 1}, members=EVEN) == r.order[0]
     assert r.choose(set(EVEN), {r.order[0]: 2}, members=EVEN) == r.order[1]
+
+
+# --------------------------------------------------------------------------- the threshold
+
+
+def pool_of(*backends: BackendSettings, **affinity: Any) -> PoolSettings:
+    return PoolSettings("m", backends, affinity=AffinitySettings(**affinity))
+
+
+def openai_at(name: str, url: str) -> BackendSettings:
+    return BackendSettings(name, "openai", base_url=url)
+
+
+def test_the_threshold_follows_what_the_backend_caches() -> None:
+    """Hosted APIs cache nothing under 1,024 tokens; a self-hosted engine (an openai backend
+    anywhere else, a sim that models a prefix cache) caches any prefix."""
+    hosted = [openai_at("o", "https://api.openai.com/v1"),
+              openai_at("z", "https://my-east.openai.azure.com/openai/v1"),
+              BackendSettings("a", "anthropic", base_url="https://api.anthropic.com"),
+              BackendSettings("b", "bedrock", region="us-east-1"),
+              BackendSettings("v", "vertex", region="global", project="p"),
+              BackendSettings("s", "sim")]  # the default profile caches nothing
+    engines = [openai_at("l", "http://127.0.0.1:8000/v1"), openai_at("k", "http://vllm:8000/v1"),
+               openai_at("d", "https://llm.example.org/v1"),
+               openai_at("n", "https://notopenai.com/v1"),  # not a subdomain of openai.com
+               BackendSettings("c", "sim", sim=SimProfile(prefill_ms_per_1k=60.0))]
+    assert {b.name: b.min_keyed_tokens() for b in hosted} == {b.name: 1024 for b in hosted}
+    assert {b.name: b.min_keyed_tokens() for b in engines} == {b.name: 64 for b in engines}
+    assert pool_of(*hosted).affinity.min_input_tokens == 1024
+    assert pool_of(*engines).affinity.min_input_tokens == 64
+    # a pool that mixes them keys from the smallest: the engines' caches pay for it
+    assert pool_of(hosted[0], engines[0]).affinity.min_input_tokens == 64
+    # a value set by hand is kept, whatever the backends
+    assert pool_of(*engines, min_input_tokens=1024).affinity.min_input_tokens == 1024
+    assert pool_of(*hosted, min_input_tokens=0).affinity.min_input_tokens == 0
+
+
+def test_a_short_conversation_is_keyed_on_engines_and_spread_by_load_on_hosted_apis() -> None:
+    """Every turn of a conversation under 1,024 tokens (a 100-token system prompt) gets the
+    same key with an engine pool's default, so its turns go to one backend; with the hosted
+    default (which every pool had before) it gets none and is spread by load."""
+    system = "You are a terse assistant. " * 15  # about 100 tokens
+    turns = [chat(system, "first question"),
+             chat(system, "first question", "an answer", "second question"),
+             chat(system, "first question", "an answer", "second question", "another",
+                  "third")]
+    backends = [("e0", 1.0), ("e1", 1.0)]
+    engines = pool_of(openai_at("e0", "http://127.0.0.1:8001/v1"),
+                      openai_at("e1", "http://127.0.0.1:8002/v1"))
+    hosted = pool_of(openai_at("e0", "https://api.openai.com/v1"),
+                     openai_at("e1", "https://api.openai.com/v1"))
+    for pool, keyed in ((engines, True), (hosted, False)):
+        minimum = pool.affinity.min_input_tokens
+        assert minimum is not None
+        routes = [route_for(body, {}, backends, min_input_tokens=minimum, load_factor=1.25,
+                            body_bytes=len(json.dumps(body))) for body in turns]
+        if keyed:
+            assert all(r is not None for r in routes)
+            assert len({r.key for r in routes if r}) == 1
+            assert len({r.order for r in routes if r}) == 1
+        else:
+            assert routes == [None, None, None]
+    # a bare greeting is no conversation: load alone places it, even on engines
+    hi = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert route_for(hi, {}, backends, min_input_tokens=64, load_factor=1.25,
+                     body_bytes=len(json.dumps(hi))) is None

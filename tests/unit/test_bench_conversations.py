@@ -64,7 +64,8 @@ def test_the_gateway_config_loads() -> None:
         pool = parse_settings(tree, {}).pools[0]
         assert pool.backends[0].base_url == "http://127.0.0.1:9001/v1"
         assert pool.affinity.enabled is affinity
-        assert pool.affinity.min_input_tokens == 1024
+        # the default threshold of engines (not hosted APIs): they cache any prefix
+        assert pool.affinity.min_input_tokens == 64
     tree = yaml.safe_load(gateway_yaml(8080, [9001], hedging=True, min_input_tokens=64))
     assert parse_settings(tree, {}).pools[0].affinity.min_input_tokens == 64
 
