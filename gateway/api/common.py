@@ -7,9 +7,11 @@ a `LogicalRequest` to the proxy.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,7 +78,22 @@ def error_response(exc: GatewayError, request_id: str, path: str = "",
     if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
         message = f"{exc.message} (request id {request_id})"
     body = protocol_for_path(path).error_body(exc, message)
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+    return SafeJSONResponse(body, status_code=exc.status, headers=headers)
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON whose text may hold what UTF-8 cannot encode: an error can quote a client's own
+    key (`param`), and a JSON body may carry a lone surrogate (`"\\ud800"`), which parses
+    into a `str` that Starlette's `ensure_ascii=False` rendering cannot encode (a bare 500
+    from the server, below our handlers). Such text is written as JSON escapes instead; all
+    other bodies render byte for byte as before."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None,
+                              separators=(",", ":")).encode("ascii")
 
 
 def check_json_type(request: Request) -> None:

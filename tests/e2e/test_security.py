@@ -747,3 +747,57 @@ def test_answers_a_retry_cannot_change_say_so_and_each_sdk_sends_them_once(
         assert response.headers["x-should-retry"] == "false", name
         assert len(sent) == 1, (name, sent)
     untouched(upstream)
+
+
+# ---- text JSON may parse but UTF-8 cannot carry ----------------------------------------------
+
+#: a refused field whose name holds a lone surrogate (`"\ud800"` is valid JSON, and parses
+#: into a `str` that cannot be encoded as UTF-8), on each OpenAI-shaped route, with the
+#: `param` the answer names
+LONE_SURROGATES = {
+    "chat": ("/chat/completions",
+             b'{"model":"pool","messages":[],"\\ud800api_key":1}', "\ud800api_key"),
+    "responses": ("/responses",
+                  b'{"model":"pool","input":"x","metadata":{"\\ud800api_key":"1"}}',
+                  "metadata.\ud800api_key"),
+    "embeddings": ("/embeddings",
+                   b'{"model":"pool","input":"x","extra_body":{"a":{"\\udfffbase_url":1}}}',
+                   "extra_body.a.\udfffbase_url"),
+}
+
+
+@pytest.mark.parametrize("case", list(LONE_SURROGATES))
+def test_a_refused_field_named_with_a_lone_surrogate_gets_a_shaped_400(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, case: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The answer quotes the field's name in `param`: it was rendered as UTF-8 and failed,
+    and the server answered a bare 500 of its own (plain text) with a traceback logged."""
+    verbose_logs(caplog)
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    path, raw, param = LONE_SURROGATES[case]
+    reply = httpx.post(gateway.v1 + path, content=raw, timeout=5.0,
+                       headers={"content-type": "application/json"})
+    error = assert_openai_error(reply, 400, "forbidden_field")
+    assert error["param"] == param
+    assert error_logs(caplog) == []
+    untouched(upstream, attacker)
+
+
+def test_an_error_answer_that_cannot_be_rendered_becomes_a_shaped_internal_error(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever the reason an error's answer fails to render, the client gets the route's
+    shaped 500, never the server's bare one, and the bug is counted."""
+    from gateway.errors import ForbiddenField
+
+    monkeypatch.setattr(ForbiddenField, "code", float("nan"))  # JSON refuses to render it
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    reply = httpx.post(gateway.v1 + "/chat/completions", json={**GOOD, "api_key": "x"},
+                       timeout=5.0)
+    error = assert_openai_error(reply, 500, "internal_error")
+    assert "request id" in error["message"]
+    assert httpx.get(gateway.url("/hedge/stats"), timeout=5.0).json()[
+        "internal_errors"] >= 1
+    untouched(upstream, attacker)
