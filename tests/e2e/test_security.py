@@ -11,6 +11,7 @@ test ends with the automatic leak check.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -24,7 +25,7 @@ import pytest
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.settings import ServerSettings
+from gateway.settings import BackendSettings, PoolSettings, ServerSettings
 from tests.harness import LoopThread, ScriptedUpstream, UpstreamFactory
 from tests.harness.builders import POOL, gateway_settings
 from tests.harness.limits_kit import (
@@ -41,6 +42,7 @@ from tests.harness.limits_kit import (
     verbose_logs,
     wait_for,
 )
+from tests.harness.protocol_wire import messages_script
 
 GOOD: dict[str, Any] = {"model": POOL, "messages": MESSAGES}
 
@@ -191,6 +193,107 @@ def test_an_endless_header_line_is_cut_off_not_buffered(
     finally:
         sock.close()
     untouched(upstream, attacker)
+
+
+# ---- chunked-body trailers -------------------------------------------------------------------
+
+
+def _scope_headers(seen: list[list[tuple[bytes, bytes]]]) -> Callable[[ASGIApp], ASGIApp]:
+    """An ASGI layer that keeps each request's header list: the scope's own list object,
+    which is where the server would append trailer fields after the head was checked."""
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        async def recorder(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                seen.append(scope["headers"])
+            await app(scope, receive, send)
+
+        return recorder
+
+    return wrap
+
+
+def _trailers(total: int, name: bytes = b"x-t") -> Iterator[bytes]:
+    """Trailer fields of about `total` bytes in all, in pieces to send one by one."""
+    line = name + b": " + b"A" * 1000 + b"\r\n"
+    for _ in range(total // len(line) + 1):
+        yield line
+
+
+def test_trailers_past_the_head_limit_never_join_the_headers_of_an_answered_request(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """`/healthz` answers before its chunked body ends; the server used to go on appending
+    every trailer field to the request's header list (the scope's), without a bound and with
+    no key needed. Now none joins it and the connection ends near the head limit."""
+    upstream = scripted_upstream.one(name="upstream")
+    seen: list[list[tuple[bytes, bytes]]] = []
+    gateway = GatewayFactory(loop_thread)(gateway_settings([upstream.base_url]),
+                                          wrap=_scope_headers(seen))
+    limit = ServerSettings().max_header_bytes
+    sock = connect(gateway.port)
+    try:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n")
+        assert read_response(sock).status == 200
+        with contextlib.suppress(OSError):  # refused part-way: a reset or a broken pipe
+            for line in _trailers(64 * limit):
+                sock.sendall(line)
+            sock.sendall(b"\r\n")
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    (headers,) = seen
+    assert not [name for name, _ in headers if name == b"x-t"]
+
+
+def test_trailers_past_the_head_limit_of_a_chat_request_get_431_and_reach_nothing(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    limit = ServerSettings().max_header_bytes
+    body = json.dumps(GOOD).encode()
+    sock = connect(gateway.port)
+    try:
+        headers = {"content-type": "application/json", "transfer-encoding": "chunked"}
+        sock.sendall(request_head("/v1/chat/completions", headers)
+                     + b"%x\r\n%s\r\n0\r\n" % (len(body), body))
+        with contextlib.suppress(OSError):
+            for line in _trailers(4 * limit):
+                sock.sendall(line)
+        reply = read_response(sock)
+        assert reply.status == 431
+        assert reply.json()["error"]["code"] == "headers_too_large"
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    untouched(upstream, attacker)
+
+
+def test_a_trailer_never_reaches_the_upstream_as_a_header(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """`anthropic-beta` is the one client header /v1/messages forwards; sent as a trailer,
+    after the head was checked, it used to be forwarded as if the client had sent it."""
+    upstream = scripted_upstream.one(name="anthropic",
+                                    responder=lambda _: messages_script(["hi"]))
+    backend = BackendSettings(name="b0", provider="anthropic", base_url=upstream.root_url,
+                              api_key="sk-ant-0", model="claude-0")
+    settings = dataclasses.replace(gateway_settings([upstream.base_url]), pools=(
+        PoolSettings(name=POOL, backends=(backend,)),))
+    gateway = GatewayFactory(loop_thread)(settings)
+    body = json.dumps({**GOOD, "max_tokens": 8, "stream": True}).encode()
+    sock = connect(gateway.port)
+    try:
+        headers = {"content-type": "application/json", "transfer-encoding": "chunked"}
+        sock.sendall(request_head("/v1/messages", headers)
+                     + b"%x\r\n%s\r\n0\r\n" % (len(body), body)
+                     + b"anthropic-beta: injected-by-trailer\r\n\r\n")
+        assert read_response(sock).status == 200
+    finally:
+        sock.close()
+    (request,) = upstream.requests
+    assert "anthropic-beta" not in request.headers
 
 
 # ---- request smuggling -----------------------------------------------------------------------
