@@ -44,6 +44,7 @@ from gateway.settings import (
     Settings,
     load_settings,
 )
+from gateway.settings.load import weak_secrets
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
@@ -189,6 +190,9 @@ class Reloader:
             self._keys[name].replace(value)
             LOGGER.warning("configuration reload: server.%s changed (%d key%s), in effect for "
                            "new requests", name, len(value), "" if len(value) == 1 else "s")
+        if swapped:
+            for line in weak_secrets(running):
+                LOGGER.warning("configuration reload: %s", line)
         current = self.live.current
         LOGGER.info("configuration reloaded from %s: generation %d, sha256 %s, pools %s",
                        path, current.number, current.origin.sha256[:12],

@@ -111,7 +111,8 @@ class GatewayAPI(FastAPI):
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._browser is not None:  # before any route: see `gateway.api.browser`
-            why = self._browser.refusal(scope["headers"], scope.get("scheme", "http"))
+            why = self._browser.refusal(scope["headers"], scope.get("scheme", "http"),
+                                        scope["path"])
             if why is not None:
                 scope["app"] = self
                 request = Request(scope, receive)

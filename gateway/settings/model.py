@@ -459,8 +459,8 @@ class ServerSettings(Checked):
         "may)"))
     allowed_hosts: tuple[str, ...] = field(default=(), metadata=scalar(
         cv.host_names, "host names a request's `Host` may name besides localhost, 127.0.0.1 "
-        "and [::1] while the gateway listens on loopback (against DNS rebinding); others get "
-        "403"))
+        "and [::1] (against DNS rebinding); others get 403. Checked on a loopback listener "
+        "always, on any other address once this is set; the probes answer any host"))
     ops_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
         cv.keys, "keys for /hedge/*, /metrics and /dashboard (as Bearer); empty: open"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(

@@ -476,6 +476,37 @@ def test_loopback_names_and_configured_hosts_are_answered(
     assert len(upstream.requests) == 5
 
 
+def test_allowed_hosts_are_enforced_on_a_listener_off_loopback_too(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """`server.allowed_hosts` used to be read only on a loopback listener: in a container
+    (`--host 0.0.0.0`) a rebound name was answered whatever the list said. The listening
+    address is what the guard reads (`server.host`); the test's socket stays on 127.0.0.1."""
+    server = ServerSettings(host="0.0.0.0", allowed_hosts=("gateway.internal",))
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream, server=server)
+    port = gateway.port
+    rebound = f"rebind.attacker.example:{port}"
+    reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
+                       headers={"host": rebound, "origin": f"http://{rebound}"})
+    assert_openai_error(reply, 403, "origin_not_allowed")
+    assert upstream.requests == []
+    for host in (f"gateway.internal:{port}", f"127.0.0.1:{port}"):
+        reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD,
+                           headers={"host": host}, timeout=5.0)
+        assert reply.status_code == 200, (host, reply.text)
+    # a kubelet's probe names the pod's address: the probes answer any host
+    for probe in ("/healthz", "/readyz"):
+        reply = httpx.get(gateway.url(probe), headers={"host": f"10.1.2.3:{port}"}, timeout=5.0)
+        assert reply.status_code == 200, probe
+    # without the list, a listener off loopback checks no host (as documented)
+    open_gateway, open_upstream, _ = start(loop_thread, scripted_upstream,
+                                           server=ServerSettings(host="0.0.0.0"))
+    reply = httpx.post(open_gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
+                       headers={"host": rebound})
+    assert reply.status_code == 200
+    untouched(attacker)
+
+
 #: raw body -> the field the 400 must name (None: the body as a whole)
 MALFORMED: dict[str, tuple[bytes, str | None]] = {
     "truncated": (b'{"model": "pool", "messages": [{"role": "us', None),
