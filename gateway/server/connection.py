@@ -5,6 +5,9 @@ leaves to a proxy in front, done here.
   h11 parser; with httptools (the fast parser `uvicorn[standard]` installs and prefers) a
   client can send an endless header line or URL and the server buffers all of it.
   `GatewayHttpProtocol` counts head bytes as they arrive and answers 431 past the limit.
+- Key guessing. Every request of a connection carries that connection's count of wrong
+  keys (extension `FAILED_KEYS_EXTENSION`), so the app answers a guesser more slowly and
+  closes its connection after a few (`gateway.api.keys.backoff`).
 - Aborting a stuck client. A response that stops because its client stopped reading cannot
   complete, and uvicorn then only `close()`s the transport, which waits for the unsent
   buffer to drain: forever, for a client that never reads. The protocol puts an `abort`
@@ -47,6 +50,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.api.inference import errors_of
+from gateway.api.keys import FAILED_KEYS_EXTENSION, FailedKeys
 from gateway.api.stream import ABORT_EXTENSION
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
 from gateway.settings import ServerSettings
@@ -181,6 +185,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._lingering = False
         self._linger_left = 0
         self._linger_timer: asyncio.TimerHandle | None = None
+        #: wrong keys this connection sent (its answers slow down: `gateway.api.keys.backoff`)
+        self._failed_keys = FailedKeys()
 
     # ---- connection life -------------------------------------------------------------------
 
@@ -245,6 +251,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._start_body_timer()
         extensions = self.scope.get("extensions") or {}
         extensions[ABORT_EXTENSION] = {"abort": self._abort}
+        extensions[FAILED_KEYS_EXTENSION] = {"failed": self._failed_keys}
         self.scope["extensions"] = extensions
 
     def on_header(self, name: bytes, value: bytes) -> None:

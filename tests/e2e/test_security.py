@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -499,8 +500,8 @@ def test_allowed_hosts_are_enforced_on_a_listener_off_loopback_too(
         reply = httpx.get(gateway.url(probe), headers={"host": f"10.1.2.3:{port}"}, timeout=5.0)
         assert reply.status_code == 200, probe
     # without the list, a listener off loopback checks no host (as documented)
-    open_gateway, open_upstream, _ = start(loop_thread, scripted_upstream,
-                                           server=ServerSettings(host="0.0.0.0"))
+    open_gateway, _, _ = start(loop_thread, scripted_upstream,
+                               server=ServerSettings(host="0.0.0.0"))
     reply = httpx.post(open_gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
                        headers={"host": rebound})
     assert reply.status_code == 200
@@ -736,6 +737,46 @@ def test_missing_or_wrong_keys_get_401_that_never_echoes_the_key(
     texts.append(str(info.value))
     canary.assert_absent_everywhere(gateway.root, caplog, *texts)
     assert error_logs(caplog) == []
+
+
+def test_wrong_keys_on_one_connection_are_slowed_then_the_connection_is_closed(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One keep-alive connection used to take thousands of guesses a second, and the log
+    said nothing of who sent them. Now the connection ends with the `MAX_FAILURES`-th wrong
+    key (the back-off's waits are shortened here; their schedule is tested pure), each
+    refusal's log line names the peer, and a fresh connection with the key is served."""
+    import gateway.api.common as common
+    from gateway.api.keys import MAX_FAILURES, backoff
+
+    monkeypatch.setattr(common, "backoff", functools.partial(backoff, first=0.001, cap=0.002))
+    caplog.set_level(logging.INFO, logger="hedge_gateway.requests")
+    gateway, upstream = keyed(loop_thread, scripted_upstream)
+    body = json.dumps(GOOD).encode()
+    head = request_head("/v1/chat/completions", {
+        "content-type": "application/json", "content-length": str(len(body)),
+        "authorization": "Bearer guess"})
+    sock = connect(gateway.port)
+    try:
+        for attempt in range(1, MAX_FAILURES + 1):
+            sock.sendall(head + body)
+            reply = read_response(sock)
+            assert reply.status == 401, attempt
+            closing = reply.headers.get("connection") == "close"
+            assert closing == (attempt == MAX_FAILURES), attempt
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    refusals = [json.loads(r.getMessage()) for r in caplog.records
+                if r.name == "hedge_gateway.requests"]
+    assert len(refusals) == MAX_FAILURES
+    assert all(line["reason"] == "unauthorized" and line["peer"] == "127.0.0.1"
+               for line in refusals)
+    reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
+                       headers={"authorization": f"Bearer {KEYS[0]}"})
+    assert reply.status_code == 200
+    assert len(upstream.requests) == 1
 
 
 def test_either_configured_key_is_accepted_and_never_forwarded(
