@@ -773,9 +773,9 @@ def test_wrong_keys_on_one_connection_are_slowed_then_the_connection_is_closed(
     assert len(refusals) == MAX_FAILURES
     assert all(line["reason"] == "unauthorized" and line["peer"] == "127.0.0.1"
                for line in refusals)
-    reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
-                       headers={"authorization": f"Bearer {KEYS[0]}"})
-    assert reply.status_code == 200
+    served = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
+                        headers={"authorization": f"Bearer {KEYS[0]}"})
+    assert served.status_code == 200
     assert len(upstream.requests) == 1
 
 
