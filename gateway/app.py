@@ -304,7 +304,10 @@ def create_app(
     app.include_router(build_router(settings, live, proxy, fast, api_keys))
     app.include_router(build_responses_router(settings, live, proxy, fast, keys=api_keys))
     app.include_router(build_messages_router(settings, live, proxy, fast, keys=api_keys))
-    app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
+    #: the per-second caches of /hedge/stats and /metrics (their `builds` count)
+    app.state.ops_read_caches = (PerSecond(), PerSecond())
+    app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain,
+                                        caches=app.state.ops_read_caches))
     #: the per-second caches of /hedge/series and /hedge/races (their `builds` count)
     app.state.ops_caches = (PerSecond(), PerSecond())
     app.include_router(build_dashboard_router(series, source, app.state.ops_caches))
