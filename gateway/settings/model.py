@@ -469,6 +469,11 @@ class ServerSettings(Checked):
         cv.size, "larger request headers are refused", key="max_headers"))
     max_concurrent_requests: int = field(default=512, metadata=scalar(
         cv.integer(1), "logical requests in flight per process; beyond: 503"))
+    max_inflight_body_bytes: int = field(default=32 * MiB, metadata=scalar(
+        cv.size, "request-body bytes (as received) of the logical requests in flight per "
+        "process; a request that would pass it gets 503 (the first is always admitted). A "
+        "request holds about three times its body while in flight: size memory from this",
+        key="max_inflight_body"))
     keepalive: float = field(default=15.0, metadata=scalar(
         cv.duration(), "interval of SSE keep-alive comments on quiet client streams"))
     shutdown_grace: float = field(default=10.0, metadata=scalar(

@@ -329,6 +329,49 @@ def test_the_sdk_retries_an_overload_503_after_its_pause_and_gets_through(
     assert len(upstream.requests) == 2
 
 
+def test_past_the_in_flight_body_bytes_a_request_gets_503_in_its_routes_shape(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Admission counted requests only: a few hundred large bodies to a slow backend took
+    the process's memory. With one large request held in flight, a second that would pass
+    `server.max_inflight_body` is refused (503, retryable, in the route's shape) and reaches
+    no upstream; a small one still fits; once the first ends, the bytes are given back."""
+    gate = Gate()
+
+    def respond(request: RecordedRequest) -> Script:
+        if request.body.get("user") == "held":
+            return held_stream(gate)
+        return json_script(chat_completion_obj("ok"))
+
+    upstream = scripted_upstream.one(responder=respond)
+    limit = 1024 * 1024
+    settings = gateway_settings([upstream.base_url],
+                                server=ServerSettings(max_inflight_body_bytes=limit))
+    gateway = GatewayFactory(loop_thread)(settings)
+    admission = gateway.app.state.proxy.admission
+    big = "x" * (limit * 6 // 10)
+    large = {"model": POOL, "messages": [{"role": "user", "content": big}]}
+    with httpx.Client(base_url=gateway.v1, timeout=10.0) as http, \
+            http.stream("POST", "/chat/completions",
+                        json={**large, "stream": True, "user": "held"}) as live:
+        lines = live.iter_lines()
+        data_lines(lines, "first")
+        refused = http.post("/chat/completions", json=large)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "overloaded"
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers.get("x-should-retry") != "false"
+        small = http.post("/chat/completions", json={"model": POOL, "messages": MESSAGES})
+        assert small.status_code == 200
+        gate.open()
+        data_lines(lines, "[DONE]")
+    assert wait_for(lambda: admission.active == 0)
+    assert admission.active_bytes == 0
+    assert len(upstream.requests) == 2  # the held one and the small one
+    again = httpx.post(gateway.v1 + "/chat/completions", json=large, timeout=10.0)
+    assert again.status_code == 200
+
+
 # ---- metadata is free-form -------------------------------------------------------------------
 
 #: OpenAI metadata a client may well send: tags, among them `url` and `headers`
