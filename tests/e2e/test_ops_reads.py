@@ -8,6 +8,7 @@ one of the keys, as Bearer or as a browser's Basic password, while the probes st
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -137,6 +138,30 @@ async def test_per_second_builds_once_per_key_and_second_and_bounds_its_keys() -
     assert cache.builds == 3  # 1, 2, and the fallback once
     now[0] = 101.0
     assert await cache.get(1, 0, build) == b"1" and cache.builds == 4
+
+
+async def test_readers_during_a_build_wait_for_it_and_a_failed_build_is_not_kept() -> None:
+    """Under `--workers` a build merges the peers' files in a thread: readers that came
+    meanwhile each started a build of their own. Now they wait for the one under way."""
+    cache = PerSecond(lambda: 100.5)
+    release = asyncio.Event()
+    outcomes = iter([ValueError("peers do not merge"), b"built"])
+
+    async def build(_: object) -> bytes:
+        await release.wait()
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    readers = [asyncio.ensure_future(cache.get(None, None, build)) for _ in range(5)]
+    await asyncio.sleep(0)
+    release.set()
+    results = await asyncio.gather(*readers, return_exceptions=True)
+    assert cache.builds == 1
+    assert all(isinstance(result, ValueError) for result in results)
+    assert await cache.get(None, None, build) == b"built"  # the failure was not kept
+    assert cache.builds == 2
 
 
 class CountedSeries(Series):
