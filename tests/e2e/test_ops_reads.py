@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -145,12 +146,12 @@ async def test_readers_during_a_build_wait_for_it_and_a_failed_build_is_not_kept
     meanwhile each started a build of their own. Now they wait for the one under way."""
     cache = PerSecond(lambda: 100.5)
     release = asyncio.Event()
-    outcomes = iter([ValueError("peers do not merge"), b"built"])
+    outcomes: Iterator[bytes | ValueError] = iter([ValueError("peers do not merge"), b"built"])
 
     async def build(_: object) -> bytes:
         await release.wait()
         outcome = next(outcomes)
-        if isinstance(outcome, Exception):
+        if isinstance(outcome, ValueError):
             raise outcome
         return outcome
 
