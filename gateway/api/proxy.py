@@ -134,6 +134,9 @@ class Proxy:
             raise error from exc
         try:
             result = await self._race_or_disconnect(race, request.receive, end)
+            # no attempt starts after the race: let go of the body and its serialized copy,
+            # which the runner holds and a stream would otherwise keep to its end
+            race.runner = _race_over
             summary.attach(race.attempts, race.suppressed, result)
             if result is None:  # the client went away before the first token
                 summary.error = summary.reason = "client_disconnected"
@@ -369,6 +372,11 @@ class Proxy:
                 "internal error", InternalError.code, req.request_id
             ),
         )
+
+async def _race_over(backend: str, record: AttemptRecord) -> Prefix:
+    """The runner of a race that has ended (it holds nothing; it is never called)."""
+    raise RuntimeError(f"attempt on {backend} after its race ended")
+
 
 def _sends_content(provider: object) -> bool:
     """Whether `provider` sends `UpstreamCall.content` (the HTTP APIs do; a provider that
