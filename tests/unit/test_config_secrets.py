@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.api.keys import KeyRing
 from gateway.app import Reloader, build_pools
 from gateway.cli import start_warnings
 from gateway.hedge.generation import ConfigOrigin, Generation, Live
@@ -141,3 +142,21 @@ def test_serve_warns_at_start_about_short_keys_and_an_open_listener_without_keys
     assert "0.0.0.0" in open_listener and "without client keys" in open_listener
     (short,) = start_warnings(ServerSettings(host="10.0.0.5", api_keys=(SHORT,)))
     assert short.startswith("server.api_keys[0] is shorter")
+
+
+def test_a_reload_that_swaps_in_a_short_key_warns_by_place(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = Settings(pools=(pool("p", "a"),))
+    client = UpstreamClient(max_connections=8)
+    pools = build_pools(settings, client, lambda: 0.0, random.Random(1))
+    live = Live(Generation(settings, pools, ConfigOrigin.embedded(settings, now=0.0)))
+    rings = {"api_keys": KeyRing(), "ops_keys": KeyRing()}
+    reloader = Reloader(live, Stats.for_pools(pools, now=0.0), client, lambda: 1.0,
+                        random.Random(2), keys=rings)
+    path = config_with(tmp_path, "http://127.0.0.1:9/v1")
+    path.write_text(f"server:\n  api_keys: ['{SHORT}']\n" + path.read_text())
+    caplog.set_level(logging.INFO)
+    assert reloader.reload_file(str(path))
+    assert "configuration reload: server.api_keys[0] is shorter than 32" in caplog.text
+    assert SHORT not in caplog.text
