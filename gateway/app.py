@@ -44,6 +44,7 @@ from gateway.settings import (
     Settings,
     load_settings,
 )
+from gateway.settings.load import weak_secrets
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
@@ -257,6 +258,9 @@ class Reloader:
             self._keys[name].replace(value)
             LOGGER.warning("configuration reload: server.%s changed (%d key%s), in effect for "
                            "new requests", name, len(value), "" if len(value) == 1 else "s")
+        if swapped:
+            for line in weak_secrets(running):
+                LOGGER.warning("configuration reload: %s", line)
         current = self.live.current
         LOGGER.info("configuration reloaded from %s: generation %d, sha256 %s, pools %s",
                        path, current.number, current.origin.sha256[:12],
@@ -371,7 +375,10 @@ def create_app(
     app.include_router(build_router(settings, live, proxy, fast, api_keys))
     app.include_router(build_responses_router(settings, live, proxy, fast, keys=api_keys))
     app.include_router(build_messages_router(settings, live, proxy, fast, keys=api_keys))
-    app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain))
+    #: the per-second caches of /hedge/stats and /metrics (their `builds` count)
+    app.state.ops_read_caches = (PerSecond(), PerSecond())
+    app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain,
+                                        caches=app.state.ops_read_caches))
     #: the per-second caches of /hedge/series and /hedge/races (their `builds` count)
     app.state.ops_caches = (PerSecond(), PerSecond())
     app.include_router(build_dashboard_router(series, source, app.state.ops_caches))

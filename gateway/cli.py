@@ -20,7 +20,7 @@ from gateway import argtypes
 
 if TYPE_CHECKING:
     from gateway.hedge.generation import ConfigOrigin
-    from gateway.settings import Settings, SimProfile
+    from gateway.settings import ServerSettings, Settings, SimProfile
 
 
 DEFAULT_STATS_URL = "http://127.0.0.1:8080"
@@ -41,6 +41,7 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"hedge-gateway: cannot read {ns.config}: {exc.strerror}", file=sys.stderr)
         return 2
     file_server, server = file_settings.server, settings.server
+    warn_at_start(server, ns.log_level)
     before, after = raise_open_file_limit()  # a stream holds two descriptors (and workers
     raised = f" (raised from {before})" if after != before else ""  # inherit the limit)
     print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
@@ -79,8 +80,9 @@ CHAT_PROVIDERS = ("sim", "openai")
 
 def startup_lines(settings: Settings, source: str) -> list[str]:
     """What `serve` tells a newcomer before it starts: where it listens, the pools, the
-    dashboard, one curl line that works against the first pool as configured, and a warning
-    when the listener is reachable from other machines with no client keys."""
+    dashboard, and one curl line that works against the first pool as configured (what an
+    operator must hear, such as a listener beyond loopback with no client keys, is logged
+    by `warn_at_start`)."""
     from gateway.api.browser import is_loopback
 
     server = settings.server
@@ -97,10 +99,6 @@ def startup_lines(settings: Settings, source: str) -> list[str]:
     lines.append(f"hedge-gateway: dashboard {root}/dashboard, stats {root}/hedge/stats{ops}")
     if settings.pools:
         lines.append("hedge-gateway: try: " + _curl_line(settings, root))
-    if not is_loopback(server.host) and not server.api_keys:
-        lines.append(f"hedge-gateway: WARNING: listening on {server.host}, beyond this "
-                     "machine, with no server.api_keys: anyone who reaches the port can use "
-                     "every backend (docs/security.md)")
     return lines
 
 
@@ -122,6 +120,35 @@ def _curl_line(settings: Settings, root: str) -> str:
     data = json.dumps(body, separators=(",", ":"))
     return (f"curl -N {root}{path}{auth} -H 'content-type: application/json' "
             f"-d '{data}'")
+
+
+def start_warnings(server: ServerSettings) -> list[str]:
+    """What an operator should hear before `serve` listens: keys or secrets short enough to
+    guess, and a listener reachable from other machines that asks no client key (anyone who
+    reaches the port spends the upstream keys; a page's rebound name too, unless
+    `server.allowed_hosts` is set)."""
+    from gateway.api.browser import is_loopback
+    from gateway.settings.load import weak_secrets
+
+    lines = weak_secrets(server)
+    if not is_loopback(server.host) and not server.api_keys:
+        lines.append(f"listening on {server.host}, reachable from other machines, without "
+                     "client keys: anyone who reaches the port can use the upstreams; set "
+                     "server.api_keys")
+    return lines
+
+
+def warn_at_start(server: ServerSettings, level: str) -> None:
+    """Log `start_warnings`, one line each, on `hedge_gateway.config` (configured here: the
+    server configures the same logging again when it starts). Kept apart from the start-up
+    lines printed above and below it, so either can change without the other."""
+    import logging.config
+
+    lines = start_warnings(server)
+    if lines:
+        logging.config.dictConfig(logging_config(level))
+        for line in lines:
+            logging.getLogger("hedge_gateway.config").warning("%s", line)
 
 
 def _load(path: str | None) -> tuple[ConfigOrigin | None, Settings]:

@@ -46,7 +46,8 @@ class UpstreamCall:
     first_byte_timeout: float
     extra_headers: Mapping[str, str] = field(default_factory=dict)
     #: `body` as JSON bytes when the caller already has them (serialized once per logical
-    #: request, `model` substituted per backend); empty: the provider encodes `body`
+    #: request, `model` substituted per backend); empty: the provider encodes `body`. A
+    #: provider class with `sends_content = False` never reads it, and is given none
     content: bytes = b""
     #: the HTTP method; GET and DELETE send no body
     method: str = "POST"

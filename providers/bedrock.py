@@ -340,6 +340,9 @@ class BedrockProvider:
     """A backend that serves `/v1/messages` from Claude on Bedrock."""
 
     #: Claude's Messages route only: the cloud's token counting takes another request shape
+    #: it builds its own request from `UpstreamCall.body`, never sends `content`: the proxy
+    #: then serializes no copy of the body for it (`gateway.api.proxy`)
+    sends_content = False
     serves: frozenset[str] = frozenset({"messages"})
 
     def __init__(

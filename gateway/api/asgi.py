@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.browser import BrowserGuard
 from gateway.api.keys import KeyRing, credential, is_ops_path
-from gateway.api.refusals import write_refusal_line
+from gateway.api.refusals import REFUSAL_KEY, write_refusal_line
 from gateway.errors import ForbiddenOrigin, GatewayError, InternalError, Unauthorized
 
 #: a route's handler: the request in, the response out (it may raise a `GatewayError`)
@@ -86,6 +86,17 @@ class GatewayAPI(FastAPI):
         self._report(exc)
         return self._on_error(request, InternalError.of(exc))
 
+    def _answer(self, request: Request, exc: GatewayError) -> Response:
+        """The answer to `exc`; if that answer cannot be rendered (a client's text that JSON
+        cannot carry, a bug of ours), the route's shaped internal error instead, reported:
+        never the server's bare 500. The refusal noted for the log line is replaced, so the
+        line says what was answered."""
+        try:
+            return self._on_error(request, exc)
+        except (ValueError, TypeError) as bug:  # rendering failed: a bug of ours
+            request.scope.get("state", {}).pop(REFUSAL_KEY, None)
+            return self._on_bug(request, bug)
+
     async def _framework_bug(self, request: Request, exc: Exception) -> Response:
         return self._on_bug(request, exc)
 
@@ -100,18 +111,19 @@ class GatewayAPI(FastAPI):
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._browser is not None:  # before any route: see `gateway.api.browser`
-            why = self._browser.refusal(scope["headers"], scope.get("scheme", "http"))
+            why = self._browser.refusal(scope["headers"], scope.get("scheme", "http"),
+                                        scope["path"])
             if why is not None:
                 scope["app"] = self
                 request = Request(scope, receive)
-                await self._on_error(request, ForbiddenOrigin(why))(scope, receive, send)
+                await self._answer(request, ForbiddenOrigin(why))(scope, receive, send)
                 return
         ops = self._ops_keys
         if ops is not None and ops.digests and is_ops_path(scope["path"]) \
                 and not ops.matches(_authorization(scope["headers"])):
             scope["app"] = self
-            response = self._on_error(Request(scope, receive),
-                                      Unauthorized("missing or invalid operations key"))
+            response = self._answer(Request(scope, receive),
+                                    Unauthorized("missing or invalid operations key"))
             # a browser asks for it (the dashboard's own reads then carry it too)
             response.headers["www-authenticate"] = 'Basic realm="hedge-gateway ops"'
             await response(scope, receive, send)
@@ -123,7 +135,7 @@ class GatewayAPI(FastAPI):
             try:
                 response = await handler(request)
             except GatewayError as exc:
-                response = self._on_error(request, exc)
+                response = self._answer(request, exc)
             except Exception as exc:  # noqa: BLE001 - a bug: answered, reported
                 response = self._on_bug(request, exc)
             try:

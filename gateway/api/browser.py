@@ -11,7 +11,12 @@ upstream keys. Two checks, on every request before any route runs:
 - `Host`, while the gateway listens on loopback: a page on a name the attacker controls can
   re-point that name to 127.0.0.1 (DNS rebinding) and then be "same-origin" with the gateway;
   its requests still name the attacker's host. Only localhost, 127.0.0.1, [::1] and
-  `server.allowed_hosts` are answered then.
+  `server.allowed_hosts` are answered then. On any other address the same holds as soon as
+  `server.allowed_hosts` is set (a rebound name reaches a pod or a container's published port
+  just as well); unset, the `Host` is not checked there, since the names such a listener is
+  reached by (an ingress's, a Service's, a node's) are not the gateway's to guess. The probes
+  (`/healthz`, `/readyz`) are answered whatever the `Host`: a kubelet names the pod's address,
+  and they tell a page nothing.
 
 The checks read the raw header list once (two byte comparisons per header).
 """
@@ -23,6 +28,8 @@ from collections.abc import Iterable
 
 #: the names a loopback listener always answers to
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+#: paths answered whatever the `Host` names: the probes
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 def is_loopback(host: str) -> bool:
@@ -46,17 +53,20 @@ def host_name(host: str) -> str:
 
 
 class BrowserGuard:
-    """Refuses requests by `Origin` and, on a loopback listener, by `Host`."""
+    """Refuses requests by `Origin` and, on a loopback listener or wherever
+    `server.allowed_hosts` is set, by `Host`."""
 
     def __init__(self, *, listen_host: str, allowed_origins: Iterable[str] = (),
                  allowed_hosts: Iterable[str] = ()) -> None:
         self.origins = frozenset(allowed_origins)
+        hosts = frozenset(allowed_hosts)
         self.hosts: frozenset[str] | None = (
-            LOOPBACK_NAMES | frozenset(allowed_hosts) if is_loopback(listen_host) else None
+            LOOPBACK_NAMES | hosts if is_loopback(listen_host) or hosts else None
         )
 
-    def refusal(self, scope_headers: Iterable[tuple[bytes, bytes]], scheme: str) -> str | None:
-        """Why a request with these headers is refused, or None."""
+    def refusal(self, scope_headers: Iterable[tuple[bytes, bytes]], scheme: str,
+                path: str = "") -> str | None:
+        """Why a request with these headers (to `path`) is refused, or None."""
         host = origin = None
         for name, value in scope_headers:
             if name == b"host":
@@ -64,7 +74,7 @@ class BrowserGuard:
             elif name == b"origin":
                 origin = value.decode("latin-1")
         if self.hosts is not None and host is not None \
-                and host_name(host) not in self.hosts:
+                and host_name(host) not in self.hosts and path not in PROBE_PATHS:
             return "this gateway does not answer to that host name"
         if origin is not None:
             origin = origin.strip().lower()

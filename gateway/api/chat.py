@@ -46,7 +46,8 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
         rid = request_id_of(request)
         check_json_type(request)
         raw = await read_body(request, limit)
-        body = parse_body(raw)
+        body, size = parse_body(raw), len(raw)
+        del raw  # the parsed body is what goes on: the bytes would be held to the end
         generation = live.current
         logged_model = note_model(request.scope, body, generation.hidden)
         model, stream = check_body(body, needs_prompt=entry.prompt)
@@ -60,7 +61,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
             )
         headers = {k.lower(): v for k, v in request.headers.items()}
         req = LogicalRequest(rid, entry.endpoint, body, stream, headers, route=entry.path,
-                             model=logged_model, body_bytes=len(raw))
+                             model=logged_model, body_bytes=size)
         return await proxy.handle(request, pool, req)
 
     chat = route("POST", "/v1/chat/completions")

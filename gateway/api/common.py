@@ -7,19 +7,23 @@ a `LogicalRequest` to the proxy.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from gateway.api.end import AnswerThen
 from gateway.api.inference import errors_of
-from gateway.api.keys import KeyRing
+from gateway.api.keys import FAILED_KEYS_EXTENSION, FailedKeys, KeyRing, backoff
 from gateway.api.refusals import REQUEST_ID_KEY, note_refusal
 from gateway.errors import (
     GatewayError,
@@ -76,7 +80,22 @@ def error_response(exc: GatewayError, request_id: str, path: str = "",
     if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
         message = f"{exc.message} (request id {request_id})"
     body = protocol_for_path(path).error_body(exc, message)
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+    return SafeJSONResponse(body, status_code=exc.status, headers=headers)
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON whose text may hold what UTF-8 cannot encode: an error can quote a client's own
+    key (`param`), and a JSON body may carry a lone surrogate (`"\\ud800"`), which parses
+    into a `str` that Starlette's `ensure_ascii=False` rendering cannot encode (a bare 500
+    from the server, below our handlers). Such text is written as JSON escapes instead; all
+    other bodies render byte for byte as before."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None,
+                              separators=(",", ":")).encode("ascii")
 
 
 def check_json_type(request: Request) -> None:
@@ -109,12 +128,43 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def gateway_error_response(request: Request, exc: GatewayError) -> Response:
     """The answer to an error of ours raised while handling `request` (noted for the
-    request log's line, `gateway.api.refusals`)."""
+    request log's line, `gateway.api.refusals`). A wrong key is answered more slowly the
+    more of them its connection sent (`gateway.api.keys.backoff`)."""
     note_refusal(request.scope, exc)
     response = error_response(exc, request_id_of(request), request.url.path)
     if exc.after_response is not None:  # answer first, then end the logical request
         return AnswerThen(response, exc.after_response)
+    if isinstance(exc, Unauthorized):
+        return slowed(request, response)
     return response
+
+
+def slowed(request: Request, response: Response) -> Response:
+    """`response` to a wrong key, delayed and closing the connection as its count says."""
+    failed = ((request.scope.get("extensions") or {}).get(FAILED_KEYS_EXTENSION)
+              or {}).get("failed")
+    if not isinstance(failed, FailedKeys):
+        return response
+    failed.count += 1
+    delay, close = backoff(failed.count)
+    if close:
+        response.headers["connection"] = "close"
+    return Delayed(response, delay) if delay > 0 else response
+
+
+class Delayed(Response):
+    """Sends `inner` after `seconds` (a bounded wait: see `gateway.api.keys.backoff`)."""
+
+    def __init__(self, inner: Response, seconds: float) -> None:
+        self.inner = inner
+        self.seconds = seconds
+        self.status_code = inner.status_code
+        self.raw_headers = inner.raw_headers
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await asyncio.sleep(self.seconds)
+        await self.inner(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -12,6 +12,37 @@ import binascii
 import hashlib
 import hmac
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+#: the ASGI scope extension `hedge-gateway serve` puts on every request of a connection:
+#: `{"failed": FailedKeys}`, that connection's (absent under another server: no back-off)
+FAILED_KEYS_EXTENSION = "hedge_gateway.failed_keys"
+#: wrong keys a connection may send before its answers slow down
+FREE_FAILURES = 3
+#: the first slowed answer waits this long; each further one twice as long, up to the cap
+BACKOFF_FIRST = 0.05
+BACKOFF_CAP = 1.0
+#: after this many wrong keys the connection is closed with its answer
+MAX_FAILURES = 8
+
+
+@dataclass(slots=True)
+class FailedKeys:
+    """Wrong keys seen on one client connection (one per connection, freed with it)."""
+
+    count: int = 0
+
+
+def backoff(failures: int, *, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP,
+            free: int = FREE_FAILURES, most: int = MAX_FAILURES) -> tuple[float, bool]:
+    """After the `failures`-th wrong key on a connection: how long its 401 waits, and whether
+    the connection ends with it. A guesser on one keep-alive connection made thousands of
+    guesses a second; now the first `free` are answered at once (a client with a stale key
+    hears at once), then each waits twice as long as the one before (at most `cap`), and
+    the `most`-th closes the connection: bounded in time and in what it holds."""
+    late = failures - free
+    delay = 0.0 if late <= 0 else min(cap, first * 2 ** (late - 1))
+    return delay, failures >= most
 
 
 class KeyRing:

@@ -44,7 +44,8 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
             await guard(request)
         check_json_type(request)
         raw = await read_body(request, limit)
-        body = parse_body(raw)
+        body, size = parse_body(raw), len(raw)
+        del raw  # the parsed body is what goes on: the bytes would be held to the end
         logged_model = note_model(request.scope, body, live.current.hidden)
         model, stream = check_body(body, needs_prompt=entry.prompt)
         pool = live.current.pools.get(model)
@@ -59,7 +60,7 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
                              protocol=COUNT_TOKENS if entry.single else MESSAGES,
                              single=entry.single,
                              forward_headers=forward, route=entry.path, model=logged_model,
-                             body_bytes=len(raw))
+                             body_bytes=size)
         return await proxy.handle(request, pool, req)
 
     create = route("POST", "/v1/messages")

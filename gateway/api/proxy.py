@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -77,7 +78,8 @@ class Proxy:
         self.drain = drain
         self.stats = stats
         self.clock = clock
-        self.admission = Admission(server.max_concurrent_requests)
+        self.admission = Admission(server.max_concurrent_requests,
+                                   server.max_inflight_body_bytes)
 
     def deadline(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> float:
         """One absolute first-token deadline shared by every attempt.
@@ -99,10 +101,11 @@ class Proxy:
         # from here every path writes the request's log line (the end, or a refusal below)
         request.scope.setdefault("state", {})[LINE_KEY] = True
         method = request.scope["method"]
+        held = req.body_bytes or 0  # counted against `server.max_inflight_body`
         try:
             if self.drain.draining:
                 raise Draining()
-            self.admission.enter()
+            self.admission.enter(held)
         except Overloaded as exc:
             self._record_refusal(pool, req, exc, method)
             raise
@@ -113,11 +116,11 @@ class Proxy:
                                  start, metered=req.metered, route=req.route, method=method,
                                  model=req.model)
         try:
-            race, end, strip_usage = self._prepare(request, pool, req, summary, excluded)
+            race, end, strip_usage = self._prepare(request, pool, req, summary, excluded, held)
         except BaseException as exc:  # nothing owns the request's end yet: give back here
             pool.inflight_requests -= 1
             pool.holding -= 1
-            self.admission.leave()
+            self.admission.leave(held)
             if not isinstance(exc, Exception):
                 raise
             error = exc if isinstance(exc, GatewayError) else InternalError.of(exc)
@@ -133,6 +136,9 @@ class Proxy:
             raise error from exc
         try:
             result = await self._race_or_disconnect(race, request.receive, end)
+            # no attempt starts after the race: let go of the body and its serialized copy,
+            # which the runner holds and a stream would otherwise keep to its end
+            race.runner = _race_over
             summary.attach(race.attempts, race.suppressed, result)
             if result is None:  # the client went away before the first token
                 summary.error = summary.reason = "client_disconnected"
@@ -181,7 +187,7 @@ class Proxy:
 
     def _prepare(
         self, request: Request, pool: PoolRuntime, req: LogicalRequest,
-        summary: RequestSummary, excluded: frozenset[str],
+        summary: RequestSummary, excluded: frozenset[str], held: int = 0,
     ) -> tuple[Race, RequestEnd, bool]:
         """The race of an admitted request, the owner of its end, and whether the usage the
         gateway asked for is to be dropped from the stream."""
@@ -213,7 +219,8 @@ class Proxy:
         )
         if race.options.affinity is None and affinity_applies(pool, req):
             race.placement.affinity = "miss"
-        end = RequestEnd(pool, race, summary, leave=self.admission.leave, stats=self.stats,
+        end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
+                         stats=self.stats,
                          clock=self.clock, trace=trace)
         return race, end, strip_usage
 
@@ -224,12 +231,16 @@ class Proxy:
         body = req.body
         models = pool.models
         # serialized once for every attempt: `{"model":` + the backend's model + the rest;
-        # a request on a stored response (`path`) carries its body as the client sent it
-        rest = b""
-        if req.path is None:
-            rest = json.dumps({k: v for k, v in body.items() if k != "model"},
-                              separators=(",", ":")).encode()[1:]
-            rest = rest if rest == b"}" else b"," + rest
+        # a request on a stored response (`path`) carries its body as the client sent it;
+        # not at all for providers that build their own request from the body (a copy of
+        # a body of up to `server.max_body` held for nothing)
+        # (kept as serialized, `{...}`, and joined past its brace: each slice or `+` of it
+        # was one more copy of the whole body)
+        rest = memoryview(b"")
+        if req.path is None and any(_sends_content(p) for p in pool.providers.values()):
+            rest = memoryview(json.dumps({k: v for k, v in body.items() if k != "model"},
+                                         separators=(",", ":")).encode())[1:]
+        comma = b"" if bytes(rest[:1]) == b"}" else b","
 
         async def run(backend: str, record: AttemptRecord) -> Prefix:
             def is_lost() -> bool:
@@ -244,7 +255,8 @@ class Proxy:
                 stream=req.stream,
                 request_id=req.request_id,
                 first_byte_timeout=max(0.0, deadline - self.clock()),
-                content=b'{"model":' + pool.models_json[backend] + rest if rest else b"",
+                content=b"".join((b'{"model":', pool.models_json[backend], comma, rest))
+                if rest and _sends_content(pool.providers[backend]) else b"",
                 extra_headers=req.forward_headers,
                 method=req.method,
                 path=req.path,
@@ -362,6 +374,17 @@ class Proxy:
                 "internal error", InternalError.code, req.request_id
             ),
         )
+
+async def _race_over(backend: str, record: AttemptRecord) -> Prefix:
+    """The runner of a race that has ended (it holds nothing; it is never called)."""
+    raise RuntimeError(f"attempt on {backend} after its race ended")
+
+
+def _sends_content(provider: object) -> bool:
+    """Whether `provider` sends `UpstreamCall.content` (the HTTP APIs do; a provider that
+    builds its own request from the body says `sends_content = False`)."""
+    return bool(getattr(provider, "sends_content", True))
+
 
 def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:
     """A callback (for a done-callback or a timer) that cancels `task`."""

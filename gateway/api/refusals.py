@@ -69,5 +69,6 @@ def write_refusal_line(scope: Scope) -> None:
     if route is None and reason != RouteNotFound.log_reason():
         return
     state[LINE_KEY] = True
+    client = scope.get("client")
     log_refusal(state.get(REQUEST_ID_KEY), scope.get("method", ""), route, path,
-                state.get(MODEL_KEY), status, reason)
+                state.get(MODEL_KEY), status, reason, str(client[0]) if client else None)

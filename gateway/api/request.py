@@ -60,20 +60,33 @@ class LogicalRequest:
 
 
 class Admission:
-    """The process-wide cap on concurrent logical requests."""
+    """The process-wide caps on concurrent logical requests and on the request-body bytes
+    they hold. A request holds several times its body while it is in flight (the parsed
+    body, the serialized copy sent upstream, the copy each attempt sends), so counting
+    requests alone let a few hundred large ones take the process's memory; the bytes are
+    counted as received, and the first request is always admitted, however large."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, max_bytes: int | None = None) -> None:
         self.limit = limit
         self.active = 0
+        #: None: no bound on bytes
+        self.max_bytes = max_bytes
+        self.active_bytes = 0
 
-    def enter(self) -> None:
+    def enter(self, size: int = 0) -> None:
         # retryable (no `x-should-retry: false`): SDKs come back after the pause
         if self.active >= self.limit:
             raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
+        if self.max_bytes is not None and self.active and \
+                self.active_bytes + size > self.max_bytes:
+            raise Overloaded("the gateway holds too many request bytes in flight",
+                             retry_after=1.0)
         self.active += 1
+        self.active_bytes += size
 
-    def leave(self) -> None:
+    def leave(self, size: int = 0) -> None:
         self.active -= 1
+        self.active_bytes -= size
 
 
 def header_seconds(headers: Mapping[str, str], name: str) -> float | None:

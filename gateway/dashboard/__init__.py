@@ -96,14 +96,17 @@ def capped(doc: dict[str, Any], lists: Callable[[dict[str, Any]], list[tuple[Any
 
 class PerSecond:
     """Encoded documents by key, each built at most once per second: at most `keys` keys a
-    second; past that, callers use `fallback` (a key that is always allowed)."""
+    second; past that, callers use `fallback` (a key that is always allowed). Readers that
+    arrive while a build is under way (under `--workers` it merges the peers' files in a
+    thread) wait for that build instead of starting their own; a build that fails is not
+    kept, so the next reader tries again."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, keys: int = CACHE_KEYS
                  ) -> None:
         self._clock = clock
         self._keys = keys
         self._second = -1
-        self._cache: dict[object, bytes] = {}
+        self._cache: dict[object, asyncio.Future[bytes]] = {}
         #: documents built (for tests: a flood of reads is not a flood of builds)
         self.builds = 0
 
@@ -114,11 +117,28 @@ class PerSecond:
             self._second, self._cache = second, {}
         if key not in self._cache and len(self._cache) >= self._keys:
             key = fallback
-        found = self._cache.get(key)
-        if found is None:
-            self.builds += 1
-            found = self._cache[key] = await build(key)
-        return found
+        while (found := self._cache.get(key)) is not None:
+            try:
+                return await asyncio.shield(found)
+            except asyncio.CancelledError:
+                if not found.cancelled():  # this reader was cancelled, not the build
+                    raise
+        self.builds += 1
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._cache[key] = future
+        try:
+            body = await build(key)
+        except BaseException as exc:
+            if self._cache.get(key) is future:
+                del self._cache[key]
+            if isinstance(exc, asyncio.CancelledError):
+                future.cancel()  # its readers build for themselves
+            else:
+                future.set_exception(exc)
+                future.exception()  # retrieved: no "never retrieved" warning without readers
+            raise
+        future.set_result(body)
+        return body
 
 
 def _read(name: str) -> bytes:

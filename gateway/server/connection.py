@@ -5,6 +5,9 @@ leaves to a proxy in front, done here.
   h11 parser; with httptools (the fast parser `uvicorn[standard]` installs and prefers) a
   client can send an endless header line or URL and the server buffers all of it.
   `GatewayHttpProtocol` counts head bytes as they arrive and answers 431 past the limit.
+- Key guessing. Every request of a connection carries that connection's count of wrong
+  keys (extension `FAILED_KEYS_EXTENSION`), so the app answers a guesser more slowly and
+  closes its connection after a few (`gateway.api.keys.backoff`).
 - Aborting a stuck client. A response that stops because its client stopped reading cannot
   complete, and uvicorn then only `close()`s the transport, which waits for the unsent
   buffer to drain: forever, for a client that never reads. The protocol puts an `abort`
@@ -18,6 +21,13 @@ leaves to a proxy in front, done here.
 - Slow and numerous clients. A request whose head and body have not arrived within
   `server.body_timeout` gets 408; a new connection past `server.max_connections` gets 503
   (once its request line is in, or after a short wait for it).
+- Trailers. uvicorn appends the trailer fields of a chunked body to the request's header
+  list, which is the ASGI scope's, after every check of the head, and without any bound: a
+  client could grow the server's memory without end (no key needed: `/healthz` answers
+  before the body ends, and parsing goes on) and add headers the app never checked. The app
+  reads no trailer, so they are dropped; and the bytes of a body that are not body (its
+  trailers, its chunk framing) may not run past the head limit between two pieces of body:
+  431 while the app is still waiting for the body, else the connection ends.
 - A body no framing delimits. A `Transfer-Encoding` whose last coding is not `chunked` gets
   uvicorn's 400 before the app is handed the request: httptools refuses it only once the head
   is complete, after the app had started waiting for a body that never comes.
@@ -40,6 +50,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.api.inference import errors_of
+from gateway.api.keys import FAILED_KEYS_EXTENSION, FailedKeys
 from gateway.api.stream import ABORT_EXTENSION
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
 from gateway.settings import ServerSettings
@@ -165,10 +176,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._body_seen = 0
         self._body_done = True
         self._body_timer: asyncio.TimerHandle | None = None
+        # while a body is read, bounded by the head limit: the bytes received since its last
+        # piece (its framing, and a trailer field, which the parser buffers whole: an upper
+        # bound, off by at most one read), and the size of its trailer fields (exact)
+        self._framing_bytes = 0
+        self._trailer_bytes = 0
         # the lingering close: at most this many more bytes are read, until its deadline
         self._lingering = False
         self._linger_left = 0
         self._linger_timer: asyncio.TimerHandle | None = None
+        #: wrong keys this connection sent (its answers slow down: `gateway.api.keys.backoff`)
+        self._failed_keys = FailedKeys()
 
     # ---- connection life -------------------------------------------------------------------
 
@@ -211,9 +229,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         if self._reading_head:
             self._head_bytes += len(data)
+        elif not self._body_done:
+            self._framing_bytes += len(data)
         super().data_received(data)
-        if self._reading_head and self._head_bytes > self._head_limit and not self._refused:
-            self._refuse()
+        if self._refused:
+            return
+        if self._reading_head:
+            if self._head_bytes > self._head_limit:
+                self._refuse()
+        elif not self._body_done and max(self._framing_bytes,
+                                         self._trailer_bytes) > self._head_limit:
+            self._refuse_trailers()
 
     # ---- parser callbacks ------------------------------------------------------------------
 
@@ -225,7 +251,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._start_body_timer()
         extensions = self.scope.get("extensions") or {}
         extensions[ABORT_EXTENSION] = {"abort": self._abort}
+        extensions[FAILED_KEYS_EXTENSION] = {"failed": self._failed_keys}
         self.scope["extensions"] = extensions
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """A field of the head; past the head, a trailer field: dropped (the app reads none,
+        and the header list it would join is the scope's, checked already)."""
+        if self._reading_head:
+            super().on_header(name, value)
+        else:
+            self._trailer_bytes += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
@@ -234,6 +269,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             raise HeadTooLarge  # httptools wraps it; uvicorn calls send_400_response
         self._reading_head = False
         self._head_bytes = 0
+        self._framing_bytes = self._trailer_bytes = 0
         codings: list[bytes] = []
         for name, value in self.headers:
             if name == b"content-length" and value.isdigit():
@@ -248,6 +284,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_seen += len(body)
+        self._framing_bytes = 0
         super().on_body(body)
 
     def on_message_complete(self) -> None:
@@ -279,6 +316,26 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 f"request line and headers exceed {self._head_limit} bytes"
             ), getattr(self, "url", b"")))
             self._linger(HEAD_LINGER_BYTES)
+
+    def _refuse_trailers(self) -> None:
+        """A body's trailers (or framing) ran past the head limit: 431 when no answer has
+        begun (the app, still waiting for the body, sees a disconnect), else the connection
+        ends once its answer is out; either way nothing more of it is parsed."""
+        self._refused = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = not cycle.response_started  # the app gives up on the body
+            cycle.message_event.set()
+            if cycle.response_started:  # an answer under way: it finishes, then the close
+                cycle.keep_alive = False
+                return
+        if self.transport.is_closing() or self._lingering:
+            return
+        if cycle is None or not cycle.response_started:
+            self.transport.write(raw_error_response(HeadersTooLarge(
+                f"request trailers exceed {self._head_limit} bytes"
+            ), getattr(self, "url", b"")))
+        self._linger(HEAD_LINGER_BYTES)
 
     def _refuse_connection(self) -> None:
         """503 to a connection past the cap, in the shape its request line's path asks for

@@ -49,12 +49,13 @@ from gateway.settings.model import (
     DelaySettings,
     HedgingSettings,
     PoolSettings,
+    ServerSettings,
     Settings,
     SimProfile,
 )
 
-__all__ = ["ConfigError", "check_config", "default_settings", "describe_pools", "load_settings",
-           "parse_settings"]
+__all__ = ["MIN_SECRET_CHARS", "ConfigError", "check_config", "default_settings",
+           "describe_pools", "load_settings", "parse_settings", "weak_secrets"]
 
 C = TypeVar("C", bound=Checked)
 
@@ -293,6 +294,26 @@ def describe_pools(settings: Settings) -> list[str]:
     return lines
 
 
+#: client keys, ops keys and the response-id secret shorter than this are warned about: a
+#: random key of 32 URL-safe characters (`openssl rand -base64 24`) is beyond online guessing
+MIN_SECRET_CHARS = 32
+
+
+def weak_secrets(server: ServerSettings) -> list[str]:
+    """A warning per client key, ops key or secret shorter than `MIN_SECRET_CHARS`, naming
+    its place (`server.api_keys[1]`) and never its value. Warned, not refused: a short key
+    may be all a running deployment has, and refusing it would turn an upgrade into an
+    outage (docs/security.md says why)."""
+    found = [f"server.{name}[{index}]" for name in ("api_keys", "ops_keys")
+             for index, key in enumerate(getattr(server, name))
+             if len(key) < MIN_SECRET_CHARS]
+    secret = server.response_id_secret
+    if secret is not None and len(secret) < MIN_SECRET_CHARS:
+        found.append("server.response_id_secret")
+    return [f"{where} is shorter than {MIN_SECRET_CHARS} characters: a short key can be "
+            f"guessed; use a random one of {MIN_SECRET_CHARS} or more" for where in found]
+
+
 def check_config(
     path: str,
     out: TextIO,
@@ -314,4 +335,6 @@ def check_config(
     print(f"{path}: OK", file=out)
     for line in describe_pools(settings):
         print(f"  {line}", file=out)
+    for line in weak_secrets(settings.server):
+        print(f"{path}: warning: {line}", file=err)
     return 0

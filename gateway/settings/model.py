@@ -475,8 +475,8 @@ class ServerSettings(Checked):
         "may)"))
     allowed_hosts: tuple[str, ...] = field(default=(), metadata=scalar(
         cv.host_names, "host names a request's `Host` may name besides localhost, 127.0.0.1 "
-        "and [::1] while the gateway listens on loopback (against DNS rebinding); others get "
-        "403"))
+        "and [::1] (against DNS rebinding); others get 403. Checked on a loopback listener "
+        "always, on any other address once this is set; the probes answer any host"))
     ops_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
         cv.keys, "keys for /hedge/*, /metrics and /dashboard (as Bearer); empty: open"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
@@ -485,6 +485,11 @@ class ServerSettings(Checked):
         cv.size, "larger request headers are refused", key="max_headers"))
     max_concurrent_requests: int = field(default=512, metadata=scalar(
         cv.integer(1), "logical requests in flight per process; beyond: 503"))
+    max_inflight_body_bytes: int = field(default=32 * MiB, metadata=scalar(
+        cv.size, "request-body bytes (as received) of the logical requests in flight per "
+        "process; a request that would pass it gets 503 (the first is always admitted). A "
+        "request holds about three times its body while in flight: size memory from this",
+        key="max_inflight_body"))
     keepalive: float = field(default=15.0, metadata=scalar(
         cv.duration(), "interval of SSE keep-alive comments on quiet client streams"))
     shutdown_grace: float = field(default=10.0, metadata=scalar(

@@ -15,7 +15,8 @@ like a key, null when the body was not read or had none: `gateway.stats.loggable
 word: `unknown_model`, `invalid_json`, `body_too_large`, `unsupported_media_type`,
 `unauthorized`, `overloaded`, `draining`, `upstream_failed`, ...: `GatewayError.log_reason`)
 and `outcome` (`refused` for a request refused before any pool's race; else `ok` or the
-error class the stats count it under).
+error class the stats count it under). A refused request's line ends with `peer`, the
+client's address as its connection shows it (a proxy in front: the proxy's).
 
 What it holds besides: ids, pool, endpoint, each attempt's backend/kind/start/TTFT/outcome/reason,
 the winner, the suppressed hedge reasons, the error class and stream end, timings. What it
@@ -103,9 +104,12 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
 
 
 def refusal_record(request_id: str | None, method: str, route: str | None, path: str,
-                   model: str | None, status: int | None, reason: str) -> dict[str, Any]:
+                   model: str | None, status: int | None, reason: str,
+                   peer: str | None = None) -> dict[str, Any]:
     """The line of a request refused before any pool's race. `model` is already loggable;
-    `path` is logged only when no route matched it (a route's own path is `route`)."""
+    `path` is logged only when no route matched it (a route's own path is `route`); `peer`,
+    the client's address as the connection shows it, when known: who is guessing keys or
+    sending bad requests (behind a proxy, the proxy's address)."""
     record: dict[str, Any] = {
         "id": request_id,
         "route": route,
@@ -117,6 +121,8 @@ def refusal_record(request_id: str | None, method: str, route: str | None, path:
     }
     if route is None:
         record["path"] = loggable_path(path)
+    if peer is not None:
+        record["peer"] = peer
     return record
 
 
@@ -129,11 +135,13 @@ def log_request(summary: RequestSummary, error_classes: frozenset[str]) -> None:
 
 
 def log_refusal(request_id: str | None, method: str, route: str | None, path: str,
-                model: str | None, status: int | None, reason: str) -> None:
+                model: str | None, status: int | None, reason: str,
+                peer: str | None = None) -> None:
     """Write a refused request's line (`refusal_record`) to `hedge_gateway.requests`."""
     logger = logging.getLogger(LOGGER_NAME)
     if logger.isEnabledFor(logging.INFO):
-        _write(logger, refusal_record(request_id, method, route, path, model, status, reason))
+        _write(logger, refusal_record(request_id, method, route, path, model, status, reason,
+                                      peer))
 
 
 def _write(logger: logging.Logger, record: dict[str, Any]) -> None:

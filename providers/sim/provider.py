@@ -143,6 +143,9 @@ class SimProvider:
     """
 
     #: the simulator speaks every route
+    #: it builds its own request from `UpstreamCall.body`, never sends `content`: the proxy
+    #: then serializes no copy of the body for it (`gateway.api.proxy`)
+    sends_content = False
     serves: frozenset[str] = frozenset(ENDPOINTS)
 
     def __init__(self, settings: BackendSettings, *, rng: random.Random | None = None) -> None:

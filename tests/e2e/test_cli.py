@@ -240,3 +240,29 @@ def test_output_piped_into_a_reader_that_stops_is_not_a_traceback() -> None:
     err = schema.stderr.read().decode()
     assert schema.wait(timeout=60) == 0
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_serve_off_loopback_without_client_keys_logs_one_warning_at_start(
+    tmp_path: Path,
+) -> None:
+    """The image's `--host 0.0.0.0` with no keys serves anyone who reaches the port: serve
+    says so once, before it listens. Only 127.0.0.1 is ever sent to."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*command(), "serve", "--host", "0.0.0.0", "--port", str(port)],
+            cwd=tmp_path, env=keyless_env(), stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}/healthz", log)
+        code, text = terminate(proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5.0)
+    assert code == 0, text
+    warnings = [line for line in text.splitlines() if "without client keys" in line]
+    assert len(warnings) == 1, text
+    assert "WARNING hedge_gateway.config" in warnings[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import threading
@@ -327,6 +328,83 @@ def test_the_sdk_retries_an_overload_503_after_its_pause_and_gets_through(
     assert not thread.is_alive()
     assert answers == ["ok"]
     assert len(upstream.requests) == 2
+
+
+def test_past_the_in_flight_body_bytes_a_request_gets_503_in_its_routes_shape(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Admission counted requests only: a few hundred large bodies to a slow backend took
+    the process's memory. With one large request held in flight, a second that would pass
+    `server.max_inflight_body` is refused (503, retryable, in the route's shape) and reaches
+    no upstream; a small one still fits; once the first ends, the bytes are given back."""
+    gate = Gate()
+
+    def respond(request: RecordedRequest) -> Script:
+        if request.body.get("user") == "held":
+            return held_stream(gate)
+        return json_script(chat_completion_obj("ok"))
+
+    upstream = scripted_upstream.one(responder=respond)
+    limit = 1024 * 1024
+    settings = gateway_settings([upstream.base_url],
+                                server=ServerSettings(max_inflight_body_bytes=limit))
+    gateway = GatewayFactory(loop_thread)(settings)
+    admission = gateway.app.state.proxy.admission
+    big = "x" * (limit * 6 // 10)
+    large = {"model": POOL, "messages": [{"role": "user", "content": big}]}
+    with httpx.Client(base_url=gateway.v1, timeout=10.0) as http, \
+            http.stream("POST", "/chat/completions",
+                        json={**large, "stream": True, "user": "held"}) as live:
+        lines = live.iter_lines()
+        data_lines(lines, "first")
+        refused = http.post("/chat/completions", json=large)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "overloaded"
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers.get("x-should-retry") != "false"
+        small = http.post("/chat/completions", json={"model": POOL, "messages": MESSAGES})
+        assert small.status_code == 200
+        gate.open()
+        data_lines(lines, "[DONE]")
+    assert wait_for(lambda: admission.active == 0)
+    assert admission.active_bytes == 0
+    assert len(upstream.requests) == 2  # the held one and the small one
+    again = httpx.post(gateway.v1 + "/chat/completions", json=large, timeout=10.0)
+    assert again.status_code == 200
+
+
+def test_a_committed_stream_holds_no_copy_of_its_request_body(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """No attempt starts after a race has committed, yet the race kept its runner, which
+    holds the parsed body and its serialized copy, to the end of the stream: a large
+    request held several times its size for as long as its answer streamed."""
+    gate = Gate()
+    upstream = scripted_upstream.one(responder=lambda _: held_stream(gate))
+    gateway = GatewayFactory(loop_thread)(gateway_settings([upstream.base_url]))
+    marker = "marker-" + "m" * 100_000
+    body = json.dumps({"model": POOL, "messages": [{"role": "user", "content": marker}],
+                       "stream": True}).encode()
+    with httpx.Client(base_url=gateway.v1, timeout=10.0) as http, \
+            http.stream("POST", "/chat/completions", content=body,
+                        headers={"content-type": "application/json"}) as live:
+        lines = live.iter_lines()
+        data_lines(lines, "first")  # committed; the stream goes on until the gate opens
+        (recorded,) = upstream.requests
+        theirs = recorded.body  # the upstream's own parse of what it got
+        gc.collect()
+        held = [o for o in gc.get_objects()  # a dict holding a list is tracked
+                if isinstance(o, dict) and o is not theirs
+                and _first_content(o.get("messages")) == marker]
+        gate.open()
+        data_lines(lines, "[DONE]")
+    assert held == []
+
+
+def _first_content(messages: object) -> object:
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        return messages[0].get("content")
+    return None
 
 
 # ---- metadata is free-form -------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from gateway.bench.instructions import judge, measure
 
 #: loop turns that cost about 20 % of a streamed chat completion's instructions (Python 3.11)
-BURN_ITERATIONS = 5_300
+BURN_ITERATIONS = 6_000
 
 BURN = f'''"""Every HTTP request through the gateway runs a fixed extra loop first."""
 import importlib.abc
@@ -69,11 +69,11 @@ def test_the_guard_fails_on_a_deliberate_20_percent_addition_and_passes_unchange
         folder.mkdir()
     (site / "sitecustomize.py").write_text(BURN)
 
-    plain = measure(plain_dir, counted=10)
-    burnt = measure(burn_dir, counted=10, extra_env={"PYTHONPATH": str(site)})
+    plain = measure(plain_dir)
+    burnt = measure(burn_dir, extra_env={"PYTHONPATH": str(site)})
 
     added = burnt["chat_stream"] / plain["chat_stream"]
-    assert 1.17 <= added <= 1.35, f"the burn added x{added:.3f}, not about 20 %"
+    assert 1.16 <= added <= 1.4, f"the burn added x{added:.3f}, not about 20 %"
     assert [v.kind for v in judge(burnt, plain) if v.over], "the guard missed the addition"
     assert not [v.kind for v in judge(plain, plain) if v.over]
     # and the numbers are real: a streamed request costs millions of instructions

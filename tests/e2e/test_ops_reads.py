@@ -8,9 +8,11 @@ one of the keys, as Bearer or as a browser's Basic password, while the probes st
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -25,7 +27,7 @@ from gateway.stats.series import Reading, Series
 from gateway.stats.shared import StatsSource
 from tests.harness import LoopThread, UpstreamFactory
 from tests.harness.builders import POOL, gateway_settings
-from tests.harness.limits_kit import MESSAGES, Gateway, GatewayFactory
+from tests.harness.limits_kit import MESSAGES, Gateway, GatewayFactory, wait_for
 
 OPS_KEY = "ops-key-0001"
 OPS_PATHS = ["/hedge/stats", "/hedge/series", "/hedge/races", "/metrics", "/dashboard",
@@ -51,6 +53,43 @@ def test_a_flood_of_series_and_race_reads_builds_each_at_most_a_few_times_a_seco
     seconds = int(time.monotonic()) - first + 1  # the seconds the reads fell into
     assert series_cache.builds <= CACHE_KEYS * seconds
     assert races_cache.builds <= seconds
+
+
+def test_a_flood_of_stats_and_metrics_reads_builds_each_at_most_once_a_second(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Each GET of /hedge/stats or /metrics used to build its document anew on the event
+    loop (tens of milliseconds with a few pools). Counted by the app's caches, never timed."""
+    gateway = start(loop_thread, scripted_upstream)
+    stats_cache, metrics_cache = gateway.app.state.ops_read_caches
+    first = int(time.monotonic())
+    with httpx.Client(base_url=gateway.root, timeout=5.0) as http:
+        for _ in range(30):
+            assert http.get("/hedge/stats").status_code == 200
+            assert http.get("/hedge/stats", params={"mergeable": 1}).status_code == 200
+            assert http.get("/metrics").status_code == 200
+    seconds = int(time.monotonic()) - first + 1  # the seconds the reads fell into
+    assert stats_cache.builds <= 2 * seconds  # the document and the mergeable export
+    assert metrics_cache.builds <= seconds
+
+
+def test_a_cached_stats_read_shows_a_request_within_a_second(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """The cache never serves a document built in an earlier second: a request shows up in
+    /hedge/stats and /metrics on the reads of the next second at the latest."""
+    gateway = start(loop_thread, scripted_upstream)
+    def counted(http: httpx.Client) -> tuple[int, bool]:
+        requests = http.get("/hedge/stats").json()["pools"][POOL]["lifetime"]["requests"]
+        metric = any(line.startswith("hedge_gateway_requests_total{") and 'outcome="ok"' in line
+                     and line.endswith(" 1.0") for line in http.get("/metrics").text.splitlines())
+        return requests, metric
+
+    with httpx.Client(base_url=gateway.root, timeout=5.0) as http:
+        assert counted(http) == (0, False)  # both documents are now cached for this second
+        reply = http.post("/v1/chat/completions", json={"model": POOL, "messages": MESSAGES})
+        assert reply.status_code == 200
+        assert wait_for(lambda: counted(http) == (1, True), timeout=3.0)
 
 
 def test_a_cached_series_read_still_returns_the_points_a_reader_asked_for(
@@ -100,6 +139,30 @@ async def test_per_second_builds_once_per_key_and_second_and_bounds_its_keys() -
     assert cache.builds == 3  # 1, 2, and the fallback once
     now[0] = 101.0
     assert await cache.get(1, 0, build) == b"1" and cache.builds == 4
+
+
+async def test_readers_during_a_build_wait_for_it_and_a_failed_build_is_not_kept() -> None:
+    """Under `--workers` a build merges the peers' files in a thread: readers that came
+    meanwhile each started a build of their own. Now they wait for the one under way."""
+    cache = PerSecond(lambda: 100.5)
+    release = asyncio.Event()
+    outcomes: Iterator[bytes | ValueError] = iter([ValueError("peers do not merge"), b"built"])
+
+    async def build(_: object) -> bytes:
+        await release.wait()
+        outcome = next(outcomes)
+        if isinstance(outcome, ValueError):
+            raise outcome
+        return outcome
+
+    readers = [asyncio.ensure_future(cache.get(None, None, build)) for _ in range(5)]
+    await asyncio.sleep(0)
+    release.set()
+    results = await asyncio.gather(*readers, return_exceptions=True)
+    assert cache.builds == 1
+    assert all(isinstance(result, ValueError) for result in results)
+    assert await cache.get(None, None, build) == b"built"  # the failure was not kept
+    assert cache.builds == 2
 
 
 class CountedSeries(Series):

@@ -11,6 +11,8 @@ test ends with the automatic leak check.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -24,7 +26,7 @@ import pytest
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.settings import ServerSettings
+from gateway.settings import BackendSettings, PoolSettings, ServerSettings
 from tests.harness import LoopThread, ScriptedUpstream, UpstreamFactory
 from tests.harness.builders import POOL, gateway_settings
 from tests.harness.limits_kit import (
@@ -41,6 +43,7 @@ from tests.harness.limits_kit import (
     verbose_logs,
     wait_for,
 )
+from tests.harness.protocol_wire import messages_script
 
 GOOD: dict[str, Any] = {"model": POOL, "messages": MESSAGES}
 
@@ -191,6 +194,107 @@ def test_an_endless_header_line_is_cut_off_not_buffered(
     finally:
         sock.close()
     untouched(upstream, attacker)
+
+
+# ---- chunked-body trailers -------------------------------------------------------------------
+
+
+def _scope_headers(seen: list[list[tuple[bytes, bytes]]]) -> Callable[[ASGIApp], ASGIApp]:
+    """An ASGI layer that keeps each request's header list: the scope's own list object,
+    which is where the server would append trailer fields after the head was checked."""
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        async def recorder(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                seen.append(scope["headers"])
+            await app(scope, receive, send)
+
+        return recorder
+
+    return wrap
+
+
+def _trailers(total: int, name: bytes = b"x-t") -> Iterator[bytes]:
+    """Trailer fields of about `total` bytes in all, in pieces to send one by one."""
+    line = name + b": " + b"A" * 1000 + b"\r\n"
+    for _ in range(total // len(line) + 1):
+        yield line
+
+
+def test_trailers_past_the_head_limit_never_join_the_headers_of_an_answered_request(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """`/healthz` answers before its chunked body ends; the server used to go on appending
+    every trailer field to the request's header list (the scope's), without a bound and with
+    no key needed. Now none joins it and the connection ends near the head limit."""
+    upstream = scripted_upstream.one(name="upstream")
+    seen: list[list[tuple[bytes, bytes]]] = []
+    gateway = GatewayFactory(loop_thread)(gateway_settings([upstream.base_url]),
+                                          wrap=_scope_headers(seen))
+    limit = ServerSettings().max_header_bytes
+    sock = connect(gateway.port)
+    try:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n")
+        assert read_response(sock).status == 200
+        with contextlib.suppress(OSError):  # refused part-way: a reset or a broken pipe
+            for line in _trailers(64 * limit):
+                sock.sendall(line)
+            sock.sendall(b"\r\n")
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    (headers,) = seen
+    assert not [name for name, _ in headers if name == b"x-t"]
+
+
+def test_trailers_past_the_head_limit_of_a_chat_request_get_431_and_reach_nothing(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    limit = ServerSettings().max_header_bytes
+    body = json.dumps(GOOD).encode()
+    sock = connect(gateway.port)
+    try:
+        headers = {"content-type": "application/json", "transfer-encoding": "chunked"}
+        sock.sendall(request_head("/v1/chat/completions", headers)
+                     + b"%x\r\n%s\r\n0\r\n" % (len(body), body))
+        with contextlib.suppress(OSError):
+            for line in _trailers(4 * limit):
+                sock.sendall(line)
+        reply = read_response(sock)
+        assert reply.status == 431
+        assert reply.json()["error"]["code"] == "headers_too_large"
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    untouched(upstream, attacker)
+
+
+def test_a_trailer_never_reaches_the_upstream_as_a_header(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """`anthropic-beta` is the one client header /v1/messages forwards; sent as a trailer,
+    after the head was checked, it used to be forwarded as if the client had sent it."""
+    upstream = scripted_upstream.one(name="anthropic",
+                                    responder=lambda _: messages_script(["hi"]))
+    backend = BackendSettings(name="b0", provider="anthropic", base_url=upstream.root_url,
+                              api_key="sk-ant-0", model="claude-0")
+    settings = dataclasses.replace(gateway_settings([upstream.base_url]), pools=(
+        PoolSettings(name=POOL, backends=(backend,)),))
+    gateway = GatewayFactory(loop_thread)(settings)
+    body = json.dumps({**GOOD, "max_tokens": 8, "stream": True}).encode()
+    sock = connect(gateway.port)
+    try:
+        headers = {"content-type": "application/json", "transfer-encoding": "chunked"}
+        sock.sendall(request_head("/v1/messages", headers)
+                     + b"%x\r\n%s\r\n0\r\n" % (len(body), body)
+                     + b"anthropic-beta: injected-by-trailer\r\n\r\n")
+        assert read_response(sock).status == 200
+    finally:
+        sock.close()
+    (request,) = upstream.requests
+    assert "anthropic-beta" not in request.headers
 
 
 # ---- request smuggling -----------------------------------------------------------------------
@@ -371,6 +475,37 @@ def test_loopback_names_and_configured_hosts_are_answered(
                            headers={"host": host}, timeout=5.0)
         assert reply.status_code == 200, (host, reply.text)
     assert len(upstream.requests) == 5
+
+
+def test_allowed_hosts_are_enforced_on_a_listener_off_loopback_too(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """`server.allowed_hosts` used to be read only on a loopback listener: in a container
+    (`--host 0.0.0.0`) a rebound name was answered whatever the list said. The listening
+    address is what the guard reads (`server.host`); the test's socket stays on 127.0.0.1."""
+    server = ServerSettings(host="0.0.0.0", allowed_hosts=("gateway.internal",))
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream, server=server)
+    port = gateway.port
+    rebound = f"rebind.attacker.example:{port}"
+    reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
+                       headers={"host": rebound, "origin": f"http://{rebound}"})
+    assert_openai_error(reply, 403, "origin_not_allowed")
+    assert upstream.requests == []
+    for host in (f"gateway.internal:{port}", f"127.0.0.1:{port}"):
+        reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD,
+                           headers={"host": host}, timeout=5.0)
+        assert reply.status_code == 200, (host, reply.text)
+    # a kubelet's probe names the pod's address: the probes answer any host
+    for probe in ("/healthz", "/readyz"):
+        reply = httpx.get(gateway.url(probe), headers={"host": f"10.1.2.3:{port}"}, timeout=5.0)
+        assert reply.status_code == 200, probe
+    # without the list, a listener off loopback checks no host (as documented)
+    open_gateway, _, _ = start(loop_thread, scripted_upstream,
+                               server=ServerSettings(host="0.0.0.0"))
+    reply = httpx.post(open_gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
+                       headers={"host": rebound})
+    assert reply.status_code == 200
+    untouched(attacker)
 
 
 #: raw body -> the field the 400 must name (None: the body as a whole)
@@ -604,6 +739,46 @@ def test_missing_or_wrong_keys_get_401_that_never_echoes_the_key(
     assert error_logs(caplog) == []
 
 
+def test_wrong_keys_on_one_connection_are_slowed_then_the_connection_is_closed(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One keep-alive connection used to take thousands of guesses a second, and the log
+    said nothing of who sent them. Now the connection ends with the `MAX_FAILURES`-th wrong
+    key (the back-off's waits are shortened here; their schedule is tested pure), each
+    refusal's log line names the peer, and a fresh connection with the key is served."""
+    import gateway.api.common as common
+    from gateway.api.keys import MAX_FAILURES, backoff
+
+    monkeypatch.setattr(common, "backoff", functools.partial(backoff, first=0.001, cap=0.002))
+    caplog.set_level(logging.INFO, logger="hedge_gateway.requests")
+    gateway, upstream = keyed(loop_thread, scripted_upstream)
+    body = json.dumps(GOOD).encode()
+    head = request_head("/v1/chat/completions", {
+        "content-type": "application/json", "content-length": str(len(body)),
+        "authorization": "Bearer guess"})
+    sock = connect(gateway.port)
+    try:
+        for attempt in range(1, MAX_FAILURES + 1):
+            sock.sendall(head + body)
+            reply = read_response(sock)
+            assert reply.status == 401, attempt
+            closing = reply.headers.get("connection") == "close"
+            assert closing == (attempt == MAX_FAILURES), attempt
+        assert closed_by_peer(sock)
+    finally:
+        sock.close()
+    refusals = [json.loads(r.getMessage()) for r in caplog.records
+                if r.name == "hedge_gateway.requests"]
+    assert len(refusals) == MAX_FAILURES
+    assert all(line["reason"] == "unauthorized" and line["peer"] == "127.0.0.1"
+               for line in refusals)
+    served = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0,
+                        headers={"authorization": f"Bearer {KEYS[0]}"})
+    assert served.status_code == 200
+    assert len(upstream.requests) == 1
+
+
 def test_either_configured_key_is_accepted_and_never_forwarded(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -747,3 +922,57 @@ def test_answers_a_retry_cannot_change_say_so_and_each_sdk_sends_them_once(
         assert response.headers["x-should-retry"] == "false", name
         assert len(sent) == 1, (name, sent)
     untouched(upstream)
+
+
+# ---- text JSON may parse but UTF-8 cannot carry ----------------------------------------------
+
+#: a refused field whose name holds a lone surrogate (`"\ud800"` is valid JSON, and parses
+#: into a `str` that cannot be encoded as UTF-8), on each OpenAI-shaped route, with the
+#: `param` the answer names
+LONE_SURROGATES = {
+    "chat": ("/chat/completions",
+             b'{"model":"pool","messages":[],"\\ud800api_key":1}', "\ud800api_key"),
+    "responses": ("/responses",
+                  b'{"model":"pool","input":"x","metadata":{"\\ud800api_key":"1"}}',
+                  "metadata.\ud800api_key"),
+    "embeddings": ("/embeddings",
+                   b'{"model":"pool","input":"x","extra_body":{"a":{"\\udfffbase_url":1}}}',
+                   "extra_body.a.\udfffbase_url"),
+}
+
+
+@pytest.mark.parametrize("case", list(LONE_SURROGATES))
+def test_a_refused_field_named_with_a_lone_surrogate_gets_a_shaped_400(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory, case: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The answer quotes the field's name in `param`: it was rendered as UTF-8 and failed,
+    and the server answered a bare 500 of its own (plain text) with a traceback logged."""
+    verbose_logs(caplog)
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    path, raw, param = LONE_SURROGATES[case]
+    reply = httpx.post(gateway.v1 + path, content=raw, timeout=5.0,
+                       headers={"content-type": "application/json"})
+    error = assert_openai_error(reply, 400, "forbidden_field")
+    assert error["param"] == param
+    assert error_logs(caplog) == []
+    untouched(upstream, attacker)
+
+
+def test_an_error_answer_that_cannot_be_rendered_becomes_a_shaped_internal_error(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever the reason an error's answer fails to render, the client gets the route's
+    shaped 500, never the server's bare one, and the bug is counted."""
+    from gateway.errors import ForbiddenField
+
+    monkeypatch.setattr(ForbiddenField, "code", float("nan"))  # JSON refuses to render it
+    gateway, upstream, attacker = start(loop_thread, scripted_upstream)
+    reply = httpx.post(gateway.v1 + "/chat/completions", json={**GOOD, "api_key": "x"},
+                       timeout=5.0)
+    error = assert_openai_error(reply, 500, "internal_error")
+    assert "request id" in error["message"]
+    assert httpx.get(gateway.url("/hedge/stats"), timeout=5.0).json()[
+        "internal_errors"] >= 1
+    untouched(upstream, attacker)

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.asgi import FastRoutes, GatewayAPI
+from gateway.api.keys import BACKOFF_CAP, MAX_FAILURES, backoff
 from gateway.errors import GatewayError, InvalidRequest
 
 
@@ -89,3 +90,14 @@ def test_other_methods_and_paths_go_through_fastapi() -> None:
     assert call(app, "GET", "/v1/echo")[0] == 405  # the same handler is on the router
     assert call(app, "POST", "/v1/other")[0] == 404
     assert seen == ["GET /v1/echo", "POST /v1/other"]
+
+
+def test_wrong_keys_on_one_connection_are_answered_ever_later_then_the_connection_ends() -> None:
+    """The back-off after the n-th wrong key on a connection: a few free, then doubling up
+    to the cap, and the last one closes the connection. Pure: no clock is read."""
+    plan = [backoff(n, first=0.5, cap=2.0, free=2, most=6) for n in range(1, 7)]
+    assert plan == [(0.0, False), (0.0, False), (0.5, False), (1.0, False), (2.0, False),
+                    (2.0, True)]
+    delays = [backoff(n)[0] for n in range(1, MAX_FAILURES + 1)]
+    assert delays == sorted(delays) and max(delays) <= BACKOFF_CAP
+    assert backoff(MAX_FAILURES)[1] and not backoff(MAX_FAILURES - 1)[1]

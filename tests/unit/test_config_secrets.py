@@ -4,6 +4,7 @@ name the key path and the variable instead."""
 
 from __future__ import annotations
 
+import io
 import logging
 import random
 import subprocess
@@ -13,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from gateway.api.keys import KeyRing
 from gateway.app import Reloader, build_pools
+from gateway.cli import start_warnings
 from gateway.hedge.generation import ConfigOrigin, Generation, Live
-from gateway.settings import ConfigError, Settings, load_settings
+from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
+from gateway.settings.load import MIN_SECRET_CHARS, check_config, weak_secrets
 from gateway.stats import Stats
 from providers.http import UpstreamClient
 from tests.unit.test_generation import pool
@@ -100,3 +104,59 @@ def test_a_reload_that_fails_in_any_way_is_logged_as_refused_and_counted(
     assert live.failed_reloads == 2 and caplog.text.count("reload refused") == 2
     assert SECRET not in caplog.text
     assert live.current is before
+
+
+# ---- keys short enough to guess, and a listener open to other machines ----------------------
+
+SHORT = "k-0123"
+LONG = "k" * MIN_SECRET_CHARS
+
+
+def test_short_keys_and_secrets_are_warned_about_by_place_never_by_value() -> None:
+    server = ServerSettings(api_keys=(LONG, SHORT), ops_keys=(SHORT,),
+                            response_id_secret=SHORT)
+    lines = weak_secrets(server)
+    assert [line.split(" ")[0] for line in lines] == [
+        "server.api_keys[1]", "server.ops_keys[0]", "server.response_id_secret"]
+    assert not any(SHORT in line for line in lines)
+    assert weak_secrets(ServerSettings(api_keys=(LONG,), ops_keys=(LONG,),
+                                       response_id_secret=LONG)) == []
+
+
+def test_check_config_prints_the_short_key_warnings_and_still_passes(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(f"server:\n  api_keys: ['{SHORT}']\n  ops_keys: ['{LONG}']\n"
+                    "pools:\n  - name: p\n    backends:\n      - name: b\n"
+                    "        provider: openai\n        model: m\n"
+                    "        base_url: 'http://127.0.0.1:1/v1'\n        api_key: k\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert check_config(str(path), out, err) == 0
+    assert "warning: server.api_keys[0] is shorter than 32" in err.getvalue()
+    assert "ops_keys" not in err.getvalue() and SHORT not in out.getvalue() + err.getvalue()
+
+
+def test_serve_warns_at_start_about_short_keys_and_an_open_listener_without_keys() -> None:
+    assert start_warnings(ServerSettings()) == []  # loopback, no keys: the local default
+    assert start_warnings(ServerSettings(host="0.0.0.0", api_keys=(LONG,))) == []
+    (open_listener,) = start_warnings(ServerSettings(host="0.0.0.0"))
+    assert "0.0.0.0" in open_listener and "without client keys" in open_listener
+    (short,) = start_warnings(ServerSettings(host="10.0.0.5", api_keys=(SHORT,)))
+    assert short.startswith("server.api_keys[0] is shorter")
+
+
+def test_a_reload_that_swaps_in_a_short_key_warns_by_place(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = Settings(pools=(pool("p", "a"),))
+    client = UpstreamClient(max_connections=8)
+    pools = build_pools(settings, client, lambda: 0.0, random.Random(1))
+    live = Live(Generation(settings, pools, ConfigOrigin.embedded(settings, now=0.0)))
+    rings = {"api_keys": KeyRing(), "ops_keys": KeyRing()}
+    reloader = Reloader(live, Stats.for_pools(pools, now=0.0), client, lambda: 1.0,
+                        random.Random(2), keys=rings)
+    path = config_with(tmp_path, "http://127.0.0.1:9/v1")
+    path.write_text(f"server:\n  api_keys: ['{SHORT}']\n" + path.read_text())
+    caplog.set_level(logging.INFO)
+    assert reloader.reload_file(str(path))
+    assert "configuration reload: server.api_keys[0] is shorter than 32" in caplog.text
+    assert SHORT not in caplog.text

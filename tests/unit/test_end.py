@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import InternalError, UpstreamClientError
+from gateway.api.request import Admission
+from gateway.errors import InternalError, Overloaded, UpstreamClientError
 from gateway.wire.usage import ask_for_usage
 from tests.harness.raceworld import (
     HANG,
@@ -181,3 +182,19 @@ def test_one_watcher_sees_the_client_for_the_whole_request_and_the_body_is_encod
         assert len(models) == 2 and models <= set(pool.models.values())
 
     run_virtual(main)
+
+
+def test_admission_bounds_the_body_bytes_in_flight_and_always_admits_the_first() -> None:
+    admission = Admission(10, max_bytes=100)
+    admission.enter(150)  # nothing in flight: admitted, however large
+    with pytest.raises(Overloaded):
+        admission.enter(1)
+    admission.leave(150)
+    admission.enter(60)
+    admission.enter(40)
+    with pytest.raises(Overloaded) as refused:
+        admission.enter(1)
+    assert refused.value.retry_after == 1.0 and refused.value.status == 503
+    admission.leave(40)
+    admission.leave(60)
+    assert (admission.active, admission.active_bytes) == (0, 0)
