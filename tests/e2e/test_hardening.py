@@ -47,6 +47,7 @@ from tests.harness.limits_kit import (
     data_lines,
     error_logs,
     held_stream,
+    holding,
     pool_errors,
     read_response,
     request_head,
@@ -195,10 +196,7 @@ def test_past_max_connections_a_new_connection_gets_503_while_open_streams_flow(
 ) -> None:
     gate = Gate()
 
-    def respond(request: RecordedRequest) -> Script:
-        return held_stream(gate) if request.body.get("user") == "held" else stream_script(["ok"])
-
-    upstream = scripted_upstream.one(responder=respond)
+    upstream = scripted_upstream.one(responder=holding(gate, stream_script(["ok"])))
     settings = gateway_settings([upstream.base_url], server=ServerSettings(max_connections=1))
     gateway = GatewayFactory(loop_thread)(settings)
     with httpx.Client(base_url=gateway.v1, timeout=10.0) as http, \
@@ -294,12 +292,8 @@ def test_the_sdk_retries_an_overload_503_after_its_pause_and_gets_through(
 ) -> None:
     gate = Gate()
 
-    def respond(request: RecordedRequest) -> Script:
-        if request.body.get("user") == "held":
-            return held_stream(gate)
-        return json_script(chat_completion_obj("ok"))
-
-    upstream = scripted_upstream.one(responder=respond)
+    ok = json_script(chat_completion_obj("ok"))
+    upstream = scripted_upstream.one(responder=holding(gate, ok))
     settings = gateway_settings([upstream.base_url],
                                 server=ServerSettings(max_concurrent_requests=1))
     gateway = GatewayFactory(loop_thread)(settings)
@@ -339,12 +333,8 @@ def test_past_the_in_flight_body_bytes_a_request_gets_503_in_its_routes_shape(
     no upstream; a small one still fits; once the first ends, the bytes are given back."""
     gate = Gate()
 
-    def respond(request: RecordedRequest) -> Script:
-        if request.body.get("user") == "held":
-            return held_stream(gate)
-        return json_script(chat_completion_obj("ok"))
-
-    upstream = scripted_upstream.one(responder=respond)
+    ok = json_script(chat_completion_obj("ok"))
+    upstream = scripted_upstream.one(responder=holding(gate, ok))
     limit = 1024 * 1024
     settings = gateway_settings([upstream.base_url],
                                 server=ServerSettings(max_inflight_body_bytes=limit))

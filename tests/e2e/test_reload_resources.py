@@ -17,9 +17,9 @@ import httpx
 
 from gateway.hedge.generation import ConfigOrigin, Live
 from gateway.settings import Settings
-from tests.harness import Gate, LoopThread, RecordedRequest, Script, UpstreamFactory, stream_script
+from tests.harness import Gate, LoopThread, UpstreamFactory, stream_script
 from tests.harness.builders import POOL, gateway_settings
-from tests.harness.limits_kit import GatewayFactory, data_lines, held_stream, wait_for
+from tests.harness.limits_kit import GatewayFactory, data_lines, holding, wait_for
 
 RELOADS = 30
 
@@ -36,10 +36,7 @@ def test_retired_providers_are_closed_once_the_requests_holding_them_end(
 ) -> None:
     gate = Gate()
 
-    def respond(request: RecordedRequest) -> Script:
-        return held_stream(gate) if request.body.get("user") == "held" else stream_script(["ok"])
-
-    upstream = scripted_upstream.one(responder=respond)
+    upstream = scripted_upstream.one(responder=holding(gate, stream_script(["ok"])))
     settings = gateway_settings([upstream.base_url], api_key="key-0", hedging=False)
     gateway = GatewayFactory(loop_thread)(settings)
     live: Live = gateway.app.state.live

@@ -37,6 +37,7 @@ from tests.harness import (
     Gate,
     Head,
     LoopThread,
+    RecordedRequest,
     Script,
     Send,
     Step,
@@ -177,6 +178,16 @@ def held_stream(gate: Gate) -> Script:
     steps: list[Step] = [Head(), Send(role_chunk()), Send(token_chunk("first")), Wait(gate),
                          Send(token_chunk(" second")), Send(finish_chunk()), Send(DONE)]
     return Script(headers=SSE_HEADERS, steps=steps)
+
+
+def holding(gate: Gate, otherwise: Script) -> Callable[[RecordedRequest], Script]:
+    """A responder: a request with `"user": "held"` gets `held_stream(gate)`, any other
+    `otherwise` (the tests that hold one slot or connection and send a second)."""
+
+    def respond(request: RecordedRequest) -> Script:
+        return held_stream(gate) if request.body.get("user") == "held" else otherwise
+
+    return respond
 
 
 def data_lines(lines: Iterator[str], until: str) -> list[str]:
