@@ -278,16 +278,23 @@ class EventStream:
 AwsCredentials = Credentials | ReadOnlyCredentials
 
 
+#: how long refreshable credentials whose expiry cannot be read are used before the chain is
+#: read again: under the shortest lifetime temporary AWS credentials are issued with (15 min)
+UNKNOWN_EXPIRY_LIFETIME = 60.0
+
+
 def lifetime_of(credentials: Credentials, now: datetime.datetime | None = None) -> float | None:
     """Seconds until `credentials` expire; None for static keys, which do not.
 
     botocore's refreshable credentials (every temporary source of the chain) keep their
-    expiry in `_expiry_time`, as its own refresh logic reads it; it has no public accessor."""
+    expiry in `_expiry_time`, as its own refresh logic reads it; it has no public accessor.
+    Should a botocore release drop it, temporary credentials are read again after
+    `UNKNOWN_EXPIRY_LIFETIME`, never taken for static ones."""
     if not isinstance(credentials, RefreshableCredentials):
         return None
     expiry = getattr(credentials, "_expiry_time", None)
     if not isinstance(expiry, datetime.datetime):
-        return None
+        return UNKNOWN_EXPIRY_LIFETIME
     if expiry.tzinfo is None:
         expiry = expiry.replace(tzinfo=datetime.UTC)
     moment = now or datetime.datetime.now(datetime.UTC)

@@ -33,9 +33,11 @@ from gateway.wire.base import Kind
 from gateway.wire.messages import classify_messages
 from providers.base import UpstreamCall
 from providers.bedrock import (
+    UNKNOWN_EXPIRY_LIFETIME,
     BedrockProvider,
     EventStreamDecoder,
     bedrock_error,
+    lifetime_of,
 )
 from providers.credentials import Fetched, Refresher
 from providers.http import UpstreamClient
@@ -51,6 +53,27 @@ from providers.sim.cloud import message_start, stream_tail, text_delta
 from providers.vertex import VertexProvider
 
 KEY = AwsKey("AKIDSIMULATED", "simulated-secret-key", "simulated-session-token")
+
+# --- credential lifetimes ----------------------------------------------------------------------
+
+
+def test_temporary_credentials_live_until_their_expiry_and_static_ones_for_ever() -> None:
+    """What the credential refresher is told: the real expiry of the chain's temporary
+    credentials (botocore keeps it privately), none for static keys, and a short re-read
+    should a botocore release stop keeping it where it is read."""
+    import datetime
+
+    from botocore.credentials import Credentials, RefreshableCredentials
+
+    now = datetime.datetime(2026, 12, 7, 12, 0, tzinfo=datetime.UTC)
+    expiry = now + datetime.timedelta(minutes=42)
+    temporary = RefreshableCredentials("AKID", "secret", "token", expiry,
+                                       refresh_using=lambda: {}, method="sts-assume-role")
+    assert lifetime_of(temporary, now) == 42 * 60
+    assert lifetime_of(Credentials("AKID", "secret"), now) is None
+    delattr(temporary, "_expiry_time")  # as if a botocore release kept it elsewhere
+    assert lifetime_of(temporary, now) == UNKNOWN_EXPIRY_LIFETIME
+
 
 # --- frames ------------------------------------------------------------------------------------
 
