@@ -290,9 +290,13 @@ def measure(workdir: Path, *, counted: int = COUNTED,
 
 
 def _cpu_seconds(pid: int) -> float:
-    """The process's own user + system CPU time so far (Linux's /proc counters)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The process's own CPU time so far, every thread's, in nanoseconds' resolution (Linux's
+    /proc/PID/task/*/schedstat: the clock-tick counters of /proc/PID/stat are 10 ms steps)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread may have ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def measure_cpu(workdir: Path, *, counted: int = CPU_REQUESTS,
@@ -300,8 +304,8 @@ def measure_cpu(workdir: Path, *, counted: int = CPU_REQUESTS,
                 ) -> dict[str, float]:
     """CPU microseconds per request of each kind: the gateway's own CPU time (no valgrind)
     over `counted` requests, the lowest of `ROUNDS` rounds. Seconds of a process's own
-    counters: other load slows a run but is not billed to it; the tick (10 ms) is why a round
-    has hundreds of requests."""
+    counters: other load slows a run but is not billed to it (a thread that ended within a
+    round is not counted)."""
     sent = bodies(prompt_bytes)
     with _gateway(workdir, variant, [], None) as (proc, connection):
         for kind in KINDS:
