@@ -190,7 +190,8 @@ def chunk_event(payload: bytes) -> SSEEvent:
         inner = base64.b64decode(outer["bytes"], validate=True)
     except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
         raise UpstreamProtocolError("malformed event stream: a chunk without its bytes") from None
-    if b"\n" in inner or b"\r" in inner:  # only JSON whitespace can be a raw line end
+    if 10 in inner or 13 in inner:  # only JSON whitespace can be a raw line end (ints: a
+        # memchr; a bytes needle raises and clears a TypeError inside CPython 3.11's `in`)
         inner = inner.replace(b"\r", b"").replace(b"\n", b"")
     match = _TYPE.search(inner, 0, _TYPE_WINDOW)
     return SSEEvent(inner, match.group(1) if match else None)

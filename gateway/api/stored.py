@@ -155,7 +155,7 @@ class IdRewriter:
         if self._pending:
             self._learn(data)
         for old, new in self._pairs:
-            if old in data:
+            if data.find(old) >= 0:  # not `old in data`: see `gateway.wire.sse.encode_event`
                 data = data.replace(old, new)
         return data
 

@@ -11,6 +11,17 @@ committed baseline (`bench/instructions.json`): more than `TOLERANCE` above it f
 
     python -m gateway.bench.instructions               # measure and compare: exit 1 if over
     python -m gateway.bench.instructions --update      # measure and write the baseline
+    python -m gateway.bench.instructions --variant no-affinity --variant no-request-log
+                                                       # each feature's cost: see below
+
+`--variant NAME` (repeatable, or `all`) measures the same requests with one feature switched
+(`VARIANTS`: each an override of the public configuration, or a `serve` flag), next to the
+default configuration, and prints each kind's count and its difference from the default: what
+the feature costs a request. `--cpu` adds CPU microseconds per request, measured without
+valgrind from the gateway process's own CPU counters over `CPU_REQUESTS` requests (the best
+of `ROUNDS`): seconds, so noisier than the counts, but in the unit an operator reads.
+`--keep DIR` keeps callgrind's output files there, for `callgrind_annotate` (which C
+functions the interpreter spent the instructions in).
 
 The count is repeatable for the same interpreter and library versions, which is why `.ci/run`
 runs it in the virtualenv installed from `requirements.lock`; a baseline recorded under
@@ -36,6 +47,11 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.bench.variants import VARIANTS, Variant, merged
 
 #: how far above the baseline a kind's count may go before the guard fails
 TOLERANCE = 0.15
@@ -50,19 +66,30 @@ BASELINE = Path(__file__).resolve().parents[2] / "bench" / "instructions.json"
 START_TIMEOUT = 120.0
 REQUEST_TIMEOUT = 60.0
 
-CONFIG = """\
-pools:
-  - name: chat
-    backends:
-      - {{name: a, provider: openai, base_url: "http://127.0.0.1:{port}/v1", model: m}}
-      - {{name: b, provider: openai, base_url: "http://127.0.0.1:{port}/v1", model: m}}
-  - name: claude
-    backends:
-      - {{name: c, provider: anthropic, base_url: "http://127.0.0.1:{port}", model: m,
-         api_key: unused}}
-      - {{name: d, provider: anthropic, base_url: "http://127.0.0.1:{port}", model: m,
-         api_key: unused}}
-"""
+#: requests of each kind per round of the CPU-time measurement (`--cpu`)
+CPU_REQUESTS = 200
+
+
+def _backend(name: str, provider: str, base_url: str, **extra: str) -> dict[str, str]:
+    return {"name": name, "provider": provider, "base_url": base_url, "model": "m", **extra}
+
+
+def gateway_config(port: int, top: Mapping[str, Any] | None = None,
+                   pool: Mapping[str, Any] | None = None) -> str:
+    """The measured gateway's configuration: a chat pool and a Messages pool of two backends
+    each, all served by the simulator on `port`; `top` is merged into the document, `pool`
+    into every pool (a variant's overrides)."""
+    pools = [
+        {"name": "chat", "backends": [
+            _backend(b, "openai", f"http://127.0.0.1:{port}/v1") for b in ("a", "b")]},
+        {"name": "claude", "backends": [
+            _backend(b, "anthropic", f"http://127.0.0.1:{port}", api_key="unused")
+            for b in ("c", "d")]},
+    ]
+    document: dict[str, Any] = merged({}, top or {})
+    document["pools"] = [merged(p, pool or {}) for p in pools]
+    return yaml.safe_dump(document, sort_keys=False)
+
 
 #: kind -> (path, body): what a client of each API sends
 KINDS: dict[str, tuple[str, dict[str, object]]] = {
@@ -158,9 +185,23 @@ def _process(argv: list[str], log: Path, env: Mapping[str, str]) -> Iterator[
                 proc.wait(10)
 
 
-def _send(connection: http.client.HTTPConnection, kind: str) -> None:
-    path, body = KINDS[kind]
-    connection.request("POST", path, json.dumps(body),
+def bodies(prompt_bytes: int = 0) -> dict[str, tuple[str, bytes]]:
+    """Each kind's path and serialized body; `prompt_bytes` > 0 makes the user message that
+    long (a request then has a conversation key and a size class: "hi" is below any key's
+    threshold, so its affinity work ends at the threshold test)."""
+    text = "hi" if prompt_bytes <= 0 else ("lorem ipsum " * (prompt_bytes // 12 + 1))[
+        :prompt_bytes]
+    out = {}
+    for kind, (path, body) in KINDS.items():
+        messages = [{"role": "user", "content": text}]
+        out[kind] = (path, json.dumps({**body, "messages": messages}).encode())
+    return out
+
+
+def _send(connection: http.client.HTTPConnection, kind: str,
+          sent: Mapping[str, tuple[str, bytes]]) -> None:
+    path, body = sent[kind]
+    connection.request("POST", path, body,
                        {"content-type": "application/json",
                         "anthropic-version": "2023-06-01"})
     response = connection.getresponse()
@@ -181,51 +222,158 @@ def _dump_total(path: Path) -> int:
     raise RuntimeError(f"{path}: no instruction total")
 
 
-def measure(workdir: Path, *, counted: int = COUNTED,
-            extra_env: Mapping[str, str] | None = None) -> dict[str, int]:
-    """Instructions per request of each kind, counted by callgrind in a real `serve`.
-    `extra_env`: added to the gateway's environment (the guard's own test uses it)."""
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        raise RuntimeError("valgrind is not installed (Debian's package `valgrind`)")
+@contextlib.contextmanager
+def _gateway(workdir: Path, variant: Variant, prefix: list[str],
+             extra_env: Mapping[str, str] | None) -> Iterator[
+        tuple[subprocess.Popen[bytes], http.client.HTTPConnection]]:
+    """The simulator and `serve` (under `prefix`, e.g. valgrind) with `variant`'s
+    configuration, and a keep-alive connection to it once it listens."""
     sim_port, port = _free_port(), _free_port()
     config = workdir / "config.yaml"
-    config.write_text(CONFIG.format(port=sim_port))
+    config.write_text(gateway_config(sim_port, variant.top, variant.pool))
     # the same hash seed every run: dict and set orders, hence the work done, repeat
     env = {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     sim = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(sim_port),
            "--seed", "1", "--ttft-median-ms", "0", "--ttft-sigma", "0",
            "--straggler-probability", "0", "--tokens", "50", "--inter-token-ms", "0"]
-    out = workdir / "callgrind.out"
-    gateway = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-               f"--callgrind-out-file={out}", sys.executable, "-m", "gateway.cli", "serve",
-               "--config", str(config), "--port", str(port)]
+    gateway = [*prefix, sys.executable, "-m", "gateway.cli", "serve",
+               "--config", str(config), "--port", str(port), *variant.serve_args]
     with _process(sim, workdir / "sim.log", {"PYTHONHASHSEED": "0"}) as sim_proc:
         _wait_for_port(sim_port, sim_proc, workdir / "sim.log")
         log = workdir / "gateway.log"
         with _process(gateway, log, env) as proc:
-            _wait_for_line("Uvicorn running on", proc, log)
+            # not a request: a readiness probe would be counted (and --log-level warning
+            # hides uvicorn's line, so the port is polled then)
+            if variant.serve_args:
+                _wait_for_port(port, proc, log)
+            else:
+                _wait_for_line("Uvicorn running on", proc, log)
             connection = http.client.HTTPConnection("127.0.0.1", port,
                                                     timeout=REQUEST_TIMEOUT)
             try:
-                for kind in KINDS:
-                    for _ in range(WARMUP):
-                        _send(connection, kind)
-                counts: dict[str, int] = {}
-                dumps = 0
-                for _ in range(ROUNDS):
-                    for kind in KINDS:
-                        _control(proc.pid, "--zero")
-                        _control(proc.pid, "--instr=on")
-                        for _ in range(counted):
-                            _send(connection, kind)
-                        _control(proc.pid, "--instr=off")
-                        _control(proc.pid, "--dump")
-                        dumps += 1
-                        each = _dump_total(Path(f"{out}.{dumps}")) // counted
-                        counts[kind] = min(counts.get(kind, each), each)
+                yield proc, connection
             finally:
                 connection.close()
+
+
+def measure(workdir: Path, *, counted: int = COUNTED,
+            extra_env: Mapping[str, str] | None = None,
+            variant: Variant = VARIANTS["default"], prompt_bytes: int = 0) -> dict[str, int]:
+    """Instructions per request of each kind, counted by callgrind in a real `serve`.
+    `extra_env`: added to the gateway's environment (the guard's own test uses it);
+    `variant`: the configuration; `prompt_bytes`: the user message's length (`bodies`).
+    Callgrind's output files stay in `workdir` (`callgrind.out.N`, one per kind and round)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise RuntimeError("valgrind is not installed (Debian's package `valgrind`)")
+    sent = bodies(prompt_bytes)
+    out = workdir / "callgrind.out"
+    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                f"--callgrind-out-file={out}"]
+    with _gateway(workdir, variant, valgrind, extra_env) as (proc, connection):
+        for kind in KINDS:
+            for _ in range(WARMUP):
+                _send(connection, kind, sent)
+        counts: dict[str, int] = {}
+        dumps = 0
+        for _ in range(ROUNDS):
+            for kind in KINDS:
+                _control(proc.pid, "--zero")
+                _control(proc.pid, "--instr=on")
+                for _ in range(counted):
+                    _send(connection, kind, sent)
+                _control(proc.pid, "--instr=off")
+                _control(proc.pid, "--dump")
+                dumps += 1
+                each = _dump_total(Path(f"{out}.{dumps}")) // counted
+                counts[kind] = min(counts.get(kind, each), each)
     return counts
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The process's own CPU time so far, every thread's, in nanoseconds' resolution (Linux's
+    /proc/PID/task/*/schedstat: the clock-tick counters of /proc/PID/stat are 10 ms steps)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread may have ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def measure_cpu(workdir: Path, *, counted: int = CPU_REQUESTS,
+                variant: Variant = VARIANTS["default"], prompt_bytes: int = 0
+                ) -> dict[str, float]:
+    """CPU microseconds per request of each kind: the gateway's own CPU time (no valgrind)
+    over `counted` requests, the lowest of `ROUNDS` rounds. Seconds of a process's own
+    counters: other load slows a run but is not billed to it (a thread that ended within a
+    round is not counted)."""
+    sent = bodies(prompt_bytes)
+    with _gateway(workdir, variant, [], None) as (proc, connection):
+        for kind in KINDS:
+            for _ in range(WARMUP * 3):
+                _send(connection, kind, sent)
+        result: dict[str, float] = {}
+        for _ in range(ROUNDS):
+            for kind in KINDS:
+                before = _cpu_seconds(proc.pid)
+                for _ in range(counted):
+                    _send(connection, kind, sent)
+                each = (_cpu_seconds(proc.pid) - before) * 1e6 / counted
+                result[kind] = min(result.get(kind, each), each)
+    return {kind: round(value, 1) for kind, value in result.items()}
+
+
+def profile_lines(variants: Mapping[str, Mapping[str, int]],
+                  cpu: Mapping[str, Mapping[str, float]] | None = None) -> list[str]:
+    """Each variant's count per kind and its difference from `default` (what the switched
+    feature costs a request: a feature turned off shows what it saved as a negative delta);
+    with `cpu`, its microseconds per request too."""
+    base = variants.get("default", {})
+    lines = [f"{'variant':16} " + "  ".join(f"{kind:>28}" for kind in KINDS)]
+    for name, counts in variants.items():
+        cells = []
+        for kind in KINDS:
+            count = counts.get(kind)
+            if count is None:
+                cells.append(f"{'-':>28}")
+                continue
+            delta = "" if name == "default" or kind not in base else \
+                f" {count - base[kind]:+,}"
+            micro = "" if cpu is None or kind not in cpu.get(name, {}) else \
+                f" {cpu[name][kind]:.0f}us"
+            cells.append(f"{f'{count:,}{delta}{micro}':>28}")
+        lines.append(f"{name:16} " + "  ".join(cells))
+    return lines
+
+
+def _profile(names: list[str], *, prompt_bytes: int, cpu: bool, keep: Path | None) -> int:
+    wanted = list(VARIANTS) if "all" in names else ["default", *dict.fromkeys(
+        n for n in names if n != "default")]
+    unknown = [n for n in wanted if n not in VARIANTS]
+    if unknown:
+        print(f"instructions: unknown variant {', '.join(unknown)} (known: "
+              f"{', '.join(VARIANTS)}, all)", file=sys.stderr)
+        return 2
+    counts: dict[str, dict[str, int]] = {}
+    micros: dict[str, dict[str, float]] | None = {} if cpu else None
+    for name in wanted:
+        variant = VARIANTS[name]
+        with tempfile.TemporaryDirectory(prefix="hedge-gateway-instructions-") as tmp:
+            try:
+                counts[name] = measure(Path(tmp), variant=variant, prompt_bytes=prompt_bytes)
+                if micros is not None:
+                    micros[name] = measure_cpu(Path(tmp), variant=variant,
+                                               prompt_bytes=prompt_bytes)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                print(f"instructions: {name}: could not measure: {exc}", file=sys.stderr)
+                return 2
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                for dump in Path(tmp).glob("callgrind.out.*"):
+                    shutil.copy(dump, keep / f"{name}.{dump.name}")
+        print(f"{name}: {variant.feature}", file=sys.stderr, flush=True)
+    for line in profile_lines(counts, micros):
+        print(line)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,7 +382,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update", action="store_true",
                         help="write the measured counts as the new baseline")
     parser.add_argument("--baseline", type=Path, default=BASELINE)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME",
+                        help="measure with one feature switched (repeatable; `all`: every "
+                        f"one): {', '.join(VARIANTS)}; printed next to the default, not "
+                        "judged")
+    parser.add_argument("--prompt-bytes", type=int, default=0, metavar="N",
+                        help="with --variant: the user message's length (default: 'hi')")
+    parser.add_argument("--cpu", action="store_true",
+                        help="with --variant: also CPU microseconds per request (no valgrind)")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="with --variant: keep callgrind's output files in DIR")
     ns = parser.parse_args(argv)
+    if ns.variant:
+        return _profile(ns.variant, prompt_bytes=ns.prompt_bytes, cpu=ns.cpu, keep=ns.keep)
     with tempfile.TemporaryDirectory(prefix="hedge-gateway-instructions-") as tmp:
         try:
             counts = measure(Path(tmp))

@@ -155,7 +155,7 @@ def _cell(value: object, digits: int = 1) -> str:
 
 def format_workload(result: Mapping[str, Any]) -> str:
     """The printed table of one workload, with its comparison and targets."""
-    head = (f"{'mode':<12} {'ok':>5} {'err':>4} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} "
+    head = (f"{'mode':<15} {'ok':>5} {'err':>4} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} "
             f"{'p99.9':>7} | {'total p50':>9} {'p99':>7} | {'extra%':>6} {'win%':>5} "
             f"{'req/s':>7} | {'gw cpu s':>8} {'gw rss MB':>9}")
     lines = [f"== {result['name']}: {result['description']}",
@@ -166,7 +166,7 @@ def format_workload(result: Mapping[str, Any]) -> str:
         proc = row.get("gateway_process") or {}
         win = hedges.get("win_rate") if hedges else None
         lines.append(
-            f"{row['mode']:<12} {row['ok']:>5} {row['errors']:>4} | {_cell(ttft['p50']):>8} "
+            f"{row['mode']:<15} {row['ok']:>5} {row['errors']:>4} | {_cell(ttft['p50']):>8} "
             f"{_cell(ttft['p90']):>7} {_cell(ttft['p99']):>7} {_cell(ttft['p99.9']):>7} | "
             f"{_cell(total['p50']):>9} {_cell(total['p99']):>7} | "
             f"{_cell(row['upstream']['extra_pct']):>6} "

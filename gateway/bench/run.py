@@ -12,7 +12,13 @@ modes, one after the other:
 - `hedging-off`: through the gateway with `hedging: {enabled: false}`;
 - `hedging-on`: through the gateway with the default adaptive hedging;
 - `oracle`: best-of-two, each request sent to both backends at once, first token wins;
-- with `--servers`, one more per other front server (`granian`, ...): `hedging-on` under it.
+- with `--servers`, one more per other front server (`granian`, ...): `hedging-on` under it;
+- with `--features`, one more per feature of the request path switched off (`no-affinity`,
+  ..., then `all-off`: `gateway.bench.variants`), hedging on otherwise: each feature's cost
+  is its row's difference from `hedging-on`;
+- with `--nginx`, one more right after `direct`: Debian's nginx as a plain reverse proxy to
+  the same simulators (`gateway.bench.servers.nginx_config`), the floor; each gateway mode's
+  CPU per request and added TTFT at c=1 are then printed as multiples of nginx's.
 
 Seeding: the TTFT of request *i* on backend *b* is a pure function of (seed, b, i) (see
 `gateway.bench.upstream`), so every mode and every run with the same seed sees exactly the same
@@ -43,7 +49,7 @@ from typing import Any, TextIO
 import httpx
 import uvloop
 
-from gateway.bench import report, rows, servers, speed
+from gateway.bench import report, rows, servers, speed, variants
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
 from gateway.bench.oracle import best_single_hedge, share_targets
 from gateway.bench.procs import (
@@ -88,15 +94,24 @@ class BenchPlan:
     #: how many times each workload runs, seed after seed: one run's p99 is one draw, and
     #: the spread over several says whether a cut holds every time or only on a good seed
     repeat: int = 1
+    #: a mode per feature of the request path switched off (`variants.feature_modes`)
+    features: bool = False
+    #: the nginx executable: a mode `nginx` after `direct` (None: none)
+    nginx: str | None = None
 
 
 def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
     """The modes of `workload` in the order they run: the plan's that the workload has (with
-    `quick`, its `quick_modes` when it names them), then `baseline` (with `baseline_src`),
-    then one per other front server (`servers`)."""
+    `quick`, its `quick_modes` when it names them; `nginx` right after `direct`, with
+    `plan.nginx`), then one per feature switched off (`features`), then `baseline` (with
+    `baseline_src`), then one per other front server (`servers`)."""
     own = workload.quick_modes if quick and workload.quick_modes is not None else workload.modes
     modes = [m for m in plan.modes if own is None or m in own]
-    return [*modes, *(["baseline"] if plan.baseline_src else []),
+    if plan.nginx:  # the floor, next to the other mode without a gateway
+        at = modes.index("direct") + 1 if "direct" in modes else 0
+        modes.insert(at, servers.NGINX)
+    return [*modes, *(variants.feature_modes() if plan.features else ()),
+            *(["baseline"] if plan.baseline_src else []),
             *servers.extra_modes(plan.servers)]
 
 
@@ -121,12 +136,22 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
     workload's gateways start together, and on one core their imports queued for a second
     more per workload."""
     port = free_port()
+    if mode == servers.NGINX and ctx.plan.nginx:
+        prefix = os.path.join(ctx.children.logdir, "nginx")
+        os.makedirs(prefix, exist_ok=True)
+        conf = os.path.join(prefix, "nginx.conf")
+        with open(conf, "w", encoding="utf-8") as file:
+            file.write(servers.nginx_config(port, ctx.sim_ports[:workload.backends], prefix))
+        proc = ctx.children.start("nginx", servers.nginx_command(ctx.plan.nginx, conf, prefix),
+                                  cpus=(*ctx.pinning.gateway, *ctx.pinning.others))
+        return f"http://127.0.0.1:{port}", proc
     path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
     with open(path, "w", encoding="utf-8") as file:
         file.write(gateway_config(port, ctx.sim_ports[:workload.backends],
                                   hedging=mode != "hedging-off",
                                   delay_window=workload.delay_window,
-                                  max_concurrent_requests=workload.max_concurrent_requests))
+                                  max_concurrent_requests=workload.max_concurrent_requests,
+                                  variant=variants.VARIANTS.get(mode)))
     server = mode if mode in ctx.plan.servers else servers.OWN
     argv, env = servers.server_command(server, path, port, workers=ctx.plan.workers)
     cwd = None
@@ -171,6 +196,10 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     elif mode == "oracle":
         urls = [f"{s}/v1/chat/completions" for s in sims]
         send = lambda c, i: best_of(c, urls, i, body=warm_or(direct_body, i))  # noqa: E731
+    elif mode == servers.NGINX and gateway is not None:  # a proxy: the body as sent direct
+        nginx_url = f"{gateway[0]}/v1/chat/completions"
+        send = lambda c, i: stream_one(c, nginx_url, i,  # noqa: E731
+                                       body=warm_or(direct_body, i))
     elif gateway is not None:
         gw_url, gw_body = f"{gateway[0]}/v1/chat/completions", {**CHAT_BODY, "model": POOL}
         send = lambda c, i: stream_one(c, gw_url, i, body=warm_or(gw_body, i))  # noqa: E731
@@ -191,9 +220,12 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     # request and its requests), then one warm-up request per worker of the main pass
     warmed = (1 + c1_requests if c1_requests else 0) + max(1, min(concurrency, requests))
 
+    # nginx has a process to meter but no /hedge/stats to read
+    stats_of = gateway[0] if gateway is not None and mode != servers.NGINX else None
+
     async def after_warmup() -> None:
-        if gateway is not None:  # the warm-up's last requests counted (with workers, published)
-            baseline.append(await counted_stats(client, gateway[0], warmed, ctx.plan.workers,
+        if stats_of is not None:  # the warm-up's last requests counted (workers: published)
+            baseline.append(await counted_stats(client, stats_of, warmed, ctx.plan.workers,
                                                  wait=2.0))
         meters.append(ProcessMeter(pids, trees=("gateway",)))
         samplers.append(asyncio.create_task(meters[0].sample_until(done)))
@@ -217,8 +249,8 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
             await task
     processes = meters[0].result()
     hedge_stats = None
-    if gateway is not None:  # counted: answered, and the losers closed
-        hedge_stats = await counted_stats(client, gateway[0],
+    if stats_of is not None:  # counted: answered, and the losers closed
+        hedge_stats = await counted_stats(client, stats_of,
                                            counted_requests(baseline[0]) + len(samples),
                                            ctx.plan.workers)
     logs = await sim_logs(client, sims, mode, len(samples))
@@ -234,7 +266,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     row["warmup"] = {"requests": len(warmup), "errors": sum(not s.ok for s in warmup)}
     row["sim_stats"] = [entry["stats"] for entry in logs]
     row["hedge_stats"] = hedge_stats
-    if gateway is not None:  # the gateway's own count of the measured requests, all workers
+    if stats_of is not None:  # the gateway's own count of the measured requests, all workers
         row["gateway_counted"] = {
             "requests": counted_requests(hedge_stats) - counted_requests(baseline[0]),
             "workers": len(hedge_stats.get("workers", [])) if isinstance(hedge_stats, dict)
@@ -252,8 +284,9 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
         for mode in modes:
             if mode not in ("direct", "oracle"):
                 gateways[mode] = await _start_gateway(ctx, mode, workload)
-        await asyncio.gather(*(wait_ready(ctx.client, f"{url}/healthz", proc, ctx.children)
-                               for url, proc in gateways.values()))
+        await asyncio.gather(*(wait_ready(
+            ctx.client, f"{url}/v1/models" if mode == servers.NGINX else f"{url}/healthz",
+            proc, ctx.children) for mode, (url, proc) in gateways.items()))
         if ctx.pinning.gateway:  # before anything is measured
             for _, proc in gateways.values():
                 pin_tree(proc.pid, ctx.pinning.gateway)
@@ -365,4 +398,5 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
             "pinning": pinning.as_json(), "open_files": {"before": files[0], "after": files[1]},
             "seed": plan.seed, "quick": quick, "modes": list(plan.modes),
             "baseline_src": plan.baseline_src, "servers": list(plan.servers),
+            "features": plan.features, "nginx": plan.nginx,
             "workloads": workloads}

@@ -15,6 +15,7 @@ Pure planning: names, command lines, environments; `gateway.bench.run` starts th
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from argparse import ArgumentTypeError
 from collections.abc import Callable, Sequence
@@ -76,3 +77,56 @@ def server_command(server: str, config: str, port: int, *, workers: int = 1
         return [sys.executable, "-m", "hypercorn", "--worker-class", "uvloop", "--workers", "1",
                 "--bind", f"{host}:{port}", "--log-level", "warning", f"{FACTORY}()"], env
     raise ValueError(f"unknown server {server!r}")
+
+
+#: the mode `bench --nginx` adds: Debian's nginx as a plain reverse proxy to the same
+#: simulators, the floor a proxy in Python is compared with
+NGINX = "nginx"
+
+
+def nginx_binary(which: Callable[[str], str | None] | None = None) -> str | None:
+    """The nginx executable (on PATH, or Debian's /usr/sbin/nginx), None when not installed
+    (`which`: injected in tests)."""
+    find = which or shutil.which
+    return find("nginx") or find("/usr/sbin/nginx")
+
+
+def nginx_config(port: int, upstream_ports: Sequence[int], prefix: str) -> str:
+    """nginx.conf for a plain reverse proxy on 127.0.0.1:`port` spreading requests round-robin
+    over the simulators (as the gateway's balancer spreads them over the same two), with
+    kept-alive upstream connections (as the gateway pools them), no buffering of the
+    streamed answer, no access log (the gateway's is off too: `--log-level warning`), one
+    worker (the gateway is one process), every file under `prefix`."""
+    servers_block = "".join(f"        server 127.0.0.1:{p};\n" for p in upstream_ports)
+    return f"""daemon off;
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    upstream sims {{
+{servers_block}        keepalive 256;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://sims;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 120s;
+        }}
+    }}
+}}
+"""
+
+
+def nginx_command(binary: str, config: str, prefix: str) -> list[str]:
+    """The command line that runs nginx in the foreground on `config`, its files in `prefix`."""
+    return [binary, "-p", prefix, "-c", config, "-e", f"{prefix}/error.log"]

@@ -107,6 +107,25 @@ def compare_costs(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         cost = row.get("cost") or {}
         out[f"{mode}_cpu_ms_per_request"] = cost.get("cpu_ms_per_request")
         out[f"{mode}_peak_rss_mb"] = cost.get("peak_rss_mb")
+    return out | over_floor(out, rows)
+
+
+#: the mode every other is divided by when the run has it (`bench --nginx`)
+FLOOR = "nginx"
+
+
+def over_floor(costs: Mapping[str, Any], rows: Mapping[str, Any]) -> dict[str, Any]:
+    """Each mode's CPU per request and added TTFT at c=1 as multiples of the floor's (nginx),
+    when the run has the floor and both figures are positive."""
+    out: dict[str, Any] = {}
+    for figure in ("cpu_ms_per_request", "added_ttft_c1_p50_ms"):
+        floor = costs.get(f"{FLOOR}_{figure}")
+        if not isinstance(floor, int | float) or floor <= 0:
+            continue
+        for mode in rows:
+            value = costs.get(f"{mode}_{figure}")
+            if mode != FLOOR and isinstance(value, int | float):
+                out[f"{mode}_{figure}_over_{FLOOR}"] = round(value / floor, 2)
     return out
 
 
@@ -137,6 +156,11 @@ def targets(workload: str, rows: Mapping[str, Mapping[str, Any]],
             judge.difference(ttft_estimate(row.get("c1"), 0.5, pair),
                              ttft_estimate(direct.get("c1"), 0.5, pair)), 1.0, at_most=True))
         add("gateway peak RSS <= 100 MB at c=50", comparison.get(f"{mode}_peak_rss_mb"), 100.0)
+        if f"{FLOOR}_cpu_ms_per_request" in comparison:  # a run with the floor beside it
+            add(f"gateway CPU per request at c=50 <= 5 x {FLOOR}'s",
+                comparison.get(f"{mode}_cpu_ms_per_request_over_{FLOOR}"), 5.0)
+            add(f"added median TTFT at c=1 <= 2 x {FLOOR}'s",
+                comparison.get(f"{mode}_added_ttft_c1_p50_ms_over_{FLOOR}"), 2.0)
     elif workload == "streams":
         delivered = row.get("events_delivered")
         expected = direct.get("events_delivered")
@@ -180,4 +204,15 @@ def format_lines(result: Mapping[str, Any]) -> list[str]:
         if key.endswith("_added_ttft_c1_p50_ms"):
             mode = key.removesuffix("_added_ttft_c1_p50_ms")
             lines.append(f"   gateway ({mode}) vs direct at c=1: median TTFT {value:+.3f} ms")
+    for row in result["modes"]:
+        mode = row["mode"]
+        cpu = c.get(f"{mode}_cpu_ms_per_request_over_{FLOOR}")
+        ttft = c.get(f"{mode}_added_ttft_c1_p50_ms_over_{FLOOR}")
+        if cpu is not None or ttft is not None:
+            lines.append(f"   {mode} / {FLOOR}: CPU per request x{_times(cpu)}, added TTFT "
+                         f"at c=1 x{_times(ttft)}")
     return lines
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"

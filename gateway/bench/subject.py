@@ -15,12 +15,17 @@ from typing import Any
 import httpx
 import yaml
 
+from gateway.bench.variants import Variant, merged
+
 POOL = "bench"
 
 
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
                    delay_window: float | None = None,
-                   max_concurrent_requests: int | None = None) -> str:
+                   max_concurrent_requests: int | None = None,
+                   variant: Variant | None = None) -> str:
+    """The generated configuration of a gateway mode; `variant` (`bench --features`) merged
+    in last: its overrides of the document and of the pool."""
     backends = [
         {"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
          "base_url": f"http://127.0.0.1:{p}/v1", "group": f"zone-{chr(97 + k)}"}
@@ -32,7 +37,11 @@ def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
     pool: dict[str, Any] = {"name": POOL, "backends": backends}
     if delay_window is not None:
         pool["hedging"] = {"delay": {"window": delay_window}}
-    config = {"server": server, "hedging": {"enabled": hedging}, "pools": [pool]}
+    config: dict[str, Any] = {"server": server, "hedging": {"enabled": hedging},
+                              "pools": [pool]}
+    if variant is not None:
+        config = merged(config, variant.top)
+        config["pools"] = [merged(pool, variant.pool)]
     return yaml.safe_dump(config, sort_keys=False)
 
 

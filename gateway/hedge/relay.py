@@ -62,9 +62,15 @@ def _error_kind(event: SSEEvent) -> int:
     return 0
 
 
+# Byte tests on the per-event path are `int in bytes` (a memchr) or `bytes.find`, never
+# `b"..." in bytes`: CPython 3.11's `in` first tries the needle as an integer, and for bytes
+# raises and clears a formatted TypeError every time (about 2,500 instructions: 13 % of a
+# streamed request's, measured with `python -m gateway.bench.instructions`).
+
+
 def _encode(event: SSEEvent) -> bytes:
     data = event.data
-    if event.event is None and b"\n" not in data and b"\r" not in data:
+    if event.event is None and 10 not in data and 13 not in data:
         return b"data: " + data + b"\n\n"
     return encode_event(data, event.event)
 
@@ -91,8 +97,8 @@ def _encode_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> by
     are; everything else (a plain read that holds the end of the stream or the usage the
     gateway may have to strip) takes the event path."""
     raw = batch.raw
-    if raw is not None and b"[DONE]" not in raw and b'"error"' not in raw and (
-        b'"usage"' not in raw or raw.count(b'"usage"') == raw.count(b'"usage":null')
+    if raw is not None and raw.find(b"[DONE]") < 0 and raw.find(b'"error"') < 0 and (
+        raw.find(b'"usage"') < 0 or raw.count(b'"usage"') == raw.count(b'"usage":null')
     ):
         return raw
     return _encode_events(batch.events, request_id, outcome)
@@ -108,13 +114,14 @@ def _encode_events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome
             break
         # OpenAI repeats `"usage":null` in every chunk once usage is asked for: two byte
         # tests, no call, for those
-        if b'"usage"' in data and b'"usage":null' not in data \
+        if data.find(b'"usage"') >= 0 and data.find(b'"usage":null') < 0 \
                 and (found := read_usage(data)) is not None:
             usage, usage_only = found
             outcome.usage = usage.merge(outcome.usage)
             if usage_only and outcome.strip_usage:
                 continue
-        if (event.event is not None or b'"error"' in data) and (kind := _error_kind(event)):
+        if (event.event is not None or data.find(b'"error"') >= 0) and (
+                kind := _error_kind(event)):
             # relayed as is when the SDKs can read it; otherwise our own error event, so
             # the client raises an API error instead of failing to parse the upstream's
             outcome.end = StreamEnd.UPSTREAM_ERROR
@@ -124,7 +131,7 @@ def _encode_events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome
                 else error_event("upstream reported an error", "upstream_error", request_id)
             )
             break
-        if b"\n" in data or b"\r" in data:
+        if 10 in data or 13 in data:
             parts.append(encode_event(data, None))
         else:
             parts.append(b"data: " + data + b"\n\n")

@@ -47,7 +47,7 @@ def chat_answered(events: list[SSEEvent]) -> bool:
     gave a choice its `finish_reason` (an empty answer, `stop` or `length`). A bare `[DONE]`
     is not one. Read once, at the end of a token-less stream."""
     for event in events:
-        if b'"finish_reason"' not in event.data:
+        if event.data.find(b'"finish_reason"') < 0:
             continue
         try:
             obj = json.loads(event.data)

@@ -57,7 +57,7 @@ def event_name(event: SSEEvent, needles: tuple[bytes, ...] = _WATCHED_NEEDLES) -
     if match is not None:
         return match.group(1)
     for needle in needles:
-        if needle in data:
+        if data.find(needle) >= 0:  # not `needle in data`: see `gateway.wire.sse.encode_event`
             return _top_level_type(data)
     return None
 
@@ -89,7 +89,7 @@ def named_encoder(protocol: WireProtocol, rewrite: Rewrite | None = None) -> Enc
             kind = name if name is not None else event_name(event, needles)
             if change is not None and kind in rewritten:
                 data = change(data)
-            if name is not None and b"\n" not in data:
+            if name is not None and 10 not in data:
                 parts.append(b"event: " + name + b"\ndata: " + data + b"\n\n")
             else:
                 parts.append(encode_event(data, name))

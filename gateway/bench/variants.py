@@ -1,0 +1,80 @@
+"""The features of the request path, each switched from its default through the public
+configuration: what `python -m gateway.bench.instructions --variant` counts and `hedge-gateway
+bench --features` times, so a feature's cost per request is measured the same way in both.
+Data and one pure merge; nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `over` merged in, mappings key by key (neither is changed)."""
+    out = dict(base)
+    for key, value in over.items():
+        old = out.get(key)
+        out[key] = (merged(old, value) if isinstance(old, Mapping) and isinstance(value, Mapping)
+                    else merged({}, value) if isinstance(value, Mapping) else value)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One feature switched from its default, through the public configuration (`top`:
+    merged into the document; `pool`: into every pool) or a `serve` flag."""
+
+    name: str
+    #: the feature, as the docs' table names it
+    feature: str
+    #: whether the default has the feature on (this variant then turns it off)
+    default_on: bool = True
+    top: Mapping[str, Any] = field(default_factory=dict)
+    pool: Mapping[str, Any] = field(default_factory=dict)
+    serve_args: tuple[str, ...] = ()
+
+
+_OFF: tuple[Variant, ...] = (
+    Variant("no-affinity", "conversation keys (affinity)",
+            top={"affinity": {"enabled": False}}),
+    Variant("no-size-classes", "size classes (delay per size class)",
+            pool={"hedging": {"delay": {"by_size": False}}}),
+    Variant("no-prefill-fit", "prefill fit (skip_cold)", pool={"hedging": {"skip_cold": False}}),
+    Variant("no-input-budget", "input-token budget",
+            pool={"hedging": {"budget": {"input_tokens": False}}}),
+    Variant("no-headroom", "quota headroom (min_headroom 0)",
+            pool={"health": {"min_headroom": 0}}),
+    Variant("no-request-log", "request log (serve --log-level warning)",
+            serve_args=("--log-level", "warning")),
+    Variant("no-hedging", "delay-triggered hedges (hedging.enabled)",
+            top={"hedging": {"enabled": False}}),
+)
+
+
+def _all_off() -> Variant:
+    top: dict[str, Any] = {}
+    pool: dict[str, Any] = {}
+    for v in _OFF:
+        top, pool = merged(top, v.top), merged(pool, v.pool)
+    return Variant("all-off", "every feature above off at once", top=top, pool=pool,
+                   serve_args=tuple(a for v in _OFF for a in v.serve_args))
+
+
+#: name -> variant; `default` is the configuration the guard measures
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("default", "every feature at its default"),
+    *_OFF,
+    Variant("tracing-on", "request tracing (server.tracing.exporter: console)",
+            default_on=False, top={"server": {"tracing": {"exporter": "console"}}}),
+    _all_off(),
+)}
+
+
+def feature_modes() -> tuple[str, ...]:
+    """The variants `bench --features` adds as modes: each default-on feature switched off,
+    then all of them at once. Not `no-request-log` (the bench's gateways already run with
+    `--log-level warning`) nor `no-hedging` (the bench's own `hedging-off`)."""
+    return tuple(name for name, v in VARIANTS.items()
+                 if v.default_on and name not in ("default", "no-request-log", "no-hedging"))

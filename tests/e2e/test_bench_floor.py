@@ -1,0 +1,56 @@
+"""`hedge-gateway bench --workload overhead --features --nginx` end to end: a row per feature
+switched off and a row for nginx (when installed), side by side in one run, each gateway
+mode's cost printed over nginx's. Rows and their order, not their timing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.bench.servers import nginx_binary
+from gateway.cli import main
+
+FEATURES = ["no-affinity", "no-size-classes", "no-prefill-fit", "no-input-budget",
+            "no-headroom", "all-off"]
+GATEWAYS = ["hedging-off", "hedging-on", *FEATURES]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(nginx_binary() is None,
+                    reason="nginx is not installed (Debian: apt-get install nginx-light)")
+def test_overhead_prints_a_row_per_feature_off_and_nginx_with_the_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
+                 "--quick", "--features", "--nginx", "--out", str(out), "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    (workload,) = json.loads(out.read_text())["workloads"]
+    rows = {row["mode"]: row for row in workload["modes"]}
+    assert list(rows) == ["direct", "nginx", *GATEWAYS]
+    for mode, row in rows.items():
+        assert row["ok"] == row["requests"] == 12, (mode, row["error_kinds"])
+        assert row["c1"]["ok"] == row["c1"]["requests"] == 100
+        # every mode but direct has a process of its own, metered
+        assert (row["cost"]["cpu_ms_per_request"] is not None) == (mode != "direct")
+        # the same stream through every mode: what direct delivers, all of it
+        assert row["events_delivered"] == rows["direct"]["events_delivered"]
+    # nginx answered, not a gateway: the simulators saw one attempt per request, it has no
+    # /hedge/stats; the gateway modes have theirs
+    assert rows["nginx"]["upstream"]["extra"] == 0 and "gateway_counted" not in rows["nginx"]
+    assert all(rows[mode]["gateway_counted"]["requests"] == 12 for mode in GATEWAYS)
+    table = [line.split()[0] for line in printed.splitlines()
+             if line.split() and line.split()[0] in rows]
+    assert table[:len(rows)] == list(rows)  # the table's rows, in the run's order
+    over = [line.split()[0] for line in printed.splitlines() if " / nginx: CPU" in line]
+    assert over == GATEWAYS
+    comparison = workload["comparison"]
+    if comparison["nginx_cpu_ms_per_request"]:  # 12 requests may take nginx under a tick
+        assert all(comparison[f"{mode}_cpu_ms_per_request_over_nginx"] > 0 for mode in GATEWAYS)
+    assert {t["target"] for t in workload["targets"]} >= {
+        "gateway CPU per request at c=50 <= 5 x nginx's",
+        "added median TTFT at c=1 <= 2 x nginx's"}

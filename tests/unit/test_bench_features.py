@@ -1,0 +1,159 @@
+"""`bench --features` and `bench --nginx`: the modes they add and where, the configuration each
+feature mode's gateway gets, nginx's configuration, and each mode over the floor; and the
+instruction count's variants (`python -m gateway.bench.instructions --variant`), which switch
+the same features through the same public configuration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.bench import instructions, servers, speed, variants
+from gateway.bench.run import BenchPlan, plan_modes
+from gateway.bench.subject import gateway_config
+from gateway.bench.workloads import WORKLOADS
+from gateway.cli import build_parser, main
+from gateway.settings import parse_settings
+
+OVERHEAD = next(w for w in WORKLOADS if w.name == "overhead")
+STRAGGLERS = next(w for w in WORKLOADS if w.name == "stragglers")
+FEATURES = ["no-affinity", "no-size-classes", "no-prefill-fit", "no-input-budget",
+            "no-headroom", "all-off"]
+
+
+def test_features_add_a_mode_per_feature_after_hedging_on_and_all_off_last() -> None:
+    plan = BenchPlan(workloads=(OVERHEAD,), features=True)
+    assert plan_modes(plan, OVERHEAD) == ["direct", "hedging-off", "hedging-on", *FEATURES]
+    assert list(variants.feature_modes()) == FEATURES
+
+
+def test_nginx_comes_right_after_direct_and_before_every_gateway_mode() -> None:
+    plan = BenchPlan(workloads=(OVERHEAD,), nginx="/usr/sbin/nginx", features=True,
+                     servers=("uvicorn", "granian"), baseline_src="/elsewhere")
+    assert plan_modes(plan, OVERHEAD) == [
+        "direct", "nginx", "hedging-off", "hedging-on", *FEATURES, "baseline", "granian"]
+    # a workload without `direct` (a quick outage run) still gets its floor, first
+    outage = next(w for w in WORKLOADS if w.name == "outage")
+    assert plan_modes(BenchPlan(workloads=(outage,), nginx="nginx"), outage, quick=True) == [
+        "nginx", "hedging-off", "hedging-on"]
+    # neither flag: the modes as before
+    assert plan_modes(BenchPlan(workloads=(STRAGGLERS,)), STRAGGLERS) == [
+        "direct", "hedging-off", "hedging-on", "oracle"]
+
+
+def _loaded(text: str) -> Any:
+    return parse_settings(yaml.safe_load(text), {})
+
+
+def test_each_feature_mode_switches_its_feature_off_in_a_config_the_gateway_loads() -> None:
+    on = _loaded(gateway_config(8000, [9001, 9002], hedging=True))
+    (pool,) = on.pools
+    assert pool.affinity.enabled and pool.hedging.delay.by_size and pool.hedging.skip_cold
+    assert pool.hedging.budget.input_tokens and pool.health.min_headroom > 0
+
+    def pool_of(mode: str) -> Any:
+        config = _loaded(gateway_config(8000, [9001, 9002], hedging=True,
+                                        variant=variants.VARIANTS[mode]))
+        assert [b.base_url for b in config.pools[0].backends] == [
+            "http://127.0.0.1:9001/v1", "http://127.0.0.1:9002/v1"]
+        return config, config.pools[0]
+
+    assert not pool_of("no-affinity")[1].affinity.enabled
+    assert not pool_of("no-size-classes")[1].hedging.delay.by_size
+    assert not pool_of("no-prefill-fit")[1].hedging.skip_cold
+    assert not pool_of("no-input-budget")[1].hedging.budget.input_tokens
+    assert pool_of("no-headroom")[1].health.min_headroom == 0
+    config, pool = pool_of("all-off")
+    assert not pool.affinity.enabled and not config.hedging_enabled
+    assert not pool.hedging.delay.by_size and not pool.hedging.skip_cold
+    assert not pool.hedging.budget.input_tokens and pool.health.min_headroom == 0
+    # what the variant leaves alone stays the mode's own (the workload's delay window)
+    windowed = yaml.safe_load(gateway_config(8000, [9001], hedging=True, delay_window=20.0,
+                                             variant=variants.VARIANTS["no-size-classes"]))
+    assert windowed["pools"][0]["hedging"]["delay"] == {"window": 20.0, "by_size": False}
+
+
+def test_the_instruction_variants_configure_the_same_features() -> None:
+    base = _loaded(instructions.gateway_config(9000))
+    assert [p.name for p in base.pools] == ["chat", "claude"]
+    off = _loaded(instructions.gateway_config(9000, variants.VARIANTS["all-off"].top,
+                                              variants.VARIANTS["all-off"].pool))
+    assert not off.hedging_enabled and all(not p.affinity.enabled for p in off.pools)
+    assert all(not p.hedging.delay.by_size and p.health.min_headroom == 0 for p in off.pools)
+    traced = _loaded(instructions.gateway_config(9000, variants.VARIANTS["tracing-on"].top))
+    assert traced.server.tracing.exporter == "console"
+    assert variants.VARIANTS["no-request-log"].serve_args == ("--log-level", "warning")
+    assert set(variants.VARIANTS["all-off"].serve_args) == {"--log-level", "warning"}
+    assert not variants.VARIANTS["tracing-on"].default_on
+
+
+def test_instruction_bodies_are_the_guards_unless_a_prompt_length_is_given() -> None:
+    import json
+
+    plain = instructions.bodies()
+    assert set(plain) == set(instructions.KINDS)
+    for kind, (path, body) in plain.items():
+        assert (path, json.loads(body)) == instructions.KINDS[kind]
+    long = instructions.bodies(4000)
+    for _, body in long.values():
+        assert len(json.loads(body)["messages"][0]["content"]) == 4000
+
+
+def test_profile_lines_show_each_variants_difference_from_the_default() -> None:
+    counts = {"default": {"chat_stream": 1000, "messages_stream": 2000, "chat_whole": 500},
+              "no-affinity": {"chat_stream": 900, "messages_stream": 1950, "chat_whole": 480}}
+    lines = instructions.profile_lines(counts, {"default": {"chat_stream": 400.0},
+                                                "no-affinity": {"chat_stream": 380.0}})
+    assert lines[0].split() == ["variant", *instructions.KINDS]
+    assert lines[1].split()[0] == "default" and "+" not in lines[1]
+    assert lines[2].split()[:4] == ["no-affinity", "900", "-100", "380us"]
+
+
+def test_nginx_config_is_a_plain_unbuffered_proxy_on_loopback() -> None:
+    text = servers.nginx_config(8123, [9001, 9002], "/tmp/x")
+    assert "listen 127.0.0.1:8123" in text
+    assert "server 127.0.0.1:9001;" in text and "server 127.0.0.1:9002;" in text
+    assert "proxy_buffering off;" in text and "access_log off;" in text
+    assert "daemon off;" in text and "worker_processes 1;" in text
+    assert servers.nginx_command("/usr/sbin/nginx", "/tmp/x/nginx.conf", "/tmp/x")[:5] == [
+        "/usr/sbin/nginx", "-p", "/tmp/x", "-c", "/tmp/x/nginx.conf"]
+    assert servers.nginx_binary(lambda name: None) is None
+    assert servers.nginx_binary(
+        lambda name: name if name == "/usr/sbin/nginx" else None) == "/usr/sbin/nginx"
+
+
+def test_the_flags_parse_and_nginx_missing_is_refused_before_anything_starts(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    ns = build_parser().parse_args(["bench", "--workload", "overhead", "--features", "--nginx"])
+    assert ns.features and ns.nginx
+    assert not build_parser().parse_args(["bench"]).features
+    monkeypatch.setattr(servers, "nginx_binary", lambda which=None: None)
+    assert main(["bench", "--workload", "overhead", "--nginx", "--no-progress"]) == 2
+    assert "nginx is not installed" in capsys.readouterr().err
+
+
+def _row(mode: str, cpu_s: float, c1_p50: float | None) -> dict[str, Any]:
+    return {"mode": mode, "requests": 1000, "cost": {"cpu_ms_per_request": cpu_s,
+                                                     "peak_rss_mb": 50.0},
+            "c1": None if c1_p50 is None else {"ttft_p50_ms": c1_p50, "ttft_p99_ms": c1_p50,
+                                               "ok": 300, "requests": 300}}
+
+
+def test_every_mode_is_divided_by_the_floor_when_the_run_has_it() -> None:
+    rows = {"direct": _row("direct", 0.0, 1.0), "nginx": _row("nginx", 0.2, 1.5),
+            "hedging-on": _row("hedging-on", 1.0, 3.0),
+            "no-affinity": _row("no-affinity", 0.9, 2.5)}
+    costs = speed.compare_costs(rows)
+    assert costs["hedging-on_cpu_ms_per_request_over_nginx"] == 5.0
+    assert costs["hedging-on_added_ttft_c1_p50_ms_over_nginx"] == 4.0
+    assert costs["no-affinity_cpu_ms_per_request_over_nginx"] == 4.5
+    assert "nginx_cpu_ms_per_request_over_nginx" not in costs
+    lines = speed.format_lines({"modes": list(rows.values()), "comparison": costs})
+    over = [line.strip() for line in lines if "/ nginx" in line]
+    assert over == ["hedging-on / nginx: CPU per request x5.00, added TTFT at c=1 x4.00",
+                    "no-affinity / nginx: CPU per request x4.50, added TTFT at c=1 x3.00"]
+    # without the floor: no ratios, no floor targets
+    del rows["nginx"]
+    assert not [k for k in speed.compare_costs(rows) if k.endswith("_over_nginx")]
