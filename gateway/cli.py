@@ -270,20 +270,22 @@ def _bench(ns: argparse.Namespace) -> int:
         return run_soak_command(duration=ns.duration, quick=ns.quick,
                                 concurrency=ns.concurrency, seed=ns.seed, out=ns.out,
                                 progress=not ns.no_progress)
-    nginx = None
-    if ns.nginx:
-        from gateway.bench.servers import nginx_binary
+    from gateway.bench.servers import nginx_binary
 
-        nginx = nginx_binary()
-        if nginx is None:
-            print("hedge-gateway bench: --nginx: nginx is not installed (Debian: apt-get "
-                  "install nginx-light)", file=sys.stderr)
-            return 2
+    # `--workload overhead` is the cost workload: each feature's row and the floor beside
+    # the gateway unless switched off (`--no-features`, `--no-nginx`); nginx only if installed
+    overhead = ns.workload == "overhead"
+    features = overhead if ns.features is None else ns.features
+    nginx = nginx_binary() if ns.nginx or (ns.nginx is None and overhead) else None
+    if ns.nginx and nginx is None:
+        print("hedge-gateway bench: --nginx: nginx is not installed (Debian: apt-get "
+              "install nginx-light)", file=sys.stderr)
+        return 2
     plan = BenchPlan(workloads=selected(ns.workload, quick=ns.quick), seed=ns.seed,
                      progress=None if ns.no_progress else sys.stderr, tables=sys.stdout,
                      baseline_src=ns.baseline_src,
                      workers=ns.workers, servers=ns.servers, repeat=ns.repeat,
-                     features=ns.features, nginx=nginx)
+                     features=features, nginx=nginx)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
@@ -469,15 +471,17 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conversations: new-message tokens, e.g. 200,4000,30000 or "
                              "200:0.5,4000:0.35,30000:0.15 (default that, or 20,100,300 "
                              "with --upstream)")
-    parser.add_argument("--features", action="store_true",
+    parser.add_argument("--features", action=argparse.BooleanOptionalAction, default=None,
                         help="a mode per feature of the request path switched off "
                              "(no-affinity, no-size-classes, no-prefill-fit, no-input-budget, "
                              "no-headroom, then all-off), hedging on otherwise: each "
-                             "feature's cost is its row's difference from hedging-on")
-    parser.add_argument("--nginx", action="store_true",
-                        help="a mode `nginx` after direct: nginx (installed) as a plain "
-                             "reverse proxy to the same simulators, the floor; the gateway's "
-                             "CPU per request and added TTFT print as multiples of its")
+                             "feature's cost is its row's difference from hedging-on "
+                             "(default: on for --workload overhead only)")
+    parser.add_argument("--nginx", action=argparse.BooleanOptionalAction, default=None,
+                        help="a mode `nginx` after direct: nginx as a plain reverse proxy to "
+                             "the same simulators, the floor; the gateway's CPU per request "
+                             "and added TTFT print as multiples of its (default: for "
+                             "--workload overhead when nginx is installed; --nginx requires it)")
     parser.add_argument("--servers", type=parse_servers, default=("uvicorn",), metavar="LIST",
                         help="e.g. uvicorn,granian: each server but uvicorn (`serve`, which runs"
                              " the other modes) adds a mode of its name, hedging on")

@@ -1,4 +1,4 @@
-"""`hedge-gateway bench --workload overhead --features --nginx` end to end: a row per feature
+"""`hedge-gateway bench --workload overhead` end to end, with no flag: a row per feature
 switched off and a row for nginx (when installed), side by side in one run, each gateway
 mode's cost printed over nginx's. Rows and their order, not their timing."""
 
@@ -26,7 +26,7 @@ def test_overhead_prints_a_row_per_feature_off_and_nginx_with_the_ratios(
 ) -> None:
     out = tmp_path / "r.json"
     code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
-                 "--quick", "--features", "--nginx", "--out", str(out), "--no-progress"])
+                 "--quick", "--out", str(out), "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
     (workload,) = json.loads(out.read_text())["workloads"]

@@ -128,7 +128,8 @@ def test_the_flags_parse_and_nginx_missing_is_refused_before_anything_starts(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     ns = build_parser().parse_args(["bench", "--workload", "overhead", "--features", "--nginx"])
     assert ns.features and ns.nginx
-    assert not build_parser().parse_args(["bench"]).features
+    assert build_parser().parse_args(["bench"]).features is None  # the workload decides
+    assert build_parser().parse_args(["bench", "--no-features"]).features is False
     monkeypatch.setattr(servers, "nginx_binary", lambda which=None: None)
     assert main(["bench", "--workload", "overhead", "--nginx", "--no-progress"]) == 2
     assert "nginx is not installed" in capsys.readouterr().err
