@@ -45,7 +45,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
             await guard(request)
         rid = request_id_of(request)
         check_json_type(request)
-        raw = await read_body(request, limit)
+        raw = await read_body(request, limit, proxy.admission)
         body, size = parse_body(raw), len(raw)
         del raw  # the parsed body is what goes on: the bytes would be held to the end
         generation = live.current

@@ -25,6 +25,7 @@ from gateway.api.end import AnswerThen
 from gateway.api.inference import errors_of
 from gateway.api.keys import FAILED_KEYS_EXTENSION, FailedKeys, KeyRing, backoff
 from gateway.api.refusals import REQUEST_ID_KEY, note_refusal
+from gateway.api.request import Admission
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -107,22 +108,35 @@ def check_json_type(request: Request) -> None:
         raise UnsupportedMediaType("content type must be application/json")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it crosses `limit` (never buffered past it)."""
+async def read_body(request: Request, limit: int, admission: Admission | None = None) -> bytes:
+    """The body, refused with 413 as soon as it crosses `limit` (never buffered past it).
+    With `admission`, its bytes count against `server.max_inflight_body` while they arrive:
+    the declared length before anything is read, a chunked body piece by piece (503 past
+    the bound, before more is buffered)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() \
-            and int(declared) > limit:
+    length = int(declared) if declared is not None and declared.isascii() \
+        and declared.isdigit() else None
+    if length is not None and length > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     parts: list[bytes] = []
-    size = 0
+    size = reserved = 0
     try:
+        if admission is not None and length:
+            admission.reserve(length)
+            reserved = length
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            if admission is not None and size > reserved:
+                admission.reserve(size - reserved, reserved)
+                reserved = size
             parts.append(chunk)
     except ClientDisconnect:  # gone, or cut off by `server.body_timeout` (the 408 is out)
         raise RequestTimeout("the request body did not arrive") from None
+    finally:  # the proxy counts the body from here (`Admission.enter`), with no await between
+        if admission is not None:
+            admission.unreserve(reserved)
     return b"".join(parts)
 
 

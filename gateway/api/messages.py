@@ -43,7 +43,7 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
         if ring.digests:
             await guard(request)
         check_json_type(request)
-        raw = await read_body(request, limit)
+        raw = await read_body(request, limit, proxy.admission)
         body, size = parse_body(raw), len(raw)
         del raw  # the parsed body is what goes on: the bytes would be held to the end
         logged_model = note_model(request.scope, body, live.current.hidden)

@@ -72,13 +72,31 @@ class Admission:
         #: None: no bound on bytes
         self.max_bytes = max_bytes
         self.active_bytes = 0
+        #: bytes of bodies still arriving (`reserve`): held as much as an admitted body's
+        self.receiving_bytes = 0
+
+    def reserve(self, size: int, own: int = 0) -> None:
+        """`size` more bytes of a body still arriving, whose request reserved `own` so far:
+        Overloaded when they would pass `max_bytes` while other requests hold bytes (a lone
+        request is always let through, as `enter` lets the first in). Called before the
+        bytes are read (the declared length) or as each piece arrives, so uploads cannot
+        pile up unbounded behind the check; `unreserve` gives them back once read."""
+        if self.max_bytes is not None:
+            others = self.active_bytes + self.receiving_bytes - own
+            if others > 0 and others + own + size > self.max_bytes:
+                raise Overloaded("the gateway holds too many request bytes in flight",
+                                 retry_after=1.0)
+        self.receiving_bytes += size
+
+    def unreserve(self, size: int) -> None:
+        self.receiving_bytes -= size
 
     def enter(self, size: int = 0) -> None:
         # retryable (no `x-should-retry: false`): SDKs come back after the pause
         if self.active >= self.limit:
             raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
-        if self.max_bytes is not None and self.active and \
-                self.active_bytes + size > self.max_bytes:
+        if self.max_bytes is not None and (self.active or self.receiving_bytes) and \
+                self.active_bytes + self.receiving_bytes + size > self.max_bytes:
             raise Overloaded("the gateway holds too many request bytes in flight",
                              retry_after=1.0)
         self.active += 1

@@ -86,7 +86,7 @@ def build_responses_router(
     async def read_json(request: Request) -> tuple[dict[str, Any], int]:
         """The body, parsed, and its size in bytes (the estimate of its input tokens)."""
         check_json_type(request)
-        raw = await read_body(request, limit)
+        raw = await read_body(request, limit, proxy.admission)
         return parse_body(raw), len(raw)
 
     def pool_of(model: str) -> PoolRuntime:

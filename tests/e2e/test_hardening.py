@@ -363,6 +363,44 @@ def test_past_the_in_flight_body_bytes_a_request_gets_503_in_its_routes_shape(
     assert again.status_code == 200
 
 
+def test_bodies_still_arriving_count_against_the_in_flight_bytes_before_they_are_read(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """The bound held only once a body was read and parsed, so uploads left one piece short
+    of their end piled up unbounded behind it. Now a body still arriving holds its bytes
+    (the declared length before anything is read; a chunked one piece by piece): past the
+    bound another upload gets its 503 at once, before its body is read, and reaches no
+    upstream; once the first upload ends, it is answered and its bytes given back."""
+    upstream = scripted_upstream.one(responder=lambda _: json_script(chat_completion_obj("ok")))
+    limit = 1024 * 1024
+    settings = gateway_settings([upstream.base_url],
+                                server=ServerSettings(max_inflight_body_bytes=limit))
+    gateway = GatewayFactory(loop_thread)(settings)
+    admission = gateway.app.state.proxy.admission
+    body = json.dumps({"model": POOL, "messages": [{"role": "user",
+                                                    "content": "x" * (limit * 6 // 10)}]})
+    first = connect(gateway.port)
+    second = connect(gateway.port)
+    try:
+        head = request_head("/v1/chat/completions", {"content-type": "application/json",
+                                                    "content-length": str(len(body))})
+        first.sendall(head + body[:-10].encode())  # all but its end: still arriving
+        assert wait_for(lambda: admission.receiving_bytes == len(body))
+        second.sendall(head)  # no body byte yet: refused on its declared length alone
+        refused = read_response(second)
+        assert refused.status == 503, refused.body
+        assert refused.json()["error"]["code"] == "overloaded"
+        first.sendall(body[-10:].encode())
+        answered = read_response(first)
+        assert answered.status == 200, answered.body
+    finally:
+        first.close()
+        second.close()
+    assert wait_for(lambda: admission.active == 0)
+    assert admission.active_bytes == 0 and admission.receiving_bytes == 0
+    assert len(upstream.requests) == 1  # the refused upload reached nothing
+
+
 def test_a_committed_stream_holds_no_copy_of_its_request_body(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
