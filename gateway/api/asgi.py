@@ -95,7 +95,12 @@ class GatewayAPI(FastAPI):
             return self._on_error(request, exc)
         except (ValueError, TypeError) as bug:  # rendering failed: a bug of ours
             request.scope.get("state", {}).pop(REFUSAL_KEY, None)
-            return self._on_bug(request, bug)
+            self._report(bug)
+            internal = InternalError.of(bug)
+            # the request's end rides on the error it replaces: without it the admission
+            # slot, the pool's counts and the upstreams would never be given back
+            internal.after_response = exc.after_response
+            return self._on_error(request, internal)
 
     async def _framework_bug(self, request: Request, exc: Exception) -> Response:
         return self._on_bug(request, exc)

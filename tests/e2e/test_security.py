@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.settings import BackendSettings, PoolSettings, ServerSettings
-from tests.harness import LoopThread, ScriptedUpstream, UpstreamFactory
+from tests.harness import LoopThread, ScriptedUpstream, UpstreamFactory, error_script
 from tests.harness.builders import POOL, gateway_settings
 from tests.harness.limits_kit import (
     MESSAGES,
@@ -957,6 +957,28 @@ def test_a_refused_field_named_with_a_lone_surrogate_gets_a_shaped_400(
     assert error["param"] == param
     assert error_logs(caplog) == []
     untouched(upstream, attacker)
+
+
+def test_an_unrenderable_answer_after_a_race_still_gives_back_every_slot(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error raised after the race carries the request's end (slots, counts, upstreams);
+    the shaped internal error that replaces an answer which cannot render carries it too,
+    or the admission slot and the pool's counts were never given back."""
+    from gateway.errors import UpstreamClientError
+
+    # JSON refuses to render it (the shown code only: the stats keep their own `code`)
+    monkeypatch.setattr(UpstreamClientError, "shown_code", float("nan"))
+    upstream = scripted_upstream.one(responder=lambda _: error_script(400, "no such field"))
+    gateway = GatewayFactory(loop_thread)(gateway_settings([upstream.base_url]))
+    reply = httpx.post(gateway.v1 + "/chat/completions", json=GOOD, timeout=5.0)
+    assert_openai_error(reply, 500, "internal_error")
+    admission = gateway.app.state.proxy.admission
+    pool = gateway.app.state.live.current.pools[POOL]
+    assert wait_for(lambda: admission.active == 0 and pool.holding == 0), (
+        admission.active, pool.holding)
+    assert pool.inflight_requests == 0 and admission.active_bytes == 0
 
 
 def test_an_error_answer_that_cannot_be_rendered_becomes_a_shaped_internal_error(
