@@ -48,9 +48,11 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 _SPACE = re.compile(r"\s+")
 #: a word, without the quotes, backticks and brackets around it
 _WORD = re.compile(r"[^\s\"'`<>()\[\]{},;]+")
-#: a URL (any scheme), an IPv4 address (and port), a host and port
+#: a URL (any scheme), an IPv4 address (and port), a host (dotted or not) and port, a name
+#: in a private DNS zone (a cluster's service names, a cloud's internal hosts)
 _ADDRESS = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|^\d{1,3}(?:\.\d{1,3}){3}\b"
-                      r"|^[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+:\d{1,5}\b")
+                      r"|^[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*:\d{1,5}\b"
+                      r"|\.(?:internal|local|localdomain|lan|svc|cluster\.local)\.?$", re.I)
 #: a word that names a credential, then its value: `key=...` in one word, or `key:` before it
 _NAMED = re.compile(r"(?i)^((?:api[-_]?)?keys?|tokens?|secrets?|passwords?|signatures?|"
                     r"credentials?|authorization)([:=])(.*)$")
@@ -79,7 +81,8 @@ def scrub(text: str, secrets: Collection[str] = ()) -> str:
     def word(match: re.Match[str]) -> str:
         value = match.group()
         previous, before[0] = before[0], value.lower()
-        if (previous in _SCHEMES or value in secrets or looks_like_credential(value)
+        if (previous in _SCHEMES or value in secrets or value.partition(":")[0] in secrets
+                or looks_like_credential(value)
                 or _ADDRESS.search(value) or _names_credential(previous)):
             return REDACTED
         named = _NAMED.match(value)

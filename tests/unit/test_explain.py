@@ -50,6 +50,8 @@ def test_a_known_secret_goes_wherever_it_stands() -> None:
      f"Incorrect API key provided: {REDACTED}"),
     ("see https://internal.example/v1/x?key=1 now", f"see {REDACTED} now"),
     ("call 10.1.2.3:9000 or vllm-0.corp.example:8000", f"call {REDACTED} or {REDACTED}"),
+    ("could not reach vllm-a:8000 at gpu-node-7.internal or redis.cache.svc.cluster.local",
+     f"could not reach {REDACTED} at {REDACTED} or {REDACTED}"),
     ("Authorization: Bearer abc.def", f"Authorization: {REDACTED} {REDACTED}"),
     ("with token=hunter2x and secret: opensesame", f"with token={REDACTED} and secret: {REDACTED}"),
     ("id AKIAIOSFODNN7EXAMPLE", f"id {REDACTED}"),
@@ -58,6 +60,12 @@ def test_a_known_secret_goes_wherever_it_stands() -> None:
 ])
 def test_credential_and_address_shapes_are_scrubbed(text: str, shown: str) -> None:
     assert scrub(text) == shown
+
+
+def test_a_short_secret_goes_with_the_port_after_it() -> None:
+    """The backend's own host is a secret however short, and is named with its port."""
+    assert scrub("upstream vllm-a:8000 refused; vllm-a is busy", {"vllm-a"}) == \
+        f"upstream {REDACTED} refused; {REDACTED} is busy"
 
 
 @pytest.mark.parametrize("text", [
