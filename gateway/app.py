@@ -80,6 +80,9 @@ def build_pools(
     settings and pool timeouts are unchanged keeps its provider. `contexts`: the TLS
     contexts by CA bundle, built once for every backend and reload that names a bundle."""
     pools: dict[str, PoolRuntime] = {}
+    #: rebuilt cloud backends and the providers whose credentials they take over, once every
+    #: pool is built: a build that fails half-way must leave the running providers as they are
+    adoptions: list[tuple[CarriesCredentials, Provider]] = []
     now = clock()
     for pool in settings.pools:
         before = (previous or {}).get(pool.name)
@@ -94,7 +97,7 @@ def build_pools(
                 continue
             provider = build_provider(b, client, pool.timeouts, rng, contexts)
             if old is not None and isinstance(provider, CarriesCredentials):
-                provider.adopt_credentials(old)  # a rebuilt backend keeps its cloud credentials
+                adoptions.append((provider, old))  # a rebuilt backend keeps its credentials
             providers[b.name] = provider
         if before is None:
             pools[pool.name] = PoolRuntime.build(
@@ -108,6 +111,8 @@ def build_pools(
             pools[pool.name] = before.carried_over(
                 pool, providers, global_hedging=settings.hedging_enabled, now=now
             )
+    for heir, predecessor in adoptions:
+        heir.adopt_credentials(predecessor)
     return pools
 
 

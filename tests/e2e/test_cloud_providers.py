@@ -382,6 +382,45 @@ def test_a_reload_that_rebuilds_cloud_backends_keeps_their_credentials(
     assert len({call.credential for call in b_sim.calls}) == 1
 
 
+def test_a_reload_refused_half_way_leaves_the_running_providers_their_credentials(
+    loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """A rebuilt cloud backend takes its predecessor's credentials only once every pool of
+    the reload is built: when a later backend fails to build, the reload is refused and the
+    running providers keep their credentials (and close them at shutdown) as before."""
+    import random
+
+    from gateway import app as composition
+    from providers.http import UpstreamClient
+    from providers.registry import build_provider as built
+
+    issued = process_chain(monkeypatch, tmp_path, lifetime=3600.0)
+    b_url = asgi_server(BedrockSimulator(region=REGION, keys=issued).app).base_url
+    _, v_url, key_file = vertex_sim(asgi_server, account, tmp_path)
+
+    def configured(weight: float) -> Settings:
+        return settings_for(
+            pool([bedrock("bedrock", b_url, key=None, weight=weight)], name="b"),
+            pool([dataclasses.replace(vertex("vertex", v_url, key_file), weight=weight)],
+                 name="v"))
+
+    app = create_app(configured(1.0), seed=3)
+    running = app.state.live.current.pools
+
+    def failing(settings: BackendSettings, *args: object, **kwargs: object) -> object:
+        if settings.name == "vertex":  # built after the bedrock pool's rebuilt provider
+            raise ValueError("this backend cannot be built")
+        return built(settings, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(composition, "build_provider", failing)
+    with pytest.raises(ValueError, match="cannot be built"):
+        composition.build_pools(configured(2.0), UpstreamClient(max_connections=1),
+                                lambda: 0.0, random.Random(1), previous=running)
+    assert running["b"].providers["bedrock"]._owns_credentials
+    assert running["v"].providers["vertex"]._owns_credentials
+
+
 def test_vertex_streams_and_answers_with_a_service_account(
     loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
     tmp_path: Path,
