@@ -344,7 +344,10 @@ def test_network_policy_selects_the_gateways_pods_and_admits_only_its_port() -> 
     named = {p["name"]: p["containerPort"] for p in container()["ports"]}
     assert [named.get(p["port"], p["port"]) for p in rule["ports"]] == [image_port()]
     egress_ports = sorted({p["port"] for r in policy["egress"] for p in r["ports"]})
-    assert egress_ports == [53, 443, 8000]
+    assert egress_ports == [53, 80, 443, 8000]
+    (metadata,) = [r for r in policy["egress"] if any(p["port"] == 80 for p in r["ports"])]
+    assert {b["ipBlock"]["cidr"] for b in metadata["to"]} == {
+        "169.254.169.254/32", "169.254.170.23/32"}  # port 80 only to the metadata endpoints
 
 
 def test_configmap_config_passes_check_config_with_the_deployments_environment(
