@@ -4,8 +4,9 @@ Standard library only, so it runs with any `python3` and proves nothing through 
 gateway's own install might lack. Exit status 0 when every check held; otherwise 1 and what
 failed.
 
-    python3 .ci/smoke.py wait URL SECONDS [PID] until URL/healthz answers 200 (or time is up,
-                                               or process PID has ended)
+    python3 .ci/smoke.py wait URL SECONDS [PID [PATH]]  until URL/healthz (or URL+PATH)
+                                               answers 200 (or time is up, or process PID
+                                               has ended)
     python3 .ci/smoke.py chat URL MODEL        a streamed chat completion: text, then [DONE]
     python3 .ci/smoke.py messages URL MODEL    a streamed Messages answer: text, message_stop
     python3 .ci/smoke.py dashboard URL         the dashboard page and every file it loads
@@ -42,20 +43,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def wait(root: str, seconds: float, pid: int | None) -> None:
-    """Until `root` answers /healthz; fails at once when process `pid` has ended."""
+def wait(root: str, seconds: float, pid: int | None, path: str = "/healthz") -> None:
+    """Until `root` answers `path`; fails at once when process `pid` has ended."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if pid is not None and not _alive(pid):
             raise SystemExit(f"the process starting the gateway ({pid}) has ended")
         try:
-            with urllib.request.urlopen(f"{root}/healthz", timeout=2) as response:
+            with urllib.request.urlopen(f"{root}{path}", timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.2)  # polling for start-up
-    raise SystemExit(f"{root}/healthz did not answer within {seconds} s")
+    raise SystemExit(f"{root}{path} did not answer within {seconds} s")
 
 
 def chat(root: str, model: str) -> None:
@@ -105,7 +106,8 @@ def main(argv: list[str]) -> int:
     command, root = argv[0], argv[1].rstrip("/")
     try:
         if command == "wait":
-            wait(root, float(argv[2]), int(argv[3]) if len(argv) > 3 else None)
+            wait(root, float(argv[2]), int(argv[3]) if len(argv) > 3 else None,
+                 *argv[4:5])
         elif command == "chat":
             chat(root, argv[2])
         elif command == "messages":

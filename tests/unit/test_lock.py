@@ -93,10 +93,11 @@ def test_the_container_image_installs_from_the_lock_with_hashes() -> None:
     assert "COPY pyproject.toml README.md requirements.lock ./" in dockerfile
 
 
-@pytest.mark.parametrize("library", ["uvicorn"])
+@pytest.mark.parametrize("library", ["uvicorn", "aiohttp"])
 def test_a_library_whose_private_api_we_use_has_an_upper_bound(library: str) -> None:
-    """gateway/server/connection.py subclasses uvicorn's HttpToolsProtocol: a release may
-    change it without notice, so the range stops at the newest release tested."""
+    """gateway/server/connection.py subclasses uvicorn's HttpToolsProtocol, providers/http.py
+    overrides aiohttp's TCPConnector.connect: a release may change them without notice, so
+    the range stops at the newest release tested."""
     core = project()["dependencies"]
     assert isinstance(core, list)
     requirement = next(Requirement(r) for r in core if Requirement(r).name == library)
