@@ -12,10 +12,8 @@ does `handle` run it inline.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -40,29 +38,21 @@ from gateway.errors import (
     GatewayError,
     InternalError,
     Overloaded,
-    UpstreamRejectedRequest,
-    UpstreamStatusError,
 )
-from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.race import AttemptRunner, Race, RaceResult
+from gateway.hedge.race import Race, RaceResult
 from gateway.hedge.relay import relay
+from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.named import Rewrite, named_encoder
 from gateway.wire.usage import ask_for_usage, body_usage
-from providers.base import UpstreamCall
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
-    from gateway.stats.tracing import RequestTrace, Tracing
-
-
-#: statuses of the one backend holding a stored response that answer the client as they are
-#: (a 401 or 429 there says nothing about the client's request: those stay a 502)
-PINNED_ANSWERS = frozenset({400, 404, 409, 422})
+    from gateway.stats.tracing import Tracing
 
 
 class Proxy:
@@ -138,7 +128,7 @@ class Proxy:
             result = await self._race_or_disconnect(race, request.receive, end)
             # no attempt starts after the race: let go of the body and its serialized copy,
             # which the runner holds and a stream would otherwise keep to its end
-            race.runner = _race_over
+            race.runner = race_over
             summary.attach(race.attempts, race.suppressed, result)
             if result is None:  # the client went away before the first token
                 summary.error = summary.reason = "client_disconnected"
@@ -202,8 +192,8 @@ class Proxy:
         delays, cold = pool.sized(size, req.endpoint, req.stream)
         race = Race(
             pool,
-            self._runner(pool, req if upstream_body is req.body else
-                         dataclasses.replace(req, body=upstream_body), deadline, trace),
+            attempt_runner(pool, _upstream_request(req, upstream_body), deadline, self.clock,
+                           trace),
             RaceOptions(
                 deadline,
                 delays,
@@ -223,69 +213,6 @@ class Proxy:
                          stats=self.stats,
                          clock=self.clock, trace=trace)
         return race, end, strip_usage
-
-    def _runner(
-        self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
-    ) -> AttemptRunner:
-        protocol = req.protocol
-        body = req.body
-        models = pool.models
-        # serialized once for every attempt: `{"model":` + the backend's model + the rest;
-        # a request on a stored response (`path`) carries its body as the client sent it;
-        # not at all for providers that build their own request from the body (a copy of
-        # a body of up to `server.max_body` held for nothing)
-        # (kept as serialized, `{...}`, and joined past its brace: each slice or `+` of it
-        # was one more copy of the whole body)
-        rest = memoryview(b"")
-        if req.path is None and any(_sends_content(p) for p in pool.providers.values()):
-            rest = memoryview(json.dumps({k: v for k, v in body.items() if k != "model"},
-                                         separators=(",", ":")).encode())[1:]
-        comma = b"" if bytes(rest[:1]) == b"}" else b","
-
-        async def run(backend: str, record: AttemptRecord) -> Prefix:
-            def is_lost() -> bool:
-                if record.outcome is not None:
-                    record.late_events += 1
-                    return True
-                return False
-
-            call = UpstreamCall(
-                endpoint=req.endpoint,
-                body={**body, "model": models[backend]} if req.path is None else body,
-                stream=req.stream,
-                request_id=req.request_id,
-                first_byte_timeout=max(0.0, deadline - self.clock()),
-                content=b"".join((b'{"model":', pool.models_json[backend], comma, rest))
-                if rest and _sends_content(pool.providers[backend]) else b"",
-                extra_headers=req.forward_headers,
-                method=req.method,
-                path=req.path,
-                query=req.query,
-            )
-            if trace is not None:
-                call = dataclasses.replace(
-                    call, extra_headers={**call.extra_headers, **trace.attempt_started(record)})
-            provider = pool.providers[backend]
-            seen = pool.quota_watch(backend, self.clock)
-            try:
-                if req.stream:
-                    return await open_until_first_token(
-                        provider, call, is_lost, protocol.classify, protocol.answered, seen
-                    )
-                return await open_whole_response(provider, call, is_lost, protocol.classify_body,
-                                                 seen)
-            except UpstreamStatusError as exc:
-                if req.pinned is not None and exc.status in PINNED_ANSWERS:
-                    # no other backend holds this state: its verdict on the request (404: it
-                    # no longer has the response) is the answer, not a 502
-                    raise UpstreamRejectedRequest(exc.status) from None
-                raise
-            finally:
-                record.ended = self.clock()
-                if trace is not None:
-                    trace.attempt_ended(record)
-
-        return run
 
     async def _race_or_disconnect(
         self, race: Race, receive: Receive, end: RequestEnd
@@ -375,15 +302,14 @@ class Proxy:
             ),
         )
 
-async def _race_over(backend: str, record: AttemptRecord) -> Prefix:
-    """The runner of a race that has ended (it holds nothing; it is never called)."""
-    raise RuntimeError(f"attempt on {backend} after its race ended")
 
-
-def _sends_content(provider: object) -> bool:
-    """Whether `provider` sends `UpstreamCall.content` (the HTTP APIs do; a provider that
-    builds its own request from the body says `sends_content = False`)."""
-    return bool(getattr(provider, "sends_content", True))
+def _upstream_request(req: LogicalRequest, body: Mapping[str, Any]) -> UpstreamRequest:
+    """What the race's attempts send for `req`, with `body` (the client's, or a copy that
+    asks for usage)."""
+    return UpstreamRequest(
+        req.endpoint, body, req.stream, req.request_id, req.protocol, pinned=req.pinned,
+        method=req.method, path=req.path, query=req.query, forward_headers=req.forward_headers,
+    )
 
 
 def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:

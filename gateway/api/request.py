@@ -20,8 +20,8 @@ from gateway.hedge.pool import PoolRuntime
 from gateway.wire.base import WireProtocol
 from gateway.wire.chat import CHAT
 from gateway.wire.named import Rewrite
+from gateway.wire.paths import Endpoint
 from gateway.wire.sse import SSEEvent
-from providers.base import Endpoint
 
 
 @dataclass(frozen=True, slots=True)
