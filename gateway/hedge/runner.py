@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from gateway.clock import Clock
-from gateway.errors import UpstreamRejectedRequest, UpstreamStatusError
+from gateway.errors import UpstreamRejectedRequest, UpstreamStatusError, upstream_status
 from gateway.hedge.attempt import (
     AttemptRecord,
     Prefix,
@@ -26,10 +26,6 @@ from gateway.hedge.race import AttemptRunner
 from gateway.wire.base import WireProtocol
 from gateway.wire.paths import Endpoint
 from providers.base import UpstreamCall
-
-#: statuses of the one backend holding a stored response that answer the client as they are
-#: (a 401 or 429 there says nothing about the client's request: those stay a 502)
-PINNED_ANSWERS = frozenset({400, 404, 409, 422})
 
 
 class AttemptTrace(Protocol):
@@ -113,9 +109,10 @@ def attempt_runner(
             return await open_whole_response(provider, call, is_lost, protocol.classify_body,
                                              seen)
         except UpstreamStatusError as exc:
-            if req.pinned is not None and exc.status in PINNED_ANSWERS:
+            if req.pinned is not None and upstream_status(exc.status).pinned_answer:
                 # no other backend holds this state: its verdict on the request (404: it
-                # no longer has the response) is the answer, not a 502
+                # no longer has the response) is the answer, not a 502 (the status table
+                # says which statuses are such a verdict)
                 raise UpstreamRejectedRequest(exc.status) from None
             raise
         finally:
