@@ -21,15 +21,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway.api.end import LINE_KEY, AnswerThen, RequestEnd, report_bug
-from gateway.api.request import (
-    Admission,
-    LogicalRequest,
-    affinity_applies,
-    affinity_route,
-    excluded_backends,
-    header_seconds,
-    hedge_refusal,
-)
+from gateway.api.request import Admission, LogicalRequest
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
@@ -39,7 +31,8 @@ from gateway.errors import (
     InternalError,
     Overloaded,
 )
-from gateway.hedge.placement import RaceOptions
+from gateway.hedge.plan import excluded_backends
+from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race, RaceResult
 from gateway.hedge.relay import relay
@@ -70,21 +63,6 @@ class Proxy:
         self.clock = clock
         self.admission = Admission(server.max_concurrent_requests,
                                    server.max_inflight_body_bytes)
-
-    def deadline(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> float:
-        """One absolute first-token deadline shared by every attempt.
-
-        A non-streaming response (and an embedding) has no token before its whole body, so
-        `timeouts.first_token` would cut off every answer that takes longer to generate: those
-        are bounded by the pool's `timeout`, for the whole response."""
-        limits = [pool.settings.timeout]
-        if req.stream:
-            limits.append(pool.settings.timeouts.first_token)
-        for name in ("x-request-timeout", "x-stainless-read-timeout"):
-            seconds = header_seconds(req.headers, name)
-            if seconds is not None:
-                limits.append(seconds)
-        return start + min(limits)
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
         excluded = excluded_backends(pool, req)
@@ -181,33 +159,15 @@ class Proxy:
     ) -> tuple[Race, RequestEnd, bool]:
         """The race of an admitted request, the owner of its end, and whether the usage the
         gateway asked for is to be dropped from the stream."""
-        start = summary.started
-        refusal = None if req.single else hedge_refusal(pool, req)
-        deadline = self.deadline(pool, req, start)
+        plan = make_plan(pool, req, excluded, summary.started)
+        summary.size = plan.size
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
-        route = affinity_route(pool, req, excluded)
-        summary.size = size = pool.size_of(req.body_bytes if req.metered else None, route)
-        delays, cold = pool.sized(size, req.endpoint, req.stream)
-        race = Race(
-            pool,
-            attempt_runner(pool, _upstream_request(req, upstream_body), deadline, self.clock,
-                           trace),
-            RaceOptions(
-                deadline,
-                delays,
-                refusal is None and not req.single,
-                refusal,
-                excluded,
-                learn=req.metered,
-                affinity=route,
-                cold=cold,
-                input_tokens=0 if size is None else size.tokens,
-            ),
-            self.clock,
-        )
-        if race.options.affinity is None and affinity_applies(pool, req):
+        runner = attempt_runner(pool, _upstream_request(req, upstream_body),
+                                plan.options.deadline, self.clock, trace)
+        race = Race(pool, runner, plan.options, self.clock)
+        if plan.affinity_miss:
             race.placement.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
                          stats=self.stats,
