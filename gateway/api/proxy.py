@@ -40,8 +40,7 @@ from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
-from gateway.wire.base import RelayOutcome, StreamEnd
-from gateway.wire.named import Rewrite, named_encoder
+from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd
 from gateway.wire.usage import ask_for_usage, body_usage
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
@@ -235,7 +234,7 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
-            encode_batch=named_encoder(protocol, rewrite) if protocol.ends else None,
+            encoder=protocol.encoder_for(rewrite),
             error_event=protocol.error_event,
         )
 

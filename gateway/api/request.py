@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import Overloaded
-from gateway.wire.base import WireProtocol
+from gateway.wire.base import Rewrite, WireProtocol
 from gateway.wire.chat import CHAT
-from gateway.wire.named import Rewrite
 from gateway.wire.paths import Endpoint
 from gateway.wire.sse import SSEEvent
 
