@@ -1,8 +1,11 @@
-"""One logical request from validated body to response: deadline, race, relay, bookkeeping.
+"""One logical request from validated body to response: admission, plan, race, relay,
+bookkeeping.
 
-This is the shell around the race. It decides whether a request may be hedged,
-computes its deadline, runs the race while watching for the client's disconnect, and
-answers: a streaming response that relays the winner, a JSON body, or an error.
+This is the shell around the race. It admits the request, has its plan taken once
+(`gateway.hedge.plan`: may it be hedged, its deadline, its backends and their order), hands the
+race that plan and the attempts' runner (`gateway.hedge.runner`), runs it while watching for the
+client's disconnect, and answers: a streaming response that relays the winner, a JSON body, or
+an error.
 
 One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.api.end`).
 Only when no response will carry it (a bug of ours raised, or the request task is cancelled)
@@ -21,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway.api.end import LINE_KEY, AnswerThen, RequestEnd, report_bug
-from gateway.api.request import Admission, LogicalRequest
+from gateway.api.request import LogicalRequest
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
@@ -45,6 +48,36 @@ from gateway.wire.usage import ask_for_usage, body_usage
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
     from gateway.stats.tracing import Tracing
+
+
+class Admission:
+    """The process-wide caps on concurrent logical requests and on the request-body bytes
+    they hold. A request holds several times its body while it is in flight (the parsed
+    body, the serialized copy sent upstream, the copy each attempt sends), so counting
+    requests alone let a few hundred large ones take the process's memory; the bytes are
+    counted as received, and the first request is always admitted, however large."""
+
+    def __init__(self, limit: int, max_bytes: int | None = None) -> None:
+        self.limit = limit
+        self.active = 0
+        #: None: no bound on bytes
+        self.max_bytes = max_bytes
+        self.active_bytes = 0
+
+    def enter(self, size: int = 0) -> None:
+        # retryable (no `x-should-retry: false`): SDKs come back after the pause
+        if self.active >= self.limit:
+            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
+        if self.max_bytes is not None and self.active and \
+                self.active_bytes + size > self.max_bytes:
+            raise Overloaded("the gateway holds too many request bytes in flight",
+                             retry_after=1.0)
+        self.active += 1
+        self.active_bytes += size
+
+    def leave(self, size: int = 0) -> None:
+        self.active -= 1
+        self.active_bytes -= size
 
 
 class Proxy:

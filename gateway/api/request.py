@@ -1,9 +1,10 @@
-"""One logical request, and the process-wide admission cap it meets first.
+"""One logical request, as a route hands it to the proxy.
 
 What a route hands the proxy (`LogicalRequest`: the body, the route's wire rules, the upstream
-call details, the commit hook). The decisions made from it and the pool alone before any
-attempt (may it be hedged, which backends may serve it, its conversation key and backend
-order, its deadline) are its plan, taken once in `gateway.hedge.plan`.
+call details, the commit hook); the proxy (`gateway.api.proxy`) admits it. The decisions made
+from it and the pool alone before any attempt (may it be hedged, which backends may serve it,
+its conversation key and backend order, its deadline) are its plan, taken once in
+`gateway.hedge.plan`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import Overloaded
 from gateway.wire.base import Rewrite, WireProtocol
 from gateway.wire.chat import CHAT
 from gateway.wire.paths import Endpoint
@@ -52,33 +52,3 @@ class LogicalRequest:
     model: str | None = None
     #: the body's size as received (its input tokens are estimated from it); None: unknown
     body_bytes: int | None = None
-
-
-class Admission:
-    """The process-wide caps on concurrent logical requests and on the request-body bytes
-    they hold. A request holds several times its body while it is in flight (the parsed
-    body, the serialized copy sent upstream, the copy each attempt sends), so counting
-    requests alone let a few hundred large ones take the process's memory; the bytes are
-    counted as received, and the first request is always admitted, however large."""
-
-    def __init__(self, limit: int, max_bytes: int | None = None) -> None:
-        self.limit = limit
-        self.active = 0
-        #: None: no bound on bytes
-        self.max_bytes = max_bytes
-        self.active_bytes = 0
-
-    def enter(self, size: int = 0) -> None:
-        # retryable (no `x-should-retry: false`): SDKs come back after the pause
-        if self.active >= self.limit:
-            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
-        if self.max_bytes is not None and self.active and \
-                self.active_bytes + size > self.max_bytes:
-            raise Overloaded("the gateway holds too many request bytes in flight",
-                             retry_after=1.0)
-        self.active += 1
-        self.active_bytes += size
-
-    def leave(self, size: int = 0) -> None:
-        self.active -= 1
-        self.active_bytes -= size
