@@ -33,7 +33,7 @@ from gateway.api.responses import build_responses_router
 from gateway.clock import Clock, monotonic
 from gateway.dashboard import PerSecond, build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain
-from gateway.hedge.generation import ConfigOrigin, Generation, Live, LivePools
+from gateway.hedge.generation import Generation, Live, LivePools
 from gateway.hedge.pool import PoolRuntime
 from gateway.server.serve import tune_collector
 from gateway.server.workers import worker_settings
@@ -45,6 +45,7 @@ from gateway.settings import (
     load_settings,
 )
 from gateway.settings.load import weak_secrets
+from gateway.settings.origin import CONFIG_ENV, ConfigOrigin
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
@@ -400,10 +401,6 @@ def create_app(
     #: the shared upstream client (the test harness checks that no connection stays in use)
     app.state.http_client = client
     return app
-
-
-#: the configuration file `app_from_env` serves (set by whoever starts the ASGI server)
-CONFIG_ENV = "HEDGE_GATEWAY_CONFIG"
 
 
 def app_from_env() -> FastAPI:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from gateway import argtypes
 
 if TYPE_CHECKING:
-    from gateway.hedge.generation import ConfigOrigin
     from gateway.settings import ServerSettings, Settings, SimProfile
+    from gateway.settings.origin import ConfigOrigin
 
 
 DEFAULT_STATS_URL = "http://127.0.0.1:8080"
@@ -154,8 +154,8 @@ def warn_at_start(server: ServerSettings, level: str) -> None:
 def _load(path: str | None) -> tuple[ConfigOrigin | None, Settings]:
     """The configuration file's origin (checksum, load time) and settings; without a file,
     the embedded default. ConfigError or OSError when it cannot be used."""
-    from gateway.hedge.generation import ConfigOrigin
     from gateway.settings.load import default_settings, load_settings
+    from gateway.settings.origin import ConfigOrigin
     from providers.registry import missing_extras
 
     if not path:

@@ -32,9 +32,13 @@ Two trees, in this one file, and each class carries its facts as class attribute
     ├── UpstreamNoToken                       └── InternalError (a bug of ours, 500)
     └── InternalAttemptError
 
-The statuses an upstream answers with are read in one place, `UpstreamStatusError.of`: each
-subclass names its `statuses`, and the race reads only the class (`replaceable`,
-`backend_fault`), never a number.
+What each status an upstream answers with means is one table, `UPSTREAM_STATUSES` (read
+through `upstream_status`), at the end of this file: the attempt failure it is
+(`UpstreamStatusError.of`), the client's answer when it is the request's verdict
+(`UpstreamClientError.of`), whether the one backend holding a stored response answers the
+client with it, and whether its Retry-After is a pushback (`all_attempts_failed`). Providers
+and the race read the table or the class it picks (`replaceable`, `backend_fault`), never a
+number of their own.
 
 - `GatewayError`: what a client is answered with: `status`, `type`, `code` (the OpenAI error
   fields; the code is also the request's error class in stats and metrics), and `reason`, the
@@ -50,6 +54,7 @@ OpenAI error JSON itself is built in one place, `error_body`.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from gateway.wire.explain import Explanation
@@ -125,12 +130,11 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamStatusError(UpstreamError):
     """The upstream answered with a status other than 200. Build it with `of(status)`, which
-    picks the subclass that says what the status means (and whether it is replaceable);
-    this class itself is every status no subclass claims (redirects, 408, other 4xx)."""
+    picks the subclass the status table (`UPSTREAM_STATUSES`) names for it (and so whether it
+    is replaceable); this class itself is every status no row claims (redirects, 408, other
+    4xx)."""
 
     code = "bad_status"
-    #: the statuses a subclass stands for
-    statuses: ClassVar[frozenset[int]] = frozenset()
 
     def __init__(self, status: int, *, retry_after: float | None = None) -> None:
         super().__init__(f"status {status}", retry_after=retry_after)
@@ -138,10 +142,7 @@ class UpstreamStatusError(UpstreamError):
 
     @classmethod
     def of(cls, status: int, *, retry_after: float | None = None) -> UpstreamStatusError:
-        for sub in UpstreamStatusError.__subclasses__():
-            if status in sub.statuses:
-                return sub(status, retry_after=retry_after)
-        return UpstreamStatusError(status, retry_after=retry_after)
+        return upstream_status(status).failure(status, retry_after=retry_after)
 
 
 class UpstreamRejectedRequest(UpstreamStatusError):
@@ -159,7 +160,6 @@ class UpstreamRejectedRequest(UpstreamStatusError):
     code = "request_rejected"
     replaceable = False
     backend_fault = False
-    statuses = frozenset({400, 413, 422})
 
     def __init__(self, status: int, *, retry_after: float | None = None,
                  explanation: Explanation | None = None) -> None:
@@ -172,43 +172,37 @@ class UpstreamRejectedHere(UpstreamRejectedRequest):
     """A rejection another backend of the pool then served: the rejecting backend's fault
     (it does not take what its peers take), counted against its health like any failure,
     so a backend that keeps rejecting what the others serve is ejected. Only the race can
-    know it, after the fact (`of` never picks it: it claims no status)."""
+    know it, after the fact (`of` never picks it: no row of the status table names it)."""
 
     code = "rejected_served"
     backend_fault = True
-    statuses = frozenset()
 
 
 class UpstreamAuthFailed(UpstreamStatusError):
     """401/403: this backend's key or permissions are wrong."""
 
     code = "auth_failed"
-    statuses = frozenset({401, 403})
 
 
 class UpstreamNotFound(UpstreamStatusError):
     """404: this backend does not serve the route or the model (a configuration error)."""
 
     code = "not_found"
-    statuses = frozenset({404})
 
 
 class UpstreamRateLimited(UpstreamStatusError):
     code = "rate_limited"
-    statuses = frozenset({429})
     throttle = True
 
 
 class UpstreamUnavailable(UpstreamStatusError):
     code = "unavailable"
-    statuses = frozenset({503})
 
 
 class UpstreamServerError(UpstreamStatusError):
     """Any other 5xx."""
 
     code = "server_error"
-    statuses = frozenset(range(500, 600)) - {503}
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -499,7 +493,7 @@ class UpstreamPushback(GatewayError):
 
     @classmethod
     def of(cls, status: int, reasons: Sequence[str], retry_after: float) -> UpstreamPushback:
-        kind = UpstreamRateLimitedEverywhere if status == 429 else UpstreamPushback
+        kind = upstream_status(status).pushback or UpstreamPushback
         return kind(reasons, retry_after)
 
 
@@ -561,10 +555,8 @@ class UpstreamClientError(GatewayError):
     def of(cls, status: int, backend: str,
            explanation: Explanation | None = None) -> UpstreamClientError:
         """The error for an upstream status that describes the request (400 if unknown)."""
-        for sub in UpstreamClientError.__subclasses__():
-            if sub.status == status:
-                return sub(backend, explanation)
-        return UpstreamClientError(backend, explanation)
+        kind = upstream_status(status).verdict or UpstreamClientError
+        return kind(backend, explanation)
 
 
 class UpstreamRejectedTooLarge(UpstreamClientError):
@@ -603,10 +595,6 @@ class FirstTokenTimeout(GatewayError):
 # --- the answer when every attempt failed ----------------------------------------------------
 
 
-#: upstream statuses whose Retry-After is a pushback: "busy, come back later"
-PUSHBACK_STATUSES = (429, 503)
-
-
 def all_attempts_failed(
     reasons: Sequence[str],
     failures: Sequence[UpstreamError],
@@ -620,10 +608,62 @@ def all_attempts_failed(
     """
     pauses = [
         f.retry_after for f in failures
-        if isinstance(f, UpstreamStatusError) and f.status in PUSHBACK_STATUSES
+        if isinstance(f, UpstreamStatusError) and upstream_status(f.status).pushback
         and f.retry_after is not None
     ]
     if not failures or len(pauses) != len(failures):
         return AllAttemptsFailed(reasons)
-    only_429 = all(isinstance(f, UpstreamStatusError) and f.status == 429 for f in failures)
-    return UpstreamPushback.of(429 if only_429 else 503, reasons, cap(min(pauses)))
+    # every failure is a pushback: the client hears their common kind (429 when all were
+    # rate limits), else the plain one (503)
+    kinds = {upstream_status(f.status).pushback for f in failures
+             if isinstance(f, UpstreamStatusError)}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    return (kind or UpstreamPushback)(reasons, cap(min(pauses)))
+
+
+# --- what each upstream status means: the one table -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamStatus:
+    """What one upstream status means: every reading of it, in one row."""
+
+    #: the attempt failure it is (`UpstreamStatusError.of`)
+    failure: type[UpstreamStatusError]
+    #: the client's answer when the status is the request's verdict: a rejection no backend
+    #: of another kind served, or the answer of the one backend holding a stored response
+    #: (`UpstreamClientError.of`; None: a plain 400)
+    verdict: type[UpstreamClientError] | None = None
+    #: from the one backend holding a stored response, the status answers the client as it
+    #: is (no other backend holds that state); False: a 502 (a 401 or 429 there says nothing
+    #: of the client's request)
+    pinned_answer: bool = False
+    #: with a Retry-After, "busy, come back later": when every attempt failed so, the client
+    #: is told when to come back with this answer (`all_attempts_failed`); None: no pushback
+    pushback: type[UpstreamPushback] | None = None
+
+
+#: the upstream statuses that mean something of their own; any other 5xx is a server error,
+#: any other status (a redirect, 408, another 4xx) a plain `UpstreamStatusError`
+UPSTREAM_STATUSES: Mapping[int, UpstreamStatus] = {
+    400: UpstreamStatus(UpstreamRejectedRequest, UpstreamClientError, pinned_answer=True),
+    401: UpstreamStatus(UpstreamAuthFailed),
+    403: UpstreamStatus(UpstreamAuthFailed),
+    404: UpstreamStatus(UpstreamNotFound, UpstreamRejectedNotFound, pinned_answer=True),
+    409: UpstreamStatus(UpstreamStatusError, UpstreamRejectedConflict, pinned_answer=True),
+    413: UpstreamStatus(UpstreamRejectedRequest, UpstreamRejectedTooLarge),
+    422: UpstreamStatus(UpstreamRejectedRequest, UpstreamRejectedUnprocessable,
+                        pinned_answer=True),
+    429: UpstreamStatus(UpstreamRateLimited, pushback=UpstreamRateLimitedEverywhere),
+    503: UpstreamStatus(UpstreamUnavailable, pushback=UpstreamPushback),
+}
+_SERVER_ERROR = UpstreamStatus(UpstreamServerError)
+_OTHER = UpstreamStatus(UpstreamStatusError)
+
+
+def upstream_status(status: int) -> UpstreamStatus:
+    """The row of `UPSTREAM_STATUSES` for `status`."""
+    row = UPSTREAM_STATUSES.get(status)
+    if row is not None:
+        return row
+    return _SERVER_ERROR if 500 <= status < 600 else _OTHER

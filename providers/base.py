@@ -14,24 +14,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
+from gateway.wire.paths import ENDPOINTS as ENDPOINTS
+from gateway.wire.paths import Endpoint as Endpoint
 from gateway.wire.sse import SSEBatch
-
-Endpoint = Literal[
-    "chat/completions",
-    "completions",
-    "embeddings",
-    "responses",
-    #: `GET`/`DELETE /responses/{id}`, `/cancel`, `/input_items`: the path is `UpstreamCall.path`
-    "responses/item",
-    "messages",
-    "messages/count_tokens",
-]
-#: every route, in a fixed order: the only values a `route` label in stats or metrics takes
-ENDPOINTS: tuple[Endpoint, ...] = get_args(Endpoint)
 
 
 @dataclass(frozen=True, slots=True)

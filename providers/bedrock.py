@@ -68,6 +68,7 @@ from gateway.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
+    upstream_status,
 )
 from gateway.settings import BackendSettings, Timeouts
 from gateway.wire.sse import SSEBatch, SSEEvent
@@ -151,9 +152,7 @@ def bedrock_error(
         return UpstreamTimeout("model timeout on Bedrock")
     if kind in ("internalserver", "modelerror", "modelstreamerror"):
         return UpstreamServerError(status if status is not None and status >= 500 else 500)
-    if status is not None:
-        if status == 429:  # a throttle without its type is still a throttle
-            return UpstreamRateLimited(429, retry_after=retry_after)
+    if status is not None:  # a 429 without its type is still a throttle (the status table)
         return UpstreamStatusError.of(status, retry_after=retry_after)
     return UpstreamProtocolError("unknown exception in the event stream")
 
@@ -422,7 +421,7 @@ class BedrockProvider:
         url = self._stream_url if call.stream else self._invoke_url
         content = self.body(call)
         response = await self._send(url, content, credentials, call)
-        if response.status in (401, 403) and _error_kind(
+        if upstream_status(response.status).failure is UpstreamAuthFailed and _error_kind(
                 response.headers.get("x-amzn-errortype")) in _STALE_CREDENTIALS:
             refusal = refused(response, _refusal(response))
             fresh = await self._reread(credentials)

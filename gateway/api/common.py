@@ -22,10 +22,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.end import AnswerThen
-from gateway.api.inference import errors_of
-from gateway.api.keys import FAILED_KEYS_EXTENSION, FailedKeys, KeyRing, backoff
+from gateway.api.keys import KeyRing, backoff
+from gateway.api.proxy import Admission
 from gateway.api.refusals import REQUEST_ID_KEY, note_refusal
-from gateway.api.request import Admission
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -36,9 +35,11 @@ from gateway.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from gateway.server.extensions import FAILED_KEYS_EXTENSION, FailedKeys
 from gateway.wire.base import WireProtocol
 from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
+from gateway.wire.paths import errors_of
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -108,7 +109,8 @@ def check_json_type(request: Request) -> None:
         raise UnsupportedMediaType("content type must be application/json")
 
 
-async def read_body(request: Request, limit: int, admission: Admission | None = None) -> bytes:
+async def read_body(request: Request, limit: int,
+                    admission: Admission | None = None) -> bytes:
     """The body, refused with 413 as soon as it crosses `limit` (never buffered past it).
     With `admission`, its bytes count against `server.max_inflight_body` while they arrive:
     the declared length before anything is read, a chunked body piece by piece (503 past
@@ -239,5 +241,5 @@ def make_auth_guard(keys: KeyRing | tuple[str, ...], *, x_api_key: bool = False)
 
 def protocol_for_path(path: str) -> WireProtocol:
     """The protocol whose error shape answers a request to `path`, even one no route matched
-    (`gateway.api.inference.errors_of`)."""
+    (`gateway.wire.paths.errors_of`)."""
     return MESSAGES if errors_of(path) == "anthropic" else CHAT

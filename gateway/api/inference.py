@@ -2,7 +2,7 @@
 whether it is hedged.
 
 The routers (`gateway.api.chat`, `.responses`, `.messages`) register these routes and the
-error handler answers them in the shape given here (`gateway.api.common.protocol_for_path`);
+error handler answers them in the shape given here (`gateway.wire.paths.errors_of`);
 `tests/unit/test_inference_routes.py` checks that the app serves exactly this table, and the
 route matrix (`tests/e2e/test_route_matrix.py`) is generated from it: a new inference route
 is added here, and it is tested under reloads, client keys and workers like every other.
@@ -11,13 +11,8 @@ is added here, and it is tested under reloads, client keys and workers like ever
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from providers.base import Endpoint
-
-#: the JSON shape of an error answer: OpenAI's `{"error": {message, type, param, code}}` or
-#: Anthropic's `{"type": "error", "error": {type, message}}`
-ErrorShape = Literal["openai", "anthropic"]
+from gateway.wire.paths import Endpoint, ErrorShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +20,7 @@ class InferenceRoute:
     method: str
     #: the path as the router declares it (`{response_id}`: a stored response's id)
     path: str
-    #: the upstream route it is sent to (`providers.base.ENDPOINTS`)
+    #: the upstream route it is sent to (`gateway.wire.paths.ENDPOINTS`)
     endpoint: Endpoint
     #: accepts `"stream": true`
     streams: bool
@@ -61,20 +56,6 @@ INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
     InferenceRoute("POST", "/v1/messages/count_tokens", "messages/count_tokens", False,
                    "anthropic", "messages", x_api_key=True, single=True),
 )
-
-#: the paths under which errors take Anthropic's shape, even on a path no route matched (a
-#: 404 under /v1/messages is still read by an Anthropic SDK); the unit test checks that it
-#: covers the Anthropic-shaped routes of the table and no other
-ANTHROPIC_PREFIXES: tuple[str, ...] = ("/v1/messages",)
-
-
-def errors_of(path: str) -> ErrorShape:
-    """The error shape of a request to `path`."""
-    for prefix in ANTHROPIC_PREFIXES:
-        if path == prefix or path.startswith(prefix + "/"):
-            return "anthropic"
-    return "openai"
-
 
 #: the table's paths, by number of segments, for `route_path_of`
 _SEGMENTS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(dict.fromkeys(

@@ -12,11 +12,7 @@ import binascii
 import hashlib
 import hmac
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-#: the ASGI scope extension `hedge-gateway serve` puts on every request of a connection:
-#: `{"failed": FailedKeys}`, that connection's (absent under another server: no back-off)
-FAILED_KEYS_EXTENSION = "hedge_gateway.failed_keys"
 #: wrong keys a connection may send before its answers slow down
 FREE_FAILURES = 3
 #: the first slowed answer waits this long; each further one twice as long, up to the cap
@@ -24,13 +20,6 @@ BACKOFF_FIRST = 0.05
 BACKOFF_CAP = 1.0
 #: after this many wrong keys the connection is closed with its answer
 MAX_FAILURES = 8
-
-
-@dataclass(slots=True)
-class FailedKeys:
-    """Wrong keys seen on one client connection (one per connection, freed with it)."""
-
-    count: int = 0
 
 
 def backoff(failures: int, *, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP,

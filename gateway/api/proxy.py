@@ -1,8 +1,11 @@
-"""One logical request from validated body to response: deadline, race, relay, bookkeeping.
+"""One logical request from validated body to response: admission, plan, race, relay,
+bookkeeping.
 
-This is the shell around the race. It decides whether a request may be hedged,
-computes its deadline, runs the race while watching for the client's disconnect, and
-answers: a streaming response that relays the winner, a JSON body, or an error.
+This is the shell around the race. It admits the request, has its plan taken once
+(`gateway.hedge.plan`: may it be hedged, its deadline, its backends and their order), hands the
+race that plan and the attempts' runner (`gateway.hedge.runner`), runs it while watching for the
+client's disconnect, and answers: a streaming response that relays the winner, a JSON body, or
+an error.
 
 One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.api.end`).
 Only when no response will carry it (a bug of ours raised, or the request task is cancelled)
@@ -12,10 +15,8 @@ does `handle` run it inline.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -23,15 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from gateway.api.end import LINE_KEY, AnswerThen, RequestEnd, report_bug
-from gateway.api.request import (
-    Admission,
-    LogicalRequest,
-    affinity_applies,
-    affinity_route,
-    excluded_backends,
-    header_seconds,
-    hedge_refusal,
-)
+from gateway.api.request import LogicalRequest
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
@@ -40,29 +33,69 @@ from gateway.errors import (
     GatewayError,
     InternalError,
     Overloaded,
-    UpstreamRejectedRequest,
-    UpstreamStatusError,
 )
-from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token, open_whole_response
-from gateway.hedge.placement import RaceOptions
+from gateway.hedge.plan import excluded_backends
+from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.race import AttemptRunner, Race, RaceResult
+from gateway.hedge.race import Race, RaceResult
 from gateway.hedge.relay import relay
+from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
-from gateway.wire.base import RelayOutcome, StreamEnd
-from gateway.wire.named import Rewrite, named_encoder
+from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd
 from gateway.wire.usage import ask_for_usage, body_usage
-from providers.base import UpstreamCall
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
-    from gateway.stats.tracing import RequestTrace, Tracing
+    from gateway.stats.tracing import Tracing
 
 
-#: statuses of the one backend holding a stored response that answer the client as they are
-#: (a 401 or 429 there says nothing about the client's request: those stay a 502)
-PINNED_ANSWERS = frozenset({400, 404, 409, 422})
+class Admission:
+    """The process-wide caps on concurrent logical requests and on the request-body bytes
+    they hold. A request holds several times its body while it is in flight (the parsed
+    body, the serialized copy sent upstream, the copy each attempt sends), so counting
+    requests alone let a few hundred large ones take the process's memory; the bytes are
+    counted as received, and the first request is always admitted, however large."""
+
+    def __init__(self, limit: int, max_bytes: int | None = None) -> None:
+        self.limit = limit
+        self.active = 0
+        #: None: no bound on bytes
+        self.max_bytes = max_bytes
+        self.active_bytes = 0
+        #: bytes of bodies still arriving (`reserve`): held as much as an admitted body's
+        self.receiving_bytes = 0
+
+    def reserve(self, size: int, own: int = 0) -> None:
+        """`size` more bytes of a body still arriving, whose request reserved `own` so far:
+        Overloaded when they would pass `max_bytes` while other requests hold bytes (a lone
+        request is always let through, as `enter` lets the first in). Called before the
+        bytes are read (the declared length) or as each piece arrives, so uploads cannot
+        pile up unbounded behind the check; `unreserve` gives them back once read."""
+        if self.max_bytes is not None:
+            others = self.active_bytes + self.receiving_bytes - own
+            if others > 0 and others + own + size > self.max_bytes:
+                raise Overloaded("the gateway holds too many request bytes in flight",
+                                 retry_after=1.0)
+        self.receiving_bytes += size
+
+    def unreserve(self, size: int) -> None:
+        self.receiving_bytes -= size
+
+    def enter(self, size: int = 0) -> None:
+        # retryable (no `x-should-retry: false`): SDKs come back after the pause
+        if self.active >= self.limit:
+            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
+        if self.max_bytes is not None and (self.active or self.receiving_bytes) and \
+                self.active_bytes + self.receiving_bytes + size > self.max_bytes:
+            raise Overloaded("the gateway holds too many request bytes in flight",
+                             retry_after=1.0)
+        self.active += 1
+        self.active_bytes += size
+
+    def leave(self, size: int = 0) -> None:
+        self.active -= 1
+        self.active_bytes -= size
 
 
 class Proxy:
@@ -80,21 +113,6 @@ class Proxy:
         self.clock = clock
         self.admission = Admission(server.max_concurrent_requests,
                                    server.max_inflight_body_bytes)
-
-    def deadline(self, pool: PoolRuntime, req: LogicalRequest, start: float) -> float:
-        """One absolute first-token deadline shared by every attempt.
-
-        A non-streaming response (and an embedding) has no token before its whole body, so
-        `timeouts.first_token` would cut off every answer that takes longer to generate: those
-        are bounded by the pool's `timeout`, for the whole response."""
-        limits = [pool.settings.timeout]
-        if req.stream:
-            limits.append(pool.settings.timeouts.first_token)
-        for name in ("x-request-timeout", "x-stainless-read-timeout"):
-            seconds = header_seconds(req.headers, name)
-            if seconds is not None:
-                limits.append(seconds)
-        return start + min(limits)
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
         excluded = excluded_backends(pool, req)
@@ -138,7 +156,7 @@ class Proxy:
             result = await self._race_or_disconnect(race, request.receive, end)
             # no attempt starts after the race: let go of the body and its serialized copy,
             # which the runner holds and a stream would otherwise keep to its end
-            race.runner = _race_over
+            race.runner = race_over
             summary.attach(race.attempts, race.suppressed, result)
             if result is None:  # the client went away before the first token
                 summary.error = summary.reason = "client_disconnected"
@@ -191,101 +209,20 @@ class Proxy:
     ) -> tuple[Race, RequestEnd, bool]:
         """The race of an admitted request, the owner of its end, and whether the usage the
         gateway asked for is to be dropped from the stream."""
-        start = summary.started
-        refusal = None if req.single else hedge_refusal(pool, req)
-        deadline = self.deadline(pool, req, start)
+        plan = make_plan(pool, req, excluded, summary.started)
+        summary.size = plan.size
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
-        route = affinity_route(pool, req, excluded)
-        summary.size = size = pool.size_of(req.body_bytes if req.metered else None, route)
-        delays, cold = pool.sized(size, req.endpoint, req.stream)
-        race = Race(
-            pool,
-            self._runner(pool, req if upstream_body is req.body else
-                         dataclasses.replace(req, body=upstream_body), deadline, trace),
-            RaceOptions(
-                deadline,
-                delays,
-                refusal is None and not req.single,
-                refusal,
-                excluded,
-                learn=req.metered,
-                affinity=route,
-                cold=cold,
-                input_tokens=0 if size is None else size.tokens,
-            ),
-            self.clock,
-        )
-        if race.options.affinity is None and affinity_applies(pool, req):
+        runner = attempt_runner(pool, _upstream_request(req, upstream_body),
+                                plan.options.deadline, self.clock, trace)
+        race = Race(pool, runner, plan.options, self.clock)
+        if plan.affinity_miss:
             race.placement.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
                          stats=self.stats,
                          clock=self.clock, trace=trace)
         return race, end, strip_usage
-
-    def _runner(
-        self, pool: PoolRuntime, req: LogicalRequest, deadline: float, trace: RequestTrace | None
-    ) -> AttemptRunner:
-        protocol = req.protocol
-        body = req.body
-        models = pool.models
-        # serialized once for every attempt: `{"model":` + the backend's model + the rest;
-        # a request on a stored response (`path`) carries its body as the client sent it;
-        # not at all for providers that build their own request from the body (a copy of
-        # a body of up to `server.max_body` held for nothing)
-        # (kept as serialized, `{...}`, and joined past its brace: each slice or `+` of it
-        # was one more copy of the whole body)
-        rest = memoryview(b"")
-        if req.path is None and any(_sends_content(p) for p in pool.providers.values()):
-            rest = memoryview(json.dumps({k: v for k, v in body.items() if k != "model"},
-                                         separators=(",", ":")).encode())[1:]
-        comma = b"" if bytes(rest[:1]) == b"}" else b","
-
-        async def run(backend: str, record: AttemptRecord) -> Prefix:
-            def is_lost() -> bool:
-                if record.outcome is not None:
-                    record.late_events += 1
-                    return True
-                return False
-
-            call = UpstreamCall(
-                endpoint=req.endpoint,
-                body={**body, "model": models[backend]} if req.path is None else body,
-                stream=req.stream,
-                request_id=req.request_id,
-                first_byte_timeout=max(0.0, deadline - self.clock()),
-                content=b"".join((b'{"model":', pool.models_json[backend], comma, rest))
-                if rest and _sends_content(pool.providers[backend]) else b"",
-                extra_headers=req.forward_headers,
-                method=req.method,
-                path=req.path,
-                query=req.query,
-            )
-            if trace is not None:
-                call = dataclasses.replace(
-                    call, extra_headers={**call.extra_headers, **trace.attempt_started(record)})
-            provider = pool.providers[backend]
-            seen = pool.quota_watch(backend, self.clock)
-            try:
-                if req.stream:
-                    return await open_until_first_token(
-                        provider, call, is_lost, protocol.classify, protocol.answered, seen
-                    )
-                return await open_whole_response(provider, call, is_lost, protocol.classify_body,
-                                                 seen)
-            except UpstreamStatusError as exc:
-                if req.pinned is not None and exc.status in PINNED_ANSWERS:
-                    # no other backend holds this state: its verdict on the request (404: it
-                    # no longer has the response) is the answer, not a 502
-                    raise UpstreamRejectedRequest(exc.status) from None
-                raise
-            finally:
-                record.ended = self.clock()
-                if trace is not None:
-                    trace.attempt_ended(record)
-
-        return run
 
     async def _race_or_disconnect(
         self, race: Race, receive: Receive, end: RequestEnd
@@ -348,7 +285,7 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
-            encode_batch=named_encoder(protocol, rewrite) if protocol.ends else None,
+            encoder=protocol.encoder_for(rewrite),
             error_event=protocol.error_event,
         )
 
@@ -375,15 +312,14 @@ class Proxy:
             ),
         )
 
-async def _race_over(backend: str, record: AttemptRecord) -> Prefix:
-    """The runner of a race that has ended (it holds nothing; it is never called)."""
-    raise RuntimeError(f"attempt on {backend} after its race ended")
 
-
-def _sends_content(provider: object) -> bool:
-    """Whether `provider` sends `UpstreamCall.content` (the HTTP APIs do; a provider that
-    builds its own request from the body says `sends_content = False`)."""
-    return bool(getattr(provider, "sends_content", True))
+def _upstream_request(req: LogicalRequest, body: Mapping[str, Any]) -> UpstreamRequest:
+    """What the race's attempts send for `req`, with `body` (the client's, or a copy that
+    asks for usage)."""
+    return UpstreamRequest(
+        req.endpoint, body, req.stream, req.request_id, req.protocol, pinned=req.pinned,
+        method=req.method, path=req.path, query=req.query, forward_headers=req.forward_headers,
+    )
 
 
 def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:

@@ -43,7 +43,7 @@ from gateway.errors import ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
-from gateway.wire.named import Rewrite
+from gateway.wire.base import Rewrite
 from gateway.wire.responses import RESPONSES, RESPONSES_ITEM, response_id_of
 from gateway.wire.sse import SSEEvent
 from gateway.wire.validate import check_body, parse_body

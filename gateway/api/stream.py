@@ -34,14 +34,11 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.drain import Drain
+from gateway.server.extensions import ABORT_EXTENSION
 from gateway.wire.base import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
 log = logging.getLogger("hedge_gateway.sse")
-#: ASGI scope extension through which the server offers `abort()`: drop the connection now,
-#: unsent bytes and all (see gateway.server.serve). Without it, a stuck client's connection can only
-#: be left to the server, which waits for the unsent bytes to drain before it closes.
-ABORT_EXTENSION = "hedge_gateway.abort"
 #: early ends after which the connection is dropped rather than completed
 _ABORTED = (StreamEnd.STUCK_CLIENT, StreamEnd.SHUTDOWN)
 

@@ -60,8 +60,9 @@ def server_command(server: str, config: str, port: int, *, workers: int = 1
     (with `--workers` when more than one); the others run one worker each, on uvloop like
     ours, with their access logs off like ours."""
     # here, not at the top: the command line imports this module to parse `--servers`, and
-    # the app (FastAPI and the whole gateway, 0.6 s) is needed only to name its variable
-    from gateway.app import CONFIG_ENV
+    # the configuration's modules are needed only to name its variable (the bench reads no
+    # module of the app's composition root)
+    from gateway.settings.origin import CONFIG_ENV
 
     host = "127.0.0.1"
     if server == OWN:

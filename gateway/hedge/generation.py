@@ -13,45 +13,14 @@ No I/O here: building a generation is the composition root's job (`gateway.app`)
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
 from gateway.settings.hidden import hidden_values
+from gateway.settings.origin import ConfigOrigin
 from providers.base import Provider
-
-
-@dataclass(frozen=True, slots=True)
-class ConfigOrigin:
-    """Where a generation's configuration came from, for `/hedge/stats` and the log."""
-
-    #: "file" (`serve --config`) or "embedded" (the built-in default or an in-process object)
-    source: str
-    #: sha256 of the file's bytes; for an embedded configuration, of its `repr` (which never
-    #: holds a key: `BackendSettings` hides it)
-    sha256: str
-    #: monotonic time of the load (for "seconds ago")
-    loaded_at: float
-    #: the same instant on the wall clock, ISO 8601 in UTC
-    loaded_wall: str
-
-    @classmethod
-    def of_file(cls, data: bytes, *, now: float, wall: datetime | None = None) -> ConfigOrigin:
-        return cls("file", hashlib.sha256(data).hexdigest(), now, _iso(wall))
-
-    @classmethod
-    def embedded(cls, settings: Settings, *, now: float,
-                 wall: datetime | None = None) -> ConfigOrigin:
-        digest = hashlib.sha256(repr(settings).encode()).hexdigest()
-        return cls("embedded", digest, now, _iso(wall))
-
-
-def _iso(wall: datetime | None) -> str:
-    moment = wall if wall is not None else datetime.now(UTC)
-    return moment.isoformat(timespec="seconds")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,54 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
 from gateway.errors import UpstreamError
 from gateway.hedge.attempt import Prefix
-from gateway.wire.base import RelayOutcome, StreamEnd
-from gateway.wire.chat import openai_error_event
-from gateway.wire.sse import SSEBatch, SSEEvent, encode_event
-from gateway.wire.usage import read_usage
+from gateway.wire.base import Encoder, RelayOutcome, StreamEnd
+from gateway.wire.chat import CHAT_ENCODER, openai_error_event
+from gateway.wire.sse import SSEBatch
 
-DONE = b"data: [DONE]\n\n"
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
 DRAIN_TIMEOUT = 0.05
 DRAIN_READS = 8
 
 
-#: a final in-stream error in OpenAI shape (the chat rule; each protocol has its own)
+#: a final in-stream error in OpenAI shape (the default for callers that name no protocol;
+#: the proxy passes each protocol's own)
 error_event = openai_error_event
-
-
-def _error_kind(event: SSEEvent) -> int:
-    """0: not an error; 1: an error event in OpenAI shape; 2: an error in another shape.
-
-    Called only when the cheap byte test in the relay says the event may be an error."""
-    try:
-        payload = json.loads(event.data)
-    except (ValueError, RecursionError):  # not JSON, or hostile nesting: not an error event
-        payload = None
-    shaped = isinstance(payload, dict) and isinstance(payload.get("error"), dict)
-    if shaped:
-        return 1
-    if event.event == b"error" or (isinstance(payload, dict) and payload.get("error")):
-        return 2
-    return 0
-
-
-# Byte tests on the per-event path are `int in bytes` (a memchr) or `bytes.find`, never
-# `b"..." in bytes`: CPython 3.11's `in` first tries the needle as an integer, and for bytes
-# raises and clears a formatted TypeError every time (about 2,500 instructions: 13 % of a
-# streamed request's, measured with `python -m gateway.bench.instructions`).
-
-
-def _encode(event: SSEEvent) -> bytes:
-    data = event.data
-    if event.event is None and 10 not in data and 13 not in data:
-        return b"data: " + data + b"\n\n"
-    return encode_event(data, event.event)
 
 
 async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
@@ -88,54 +57,6 @@ async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
                 left -= 1
                 if not left:
                     return
-
-
-def _encode_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> bytes:
-    """The client's bytes for one upstream read; sets `outcome.end` when the stream is over.
-
-    Plain bytes without `[DONE]`, an error marker or a usage object are the answer as they
-    are; everything else (a plain read that holds the end of the stream or the usage the
-    gateway may have to strip) takes the event path."""
-    raw = batch.raw
-    if raw is not None and raw.find(b"[DONE]") < 0 and raw.find(b'"error"') < 0 and (
-        raw.find(b'"usage"') < 0 or raw.count(b'"usage"') == raw.count(b'"usage":null')
-    ):
-        return raw
-    return _encode_events(batch.events, request_id, outcome)
-
-
-def _encode_events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
-    parts: list[bytes] = []
-    for event in batch:
-        data = event.data
-        if data == b"[DONE]":
-            outcome.end = StreamEnd.DONE
-            parts.append(DONE)
-            break
-        # OpenAI repeats `"usage":null` in every chunk once usage is asked for: two byte
-        # tests, no call, for those
-        if data.find(b'"usage"') >= 0 and data.find(b'"usage":null') < 0 \
-                and (found := read_usage(data)) is not None:
-            usage, usage_only = found
-            outcome.usage = usage.merge(outcome.usage)
-            if usage_only and outcome.strip_usage:
-                continue
-        if (event.event is not None or data.find(b'"error"') >= 0) and (
-                kind := _error_kind(event)):
-            # relayed as is when the SDKs can read it; otherwise our own error event, so
-            # the client raises an API error instead of failing to parse the upstream's
-            outcome.end = StreamEnd.UPSTREAM_ERROR
-            parts.append(
-                _encode(event)
-                if kind == 1
-                else error_event("upstream reported an error", "upstream_error", request_id)
-            )
-            break
-        if 10 in data or 13 in data:
-            parts.append(encode_event(data, None))
-        else:
-            parts.append(b"data: " + data + b"\n\n")
-    return b"".join(parts)
 
 
 class _Deadlines:
@@ -204,15 +125,16 @@ async def relay(
     max_stream_deadline: float,
     clock: Callable[[], float],
     outcome: RelayOutcome,
-    encode_batch: Callable[[list[SSEEvent], str, RelayOutcome], bytes] | None = None,
+    encoder: Encoder = CHAT_ENCODER,
     error_event: Callable[[str, str, str], bytes] = error_event,
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
 
-    `encode_batch` and `error_event` are the protocol's (the Responses API and
-    Messages end at named events, not `[DONE]`, and shape their errors their own way); the
-    defaults are the chat rules."""
-    encode = _encode_events if encode_batch is None else encode_batch
+    `encoder` and `error_event` are the protocol's (`WireProtocol.encoder_for`,
+    `.error_event`: the Responses API and Messages end at named events, not `[DONE]`, and
+    shape their errors their own way); the defaults, for callers that name no protocol, are
+    chat's."""
+    encode, by_batch = encoder.events, encoder.batch
     deadlines: _Deadlines | None = None
     try:
         yield encode(prefix.buffered, request_id, outcome)
@@ -239,8 +161,8 @@ async def relay(
                     )
                     return
                 deadlines.last = clock()
-                yield (_encode_batch(batch, request_id, outcome) if encode_batch is None
-                       else encode_batch(batch.events, request_id, outcome))
+                yield (by_batch(batch, request_id, outcome) if by_batch is not None
+                       else encode(batch.events, request_id, outcome))
                 if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
                     break
             if outcome.end != StreamEnd.CLIENT_GONE:

@@ -49,12 +49,11 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.api.inference import errors_of
-from gateway.api.keys import FAILED_KEYS_EXTENSION, FailedKeys
-from gateway.api.stream import ABORT_EXTENSION
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
+from gateway.server.extensions import ABORT_EXTENSION, FAILED_KEYS_EXTENSION, FailedKeys
 from gateway.settings import ServerSettings
 from gateway.wire.messages import MESSAGES
+from gateway.wire.paths import errors_of
 
 DEFAULT_HEAD_LIMIT = 16 * 1024
 #: a connection past the cap waits this long (at most) for its request line, whose path says

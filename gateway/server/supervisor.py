@@ -54,11 +54,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol, TextIO
 
-from gateway.hedge.generation import ConfigOrigin
 from gateway.server.serve import build_server, graceful_timeout, tune_collector
 from gateway.server.workers import RestartLimiter, with_response_id_secret
 from gateway.settings import RELOADED_SERVER_KEYS, ServerSettings, Settings
 from gateway.settings.fields import ConfigError
+from gateway.settings.origin import ConfigOrigin
 from gateway.stats.shared import Peers, retire
 
 #: how long after uvicorn's own hard shutdown limit the supervisor SIGKILLs a worker

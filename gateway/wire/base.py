@@ -19,11 +19,11 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.errors import GatewayError
-from gateway.wire.sse import SSEEvent
+from gateway.wire.sse import SSEBatch, SSEEvent
 from gateway.wire.usage import Usage
 
 
@@ -76,6 +76,23 @@ class RelayOutcome:
     strip_usage: bool = False
 
 
+#: (events, request id, outcome) -> the client's bytes for them; sets `outcome.end` when the
+#: stream is over
+EncodeEvents = Callable[[list[SSEEvent], str, RelayOutcome], bytes]
+#: the event names a request rewrites, and how it rewrites their payloads
+Rewrite = tuple[frozenset[bytes], Callable[[bytes], bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Encoder:
+    """How a protocol writes the client's stream after commit: `events` for the buffered
+    prefix, and for each later upstream read `batch` (which may pass a read's raw bytes as
+    they are), or, when it is None, `events` over the read's events."""
+
+    events: EncodeEvents
+    batch: Callable[[SSEBatch, str, RelayOutcome], bytes] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class WireProtocol:
     """How one route's streams and errors look; chosen once per request."""
@@ -94,6 +111,13 @@ class WireProtocol:
     #: the events of a stream that reached its end event without a token -> whether they are
     #: a complete (empty) answer; called once per such stream, never per event
     answered: Callable[[list[SSEEvent]], bool] = lambda _events: True
+    #: (this protocol, the request's rewrite) -> the relay's encoder: the chat rule
+    #: (`[DONE]`) or the named-event rule (`gateway.wire.named`); see `encoder_for`
+    encoder: Callable[[WireProtocol, Rewrite | None], Encoder] = field(kw_only=True)
+
+    def encoder_for(self, rewrite: Rewrite | None = None) -> Encoder:
+        """The relay's encoder for one request of this protocol (once per request)."""
+        return self.encoder(self, rewrite)
 
 
 def json_bytes(obj: object) -> bytes:

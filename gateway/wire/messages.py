@@ -18,6 +18,7 @@ from gateway.wire.base import (
     nonempty,
     typed_payload,
 )
+from gateway.wire.named import named_relay_encoder
 from gateway.wire.sse import SSEEvent, encode_event
 
 #: `content_block_delta` delta types and the field that carries their output
@@ -117,7 +118,8 @@ def _anthropic_body(exc: GatewayError, message: str) -> dict[str, object]:
 
 MESSAGES = WireProtocol("messages", classify_messages, classify_messages_body,
                         frozenset({MESSAGES_END.encode()}), messages_error_event,
-                        _anthropic_body)
+                        _anthropic_body, encoder=named_relay_encoder)
 #: a single-backend call whose body is relayed whatever it says
 COUNT_TOKENS = WireProtocol("count_tokens", classify_messages, classify_any_body,
-                            MESSAGES.ends, messages_error_event, _anthropic_body)
+                            MESSAGES.ends, messages_error_event, _anthropic_body,
+                            encoder=named_relay_encoder)

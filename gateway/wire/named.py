@@ -18,13 +18,11 @@ import json
 import re
 from collections.abc import Callable
 
-from gateway.wire.base import RelayOutcome, StreamEnd, WireProtocol
+from gateway.wire.base import Encoder, RelayOutcome, Rewrite, StreamEnd, WireProtocol
 from gateway.wire.sse import SSEEvent, encode_event
 from gateway.wire.usage import read_usage
 
 EncodeBatch = Callable[[list[SSEEvent], str, RelayOutcome], bytes]
-#: the event names a request rewrites, and how it rewrites their payloads
-Rewrite = tuple[frozenset[bytes], Callable[[bytes], bytes]]
 
 #: a payload that opens with its `type` (`{"type":"name"`): the top-level type, certainly
 _LEADING_TYPE = re.compile(rb'\s*\{\s*"type"\s*:\s*"([A-Za-z0-9_.]{1,80})"')
@@ -104,3 +102,8 @@ def named_encoder(protocol: WireProtocol, rewrite: Rewrite | None = None) -> Enc
         return b"".join(parts)
 
     return encode
+
+
+def named_relay_encoder(protocol: WireProtocol, rewrite: Rewrite | None = None) -> Encoder:
+    """The named-event protocols' `WireProtocol.encoder`: every read re-framed by event."""
+    return Encoder(named_encoder(protocol, rewrite))

@@ -19,6 +19,7 @@ from gateway.wire.base import (
     typed_payload,
 )
 from gateway.wire.chat import openai_error_body
+from gateway.wire.named import named_relay_encoder
 from gateway.wire.sse import SSEEvent, encode_event
 
 #: delta events whose non-empty `delta` string is model output (text, or not: code for the
@@ -102,10 +103,11 @@ def responses_error_event(message: str, code: str, request_id: str) -> bytes:
 RESPONSES = WireProtocol(
     "responses", classify_responses, classify_responses_body,
     frozenset(name.encode() for name in RESPONSES_ENDS), responses_error_event,
-    openai_error_body)
+    openai_error_body, encoder=named_relay_encoder)
 #: single-backend calls whose body is relayed whatever it says (GET a stored response)
 RESPONSES_ITEM = WireProtocol("responses_item", classify_responses, classify_any_body,
-                              RESPONSES.ends, responses_error_event, openai_error_body)
+                              RESPONSES.ends, responses_error_event, openai_error_body,
+                              encoder=named_relay_encoder)
 
 
 def response_id_of(events: list[SSEEvent], *, stream: bool) -> str | None:

@@ -27,7 +27,6 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.hedge.generation import ConfigOrigin
 from gateway.settings import (
     BackendSettings,
     DelaySettings,
@@ -38,6 +37,7 @@ from gateway.settings import (
     Settings,
 )
 from gateway.settings.model import AwsSettings, GoogleSettings
+from gateway.settings.origin import ConfigOrigin
 from providers.sim.bedrock import AwsKey, BedrockSimulator
 from providers.sim.cloud import CallRecord, Reply, Responder
 from providers.sim.vertex import ServiceAccount, VertexSimulator

@@ -28,7 +28,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute, errors_of
+from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute
 from gateway.api.stored import ResponseIds
 from gateway.settings import (
     BackendSettings,
@@ -38,6 +38,7 @@ from gateway.settings import (
     SimProfile,
 )
 from gateway.stats.requestlog import LOGGER_NAME
+from gateway.wire.paths import errors_of
 from tests.harness import LoopThread
 from tests.harness.bodies import PROMPTS, smallest_body
 from tests.harness.limits_kit import Gateway, GatewayFactory, connect, request_head, wait_for

@@ -15,8 +15,9 @@ import functools
 
 import httpx
 
-from gateway.hedge.generation import ConfigOrigin, Live
+from gateway.hedge.generation import Live
 from gateway.settings import Settings
+from gateway.settings.origin import ConfigOrigin
 from tests.harness import Gate, LoopThread, UpstreamFactory, stream_script
 from tests.harness.builders import POOL, gateway_settings
 from tests.harness.limits_kit import GatewayFactory, data_lines, holding, wait_for

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import CONFIG_ENV, app_from_env
+from gateway.app import app_from_env
 from gateway.bench import servers
 from gateway.bench.commands import run_bench_command
 from gateway.bench.run import BenchPlan, plan_modes
@@ -18,6 +18,7 @@ from gateway.bench.subject import baseline_env
 from gateway.bench.workloads import WORKLOADS
 from gateway.cli import build_parser
 from gateway.settings import ConfigError
+from gateway.settings.origin import CONFIG_ENV
 
 OVERHEAD = next(w for w in WORKLOADS if w.name == "overhead")
 STRAGGLERS = next(w for w in WORKLOADS if w.name == "stragglers")

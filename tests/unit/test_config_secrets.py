@@ -17,9 +17,10 @@ import pytest
 from gateway.api.keys import KeyRing
 from gateway.app import Reloader, build_pools
 from gateway.cli import start_warnings
-from gateway.hedge.generation import ConfigOrigin, Generation, Live
+from gateway.hedge.generation import Generation, Live
 from gateway.settings import ConfigError, ServerSettings, Settings, load_settings
 from gateway.settings.load import MIN_SECRET_CHARS, check_config, weak_secrets
+from gateway.settings.origin import ConfigOrigin
 from gateway.stats import Stats
 from providers.http import UpstreamClient
 from tests.unit.test_generation import pool

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.api.request import Admission
+from gateway.api.proxy import Admission
 from gateway.errors import InternalError, Overloaded, UpstreamClientError
 from gateway.wire.usage import ask_for_usage
 from tests.harness.raceworld import (

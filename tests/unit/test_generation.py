@@ -18,7 +18,7 @@ from gateway.app import Reloader, build_pools
 from gateway.hedge.balancer import Balancer
 from gateway.hedge.budget import HedgeBudget
 from gateway.hedge.delay import HedgeDelay
-from gateway.hedge.generation import ConfigOrigin, Generation, Live
+from gateway.hedge.generation import Generation, Live
 from gateway.settings import (
     BackendSettings,
     BudgetSettings,
@@ -30,6 +30,7 @@ from gateway.settings import (
     SimProfile,
     load_settings,
 )
+from gateway.settings.origin import ConfigOrigin
 from gateway.stats import Stats
 from gateway.stats.view import snapshot
 from providers.base import ENDPOINTS

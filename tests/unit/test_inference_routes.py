@@ -10,10 +10,11 @@ from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute
 
 from gateway.api.common import protocol_for_path
-from gateway.api.inference import ANTHROPIC_PREFIXES, INFERENCE_ROUTES, errors_of
+from gateway.api.inference import INFERENCE_ROUTES
 from gateway.app import create_app
 from gateway.settings import BackendSettings, PoolSettings, Settings
 from gateway.wire.messages import MESSAGES
+from gateway.wire.paths import ANTHROPIC_PREFIXES, errors_of
 
 #: API routes of the app that are not inference: they list or observe, they send nothing
 #: upstream

@@ -1,9 +1,12 @@
 """The architecture, checked by reading imports (no module is imported or run).
 
-Three rules keep the tree the shape `docs/architecture.md` draws:
+Four rules keep the tree the shape `docs/architecture.md` draws:
 - the pure cores know no event loop, HTTP client or web framework, so they stay testable with a
   plain-number clock and reusable by any shell;
 - arrows point downward only: a module imports modules of its own layer or below, never above;
+- the one-way contracts between roles (`FORBIDDEN`): the server takes nothing from the API
+  layer or the race, the API layer no provider type, the race nothing from the API layer or
+  stats, wire rules and providers nothing from the race, the bench nothing from the app;
 - no two modules import each other, directly or round a circle, type-only imports included.
 A new module must be placed in `LAYERS`, so it cannot slip in unplaced.
 """
@@ -36,10 +39,12 @@ PURE = (
     "gateway.wire.responses",
     "gateway.wire.messages",
     "gateway.wire.named",
+    "gateway.wire.paths",
     "gateway.wire.validate",
     "gateway.wire.usage",
     "gateway.api.stored",
     "gateway.server.workers",
+    "gateway.server.extensions",
     "gateway.stats.loggable",
     "gateway.settings.hidden",
     "providers.sim.cache",
@@ -55,7 +60,8 @@ FORBIDDEN_IN_PURE = ("asyncio", "anyio", "httpx", "aiohttp", "starlette", "fasta
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.errors", "gateway.clock", "gateway.drain", "gateway.argtypes", "gateway.settings",
      "gateway.wire.sse", "gateway.wire.explain",
-     "gateway.wire.usage", "gateway.hedge.latency", "gateway.stats.table"),
+     "gateway.wire.usage", "gateway.hedge.latency", "gateway.stats.table",
+     "gateway.server.extensions"),
     ("gateway.wire", "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.balancer",
      "gateway.hedge.headroom", "gateway.hedge.affinity", "gateway.hedge.prefill",
      "gateway.hedge.classes", "gateway.hedge.sizing", "gateway.server.workers",
@@ -68,6 +74,21 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.api", "gateway.server", "gateway.dashboard"),
     ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
+)
+#: (importer, imported): no module under the first imports one under the second, whatever the
+#: layers say. What the server needs of the app's contracts lives in `gateway.server.extensions`
+#: and `gateway.wire.paths`; the supervisor's `ConfigOrigin` and the bench's `CONFIG_ENV` in
+#: `gateway.settings.origin`; what an attempt sends (`UpstreamCall`) is built by the race's
+#: runner (`gateway.hedge.runner`), and the routes' names are `gateway.wire.paths.Endpoint`.
+FORBIDDEN: tuple[tuple[str, str], ...] = (
+    ("gateway.server", "gateway.api"),
+    ("gateway.server", "gateway.hedge"),
+    ("gateway.api", "providers"),
+    ("gateway.bench", "gateway.app"),
+    ("gateway.hedge", "gateway.api"),
+    ("gateway.hedge", "gateway.stats"),
+    ("gateway.wire", "gateway.hedge"),
+    ("providers", "gateway.hedge"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer
 PACKAGES = ("gateway", "providers")
@@ -137,6 +158,35 @@ def test_imports_point_downward(module: str) -> None:
         if theirs is not None and theirs > own:
             upward.append(name)
     assert not upward, f"{module} (layer {own}) imports higher layers: {sorted(upward)}"
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _forbidden(module: str, imports: set[str]) -> list[str]:
+    """The imports of `module` that break a one-way rule of `FORBIDDEN`."""
+    return sorted(
+        f"{module} -> {name}" for name in imports for source, target in FORBIDDEN
+        if _under(module, source) and _under(name, target)
+    )
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_one_way_contracts_hold(module: str) -> None:
+    broken = _forbidden(module, _imports(MODULES[module]))
+    assert not broken, f"imports against the one-way rules: {broken}"
+
+
+def test_the_one_way_check_sees_each_arrow() -> None:
+    """Each forbidden arrow is caught, and so is a lazy import: the rule itself can fail."""
+    for source, target in FORBIDDEN:
+        assert _forbidden(source + ".x", {target + ".y"}) == [f"{source}.x -> {target}.y"]
+    tree = "def f():\n    from gateway.api.stream import SSEResponse\n"
+    found = {n.module for n in ast.walk(ast.parse(tree)) if isinstance(n, ast.ImportFrom)}
+    assert _forbidden("gateway.server.connection", {m for m in found if m}) != []
+    assert _forbidden("gateway.api.proxy", {"gateway.hedge.runner"}) == []
+    assert _forbidden("gateway.apiary", {"providers.base"}) == []
 
 
 def test_the_checker_sees_a_violation() -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from gateway.hedge.attempt import CANCELLED_BEFORE_TOKEN
-from gateway.hedge.relay import _encode_batch, _encode_events
 from gateway.hedge.sizing import RequestSize
 from gateway.settings import TracingSettings
 from gateway.stats import Stats
@@ -22,6 +21,7 @@ from gateway.stats.series import Series, own_reading
 from gateway.stats.tracing import TracingUnavailable, build_tracing, exporter_name
 from gateway.stats.view import live_view, snapshot
 from gateway.wire.base import RelayOutcome, StreamEnd
+from gateway.wire.chat import _encode_batch, _encode_events
 from gateway.wire.sse import SSEDecoder, SSEEvent
 from gateway.wire.usage import Usage, ask_for_usage, body_usage, read_usage, usage_of
 from tests.unit.test_stats import LAYOUT, attempt, hedge_won, plain, pool_runtime, summary

@@ -9,11 +9,12 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
 
-from gateway.api.request import LogicalRequest, affinity_route, excluded_backends
+from gateway.api.request import LogicalRequest
 from gateway.errors import UpstreamConnectError
 from gateway.hedge.affinity import AffinityRoute, rendezvous_order
 from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.hedge.placement import Placement, RaceOptions
+from gateway.hedge.plan import affinity_route, excluded_backends
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
 from gateway.wire.sse import SSEBatch, SSEEvent

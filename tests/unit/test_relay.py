@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 
 from gateway.hedge.attempt import Prefix
-from gateway.hedge.relay import DONE, relay
+from gateway.hedge.relay import relay
 from gateway.wire.base import RelayOutcome, StreamEnd
+from gateway.wire.chat import DONE
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent
 
 ROLE = b'{"choices":[{"delta":{"role":"assistant"}}]}'
