@@ -259,7 +259,7 @@ def _bench(ns: argparse.Namespace) -> int:
         return run_conversations_command(conversations=ns.requests, quick=ns.quick,
                                          seed=ns.seed, out=ns.out, upstreams=ns.upstream,
                                          model=ns.upstream_model, sizes=ns.sizes,
-                                         concurrency=ns.concurrency)
+                                         concurrency=ns.concurrency, warmup=ns.warmup)
     if ns.upstream:
         print("hedge-gateway bench: --upstream runs --workload conversations", file=sys.stderr)
         return 2
@@ -459,6 +459,11 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conversations: new-message tokens, e.g. 200,4000,30000 or "
                              "200:0.5,4000:0.35,30000:0.15 (default that, or 20,100,300 "
                              "with --upstream)")
+    parser.add_argument("--warmup", type=argtypes.count, metavar="N",
+                        help="conversations: unmeasured warm-up conversations per mode, before "
+                             "the measured ones, their homes spread evenly over the backends "
+                             "(default: enough for every backend's hedge delay to learn, 6 per "
+                             "backend at 4 turns; 0: none)")
     parser.add_argument("--servers", type=parse_servers, default=("uvicorn",), metavar="LIST",
                         help="e.g. uvicorn,granian: each server but uvicorn (`serve`, which runs"
                              " the other modes) adds a mode of its name, hedging on")
