@@ -78,6 +78,9 @@ BACKENDS = 3
 WARMUP_CANDIDATES = 50
 #: seconds between the warm-up and the measured turns: past the delays' refresh (every second)
 WARMUP_SETTLE = 1.2
+#: numbers tried per conversation to give it the sticky client's home in a gateway mode (one in
+#: two on two servers; this many misses in a row are as good as impossible)
+ALIGN_TRIES = 64
 #: the simulators' profile: the stragglers workload plus 60 ms of prefill per 1k uncached tokens
 SIM_ARGS = ("--ttft-median-ms", "150", "--ttft-sigma", "0.25", "--straggler-probability",
             "0.03", "--straggler-extra-ms", "1500", "--tokens", "30", "--inter-token-ms", "5",
@@ -166,11 +169,48 @@ def first_messages(plan: ConversationPlan, number: int, size: int,
                    mode: str, *, warmup: bool = False) -> list[dict[str, str]]:
     """A conversation's opening messages. Against real servers (which keep their caches from
     mode to mode) the system prompt names the mode, so no mode reuses another's prefix; a
-    warm-up conversation's names the warm-up, so no measured turn reuses a warm-up's."""
+    warm-up conversation's names the warm-up, so no measured turn reuses a warm-up's.
+
+    A measured conversation's home is the same in every mode: the gateway's modes add a
+    number to the mode's name (`system-hedging-on.2`) until the gateway's own key puts the
+    conversation first on the backend where the sticky client keeps it. Otherwise each
+    mode's hash would place its conversations anew, and with a dozen conversations on two
+    servers one mode's luck (9 of 12 on one server) decided more than the gateway did. On
+    simulators every mode sends the same prompts, so the homes agree anyway."""
     kind = "warmup" if warmup else "system"
-    tag = f"{kind}-{mode}" if plan.upstreams else kind
+    if not plan.upstreams:
+        return _opening(plan, number, size, kind, warmup)
+    own = _opening(plan, number, size, f"{kind}-{mode}", warmup)
+    if warmup or mode == "sticky":
+        return own
+    backends = len(plan.upstreams)
+    home = _home(plan, _opening(plan, number, size, "system-sticky", False), backends)
+    if home is None:
+        return own
+    for salt in range(ALIGN_TRIES):
+        messages = own if salt == 0 else _opening(plan, number, size, f"{kind}-{mode}.{salt}",
+                                                  warmup)
+        if _home(plan, messages, backends) == home:
+            return messages
+    return own
+
+
+def _opening(plan: ConversationPlan, number: int, size: int, tag: str,
+             warmup: bool) -> list[dict[str, str]]:
     return [{"role": "system", "content": words(plan.system_tokens, tag)},
             {"role": "user", "content": words(size, f"{'w' if warmup else 'c'}{number}t0")}]
+
+
+def _home(plan: ConversationPlan, messages: list[dict[str, str]], backends: int) -> int | None:
+    """The index of the first backend of the gateway's order for a conversation opening with
+    `messages` (`gateway.hedge.affinity`), or None when it is too short for a key."""
+    body = turn_body(plan, "sim", messages)
+    names = backend_names(backends)
+    route = route_for(body, {}, [(name, 1.0) for name in names],
+                      min_input_tokens=key_threshold(plan),
+                      load_factor=AffinitySettings().load_factor,
+                      body_bytes=len(json.dumps(body).encode()))
+    return None if route is None else names.index(route.order[0])
 
 
 def turn_body(plan: ConversationPlan, model: str,
@@ -189,17 +229,13 @@ def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int
     gateway's own key and order (`gateway.hedge.affinity`). On simulators (whose prompts are
     the same in every mode) both place a turn on the same backend, where `--draws request`
     gives it the same luck: the modes then differ by what the gateway does, not by the draws.
-    Against real servers each mode's system prompt is its own, so the homes are drawn anew. A
+    Against real servers each mode's system prompt is its own, chosen so that the gateway's
+    modes put each conversation first on the same backend (`first_messages`). A
     conversation too short for a key goes by a hash of its number. A warm-up conversation's
     home is read from its own opening messages in `mode` (`warmup_conversations`)."""
-    body = turn_body(plan, "sim", first_messages(plan, number, size, mode, warmup=warmup))
-    names = backend_names(backends)
-    route = route_for(body, {}, [(name, 1.0) for name in names],
-                      min_input_tokens=key_threshold(plan),
-                      load_factor=AffinitySettings().load_factor,
-                      body_bytes=len(json.dumps(body).encode()))
-    if route is not None:
-        return names.index(route.order[0])
+    home = _home(plan, first_messages(plan, number, size, mode, warmup=warmup), backends)
+    if home is not None:
+        return home
     prefix = "warmup" if warmup else "conversation"
     digest = hashlib.blake2b(f"{prefix}-{number}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % backends

@@ -124,3 +124,26 @@ def test_the_warm_up_is_taken_out_of_the_counters() -> None:
         "requests": 16, "hedges": {"started": 1, "won": 0},
         "affinity": {"hits": 16, "spills": 0, "misses": 0, "hit_rate": 1.0}}
     assert stats_delta(after, {}) == after
+
+
+def test_against_servers_every_mode_puts_a_conversation_on_the_sticky_clients_server() -> None:
+    """Each mode opens with prompts of its own (the servers keep their caches), yet the
+    gateway's key puts each conversation first on the backend the sticky client keeps it on:
+    the modes differ by what the gateway does, not by where the hash drew the homes."""
+    plan = ConversationPlan(conversations=24, upstreams=("http://a/v1", "http://b/v1"),
+                            system_tokens=100, sizes=((20, 0.5), (100, 0.35), (300, 0.15)))
+    names = backend_names(2)
+    sticky = [sticky_backend(plan, n, size, 2) for n, size in enumerate(size_classes(plan))]
+    for mode in ("hedging-off", "hedging-on", "no-affinity"):
+        openings = set()
+        for number, size in enumerate(size_classes(plan)):
+            messages = first_messages(plan, number, size, mode)
+            openings.add(messages[0]["content"])
+            assert messages[0]["content"] != first_messages(plan, number, size,
+                                                            "sticky")[0]["content"]
+            body = {"model": "bench", "messages": messages, "stream": True,
+                    "stream_options": {"include_usage": True}, "max_tokens": 30}
+            route = route_for(body, {}, [(n, 1.0) for n in names], min_input_tokens=64,
+                              load_factor=1.25, body_bytes=len(json.dumps(body)))
+            assert route is not None and route.order[0] == names[sticky[number]]
+        assert all(text.startswith(f"system-{mode}") for text in openings)
