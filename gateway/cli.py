@@ -259,7 +259,7 @@ def _bench(ns: argparse.Namespace) -> int:
         return run_conversations_command(conversations=ns.requests, quick=ns.quick,
                                          seed=ns.seed, out=ns.out, upstreams=ns.upstream,
                                          model=ns.upstream_model, sizes=ns.sizes,
-                                         concurrency=ns.concurrency)
+                                         concurrency=ns.concurrency, warmup=ns.warmup)
     if ns.upstream:
         print("hedge-gateway bench: --upstream runs --workload conversations", file=sys.stderr)
         return 2
@@ -482,6 +482,11 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "the same simulators, the floor; the gateway's CPU per request "
                              "and added TTFT print as multiples of its (default: for "
                              "--workload overhead when nginx is installed; --nginx requires it)")
+    parser.add_argument("--warmup", type=argtypes.count, metavar="N",
+                        help="conversations: unmeasured warm-up conversations per mode, before "
+                             "the measured ones, their homes spread evenly over the backends "
+                             "(default: enough for every backend's hedge delay to learn, 6 per "
+                             "backend at 4 turns; 0: none)")
     parser.add_argument("--servers", type=parse_servers, default=("uvicorn",), metavar="LIST",
                         help="e.g. uvicorn,granian: each server but uvicorn (`serve`, which runs"
                              " the other modes) adds a mode of its name, hedging on")

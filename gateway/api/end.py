@@ -68,6 +68,15 @@ class RequestEnd:
         self.watcher: asyncio.Future[None] | None = None
         self._done = False
 
+    def release_winner(self) -> None:
+        """The answer is complete and the winner's upstream read and closed: its backend
+        slot goes back now, before the last byte reaches the client. A client may send its
+        next request (a conversation's next turn) as soon as it sees the end, while this
+        request's end still awaits its clean-up; a home still counting this request would
+        then be at its bound with two conversations there, and the turn would spill to a
+        backend that must prefill its whole history. Idempotent (`Race.release_winner`)."""
+        self._race.release_winner()
+
     async def __call__(self) -> None:
         if self._done:
             return
@@ -80,6 +89,9 @@ class RequestEnd:
             # client's next request on the same connection never meets its predecessor's slot)
             pool.inflight_requests -= 1
             self._leave()
+            # and its winner's backend slot, for the same reason (a stream gave it back
+            # already, as its last byte went out: `release_winner`)
+            self._race.release_winner()
             # each step on its own: a failing one must not keep the next from giving back
             # what it holds (the winner's and the losers' upstreams, their backend slots)
             try:

@@ -305,6 +305,7 @@ class Proxy:
                 "the gateway is shutting down", "gateway_shutdown", req.request_id
             ),
             on_close=finish,
+            on_exhausted=end.release_winner,
             clock=self.clock,
             client_gone=end.watcher,
             internal_event=protocol.error_event(

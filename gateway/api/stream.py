@@ -63,9 +63,14 @@ class SSEResponse(Response):
         clock: Callable[[], float],
         client_gone: asyncio.Future[None] | None = None,
         internal_event: bytes = b"",
+        on_exhausted: Callable[[], None] | None = None,
     ) -> None:
         """`internal_event`: the final error event (in the route's shape) a client gets when
-        an exception of ours ends its stream, instead of a stream cut without a word."""
+        an exception of ours ends its stream, instead of a stream cut without a word.
+        `on_exhausted`: called (synchronously) once every byte of `body` was handed to the
+        server, before the last body message goes out: the relay has read and closed its
+        upstream by then, and the client may send its next request as soon as it sees the
+        end, before `on_close` runs."""
         self.status_code = 200
         self.body_iterator = body
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -80,6 +85,7 @@ class SSEResponse(Response):
         self.shutdown_event = shutdown_event
         self.internal_event = internal_event
         self.on_close = on_close
+        self.on_exhausted = on_exhausted
         self.clock = clock
         #: a task already watching the client (the proxy's, from the race on): it ends when
         #: the client disconnects; without one the response watches the client itself
@@ -172,6 +178,8 @@ class SSEResponse(Response):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self._in_send = False
         self._exhausted = True
+        if self.on_exhausted is not None:
+            self.on_exhausted()
 
     def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> None:
         """End the stream when the client disconnects: through the proxy's watcher when

@@ -136,7 +136,8 @@ def run_clouds_command(*, requests: int | None, concurrency: int | None, quick: 
 def run_conversations_command(*, conversations: int | None, quick: bool, seed: int,
                               out: str | None, upstreams: Sequence[str] = (),
                               model: str | None = None, sizes: str | None = None,
-                              concurrency: int | None = None) -> int:
+                              concurrency: int | None = None,
+                              warmup: int | None = None) -> int:
     """`--workload conversations`: sticky client, hedging off, hedging on over multi-turn
     conversations on prefilling, caching simulators (`gateway.bench.conversations`), or on
     the user's own servers (`upstreams`: `gateway.bench.external`); then the best simulated
@@ -155,10 +156,13 @@ def run_conversations_command(*, conversations: int | None, quick: bool, seed: i
         conversations=conversations or (24 if quick else 48), turns=3 if quick else 4,
         seed=seed, sizes=mix, upstreams=tuple(upstreams), model=model,
         system_tokens=external.UPSTREAM_SYSTEM_TOKENS if upstreams else conv.SYSTEM_TOKENS,
-        concurrency=concurrency or (len(upstreams) if upstreams else None))
+        concurrency=concurrency or (len(upstreams) if upstreams else None), warmup=warmup)
+    backends = len(upstreams) or conv.BACKENDS
+    warm = conv.default_warmup(plan, backends) if warmup is None else warmup
     where = f"servers {', '.join(upstreams)}" if upstreams else "simulators"
     print(f"hedge-gateway bench: conversations on {where}; {plan.conversations} conversations "
-          f"of {plan.turns} turns, modes {', '.join(plan.modes)}", file=sys.stderr)
+          f"of {plan.turns} turns after {warm} unmeasured warm-up conversations, modes "
+          f"{', '.join(plan.modes)}", file=sys.stderr)
     try:
         result = _run_children(lambda: conv.run_conversations(plan))
     except ValueError as exc:  # an upstream whose model could not be found
@@ -175,6 +179,7 @@ def run_conversations_command(*, conversations: int | None, quick: bool, seed: i
     path = out or _default_out("conversations-")
     report.write_json(path, {"workload": "conversations", "machine": machine(),
                              "plan": {"conversations": plan.conversations, "turns": plan.turns,
+                                      "warmup": warm, "concurrency": plan.concurrency,
                                       "seed": seed, "sizes": [list(s) for s in plan.sizes],
                                       "upstreams": list(plan.upstreams)},
                              "modes": result, "policies": policies})

@@ -15,6 +15,18 @@ conversations:
 - `no-affinity`: hedging on, affinity off: the load-only selection the gateway had before,
   for comparison.
 
+Each mode first plays unmeasured warm-up conversations (`warmup`, `--warmup N`), the same in
+every mode, sticky included: each backend's hedge delay learns from `min_samples` (20) TTFTs
+and waits `initial` (0.5 s) until then, so a measurement from a cold gateway is mostly that
+learning period (on two llama-cpp-python servers whose TTFT is about 1 s, more than half of
+a 48-turn run's turns were hedged before their delays had learnt). The other benches warm up
+before they measure for the same reason (`gateway.bench.clouds`). The warm-up conversations
+open with system prompts of their own, so no measured turn finds its prefix cached by them,
+and they are chosen so that their homes (the first backend of the gateway's order, where the
+sticky client sends them too) are spread evenly over the backends: every backend then gets
+enough turns to learn, not only the ones that the hash happens to favour. What `/hedge/stats`
+counted for the warm-up is left out of the mode's figures.
+
 Each conversation has a size class (the tokens of each new user message: 200, 4,000 or
 30,000, a mix), a system prompt of `SYSTEM_TOKENS` and `turns` turns; each turn appends the
 assistant's answer and a new user message. A token is a 4-byte word ("tok "), so the body's
@@ -51,7 +63,7 @@ from gateway.bench.external import MAX_TOKENS, base_url, served_models, settle
 from gateway.bench.policies import Conversation, Model, best_policies
 from gateway.bench.procs import Children, free_port, wait_ready
 from gateway.hedge.affinity import route_for
-from gateway.settings import AffinitySettings
+from gateway.settings import AffinitySettings, DelaySettings
 from gateway.settings.caching import min_keyed_tokens
 
 POOL = "bench"
@@ -60,6 +72,15 @@ MODES = ("sticky", "hedging-off", "hedging-on", "no-affinity")
 SIZES: tuple[tuple[int, float], ...] = ((200, 0.5), (4000, 0.35), (30000, 0.15))
 SYSTEM_TOKENS = 1000
 BACKENDS = 3
+#: warm-up candidates tried per warm-up conversation wanted, to spread their homes evenly (the
+#: hash puts a candidate on a given one of two backends half the time; this many misses in a
+#: row are as good as impossible)
+WARMUP_CANDIDATES = 50
+#: seconds between the warm-up and the measured turns: past the delays' refresh (every second)
+WARMUP_SETTLE = 1.2
+#: numbers tried per conversation to give it the sticky client's home in a gateway mode (one in
+#: two on two servers; this many misses in a row are as good as impossible)
+ALIGN_TRIES = 64
 #: the simulators' profile: the stragglers workload plus 60 ms of prefill per 1k uncached tokens
 SIM_ARGS = ("--ttft-median-ms", "150", "--ttft-sigma", "0.25", "--straggler-probability",
             "0.03", "--straggler-extra-ms", "1500", "--tokens", "30", "--inter-token-ms", "5",
@@ -86,6 +107,9 @@ class ConversationPlan:
     concurrency: int | None = None
     #: the gateway's `affinity.min_input_tokens` (None: its default)
     min_input_tokens: int | None = None
+    #: unmeasured warm-up conversations per mode, before the measured ones (None: enough for
+    #: every backend's delay to learn, `default_warmup`; 0: none)
+    warmup: int | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +143,9 @@ class ModeResult:
     turns: list[Turn] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    #: the warm-up's turns (not measured, not in `turns` or `stats`) and how many failed
+    warmup_turns: int = 0
+    warmup_errors: int = 0
 
 
 def words(n: int, tag: str) -> str:
@@ -139,12 +166,51 @@ def backend_names(count: int) -> list[str]:
 
 
 def first_messages(plan: ConversationPlan, number: int, size: int,
-                   mode: str) -> list[dict[str, str]]:
+                   mode: str, *, warmup: bool = False) -> list[dict[str, str]]:
     """A conversation's opening messages. Against real servers (which keep their caches from
-    mode to mode) the system prompt names the mode, so no mode reuses another's prefix."""
-    tag = f"system-{mode}" if plan.upstreams else "system"
+    mode to mode) the system prompt names the mode, so no mode reuses another's prefix; a
+    warm-up conversation's names the warm-up, so no measured turn reuses a warm-up's.
+
+    A measured conversation's home is the same in every mode: the gateway's modes add a
+    number to the mode's name (`system-hedging-on.2`) until the gateway's own key puts the
+    conversation first on the backend where the sticky client keeps it. Otherwise each
+    mode's hash would place its conversations anew, and with a dozen conversations on two
+    servers one mode's luck (9 of 12 on one server) decided more than the gateway did. On
+    simulators every mode sends the same prompts, so the homes agree anyway."""
+    kind = "warmup" if warmup else "system"
+    if not plan.upstreams:
+        return _opening(plan, number, size, kind, warmup)
+    own = _opening(plan, number, size, f"{kind}-{mode}", warmup)
+    if warmup or mode == "sticky":
+        return own
+    backends = len(plan.upstreams)
+    home = _home(plan, _opening(plan, number, size, "system-sticky", False), backends)
+    if home is None:
+        return own
+    for salt in range(ALIGN_TRIES):
+        messages = own if salt == 0 else _opening(plan, number, size, f"{kind}-{mode}.{salt}",
+                                                  warmup)
+        if _home(plan, messages, backends) == home:
+            return messages
+    return own
+
+
+def _opening(plan: ConversationPlan, number: int, size: int, tag: str,
+             warmup: bool) -> list[dict[str, str]]:
     return [{"role": "system", "content": words(plan.system_tokens, tag)},
-            {"role": "user", "content": words(size, f"c{number}t0")}]
+            {"role": "user", "content": words(size, f"{'w' if warmup else 'c'}{number}t0")}]
+
+
+def _home(plan: ConversationPlan, messages: list[dict[str, str]], backends: int) -> int | None:
+    """The index of the first backend of the gateway's order for a conversation opening with
+    `messages` (`gateway.hedge.affinity`), or None when it is too short for a key."""
+    body = turn_body(plan, "sim", messages)
+    names = backend_names(backends)
+    route = route_for(body, {}, [(name, 1.0) for name in names],
+                      min_input_tokens=key_threshold(plan),
+                      load_factor=AffinitySettings().load_factor,
+                      body_bytes=len(json.dumps(body).encode()))
+    return None if route is None else names.index(route.order[0])
 
 
 def turn_body(plan: ConversationPlan, model: str,
@@ -157,23 +223,56 @@ def turn_body(plan: ConversationPlan, model: str,
     return body
 
 
-def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int) -> int:
+def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int, *,
+                   mode: str = "sticky", warmup: bool = False) -> int:
     """The one backend the sticky client keeps conversation `number` on: its home by the
     gateway's own key and order (`gateway.hedge.affinity`). On simulators (whose prompts are
     the same in every mode) both place a turn on the same backend, where `--draws request`
     gives it the same luck: the modes then differ by what the gateway does, not by the draws.
-    Against real servers each mode's system prompt is its own, so the homes are drawn anew. A
-    conversation too short for a key goes by a hash of its number."""
-    body = turn_body(plan, "sim", first_messages(plan, number, size, "sticky"))
-    names = backend_names(backends)
-    route = route_for(body, {}, [(name, 1.0) for name in names],
-                      min_input_tokens=key_threshold(plan),
-                      load_factor=AffinitySettings().load_factor,
-                      body_bytes=len(json.dumps(body).encode()))
-    if route is not None:
-        return names.index(route.order[0])
-    digest = hashlib.blake2b(f"conversation-{number}".encode(), digest_size=8).digest()
+    Against real servers each mode's system prompt is its own, chosen so that the gateway's
+    modes put each conversation first on the same backend (`first_messages`). A
+    conversation too short for a key goes by a hash of its number. A warm-up conversation's
+    home is read from its own opening messages in `mode` (`warmup_conversations`)."""
+    home = _home(plan, first_messages(plan, number, size, mode, warmup=warmup), backends)
+    if home is not None:
+        return home
+    prefix = "warmup" if warmup else "conversation"
+    digest = hashlib.blake2b(f"{prefix}-{number}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % backends
+
+
+def default_warmup(plan: ConversationPlan, backends: int) -> int:
+    """Warm-up conversations per mode by default: each backend gets the turns of enough of
+    them that its delay reaches `min_samples` observations (`gateway.hedge.delay`) and has
+    left `initial` before the first measured turn, with one conversation to spare (a turn
+    that spills or fails is one sample fewer at its home)."""
+    per_backend = -(-DelaySettings().min_samples // max(1, plan.turns)) + 1
+    return per_backend * backends
+
+
+def warmup_conversations(plan: ConversationPlan, mode: str,
+                         backends: int) -> list[tuple[int, int, int]]:
+    """The warm-up conversations of `mode`: (number, size, home backend) each, their count
+    `plan.warmup` (default `default_warmup`), their sizes drawn from the plan's mix, and
+    their homes as even over the backends as the count allows (backend k gets
+    `count // backends`, one more for the first `count % backends`). Chosen among candidate
+    numbers in order, so the same plan always warms up alike."""
+    count = default_warmup(plan, backends) if plan.warmup is None else plan.warmup
+    if count <= 0 or backends <= 0:
+        return []
+    want = [count // backends + (1 if k < count % backends else 0) for k in range(backends)]
+    rng = random.Random(plan.seed + 7919)  # not the measured conversations' draws
+    sizes, weights = zip(*plan.sizes, strict=True)
+    chosen: list[tuple[int, int, int]] = []
+    for number in range(WARMUP_CANDIDATES * count):
+        size = rng.choices(sizes, weights=weights)[0]
+        home = sticky_backend(plan, number, size, backends, mode=mode, warmup=True)
+        if want[home] > 0:
+            want[home] -= 1
+            chosen.append((number, size, home))
+            if len(chosen) == count:
+                break
+    return chosen
 
 
 def key_threshold(plan: ConversationPlan) -> int:
@@ -241,20 +340,21 @@ async def _stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 async def _conversation(client: httpx.AsyncClient, url: str, model: str, number: int,
                         size: int, plan: ConversationPlan, out: list[Turn],
-                        mode: str, slots: asyncio.Semaphore) -> None:
+                        mode: str, slots: asyncio.Semaphore, *, warmup: bool = False) -> None:
     """One conversation's turns, holding one of `slots` throughout. Against real servers
     (which keep their caches from mode to mode) its system prompt names the mode and its
     answers are capped."""
     if plan.concurrency is None:
         await asyncio.sleep(number * plan.stagger)
     async with slots:
-        await _turns(client, url, model, number, size, plan, out, mode)
+        await _turns(client, url, model, number, size, plan, out, mode, warmup)
 
 
 async def _turns(client: httpx.AsyncClient, url: str, model: str, number: int, size: int,
-                 plan: ConversationPlan, out: list[Turn], mode: str) -> None:
-    messages = first_messages(plan, number, size, mode)
+                 plan: ConversationPlan, out: list[Turn], mode: str, warmup: bool) -> None:
+    messages = first_messages(plan, number, size, mode, warmup=warmup)
     previous = 0
+    tag = "w" if warmup else "c"
     for index in range(plan.turns):
         turn = Turn(number, index, size, previous_prompt=previous)
         out.append(turn)
@@ -268,7 +368,7 @@ async def _turns(client: httpx.AsyncClient, url: str, model: str, number: int, s
             return
         previous = turn.prompt_tokens
         messages = [*messages, {"role": "assistant", "content": answer},
-                    {"role": "user", "content": words(size, f"c{number}t{index + 1}")}]
+                    {"role": "user", "content": words(size, f"{tag}{number}t{index + 1}")}]
 
 
 async def _start_sims(children: Children, client: httpx.AsyncClient, mode: str,
@@ -281,6 +381,63 @@ async def _start_sims(children: Children, client: httpx.AsyncClient, mode: str,
     for port, proc in zip(ports, procs, strict=True):
         await wait_ready(client, f"http://127.0.0.1:{port}/v1/models", proc, children)
     return ports
+
+
+async def _play(client: httpx.AsyncClient, plan: ConversationPlan, mode: str,
+                conversations: Sequence[tuple[int, int, int]], bases: Sequence[str],
+                models: Sequence[str], gateway: str | None, *,
+                warmup: bool = False) -> list[Turn]:
+    """Play `conversations` ((number, size, home backend) each) to their ends, `concurrency`
+    at a time: to each one's home for the sticky client (`gateway` None), else through the
+    gateway. Every turn, each labelled with the backend that answered it."""
+    slots = asyncio.Semaphore(plan.concurrency or len(conversations) or 1)
+    names = backend_names(len(bases))
+    tasks = []
+    for number, size, home in conversations:
+        if gateway is None:
+            url, model, label = f"{bases[home]}/chat/completions", models[home], names[home]
+        else:
+            url, model, label = gateway + "/v1/chat/completions", POOL, ""
+        own: list[Turn] = []
+        tasks.append((own, label, _conversation(client, url, model, number, size, plan, own,
+                                                mode, slots, warmup=warmup)))
+    await asyncio.gather(*(t[2] for t in tasks))
+    turns: list[Turn] = []
+    for own, label, _ in tasks:
+        for turn in own:
+            turn.backend = turn.backend or label
+        turns.extend(own)
+    return turns
+
+
+async def _pool_stats(client: httpx.AsyncClient, gateway: str,
+                      requests: int) -> dict[str, Any]:
+    """The pool's lifetime `/hedge/stats` once it counts `requests` (a request is counted
+    once it ended and its losers were closed), or after 5 s as it is."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        stats: dict[str, Any] = (await client.get(gateway + "/hedge/stats")).json()
+        lifetime: dict[str, Any] = stats["pools"][POOL]["lifetime"]
+        if lifetime.get("requests", 0) >= requests or time.monotonic() > deadline:
+            return lifetime
+        await asyncio.sleep(0.05)
+
+
+def stats_delta(after: Any, before: Any) -> Any:
+    """What the measured turns added to the lifetime counters: every number of `after` less
+    the same one of `before` (nested alike), and the affinity hit rate of the difference.
+    Anything else is `after`'s."""
+    if isinstance(after, dict):
+        base = before if isinstance(before, dict) else {}
+        out = {key: stats_delta(value, base.get(key)) for key, value in after.items()}
+        if {"hits", "spills", "misses"} <= out.keys() and "hit_rate" in out:
+            total = out["hits"] + out["spills"] + out["misses"]
+            out["hit_rate"] = round(out["hits"] / total, 4) if total else None
+        return out
+    if isinstance(after, int | float) and not isinstance(after, bool) \
+            and isinstance(before, int | float) and not isinstance(before, bool):
+        return after - before
+    return after
 
 
 async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> ModeResult:
@@ -307,30 +464,27 @@ async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> Mo
             proc = children.start(f"gateway-conversations-{mode}", argv, env=env)
             gateway = f"http://127.0.0.1:{port}"
             await wait_ready(client, gateway + "/healthz", proc, children)
+        warm = warmup_conversations(plan, mode, len(bases))
+        before: dict[str, Any] = {}
+        if warm:
+            warm_turns = await _play(client, plan, mode, warm, bases, models, gateway,
+                                     warmup=True)
+            result.warmup_turns = len(warm_turns)
+            result.warmup_errors = sum(1 for t in warm_turns if t.error is not None)
+            if gateway is not None:
+                before = await _pool_stats(client, gateway, len(warm_turns))
+            # the delays are recomputed once a second, off the request path: the last
+            # warm-up turns' samples are in force before the first measured turn
+            await asyncio.sleep(WARMUP_SETTLE)
         sizes = size_classes(plan)
+        measured = [(number, size, sticky_backend(plan, number, size, len(bases), mode=mode))
+                    for number, size in enumerate(sizes)]
         started = time.monotonic()
-        slots = asyncio.Semaphore(plan.concurrency or len(sizes) or 1)
-        tasks = []
-        for number, size in enumerate(sizes):
-            if gateway is None:
-                k = sticky_backend(plan, number, size, len(bases))
-                url, model = f"{bases[k]}/chat/completions", models[k]
-                label = backend_names(len(bases))[k]
-            else:
-                url, model, label = gateway + "/v1/chat/completions", POOL, ""
-            own: list[Turn] = []
-            tasks.append((own, label, _conversation(client, url, model, number, size, plan,
-                                                    own, mode, slots)))
-        await asyncio.gather(*(t[2] for t in tasks))
+        result.turns = await _play(client, plan, mode, measured, bases, models, gateway)
         result.seconds = time.monotonic() - started
-        for own, label, _ in tasks:
-            for turn in own:
-                turn.backend = turn.backend or label
-            result.turns.extend(own)
         if gateway is not None:
-            await asyncio.sleep(0.5)  # the last requests' ends are recorded
-            stats = (await client.get(gateway + "/hedge/stats")).json()
-            result.stats = stats["pools"][POOL]["lifetime"]
+            after = await _pool_stats(client, gateway, result.warmup_turns + len(result.turns))
+            result.stats = stats_delta(after, before)
     children.close()  # the next mode starts with cold caches
     return result
 
@@ -367,6 +521,7 @@ def summarize(result: ModeResult) -> dict[str, Any]:
         "mode": result.mode,
         "seconds": round(result.seconds, 1),
         "turns": len(result.turns),
+        "warmup_turns": result.warmup_turns, "warmup_errors": result.warmup_errors,
         "errors": sum(1 for t in result.turns if t.error is not None),
         "ttft_p50_ms": _quantile(ttfts, 0.5), "ttft_p99_ms": _quantile(ttfts, 0.99),
         "cache_hit_rate": sum(1 for t in later if t.hit) / len(later) if later else None,

@@ -11,7 +11,13 @@ What differs from the simulated run, and why:
 - the model each server serves is read from its `GET /models` (the first listed) unless
   `--upstream-model` names one for all;
 - the servers keep their prefix caches from one mode to the next, so each mode's
-  conversations open with a system prompt of their own: no mode reuses another's prefix;
+  conversations open with a system prompt of their own: no mode reuses another's prefix. The
+  gateway's modes number theirs (`system-hedging-on.2`) until the gateway's key puts each
+  conversation on the server where the sticky client keeps it, so every mode has the same
+  conversations on the same servers (`conversations.first_messages`);
+- every mode, sticky included, first plays unmeasured warm-up conversations of their own
+  (`--warmup`, default 6 per server at 4 turns), so the gateway's hedge delays have learnt
+  each server's TTFT before the first measured turn (`conversations.warmup_conversations`);
 - prompts are smaller by default (a 100-token system prompt, new messages of 20, 100 and 300
   tokens: `--sizes` changes them) and answers are capped at 30 tokens, so that a small
   model's context holds every turn;

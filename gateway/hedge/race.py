@@ -441,10 +441,19 @@ class Race:
         """Close a loser that holds a token, in a task `aclose` reaps."""
         self._losers.close_prefix(task, record, cancelled_at)
 
-    async def aclose(self) -> None:
-        """At the request's end: give back the winner's backend slot, and wait (bounded) for
-        the losers to finish closing their upstreams."""
+    def release_winner(self) -> None:
+        """Give back the winner's backend slot (once; `aclose` does it if nobody did). The
+        request's end calls it as its answer is out, before it awaits the winner's upstream
+        close: the client's next request (a conversation's next turn) can arrive in that
+        await, and must not find its home still counting this one, or with two
+        conversations there the turn meets the home's bound and spills to a backend that
+        must prefill its whole history."""
         if self._streaming is not None:
             self.pool.balancer.on_finish(self._streaming.backend, probe=self._streaming.probe)
             self._streaming = None
+
+    async def aclose(self) -> None:
+        """At the request's end: give back the winner's backend slot, and wait (bounded) for
+        the losers to finish closing their upstreams."""
+        self.release_winner()
         await self._losers.reap()

@@ -13,7 +13,7 @@ import pytest
 from gateway.bench.conversations import ConversationPlan, run_conversations
 from gateway.settings import SimProfile
 from providers.sim.server import create_sim_app
-from tests.harness import AsgiServerFactory
+from tests.harness import AsgiServerFactory, UpstreamFactory
 
 #: fast, and with a prefix cache, so the usage reports cached tokens
 PROFILE = SimProfile(ttft_median=0.01, ttft_sigma=0.1, straggler_probability=0.0,
@@ -50,3 +50,39 @@ def test_conversations_run_against_servers_the_bench_did_not_start(
     # the modes do not share prefixes: each opened with a system prompt of its own
     first_turns = [t for t in rows[1]["turns_detail"] if t[1] == 0]
     assert first_turns and first_turns[0][5] < 100
+
+
+PHASES = ("warmup-sticky", "system-sticky", "warmup-hedging-on", "system-hedging-on")
+
+
+@pytest.mark.timeout(120)
+def test_each_mode_warms_up_before_it_measures_and_leaves_the_warm_up_out(
+    scripted_upstream: UpstreamFactory,
+) -> None:
+    """Every mode, sticky included, first plays its warm-up conversations (system prompts of
+    their own, homes spread over both servers), then the measured ones; the warm-up's turns
+    are neither in the mode's turns nor in the gateway counters it reports."""
+    servers = scripted_upstream(2)
+    plan = ConversationPlan(conversations=3, turns=2, modes=("sticky", "hedging-on"),
+                            sizes=((40, 1.0),), system_tokens=100, concurrency=2, warmup=4,
+                            model="m", upstreams=tuple(s.base_url for s in servers))
+    rows = run_conversations(plan)
+    for row in rows:
+        assert row["turns"] == 6 and row["errors"] == 0
+        assert row["warmup_turns"] == 8 and row["warmup_errors"] == 0
+    assert rows[1]["affinity"]["hits"] + rows[1]["affinity"]["spills"] == 6
+
+    def phase(body: object) -> str:
+        assert isinstance(body, dict)
+        # the measured openings may carry a number after the mode (`system-hedging-on.3`)
+        return str(body["messages"][0]["content"]).split()[0].split(".")[0]
+
+    posts = sorted((r for s in servers for r in s.requests if r.method == "POST"),
+                   key=lambda r: r.received_at)
+    order = [PHASES.index(phase(r.body)) for r in posts]
+    assert order == sorted(order)  # each phase's requests all came before the next phase's
+    assert [order.count(k) for k in range(4)] == [8, 6, 8, 6]
+    # the warm-up reached both servers in both modes: each one's delay learns
+    for mode in ("warmup-sticky", "warmup-hedging-on"):
+        assert all(any(phase(r.body) == mode for r in s.requests if r.method == "POST")
+                   for s in servers)

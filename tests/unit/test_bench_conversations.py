@@ -11,16 +11,19 @@ from gateway.bench.conversations import (
     ModeResult,
     Turn,
     backend_names,
+    default_warmup,
     first_messages,
     format_table,
     gateway_yaml,
     size_classes,
+    stats_delta,
     sticky_backend,
     summarize,
+    warmup_conversations,
     words,
 )
 from gateway.hedge.affinity import route_for
-from gateway.settings import parse_settings
+from gateway.settings import DelaySettings, parse_settings
 
 
 def test_sizes_are_seeded_and_mixed() -> None:
@@ -88,3 +91,59 @@ def test_summary_counts_hits_on_later_turns_and_the_extra_tokens() -> None:
     assert row["classes"]["4000"]["turns"] == 0
     table = format_table([row])
     assert "hedging-on" in table and "4/0/0" in table
+
+
+def test_the_warm_up_teaches_every_backend_its_delay_on_prefixes_of_its_own() -> None:
+    """By default each backend is the home of enough warm-up conversations for its delay to
+    reach `min_samples`; the homes are spread evenly; none opens like a measured one."""
+    for upstreams, backends in (((), 3), (("http://a/v1", "http://b/v1"), 2)):
+        plan = ConversationPlan(upstreams=upstreams, system_tokens=100)
+        for mode in ("sticky", "hedging-on"):
+            warm = warmup_conversations(plan, mode, backends)
+            assert len(warm) == default_warmup(plan, backends)
+            for k in range(backends):
+                homes = [n for n, _, home in warm if home == k]
+                assert len(homes) * plan.turns >= DelaySettings().min_samples + plan.turns
+            for number, size, home in warm:
+                assert sticky_backend(plan, number, size, backends, mode=mode,
+                                      warmup=True) == home
+                opening = first_messages(plan, number, size, mode, warmup=True)
+                assert opening[0]["content"].split()[0].startswith("warmup")
+                assert opening != first_messages(plan, number, size, mode)
+    odd = ConversationPlan(warmup=5)
+    assert sorted(home for *_, home in warmup_conversations(odd, "sticky", 2)) == [0, 0, 0, 1, 1]
+    assert warmup_conversations(ConversationPlan(warmup=0), "sticky", 2) == []
+
+
+def test_the_warm_up_is_taken_out_of_the_counters() -> None:
+    before = {"requests": 24, "hedges": {"started": 20, "won": 5},
+              "affinity": {"hits": 22, "spills": 2, "misses": 0, "hit_rate": 0.9167}}
+    after = {"requests": 40, "hedges": {"started": 21, "won": 5},
+             "affinity": {"hits": 38, "spills": 2, "misses": 0, "hit_rate": 0.95}}
+    assert stats_delta(after, before) == {
+        "requests": 16, "hedges": {"started": 1, "won": 0},
+        "affinity": {"hits": 16, "spills": 0, "misses": 0, "hit_rate": 1.0}}
+    assert stats_delta(after, {}) == after
+
+
+def test_against_servers_every_mode_puts_a_conversation_on_the_sticky_clients_server() -> None:
+    """Each mode opens with prompts of its own (the servers keep their caches), yet the
+    gateway's key puts each conversation first on the backend the sticky client keeps it on:
+    the modes differ by what the gateway does, not by where the hash drew the homes."""
+    plan = ConversationPlan(conversations=24, upstreams=("http://a/v1", "http://b/v1"),
+                            system_tokens=100, sizes=((20, 0.5), (100, 0.35), (300, 0.15)))
+    names = backend_names(2)
+    sticky = [sticky_backend(plan, n, size, 2) for n, size in enumerate(size_classes(plan))]
+    for mode in ("hedging-off", "hedging-on", "no-affinity"):
+        openings = set()
+        for number, size in enumerate(size_classes(plan)):
+            messages = first_messages(plan, number, size, mode)
+            openings.add(messages[0]["content"])
+            assert messages[0]["content"] != first_messages(plan, number, size,
+                                                            "sticky")[0]["content"]
+            body = {"model": "bench", "messages": messages, "stream": True,
+                    "stream_options": {"include_usage": True}, "max_tokens": 30}
+            route = route_for(body, {}, [(n, 1.0) for n in names], min_input_tokens=64,
+                              load_factor=1.25, body_bytes=len(json.dumps(body)))
+            assert route is not None and route.order[0] == names[sticky[number]]
+        assert all(text.startswith(f"system-{mode}") for text in openings)

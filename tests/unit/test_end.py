@@ -198,3 +198,62 @@ def test_admission_bounds_the_body_bytes_in_flight_and_always_admits_the_first()
     admission.leave(40)
     admission.leave(60)
     assert (admission.active, admission.active_bytes) == (0, 0)
+
+
+def test_the_winners_backend_slot_is_back_before_its_upstream_is_closed() -> None:
+    """A client may send its next request (a conversation's next turn) as soon as it has its
+    answer. By then the winner's backend must no longer count this request's attempt: else
+    the turn finds its home at its bound (two conversations there) and spills to a backend
+    that must prefill its whole history. The slot goes back with the admission slot, before
+    the winner's upstream close (3 s here) is awaited."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop, close_takes=SLOW_CLOSE)
+        proxy, pool = proxy_for(Setup([Step("token", 0.125)]), loop, world)
+        response = await proxy.handle(http_request(), pool, logical_request(stream=False))
+        sent: list[str] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message["type"])
+
+        async def receive() -> Any:
+            return {"type": "http.disconnect"}
+
+        task = asyncio.ensure_future(response({"type": "http"}, receive, send))
+        await asyncio.sleep(1.0)
+        assert sent == ["http.response.start", "http.response.body"]  # answered
+        assert world.closed == {} and not task.done()  # the winner's upstream still closing
+        assert pool.inflight_requests == 0
+        assert all(pool.balancer.inflight(b.name) == 0 for b in pool.settings.backends)
+        await task
+        assert set(world.closed) == set(world.opened)
+        assert all(pool.balancer.inflight(b.name) == 0 for b in pool.settings.backends)
+
+    run_virtual(main)
+
+
+def test_a_streams_backend_slot_is_back_before_its_last_byte() -> None:
+    """A stream's client sends its next turn as soon as it sees the stream's end, while the
+    request's end still runs its clean-up: the winner's backend slot must be back before the
+    last body message goes out, not after."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([Step("empty", 0.125)]), loop, world)
+        response = await proxy.handle(http_request(), pool, logical_request(stream=True))
+        held: list[tuple[str, bool, int]] = []
+
+        async def send(message: Any) -> None:
+            inflight = sum(pool.balancer.inflight(b.name) for b in pool.settings.backends)
+            held.append((message["type"], bool(message.get("more_body")), inflight))
+
+        async def receive() -> Any:
+            await asyncio.get_running_loop().create_future()
+
+        await response({"type": "http"}, receive, send)
+        assert held[0][0] == "http.response.start" and held[0][2] == 1  # streaming: held
+        assert held[-1] == ("http.response.body", False, 0)  # the end: already given back
+        assert set(world.closed) == set(world.opened)
+        assert all(pool.balancer.inflight(b.name) == 0 for b in pool.settings.backends)
+
+    run_virtual(main)
