@@ -103,9 +103,6 @@ class RequestEnd:
                 await self._race.aclose()
             except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                 report_bug(stats, exc)
-            # every upstream given back: this runtime's providers may now be closed if a
-            # reload retired them
-            pool.holding -= 1
             try:
                 summary.panic = self._race.placement.panic
                 summary.affinity = self._race.placement.affinity
@@ -117,6 +114,11 @@ class RequestEnd:
                     self.trace.end(summary, stats.error_classes)
             except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                 report_bug(stats, exc)
+            finally:
+                # last: every upstream given back and the request accounted for, so this
+                # runtime's providers may now be closed if a reload retired them, and a
+                # reader of `holding` knows the request has wholly ended
+                pool.holding -= 1
 
 
 class AnswerThen(Response):

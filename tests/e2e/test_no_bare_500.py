@@ -260,6 +260,8 @@ def _released(app: FastAPI) -> list[str]:
     for name, pool in app.state.pools.items():  # the pools at start: no reload here
         if pool.inflight_requests:
             held.append(f"pool {name} in flight {pool.inflight_requests}")
+        if pool.holding:  # the request's end still running (its log line comes last)
+            held.append(f"pool {name} held by {pool.holding} request(s) still ending")
         for backend in pool.balancer.names:
             if pool.balancer.inflight(backend):
                 held.append(f"backend {backend} in flight {pool.balancer.inflight(backend)}")
