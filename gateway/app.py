@@ -395,6 +395,8 @@ def create_app(
     app.state.reloader = Reloader(live, stats, client, clock, rng, workers, keys=rings,
                                   contexts=contexts)
     app.state.stats = stats
+    #: the `/hedge/stats` document as of now (the endpoint's is up to a second old)
+    app.state.stats_source = source
     app.state.proxy = proxy
     #: `drain.start()` on SIGTERM: new requests get 503, live streams get `shutdown_grace`
     app.state.drain = drain

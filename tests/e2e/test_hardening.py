@@ -48,7 +48,7 @@ from tests.harness.limits_kit import (
     error_logs,
     held_stream,
     holding,
-    pool_errors,
+    pool_errors_now,
     read_response,
     request_head,
     sdk,
@@ -315,7 +315,8 @@ def test_the_sdk_retries_an_overload_503_after_its_pause_and_gets_through(
         thread = threading.Thread(target=retrying_client)
         thread.start()
         # the SDK's first try was refused (the one slot is held) ...
-        assert pool_errors(gateway.root, POOL, settle={"overloaded": 1}) == {"overloaded": 1}
+        assert pool_errors_now(loop_thread, gateway.app, POOL,
+                               settle={"overloaded": 1}) == {"overloaded": 1}
         gate.open()  # ... then the slot frees up, and its retry after the pause gets in
         data_lines(lines, "[DONE]")
         thread.join(30.0)

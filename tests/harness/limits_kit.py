@@ -160,6 +160,20 @@ def pool_errors(root: str, pool: str, *, settle: Mapping[str, int] | None = None
         time.sleep(0.02)  # polling, not a timing assertion
 
 
+def pool_errors_now(loop_thread: LoopThread, app: FastAPI, pool: str, *,
+                    settle: Mapping[str, int]) -> dict[str, int]:
+    """`pool_errors` read in the gateway's loop as of now, not from `/hedge/stats` (built at
+    most once a second): for a test that must see a count the moment it is reached, before
+    a client's retry after its pause can add to it."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        doc = loop_thread.call(app.state.stats_source.document)
+        errors: dict[str, int] = doc["pools"][pool]["lifetime"]["errors"]
+        if all(errors.get(k, 0) >= v for k, v in settle.items()) or time.monotonic() > deadline:
+            return errors
+        time.sleep(0.01)  # polling, not a timing assertion
+
+
 def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     """Poll until `predicate()` holds; False if it did not within `timeout`."""
     deadline = time.monotonic() + timeout
