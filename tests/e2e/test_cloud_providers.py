@@ -345,6 +345,15 @@ def test_an_expired_token_answer_rereads_the_chain_and_resends_once(
     assert len(sim.calls) == 1
 
 
+def cloud_pools(b_url: str, v_url: str, key_file: Path, weight: float) -> Settings:
+    """Pool `b` of one Bedrock backend and pool `v` of one Vertex backend, both at `weight`
+    (a reload that changes it rebuilds both providers)."""
+    return settings_for(
+        pool([bedrock("bedrock", b_url, key=None, weight=weight)], name="b"),
+        pool([dataclasses.replace(vertex("vertex", v_url, key_file), weight=weight)],
+             name="v"))
+
+
 def test_a_reload_that_rebuilds_cloud_backends_keeps_their_credentials(
     loop_thread: LoopThread, asgi_server: AsgiServerFactory, account: ServiceAccount,
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -357,13 +366,7 @@ def test_a_reload_that_rebuilds_cloud_backends_keeps_their_credentials(
     b_url = asgi_server(b_sim.app).base_url
     v_sim, v_url, key_file = vertex_sim(asgi_server, account, tmp_path)
 
-    def configured(weight: float) -> Settings:
-        return settings_for(
-            pool([bedrock("bedrock", b_url, key=None, weight=weight)], name="b"),
-            pool([dataclasses.replace(vertex("vertex", v_url, key_file), weight=weight)],
-                 name="v"))
-
-    app = create_app(configured(1.0), seed=3)
+    app = create_app(cloud_pools(b_url, v_url, key_file, 1.0), seed=3)
     gateway = asgi_server(app).base_url
     live = app.state.live
     with claude(gateway) as client:
@@ -371,7 +374,7 @@ def test_a_reload_that_rebuilds_cloud_backends_keeps_their_credentials(
         keys, grants = len(issued), list(v_sim.token_grants)
         backends = (("b", "bedrock"), ("v", "vertex"))
         before = [live.current.pools[p].providers[n] for p, n in backends]
-        changed = configured(2.0)
+        changed = cloud_pools(b_url, v_url, key_file, 2.0)
         loop_thread.call(functools.partial(
             app.state.reloader.apply, changed, ConfigOrigin.embedded(changed, now=0.0)))
         after = [live.current.pools[p].providers[n] for p, n in backends]
@@ -399,13 +402,7 @@ def test_a_reload_refused_half_way_leaves_the_running_providers_their_credential
     b_url = asgi_server(BedrockSimulator(region=REGION, keys=issued).app).base_url
     _, v_url, key_file = vertex_sim(asgi_server, account, tmp_path)
 
-    def configured(weight: float) -> Settings:
-        return settings_for(
-            pool([bedrock("bedrock", b_url, key=None, weight=weight)], name="b"),
-            pool([dataclasses.replace(vertex("vertex", v_url, key_file), weight=weight)],
-                 name="v"))
-
-    app = create_app(configured(1.0), seed=3)
+    app = create_app(cloud_pools(b_url, v_url, key_file, 1.0), seed=3)
     running = app.state.live.current.pools
 
     def failing(settings: BackendSettings, *args: object, **kwargs: object) -> object:
@@ -415,8 +412,9 @@ def test_a_reload_refused_half_way_leaves_the_running_providers_their_credential
 
     monkeypatch.setattr(composition, "build_provider", failing)
     with pytest.raises(ValueError, match="cannot be built"):
-        composition.build_pools(configured(2.0), UpstreamClient(max_connections=1),
-                                lambda: 0.0, random.Random(1), previous=running)
+        composition.build_pools(cloud_pools(b_url, v_url, key_file, 2.0),
+                                UpstreamClient(max_connections=1), lambda: 0.0,
+                                random.Random(1), previous=running)
     assert running["b"].providers["bedrock"]._owns_credentials
     assert running["v"].providers["vertex"]._owns_credentials
 
