@@ -192,6 +192,19 @@ class SimProfile(Checked):
         _probability, "share that send headers and a role chunk, then nothing"))
     midstream_error_probability: float = field(default=0.0, metadata=scalar(
         _probability, "share that fail in-band after a few tokens"))
+    stall_probability: float = field(default=0.0, metadata=scalar(
+        _probability, "share of streams that stall once after their first token, at a "
+        "random token"))
+    stall_length: float = field(default=5.0, metadata=scalar(
+        cv.duration(zero=True), "how long a mid-stream stall lasts"))
+    break_probability: float = field(default=0.0, metadata=scalar(
+        _probability, "share of streams that break after their first token, at a random "
+        "token"))
+    break_kind: str = field(default="reset", metadata=scalar(
+        cv.choice(("reset", "closed", "error", "malformed")), "how a stream breaks: reset "
+        "(the connection drops mid-body), closed (the body ends without its end event), "
+        "error (an in-band error event; overloaded_error on Messages), malformed (half an "
+        "event, then the connection ends)"))
     seed: int | None = field(default=None, metadata=scalar(
         cv.optional(cv.integer(0)), "integer >= 0 for a repeatable sequence; null: random"))
     draws: str = field(default="sequence", metadata=scalar(
