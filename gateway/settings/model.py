@@ -88,6 +88,25 @@ class BudgetSettings(Checked):
 
 
 @dataclass(frozen=True, slots=True)
+class StallSettings(Checked):
+    """After the first token: a stream that stalls or breaks is continued on another
+    backend (`BackendSettings.continuation` says how each continues an answer)."""
+
+    enabled: bool = field(default=True, metadata=scalar(
+        cv.boolean, "false: a stream that stalls waits, one that breaks ends with an error"))
+    min: float = field(default=2.0, metadata=scalar(
+        cv.duration(), "the shortest stall delay: no token for this long at least"))
+    max: float = field(default=30.0, metadata=scalar(
+        cv.duration(), "the longest stall delay; min <= max"))
+    max_continuations: int = field(default=2, metadata=scalar(
+        cv.integer(0, 5), "continuations per request at most; 0: none"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if self.min > self.max:
+            yield f"{at('min')}: must be <= max"
+
+
+@dataclass(frozen=True, slots=True)
 class HedgingSettings(Checked):
     """When and how often a pool sends extra attempts."""
 
@@ -103,6 +122,8 @@ class HedgingSettings(Checked):
         cv.boolean, "no hedge whose copy would prefill the whole input cold for longer "
         "than the primary likely still needs, and no spill off a loaded home that would "
         "prefill it cold for longer than the wait it dodges (streams)"))
+    stall: StallSettings = field(default_factory=StallSettings, metadata=section(
+        StallSettings, "streams that stall or break after their first token"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +370,17 @@ class BackendSettings(Checked):
         cv.optional(cv.integer(1)), "attempts in flight at most; null: no cap"))
     sim: SimProfile | None = field(default=None, metadata=section(
         SimProfile, "the simulated behaviour (provider sim only)"))
+    #: None until `_complete` fills in the provider's own default
+    continuation: Literal["prefill", "continue_final_message", "none"] | None = field(
+        default=None, metadata=scalar(
+            cv.optional(cv.choice(("prefill", "continue_final_message", "none"))),
+            "how this backend continues a stalled or broken answer: prefill (a final "
+            "assistant message the model goes on from: anthropic, bedrock, vertex, sim), "
+            "continue_final_message (that message with continue_final_message: true and "
+            "add_generation_prompt: false: vLLM, SGLang; llama.cpp continues a final "
+            "assistant message as prefill does), none (no continuation is sent to it: "
+            "openai's default, since its base_url may be OpenAI itself)",
+            default_shown=False))
 
     #: what a validator can check of `_rules` (`hedge-gateway schema` adds it to the backend)
     json_rules: ClassVar[dict[str, object]] = {
@@ -373,6 +405,8 @@ class BackendSettings(Checked):
             self._set("sim", SimProfile())
         if self.auth is None:
             self._set("auth", DEFAULT_AUTH[self.provider])
+        if self.continuation is None:
+            self._set("continuation", "none" if self.provider == "openai" else "prefill")
         if not self.anthropic_version:
             self._set("anthropic_version",
                       CLOUD_ANTHROPIC_VERSIONS.get(self.provider, "2023-06-01"))
