@@ -4,8 +4,8 @@ header) and its honest continuation of a final assistant message."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
 import random
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
