@@ -34,6 +34,7 @@ from gateway.errors import (
     InternalError,
     Overloaded,
 )
+from gateway.hedge.continuation import Continuations, may_continue
 from gateway.hedge.plan import excluded_backends
 from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
@@ -214,14 +215,16 @@ class Proxy:
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
-        runner = attempt_runner(pool, _upstream_request(req, upstream_body),
-                                plan.options.deadline, self.clock, trace)
+        upstream = _upstream_request(req, upstream_body)
+        runner = attempt_runner(pool, upstream, plan.options.deadline, self.clock, trace)
         race = Race(pool, runner, plan.options, self.clock)
         if plan.affinity_miss:
             race.placement.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
                          stats=self.stats,
                          clock=self.clock, trace=trace)
+        if may_continue(pool, req.protocol.name, req.stream, req.stateful, req.pinned):
+            end.continuations = Continuations(pool, upstream, plan.options, self.clock, trace)
         return race, end, strip_usage
 
     async def _race_or_disconnect(
@@ -287,6 +290,9 @@ class Proxy:
             outcome=outcome,
             encoder=protocol.encoder_for(rewrite),
             error_event=protocol.error_event,
+            resume=end.continuations,
+            backend=result.winner.backend,
+            classify=protocol.classify,
         )
 
         async def finish(early_end: StreamEnd | None) -> None:

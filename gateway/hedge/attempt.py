@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.errors import (
@@ -60,6 +61,26 @@ class AttemptRecord:
     probe: bool = False
     #: its stream ended normally without a token: a complete (perhaps empty) answer
     empty: bool = False
+
+
+@dataclass(slots=True)
+class ContinuationCounts:
+    """What one request's continuations did (the stats add them up per pool and backend)."""
+
+    #: continuations started, per backend they went to
+    started: Counter[str] = field(default_factory=Counter)
+    #: continuations that gave the client its next token, per backend
+    won: Counter[str] = field(default_factory=Counter)
+    #: continuations not started, per reason (max_continuations, not_text, no_backend,
+    #: budget, disabled)
+    refused: Counter[str] = field(default_factory=Counter)
+    #: streams that broke after commit, per backend that broke: continued, or ended with the
+    #: in-band error
+    breaks_continued: Counter[str] = field(default_factory=Counter)
+    breaks_ended: Counter[str] = field(default_factory=Counter)
+
+    def __bool__(self) -> bool:
+        return bool(self.started or self.refused or self.breaks_ended)
 
 
 #: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)

@@ -49,6 +49,8 @@ class RaceOptions:
     cold: ColdRule | None = None
     #: the request's estimated input tokens: the budget's deposit and each extra attempt's price
     input_tokens: int = 0
+    #: False: the race deposits nothing in the budget (a continuation's: its request did)
+    deposit: bool = True
 
 
 @dataclass(slots=True)

@@ -122,7 +122,8 @@ class Race:
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
-        pool.budget.on_request(now, self.options.input_tokens)
+        if self.options.deposit:
+            pool.budget.on_request(now, self.options.input_tokens)
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
         primary = self.placement.primary(now)

@@ -1,0 +1,129 @@
+"""A broken stream continued on another backend: which backend, whether it may, and the race
+of its attempt.
+
+After commit the relay (`gateway.hedge.relay`) reads one backend; when its stream breaks (a
+reset, a body that ends early, an error event, the idle timeout) it asks `Continuations` for a
+continuation before it gives the client an error. A continuation is an attempt like a
+failover: the next backend in the request's order (the conversation's, when it has one) that
+can continue an answer (its `continuation` is not `none`) and has not failed this request,
+granted by the hedge budget (one attempt, and the request's input tokens plus the text relayed
+so far), at most `hedging.stall.max_continuations` per request. Its attempt runs in a race of
+one backend (`Race`: the backend slot, the first-token deadline, the shielded close), which
+deposits nothing in the budget: the request did that once. What the wire makes of the answer
+relayed so far, the request it sends and how its events join the ones relayed are
+`gateway.wire.resume`'s.
+
+Every refusal and every outcome is counted (`ContinuationCounts`), per request; the request's
+summary carries them to the stats and the log line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gateway.clock import Clock
+from gateway.errors import GatewayError
+from gateway.hedge.attempt import ContinuationCounts, Prefix
+from gateway.hedge.placement import Placement, RaceOptions
+from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.race import Race
+from gateway.hedge.runner import AttemptTrace, UpstreamRequest, attempt_runner, race_over
+from gateway.wire.resume import Splice, continuation_body, relayed_answer
+from gateway.wire.sse import SSEEvent
+
+#: the routes whose streams can be continued, by their wire protocol's name
+CONTINUED_APIS = frozenset({"chat", "messages"})
+
+
+class Continuations:
+    """The continuations of one streamed request (`resume` for the relay, `aclose` for the
+    request's end). Built only for a request whose pool and route can continue at all."""
+
+    def __init__(self, pool: PoolRuntime, req: UpstreamRequest, options: RaceOptions,
+                 clock: Clock, trace: AttemptTrace | None = None) -> None:
+        self.pool, self.req, self.options, self.clock, self.trace = (
+            pool, req, options, clock, trace)
+        self.counts = ContinuationCounts()
+        #: backends that failed this request after commit (never asked again)
+        self._failed: set[str] = set()
+        #: the race of each continuation, closed at the request's end
+        self._races: list[Race] = []
+
+    def _refuse(self, reason: str, backend: str) -> None:
+        self.counts.refused[reason] += 1
+        self.counts.breaks_ended[backend] += 1
+
+    async def __call__(self, relayed: list[SSEEvent], backend: str
+                       ) -> tuple[Prefix, Splice] | None:
+        """A continuation of the answer `relayed` (the events the client was sent), whose
+        stream on `backend` broke; None when none may start or every one failed."""
+        pool = self.pool
+        stall = pool.settings.hedging.stall
+        self._failed.add(backend)
+        if not stall.enabled:
+            self._refuse("disabled", backend)
+            return None
+        answer = relayed_answer(self.req.protocol.name, relayed)
+        if answer is None:
+            self._refuse("not_text", backend)
+            return None
+        while True:
+            if sum(self.counts.started.values()) >= stall.max_continuations:
+                self._refuse("max_continuations", backend)
+                return None
+            now = self.clock()
+            styles = {b.name: b.continuation for b in pool.settings.backends}
+            excluded = self.options.excluded | self._failed | frozenset(
+                name for name, style in styles.items() if style in (None, "none"))
+            options = replace(self.options, excluded=excluded)
+            chosen = Placement(pool, options).primary(now)
+            if chosen is None:
+                self._refuse("no_backend", backend)
+                return None
+            tokens = self.options.input_tokens + answer.tokens
+            refused = pool.budget.try_spend(now, inflight_requests=pool.inflight_requests,
+                                            hedge=False, tokens=tokens)
+            if refused is not None:
+                self._refuse(str(refused), backend)
+                return None
+            style = styles[chosen]
+            assert style in ("prefill", "continue_final_message")
+            body, dropped = continuation_body(self.req.body, answer, style)
+            deadline = now + pool.settings.timeouts.first_token
+            runner = attempt_runner(pool, replace(self.req, body=body), deadline, self.clock,
+                                    self.trace)
+            race = Race(pool, runner, replace(
+                options, deadline=deadline, hedging=False, refused_reason=None,
+                excluded=frozenset(b.name for b in pool.settings.backends
+                                   if b.name != chosen),
+                learn=False, deposit=False, input_tokens=tokens), self.clock)
+            self._races.append(race)
+            self.counts.started[chosen] += 1
+            try:
+                result = await race.run()
+            except GatewayError:
+                self._failed.add(chosen)
+                continue  # the next backend, while the bound allows
+            finally:
+                race.runner = race_over
+                pool.budget.release()
+            self.counts.won[chosen] += 1
+            self.counts.breaks_continued[backend] += 1
+            return result.prefix, Splice(answer, dropped)
+
+    async def aclose(self) -> None:
+        """At the request's end: each continuation's race gives back its backend slot and
+        reaps its losers."""
+        for race in self._races:
+            await race.aclose()
+
+
+def may_continue(pool: PoolRuntime, protocol: str, stream: bool, stateful: bool,
+                 pinned: str | None) -> bool:
+    """Whether a request can be continued at all (checked once per request, before the
+    race): a stream of a continued route, not bound to stored state, in a pool whose stall
+    rules are on and where some backend continues answers."""
+    stall = pool.settings.hedging.stall
+    return (stream and protocol in CONTINUED_APIS and not stateful and pinned is None
+            and stall.enabled and stall.max_continuations > 0
+            and any(b.continuation not in (None, "none") for b in pool.settings.backends))

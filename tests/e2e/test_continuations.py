@@ -1,0 +1,136 @@
+"""A stream that breaks after commit is continued on another backend: the client reads one
+answer. Real sockets: loopback simulators (which break at token 10 in each way a real
+upstream does, and continue a final assistant message honestly), the gateway under uvicorn,
+the official SDKs as clients. Each test ends with the automatic leak check."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import (
+    BackendSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    Settings,
+    SimProfile,
+    StallSettings,
+)
+from providers.sim.server import create_sim_app
+from tests.harness import AsgiServerFactory, RunningServer
+from tests.harness.asgi import with_request_headers
+
+POOL = "pool"
+TOKENS = 30
+PROFILE = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
+                     tokens=TOKENS, inter_token=0.0, usage=False)
+WHOLE = "".join(f"tok{i} " for i in range(TOKENS))
+KINDS = ("reset", "closed", "malformed", "error")
+QUESTION: Any = [{"role": "user", "content": "hello there"}]
+
+
+def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings | None = None,
+            ) -> tuple[list[RunningServer], RunningServer]:
+    """Two loopback simulators that break every fresh answer before token 10 (`kind`),
+    behind an OpenAI-compatible and an Anthropic backend each, continuing by prefill; no
+    hedge before 5 s, so the first backend is the only attempt until it breaks."""
+    faults = {"x-sim-break-at": "10", "x-sim-break": kind}
+    sims = [asgi_server(with_request_headers(create_sim_app(PROFILE, seed=i), faults))
+            for i in range(2)]
+    backends = [backend for i, sim in enumerate(sims) for backend in (
+        BackendSettings(name=f"o{i}", provider="openai", base_url=sim.v1, model="m",
+                        group=f"g{i}", continuation="prefill"),
+        BackendSettings(name=f"a{i}", provider="anthropic", base_url=sim.base_url,
+                        model="m", group=f"g{i}"))]
+    hedging = HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0),
+                              stall=stall or StallSettings())
+    pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0)
+    return sims, asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2))
+
+
+def stats(gw: RunningServer) -> dict[str, Any]:
+    answer: dict[str, Any] = httpx.get(gw.url("/hedge/stats"), timeout=5.0).json()
+    return answer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_chat_stream_broken_after_ten_tokens_reads_as_one_answer(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """The first ten tokens, then the continuation's: one id, one model, one role, one
+    finish reason, the whole answer's usage, and `[DONE]` once."""
+    _, gw = gateway(asgi_server, kind)
+    text, ids, models, roles, finishes, usage = "", set(), set(), 0, [], None
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=QUESTION, stream=True,
+            stream_options={"include_usage": True}))
+    for chunk in chunks:
+        ids.add(chunk.id)
+        models.add(chunk.model)
+        for choice in chunk.choices:
+            assert choice.index == 0
+            text += choice.delta.content or ""
+            roles += choice.delta.role is not None
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+        usage = chunk.usage or usage
+    assert text == WHOLE
+    assert len(ids) == 1 and models == {"m"} and roles == 1 and finishes == ["stop"]
+    assert usage is not None and usage.completion_tokens == TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_messages_stream_broken_after_ten_tokens_reads_as_one_answer(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """Anthropic's SDK reads one message: one message_start, one text block, one stop."""
+    _, gw = gateway(asgi_server, kind)
+    names: list[str] = []
+    with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as client, \
+            client.messages.stream(model=POOL, max_tokens=100,
+                                   messages=QUESTION) as stream:
+        for event in stream:
+            names.append(event.type)
+        message = stream.get_final_message()
+    assert [b.type for b in message.content] == ["text"]
+    assert "".join(getattr(b, "text", "") for b in message.content) == WHOLE
+    assert message.stop_reason == "end_turn" and message.usage.output_tokens == TOKENS
+    assert names.count("message_start") == 1 and names.count("message_stop") == 1
+    assert names.count("content_block_start") == 1
+
+
+def test_raw_bytes_repeat_no_event(asgi_server: AsgiServerFactory) -> None:
+    """On the wire: ten tokens from one backend and the rest from the other, each token
+    once, one role chunk, one finish chunk, one `[DONE]`."""
+    _, gw = gateway(asgi_server, "reset")
+    body = {"model": POOL, "messages": QUESTION, "stream": True}
+    raw = httpx.post(gw.url("/v1/chat/completions"), json=body, timeout=10.0).text
+    datas = [line[6:] for line in raw.split("\n") if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]" and datas.count("[DONE]") == 1
+    chunks = [json.loads(d) for d in datas[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert sum("role" in d for d in deltas) == 1
+    assert [d["content"] for d in deltas if d.get("content")] == \
+        [f"tok{i} " for i in range(TOKENS)]
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 1
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+
+
+def test_with_continuations_off_a_break_is_the_in_band_error(
+        asgi_server: AsgiServerFactory) -> None:
+    """`hedging.stall.enabled: false`: the break ends the answer with an error, as before."""
+    _, gw = gateway(asgi_server, "reset", stall=StallSettings(enabled=False))
+    text = ""
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client, \
+            pytest.raises(openai.APIError):
+        for chunk in client.chat.completions.create(
+                model=POOL, messages=QUESTION, stream=True):
+            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert text == "".join(f"tok{i} " for i in range(10))
