@@ -78,9 +78,11 @@ class ContinuationCounts:
     #: in-band error
     breaks_continued: Counter[str] = field(default_factory=Counter)
     breaks_ended: Counter[str] = field(default_factory=Counter)
+    #: stalls detected after commit, per backend that stalled
+    stalls: Counter[str] = field(default_factory=Counter)
 
     def __bool__(self) -> bool:
-        return bool(self.started or self.refused or self.breaks_ended)
+        return bool(self.started or self.refused or self.breaks_ended or self.stalls)
 
 
 #: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)

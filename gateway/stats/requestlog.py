@@ -31,6 +31,8 @@ The line of a request that reached a pool goes on with: `pool`, `endpoint`, `str
 `suppressed` (reasons, in order), `ttft_ms` (client-observed, null without a token),
 `total_ms`, `usage` ({`input`, `output`} tokens of the winner, or null),
 `hedge_input_tokens` (input tokens paid again by extra attempts),
+`continuations` (null when the stream had none: else, by backend, `started`, `won`,
+`breaks_continued`, `breaks_ended`, `stalls`, and `refused` by reason),
 `attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
 `ttft_ms` (from the attempt's start; for a cancelled attempt its elapsed time then),
 `outcome`, `failure`, `reason`, `close_ms`, `late_events`}].
@@ -42,7 +44,7 @@ import json
 import logging
 from typing import Any
 
-from gateway.hedge.attempt import AttemptRecord
+from gateway.hedge.attempt import AttemptRecord, ContinuationCounts
 from gateway.stats.loggable import loggable_path
 from gateway.stats.record import hedge_input_tokens, request_class
 from gateway.stats.summary import RequestSummary
@@ -68,6 +70,16 @@ def _attempt(a: AttemptRecord, start: float) -> dict[str, Any]:
         "close_ms": _ms(a.close_s),
         "late_events": a.late_events,
     }
+
+
+def _continuations(counts: ContinuationCounts | None) -> dict[str, Any] | None:
+    """A request's continuations after commit, when it had any (None: none, or none
+    possible): to which backends, which won, why not, and what broke or stalled."""
+    if not counts:
+        return None
+    return {"started": dict(counts.started), "won": dict(counts.won),
+            "refused": dict(counts.refused), "breaks_continued": dict(counts.breaks_continued),
+            "breaks_ended": dict(counts.breaks_ended), "stalls": dict(counts.stalls)}
 
 
 def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> dict[str, Any]:
@@ -99,6 +111,7 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
         "usage": None if summary.usage is None else {
             "input": summary.usage.input, "output": summary.usage.output},
         "hedge_input_tokens": hedge_input_tokens(summary),
+        "continuations": _continuations(summary.continuations),
         "attempts": [_attempt(a, summary.started) for a in summary.attempts],
     }
 

@@ -6,6 +6,7 @@ the official SDKs as clients. Each test ends with the automatic leak check."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import anthropic
@@ -23,9 +24,11 @@ from gateway.settings import (
     SimProfile,
     StallSettings,
 )
+from gateway.stats.requestlog import LOGGER_NAME
 from providers.sim.server import create_sim_app
 from tests.harness import AsgiServerFactory, RunningServer
 from tests.harness.asgi import with_request_headers
+from tests.harness.limits_kit import wait_for
 
 POOL = "pool"
 TOKENS = 30
@@ -106,9 +109,13 @@ def test_a_messages_stream_broken_after_ten_tokens_reads_as_one_answer(
     assert names.count("content_block_start") == 1
 
 
-def test_raw_bytes_repeat_no_event(asgi_server: AsgiServerFactory) -> None:
+def test_raw_bytes_repeat_no_event_and_the_continuation_is_counted(
+        asgi_server: AsgiServerFactory, caplog: pytest.LogCaptureFixture) -> None:
     """On the wire: ten tokens from one backend and the rest from the other, each token
-    once, one role chunk, one finish chunk, one `[DONE]`."""
+    once, one role chunk, one finish chunk, one `[DONE]`. Then the break and the
+    continuation are counted per pool and backend in /hedge/stats, /metrics and the
+    request's log line."""
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     _, gw = gateway(asgi_server, "reset")
     body = {"model": POOL, "messages": QUESTION, "stream": True}
     raw = httpx.post(gw.url("/v1/chat/completions"), json=body, timeout=10.0).text
@@ -121,6 +128,22 @@ def test_raw_bytes_repeat_no_event(asgi_server: AsgiServerFactory) -> None:
         [f"tok{i} " for i in range(TOKENS)]
     assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 1
     assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    doc = stats(gw)["pools"][POOL]
+    assert doc["lifetime"]["continuations"] == {
+        "started": 1, "won": 1, "stalls": 0, "breaks_continued": 1, "breaks_ended": 0,
+        "refused": {}}
+    by_backend = {name: b["lifetime"]["continuations"] for name, b in doc["backends"].items()}
+    broke = [n for n, c in by_backend.items() if c["breaks_continued"] == 1]
+    took = [n for n, c in by_backend.items() if c["won"] == 1]
+    assert len(broke) == 1 and len(took) == 1 and broke != took
+    metrics = httpx.get(gw.url("/metrics"), timeout=5.0).text
+    assert (f'hedge_gateway_continuations_total{{backend="{took[0]}",event="won",'
+            f'pool="{POOL}"}} 1.0') in metrics
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
+    assert lines[-1]["continuations"]["breaks_continued"] == {broke[0]: 1}
+    assert lines[-1]["continuations"]["won"] == {took[0]: 1}
 
 
 def test_with_continuations_off_a_break_is_the_in_band_error(
