@@ -19,14 +19,17 @@ summary carries them to the stats and the log line.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from gateway.clock import Clock
 from gateway.errors import GatewayError
-from gateway.hedge.attempt import ContinuationCounts, Prefix
+from gateway.hedge.attempt import ContinuationCounts
+from gateway.hedge.gaps import GapSketch
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
+from gateway.hedge.relay import Continued
 from gateway.hedge.runner import AttemptTrace, UpstreamRequest, attempt_runner, race_over
 from gateway.wire.resume import Splice, continuation_body, relayed_answer
 from gateway.wire.sse import SSEEvent
@@ -49,42 +52,68 @@ class Continuations:
         #: the race of each continuation, closed at the request's end
         self._races: list[Race] = []
 
-    def _refuse(self, reason: str, backend: str) -> None:
+    def _refuse(self, reason: str, backend: str, stall: bool) -> None:
         self.counts.refused[reason] += 1
-        self.counts.breaks_ended[backend] += 1
+        if not stall:  # a stall that is not continued waits; a break ends the answer
+            self.counts.breaks_ended[backend] += 1
 
-    async def __call__(self, relayed: list[SSEEvent], backend: str
-                       ) -> tuple[Prefix, Splice] | None:
+    def stall_delay(self, backend: str) -> float:
+        """How long a stream of `backend` may go without an event before a continuation
+        starts beside it: its streams' usual longest gap times a margin, clamped to
+        `hedging.stall.min`..`max` (`gateway.hedge.gaps`); inf once no continuation may
+        start any more."""
+        stall = self.pool.settings.hedging.stall
+        if not stall.enabled or sum(self.counts.started.values()) >= stall.max_continuations:
+            return math.inf
+        gaps = self.pool.gaps.get(backend)
+        return stall.min if gaps is None else gaps.delay(stall.min, stall.max, self.clock())
+
+    def stall_won(self, backend: str) -> None:
+        self.counts.won[backend] += 1
+
+    def ended(self, backend: str, longest_gap: float) -> None:
+        gaps = self.pool.gaps.get(backend)
+        if gaps is None and backend in self.pool.providers:
+            gaps = self.pool.gaps[backend] = GapSketch()
+        if gaps is not None:
+            gaps.observe(longest_gap, self.clock())
+
+    async def __call__(self, relayed: list[SSEEvent], backend: str, stall: bool = False
+                       ) -> Continued | None:
         """A continuation of the answer `relayed` (the events the client was sent), whose
-        stream on `backend` broke; None when none may start or every one failed."""
+        stream on `backend` broke (or stalled); None when none may start or every one
+        failed."""
         pool = self.pool
-        stall = pool.settings.hedging.stall
-        self._failed.add(backend)
-        if not stall.enabled:
-            self._refuse("disabled", backend)
+        settings = pool.settings.hedging.stall
+        if stall:
+            self.counts.stalls[backend] += 1
+        else:
+            self._failed.add(backend)
+        if not settings.enabled:
+            self._refuse("disabled", backend, stall)
             return None
         answer = relayed_answer(self.req.protocol.name, relayed)
         if answer is None:
-            self._refuse("not_text", backend)
+            self._refuse("not_text", backend, stall)
             return None
         while True:
-            if sum(self.counts.started.values()) >= stall.max_continuations:
-                self._refuse("max_continuations", backend)
+            if sum(self.counts.started.values()) >= settings.max_continuations:
+                self._refuse("max_continuations", backend, stall)
                 return None
             now = self.clock()
             styles = {b.name: b.continuation for b in pool.settings.backends}
-            excluded = self.options.excluded | self._failed | frozenset(
+            excluded = self.options.excluded | self._failed | {backend} | frozenset(
                 name for name, style in styles.items() if style in (None, "none"))
             options = replace(self.options, excluded=excluded)
             chosen = Placement(pool, options).primary(now)
             if chosen is None:
-                self._refuse("no_backend", backend)
+                self._refuse("no_backend", backend, stall)
                 return None
             tokens = self.options.input_tokens + answer.tokens
             refused = pool.budget.try_spend(now, inflight_requests=pool.inflight_requests,
                                             hedge=False, tokens=tokens)
             if refused is not None:
-                self._refuse(str(refused), backend)
+                self._refuse(str(refused), backend, stall)
                 return None
             style = styles[chosen]
             assert style in ("prefill", "continue_final_message")
@@ -107,9 +136,10 @@ class Continuations:
             finally:
                 race.runner = race_over
                 pool.budget.release()
-            self.counts.won[chosen] += 1
-            self.counts.breaks_continued[backend] += 1
-            return result.prefix, Splice(answer, dropped)
+            if not stall:  # a stall's continuation wins only if it beats the stream
+                self.counts.won[chosen] += 1
+                self.counts.breaks_continued[backend] += 1
+            return Continued(result.prefix, Splice(answer, dropped), chosen)
 
     async def aclose(self) -> None:
         """At the request's end: each continuation's race gives back its backend slot and

@@ -18,6 +18,7 @@ from gateway.hedge.balancer import Balancer
 from gateway.hedge.budget import HedgeBudget
 from gateway.hedge.classes import ClassDelays
 from gateway.hedge.delay import HedgeDelay
+from gateway.hedge.gaps import GapSketch
 from gateway.hedge.prefill import ConversationMemory, estimate_tokens, new_tokens
 from gateway.hedge.sizing import ColdRule, DelayReader, RequestSize, SizedDelays
 from gateway.settings import PoolSettings
@@ -72,6 +73,9 @@ class PoolRuntime:
     classes: Mapping[str, ClassDelays] = field(default_factory=dict)
     #: the last size of each recent conversation key (what its home backend has seen)
     memory: ConversationMemory = field(default_factory=ConversationMemory)
+    #: per backend: its streams' longest gaps between tokens (the stall delay); a backend
+    #: gets its sketch with its first stream that ends
+    gaps: dict[str, GapSketch] = field(default_factory=dict)
 
     @property
     def inflight_requests(self) -> int:
@@ -148,6 +152,7 @@ class PoolRuntime:
                      if name in self.classes else ClassDelays(d, budget_ratio=ratio)
                      for name, d in delays.items()},
             memory=self.memory,
+            gaps={b.name: self.gaps[b.name] for b in settings.backends if b.name in self.gaps},
             whole_delays=_per_endpoint(
                 lambda endpoint: carried(self.whole_delays.get(endpoint, {}))
             ),

@@ -40,11 +40,13 @@ QUESTION: Any = [{"role": "user", "content": "hello there"}]
 
 
 def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings | None = None,
+            faults: dict[str, str] | None = None,
             ) -> tuple[list[RunningServer], RunningServer]:
-    """Two loopback simulators that break every fresh answer before token 10 (`kind`),
-    behind an OpenAI-compatible and an Anthropic backend each, continuing by prefill; no
-    hedge before 5 s, so the first backend is the only attempt until it breaks."""
-    faults = {"x-sim-break-at": "10", "x-sim-break": kind}
+    """Two loopback simulators that break every fresh answer before token 10 (`kind`; or
+    do what `faults` say), behind an OpenAI-compatible and an Anthropic backend each,
+    continuing by prefill; no hedge before 5 s, so the first backend is the only attempt
+    until it breaks."""
+    faults = faults or {"x-sim-break-at": "10", "x-sim-break": kind}
     sims = [asgi_server(with_request_headers(create_sim_app(PROFILE, seed=i), faults))
             for i in range(2)]
     backends = [backend for i, sim in enumerate(sims) for backend in (
@@ -157,3 +159,28 @@ def test_with_continuations_off_a_break_is_the_in_band_error(
                 model=POOL, messages=QUESTION, stream=True):
             text += chunk.choices[0].delta.content or "" if chunk.choices else ""
     assert text == "".join(f"tok{i} " for i in range(10))
+
+
+def test_a_stream_stalled_after_ten_tokens_is_raced_by_a_continuation(
+        asgi_server: AsgiServerFactory) -> None:
+    """A stall of 30 s before token 10: once no token has come for the stall delay, a
+    continuation starts on the other backend while the stalled stream stays open; the
+    continuation's token comes first, so it wins and the stalled stream is closed. The
+    client reads the whole answer once, long before the stall would have ended."""
+    sims, gw = gateway(asgi_server, "", stall=StallSettings(min=0.2, max=1.0),
+                       faults={"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"})
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0, timeout=10.0) as client:
+        chunks = list(client.chat.completions.create(model=POOL, messages=QUESTION,
+                                                     stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks
+                if c.choices and c.choices[0].finish_reason]
+    assert text == WHOLE and finishes == ["stop"] and len({c.id for c in chunks}) == 1
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert (counted["stalls"], counted["started"], counted["won"]) == (1, 1, 1)
+    assert counted["breaks_continued"] == counted["breaks_ended"] == 0
+    # the stalled stream was closed by the gateway, not waited out
+    closed = [httpx.get(sim.url("/sim/stats"), timeout=5.0).json()["streams_closed_early"]
+              for sim in sims]
+    assert sorted(closed) == [0, 1]

@@ -1,0 +1,145 @@
+"""Stalls after commit, in virtual time: the stall delay each backend learns (one value per
+stream, pure), and the race between a stalled stream and its continuation in the relay (the
+first of the two to yield wins; the other is cancelled and closed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Mapping
+
+from gateway.hedge.attempt import Prefix
+from gateway.hedge.gaps import MIN_SAMPLES, GapSketch
+from gateway.hedge.relay import Continued, relay
+from gateway.wire.base import RelayOutcome, StreamEnd
+from gateway.wire.resume import Splice, relayed_answer
+from gateway.wire.sse import SSEBatch, SSEEvent
+from tests.harness.virtualtime import VirtualLoop, run_virtual
+
+
+def test_the_stall_delay_follows_the_longest_gaps_clamped() -> None:
+    gaps = GapSketch(window=100.0)
+    assert gaps.delay(2.0, 30.0, now=0.0) == 2.0  # nothing learnt: the minimum
+    for i in range(MIN_SAMPLES - 1):
+        gaps.observe(5.0, now=float(i))
+    assert gaps.delay(2.0, 30.0, now=20.0) == 2.0  # too few streams yet
+    gaps.observe(5.0, now=20.0)
+    assert math.isclose(gaps.delay(2.0, 30.0, now=21.0), 10.0, rel_tol=0.02)  # 5 s x 2
+    assert gaps.delay(2.0, 8.0, now=21.0) == 8.0  # clamped to the maximum
+    assert gaps.delay(2.0, 30.0, now=500.0) == 2.0  # the window forgot them
+
+
+def chunk(text: str | None = None, finish: str | None = None, role: bool = False) -> SSEEvent:
+    delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
+    if text is not None:
+        delta["content"] = text
+    return SSEEvent(json.dumps({"id": "c", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": delta, "finish_reason": finish}]}).encode())
+
+
+class Upstream:
+    """An upstream whose events come at virtual times; records its close."""
+
+    def __init__(self, timed: list[tuple[float, SSEEvent]]) -> None:
+        self.headers: Mapping[str, str] = {}
+        self.timed = timed
+        self.closed = False
+
+    async def _gen(self) -> AsyncIterator[SSEBatch]:
+        for delay, event in self.timed:
+            await asyncio.sleep(delay)
+            yield SSEBatch([event])
+
+    def batches(self) -> AsyncIterator[SSEBatch]:
+        return self._gen()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def prefix_of(upstream: Upstream, buffered: list[SSEEvent]) -> Prefix:
+    return Prefix(upstream, upstream.batches(), buffered)
+
+
+class Resumer:
+    """A continuation that yields its first token `ttft` seconds after it is asked."""
+
+    def __init__(self, ttft: float, continuation: Upstream) -> None:
+        self.ttft = ttft
+        self.continuation = continuation
+        self.asked: list[tuple[float, bool]] = []
+        self.cancelled = False
+        self.won: list[str] = []
+
+    async def __call__(self, relayed: list[SSEEvent], backend: str, stall: bool = False
+                       ) -> Continued | None:
+        self.asked.append((asyncio.get_running_loop().time(), stall))
+        try:
+            await asyncio.sleep(self.ttft)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        answer = relayed_answer("chat", relayed)
+        assert answer is not None
+        first = [chunk(role=True), chunk("tok2 ")]
+        return Continued(prefix_of(self.continuation, first), Splice(answer), "b")
+
+    def stall_delay(self, backend: str) -> float:
+        return 2.0 if backend == "a" else math.inf
+
+    def stall_won(self, backend: str) -> None:
+        self.won.append(backend)
+
+    def ended(self, backend: str, longest_gap: float) -> None:
+        """Nothing learnt here."""
+
+
+async def run_relay(stalled: Upstream, resumer: Resumer) -> tuple[str, RelayOutcome]:
+    outcome = RelayOutcome()
+    loop = asyncio.get_running_loop()
+    parts = [part async for part in relay(
+        prefix_of(stalled, [chunk(role=True), chunk("tok0 ")]), request_id="r", idle=60.0,
+        max_stream_deadline=loop.time() + 600.0, clock=loop.time, outcome=outcome,
+        resume=resumer, backend="a")]
+    return b"".join(parts).decode(), outcome
+
+
+def texts(raw: str) -> str:
+    out = ""
+    for line in raw.split("\n"):
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                out += choice["delta"].get("content") or ""
+    return out
+
+
+def test_a_continuation_that_yields_first_wins_and_the_stalled_stream_is_closed() -> None:
+    async def main(loop: VirtualLoop) -> None:
+        stalled = Upstream([(0.0, chunk("tok1 ")), (3600.0, chunk("late "))])
+        continuation = Upstream([(0.1, chunk("tok3 ")), (0.0, chunk(None, "stop")),
+                                 (0.0, SSEEvent(b"[DONE]"))])
+        resumer = Resumer(0.5, continuation)
+        raw, outcome = await run_relay(stalled, resumer)
+        assert texts(raw) == "tok0 tok1 tok2 tok3 " and raw.count('"role"') == 1
+        assert outcome.end is StreamEnd.DONE
+        assert resumer.asked == [(2.0, True)]  # 2 s after the last token: the stall delay
+        assert resumer.won == ["b"] and stalled.closed and continuation.closed
+        assert loop.time() < 3.0  # the stall was not waited out
+
+    run_virtual(main)
+
+
+def test_a_stalled_stream_that_comes_back_first_wins_and_the_continuation_is_cancelled(
+        ) -> None:
+    async def main(loop: VirtualLoop) -> None:
+        stalled = Upstream([(0.0, chunk("tok1 ")), (3.0, chunk("tok2 ")),
+                            (0.0, chunk(None, "stop")), (0.0, SSEEvent(b"[DONE]"))])
+        continuation = Upstream([])
+        resumer = Resumer(10.0, continuation)
+        raw, outcome = await run_relay(stalled, resumer)
+        assert texts(raw) == "tok0 tok1 tok2 " and outcome.end is StreamEnd.DONE
+        assert resumer.asked == [(2.0, True)] and resumer.cancelled and resumer.won == []
+        assert math.isclose(loop.time(), 3.0, abs_tol=0.1)
+
+    run_virtual(main)
