@@ -174,6 +174,19 @@ def format_workload(result: Mapping[str, Any]) -> str:
             f"{_cell(row['requests_per_s']):>7} | {_cell(proc.get('cpu_s'), 2):>8} "
             f"{_cell(proc.get('peak_rss_mb')):>9}")
     for row in result["modes"]:
+        gap, counted = row.get("longest_gap_ms"), row.get("continuations")
+        if counted is not None and gap is not None:
+            lines.append(f"   {row['mode']}: longest gap per stream p50 {_cell(gap['p50'])}"
+                         f" p99 {_cell(gap['p99'])}; continuations started "
+                         f"{counted.get('started')}, won {counted.get('won')}, stalls "
+                         f"{counted.get('stalls')}, breaks continued "
+                         f"{counted.get('breaks_continued')}, ended "
+                         f"{counted.get('breaks_ended')}")
+        elif gap is not None and gap["p99"] is not None and row["mode"] == "direct" \
+                and any(r.get("continuations") is not None for r in result["modes"]):
+            lines.append(f"   direct: longest gap per stream p50 {_cell(gap['p50'])} p99 "
+                         f"{_cell(gap['p99'])}")
+    for row in result["modes"]:
         procs = row.get("processes") or {}
         ours = ", ".join(f"{name} {p['cpu_s']:.2f}" for name, p in procs.items()
                          if name != "machine")

@@ -10,7 +10,8 @@ normal.
 
 The delay is a high quantile (`QUANTILE`) of those longest gaps, times `MARGIN`, clamped to
 `hedging.stall.min` .. `max`; with fewer than `MIN_SAMPLES` streams in the window it is
-`min`. Memory is one windowed sketch per backend (bounded bins), whatever the traffic; the
+`min`; it is computed once per slice of the window (50 s), not per stream. Memory is one
+windowed sketch per backend (bounded bins), whatever the traffic; the
 clock is a parameter.
 """
 
@@ -31,18 +32,30 @@ WINDOW = 300.0
 class GapSketch:
     """One backend's recent streams' longest gaps between tokens."""
 
-    __slots__ = ("_sketch",)
+    __slots__ = ("_cached", "_sketch")
 
     def __init__(self, window: float = WINDOW) -> None:
         self._sketch = WindowedSketch(window)
+        #: (time slice, low, high, delay): the delay is read once per stream, and a merge
+        #: of the window's sketches per read would cost more than the stream's relay; it is
+        #: recomputed when the clock enters a new slice of the window (or the clamps change)
+        self._cached: tuple[int, float, float, float] | None = None
 
     def observe(self, longest_gap: float, now: float) -> None:
         """A stream of this backend ended normally; its longest gap was `longest_gap`."""
         self._sketch.add(longest_gap, now)
 
     def delay(self, low: float, high: float, now: float) -> float:
-        """The stall delay at `now`, clamped to `low`..`high` (`low` until enough streams)."""
+        """The stall delay at `now`, clamped to `low`..`high` (`low` until enough streams);
+        the same for the whole of a time slice of the window (see `_cached`)."""
+        epoch = self._sketch.epoch(now)
+        cached = self._cached
+        if cached is not None and cached[:3] == (epoch, low, high):
+            return cached[3]
         if self._sketch.count(now) < MIN_SAMPLES:
-            return low
-        q = self._sketch.quantile(QUANTILE, now)
-        return low if q is None else min(high, max(low, q * MARGIN))
+            value = low
+        else:
+            q = self._sketch.quantile(QUANTILE, now)
+            value = low if q is None else min(high, max(low, q * MARGIN))
+        self._cached = (epoch, low, high, value)
+        return value

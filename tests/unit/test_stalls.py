@@ -25,8 +25,10 @@ def test_the_stall_delay_follows_the_longest_gaps_clamped() -> None:
         gaps.observe(5.0, now=float(i))
     assert gaps.delay(2.0, 30.0, now=20.0) == 2.0  # too few streams yet
     gaps.observe(5.0, now=20.0)
-    assert math.isclose(gaps.delay(2.0, 30.0, now=21.0), 10.0, rel_tol=0.02)  # 5 s x 2
-    assert gaps.delay(2.0, 8.0, now=21.0) == 8.0  # clamped to the maximum
+    # read once per slice of the window (100 s / 6): the same until the next slice
+    assert gaps.delay(2.0, 30.0, now=21.0) == 2.0
+    assert math.isclose(gaps.delay(2.0, 30.0, now=34.0), 10.0, rel_tol=0.02)  # 5 s x 2
+    assert gaps.delay(2.0, 8.0, now=34.0) == 8.0  # clamped to the maximum
     assert gaps.delay(2.0, 30.0, now=500.0) == 2.0  # the window forgot them
 
 
