@@ -184,3 +184,24 @@ def test_a_stream_stalled_after_ten_tokens_is_raced_by_a_continuation(
     closed = [httpx.get(sim.url("/sim/stats"), timeout=5.0).json()["streams_closed_early"]
               for sim in sims]
     assert sorted(closed) == [0, 1]
+
+
+def test_a_tool_call_broken_mid_arguments_is_not_continued(
+        asgi_server: AsgiServerFactory) -> None:
+    """Only text is continued: a stream cut inside a tool call's arguments ends with the
+    in-band error, as without continuations, and the refusal is counted (`not_text`)."""
+    _, gw = gateway(asgi_server, "closed", faults={"x-sim-break-at": "3",
+                                                   "x-sim-break": "closed"})
+    tool = {"type": "function", "function": {
+        "name": "lookup", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"]}}}
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client, \
+            pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(model=POOL, messages=QUESTION, stream=True,
+                                                tools=[tool], tool_choice="required"):
+            pass
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert counted["refused"] == {"not_text": 1} and counted["started"] == 0
+    assert counted["breaks_ended"] == 1 and counted["breaks_continued"] == 0
