@@ -192,7 +192,7 @@ def test_a_tool_call_broken_mid_arguments_is_not_continued(
     in-band error, as without continuations, and the refusal is counted (`not_text`)."""
     _, gw = gateway(asgi_server, "closed", faults={"x-sim-break-at": "3",
                                                    "x-sim-break": "closed"})
-    tool = {"type": "function", "function": {
+    tool: Any = {"type": "function", "function": {
         "name": "lookup", "parameters": {"type": "object", "properties": {
             "city": {"type": "string"}, "days": {"type": "integer"}},
             "required": ["city", "days"]}}}
