@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 import anthropic
@@ -14,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute
 from gateway.app import create_app
 from gateway.settings import (
     BackendSettings,
@@ -26,8 +28,10 @@ from gateway.settings import (
 )
 from gateway.stats.requestlog import LOGGER_NAME
 from providers.sim.server import create_sim_app
+from tests.e2e.test_route_matrix import STREAM_ENDS
 from tests.harness import AsgiServerFactory, RunningServer
 from tests.harness.asgi import with_request_headers
+from tests.harness.bodies import smallest_body
 from tests.harness.limits_kit import wait_for
 
 POOL = "pool"
@@ -205,3 +209,30 @@ def test_a_tool_call_broken_mid_arguments_is_not_continued(
     counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
     assert counted["refused"] == {"not_text": 1} and counted["started"] == 0
     assert counted["breaks_ended"] == 1 and counted["breaks_continued"] == 0
+
+
+CONTINUED_ENDPOINTS = frozenset({"chat/completions", "messages"})
+STREAMED_ROUTES = [pytest.param(r, id=f"{r.method} {r.path}")
+                   for r in INFERENCE_ROUTES if r.streams and not r.stored]
+
+
+@pytest.mark.parametrize("route", STREAMED_ROUTES)
+def test_every_streamed_route_continues_or_says_it_was_cut(
+        asgi_server: AsgiServerFactory, route: InferenceRoute) -> None:
+    """The route table, streamed, each stream reset after 4 tokens: chat and Messages read
+    as the whole answer ending once; every other route (legacy completions, the Responses
+    API: not continued) ends with its in-band error after the 4 tokens, never cleanly."""
+    _, gw = gateway(asgi_server, "reset", faults={"x-sim-break-at": "4"})
+    body = smallest_body(route, POOL, stream=True)
+    assert body is not None
+    if "max_tokens" in body:
+        body["max_tokens"] = 100
+    raw = httpx.post(gw.url(route.path), json=body, timeout=10.0).text
+    tokens = re.findall(r"tok\d+ ", raw.split("response.output_text.done")[0])
+    end = STREAM_ENDS[route.endpoint]
+    if route.endpoint in CONTINUED_ENDPOINTS:
+        assert tokens == [f"tok{i} " for i in range(TOKENS)]
+        assert raw.count(end) == 1
+    else:
+        assert tokens == [f"tok{i} " for i in range(4)]
+        assert end not in raw and "error" in raw.rsplit("tok3 ", 1)[1]
