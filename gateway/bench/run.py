@@ -102,11 +102,14 @@ class BenchPlan:
 
 def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
     """The modes of `workload` in the order they run: the plan's that the workload has (with
-    `quick`, its `quick_modes` when it names them; `nginx` right after `direct`, with
+    `quick`, its `quick_modes` when it names them; then its own continuation modes;
+    `nginx` right after `direct`, with
     `plan.nginx`), then one per feature switched off (`features`), then `baseline` (with
     `baseline_src`), then one per other front server (`servers`)."""
     own = workload.quick_modes if quick and workload.quick_modes is not None else workload.modes
     modes = [m for m in plan.modes if own is None or m in own]
+    # a workload's own modes beyond the plan's (the `stalls` workload's continuation modes)
+    modes += [m for m in own or () if m in rows.CONTINUATION_MODES]
     if plan.nginx:  # the floor, next to the other mode without a gateway
         at = modes.index("direct") + 1 if "direct" in modes else 0
         modes.insert(at, servers.NGINX)
