@@ -285,8 +285,8 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
-            encoder=protocol.encoder_for(rewrite),
-            error_event=protocol.error_event,
+            protocol=protocol,
+            rewrite=rewrite,
         )
 
         async def finish(early_end: StreamEnd | None) -> None:

@@ -23,9 +23,9 @@ from gateway.errors import (
     error_body,
     failure_codes,
 )
-from gateway.hedge.relay import error_event
 from gateway.server.connection import raw_error_response
 from gateway.wire.base import ERROR_ENDS
+from gateway.wire.chat import openai_error_event as error_event
 from providers.http import UpstreamClient, translate
 
 ROOT = Path(__file__).resolve().parents[2]
