@@ -345,4 +345,4 @@ def http_request() -> Request:
 
 def logical_request(stream: bool) -> LogicalRequest:
     body = {"model": "pool", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    return LogicalRequest("req", "chat/completions", body, stream, {})
+    return LogicalRequest("req", "chat/completions", body, stream, {}, CHAT)

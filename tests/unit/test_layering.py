@@ -70,7 +70,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.hedge.pool", "gateway.hedge.attempt", "gateway.hedge.generation"),
     ("gateway.hedge", "gateway.api.stream"),
     ("gateway.stats",),
-    ("gateway.api.proxy", "gateway.api.end", "gateway.api.request"),
+    ("gateway.api.proxy", "gateway.api.end", "gateway.api.request", "gateway.api.answer"),
     ("gateway.api", "gateway.server", "gateway.dashboard"),
     ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
