@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from gateway.api.answer import Answer
 from gateway.api.proxy import Admission, Proxy
 from gateway.errors import InternalError, Overloaded, UpstreamClientError
+from gateway.wire.messages import MESSAGES
 from gateway.wire.usage import ask_for_usage
 from tests.harness.raceworld import (
     HANG,
@@ -55,6 +57,24 @@ def test_an_error_is_answered_before_the_losers_are_reaped() -> None:
         assert set(world.closed) == set(world.opened)
         await answer.end()  # once: a second call records nothing more
         assert len(proxy.stats.summaries) == 1  # type: ignore[attr-defined]
+
+    run_virtual(main)
+
+
+def test_an_error_is_answered_in_the_shape_of_the_requests_route() -> None:
+    """The route decides the shape, once: a request whose route speaks Anthropic's protocol
+    gets Anthropic's error body from the proxy, whatever the URL path says (here chat's)."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([Step("400", 0.0)]), loop, world)
+        req = replace(logical_request(stream=True), protocol=MESSAGES)
+        answer = await proxy.handle(http_request(), pool, req)
+        sent = await _send(answer, loop, proxy)
+        body = json.loads(sent[1][1]["body"])
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert sent[0][1]["status"] == 400
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
 
     run_virtual(main)
 
