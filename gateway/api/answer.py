@@ -36,9 +36,9 @@ def note_refusal(scope: Scope, exc: GatewayError) -> None:
 class Answer(Response):
     """Sends `response` to the client, then runs `end` (shielded), whatever happens to the
     sending: the client gets its answer before losers are reaped and stats recorded. `end`
-    is the request's `RequestEnd` (it does its work once: a stream that ran it as it closed
-    makes the call here a no-op); None for a request refused before it was admitted, which
-    holds nothing to give back."""
+    is the request's `RequestEnd`; None for a request refused before it was admitted, which
+    holds nothing to give back, and for a stream, whose response runs the end itself as it
+    closes (`gateway.api.stream.SSEResponse`'s `on_close`, once, whatever ends it)."""
 
     def __init__(self, response: Response,
                  end: Callable[[], Awaitable[None]] | None = None) -> None:

@@ -4,9 +4,9 @@ One owner ends every request, whatever path it takes: `RequestEnd`. It runs exac
 it releases the admission slot, closes the winner, reaps the losers, records the stats and
 writes the one log line. The client is answered first: the proxy (`gateway.api.proxy`)
 returns the request's answer as a value, an `Answer` (`gateway.api.answer`) holding the
-response (a JSON body, an error, a stream) and this end, which it runs after the response is
-sent, in the same request task, bounded by the race's reap timeout; a stream runs it as soon
-as the relay is over (the `Answer`'s call is then a no-op).
+response (a JSON body or an error) and this end, which it runs after the response is sent,
+in the same request task, bounded by the race's reap timeout; a stream's response runs it
+itself as soon as the relay is over.
 """
 
 from __future__ import annotations

@@ -189,8 +189,10 @@ class Proxy:
                 return Answer(
                     Response(body, media_type="application/json", headers=headers), end
                 )
+            # a stream runs the end itself, as it closes (`on_close`, exactly once, whatever
+            # ends it): the answer adds no second call to the streamed request's path
             return Answer(self._streaming_response(pool, req, result, summary, headers, end,
-                                                   strip_usage, rewrite), end)
+                                                   strip_usage, rewrite))
         except GatewayError as exc:  # answered in the route's shape, then the end runs
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
