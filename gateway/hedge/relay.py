@@ -14,11 +14,12 @@ Upstream `id:`/`retry:` fields and comments were already dropped by the decoder;
 comments are the response's own.
 
 A stream that ends without `[DONE]` and without an error event is a truncation: the client gets
-a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
-Responses API and Messages end at named events and shape their errors their own way, so the
-proxy passes their per-batch encoder (`gateway.wire.named`) and error builder
-(`gateway.wire.responses`, `gateway.wire.messages`) in; the deadlines, the drain and the closing
-stay the same.
+a final error event in the route's shape, never a silent success. What ends a stream and how
+its errors look are the route's `WireProtocol`, a required argument (this module holds no
+default of one API): chat ends at `[DONE]` with OpenAI's error events, the Responses API and
+Messages at named events (`gateway.wire.named`) with their own error builders
+(`gateway.wire.responses`, `gateway.wire.messages`); the deadlines, the drain and the closing
+are the same for all.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from typing import Literal, Protocol
 
 from gateway.errors import UpstreamError
 from gateway.hedge.attempt import Prefix
-from gateway.wire.base import Encoder, Kind, RelayOutcome, StreamEnd
-from gateway.wire.chat import CHAT_ENCODER, openai_error_event
+from gateway.wire.base import Kind, RelayOutcome, Rewrite, StreamEnd, WireProtocol
 from gateway.wire.resume import Splice
 from gateway.wire.sse import SSEBatch, SSEEvent
 
@@ -74,11 +74,6 @@ log = logging.getLogger("hedge_gateway.relay")
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
 DRAIN_TIMEOUT = 0.05
 DRAIN_READS = 8
-
-
-#: a final in-stream error in OpenAI shape (the default for callers that name no protocol;
-#: the proxy passes each protocol's own)
-error_event = openai_error_event
 
 
 async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
@@ -203,18 +198,16 @@ async def relay(
     max_stream_deadline: float,
     clock: Callable[[], float],
     outcome: RelayOutcome,
-    encoder: Encoder = CHAT_ENCODER,
-    error_event: Callable[[str, str, str], bytes] = error_event,
+    protocol: WireProtocol,
+    rewrite: Rewrite | None = None,
     resume: Resume | None = None,
     backend: str = "",
-    classify: Callable[[SSEEvent], Kind] | None = None,
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
 
-    `encoder` and `error_event` are the protocol's (`WireProtocol.encoder_for`,
-    `.error_event`: the Responses API and Messages end at named events, not `[DONE]`, and
-    shape their errors their own way); the defaults, for callers that name no protocol, are
-    chat's.
+    The encoder (`protocol.encoder_for(rewrite)`, once per request) and the error events
+    (`protocol.error_event`) are the route's protocol's: the Responses API and Messages end
+    at named events, not `[DONE]`, and shape their errors their own way.
 
     `resume` (None: a break is the client's in-band error and a stall is waited out, as they
     always were): when the stream from `backend` breaks (it fails, ends without its end
@@ -225,9 +218,11 @@ async def relay(
     first of the two to yield wins and the other is cancelled and closed. For both the relay
     keeps a reference to each read it relayed (one list append per read, nothing per event),
     up to `MAX_KEPT_READS` (past that, the stream is not continued), and the stream's longest
-    gap (one subtraction per read); `classify` (the protocol's) finds an error event in the
+    gap (one subtraction per read); the protocol's `classify` finds an error event in the
     rare read that has one."""
+    encoder = protocol.encoder_for(rewrite)
     encode, by_batch = encoder.events, encoder.batch
+    error_event = protocol.error_event
     deadlines: _Deadlines | None = None
     kept: list[SSEBatch] | None = None if resume is None else [SSEBatch(list(prefix.buffered))]
     splice: Splice | None = None
@@ -297,7 +292,7 @@ async def relay(
                     if kept is not None and ended == StreamEnd.UPSTREAM_ERROR:
                         # an error event: what came before it is relayed, the rest continued
                         outcome.end = StreamEnd.CLIENT_GONE
-                        before = _before_error(batch.events, classify)
+                        before = _before_error(batch.events, protocol.classify)
                         out = encode(before, request_id, outcome)
                         batch, broke = SSEBatch(before), "upstream reported an error"
                     if kept is not None:
@@ -398,11 +393,11 @@ async def _drop(task: asyncio.Task[Continued | None]) -> None:
 MAX_KEPT_READS = 1 << 16
 
 
-def _before_error(events: list[SSEEvent], classify: Callable[[SSEEvent], Kind] | None
+def _before_error(events: list[SSEEvent], classify: Callable[[SSEEvent], Kind]
                   ) -> list[SSEEvent]:
     """The events of a read before its first error event."""
     for i, event in enumerate(events):
-        if classify is not None and classify(event) is Kind.ERROR:
+        if classify(event) is Kind.ERROR:
             return events[:i]
     return []
 

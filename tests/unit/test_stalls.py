@@ -13,6 +13,7 @@ from gateway.hedge.attempt import Prefix
 from gateway.hedge.gaps import MIN_SAMPLES, GapSketch
 from gateway.hedge.relay import Continued, relay
 from gateway.wire.base import RelayOutcome, StreamEnd
+from gateway.wire.chat import CHAT
 from gateway.wire.resume import Splice, relayed_answer
 from gateway.wire.sse import SSEBatch, SSEEvent
 from tests.harness.virtualtime import VirtualLoop, run_virtual
@@ -103,7 +104,7 @@ async def run_relay(stalled: Upstream, resumer: Resumer) -> tuple[str, RelayOutc
     parts = [part async for part in relay(
         prefix_of(stalled, [chunk(role=True), chunk("tok0 ")]), request_id="r", idle=60.0,
         max_stream_deadline=loop.time() + 600.0, clock=loop.time, outcome=outcome,
-        resume=resumer, backend="a")]
+        protocol=CHAT, resume=resumer, backend="a")]
     return b"".join(parts).decode(), outcome
 
 
