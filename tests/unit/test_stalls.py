@@ -9,6 +9,7 @@ import json
 import math
 from collections.abc import AsyncIterator, Mapping
 
+from gateway.errors import UpstreamDisconnected
 from gateway.hedge.attempt import Prefix
 from gateway.hedge.gaps import MIN_SAMPLES, GapSketch
 from gateway.hedge.relay import Continued, relay
@@ -144,5 +145,52 @@ def test_a_stalled_stream_that_comes_back_first_wins_and_the_continuation_is_can
         assert texts(raw) == "tok0 tok1 tok2 " and outcome.end is StreamEnd.DONE
         assert resumer.asked == [(2.0, True)] and resumer.cancelled and resumer.won == []
         assert math.isclose(loop.time(), 3.0, abs_tol=0.1)
+
+    run_virtual(main)
+
+
+def test_a_break_while_the_stall_continuation_is_on_its_way_takes_that_continuation(
+        ) -> None:
+    """The stalled stream breaks before the continuation has its token: the relay waits for
+    the continuation already started (no second one) and goes on with it."""
+    async def main(loop: VirtualLoop) -> None:
+        continuation = Upstream([(0.0, chunk("tok3 ")), (0.0, chunk(None, "stop")),
+                                 (0.0, SSEEvent(b"[DONE]"))])
+
+        class Breaking(Upstream):
+            async def _gen(self) -> AsyncIterator[SSEBatch]:
+                yield SSEBatch([chunk("tok1 ")])
+                await asyncio.sleep(3.0)
+                raise UpstreamDisconnected("reset")
+
+        broken = Breaking([])
+        resumer = Resumer(5.0, continuation)
+        raw, outcome = await run_relay(broken, resumer)
+        assert texts(raw) == "tok0 tok1 tok2 tok3 " and outcome.end is StreamEnd.DONE
+        assert resumer.asked == [(2.0, True)]  # one continuation, the stall's
+        assert math.isclose(loop.time(), 7.0, abs_tol=0.1) and broken.closed
+
+    run_virtual(main)
+
+
+def test_a_client_that_leaves_during_the_stall_race_leaves_nothing_running() -> None:
+    async def main(loop: VirtualLoop) -> None:
+        stalled = Upstream([(0.0, chunk("tok1 ")), (3600.0, chunk("late "))])
+        resumer = Resumer(10.0, Upstream([]))
+        outcome = RelayOutcome()
+        body = relay(prefix_of(stalled, [chunk(role=True), chunk("tok0 ")]), request_id="r",
+                     idle=60.0, max_stream_deadline=loop.time() + 600.0, clock=loop.time,
+                     outcome=outcome, protocol=CHAT, resume=resumer, backend="a")
+        reader = asyncio.ensure_future(body.__anext__())
+        await asyncio.sleep(0)
+        first = await reader
+        assert b"tok0" in first
+        pending = asyncio.ensure_future(body.__anext__())
+        await asyncio.sleep(3.0)  # the stall at 2 s started the continuation
+        assert resumer.asked == [(2.0, True)]
+        pending.cancel()  # the client went away
+        await asyncio.wait({pending})
+        await body.aclose()
+        assert resumer.cancelled and stalled.closed  # run_virtual: no task left behind
 
     run_virtual(main)
