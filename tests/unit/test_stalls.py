@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 
 from gateway.errors import UpstreamDisconnected
 from gateway.hedge.attempt import Prefix
@@ -190,6 +190,7 @@ def test_a_client_that_leaves_during_the_stall_race_leaves_nothing_running() -> 
         assert resumer.asked == [(2.0, True)]
         pending.cancel()  # the client went away
         await asyncio.wait({pending})
+        assert isinstance(body, AsyncGenerator)  # closed as the client response closes it
         await body.aclose()
         assert resumer.cancelled and stalled.closed  # run_virtual: no task left behind
 
