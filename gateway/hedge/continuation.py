@@ -35,7 +35,7 @@ from gateway.wire.resume import Splice, continuation_body, relayed_answer
 from gateway.wire.sse import SSEEvent
 
 #: the routes whose streams can be continued, by their wire protocol's name
-CONTINUED_APIS = frozenset({"chat", "messages"})
+CONTINUED_APIS = frozenset({"chat", "messages", "responses"})
 
 
 class Continuations:

@@ -10,6 +10,7 @@ after the ones relayed, so the client reads one answer. Three things are the wir
   streaming servers send them), the ids and model the client saw. An answer that is not
   plain text (a tool call, a reasoning block, more than one choice, a finish already sent)
   is not continued: the client gets the route's in-band error, as without continuations.
+  The Responses API's answer is one message item with one text part, still open.
 - `continuation_body`: the request to send, in the backend's `continuation` style: the
   client's messages, then an assistant message holding the text (`prefill`), with
   `continue_final_message: true` and `add_generation_prompt: false` for the OpenAI-compatible
@@ -19,7 +20,10 @@ after the ones relayed, so the client reads one answer. Three things are the wir
   first text (the client has it already).
 - `Splice`: the continuation's events rewritten to follow the relayed ones: its scaffolding
   dropped (chat's role chunk; Messages' `message_start`, `ping` and the start of the text block
-  that is still open), its ids, model and block indices made the relayed ones, and its usage
+  that is still open; the Responses API's `response.created`, `response.in_progress` and the
+  start of the message item and its part), its ids, model, indices and sequence numbers made
+  the relayed ones (the Responses API's done events and final object carry the whole text),
+  and its usage
   counted as the docs say: output = the text deltas relayed + the continuation's output;
   input = the continuation's input less those same tokens (the relayed text it read as
   input is output the client's request paid for once, not input it asked).
@@ -40,6 +44,7 @@ Style = Literal["prefill", "continue_final_message"]
 _LIMITS: Mapping[str, tuple[str, ...]] = {
     "chat": ("max_tokens", "max_completion_tokens"),
     "messages": ("max_tokens",),
+    "responses": ("max_output_tokens",),
 }
 
 
@@ -75,6 +80,8 @@ def relayed_answer(api: str, events: list[SSEEvent]) -> Relayed | None:
         return _relayed_chat(events)
     if api == "messages":
         return _relayed_messages(events)
+    if api == "responses":
+        return _relayed_responses(events)
     return None
 
 
@@ -148,6 +155,48 @@ def _relayed_messages(events: list[SSEEvent]) -> Relayed | None:
     return out if out.text and out.head else None
 
 
+def _relayed_responses(events: list[SSEEvent]) -> Relayed | None:
+    """The Responses API: one message item with one output_text part, still open."""
+    out = Relayed("responses", "", 0)
+    parts: list[str] = []
+    seq = -1
+    for event in events:
+        obj = _loads(event)
+        if obj is None:
+            continue
+        kind = obj.get("type")
+        number = obj.get("sequence_number")
+        if isinstance(number, int):
+            seq = max(seq, number)
+        if kind in ("response.created", "response.in_progress"):
+            response = obj.get("response") or {}
+            if isinstance(response, dict):
+                out.head.update({k: response[k] for k in ("id", "model") if k in response})
+        elif kind == "response.output_item.added":
+            item = obj.get("item") or {}
+            if not isinstance(item, dict) or item.get("type") != "message" \
+                    or "item_id" in out.head:
+                return None  # a function call, reasoning, or a second message
+            out.head["item_id"] = item.get("id")
+            out.head["output_index"] = obj.get("output_index", 0)
+        elif kind == "response.content_part.added":
+            part = obj.get("part") or {}
+            if not isinstance(part, dict) or part.get("type") != "output_text":
+                return None
+            out.head["content_index"] = obj.get("content_index", 0)
+        elif kind == "response.output_text.delta":
+            delta = obj.get("delta")
+            if isinstance(delta, str) and delta:
+                parts.append(delta)
+                out.tokens += 1
+        elif isinstance(kind, str) and (kind.endswith(".done") or kind in (
+                "response.completed", "response.incomplete", "response.failed", "error")):
+            return None  # the text was finished (or failed) before the break
+    out.head["seq"] = seq + 1
+    out.text = "".join(parts)
+    return out if out.text and "id" in out.head and "item_id" in out.head else None
+
+
 def continuation_body(body: Mapping[str, Any], relayed: Relayed, style: Style
                       ) -> tuple[dict[str, Any], str]:
     """The request that continues `relayed`, and the white space the prefill left out (to be
@@ -156,7 +205,12 @@ def continuation_body(body: Mapping[str, Any], relayed: Relayed, style: Style
     if relayed.api == "messages":
         kept = text.rstrip()
         text, dropped = kept, text[len(kept):]
-    messages = list(body.get("messages") or ())
+    if relayed.api == "responses":  # the input as items, then the assistant's text
+        given = body.get("input")
+        messages = [{"role": "user", "content": given}] if isinstance(given, str) \
+            else list(given or ())
+    else:
+        messages = list(body.get("messages") or ())
     last = messages[-1] if messages else None
     if isinstance(last, Mapping) and last.get("role") == "assistant" \
             and isinstance(last.get("content"), str):
@@ -164,7 +218,8 @@ def continuation_body(body: Mapping[str, Any], relayed: Relayed, style: Style
         messages[-1] = {**last, "content": last["content"] + text}
     else:
         messages.append({"role": "assistant", "content": text})
-    out: dict[str, Any] = {**body, "messages": messages}
+    field_name = "input" if relayed.api == "responses" else "messages"
+    out: dict[str, Any] = {**body, field_name: messages}
     for key in _LIMITS.get(relayed.api, ()):
         limit = out.get(key)
         if isinstance(limit, int) and not isinstance(limit, bool):
@@ -189,8 +244,13 @@ class Splice:
         self._dropped = dropped
         #: the continuation has sent text (its scaffolding is behind it)
         self._started = False
-        #: Messages: whether the continuation's first text block is the open one
+        #: Messages, Responses: whether the continuation's first text block (message item)
+        #: is the open one
         self._joined = False
+        #: Responses: the continuation's text so far (its done events carry the whole text),
+        #: and the next sequence number
+        self._text: list[str] = []
+        self._seq = int(relayed.head.get("seq", 0))
 
     def events(self, events: list[SSEEvent]) -> list[SSEEvent]:
         """The continuation's `events` as the client must read them, in order."""
@@ -203,7 +263,9 @@ class Splice:
             if obj is None:
                 out.append(event)
                 continue
-            kept = self._chat(obj) if self.relayed.api == "chat" else self._messages(obj)
+            api = self.relayed.api
+            kept = self._chat(obj) if api == "chat" else self._messages(obj) \
+                if api == "messages" else self._responses(obj)
             if kept is not None:
                 out.append(SSEEvent(_dumps(kept), event.event))
         return out
@@ -265,6 +327,59 @@ class Splice:
                 and isinstance(usage.get("output_tokens"), int):
             usage["output_tokens"] += relayed.tokens
         return obj
+
+
+    def _responses(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        head = self.relayed.head
+        kind = obj.get("type")
+        if kind in ("response.created", "response.in_progress"):
+            return None
+        if kind == "response.output_item.added" and not self._joined \
+                and (obj.get("item") or {}).get("type") == "message":
+            self._joined = True
+            return None  # the relayed message item is still open: it goes on
+        if kind == "response.content_part.added" and not self._started:
+            return None
+        if "item_id" in obj:
+            obj["item_id"] = head["item_id"]
+        if "output_index" in obj:
+            obj["output_index"] = head.get("output_index", 0)
+        if "content_index" in obj:
+            obj["content_index"] = head.get("content_index", 0)
+        if "sequence_number" in obj:
+            obj["sequence_number"] = self._seq
+            self._seq += 1
+        whole = self.relayed.text + "".join(self._text)
+        if kind == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+            obj["delta"] = self._first_text(obj["delta"])
+            self._text.append(obj["delta"])
+        elif kind == "response.output_text.done":
+            obj["text"] = whole
+        elif kind == "response.content_part.done" and isinstance(obj.get("part"), dict):
+            obj["part"]["text"] = whole
+        elif kind == "response.output_item.done" and isinstance(obj.get("item"), dict):
+            self._whole_item(obj["item"], whole)
+        elif kind in ("response.completed", "response.incomplete") \
+                and isinstance(obj.get("response"), dict):
+            response = obj["response"]
+            response["id"] = head["id"]
+            for item in response.get("output") or ():
+                if isinstance(item, dict) and item.get("type") == "message":
+                    self._whole_item(item, whole)
+            usage = response.get("usage")
+            if isinstance(usage, dict):
+                _count(usage, "input_tokens", "output_tokens", self.relayed.tokens)
+                if isinstance(usage.get("input_tokens"), int) \
+                        and isinstance(usage.get("output_tokens"), int):
+                    usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+        return obj
+
+    def _whole_item(self, item: dict[str, Any], whole: str) -> None:
+        """A message item as the client's: the relayed item's id, the whole text."""
+        item["id"] = self.relayed.head["item_id"]
+        for part in item.get("content") or ():
+            if isinstance(part, dict) and part.get("type") == "output_text":
+                part["text"] = whole
 
 
 def _count(usage: dict[str, Any], input_key: str, output_key: str, tokens: int) -> None:

@@ -220,8 +220,9 @@ STREAMED_ROUTES = [pytest.param(r, id=f"{r.method} {r.path}")
 def test_every_streamed_route_continues_or_says_it_was_cut(
         asgi_server: AsgiServerFactory, route: InferenceRoute) -> None:
     """The route table, streamed, each stream reset after 4 tokens: chat and Messages read
-    as the whole answer ending once; every other route (legacy completions, the Responses
-    API: not continued) ends with its in-band error after the 4 tokens, never cleanly."""
+    as the whole answer ending once; every other route (legacy completions; the Responses
+    API's smallest body, which stores its response) ends with its in-band error after the 4
+    tokens, never cleanly."""
     _, gw = gateway(asgi_server, "reset", faults={"x-sim-break-at": "4"})
     body = smallest_body(route, POOL, stream=True)
     assert body is not None
@@ -236,3 +237,25 @@ def test_every_streamed_route_continues_or_says_it_was_cut(
     else:
         assert tokens == [f"tok{i} " for i in range(4)]
         assert end not in raw and "error" in raw.rsplit("tok3 ", 1)[1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_responses_stream_broken_after_ten_tokens_reads_as_one_answer(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """The Responses API (`store: false`: nothing stored to fork): one response, one message
+    item, sequence numbers 0, 1, 2... without a gap or a repeat, the whole text in the final
+    response and its usage counting every output token once."""
+    _, gw = gateway(asgi_server, kind)
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        events = list(client.responses.create(model=POOL, input="hello there", stream=True,
+                                              store=False))
+    types = [e.type for e in events]
+    assert types.count("response.created") == 1 and types.count("response.completed") == 1
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == WHOLE
+    items = {getattr(e, "item_id", None) for e in events} - {None}
+    assert len(items) == 1
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == WHOLE and final.id == events[0].response.id  # type: ignore[union-attr]
+    assert final.usage is not None and final.usage.output_tokens == TOKENS

@@ -101,3 +101,25 @@ def test_a_chat_splice_drops_the_role_chunk_and_keeps_the_ids() -> None:
     assert objs[0]["choices"][0]["delta"] == {"content": "tok2 "}
     assert objs[2]["usage"] == {"prompt_tokens": 10, "completion_tokens": 3,
                                 "total_tokens": 13}
+
+
+def test_the_responses_api_continues_one_open_message_item_only() -> None:
+    created = named("response.created", sequence_number=0,
+                    response={"id": "resp_1", "model": "m", "output": []})
+    message = named("response.output_item.added", sequence_number=1, output_index=0,
+                    item={"id": "msg_1", "type": "message", "content": []})
+    part = named("response.content_part.added", sequence_number=2, item_id="msg_1",
+                 output_index=0, content_index=0, part={"type": "output_text", "text": ""})
+    delta = named("response.output_text.delta", sequence_number=3, item_id="msg_1",
+                  output_index=0, content_index=0, delta="tok0 ")
+    answer = relayed_answer("responses", [created, message, part, delta])
+    assert answer is not None and answer.text == "tok0 " and answer.head["seq"] == 4
+    body, _ = continuation_body({"input": "hi", "max_output_tokens": 5}, answer, "prefill")
+    assert body["input"] == [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "tok0 "}]
+    assert body["max_output_tokens"] == 4
+    call = named("response.output_item.added", sequence_number=1, output_index=0,
+                 item={"id": "fc_1", "type": "function_call"})
+    assert relayed_answer("responses", [created, call]) is None
+    done = named("response.output_text.done", sequence_number=4, item_id="msg_1", text="x")
+    assert relayed_answer("responses", [created, message, part, delta, done]) is None
