@@ -28,7 +28,9 @@ from gateway.wire.base import Kind, WireProtocol
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
-AttemptKind = Literal["primary", "hedge", "failover"]
+#: `continuation`: only as a trace names a continuation's attempt (`gateway.hedge.continuation`);
+#: a continuation's own race records its attempt as its primary, apart from the request's
+AttemptKind = Literal["primary", "hedge", "failover", "continuation"]
 Outcome = Literal["won", "lost", "failed", "cancelled"]
 #: takes the headers of an upstream's answer (a refusal's too) as soon as they are in: the
 #: backend's quota headroom reads its rate-limit headers from them

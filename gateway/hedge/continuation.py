@@ -20,11 +20,12 @@ summary carries them to the stats and the log line.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 
 from gateway.clock import Clock
 from gateway.errors import GatewayError
-from gateway.hedge.attempt import ContinuationCounts
+from gateway.hedge.attempt import AttemptRecord, ContinuationCounts
 from gateway.hedge.gaps import GapSketch
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
@@ -119,8 +120,10 @@ class Continuations:
             assert style in ("prefill", "continue_final_message")
             body, dropped = continuation_body(self.req.body, answer, style)
             deadline = now + pool.settings.timeouts.first_token
+            traced = None if self.trace is None else _ContinuationTrace(
+                self.trace, TRACE_INDEX * len(self._races) + TRACE_INDEX)
             runner = attempt_runner(pool, replace(self.req, body=body), deadline, self.clock,
-                                    self.trace)
+                                    traced)
             race = Race(pool, runner, replace(
                 options, deadline=deadline, hedging=False, refused_reason=None,
                 excluded=frozenset(b.name for b in pool.settings.backends
@@ -146,6 +149,29 @@ class Continuations:
         reaps its losers."""
         for race in self._races:
             await race.aclose()
+
+
+#: where a continuation's attempts are numbered in the request's trace: past every attempt
+#: of the request's own race (at most `MAX_ATTEMPTS_CAP`), apart from each other
+TRACE_INDEX = 1000
+
+
+class _ContinuationTrace:
+    """The request's trace as a continuation's attempt sees it: its span says
+    `continuation`, under a number of its own (its race numbers its attempts from 0, as the
+    request's race does)."""
+
+    def __init__(self, trace: AttemptTrace, base: int) -> None:
+        self._trace, self._base = trace, base
+
+    def _as_traced(self, record: AttemptRecord) -> AttemptRecord:
+        return replace(record, index=self._base + record.index, kind="continuation")
+
+    def attempt_started(self, record: AttemptRecord) -> Mapping[str, str]:
+        return self._trace.attempt_started(self._as_traced(record))
+
+    def attempt_ended(self, record: AttemptRecord) -> None:
+        self._trace.attempt_ended(self._as_traced(record))
 
 
 def may_continue(pool: PoolRuntime, protocol: str, stream: bool, stateful: bool,

@@ -14,6 +14,9 @@ import anthropic
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute
 from gateway.app import create_app
@@ -27,6 +30,7 @@ from gateway.settings import (
     StallSettings,
 )
 from gateway.stats.requestlog import LOGGER_NAME
+from gateway.stats.tracing import Tracing
 from providers.sim.server import create_sim_app
 from tests.e2e.test_route_matrix import STREAM_ENDS
 from tests.harness import AsgiServerFactory, RunningServer
@@ -44,7 +48,7 @@ QUESTION: Any = [{"role": "user", "content": "hello there"}]
 
 
 def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings | None = None,
-            faults: dict[str, str] | None = None,
+            faults: dict[str, str] | None = None, tracing: Tracing | None = None,
             ) -> tuple[list[RunningServer], RunningServer]:
     """Two loopback simulators that break every fresh answer before token 10 (`kind`; or
     do what `faults` say), behind an OpenAI-compatible and an Anthropic backend each,
@@ -61,7 +65,8 @@ def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings |
     hedging = HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0),
                               stall=stall or StallSettings())
     pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0)
-    return sims, asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2))
+    return sims, asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2,
+                                                      tracing=tracing))
 
 
 def stats(gw: RunningServer) -> dict[str, Any]:
@@ -259,3 +264,28 @@ def test_a_responses_stream_broken_after_ten_tokens_reads_as_one_answer(
     final = events[-1].response  # type: ignore[union-attr]
     assert final.output_text == WHOLE and final.id == events[0].response.id  # type: ignore[union-attr]
     assert final.usage is not None and final.usage.output_tokens == TOKENS
+
+
+def test_a_continuation_is_its_own_span_in_the_requests_trace(
+        asgi_server: AsgiServerFactory) -> None:
+    """The broken primary keeps its span and outcome; the continuation is a second attempt
+    span of kind `continuation` on the other backend, under the same request span."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _, gw = gateway(asgi_server, "reset", tracing=Tracing(provider))
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(model=POOL, messages=QUESTION,
+                                                     stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == WHOLE
+    assert wait_for(lambda: len(exporter.get_finished_spans()) >= 3)
+    spans = exporter.get_finished_spans()
+    (request,) = [s for s in spans if s.name == "hedge_gateway.request"]
+    attempts = [dict(s.attributes or {}) for s in spans if s.name == "hedge_gateway.attempt"]
+    assert sorted(a["kind"] for a in attempts) == ["continuation", "primary"]
+    primary = next(a for a in attempts if a["kind"] == "primary")
+    continuation = next(a for a in attempts if a["kind"] == "continuation")
+    assert primary["outcome"] == "won" and primary["backend"] != continuation["backend"]
+    assert all(s.parent is not None and request.context is not None
+               and s.parent.span_id == request.context.span_id
+               for s in spans if s.name == "hedge_gateway.attempt")
