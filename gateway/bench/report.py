@@ -186,6 +186,15 @@ def format_workload(result: Mapping[str, Any]) -> str:
                 and any(r.get("continuations") is not None for r in result["modes"]):
             lines.append(f"   direct: longest gap per stream p50 {_cell(gap['p50'])} p99 "
                          f"{_cell(gap['p99'])}")
+    by_mode = {row["mode"]: row for row in result["modes"]}
+    calm, cont = by_mode.get("no-faults"), by_mode.get("continuation-on")
+    if calm is not None and cont is not None and calm["total_ms"]["p99"] \
+            and cont["total_ms"]["p99"] is not None:
+        lines.append(f"   continuation-on vs no-faults: total p99 x"
+                     f"{cont['total_ms']['p99'] / calm['total_ms']['p99']:.3f}; complete "
+                     f"{cont['ok']}/{cont['requests']}; extra attempts "
+                     f"{_cell(cont['upstream']['extra_pct'])} % (no-faults "
+                     f"{_cell(calm['upstream']['extra_pct'])} %)")
     for row in result["modes"]:
         procs = row.get("processes") or {}
         ours = ", ".join(f"{name} {p['cpu_s']:.2f}" for name, p in procs.items()

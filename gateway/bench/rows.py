@@ -26,8 +26,10 @@ from gateway.bench.load import Sample
 
 MODES = ("direct", "hedging-off", "hedging-on", "oracle")
 GATEWAY_MODES = ("hedging-off", "hedging-on")
-#: the `stalls` workload's gateway modes (hedging on): continuations off and on
-CONTINUATION_MODES = {"continuation-off": False, "continuation-on": True}
+#: the `stalls` workload's gateway modes (hedging on): continuations off and on, and on with
+#: simulators that neither stall nor break (`FAULTLESS_MODES`: the goals' yardstick)
+CONTINUATION_MODES = {"no-faults": True, "continuation-off": False, "continuation-on": True}
+FAULTLESS_MODES = frozenset({"no-faults"})
 TTFT_QUANTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999))
 
 

@@ -183,10 +183,14 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
               "end": int(requests * workload.outage_span[1]),
               "extra_ms": workload.outage_extra * 1000.0}
 
+    profile = workload.profile
+    if mode in rows.FAULTLESS_MODES:  # the same streams without a stall or a break
+        profile = dataclasses.replace(profile, stall_probability=0.0, break_probability=0.0)
+
     async def reset() -> None:
         resets = await asyncio.gather(*(
             client.post(f"{s}/bench/reset", json={
-                "profile": profile_to_json(workload.profile), "seed": ctx.plan.seed,
+                "profile": profile_to_json(profile), "seed": ctx.plan.seed,
                 "backend": chr(97 + k), "outage": outage})
             for k, s in enumerate(sims)))
         for response in resets:

@@ -15,7 +15,7 @@ STALLS = next(w for w in WORKLOADS if w.name == "stalls")
 
 def test_the_stalls_workload_runs_direct_and_continuations_off_and_on() -> None:
     assert plan_modes(BenchPlan(workloads=(STALLS,)), STALLS) == [
-        "direct", "continuation-off", "continuation-on"]
+        "direct", "no-faults", "continuation-off", "continuation-on"]
     profile = STALLS.profile
     assert (profile.tokens, profile.inter_token, profile.stall_probability,
             profile.stall_length, profile.break_probability) == (200, 0.02, 0.03, 5.0, 0.01)
