@@ -1,9 +1,11 @@
-"""A broken stream continued on another backend: which backend, whether it may, and the race
-of its attempt.
+"""A stalled or broken stream continued on another backend: which backend, whether it may,
+the race of its attempt, and each backend's stall delay.
 
 After commit the relay (`gateway.hedge.relay`) reads one backend; when its stream breaks (a
 reset, a body that ends early, an error event, the idle timeout) it asks `Continuations` for a
-continuation before it gives the client an error. A continuation is an attempt like a
+continuation before it gives the client an error, and when it stalls for the backend's stall
+delay (`stall_delay`: `gateway.hedge.gaps`) it asks for one to race the stalled stream. A
+continuation is an attempt like a
 failover: the next backend in the request's order (the conversation's, when it has one) that
 can continue an answer (its `continuation` is not `none`) and has not failed this request,
 granted by the hedge budget (one attempt, and the request's input tokens plus the text relayed
