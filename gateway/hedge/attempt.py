@@ -81,6 +81,9 @@ class ContinuationCounts:
     breaks_ended: Counter[str] = field(default_factory=Counter)
     #: stalls detected after commit, per backend that stalled
     stalls: Counter[str] = field(default_factory=Counter)
+    #: each continuation's attempt (kind `continuation`), for the dashboard's timeline: at
+    #: most `max_continuations` of them
+    records: list[AttemptRecord] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.started or self.refused or self.breaks_ended or self.stalls)

@@ -141,6 +141,8 @@ class Continuations:
             finally:
                 race.runner = race_over
                 pool.budget.release()
+                self.counts.records.extend(replace(r, kind="continuation")
+                                           for r in race.attempts)
             if not stall:  # a stall's continuation wins only if it beats the stream
                 self.counts.won[chosen] += 1
                 self.counts.breaks_continued[backend] += 1

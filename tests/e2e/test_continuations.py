@@ -155,6 +155,11 @@ def test_raw_bytes_repeat_no_event_and_the_continuation_is_counted(
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
     assert lines[-1]["continuations"]["breaks_continued"] == {broke[0]: 1}
     assert lines[-1]["continuations"]["won"] == {took[0]: 1}
+    # the dashboard's timeline: the continuation's bar after the race's own
+    (race,) = httpx.get(gw.url("/hedge/races"), timeout=5.0).json()["races"]
+    assert [(a["kind"], a["backend"], a["outcome"]) for a in race["attempts"]] == [
+        ("primary", broke[0], "won"), ("continuation", took[0], "won")]
+    assert race["attempts"][1]["start_ms"] >= race["attempts"][0]["end_ms"]
 
 
 def test_with_continuations_off_a_break_is_the_in_band_error(
