@@ -246,7 +246,8 @@ class Proxy:
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
                          stats=self.stats,
                          clock=self.clock, trace=trace)
-        if may_continue(pool, req.protocol.name, req.stream, req.stateful, req.pinned):
+        if may_continue(pool, req.protocol.name, req.stream, req.stateful, req.pinned,
+                        excluded):
             end.continuations = Continuations(pool, upstream, plan.options, self.clock, trace)
         return race, end, strip_usage
 

@@ -179,11 +179,14 @@ class _ContinuationTrace:
 
 
 def may_continue(pool: PoolRuntime, protocol: str, stream: bool, stateful: bool,
-                 pinned: str | None) -> bool:
+                 pinned: str | None, excluded: frozenset[str] = frozenset()) -> bool:
     """Whether a request can be continued at all (checked once per request, before the
     race): a stream of a continued route, not bound to stored state, in a pool whose stall
-    rules are on and where some backend continues answers."""
+    rules are on, with two backends or more it may use and one of them that continues
+    answers (a request that can never be continued keeps nothing and arms nothing)."""
     stall = pool.settings.hedging.stall
-    return (stream and protocol in CONTINUED_APIS and not stateful and pinned is None
-            and stall.enabled and stall.max_continuations > 0
-            and any(b.continuation not in (None, "none") for b in pool.settings.backends))
+    if not (stream and protocol in CONTINUED_APIS and not stateful and pinned is None
+            and stall.enabled and stall.max_continuations > 0):
+        return False
+    usable = [b for b in pool.settings.backends if b.name not in excluded]
+    return len(usable) > 1 and any(b.continuation not in (None, "none") for b in usable)

@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import Literal
 
 from gateway.errors import UpstreamDisconnected
 from gateway.hedge.attempt import Prefix
+from gateway.hedge.continuation import may_continue
 from gateway.hedge.gaps import MIN_SAMPLES, GapSketch
+from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.relay import Continued, relay
+from gateway.settings import BackendSettings, HedgingSettings, PoolSettings, StallSettings
 from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.chat import CHAT
 from gateway.wire.resume import Splice, relayed_answer
@@ -195,3 +200,35 @@ def test_a_client_that_leaves_during_the_stall_race_leaves_nothing_running() -> 
         assert resumer.cancelled and stalled.closed  # run_virtual: no task left behind
 
     run_virtual(main)
+
+
+Style = Literal["prefill", "continue_final_message", "none"]
+
+
+def test_a_request_may_be_continued_only_where_a_continuation_could_go() -> None:
+    """Checked once per request: a stream of a continued route, not bound to stored state,
+    with two usable backends or more of which one continues answers."""
+    def pool(*styles: Style, stall: StallSettings | None = None) -> PoolRuntime:
+        backends = tuple(BackendSettings(name=f"b{i}", provider="openai", model="m",
+                                         base_url="http://127.0.0.1:9/v1", continuation=style)
+                         for i, style in enumerate(styles))
+        settings = PoolSettings("p", backends, hedging=HedgingSettings(
+            stall=stall or StallSettings()))
+        return PoolRuntime.build(settings, {}, global_hedging=True, now=0.0,
+                                 rng=random.Random(1))
+
+    two = pool("prefill", "none")
+    assert may_continue(two, "chat", True, False, None)
+    assert may_continue(two, "messages", True, False, None)
+    assert not may_continue(two, "chat", False, False, None)  # whole answers
+    assert not may_continue(two, "completions", True, False, None)
+    assert not may_continue(two, "responses", True, True, None)  # stored state
+    assert not may_continue(two, "chat", True, False, "b0")  # pinned
+    assert not may_continue(two, "chat", True, False, None, frozenset({"b1"}))  # one left
+    assert not may_continue(pool("prefill"), "chat", True, False, None)
+    assert not may_continue(pool("none", "none"), "chat", True, False, None)
+    assert not may_continue(pool("prefill", "prefill", stall=StallSettings(enabled=False)),
+                            "chat", True, False, None)
+    assert not may_continue(pool("prefill", "prefill",
+                                 stall=StallSettings(max_continuations=0)),
+                            "chat", True, False, None)
