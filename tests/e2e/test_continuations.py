@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
@@ -49,6 +49,7 @@ QUESTION: Any = [{"role": "user", "content": "hello there"}]
 
 def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings | None = None,
             faults: dict[str, str] | None = None, tracing: Tracing | None = None,
+            style: Literal["prefill", "continue_final_message"] = "prefill",
             ) -> tuple[list[RunningServer], RunningServer]:
     """Two loopback simulators that break every fresh answer before token 10 (`kind`; or
     do what `faults` say), behind an OpenAI-compatible and an Anthropic backend each,
@@ -59,7 +60,7 @@ def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings |
             for i in range(2)]
     backends = [backend for i, sim in enumerate(sims) for backend in (
         BackendSettings(name=f"o{i}", provider="openai", base_url=sim.v1, model="m",
-                        group=f"g{i}", continuation="prefill"),
+                        group=f"g{i}", continuation=style),
         BackendSettings(name=f"a{i}", provider="anthropic", base_url=sim.base_url,
                         model="m", group=f"g{i}"))]
     hedging = HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0),
@@ -294,3 +295,40 @@ def test_a_continuation_is_its_own_span_in_the_requests_trace(
     assert all(s.parent is not None and request.context is not None
                and s.parent.span_id == request.context.span_id
                for s in spans if s.name == "hedge_gateway.attempt")
+
+
+def test_a_continue_final_message_backend_gets_the_flags_and_continues(
+        asgi_server: AsgiServerFactory) -> None:
+    """`continuation: continue_final_message` (vLLM, SGLang): the same one answer, the
+    upstream taking the flags (what they are: `test_continuation_bodies_per_style`)."""
+    _, gw = gateway(asgi_server, "reset", style="continue_final_message")
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(model=POOL, messages=QUESTION,
+                                                     stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == WHOLE
+
+
+STALLED_BODIES: list[Any] = [
+    pytest.param("/v1/chat/completions", {"messages": QUESTION}, id="chat"),
+    pytest.param("/v1/messages", {"messages": QUESTION, "max_tokens": 100}, id="messages"),
+    pytest.param("/v1/responses", {"input": "hello there", "store": False}, id="responses"),
+]
+
+
+@pytest.mark.parametrize("path,body", STALLED_BODIES)
+def test_a_stall_is_raced_on_every_api(asgi_server: AsgiServerFactory, path: str,
+                                       body: dict[str, Any]) -> None:
+    """The stall race on each API, read raw: every token once and in order, one end event,
+    long before the 30 s stall would have ended (the client's timeout is 10 s)."""
+    _, gw = gateway(asgi_server, "", stall=StallSettings(min=0.2, max=1.0),
+                    faults={"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"})
+    raw = httpx.post(gw.url(path), json={"model": POOL, "stream": True, **body},
+                     timeout=10.0).text
+    tokens = re.findall(r"tok\d+ ", raw.split("response.output_text.done")[0])
+    assert tokens == [f"tok{i} " for i in range(TOKENS)]
+    end = {"/v1/chat/completions": "data: [DONE]", "/v1/messages": "event: message_stop",
+           "/v1/responses": "event: response.completed"}[path]
+    assert raw.count(end) == 1
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert (counted["stalls"], counted["won"]) == (1, 1)
