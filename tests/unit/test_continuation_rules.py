@@ -94,9 +94,9 @@ def test_refusals_are_counted_and_end_the_answer() -> None:
         await first.prefix.aclose()
         await bounded.aclose()
 
-        tool = relayed() + [SSEEvent(json.dumps({"id": "chatcmpl-1", "choices": [
-            {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
-                "arguments": "{"}}]}, "finish_reason": None}]}).encode())]
+        call = {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}
+        tool = [*relayed(), SSEEvent(json.dumps({"id": "chatcmpl-1", "choices": [
+            {"index": 0, "delta": call, "finish_reason": None}]}).encode())]
         texts = continuations(loop)
         assert await texts(tool, "s0") is None
         assert dict(texts.counts.refused) == {"not_text": 1}
