@@ -379,8 +379,8 @@ class BackendSettings(Checked):
             "continue_final_message (that message with continue_final_message: true and "
             "add_generation_prompt: false: vLLM, SGLang), none (no continuation is sent to "
             "it: openai's default, since its base_url may be OpenAI itself; also "
-            "llama-cpp-python's server, which starts a new turn after a final assistant "
-            "message instead of continuing it)",
+            "llama-cpp-python's OpenAI server, which starts a new turn after a final "
+            "assistant message instead of continuing it)",
             default_shown=False))
 
     #: what a validator can check of `_rules` (`hedge-gateway schema` adds it to the backend)
