@@ -181,7 +181,9 @@ def format_workload(result: Mapping[str, Any]) -> str:
                          f"{counted.get('started')}, won {counted.get('won')}, stalls "
                          f"{counted.get('stalls')}, breaks continued "
                          f"{counted.get('breaks_continued')}, ended "
-                         f"{counted.get('breaks_ended')}")
+                         f"{counted.get('breaks_ended')}; input tokens resent "
+                         f"{counted.get('input_tokens')} of the workload's "
+                         f"{counted.get('workload_tokens')}")
         elif gap is not None and gap["p99"] is not None and row["mode"] == "direct" \
                 and any(r.get("continuations") is not None for r in result["modes"]):
             lines.append(f"   direct: longest gap per stream p50 {_cell(gap['p50'])} p99 "

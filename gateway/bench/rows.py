@@ -122,9 +122,15 @@ def continuations(stats: object, before: object, pool: str) -> dict[str, int] | 
     the end less after the warm-up), or None without them."""
     def read(doc: object) -> dict[str, int] | None:
         try:
-            counts = doc["pools"][pool]["lifetime"]["continuations"]  # type: ignore[index]
-            return {k: int(v) for k, v in counts.items() if isinstance(v, int)}
-        except (TypeError, KeyError, ValueError):
+            life = doc["pools"][pool]["lifetime"]  # type: ignore[index]
+            counts = {k: int(v) for k, v in life["continuations"].items()
+                      if isinstance(v, int)}
+            # the workload's own tokens, as the winners reported them: the yardstick of
+            # what the continuations resent
+            counts["workload_tokens"] = int(life["tokens"]["input"]) \
+                + int(life["tokens"]["output"])
+            return counts
+        except (TypeError, KeyError, ValueError, AttributeError):
             return None
 
     end, start = read(stats), read(before)

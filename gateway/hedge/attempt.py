@@ -81,6 +81,9 @@ class ContinuationCounts:
     breaks_ended: Counter[str] = field(default_factory=Counter)
     #: stalls detected after commit, per backend that stalled
     stalls: Counter[str] = field(default_factory=Counter)
+    #: the input tokens the continuations granted were priced at (the request's estimate
+    #: plus the tokens relayed, each time): what they resent
+    input_tokens: int = 0
     #: each continuation's attempt (kind `continuation`), for the dashboard's timeline: at
     #: most `max_continuations` of them
     records: list[AttemptRecord] = field(default_factory=list)

@@ -118,6 +118,7 @@ class Continuations:
             if refused is not None:
                 self._refuse(str(refused), backend, stall)
                 return None
+            self.counts.input_tokens += tokens
             style = styles[chosen]
             assert style in ("prefill", "continue_final_message")
             body, dropped = continuation_body(self.req.body, answer, style)

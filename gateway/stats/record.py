@@ -331,6 +331,7 @@ class Stats:
                 per_backend.setdefault(backend, Counter())[key] += n
         for reason, n in counts.refused.items():
             pc[f"continuations.refused.{reason}"] += n
+        pc["continuations.input_tokens"] += counts.input_tokens
         for backend, bc in per_backend.items():
             stats = pool.backends.get(backend)
             if stats is not None:

@@ -32,7 +32,8 @@ The line of a request that reached a pool goes on with: `pool`, `endpoint`, `str
 `total_ms`, `usage` ({`input`, `output`} tokens of the winner, or null),
 `hedge_input_tokens` (input tokens paid again by extra attempts),
 `continuations` (null when the stream had none: else, by backend, `started`, `won`,
-`breaks_continued`, `breaks_ended`, `stalls`, and `refused` by reason),
+`breaks_continued`, `breaks_ended`, `stalls`, `refused` by reason, and `input_tokens`
+resent),
 `attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
 `ttft_ms` (from the attempt's start; for a cancelled attempt its elapsed time then),
 `outcome`, `failure`, `reason`, `close_ms`, `late_events`}].
@@ -79,7 +80,8 @@ def _continuations(counts: ContinuationCounts | None) -> dict[str, Any] | None:
         return None
     return {"started": dict(counts.started), "won": dict(counts.won),
             "refused": dict(counts.refused), "breaks_continued": dict(counts.breaks_continued),
-            "breaks_ended": dict(counts.breaks_ended), "stalls": dict(counts.stalls)}
+            "breaks_ended": dict(counts.breaks_ended), "stalls": dict(counts.stalls),
+            "input_tokens": counts.input_tokens}
 
 
 def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> dict[str, Any]:

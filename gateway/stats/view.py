@@ -58,6 +58,7 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `<scope>.continuations.breaks_continued` | streams that broke after commit, continued |
 | `<scope>.continuations.breaks_ended` | the same, ended with the in-band error |
 | `<scope>.continuations.refused.<reason>` | continuations not started, by reason |
+| `<scope>.continuations.input_tokens` | input tokens the continuations resent (as priced) |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
@@ -248,6 +249,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         "headroom_skips": c["headroom_skips"],
         "continuations": {
             **_continuations(c),
+            "input_tokens": c["continuations.input_tokens"],
             "refused": {k[len(_REFUSED):]: v for k, v in sorted(c.items())
                         if k.startswith(_REFUSED) and v > 0},
         },

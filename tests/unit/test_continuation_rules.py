@@ -72,6 +72,7 @@ def test_a_break_is_continued_on_another_backend_with_the_text_so_far() -> None:
         assert dict(cont.counts.started) == dict(cont.counts.won) == {continued.backend: 1}
         assert dict(cont.counts.breaks_continued) == {"s0": 1}
         assert [r.kind for r in cont.counts.records] == ["continuation"]
+        assert cont.counts.input_tokens == 10  # no estimate of the input here: the relayed
         assert cont.pool.budget.extra_in_flight == 0  # the grant was given back
 
     run_virtual(main)
