@@ -30,6 +30,7 @@ from gateway.api.messages import build_messages_router
 from gateway.api.ops import build_ops_router
 from gateway.api.proxy import Proxy
 from gateway.api.responses import build_responses_router
+from gateway.api.tenancy import TenantGate
 from gateway.clock import Clock, monotonic
 from gateway.dashboard import PerSecond, build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain
@@ -51,6 +52,7 @@ from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
 from gateway.stats.tracing import Tracing, build_tracing
+from gateway.tenants.registry import Tenants
 from providers.base import CarriesCredentials, Provider
 from providers.http import UpstreamClient
 from providers.registry import build_provider, missing_extras
@@ -177,11 +179,14 @@ class Reloader:
         workers: int = 1,
         keys: Mapping[str, KeyRing] | None = None,
         contexts: CaContexts | None = None,
+        gate: TenantGate | None = None,
     ) -> None:
         """`workers`: under `serve --workers N`, a reloaded file's budgets are split as at
         start (`gateway.server.workers.worker_settings`). `keys`: the rings the routes
         check, by their `server` field (`api_keys`, `ops_keys`): a reload that changes one
-        swaps it in. `contexts`: the TLS contexts the backends were built with."""
+        swaps it in. `contexts`: the TLS contexts the backends were built with. `gate`: the
+        client keys of `keys:`, replaced by a reloaded file's (a revoked key is refused from
+        the next request)."""
         self.live = live
         self.stats = stats
         self._client = client
@@ -190,6 +195,7 @@ class Reloader:
         self._workers = workers
         self._keys = dict(keys or {})
         self._contexts = contexts if contexts is not None else CaContexts()
+        self._gate = gate
         #: the reload a SIGHUP started, and whether another SIGHUP came meanwhile
         self._running: asyncio.Task[bool] | None = None
         self._again = False
@@ -243,6 +249,7 @@ class Reloader:
         if isinstance(loaded, list):
             return self._refused(loaded)
         data, settings = loaded
+        current_keys = self.live.current.settings.keys
         running = self.live.current.settings.server
         # keys take effect now (rotating a leaked one must not need a restart)
         swapped = {name: getattr(settings.server, name) for name in self._keys
@@ -260,6 +267,11 @@ class Reloader:
         except Exception as exc:  # noqa: BLE001 - building a backend failed: nothing swapped
             return self._refused([f"{path}: its backends could not be built "
                                   f"({type(exc).__name__})"])
+        if self._gate is not None and settings.keys != current_keys:
+            self._gate.replace(settings.keys)
+            LOGGER.warning("configuration reload: keys changed (%d named key%s), in effect "
+                           "for new requests", len(settings.keys),
+                           "" if len(settings.keys) == 1 else "s")
         for name, value in swapped.items():
             self._keys[name].replace(value)
             LOGGER.warning("configuration reload: server.%s changed (%d key%s), in effect for "
@@ -360,6 +372,7 @@ def create_app(
     fast = FastRoutes()
     rings = {name: KeyRing(getattr(settings.server, name)) for name in RELOADED_SERVER_KEYS}
     api_keys, ops_keys = rings["api_keys"], rings["ops_keys"]
+    gate = TenantGate(api_keys, Tenants(settings.keys, clock()), clock)
     app = GatewayAPI(
         fast=fast,
         on_error=gateway_error_response,
@@ -378,9 +391,9 @@ def create_app(
         redirect_slashes=False,
     )
     install_error_handlers(app)
-    app.include_router(build_router(settings, live, proxy, fast, api_keys))
-    app.include_router(build_responses_router(settings, live, proxy, fast, keys=api_keys))
-    app.include_router(build_messages_router(settings, live, proxy, fast, keys=api_keys))
+    app.include_router(build_router(settings, live, proxy, fast, gate))
+    app.include_router(build_responses_router(settings, live, proxy, fast, gate))
+    app.include_router(build_messages_router(settings, live, proxy, fast, gate))
     #: the per-second caches of /hedge/stats and /metrics (their `builds` count)
     app.state.ops_read_caches = (PerSecond(), PerSecond())
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain,
@@ -393,7 +406,9 @@ def create_app(
     app.state.live = live
     #: `reloader.hangup(path)` on SIGHUP (wired by `hedge-gateway serve`)
     app.state.reloader = Reloader(live, stats, client, clock, rng, workers, keys=rings,
-                                  contexts=contexts)
+                                  contexts=contexts, gate=gate)
+    #: the client keys (`server.api_keys`, `keys:`) and their live limits
+    app.state.tenant_gate = gate
     app.state.stats = stats
     #: the `/hedge/stats` document as of now (the endpoint's is up to a second old)
     app.state.stats_source = source

@@ -21,6 +21,7 @@ from gateway import argtypes
 if TYPE_CHECKING:
     from gateway.settings import ServerSettings, Settings, SimProfile
     from gateway.settings.origin import ConfigOrigin
+    from gateway.settings.tenants import TenantKeySettings
 
 
 DEFAULT_STATS_URL = "http://127.0.0.1:8080"
@@ -41,7 +42,7 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"hedge-gateway: cannot read {ns.config}: {exc.strerror}", file=sys.stderr)
         return 2
     file_server, server = file_settings.server, settings.server
-    warn_at_start(server, ns.log_level)
+    warn_at_start(server, ns.log_level, settings.keys)
     before, after = raise_open_file_limit()  # a stream holds two descriptors (and workers
     raised = f" (raised from {before})" if after != before else ""  # inherit the limit)
     print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
@@ -122,29 +123,31 @@ def _curl_line(settings: Settings, root: str) -> str:
             f"-d '{data}'")
 
 
-def start_warnings(server: ServerSettings) -> list[str]:
+def start_warnings(server: ServerSettings,
+                   keys: tuple[TenantKeySettings, ...] = ()) -> list[str]:
     """What an operator should hear before `serve` listens: keys or secrets short enough to
-    guess, and a listener reachable from other machines that asks no client key (anyone who
+    guess, a listener reachable from other machines that asks no client key (anyone who
     reaches the port spends the upstream keys; a page's rebound name too, unless
-    `server.allowed_hosts` is set)."""
+    `server.allowed_hosts` is set), and rules of `keys:` this version does not enforce yet."""
     from gateway.api.browser import is_loopback
-    from gateway.settings.load import weak_secrets
+    from gateway.settings.load import unenforced_keys, weak_secrets
 
-    lines = weak_secrets(server)
-    if not is_loopback(server.host) and not server.api_keys:
+    lines = weak_secrets(server) + unenforced_keys(keys)
+    if not is_loopback(server.host) and not server.api_keys and not keys:
         lines.append(f"listening on {server.host}, reachable from other machines, without "
                      "client keys: anyone who reaches the port can use the upstreams; set "
                      "server.api_keys")
     return lines
 
 
-def warn_at_start(server: ServerSettings, level: str) -> None:
+def warn_at_start(server: ServerSettings, level: str,
+                  keys: tuple[TenantKeySettings, ...] = ()) -> None:
     """Log `start_warnings`, one line each, on `hedge_gateway.config` (configured here: the
     server configures the same logging again when it starts). Kept apart from the start-up
     lines printed above and below it, so either can change without the other."""
     import logging.config
 
-    lines = start_warnings(server)
+    lines = start_warnings(server, keys)
     if lines:
         logging.config.dictConfig(logging_config(level))
         for line in lines:

@@ -28,7 +28,7 @@ Two trees, in this one file, and each class carries its facts as class attribute
     │   └── UpstreamServerError               ├── NoBackendAvailable
     ├── UpstreamProtocolError                 ├── UpstreamClientError (an upstream 4xx)
     │   └── UpstreamDisconnected              │   └── ...TooLarge, Unprocessable, NotFound, Conflict
-    ├── UpstreamInBandError                   ├── FirstTokenTimeout
+    ├── UpstreamInBandError                   ├── FirstTokenTimeout, KeyRateLimited
     ├── UpstreamNoToken                       └── InternalError (a bug of ours, 500)
     └── InternalAttemptError
 
@@ -298,6 +298,8 @@ class GatewayError(Exception):
         #: what must run once this error was answered (the end of the logical request: reap
         #: its attempts, record it); the HTTP error handler runs it after sending the answer
         self.after_response: Callable[[], Awaitable[None]] | None = None
+        #: headers the answer carries besides the retry advice (a key's rate-limit headers)
+        self.headers: list[tuple[bytes, bytes]] = []
 
     @property
     def shown_type(self) -> str:
@@ -439,6 +441,22 @@ class Draining(Overloaded):
 
     def __init__(self) -> None:
         super().__init__("the gateway is shutting down", retry_after=1.0)
+
+
+class KeyRateLimited(GatewayError):
+    """A client key is over one of its own limits (`keys[].limits`): 429 with the pause
+    after which the request would pass, and the key's rate-limit headers. Retryable: the
+    SDKs wait that long and send it again. The message names the key's name and the limit,
+    never the key."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, name: str, kind: str, retry_after: float) -> None:
+        super().__init__(f"key {name!r} is over its {kind.replace('_', ' ')} limit; "
+                         f"retry after {retry_after:.3g} s", retry_after=retry_after)
+        self.kind = kind
 
 
 class InternalError(GatewayError):

@@ -11,7 +11,7 @@ import asyncio
 import json
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.end import AnswerThen
-from gateway.api.keys import KeyRing, backoff
+from gateway.api.keys import backoff
 from gateway.api.proxy import Admission
 from gateway.api.refusals import REQUEST_ID_KEY, note_refusal
 from gateway.errors import (
@@ -82,7 +82,10 @@ def error_response(exc: GatewayError, request_id: str, path: str = "",
     if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
         message = f"{exc.message} (request id {request_id})"
     body = protocol_for_path(path).error_body(exc, message)
-    return SafeJSONResponse(body, status_code=exc.status, headers=headers)
+    response = SafeJSONResponse(body, status_code=exc.status, headers=headers)
+    if exc.headers:  # a client key's rate-limit headers
+        response.raw_headers.extend(exc.headers)
+    return response
 
 
 class SafeJSONResponse(JSONResponse):
@@ -210,33 +213,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
-
-
-#: checks a request's gateway key; raises `Unauthorized`
-Guard = Callable[[Request], Awaitable[None]]
-
-
-def make_auth_guard(keys: KeyRing | tuple[str, ...], *, x_api_key: bool = False) -> Guard:
-    """A dependency that checks the gateway key in constant time (`gateway.api.keys`); a
-    no-op while the ring is empty. The ring is read per request, so a reload that changes
-    `server.api_keys` takes effect for the next request.
-
-    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so).
-    The 401 never repeats what was sent."""
-    ring = keys if isinstance(keys, KeyRing) else KeyRing(keys)
-
-    async def guard(request: Request) -> None:
-        if not ring.digests:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        supplied = token.strip() if scheme.lower() == "bearer" else ""
-        if not supplied and x_api_key:
-            supplied = request.headers.get("x-api-key", "").strip()
-        if not ring.matches(supplied):
-            raise Unauthorized("missing or invalid gateway API key")
-
-    return guard
 
 
 def protocol_for_path(path: str) -> WireProtocol:

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from gateway.api.end import LINE_KEY, AnswerThen, RequestEnd, report_bug
+from gateway.api.end import LINE_KEY, SUMMARY_KEY, AnswerThen, RequestEnd, report_bug
 from gateway.api.request import LogicalRequest
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
@@ -117,7 +117,8 @@ class Proxy:
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
         excluded = excluded_backends(pool, req)
         # from here every path writes the request's log line (the end, or a refusal below)
-        request.scope.setdefault("state", {})[LINE_KEY] = True
+        state = request.scope.setdefault("state", {})
+        state[LINE_KEY] = True
         method = request.scope["method"]
         held = req.body_bytes or 0  # counted against `server.max_inflight_body`
         try:
@@ -133,6 +134,7 @@ class Proxy:
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start, metered=req.metered, route=req.route, method=method,
                                  model=req.model)
+        state[SUMMARY_KEY] = summary  # read after the answer (`gateway.api.tenancy`)
         try:
             race, end, strip_usage = self._prepare(request, pool, req, summary, excluded, held)
         except BaseException as exc:  # nothing owns the request's end yet: give back here

@@ -1,0 +1,142 @@
+"""The client key of a request and its rules: who it is, which pools it may use, whether it is
+within its limits, and the rate-limit headers of every answer to it.
+
+`TenantGate` is the one check every inference route calls: `server.api_keys` (keys without
+rules, `gateway.api.keys.KeyRing`) and the named keys of `keys:` (`gateway.tenants`). While
+neither holds a key, `active` is False and a request pays that one test. A key with limits
+has each admitted request wrapped (`limited`): the limits' headers go on the answer, whatever
+it is, and once it has ended, its slot goes back and the upstream's usage is charged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.end import SUMMARY_KEY, AnswerThen
+from gateway.api.keys import KeyRing
+from gateway.clock import Clock
+from gateway.errors import GatewayError, KeyRateLimited, ModelNotFound, Unauthorized
+from gateway.hedge.prefill import estimate_tokens
+from gateway.settings.tenants import TenantKeySettings
+from gateway.stats import RequestSummary
+from gateway.tenants.headers import ratelimit_headers
+from gateway.tenants.limits import Refusal
+from gateway.tenants.registry import Tenant, Tenants
+
+#: what a request for a pool its key may not use is told: the same as for a pool that does not
+#: exist, so a key cannot learn which pools other keys use
+NOT_FOUND = "the model does not exist in this gateway; GET /v1/models lists them"
+
+
+def supplied_key(request: Request, *, x_api_key: bool) -> str:
+    """The key a request presents: Bearer's token, or (`x_api_key`: Anthropic's routes)
+    `x-api-key`."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    supplied = token.strip() if scheme.lower() == "bearer" else ""
+    if not supplied and x_api_key:
+        supplied = request.headers.get("x-api-key", "").strip()
+    return supplied
+
+
+class TenantGate:
+    """The client keys a route checks: `ring` (`server.api_keys`, no rules) and `tenants`
+    (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
+    seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
+
+    __slots__ = ("clock", "ring", "tenants", "wall")
+
+    def __init__(self, ring: KeyRing, tenants: Tenants, clock: Clock,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.ring = ring
+        self.tenants = tenants
+        self.clock = clock
+        self.wall = wall
+
+    @property
+    def active(self) -> bool:
+        """Whether any key is configured (else every request is let in, unnamed)."""
+        return bool(self.ring.digests) or bool(self.tenants.by_digest)
+
+    def replace(self, keys: Iterable[TenantKeySettings]) -> None:
+        """A reload's `keys:`: in force for the next request; unchanged keys keep their
+        live limits (`gateway.tenants.registry`)."""
+        self.tenants = Tenants(keys, self.clock(), self.tenants)
+
+    def identify(self, request: Request, *, x_api_key: bool = False) -> Tenant | None:
+        """The named key the request presents, None for a key of `server.api_keys` (or when
+        no key is configured); `Unauthorized` for any other. The 401 never repeats it."""
+        if not self.active:
+            return None
+        supplied = supplied_key(request, x_api_key=x_api_key)
+        tenant = self.tenants.find(supplied)
+        if tenant is not None:
+            return tenant
+        if self.ring.matches(supplied):
+            return None
+        raise Unauthorized("missing or invalid gateway API key")
+
+    async def guard(self, request: Request) -> None:
+        """`identify` as a route dependency (the model list, stored responses)."""
+        self.identify(request)
+
+    async def limited(self, request: Request, tenant: Tenant, body_bytes: int, *,
+                      anthropic: bool, handle: Callable[[], Awaitable[Response]]) -> Response:
+        """Run `handle` (the proxy) for an admitted request of `tenant`, or refuse it with
+        429 when one of its limits says so. A key without limits runs `handle` as is."""
+        limits = tenant.limits
+        if limits is None:
+            return await handle()
+        estimated = estimate_tokens(body_bytes)
+        verdict = limits.admit(self.clock(), estimated)
+        if isinstance(verdict, Refusal):
+            refused = KeyRateLimited(tenant.name, verdict.kind, verdict.retry_after)
+            refused.headers = ratelimit_headers(verdict.quotas, anthropic=anthropic,
+                                                wall=self.wall())
+            raise refused
+        headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall())
+        state = request.scope.setdefault("state", {})
+        settled = False
+
+        def settle() -> None:
+            """Once, after the answer: the slot back, the usage charged."""
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            summary = state.get(SUMMARY_KEY)
+            usage = summary.usage if isinstance(summary, RequestSummary) else None
+            limits.settle(self.clock(), estimated, None if usage is None else usage.input,
+                          None if usage is None else usage.output)
+
+        async def settle_after(end: Callable[[], Awaitable[None]] | None = None) -> None:
+            try:
+                if end is not None:
+                    await end()
+            finally:
+                settle()
+
+        try:  # no await between the admission and here: the slot cannot leak
+            response = await handle()
+        except GatewayError as exc:
+            exc.headers.extend(headers)
+            end = exc.after_response
+            if end is None:
+                settle()
+            else:
+                exc.after_response = lambda: settle_after(end)
+            raise
+        except BaseException:
+            settle()
+            raise
+        response.raw_headers.extend(headers)
+        return AnswerThen(response, settle_after)
+
+
+def check_pool(tenant: Tenant | None, pool: str) -> None:
+    """A named key asking for a pool it may not use is answered as for an unknown model."""
+    if tenant is not None and not tenant.may_use(pool):
+        raise ModelNotFound(NOT_FOUND, param="model")

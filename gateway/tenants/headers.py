@@ -1,0 +1,56 @@
+"""A key's quotas as the rate-limit headers its client's SDK and tools read. Pure.
+
+OpenAI's family (`x-ratelimit-limit-requests`, `-remaining-`, `-reset-`; resets as durations
+such as `1s`, `6m0s`, `250ms`) on the OpenAI routes; Anthropic's (`anthropic-ratelimit-
+requests-limit`, `-remaining`, `-reset`; resets as RFC 3339 instants) on /v1/messages. The
+OpenAI family has one token limit, `tokens`, which the gateway states for input tokens (what it
+knows before the answer); output tokens get `output-tokens`, named the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+from gateway.tenants.limits import Quota
+
+_OPENAI_NAMES = {"requests": "requests", "input_tokens": "tokens",
+                 "output_tokens": "output-tokens"}
+_ANTHROPIC_NAMES = {"requests": "requests", "input_tokens": "input-tokens",
+                    "output_tokens": "output-tokens"}
+
+
+def duration_text(seconds: float) -> str:
+    """A reset as OpenAI writes it: `250ms` under a second, else `1s`, `1.5s`, `6m0s`."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    minutes, rest = divmod(round(seconds, 3), 60)
+    rest_text = f"{rest:.3f}".rstrip("0").rstrip(".")
+    return f"{int(minutes)}m{rest_text}s" if minutes else f"{rest_text}s"
+
+
+def instant_text(wall: float) -> str:
+    """A reset as Anthropic writes it: an RFC 3339 instant in UTC, to the second."""
+    moment = datetime.datetime.fromtimestamp(round(wall), tz=datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def ratelimit_headers(quotas: Iterable[Quota], *, anthropic: bool,
+                      wall: float) -> list[tuple[bytes, bytes]]:
+    """The headers stating `quotas` in the family of the route (`anthropic`: /v1/messages),
+    `wall` the time of day (seconds since the epoch) the resets count from."""
+    headers: list[tuple[bytes, bytes]] = []
+    for quota in quotas:
+        if anthropic:
+            stem = f"anthropic-ratelimit-{_ANTHROPIC_NAMES[quota.kind]}"
+            headers += [(f"{stem}-limit".encode(), str(quota.limit).encode()),
+                        (f"{stem}-remaining".encode(), str(quota.remaining).encode()),
+                        (f"{stem}-reset".encode(), instant_text(wall + quota.reset).encode())]
+        else:
+            name = _OPENAI_NAMES[quota.kind]
+            headers += [(f"x-ratelimit-limit-{name}".encode(), str(quota.limit).encode()),
+                        (f"x-ratelimit-remaining-{name}".encode(),
+                         str(quota.remaining).encode()),
+                        (f"x-ratelimit-reset-{name}".encode(),
+                         duration_text(quota.reset).encode())]
+    return headers
