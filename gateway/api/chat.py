@@ -15,7 +15,7 @@ from gateway.api.inference import InferenceRoute, route
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
-from gateway.api.tenancy import TenantGate, check_pool
+from gateway.api.tenancy import TenantGate, check_pool, supplied_key
 from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -86,7 +86,8 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
         """The pools, in OpenAI's list shape, or in Anthropic's when the request carries
         `anthropic-version` (the Anthropic SDKs and tools send it on every call)."""
         names = list(live.current.pools)
-        tenant = gate.identify(request)  # a named key sees the pools it may use
+        # a named key sees the pools it may use (the dependency has checked the key)
+        tenant = gate.tenants.find(supplied_key(request, x_api_key=False))
         if tenant is not None:
             names = [name for name in names if tenant.may_use(name)]
         if "anthropic-version" in request.headers:
