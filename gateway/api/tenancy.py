@@ -122,7 +122,7 @@ class TenantGate:
         try:  # no await between the admission and here: the slot cannot leak
             response = await handle()
         except GatewayError as exc:
-            exc.headers.extend(headers)
+            answer_headers(exc.headers, headers)
             end = exc.after_response
             if end is None:
                 settle()
@@ -132,8 +132,20 @@ class TenantGate:
         except BaseException:
             settle()
             raise
-        response.raw_headers.extend(headers)
+        answer_headers(response.raw_headers, headers)
         return AnswerThen(response, settle_after)
+
+
+#: the rate-limit header families; an upstream's are dropped from an answer that states a key's
+_FAMILIES = (b"x-ratelimit-", b"anthropic-ratelimit-")
+
+
+def answer_headers(raw: list[tuple[bytes, bytes]], ours: list[tuple[bytes, bytes]]) -> None:
+    """Put the key's rate-limit headers on an answer, in place of any the winning upstream
+    sent (relayed otherwise): the client of a key with limits reads the key's, never two
+    values of one header."""
+    raw[:] = [(name, value) for name, value in raw if not name.startswith(_FAMILIES)]
+    raw.extend(ours)
 
 
 def check_pool(tenant: Tenant | None, pool: str) -> None:

@@ -217,6 +217,34 @@ def test_the_sdks_retry_is_let_in_once_the_request_holding_the_slot_has_ended(
     assert len(upstream.requests) == 2  # the held one and the retry that passed
 
 
+def test_a_keys_headers_replace_the_upstreams_on_its_answers(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """The upstream states its own quota; a key with limits reads one value of each header,
+    its key's, and a key without rules still reads the upstream's."""
+    upstream_quota = {"x-ratelimit-limit-requests": "1000",
+                      "x-ratelimit-remaining-requests": "999"}
+    (upstream,) = scripted_upstream(1, responder=lambda _request: json_script(
+        chat_completion_obj("ok"), headers=upstream_quota))
+    pool = PoolSettings("alpha", (BackendSettings("u", "openai", "m", upstream.base_url),),
+                        hedging=NO_HEDGES)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A,
+                          limits=TenantLimits(requests_per_minute=5)), pools=(pool,)))
+
+    def raw_headers(key: str) -> list[tuple[str, str]]:
+        reply = httpx.post(gateway.url("/v1/chat/completions"), timeout=10.0,
+                           json={"model": "alpha", "messages": MESSAGES},
+                           headers={"authorization": f"Bearer {key}"})
+        assert reply.status_code == 200
+        return [(k, v) for k, v in reply.headers.multi_items() if k.startswith("x-ratelimit")]
+
+    assert sorted(raw_headers(TEAM_A)) == [
+        ("x-ratelimit-limit-requests", "5"), ("x-ratelimit-remaining-requests", "4"),
+        ("x-ratelimit-reset-requests", "12s")]
+    assert sorted(raw_headers(LEGACY)) == sorted(upstream_quota.items())
+
+
 def test_output_tokens_are_charged_from_the_usage_once_the_stream_has_ended(
     loop_thread: LoopThread
 ) -> None:
