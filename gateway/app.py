@@ -20,12 +20,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from gateway.api.admin import build_admin_router
 from gateway.api.asgi import FastRoutes, GatewayAPI
 from gateway.api.browser import BrowserGuard
 from gateway.api.chat import build_router
 from gateway.api.common import gateway_error_response, install_error_handlers
 from gateway.api.end import report_bug
 from gateway.api.keys import KeyRing
+from gateway.api.keystore import TenantSync
 from gateway.api.messages import build_messages_router
 from gateway.api.ops import build_ops_router
 from gateway.api.proxy import Proxy
@@ -52,7 +54,6 @@ from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
 from gateway.stats.tracing import Tracing, build_tracing
-from gateway.tenants.registry import Tenants
 from providers.base import CarriesCredentials, Provider
 from providers.http import UpstreamClient
 from providers.registry import build_provider, missing_extras
@@ -340,6 +341,14 @@ def create_app(
     series = Series(source.origin)
     drain = Drain()
     proxy = Proxy(settings.server, stats, clock, drain, tracing)
+    rings = {name: KeyRing(getattr(settings.server, name)) for name in RELOADED_SERVER_KEYS}
+    api_keys, ops_keys = rings["api_keys"], rings["ops_keys"]
+    # the store only where keys are named (usage to keep) or made at run time: a gateway
+    # without them opens no file and asks no key. With it, a key is always asked (revoking
+    # the last key must not open the gateway to anyone)
+    keyed = bool(settings.keys or settings.server.admin_keys or settings.server.store)
+    gate = TenantGate(api_keys, settings.keys, clock, required=keyed)
+    sync = TenantSync(gate, settings.server.store, workers) if keyed else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -351,6 +360,9 @@ def create_app(
         tasks = [refresher, asyncio.create_task(
             close_retired(live, stats, delay_refresh), name="close-retired-providers")]
         try:
+            if sync is not None:  # the keys made at run time, before the first request
+                await sync.start()
+                tasks.append(asyncio.create_task(sync.run(), name="tenant-store-sync"))
             await sample_now(series, source.series_reading_async)  # before serving: the baseline
             tasks.append(asyncio.create_task(
                 run_sampler(series, source.series_reading_async, clock), name="series-sampler"))
@@ -359,6 +371,8 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.wait(tasks)
+            if sync is not None:
+                await sync.stop()  # the last batch of usage
             if publisher is not None:
                 publisher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -370,9 +384,6 @@ def create_app(
             await client.aclose()
 
     fast = FastRoutes()
-    rings = {name: KeyRing(getattr(settings.server, name)) for name in RELOADED_SERVER_KEYS}
-    api_keys, ops_keys = rings["api_keys"], rings["ops_keys"]
-    gate = TenantGate(api_keys, Tenants(settings.keys, clock()), clock)
     app = GatewayAPI(
         fast=fast,
         on_error=gateway_error_response,
@@ -394,6 +405,8 @@ def create_app(
     app.include_router(build_router(settings, live, proxy, fast, gate))
     app.include_router(build_responses_router(settings, live, proxy, fast, gate))
     app.include_router(build_messages_router(settings, live, proxy, fast, gate))
+    if settings.server.admin_keys:  # else there is no admin API, not even its routes
+        app.include_router(build_admin_router(rings["admin_keys"], sync, live))
     #: the per-second caches of /hedge/stats and /metrics (their `builds` count)
     app.state.ops_read_caches = (PerSecond(), PerSecond())
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain,
@@ -409,6 +422,8 @@ def create_app(
                                   contexts=contexts, gate=gate)
     #: the client keys (`server.api_keys`, `keys:`) and their live limits
     app.state.tenant_gate = gate
+    #: the store behind the keys (None: the gateway opens none)
+    app.state.tenant_sync = sync
     app.state.stats = stats
     #: the `/hedge/stats` document as of now (the endpoint's is up to a second old)
     app.state.stats_source = source

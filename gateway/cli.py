@@ -341,7 +341,34 @@ def build_parser() -> argparse.ArgumentParser:
                            "with several URLs, the replicas' stats merged into one view")
     stats.add_argument("url", nargs="*", help=f"gateway root URL (default {DEFAULT_STATS_URL})")
     stats.set_defaults(func=_stats)
+
+    keys = sub.add_parser("keys", help="client keys made at run time, and each key's usage, "
+                          "in the store (docs/tenants.md)")
+    keys.add_argument("--store", help="store URL, sqlite:///path (default: --config's "
+                      "server.store, else the embedded file)")
+    keys.add_argument("--config", help="YAML file whose server.store to use")
+    actions = keys.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="make a key; its secret is printed once")
+    create.add_argument("name")
+    create.add_argument("--pool", action="append", help="a pool it may use (repeatable; "
+                        "default: every pool)")
+    for flag in ("requests-per-minute", "input-tokens-per-minute", "output-tokens-per-minute",
+                 "in-flight"):
+        create.add_argument(f"--{flag}", type=argtypes.count, help="limit (default: none)")
+    actions.add_parser("list", help="every key of the store, active or revoked")
+    revoke = actions.add_parser("revoke", help="revoke a key: refused by every worker within "
+                                "a second")
+    revoke.add_argument("name")
+    usage = actions.add_parser("usage", help="requests and tokens per key and UTC day")
+    usage.add_argument("name", nargs="?")
+    keys.set_defaults(func=_keys)
     return parser
+
+
+def _keys(ns: argparse.Namespace) -> int:
+    from gateway.tenants.command import run
+
+    return run(ns, sys.stdout, sys.stderr)
 
 
 # --- sim ---------------------------------------------------------------------------------------

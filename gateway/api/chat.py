@@ -60,7 +60,7 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
         headers = {k.lower(): v for k, v in request.headers.items()}
         req = LogicalRequest(rid, entry.endpoint, body, stream, headers, route=entry.path,
                              model=logged_model, body_bytes=size)
-        if tenant is not None and tenant.limits is not None:
+        if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=False,
                                       handle=lambda: proxy.handle(request, pool, req))
         return await proxy.handle(request, pool, req)

@@ -59,7 +59,7 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
                              single=entry.single,
                              forward_headers=forward, route=entry.path, model=logged_model,
                              body_bytes=size)
-        if tenant is not None and tenant.limits is not None:
+        if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=True,
                                       handle=lambda: proxy.handle(request, pool, req))
         return await proxy.handle(request, pool, req)

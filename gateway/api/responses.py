@@ -152,7 +152,7 @@ def build_responses_router(
             on_commit=minting(pool.settings.name, stream, binding, translated),
             route=entry.path, model=logged_model, body_bytes=size,
         )
-        if tenant is not None and tenant.limits is not None:
+        if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=False,
                                       handle=lambda: proxy.handle(request, pool, req))
         return await proxy.handle(request, pool, req)

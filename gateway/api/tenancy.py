@@ -47,24 +47,59 @@ class TenantGate:
     (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
     seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
 
-    __slots__ = ("clock", "ring", "tenants", "wall")
+    __slots__ = ("clock", "configured", "required", "ring", "stored", "tenants", "usage",
+                 "wall")
 
-    def __init__(self, ring: KeyRing, tenants: Tenants, clock: Clock,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
+                 wall: Callable[[], float] = time.time, *, required: bool = False) -> None:
         self.ring = ring
-        self.tenants = tenants
+        #: a key is asked even while none is known: a gateway with a store of keys, whose
+        #: last key revoked must not leave it open to anyone
+        self.required = required
         self.clock = clock
         self.wall = wall
+        #: the file's `keys:` and the store's keys made at run time (`TenantSync`)
+        self.configured: tuple[TenantKeySettings, ...] = tuple(keys)
+        self.stored: tuple[TenantKeySettings, ...] = ()
+        self.tenants = Tenants(self.configured, clock())
+        #: each named key's usage since the last batch went to the store: [requests, input
+        #: tokens, output tokens], one entry per key (bounded by the keys)
+        self.usage: dict[str, list[int]] = {}
 
     @property
     def active(self) -> bool:
-        """Whether any key is configured (else every request is let in, unnamed)."""
-        return bool(self.ring.digests) or bool(self.tenants.by_digest)
+        """Whether a key is asked (else every request is let in, unnamed)."""
+        return self.required or bool(self.ring.digests) or bool(self.tenants.by_digest)
 
     def replace(self, keys: Iterable[TenantKeySettings]) -> None:
         """A reload's `keys:`: in force for the next request; unchanged keys keep their
         live limits (`gateway.tenants.registry`)."""
-        self.tenants = Tenants(keys, self.clock(), self.tenants)
+        self.configured = tuple(keys)
+        self._rebuild()
+
+    def adopt_stored(self, keys: Iterable[TenantKeySettings]) -> list[str]:
+        """The store's active keys (made at run time), in force for the next request; a key
+        missing from them was revoked. One whose name or digest the file's `keys:` has is
+        skipped (the file wins): its name is returned, for a warning."""
+        names = {key.name for key in self.configured}
+        digests = {key.key_sha256 for key in self.configured}
+        kept, clashing = [], []
+        for key in keys:
+            if key.name in names or key.key_sha256 in digests:
+                clashing.append(key.name)
+            else:
+                kept.append(key)
+        self.stored = tuple(kept)
+        self._rebuild()
+        return clashing
+
+    def _rebuild(self) -> None:
+        self.tenants = Tenants(self.configured + self.stored, self.clock(), self.tenants)
+
+    def take_usage(self) -> dict[str, list[int]]:
+        """The usage counted since the last call, handed over whole (to be written)."""
+        usage, self.usage = self.usage, {}
+        return usage
 
     def identify(self, request: Request, *, x_api_key: bool = False) -> Tenant | None:
         """The named key the request presents, None for a key of `server.api_keys` (or when
@@ -85,32 +120,41 @@ class TenantGate:
 
     async def limited(self, request: Request, tenant: Tenant, body_bytes: int, *,
                       anthropic: bool, handle: Callable[[], Awaitable[Response]]) -> Response:
-        """Run `handle` (the proxy) for an admitted request of `tenant`, or refuse it with
-        429 when one of its limits says so. A key without limits runs `handle` as is."""
+        """Run `handle` (the proxy) for a request of a named key, or refuse it with 429 when
+        one of its limits says so; once it has ended, its usage is counted (and its limits
+        charged)."""
         limits = tenant.limits
-        if limits is None:
-            return await handle()
         estimated = estimate_tokens(body_bytes)
-        verdict = limits.admit(self.clock(), estimated)
-        if isinstance(verdict, Refusal):
-            refused = KeyRateLimited(tenant.name, verdict.kind, verdict.retry_after)
-            refused.headers = ratelimit_headers(verdict.quotas, anthropic=anthropic,
-                                                wall=self.wall())
-            raise refused
-        headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall())
+        headers: list[tuple[bytes, bytes]] | None = None
+        if limits is not None:
+            verdict = limits.admit(self.clock(), estimated)
+            if isinstance(verdict, Refusal):
+                refused = KeyRateLimited(tenant.name, verdict.kind, verdict.retry_after)
+                refused.headers = ratelimit_headers(verdict.quotas, anthropic=anthropic,
+                                                    wall=self.wall())
+                raise refused
+            headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall())
         state = request.scope.setdefault("state", {})
         settled = False
 
         def settle() -> None:
-            """Once, after the answer: the slot back, the usage charged."""
+            """Once, after the answer: the slot back, the usage counted and charged."""
             nonlocal settled
             if settled:
                 return
             settled = True
             summary = state.get(SUMMARY_KEY)
             usage = summary.usage if isinstance(summary, RequestSummary) else None
-            limits.settle(self.clock(), estimated, None if usage is None else usage.input,
-                          None if usage is None else usage.output)
+            counts = self.usage.get(tenant.name)
+            if counts is None:
+                counts = self.usage[tenant.name] = [0, 0, 0]
+            counts[0] += 1
+            if usage is not None:
+                counts[1] += usage.input
+                counts[2] += usage.output
+            if limits is not None:
+                limits.settle(self.clock(), estimated, None if usage is None else usage.input,
+                              None if usage is None else usage.output)
 
         async def settle_after(end: Callable[[], Awaitable[None]] | None = None) -> None:
             try:
@@ -122,7 +166,8 @@ class TenantGate:
         try:  # no await between the admission and here: the slot cannot leak
             response = await handle()
         except GatewayError as exc:
-            answer_headers(exc.headers, headers)
+            if headers is not None:
+                answer_headers(exc.headers, headers)
             end = exc.after_response
             if end is None:
                 settle()
@@ -132,7 +177,8 @@ class TenantGate:
         except BaseException:
             settle()
             raise
-        answer_headers(response.raw_headers, headers)
+        if headers is not None:
+            answer_headers(response.raw_headers, headers)
         return AnswerThen(response, settle_after)
 
 

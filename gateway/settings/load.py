@@ -309,7 +309,7 @@ def weak_secrets(server: ServerSettings) -> list[str]:
     its place (`server.api_keys[1]`) and never its value. Warned, not refused: a short key
     may be all a running deployment has, and refusing it would turn an upgrade into an
     outage (docs/security.md says why)."""
-    found = [f"server.{name}[{index}]" for name in ("api_keys", "ops_keys")
+    found = [f"server.{name}[{index}]" for name in ("api_keys", "ops_keys", "admin_keys")
              for index, key in enumerate(getattr(server, name))
              if len(key) < MIN_SECRET_CHARS]
     secret = server.response_id_secret

@@ -27,7 +27,7 @@ from gateway.settings import parse as cv
 from gateway.settings import upstream as uv
 from gateway.settings.caching import min_keyed_tokens
 from gateway.settings.fields import At, Checked, items, scalar, section
-from gateway.settings.tenants import TenantKeySettings
+from gateway.settings.tenants import TenantKeySettings, store_url
 
 MiB = 1024 * 1024
 _probability = cv.number(0, 1)
@@ -457,7 +457,7 @@ class TracingSettings(Checked):
 
 #: the `server` keys a reload changes in a running server: the client and ops keys, so a leaked
 #: one is revoked without a restart (the others are bound at start: the socket, the limits)
-RELOADED_SERVER_KEYS = ("api_keys", "ops_keys")
+RELOADED_SERVER_KEYS = ("api_keys", "ops_keys", "admin_keys")
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,6 +481,13 @@ class ServerSettings(Checked):
         "always, on any other address once this is set; the probes answer any host"))
     ops_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
         cv.keys, "keys for /hedge/*, /metrics and /dashboard (as Bearer); empty: open"))
+    admin_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
+        cv.keys, "keys for /admin/keys (as Bearer): client keys made and revoked at run time; "
+        "empty: no admin API"))
+    store: str | None = field(default=None, metadata=scalar(
+        cv.optional(store_url), "where keys made at run time and each key's usage live: "
+        "sqlite:///path; null: the embedded file (docs/tenants.md), opened only when keys: "
+        "or admin_keys is set"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
         cv.size, "larger request bodies get 413", key="max_body"))
     max_header_bytes: int = field(default=16 * 1024, metadata=scalar(

@@ -41,6 +41,22 @@ def _pool_names(value: object) -> tuple[str, ...]:
 pool_names = cv.Parser(_pool_names, {"type": "array", "items": {"type": "string"}})
 
 
+def _store_url(value: object) -> str:
+    """Where keys made at run time and usage live: `sqlite:///absolute/path`. The shared
+    stores for replicas are not in this version: named so, never taken for a file."""
+    text = cv.nonempty_text(value).strip()
+    if text.startswith(("redis://", "rediss://", "postgresql://", "postgres://")):
+        raise cv.Invalid("a shared store (Redis, PostgreSQL) is not supported by this version; "
+                         "use sqlite:///path or null")
+    if not text.startswith("sqlite:///") or len(text) == len("sqlite:///"):
+        raise cv.Invalid("must be sqlite:///relative/path or sqlite:////absolute/path")
+    return text
+
+
+#: `server.store`: a store URL
+store_url = cv.Parser(_store_url, {"type": "string", "pattern": "^sqlite:///"}, "store URL")
+
+
 @dataclass(frozen=True, slots=True)
 class TenantLimits(Checked):
     """How much one key may use; null: no limit of that kind."""

@@ -55,6 +55,14 @@ FAST = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0, to
 NO_HEDGES = HedgingSettings(enabled=False)
 
 
+@pytest.fixture(autouse=True)
+def store_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's embedded store in its own folder (`server.store: null` names a file under
+    `$XDG_STATE_HOME`), never the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    return tmp_path / "state" / "hedge-gateway" / "tenants.sqlite"
+
+
 def sim_pool(name: str, profile: SimProfile = FAST) -> PoolSettings:
     return PoolSettings(name, (BackendSettings("s", "sim", sim=profile),), hedging=NO_HEDGES)
 
