@@ -58,8 +58,8 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
             )
         check_pool(tenant, model)
         headers = {k.lower(): v for k, v in request.headers.items()}
-        req = LogicalRequest(rid, entry.endpoint, body, stream, headers, route=entry.path,
-                             model=logged_model, body_bytes=size)
+        req = LogicalRequest(rid, entry.endpoint, body, stream, headers, entry.protocol,
+                             route=entry.path, model=logged_model, body_bytes=size)
         if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=False,
                                       handle=lambda: proxy.handle(request, pool, req))
@@ -69,15 +69,15 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
     legacy = route("POST", "/v1/completions")
     embed = route("POST", "/v1/embeddings")
 
-    @fast.post(router, chat.path)
+    @fast.post(router, chat.path, chat.protocol)
     async def chat_completions(request: Request) -> Response:
         return await proxied(request, chat)
 
-    @fast.post(router, legacy.path)
+    @fast.post(router, legacy.path, legacy.protocol)
     async def completions(request: Request) -> Response:
         return await proxied(request, legacy)
 
-    @fast.post(router, embed.path)
+    @fast.post(router, embed.path, embed.protocol)
     async def embeddings(request: Request) -> Response:
         return await proxied(request, embed)
 

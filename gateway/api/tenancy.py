@@ -16,10 +16,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.end import SUMMARY_KEY, AnswerThen
+from gateway.api.answer import Answer
+from gateway.api.end import SUMMARY_KEY
 from gateway.api.keys import KeyRing
 from gateway.clock import Clock
-from gateway.errors import GatewayError, KeyRateLimited, ModelNotFound, Unauthorized
+from gateway.errors import KeyRateLimited, ModelNotFound, Unauthorized
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
 from gateway.stats import RequestSummary
@@ -156,30 +157,17 @@ class TenantGate:
                 limits.settle(self.clock(), estimated, None if usage is None else usage.input,
                               None if usage is None else usage.output)
 
-        async def settle_after(end: Callable[[], Awaitable[None]] | None = None) -> None:
-            try:
-                if end is not None:
-                    await end()
-            finally:
-                settle()
+        async def settle_after() -> None:
+            settle()
 
         try:  # no await between the admission and here: the slot cannot leak
-            response = await handle()
-        except GatewayError as exc:
-            if headers is not None:
-                answer_headers(exc.headers, headers)
-            end = exc.after_response
-            if end is None:
-                settle()
-            else:
-                exc.after_response = lambda: settle_after(end)
-            raise
-        except BaseException:
+            response = await handle()  # the answer, errors included (`gateway.api.answer`)
+        except BaseException:  # no answer will be sent (cancelled, a bug of ours)
             settle()
             raise
         if headers is not None:
             answer_headers(response.raw_headers, headers)
-        return AnswerThen(response, settle_after)
+        return Answer(response, settle_after)  # the proxy's own end runs first, inside
 
 
 #: the rate-limit header families; an upstream's are dropped from an answer that states a key's
