@@ -28,8 +28,9 @@ Two trees, in this one file, and each class carries its facts as class attribute
     │   └── UpstreamServerError               ├── NoBackendAvailable
     ├── UpstreamProtocolError                 ├── UpstreamClientError (an upstream 4xx)
     │   └── UpstreamDisconnected              │   └── ...TooLarge, Unprocessable, NotFound, Conflict
-    ├── UpstreamInBandError                   ├── FirstTokenTimeout, KeyRateLimited
-    ├── UpstreamNoToken                       └── InternalError (a bug of ours, 500)
+    ├── UpstreamInBandError                   ├── FirstTokenTimeout
+    ├── UpstreamNoToken                       ├── KeyRateLimited, KeyConflict (client keys)
+    │                                         └── InternalError (a bug of ours, 500)
     └── InternalAttemptError
 
 What each status an upstream answers with means is one table, `UPSTREAM_STATUSES` (read
@@ -454,6 +455,15 @@ class KeyRateLimited(GatewayError):
         super().__init__(f"key {name!r} is over its {kind.replace('_', ' ')} limit; "
                          f"retry after {retry_after:.3g} s", retry_after=retry_after)
         self.kind = kind
+
+
+class KeyConflict(GatewayError):
+    """`/admin/keys`: a key's name that exists already, or a key of the configuration file
+    (made and revoked there, not at run time)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "key_conflict"
 
 
 class InternalError(GatewayError):

@@ -24,7 +24,7 @@ from gateway.api.common import check_json_type, read_body
 from gateway.api.keys import KeyRing
 from gateway.api.keystore import TenantSync
 from gateway.api.tenancy import supplied_key
-from gateway.errors import GatewayError, InvalidRequest, RouteNotFound, Unauthorized
+from gateway.errors import InvalidRequest, KeyConflict, RouteNotFound, Unauthorized
 from gateway.hedge.generation import Live
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantLimits
@@ -33,14 +33,6 @@ from gateway.wire.validate import parse_body
 
 #: the largest body an admin request may send
 MAX_ADMIN_BODY = 64 * 1024
-
-
-class KeyConflict(GatewayError):
-    """A key's name that exists already, or a key the configuration file holds."""
-
-    status = 409
-    type = "invalid_request_error"
-    code = "key_conflict"
 
 
 def build_admin_router(admin: KeyRing, sync: TenantSync | None, live: Live) -> APIRouter:
