@@ -59,7 +59,9 @@ class TenantSync:
         try:
             version = await asyncio.to_thread(store.keys_version)
             if version != self.version:
-                keys = await asyncio.to_thread(store.active_keys)
+                keys, bad = await asyncio.to_thread(store.active_keys)
+                for name in bad:
+                    LOGGER.error("store key %r is not a valid key; skipped", name)
                 if self.workers > 1:
                     keys = [dataclasses.replace(key, limits=worker_limits(key.limits,
                                                                           self.workers))

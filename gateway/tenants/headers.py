@@ -9,7 +9,7 @@ knows before the answer); output tokens get `output-tokens`, named the same way.
 
 from __future__ import annotations
 
-import datetime
+import time
 from collections.abc import Iterable
 
 from gateway.tenants.limits import Quota
@@ -18,6 +18,13 @@ _OPENAI_NAMES = {"requests": "requests", "input_tokens": "tokens",
                  "output_tokens": "output-tokens"}
 _ANTHROPIC_NAMES = {"requests": "requests", "input_tokens": "input-tokens",
                     "output_tokens": "output-tokens"}
+#: each kind's three header names, encoded once: (limit, remaining, reset) per family
+_OPENAI = {kind: (f"x-ratelimit-limit-{name}".encode(), f"x-ratelimit-remaining-{name}".encode(),
+                  f"x-ratelimit-reset-{name}".encode()) for kind, name in _OPENAI_NAMES.items()}
+_ANTHROPIC = {kind: (f"anthropic-ratelimit-{name}-limit".encode(),
+                     f"anthropic-ratelimit-{name}-remaining".encode(),
+                     f"anthropic-ratelimit-{name}-reset".encode())
+              for kind, name in _ANTHROPIC_NAMES.items()}
 
 
 def duration_text(seconds: float) -> str:
@@ -31,8 +38,7 @@ def duration_text(seconds: float) -> str:
 
 def instant_text(wall: float) -> str:
     """A reset as Anthropic writes it: an RFC 3339 instant in UTC, to the second."""
-    moment = datetime.datetime.fromtimestamp(round(wall), tz=datetime.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(round(wall)))
 
 
 def ratelimit_headers(quotas: Iterable[Quota], *, anthropic: bool,
@@ -40,17 +46,10 @@ def ratelimit_headers(quotas: Iterable[Quota], *, anthropic: bool,
     """The headers stating `quotas` in the family of the route (`anthropic`: /v1/messages),
     `wall` the time of day (seconds since the epoch) the resets count from."""
     headers: list[tuple[bytes, bytes]] = []
-    for quota in quotas:
-        if anthropic:
-            stem = f"anthropic-ratelimit-{_ANTHROPIC_NAMES[quota.kind]}"
-            headers += [(f"{stem}-limit".encode(), str(quota.limit).encode()),
-                        (f"{stem}-remaining".encode(), str(quota.remaining).encode()),
-                        (f"{stem}-reset".encode(), instant_text(wall + quota.reset).encode())]
-        else:
-            name = _OPENAI_NAMES[quota.kind]
-            headers += [(f"x-ratelimit-limit-{name}".encode(), str(quota.limit).encode()),
-                        (f"x-ratelimit-remaining-{name}".encode(),
-                         str(quota.remaining).encode()),
-                        (f"x-ratelimit-reset-{name}".encode(),
-                         duration_text(quota.reset).encode())]
+    names = _ANTHROPIC if anthropic else _OPENAI
+    for kind, limit, remaining, reset in quotas:
+        limit_name, remaining_name, reset_name = names[kind]
+        reset_text = instant_text(wall + reset) if anthropic else duration_text(reset)
+        headers += ((limit_name, b"%d" % limit), (remaining_name, b"%d" % remaining),
+                    (reset_name, reset_text.encode()))
     return headers

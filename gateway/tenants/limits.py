@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from gateway.settings.tenants import TenantLimits
 
@@ -62,9 +62,9 @@ class Bucket:
         return max(0, math.floor(self.level))
 
 
-@dataclass(frozen=True, slots=True)
-class Quota:
-    """One limit as an answer's headers state it."""
+class Quota(NamedTuple):
+    """One limit as an answer's headers state it (a tuple: one is made per limit per
+    request)."""
 
     kind: Kind
     limit: int
@@ -85,7 +85,7 @@ class Refusal:
 class KeyLimits:
     """The live state of one key's limits (see the module docstring)."""
 
-    __slots__ = ("in_flight", "inflight_limit", "input", "output", "requests")
+    __slots__ = ("buckets", "in_flight", "inflight_limit", "input", "output", "requests")
 
     def __init__(self, limits: TenantLimits, now: float) -> None:
         def bucket(capacity: int | None) -> Bucket | None:
@@ -96,24 +96,31 @@ class KeyLimits:
         self.output = bucket(limits.output_tokens_per_minute)
         self.inflight_limit = limits.in_flight
         self.in_flight = 0
+        #: the per-minute buckets in the headers' order, with their kinds
+        kinds: tuple[tuple[Kind, Bucket | None], ...] = (
+            ("requests", self.requests), ("input_tokens", self.input),
+            ("output_tokens", self.output))
+        self.buckets: tuple[tuple[Kind, Bucket], ...] = tuple(
+            (kind, bucket) for kind, bucket in kinds if bucket is not None)
 
     def admit(self, now: float, input_tokens: int) -> Refusal | tuple[Quota, ...]:
         """Take one request of `input_tokens` (estimated) at `now`: the quotas left after it,
         or the refusal that takes nothing. Every limit is checked before any is taken."""
-        waits: list[tuple[float, Kind]] = []
-        for kind, bucket, amount in self._buckets(input_tokens):
+        longest = 0.0
+        why: Kind = "requests"
+        for kind, bucket in self.buckets:
             bucket.refill(now)
-            wait = bucket.wait_for(amount)
-            if wait > 0:
-                waits.append((wait, kind))
-        if self.inflight_limit is not None and self.in_flight >= self.inflight_limit:
-            waits.append((IN_FLIGHT_RETRY, "in_flight"))
-        if waits:
-            wait, kind = max(waits)  # the request passes only once every limit lets it
-            return Refusal(kind, wait, self.quotas())
-        for _, bucket, amount in self._buckets(input_tokens):
+            wait = bucket.wait_for(self._takes(bucket, input_tokens))
+            if wait > longest:
+                longest, why = wait, kind
+        if self.inflight_limit is not None and self.in_flight >= self.inflight_limit \
+                and longest < IN_FLIGHT_RETRY:
+            longest, why = IN_FLIGHT_RETRY, "in_flight"
+        if longest > 0:  # the request passes only once every limit lets it
+            return Refusal(why, longest, self.quotas())
+        for _, bucket in self.buckets:
             if bucket is not self.output:
-                bucket.level -= amount
+                bucket.level -= self._takes(bucket, input_tokens)
         self.in_flight += 1
         return self.quotas()
 
@@ -132,24 +139,12 @@ class KeyLimits:
 
     def quotas(self) -> tuple[Quota, ...]:
         """The per-minute limits as of their last refill."""
-        found = []
-        kinds: tuple[tuple[Kind, Bucket | None], ...] = (
-            ("requests", self.requests), ("input_tokens", self.input),
-            ("output_tokens", self.output))
-        for kind, bucket in kinds:
-            if bucket is not None:
-                found.append(Quota(kind, int(bucket.capacity), bucket.remaining(),
-                                   bucket.reset_in()))
-        return tuple(found)
+        return tuple(Quota(kind, int(bucket.capacity), bucket.remaining(), bucket.reset_in())
+                     for kind, bucket in self.buckets)
 
-    def _buckets(self, input_tokens: int) -> list[tuple[Kind, Bucket, float]]:
-        """(kind, bucket, what a request takes at admission); output: must not be in debt,
-        which waiting for a fraction of a token above zero expresses."""
-        found: list[tuple[Kind, Bucket, float]] = []
-        if self.requests is not None:
-            found.append(("requests", self.requests, 1.0))
-        if self.input is not None:
-            found.append(("input_tokens", self.input, float(input_tokens)))
-        if self.output is not None:
-            found.append(("output_tokens", self.output, 1e-9))
-        return found
+    def _takes(self, bucket: Bucket, input_tokens: int) -> float:
+        """What a request needs of `bucket` at admission; output: not to be in debt, which
+        waiting for a fraction of a token above zero expresses."""
+        if bucket is self.requests:
+            return 1.0
+        return float(input_tokens) if bucket is self.input else 1e-9

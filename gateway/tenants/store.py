@@ -163,14 +163,22 @@ class SqliteStore:
             row = db.execute("SELECT value FROM meta WHERE name = 'keys_version'").fetchone()
         return int(row[0]) if row else 0
 
-    def active_keys(self) -> list[TenantKeySettings]:
-        """Every key not revoked, as settings (digests, never secrets)."""
+    def active_keys(self) -> tuple[list[TenantKeySettings], list[str]]:
+        """Every key not revoked, as settings (digests, never secrets), and the names of rows
+        that do not make a valid key (written by hand, or by another version): skipped, so one
+        bad row never keeps the others, or a revocation, from taking effect."""
         with self._locked() as db:
             rows = db.execute("SELECT name, key_sha256, pools, limits FROM keys WHERE revoked "
                               "IS NULL ORDER BY name").fetchall()
-        return [TenantKeySettings(name=name, key_sha256=digest, pools=tuple(json.loads(pools)),
-                                  limits=TenantLimits(**json.loads(limits)))
-                for name, digest, pools, limits in rows]
+        keys, bad = [], []
+        for name, digest, pools, limits in rows:
+            try:
+                keys.append(TenantKeySettings(name=name, key_sha256=digest,
+                                              pools=tuple(json.loads(pools)),
+                                              limits=TenantLimits(**json.loads(limits))))
+            except (ConfigError, ValueError, TypeError):
+                bad.append(str(name))
+        return keys, bad
 
     def list_keys(self) -> list[StoredKey]:
         with self._locked() as db:
