@@ -27,7 +27,7 @@ from gateway.tenants.store import SqliteStore, UsageRow, path_of
 
 #: how often each process looks for keys made or revoked elsewhere (seconds): a revocation
 #: reaches every worker within this and a poll's time
-POLL_INTERVAL = 0.25
+POLL_INTERVAL = 0.5
 #: how often usage is written (seconds): a killed process loses at most this much of it
 FLUSH_INTERVAL = 1.0
 LOGGER = logging.getLogger("hedge_gateway.store")

@@ -142,7 +142,7 @@ class Proxy:
         pool.holding += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start, metered=req.metered, route=req.route, method=method,
-                                 model=req.model)
+                                 model=req.model, key=req.key)
         state[SUMMARY_KEY] = summary  # read after the answer (`gateway.api.tenancy`)
         try:
             race, end, strip_usage = self._prepare(request, pool, req, summary, excluded, held)
@@ -283,6 +283,7 @@ class Proxy:
         now = self.clock()
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  now, route=req.route, method=method, model=req.model,
+                                 key=req.key,
                                  status=exc.status, reason=exc.log_reason())
         summary.error = exc.code
         summary.ended = now

@@ -151,6 +151,7 @@ def build_responses_router(
             protocol=entry.protocol, stateful=responses_stateful(body), pinned=pinned,
             on_commit=minting(pool.settings.name, stream, binding, translated),
             route=entry.path, model=logged_model, body_bytes=size,
+            key=None if tenant is None else tenant.name,
         )
         if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=False,

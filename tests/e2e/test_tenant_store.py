@@ -201,7 +201,7 @@ def test_a_key_revoked_by_the_command_is_refused_by_every_worker(tmp_path: Path)
                    "every worker lets the new key in")
         assert keys_command(tmp_path, "revoke", "team-a").returncode == 0
         eventually(lambda: chat_status(root, secret) == 401, "the revoked key is refused")
-        # each worker polls the store four times a second: within a second all have it
+        # each worker polls the store twice a second: within a second all have it
         eventually(lambda: all(chat_status(root, secret) == 401 for _ in range(20)),
                    "every worker refuses the revoked key", timeout=5.0)
         assert [chat_status(root, secret) for _ in range(40)] == [401] * 40
