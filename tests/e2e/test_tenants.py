@@ -121,8 +121,8 @@ def test_a_key_uses_only_its_pools_and_sees_only_them(
         assert refused.value.body["type"] == "error"  # type: ignore[index]
         assert refused.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
         answers.append(refused.value.response.text)
-    lines = [r.hedge_request for r in caplog.records  # type: ignore[attr-defined]
-             if r.name == "hedge_gateway.requests" and r.hedge_request.get("pool")]
+    lines = [line for line in (getattr(r, "hedge_request", None) for r in caplog.records
+                               if r.name == "hedge_gateway.requests") if line and line.get("pool")]
     assert {(line["pool"], line.get("key")) for line in lines} == {
         ("alpha", "team-a"), ("beta", None)}  # the name of a named key; none for the others
     Canary(TEAM_A, LEGACY).assert_absent_everywhere(gateway.root, caplog, *answers)
