@@ -229,6 +229,39 @@ def test_the_sdks_retry_is_let_in_once_the_request_holding_the_slot_has_ended(
     assert len(upstream.requests) == 2  # the held one and the retry that passed
 
 
+def test_a_client_that_leaves_mid_stream_gives_its_keys_slot_back(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """In flight 1: a client leaves a stream after its first token; the gateway closes the
+    upstream, the request ends, and the key's slot is free again (the next request passes
+    once the upstream has seen the close), never held for ever."""
+    gate = Gate()
+    (upstream,) = scripted_upstream(1, responder=holding(
+        gate, json_script(chat_completion_obj("ok"))))
+    pool = PoolSettings("held", (BackendSettings("u", "openai", "m", upstream.base_url),),
+                        hedging=NO_HEDGES)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(in_flight=1)),
+        pools=(pool,)))
+    body = {"model": "held", "messages": MESSAGES, "stream": True, "user": "held"}
+    auth = {"authorization": f"Bearer {TEAM_A}"}
+    try:
+        with httpx.Client(base_url=gateway.root, timeout=10.0) as raw:
+            with raw.stream("POST", "/v1/chat/completions", json=body, headers=auth) as held:
+                lines = held.iter_lines()  # kept: a dropped iterator closes the connection
+                assert any("first" in line for line in lines)
+                second = raw.post("/v1/chat/completions", headers=auth,
+                                  json={"model": "held", "messages": MESSAGES})
+                assert second.status_code == 429  # the slot is held
+            # the client has left: the upstream is closed and the request ends
+            (first,) = upstream.requests[:1]
+            assert upstream.wait_closed(first)
+        with openai_client(gateway.root, TEAM_A, retries=3) as client:
+            assert client.chat.completions.create(model="held", messages=MESSAGES).choices
+    finally:
+        gate.open()
+
+
 def test_a_keys_headers_replace_the_upstreams_on_its_answers(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory
 ) -> None:
