@@ -23,6 +23,7 @@ from gateway.api.answer import error_response, note_refusal
 from gateway.api.keys import backoff
 from gateway.api.proxy import Admission
 from gateway.api.refusals import REQUEST_ID_KEY
+from gateway.api.tenancy import quota_headers
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -115,6 +116,9 @@ def gateway_error_response(request: Request, exc: GatewayError,
     (`gateway.api.keys.backoff`)."""
     note_refusal(request.scope, exc)
     shape = protocol if protocol is not None else protocol_for_path(request.url.path)
+    if not exc.headers:  # a named key's quotas on every answer to it
+        exc.headers = quota_headers(request.scope,
+                                    anthropic=errors_of(request.url.path) == "anthropic")
     response = error_response(exc, request_id_of(request), shape)
     if isinstance(exc, Unauthorized):
         return slowed(request, response)

@@ -28,6 +28,9 @@ from gateway.tenants.headers import ratelimit_headers
 from gateway.tenants.limits import Refusal
 from gateway.tenants.registry import Tenant, Tenants
 
+#: the key in a request's scope state under which a named key's tenant is kept, so that an
+#: error the route raises before admission still states the key's quotas
+TENANT_KEY = "hedge_tenant"
 #: what a request for a pool its key may not use is told: the same as for a pool that does not
 #: exist, so a key cannot learn which pools other keys use
 NOT_FOUND = "the model does not exist in this gateway; GET /v1/models lists them"
@@ -110,6 +113,8 @@ class TenantGate:
         supplied = supplied_key(request, x_api_key=x_api_key)
         tenant = self.tenants.find(supplied)
         if tenant is not None:
+            if tenant.limits is not None:
+                request.scope.setdefault("state", {})[TENANT_KEY] = tenant
             return tenant
         if self.ring.matches(supplied):
             return None
@@ -196,6 +201,17 @@ def answer_headers(raw: list[tuple[bytes, bytes]], ours: list[tuple[bytes, bytes
     values of one header."""
     raw[:] = [(name, value) for name, value in raw if not name.startswith(_FAMILIES)]
     raw.extend(ours)
+
+
+def quota_headers(scope: Scope, *, anthropic: bool) -> list[tuple[bytes, bytes]]:
+    """The rate-limit headers of the named key a refused request presented (none without
+    one, or without limits): an error raised before admission (a bad body, a pool the key may
+    not use) states the key's quotas too, as of its last admission (what remains can only
+    have grown since)."""
+    tenant = scope.get("state", {}).get(TENANT_KEY)
+    if not isinstance(tenant, Tenant) or tenant.limits is None:
+        return []
+    return ratelimit_headers(tenant.limits.quotas(), anthropic=anthropic, wall=time.time())
 
 
 def check_pool(tenant: Tenant | None, pool: str) -> None:

@@ -155,6 +155,10 @@ def test_over_a_limit_the_answer_is_429_with_the_headers_of_the_routes_family(
         assert [h["x-ratelimit-remaining-requests"] for h in seen] == ["1", "0"]
         assert {h["x-ratelimit-limit-requests"] for h in seen} == {"2"}
         assert all(re.fullmatch(r"\d+(\.\d+)?s", h["x-ratelimit-reset-requests"]) for h in seen)
+        with pytest.raises(openai.NotFoundError) as unknown:  # refused before admission
+            team_a.chat.completions.create(model="nope", messages=MESSAGES)
+        assert ratelimit(unknown.value.response.headers)[
+            "x-ratelimit-remaining-requests"] == "0"
         with pytest.raises(openai.RateLimitError) as over:
             team_a.chat.completions.create(model="alpha", messages=MESSAGES)
         response = over.value.response
@@ -175,6 +179,11 @@ def test_over_a_limit_the_answer_is_429_with_the_headers_of_the_routes_family(
         assert family["anthropic-ratelimit-requests-remaining"] == "1"
         assert family["anthropic-ratelimit-requests-reset"].endswith("Z")
         assert not ratelimit(first.headers)  # not OpenAI's family on Anthropic's route
+        with pytest.raises(anthropic.NotFoundError) as unknown_model:
+            claude.messages.create(model="nope", max_tokens=8,
+                                   messages=[{"role": "user", "content": "hi"}])
+        assert ratelimit(unknown_model.value.response.headers, "anthropic-ratelimit")[
+            "anthropic-ratelimit-requests-remaining"] == "1"
         with pytest.raises(anthropic.InternalServerError) as failed:  # after admission
             claude.messages.create(model="broken", max_tokens=8,
                                    messages=[{"role": "user", "content": "hi"}])
