@@ -60,7 +60,8 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
         headers = {k.lower(): v for k, v in request.headers.items()}
         req = LogicalRequest(rid, entry.endpoint, body, stream, headers, entry.protocol,
                              route=entry.path, model=logged_model, body_bytes=size,
-                             key=None if tenant is None else tenant.name)
+                             key=None if tenant is None else tenant.name,
+                             hedging=tenant is None or tenant.settings.hedging.enabled)
         if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=False,
                                       handle=lambda: proxy.handle(request, pool, req))

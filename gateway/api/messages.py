@@ -57,7 +57,8 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
                              protocol=entry.protocol,
                              single=entry.single,
                              forward_headers=forward, route=entry.path, model=logged_model,
-                             body_bytes=size, key=None if tenant is None else tenant.name)
+                             body_bytes=size, key=None if tenant is None else tenant.name,
+                             hedging=tenant is None or tenant.settings.hedging.enabled)
         if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=True,
                                       handle=lambda: proxy.handle(request, pool, req))

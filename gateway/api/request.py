@@ -54,3 +54,5 @@ class LogicalRequest:
     body_bytes: int | None = None
     #: the name of the client's named key (`keys:`), for the request log; never the key
     key: str | None = None
+    #: False: the client's key turned delay-triggered hedges off (`keys[].hedging.enabled`)
+    hedging: bool = True

@@ -152,6 +152,7 @@ def build_responses_router(
             on_commit=minting(pool.settings.name, stream, binding, translated),
             route=entry.path, model=logged_model, body_bytes=size,
             key=None if tenant is None else tenant.name,
+            hedging=tenant is None or tenant.settings.hedging.enabled,
         )
         if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=False,

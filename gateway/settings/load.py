@@ -321,10 +321,10 @@ def weak_secrets(server: ServerSettings) -> list[str]:
 
 def unenforced_keys(keys: Sequence[TenantKeySettings]) -> list[str]:
     """A warning per named key that sets a rule this version does not enforce yet (budget,
-    TTFT objective, hedging override): accepted, so a file can be written ahead, but never
+    TTFT objective, its own hedge budget ratio): accepted, so a file can be written ahead, but never
     silently taken for in force."""
     return [f"keys[{index}] ({key.name}): {', '.join(found)} not enforced yet by this "
-            "version; only pools and limits are" for index, key in enumerate(keys)
+            "version; only pools, limits and hedging.enabled are" for index, key in enumerate(keys)
             if (found := key.unenforced())]
 
 

@@ -91,12 +91,13 @@ class TenantBudget(Checked):
 
 @dataclass(frozen=True, slots=True)
 class TenantHedging(Checked):
-    """This key's hedging override (not enforced yet: see docs/tenants.md)."""
+    """This key's hedging override (`ratio` not enforced yet: see docs/tenants.md)."""
 
     enabled: bool = field(default=True, metadata=scalar(
         cv.boolean, "false: no delay-triggered hedges for this key's requests"))
     ratio: float | None = field(default=None, metadata=scalar(
-        cv.optional(cv.number(0)), "this key's own hedge budget ratio; null: the pool's"))
+        cv.optional(cv.number(0)), "this key's own hedge budget ratio (not enforced yet); "
+        "null: the pool's"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,7 @@ class TenantKeySettings(Checked):
         cv.optional(cv.duration()), "a time-to-first-token objective (not enforced yet); "
         "null: none"))
     hedging: TenantHedging = field(default_factory=TenantHedging, metadata=section(
-        TenantHedging, "this key's hedging override (not enforced yet)"))
+        TenantHedging, "this key's hedging override (its ratio not enforced yet)"))
 
     def _complete(self) -> None:
         if self.key is not None and self.key_sha256 is None:
@@ -140,6 +141,6 @@ class TenantKeySettings(Checked):
             found.append("budget")
         if self.ttft_objective is not None:
             found.append("ttft_objective")
-        if self.hedging != TenantHedging():
-            found.append("hedging")
+        if self.hedging.ratio is not None:
+            found.append("hedging.ratio")
         return found

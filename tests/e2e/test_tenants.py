@@ -30,6 +30,7 @@ import pytest
 
 from gateway.settings import (
     BackendSettings,
+    DelaySettings,
     HedgingSettings,
     PoolSettings,
     ServerSettings,
@@ -37,8 +38,15 @@ from gateway.settings import (
     SimProfile,
 )
 from gateway.settings.load import load_settings
-from gateway.settings.tenants import TenantKeySettings, TenantLimits
-from tests.harness import Gate, LoopThread, UpstreamFactory, chat_completion_obj, json_script
+from gateway.settings.tenants import TenantHedging, TenantKeySettings, TenantLimits
+from tests.harness import (
+    Gate,
+    LoopThread,
+    UpstreamFactory,
+    chat_completion_obj,
+    json_script,
+    stream_script,
+)
 from tests.harness.limits_kit import (
     MESSAGES,
     Canary,
@@ -356,3 +364,33 @@ def test_a_reload_that_removes_a_key_refuses_it_from_the_next_request(
     assert (status(TEAM_A), status(TEAM_B)) == (401, 200)
     assert "keys changed (1 named key)" in caplog.text
     Canary(TEAM_A, TEAM_B).assert_absent_everywhere(gateway.root, caplog)
+
+
+def test_a_key_with_hedging_off_is_never_hedged_and_another_key_is(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two upstreams whose first token comes 300 ms in, a fixed hedge delay of 50 ms. A key
+    with `hedging: {enabled: false}`: its plan refuses hedges (`disabled`), one attempt; the
+    key without rules: the hedge goes out after the delay, two attempts."""
+    verbose_logs(caplog)
+    ups = scripted_upstream(2, responder=lambda _request: stream_script(["ok"], ttft=0.3))
+    pool = PoolSettings("slow", tuple(
+        BackendSettings(f"u{k}", "openai", "m", up.base_url, group=f"g{k}")
+        for k, up in enumerate(ups)), hedging=HedgingSettings(
+            delay=DelaySettings(mode="fixed", value=0.05)))
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, hedging=TenantHedging(enabled=False)),
+        pools=(pool,)))
+    attempts = {}
+    for key in (TEAM_A, LEGACY):
+        with openai_client(gateway.root, key) as client, \
+                client.chat.completions.with_streaming_response.create(
+                    model="slow", messages=MESSAGES, stream=True) as response:
+            attempts[key] = response.headers["x-hedge-attempts"]
+            list(response.parse())
+    assert attempts == {TEAM_A: "1", LEGACY: "2"}
+    lines = [line for line in (getattr(r, "hedge_request", None) for r in caplog.records
+                               if r.name == "hedge_gateway.requests") if line]
+    keyed_line = next(line for line in lines if line.get("key") == "team-a")
+    assert keyed_line["suppressed"] == ["disabled"] and keyed_line["hedges"] == 0

@@ -11,7 +11,12 @@ import pytest
 from gateway.server.workers import worker_settings
 from gateway.settings import BackendSettings, ConfigError, PoolSettings, ServerSettings, Settings
 from gateway.settings.load import unenforced_keys
-from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
+from gateway.settings.tenants import (
+    TenantBudget,
+    TenantHedging,
+    TenantKeySettings,
+    TenantLimits,
+)
 from gateway.tenants.headers import duration_text, instant_text, ratelimit_headers
 from gateway.tenants.limits import IN_FLIGHT_RETRY, KeyLimits, Quota, Refusal
 from gateway.tenants.registry import Tenants
@@ -212,7 +217,10 @@ def test_each_worker_holds_its_share_of_a_keys_limits_rounded_up() -> None:
 
 def test_rules_not_enforced_yet_are_warned_about_never_taken_silently() -> None:
     keys = (key_settings(budget=TenantBudget(usd=5.0), ttft_objective=0.8), key_settings(
-        name="plain", key="other-secret"))
+        name="plain", key="other-secret", hedging=TenantHedging(enabled=False)),
+        key_settings(name="ratio", key="third-secret", hedging=TenantHedging(ratio=0.2)))
     assert unenforced_keys(keys) == [
         "keys[0] (team-a): budget, ttft_objective not enforced yet by this version; only "
-        "pools and limits are"]
+        "pools, limits and hedging.enabled are",
+        "keys[2] (ratio): hedging.ratio not enforced yet by this version; only "
+        "pools, limits and hedging.enabled are"]
