@@ -403,7 +403,7 @@ def test_a_key_with_a_ttft_objective_hedges_before_the_pools_delay_and_meets_it(
     loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
     caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two upstreams on which a request's first attempt is slow (its token 1.2 s in) and any
+    """Two upstreams on which a request's first attempt is slow (its token 0.8 s in) and any
     later one fast; the pool's fixed hedge delay is 3 s, longer than the slow attempt. Once
     both backends have learnt that (warm-up by a key without an objective), a key with a
     400 ms objective has its hedge sent before its primary's token (the primary is cancelled
@@ -417,7 +417,7 @@ def test_a_key_with_a_ttft_objective_hedges_before_the_pools_delay_and_meets_it(
         rid = request.headers.get("x-client-request-id") or request.headers["x-request-id"]
         first = rid not in seen
         seen.add(rid)
-        return stream_script(["ok"], ttft=1.2 if first else 0.0)
+        return stream_script(["ok"], ttft=0.8 if first else 0.0)
 
     ups = scripted_upstream(2, responder=first_slow)
     pool = PoolSettings("slow", tuple(
@@ -439,7 +439,7 @@ def test_a_key_with_a_ttft_objective_hedges_before_the_pools_delay_and_meets_it(
         backends = httpx.get(gateway.root + "/hedge/stats").json()["pools"]["slow"]["backends"]
         return all(b["hedge_delay_by_class_ms"] for b in backends.values())
 
-    for _ in range(12):  # team-b warms both backends up: slow first attempts, never hedged
+    for _ in range(8):  # team-b warms both backends up: slow first attempts, never hedged
         assert attempts_of(TEAM_B) == "1"
         if wait_for(learnt, timeout=1.5):  # the delays refresh once a second
             break
