@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.api.tenancy import deadline_of
 from gateway.hedge.deadline import (
     SHARE_BURST,
     KeyShare,
@@ -20,6 +21,8 @@ from gateway.hedge.deadline import (
     header_objective,
     objective,
 )
+from gateway.settings.tenants import TenantHedging, TenantKeySettings
+from gateway.tenants.registry import Tenant, Tenants
 from tests.harness.raceworld import Seen, Setup, Step, play
 from tests.harness.virtualtime import VirtualLoop, run_virtual
 
@@ -138,3 +141,33 @@ def test_an_early_hedge_the_keys_share_cannot_pay_is_not_sent_and_counted() -> N
     assert seen.suppressed == {"key_budget": 1}
     assert not any(a.deadline for a in seen.race.attempts)
     assert seen.budget.spent == 1  # the normal hedge only
+
+
+def tenant(objective: float | None = 0.8, ratio: float | None = None, name: str = "team-a",
+           previous: Tenants | None = None) -> Tenant:
+    key = TenantKeySettings(name, key="team-a-secret", ttft_objective=objective,
+                            hedging=TenantHedging(ratio=ratio))
+    return next(iter(Tenants([key], 0.0, previous).by_digest.values()))
+
+
+def test_a_requests_objective_from_its_key_and_header_goes_upstream() -> None:
+    keyed = tenant(0.8, ratio=0.3)
+    assert deadline_of(keyed, {}) == (0.8, keyed.share, 0.3, {"x-slo-ttft-ms": "800"})
+    assert deadline_of(keyed, {"x-slo-ttft-ms": "250"}).objective == pytest.approx(0.25)
+    assert deadline_of(keyed, {"x-slo-ttft-ms": "5000"}).forward == {"x-slo-ttft-ms": "800"}
+    assert deadline_of(keyed, {"x-slo-ttft-ms": "soon"}).objective == 0.8
+    plain = tenant(None)
+    assert deadline_of(plain, {}) == (None, plain.share, None, {})
+    unnamed = deadline_of(None, {"x-slo-ttft-ms": "300"})
+    assert unnamed == (0.3, None, None, {"x-slo-ttft-ms": "300"})  # no share: no early hedge
+    assert deadline_of(None, {}) == (None, None, None, {})
+
+
+def test_a_reload_keeps_a_keys_share_and_a_new_key_starts_full() -> None:
+    registry = Tenants([tenant().settings], 0.0)
+    old = next(iter(registry.by_digest.values()))
+    old.share.spend()
+    again = tenant(objective=0.5, previous=registry)  # same name and digest, new objective
+    assert again.share is old.share and again.share.level == SHARE_BURST - 1
+    renamed = tenant(name="team-z", previous=registry)
+    assert renamed.share is not old.share
