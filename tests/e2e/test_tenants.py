@@ -465,3 +465,26 @@ def test_a_key_with_a_ttft_objective_hedges_before_the_pools_delay_and_meets_it(
     assert [(x["objective_ms"], x["objective_met"], x["deadline_hedges"]) for x in team_a] \
         == [(400.0, True, 1)] * 3
     Canary(TEAM_A, TEAM_B).assert_absent_everywhere(gateway.root, caplog)
+
+
+def test_the_objective_in_force_goes_upstream_a_header_only_tightening_the_keys(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """`x-slo-ttft-ms` reaches the upstream as the objective in force: the header's when it
+    is tighter than the key's, the key's otherwise (a looser or malformed header changes
+    nothing); a key without rules forwards the client's header; no objective, no header."""
+    up = scripted_upstream(1)[0]
+    pool = PoolSettings("one", (BackendSettings("u", "openai", "m", up.base_url),),
+                        hedging=NO_HEDGES)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, ttft_objective=0.4), pools=(pool,)))
+    cases = [(TEAM_A, "250", "250"), (TEAM_A, "900", "400"), (TEAM_A, "soon", "400"),
+             (TEAM_A, None, "400"), (LEGACY, "300", "300"), (LEGACY, None, None)]
+    for key, header, _ in cases:
+        with openai_client(gateway.root, key) as client:
+            list(client.chat.completions.create(
+                model="one", messages=MESSAGES, stream=True,
+                extra_headers={} if header is None else {"x-slo-ttft-ms": header}))
+    assert up.wait_requests(len(cases))
+    assert [r.headers.get("x-slo-ttft-ms") for r in up.requests] == [
+        sent for _, _, sent in cases]
