@@ -171,3 +171,20 @@ def test_a_reload_keeps_a_keys_share_and_a_new_key_starts_full() -> None:
     assert again.share is old.share and again.share.level == SHARE_BURST - 1
     renamed = tenant(name="team-z", previous=registry)
     assert renamed.share is not old.share
+
+
+def test_a_failover_before_the_early_hedge_restarts_the_timer_at_the_normal_delay() -> None:
+    """The primary fails at 0.1 s, before its early hedge was due (0.3 s): the replacement's
+    own delay applies from its start, and no hedge is taken for a deadline hedge."""
+    share = KeyShare()
+    script = (Step("503", at=0.1), Step("token", at=2.0), Step("token", at=0.05))
+
+    async def main(loop: VirtualLoop) -> Seen:
+        return await play(race(script=script, backends=3, max_attempts=3, objective=0.4,
+                               share=share, learnt={0: BIMODAL, 1: BIMODAL, 2: BIMODAL}),
+                          loop)
+
+    seen = run_virtual(main)
+    assert seen.starts == [("primary", 0.0), ("failover", 0.1), ("hedge", 0.9)]
+    assert not any(a.deadline for a in seen.race.attempts)
+    assert share.level == SHARE_BURST
