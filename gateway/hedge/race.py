@@ -29,7 +29,11 @@ failover restarts it with the replacement's delay from the replacement's start. 
 every allowed attempt has started, nothing can start any more: `max_attempts` is counted once
 and the timer stops waking the race. A delay shortened to the conversation's home's (an
 attempt away from its warm home) is kept only if the hedge would go home when it is due;
-else the timer waits for the attempt's own delay (`Placement.early_hedge`).
+else the timer waits for the attempt's own delay (`Placement.early_hedge`). A request with a
+TTFT objective whose primary's learnt tail would miss it has its first hedge due earlier, as
+late as still meets the objective (`gateway.hedge.deadline`), paid from its key's own share
+as well as the pool's budget; one the share cannot pay is counted `key_budget` and the timer
+waits for the normal delay. A failover before it puts the replacement's normal delay in force.
 
 The race knows no HTTP framework and no wire format: what an attempt does is the `AttemptRunner`
 it is given, and "token" means "the runner returned".
