@@ -57,6 +57,7 @@ from tests.harness.limits_kit import (
     verbose_logs,
     wait_for,
 )
+from tests.harness.protocol_wire import messages_script
 
 TEAM_A = "team-a-key-0123456789abcdefghijklmnop"
 TEAM_B = "team-b-key-0123456789abcdefghijklmnop"
@@ -472,12 +473,16 @@ def test_the_objective_in_force_goes_upstream_a_header_only_tightening_the_keys(
 ) -> None:
     """`x-slo-ttft-ms` reaches the upstream as the objective in force: the header's when it
     is tighter than the key's, the key's otherwise (a looser or malformed header changes
-    nothing); a key without rules forwards the client's header; no objective, no header."""
+    nothing); a key without rules forwards the client's header; no objective, no header. The
+    OpenAI SDK on /v1/chat/completions, the Anthropic SDK on /v1/messages."""
     up = scripted_upstream(1)[0]
-    pool = PoolSettings("one", (BackendSettings("u", "openai", "m", up.base_url),),
-                        hedging=NO_HEDGES)
+    ant = scripted_upstream(1, responder=lambda _request: messages_script(["ok"]))[0]
+    pools = (PoolSettings("one", (BackendSettings("u", "openai", "m", up.base_url),),
+                          hedging=NO_HEDGES),
+             PoolSettings("claude", (BackendSettings("a", "anthropic", "claude-x", ant.root_url,
+                                                     api_key="sk-ant-0"),), hedging=NO_HEDGES))
     gateway = GatewayFactory(loop_thread)(keyed(
-        TenantKeySettings("team-a", key=TEAM_A, ttft_objective=0.4), pools=(pool,)))
+        TenantKeySettings("team-a", key=TEAM_A, ttft_objective=0.4), pools=pools))
     cases = [(TEAM_A, "250", "250"), (TEAM_A, "900", "400"), (TEAM_A, "soon", "400"),
              (TEAM_A, None, "400"), (LEGACY, "300", "300"), (LEGACY, None, None)]
     for key, header, _ in cases:
@@ -485,6 +490,10 @@ def test_the_objective_in_force_goes_upstream_a_header_only_tightening_the_keys(
             list(client.chat.completions.create(
                 model="one", messages=MESSAGES, stream=True,
                 extra_headers={} if header is None else {"x-slo-ttft-ms": header}))
-    assert up.wait_requests(len(cases))
+    with anthropic_client(gateway.root, TEAM_A) as claude:  # /v1/messages too
+        list(claude.messages.create(model="claude", max_tokens=8, stream=True, extra_headers={
+            "x-slo-ttft-ms": "150"}, messages=[{"role": "user", "content": "hi"}]))
+    assert up.wait_requests(len(cases)) and ant.wait_requests(1)
     assert [r.headers.get("x-slo-ttft-ms") for r in up.requests] == [
         sent for _, _, sent in cases]
+    assert ant.requests[0].headers.get("x-slo-ttft-ms") == "150"
