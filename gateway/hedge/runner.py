@@ -103,11 +103,8 @@ def attempt_runner(
         seen = pool.quota_watch(backend, clock)
         try:
             if req.stream:
-                return await open_until_first_token(
-                    provider, call, is_lost, protocol.classify, protocol.answered, seen
-                )
-            return await open_whole_response(provider, call, is_lost, protocol.classify_body,
-                                             seen)
+                return await open_until_first_token(provider, call, is_lost, protocol, seen)
+            return await open_whole_response(provider, call, is_lost, protocol, seen)
         except UpstreamStatusError as exc:
             if req.pinned is not None and upstream_status(exc.status).pinned_answer:
                 # no other backend holds this state: its verdict on the request (404: it

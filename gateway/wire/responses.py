@@ -103,11 +103,11 @@ def responses_error_event(message: str, code: str, request_id: str) -> bytes:
 RESPONSES = WireProtocol(
     "responses", classify_responses, classify_responses_body,
     frozenset(name.encode() for name in RESPONSES_ENDS), responses_error_event,
-    openai_error_body, encoder=named_relay_encoder)
+    openai_error_body, encoder=named_relay_encoder, errors="openai")
 #: single-backend calls whose body is relayed whatever it says (GET a stored response)
 RESPONSES_ITEM = WireProtocol("responses_item", classify_responses, classify_any_body,
                               RESPONSES.ends, responses_error_event, openai_error_body,
-                              encoder=named_relay_encoder)
+                              encoder=named_relay_encoder, errors="openai")
 
 
 def response_id_of(events: list[SSEEvent], *, stream: bool) -> str | None:
