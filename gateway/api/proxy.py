@@ -326,6 +326,16 @@ class Proxy:
             summary.usage = outcome.usage
             await end()
 
+        # the final events of a shutdown and of a bug of ours, built only for a stream that
+        # ends that way (each is JSON to encode, on the way to the first byte)
+        error_event, request_id = protocol.error_event, req.request_id
+
+        def shutdown_event() -> bytes:
+            return error_event("the gateway is shutting down", "gateway_shutdown", request_id)
+
+        def internal_event() -> bytes:
+            return error_event("internal error", InternalError.code, request_id)
+
         return SSEResponse(
             body,
             headers=headers,
@@ -333,16 +343,12 @@ class Proxy:
             stuck_client=timeouts.stuck_client,
             drain=self.drain,
             grace=self.server.shutdown_grace,
-            shutdown_event=protocol.error_event(
-                "the gateway is shutting down", "gateway_shutdown", req.request_id
-            ),
+            shutdown_event=shutdown_event,
             on_close=finish,
             on_exhausted=end.release_winner,
             clock=self.clock,
             client_gone=end.watcher,
-            internal_event=protocol.error_event(
-                "internal error", InternalError.code, req.request_id
-            ),
+            internal_event=internal_event,
         )
 
 

@@ -58,15 +58,17 @@ class SSEResponse(Response):
         stuck_client: float,
         drain: Drain,
         grace: float,
-        shutdown_event: bytes,
+        shutdown_event: bytes | Callable[[], bytes],
         on_close: Callable[[StreamEnd | None], Awaitable[None]],
         clock: Callable[[], float],
         client_gone: asyncio.Future[None] | None = None,
-        internal_event: bytes = b"",
+        internal_event: bytes | Callable[[], bytes] = b"",
         on_exhausted: Callable[[], None] | None = None,
     ) -> None:
         """`internal_event`: the final error event (in the route's shape) a client gets when
         an exception of ours ends its stream, instead of a stream cut without a word.
+        `shutdown_event` and `internal_event` may be given as the call that builds them: it
+        runs only if the stream ends that way.
         `on_exhausted`: called (synchronously) once every byte of `body` was handed to the
         server, before the last body message goes out: the relay has read and closed its
         upstream by then, and the client may send its next request as soon as it sees the
@@ -128,7 +130,8 @@ class SSEResponse(Response):
             if self.end is StreamEnd.SHUTDOWN:  # the grace ended: a final error event
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                     await self._send(send, {"type": "http.response.body",
-                                            "body": self.shutdown_event, "more_body": False})
+                                            "body": _built(self.shutdown_event),
+                                            "more_body": False})
             ended = True
         except* OSError:  # the socket broke under a send (the task group wraps it in a group)
             self.end = self.end or StreamEnd.CLIENT_GONE
@@ -145,7 +148,7 @@ class SSEResponse(Response):
                 if self.internal_event and not self._completed and not self._in_send:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                         await self._send(send, {"type": "http.response.body",
-                                                "body": self.internal_event,
+                                                "body": _built(self.internal_event),
                                                 "more_body": False})
             with anyio.CancelScope(shield=True):
                 if not self._completed and self.end in _ABORTED:
@@ -247,6 +250,12 @@ class SSEResponse(Response):
                 scope.cancel()
 
         return stop
+
+
+def _built(event: bytes | Callable[[], bytes]) -> bytes:
+    """A final event given as its bytes, or as the call that builds them (built only when a
+    stream does end that way: most never do, and building them is JSON encoding)."""
+    return event() if callable(event) else event
 
 
 def _being_cancelled() -> bool:

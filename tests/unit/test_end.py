@@ -20,6 +20,7 @@ from gateway.errors import InternalError, Overloaded, UpstreamClientError
 from gateway.hedge.race import Race
 from gateway.settings import ServerSettings
 from gateway.stats import Stats
+from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
 from gateway.wire.usage import ask_for_usage
 from tests.harness.raceworld import (
@@ -344,3 +345,31 @@ async def test_the_race_result_reaches_the_proxy_in_the_next_turn_of_the_loop() 
     assert order == ["one turn", "proxy", "two turns"]
     end.watcher.cancel()
     await asyncio.wait({end.watcher})
+
+
+def test_a_streamed_answer_builds_no_final_error_event_it_does_not_send() -> None:
+    """A stream's final events for a shutdown and for a bug of ours are JSON to encode; the
+    proxy hands the stream the calls that build them, so a stream that ends otherwise (nearly
+    every one; here the scripted upstream's stream breaks, the relay's own error event) builds
+    neither, on the way to its first byte or after."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([Step("token", 0.0)]), loop, world)
+        built: list[str] = []
+
+        def counted(message: str, code: str, request_id: str) -> bytes:
+            built.append(code)
+            return CHAT.error_event(message, code, request_id)
+
+        req = replace(logical_request(stream=True), protocol=replace(CHAT, error_event=counted))
+        answer = await proxy.handle(http_request(), pool, req)
+        unsent = {"gateway_shutdown", InternalError.code}
+        assert answer.status_code == 200 and not unsent & set(built)
+        sent = await _send(answer, loop, proxy)
+        assert sent[-1][1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        assert not unsent & set(built)
+        [(_, summary)] = proxy.stats.summaries  # type: ignore[attr-defined]
+        assert summary.status == 200
+
+    run_virtual(main)
