@@ -118,7 +118,7 @@ class SSEResponse(Response):
             await self._send(send, {"type": "http.response.start", "status": 200,
                                     "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
-                self._watch(receive, tg)
+                watching = self._watch(receive, tg)
                 ticker.arm(self._period(), lambda: self._tick(send, tg.cancel_scope))
                 forget_drain = self.drain.call_at_grace_end(
                     self.grace, self._on_grace_end(tg.cancel_scope))
@@ -126,7 +126,10 @@ class SSEResponse(Response):
                 # inside the group: the ticker still watches a client stuck at the very end
                 await self._send(send, {"type": "http.response.body", "body": b"",
                                         "more_body": False})
-                tg.cancel_scope.cancel()
+                if watching:  # our own watcher task is in the group: end it. (Only then:
+                    # anyio names the cancelling task in the scope's reason, formatting its
+                    # repr, some 7 us per stream for a group with nothing to cancel.)
+                    tg.cancel_scope.cancel()
             if self.end is StreamEnd.SHUTDOWN:  # the grace ended: a final error event
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                     await self._send(send, {"type": "http.response.body",
@@ -184,13 +187,14 @@ class SSEResponse(Response):
         if self.on_exhausted is not None:
             self.on_exhausted()
 
-    def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> None:
+    def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> bool:
         """End the stream when the client disconnects: through the proxy's watcher when
-        there is one (a done-callback, no task of ours), else with a task of our own."""
+        there is one (a done-callback, no task of ours), else with a task of our own in
+        `tg`. Whether that task was started."""
         gone = self.client_gone
         if gone is None:
             tg.start_soon(self._watch_client, receive, tg.cancel_scope)
-            return
+            return True
         scope = tg.cancel_scope
 
         def on_gone(task: asyncio.Future[None]) -> None:
@@ -200,6 +204,7 @@ class SSEResponse(Response):
             scope.cancel()
 
         gone.add_done_callback(on_gone)
+        return False
 
     async def _watch_client(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while True:
