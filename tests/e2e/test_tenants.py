@@ -424,7 +424,7 @@ def test_a_key_with_a_ttft_objective_hedges_before_the_pools_delay_and_meets_it(
     pool = PoolSettings("slow", tuple(
         BackendSettings(f"u{k}", "openai", "m", up.base_url, group=f"g{k}")
         for k, up in enumerate(ups)), hedging=HedgingSettings(
-            delay=DelaySettings(mode="fixed", value=3.0, min_samples=2)))
+            delay=DelaySettings(mode="fixed", value=3.0, min_samples=1)))
     gateway = GatewayFactory(loop_thread)(keyed(
         TenantKeySettings("team-a", key=TEAM_A, ttft_objective=0.4),
         TenantKeySettings("team-b", key=TEAM_B), pools=(pool,)))
@@ -440,7 +440,9 @@ def test_a_key_with_a_ttft_objective_hedges_before_the_pools_delay_and_meets_it(
         backends = httpx.get(gateway.root + "/hedge/stats").json()["pools"]["slow"]["backends"]
         return all(b["hedge_delay_by_class_ms"] for b in backends.values())
 
-    for _ in range(8):  # team-b warms both backends up: slow first attempts, never hedged
+    # team-b warms both backends up (slow first attempts, never hedged); the balancer tries a
+    # backend with no TTFT yet first, so two requests teach both (`min_samples: 1`)
+    for _ in range(8):
         assert attempts_of(TEAM_B) == "1"
         if wait_for(learnt, timeout=1.5):  # the delays refresh once a second
             break
