@@ -131,7 +131,8 @@ class Continuations:
                 options, deadline=deadline, hedging=False, refused_reason=None,
                 excluded=frozenset(b.name for b in pool.settings.backends
                                    if b.name != chosen),
-                learn=False, deposit=False, input_tokens=tokens), self.clock)
+                learn=False, deposit=False, input_tokens=tokens, objective=None,
+                share=None), self.clock)
             self._races.append(race)
             self.counts.started[chosen] += 1
             try:
