@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from gateway.errors import (
     InternalError,
     Overloaded,
 )
-from gateway.hedge.plan import excluded_backends
+from gateway.hedge.plan import Routing, Translated, routing
 from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race, RaceResult
@@ -115,7 +116,7 @@ class Proxy:
                                    server.max_inflight_body_bytes)
 
     async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
-        excluded = excluded_backends(pool, req)
+        routes = routing(pool, req)
         # from here every path writes the request's log line (the end, or a refusal below)
         request.scope.setdefault("state", {})[LINE_KEY] = True
         method = request.scope["method"]
@@ -134,7 +135,7 @@ class Proxy:
                                  start, metered=req.metered, route=req.route, method=method,
                                  model=req.model)
         try:
-            race, end, strip_usage = self._prepare(request, pool, req, summary, excluded, held)
+            race, end, strip_usage = self._prepare(request, pool, req, summary, routes, held)
         except BaseException as exc:  # nothing owns the request's end yet: give back here
             pool.inflight_requests -= 1
             pool.holding -= 1
@@ -172,11 +173,15 @@ class Proxy:
                 "x-hedge-backend": result.winner.backend,
                 "x-hedge-attempts": str(len(race.attempts)),
             }
+            if winner.translation is not None:
+                headers["x-hedge-translated"] = summary.translated = winner.translation.name
             summary.status = 200
             if not req.stream:
                 body = winner.buffered[0].data
                 if rewrite is not None:
                     body = rewrite[1](body)
+                if winner.translation is not None:
+                    body = winner.translation.answer(body, int(time.time()))
                 if req.metered:
                     summary.usage = body_usage(body)
                 return AnswerThen(
@@ -205,16 +210,16 @@ class Proxy:
 
     def _prepare(
         self, request: Request, pool: PoolRuntime, req: LogicalRequest,
-        summary: RequestSummary, excluded: frozenset[str], held: int = 0,
+        summary: RequestSummary, routes: Routing, held: int = 0,
     ) -> tuple[Race, RequestEnd, bool]:
         """The race of an admitted request, the owner of its end, and whether the usage the
         gateway asked for is to be dropped from the stream."""
-        plan = make_plan(pool, req, excluded, summary.started)
+        plan = make_plan(pool, req, routes.excluded, summary.started)
         summary.size = plan.size
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
-        runner = attempt_runner(pool, _upstream_request(req, upstream_body),
+        runner = attempt_runner(pool, _upstream_request(req, upstream_body, routes.translated),
                                 plan.options.deadline, self.clock, trace)
         race = Race(pool, runner, plan.options, self.clock)
         if plan.affinity_miss:
@@ -285,7 +290,8 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
-            encoder=protocol.encoder_for(rewrite),
+            encoder=protocol.encoder_for(rewrite) if result.prefix.translation is None
+            else result.prefix.translation.encoder(int(time.time())),
             error_event=protocol.error_event,
         )
 
@@ -314,12 +320,14 @@ class Proxy:
         )
 
 
-def _upstream_request(req: LogicalRequest, body: Mapping[str, Any]) -> UpstreamRequest:
+def _upstream_request(req: LogicalRequest, body: Mapping[str, Any],
+                      translated: Translated) -> UpstreamRequest:
     """What the race's attempts send for `req`, with `body` (the client's, or a copy that
-    asks for usage)."""
+    asks for usage), and to the backends of another API their translation of it."""
     return UpstreamRequest(
         req.endpoint, body, req.stream, req.request_id, req.protocol, pinned=req.pinned,
         method=req.method, path=req.path, query=req.query, forward_headers=req.forward_headers,
+        translated=translated,
     )
 
 

@@ -26,6 +26,7 @@ from gateway.errors import (
 from gateway.wire.base import Kind
 from gateway.wire.chat import chat_answered, classify, classify_payload
 from gateway.wire.sse import SSEBatch, SSEEvent
+from gateway.wire.translate.routes import Translation
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
 AttemptKind = Literal["primary", "hedge", "failover"]
@@ -85,6 +86,9 @@ class Prefix:
     buffered: list[SSEEvent]
     #: the stream ended normally without a token: `buffered` holds the whole answer
     empty: bool = False
+    #: the attempt's backend speaks another API than the client: how its answer is written
+    #: in the client's (None: it is relayed as it is)
+    translation: Translation | None = None
 
     async def aclose(self) -> None:
         await close_quietly(self.stream, self.batches)

@@ -21,6 +21,7 @@ from gateway.hedge.delay import HedgeDelay
 from gateway.hedge.prefill import ConversationMemory, estimate_tokens, new_tokens
 from gateway.hedge.sizing import ColdRule, DelayReader, RequestSize, SizedDelays
 from gateway.settings import PoolSettings
+from gateway.wire.translate.routes import endpoints_of
 from providers.base import ENDPOINTS, Endpoint, Provider
 
 
@@ -72,6 +73,14 @@ class PoolRuntime:
     classes: Mapping[str, ClassDelays] = field(default_factory=dict)
     #: the last size of each recent conversation key (what its home backend has seen)
     memory: ConversationMemory = field(default_factory=ConversationMemory)
+    #: per backend: the routes it serves, its provider's narrowed by its `apis` (read by
+    #: `serves_of`; a backend missing here serves its provider's)
+    serves: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    def serves_of(self, backend: str) -> frozenset[str]:
+        """The routes `backend` serves: its provider's, narrowed by its `apis`."""
+        found = self.serves.get(backend)
+        return found if found is not None else self.providers[backend].serves
 
     @property
     def inflight_requests(self) -> int:
@@ -108,6 +117,7 @@ class PoolRuntime:
             rng=rng,
             models=_models(settings),
             models_json=_models_json(settings),
+            serves=_serves(settings, providers),
         )
 
     def carried_over(
@@ -157,6 +167,7 @@ class PoolRuntime:
             rng=self.rng,
             models=_models(settings),
             models_json=_models_json(settings),
+            serves=_serves(settings, providers),
         )
 
     def quota_watch(self, backend: str, clock: Clock) -> Callable[[Mapping[str, str]], None]:
@@ -208,6 +219,12 @@ class PoolRuntime:
                 delay.refresh(now)
         for classes in self.classes.values():
             classes.refresh(now, win_rate, recorded)
+
+
+def _serves(settings: PoolSettings, providers: Mapping[str, Provider]
+            ) -> dict[str, frozenset[str]]:
+    return {b.name: endpoints_of(b.apis, providers[b.name].serves) for b in settings.backends
+            if b.name in providers}
 
 
 def _models(settings: PoolSettings) -> dict[str, str]:

@@ -54,6 +54,8 @@ class RequestSummary:
     headroom_skips: Sequence[str] = ()
     #: the request's estimated input, all of it and at its conversation's home (None: unknown)
     size: RequestSize | None = None
+    #: its answer came from a backend of another API: `client->backend` (`chat->messages`)
+    translated: str | None = None
 
     def attach(
         self,

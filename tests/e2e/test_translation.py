@@ -1,0 +1,197 @@
+"""One pool, any API: Chat Completions and Messages clients against a pool of one Chat-only
+and one Messages-only backend, over real sockets, with the official SDKs.
+
+Each backend is a loopback simulator behind the real adapter of its API (`openai` narrowed to
+`apis: [chat]`, `anthropic`), and the simulator checks each request as the real API would
+(a translated body it would refuse fails the test). The backend that speaks the client's own
+API is the slow one (its first token after 5 s) and the pool hedges after 200 ms, so every
+answer comes from the other API's backend, translated; the first request of each test is
+sent until the slow backend was its primary, so that answer is a hedged race between a Chat
+and a Messages backend, won by the translated hedge, its loser cut. Then the tool's result
+goes back and the answer is text: a tool round trip in the client's own shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import (
+    BackendSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    Settings,
+)
+from providers.sim.server import create_sim_app
+from tests.e2e.test_sim_tools import (
+    FAST,
+    QUESTION,
+    SLOW,
+    Forecast,
+    Heard,
+    check_the_loser_was_cut,
+    claude,
+    gpt,
+    slow_primary,
+)
+from tests.harness import AsgiServerFactory, RunningServer
+
+POOL = "tools"
+
+
+def mixed_pool(asgi_server: AsgiServerFactory, slow: str, *, translate: bool = True
+               ) -> tuple[list[RunningServer], RunningServer]:
+    """A gateway over a Chat-only backend (`chat`) and a Messages-only one (`messages`);
+    `slow` names the one whose simulator takes 5 s to its first token (it is `sims[0]`)."""
+    slow_sim, fast_sim = (asgi_server(create_sim_app(p, seed=1)) for p in (SLOW, FAST))
+    sim_of = {slow: slow_sim, ("messages" if slow == "chat" else "chat"): fast_sim}
+    backends = (
+        BackendSettings(name="chat", provider="openai", base_url=sim_of["chat"].v1,
+                        model="m", group="g0", apis=("chat",)),
+        BackendSettings(name="messages", provider="anthropic",
+                        base_url=sim_of["messages"].base_url, model="m", group="g1"),
+    )
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, translate=translate,
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=0.2)))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    return [slow_sim, fast_sim], gateway
+
+
+def _stats(gateway: RunningServer) -> dict[str, Any]:
+    answer: dict[str, Any] = httpx.get(gateway.url("/hedge/stats"), timeout=5.0).json()
+    return answer
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_chat_client_round_trips_a_tool_through_a_messages_backend(
+    asgi_server: AsgiServerFactory, stream: bool,
+) -> None:
+    sims, gateway = mixed_pool(asgi_server, slow="chat")
+    tool = openai.pydantic_function_tool(Forecast)
+    asked: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "user", "content": QUESTION}]
+
+    def send(headers: dict[str, str], messages: list[Any]) -> tuple[dict[str, str], Any]:
+        heard = Heard()
+        with gpt(gateway, heard) as client:
+            if stream:
+                with client.chat.completions.stream(
+                    model=POOL, messages=messages, tools=[tool], extra_headers=headers,
+                    stream_options={"include_usage": True},
+                ) as events:
+                    for _ in events:
+                        pass
+                    return heard.headers, events.get_final_completion()
+            answer = client.chat.completions.create(
+                model=POOL, messages=messages, tools=[tool], extra_headers=headers)
+            return heard.headers, answer
+
+    headers, first = slow_primary(sims, lambda h: send(h, asked))
+    assert headers["x-hedge-backend"] == "messages"
+    assert headers["x-hedge-translated"] == "chat->messages"
+    assert headers["x-hedge-attempts"] == "2"  # the race ran: the slow Chat primary lost
+    if stream:
+        check_the_loser_was_cut(sims)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "Forecast"
+    Forecast.model_validate_json(call.function.arguments)
+    assert first.usage is not None and first.usage.completion_tokens > 0
+    headers, reply = send({}, [
+        *asked,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny all week"}])
+    assert headers["x-hedge-translated"] == "chat->messages"
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_messages_client_round_trips_a_tool_through_a_chat_backend(
+    asgi_server: AsgiServerFactory, stream: bool,
+) -> None:
+    sims, gateway = mixed_pool(asgi_server, slow="messages")
+    tools: list[anthropic.types.ToolParam] = [
+        {"name": "forecast", "description": "the forecast",
+         "input_schema": Forecast.model_json_schema()}]
+    asked: list[anthropic.types.MessageParam] = [{"role": "user", "content": QUESTION}]
+
+    def send(headers: dict[str, str], messages: list[Any]) -> tuple[Any, Any]:
+        with claude(gateway) as client:
+            if stream:
+                with client.messages.stream(
+                    model=POOL, max_tokens=512, tools=tools, messages=messages,
+                    extra_headers=headers,
+                ) as events:
+                    kinds = [event.type for event in events]
+                    assert kinds[-1] == "message_stop"
+                    return events.response.headers, events.get_final_message()
+            raw = client.messages.with_raw_response.create(
+                model=POOL, max_tokens=512, tools=tools, messages=messages,
+                extra_headers=headers)
+            return raw.headers, raw.parse()
+
+    headers, first = slow_primary(sims, lambda h: send(h, asked))
+    assert headers["x-hedge-backend"] == "chat"
+    assert headers["x-hedge-translated"] == "messages->chat"
+    assert headers["x-hedge-attempts"] == "2"
+    if stream:
+        check_the_loser_was_cut(sims)
+    assert first.stop_reason == "tool_use"
+    (block,) = [b for b in first.content if b.type == "tool_use"]
+    assert block.name == "forecast"
+    Forecast.model_validate(block.input)  # accumulated from the translated deltas
+    assert first.usage.output_tokens > 0
+    headers, reply = send({}, [
+        *asked,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": block.id,
+                                           "name": block.name, "input": block.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                      "content": "sunny"}]}])
+    assert headers["x-hedge-translated"] == "messages->chat"
+    assert reply.stop_reason == "end_turn" and reply.content[0].type == "text"
+
+
+def test_a_field_no_backend_can_carry_is_refused_naming_it(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    """n > 1 reaches the Chat backend (its own API); in a pool whose only Chat backend is
+    gone from the route (a Messages-only pool), it is a 400 naming `n`, in Chat's shape."""
+    slow, fast = (asgi_server(create_sim_app(p, seed=1)) for p in (SLOW, FAST))
+    del slow
+    pool = PoolSettings(name=POOL, timeout=20.0, backends=(
+        BackendSettings(name="messages", provider="anthropic", base_url=fast.base_url,
+                        model="m"),))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    with gpt(gateway) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=POOL, n=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "n"
+    assert error["code"] == "untranslatable_field"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+
+
+def test_translate_false_keeps_each_request_on_its_own_api(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    """With `translate: false` a Messages client reaches only the Messages backend, however
+    slow it is (5 s to its first token): no hedge goes to the Chat one."""
+    sims, gateway = mixed_pool(asgi_server, slow="messages", translate=False)
+    with claude(gateway) as client:
+        raw = client.messages.with_raw_response.create(
+            model=POOL, max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+    assert raw.headers["x-hedge-backend"] == "messages"
+    assert raw.headers["x-hedge-attempts"] == "1"
+    assert "x-hedge-translated" not in raw.headers
+    assert raw.parse().type == "message"
+    del sims
