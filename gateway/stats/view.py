@@ -55,6 +55,7 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `<scope>.empty_answers` | requests answered by a stream that ended normally without a token |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
+| `<scope>.translated.<name>` | requests a backend of another API answered (`chat->messages`) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
 | `<scope>.tokens.cached` | of the input, read from the upstreams' prompt caches (as reported) |
 | `<scope>.tokens.cache_write` | of the input, written to a prompt cache (Anthropic's creation) |
@@ -97,6 +98,7 @@ from gateway.errors import NoBackendAvailable
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.prefill import class_label
 from gateway.stats.record import ROUTES
+from gateway.wire.translate.routes import TRANSLATION_NAMES
 
 if TYPE_CHECKING:
     from gateway.hedge.generation import Live
@@ -225,6 +227,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         },
         "cancelled": c["cancelled"],
         "routes": {route: c[f"route.{route}"] for route in ROUTES},
+        "translated": {name: c[f"translated.{name}"] for name in TRANSLATION_NAMES},
         "latency_saved_ms": saved,
         "errors": {
             k[8:]: v for k, v in sorted(c.items())

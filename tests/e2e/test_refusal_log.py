@@ -50,7 +50,8 @@ SECRET = "response-id-secret-5d1c"
 POOL = "pool"
 #: held before its first token for as long as a test runs (the overload case's occupant)
 SLOW = "slow"
-#: a pool whose only backend speaks Anthropic's Messages and nothing else
+#: a pool whose only backend speaks Anthropic's Messages and nothing else, and which keeps
+#: each request on its own API (`translate: false`)
 MESSAGES_ONLY = "msgonly"
 MAX_BODY = 2048
 #: a model name with a newline, an escape sequence and a bidi override in it
@@ -71,7 +72,8 @@ def settings() -> Settings:
                 BackendSettings(name="z0", provider="sim", model="m", sim=slow),)),
             PoolSettings(name=MESSAGES_ONLY, backends=(
                 BackendSettings(name="a0", provider="anthropic", model="m",
-                                base_url="http://127.0.0.1:9", api_key=PROVIDER_KEY),)),
+                                base_url="http://127.0.0.1:9", api_key=PROVIDER_KEY),),
+                         translate=False),
         ),
         server=ServerSettings(api_keys=(CLIENT_KEY,), max_body_bytes=MAX_BODY,
                               max_concurrent_requests=1, response_id_secret=SECRET),

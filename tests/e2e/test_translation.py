@@ -13,6 +13,7 @@ goes back and the answer is text: a tool round trip in the client's own shape.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anthropic
@@ -63,9 +64,26 @@ def mixed_pool(asgi_server: AsgiServerFactory, slow: str, *, translate: bool = T
     return [slow_sim, fast_sim], gateway
 
 
-def _stats(gateway: RunningServer) -> dict[str, Any]:
-    answer: dict[str, Any] = httpx.get(gateway.url("/hedge/stats"), timeout=5.0).json()
-    return answer
+def check_counted(gateway: RunningServer, name: str) -> None:
+    """Every translated request of the test is counted under `name` in /hedge/stats and
+    /metrics (the requests before it, sent until the race ran, included), the other
+    direction under its own, and the dashboard's series carries the rate of each."""
+    other = "messages->chat" if name == "chat->messages" else "chat->messages"
+    deadline = time.monotonic() + 5.0  # a request is recorded just after its answer is out
+    while True:
+        pool = httpx.get(gateway.url("/hedge/stats"), timeout=5.0).json()["pools"][POOL]
+        counted = pool["lifetime"]["translated"]
+        settled = pool["inflight_requests"] == 0 and counted[name] >= 2
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert counted[name] == pool["lifetime"]["requests"] >= 2 and counted[other] == 0
+    metrics = httpx.get(gateway.url("/metrics"), timeout=5.0).text
+    line = (f'hedge_gateway_translated_requests_total{{pool="{POOL}",translation="{name}"}} '
+            f"{float(counted[name])}")
+    assert line in metrics.splitlines()
+    series = httpx.get(gateway.url("/hedge/series"), timeout=5.0).json()["pools"][POOL]
+    assert set(series[-1]["translated"]) == {name, other}
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
@@ -113,6 +131,7 @@ def test_chat_client_round_trips_a_tool_through_a_messages_backend(
     assert headers["x-hedge-translated"] == "chat->messages"
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    check_counted(gateway, "chat->messages")
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
@@ -159,6 +178,7 @@ def test_messages_client_round_trips_a_tool_through_a_chat_backend(
                                       "content": "sunny"}]}])
     assert headers["x-hedge-translated"] == "messages->chat"
     assert reply.stop_reason == "end_turn" and reply.content[0].type == "text"
+    check_counted(gateway, "messages->chat")
 
 
 def test_a_field_no_backend_can_carry_is_refused_naming_it(

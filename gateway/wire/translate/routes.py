@@ -91,6 +91,10 @@ TRANSLATIONS: Mapping[tuple[Endpoint, Endpoint], Translation] = {
 }
 
 
+#: every translation's name, in a fixed order: the only values the stats' label takes
+TRANSLATION_NAMES: tuple[str, ...] = tuple(t.name for t in TRANSLATIONS.values())
+
+
 def translation_for(client: Endpoint, serves: frozenset[str]) -> Translation | None:
     """The translation that takes a request on `client` to a backend serving `serves` (None:
     it serves `client` itself, or no translation reaches it)."""
