@@ -165,7 +165,7 @@ class Proxy:
                 return AnswerThen(Response(status_code=499), end)
             end.prefix = winner = result.prefix
             rewrite = None
-            if req.on_commit is not None:
+            if req.on_commit is not None and winner.translation is None:
                 rewrite = req.on_commit(result.winner.backend, winner.buffered)
             headers = {
                 **winner.stream.headers,  # allowlisted upstream headers; ours take precedence

@@ -29,6 +29,12 @@ from gateway.wire.translate.chat_messages_answer import (
     messages_usage,
 )
 from gateway.wire.translate.chat_messages_stream import ChatToMessages, MessagesToChat
+from gateway.wire.translate.responses_chat import (
+    ChatToResponses,
+    chat_answer_to_responses,
+    responses_to_chat,
+)
+from gateway.wire.translate.routes import ThroughChat
 
 RECORDED = Path(__file__).parent.parent / "e2e" / "recorded"
 
@@ -410,7 +416,8 @@ def test_errors_keep_their_meaning_in_the_other_shape() -> None:
 # --- streams ----------------------------------------------------------------------------------
 
 
-def _translate(machine: ChatToMessages | MessagesToChat, raw: bytes) -> bytes:
+def _translate(machine: ChatToMessages | MessagesToChat | ChatToResponses | ThroughChat,
+               raw: bytes) -> bytes:
     return b"".join(machine.feed(event) for event in events_of(raw))
 
 
@@ -502,3 +509,102 @@ def test_a_chat_stream_without_usage_asked_gets_no_usage_chunk() -> None:
     raw = (b'data: {"type":"message_start","message":{"id":"m","model":"c"}}\n\n'
            b'data: {"type":"message_stop"}\n\n')
     assert _translate(machine, raw).count(b"data: ") == 2  # the role chunk and [DONE]
+
+
+# --- Responses (store: false) -> Chat, and -> Messages through Chat ---------------------------
+
+
+def _responses_final(raw: bytes) -> tuple[list[str], dict[str, Any]]:
+    """A Responses stream's event types and the response object of its end event."""
+    kinds: list[str] = []
+    final: dict[str, Any] = {}
+    for event in events_of(raw):
+        obj = json.loads(event.data)
+        assert event.event is not None and obj["type"] == event.event.decode()
+        kinds.append(obj["type"])
+        if obj["type"] in ("response.completed", "response.incomplete"):
+            final = obj["response"]
+    return kinds, final
+
+
+def _without_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in item.items() if k != "id"} for item in output]
+
+
+def test_a_responses_request_without_stored_state_becomes_chat() -> None:
+    body = {"model": "m", "store": False, "instructions": "be brief", "stream": True,
+            "max_output_tokens": 99, "temperature": 0.1, "reasoning": {"effort": "low"},
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+            "tool_choice": {"type": "function", "name": "f"},
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"},
+                       "strict": True}],
+            "input": [
+                {"role": "user", "content": [
+                    {"type": "input_text", "text": "look"},
+                    {"type": "input_image", "image_url": "https://x.test/i.png"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                {"type": "function_call_output", "call_id": "c2", "output": "two"}]}
+    out = responses_to_chat(body)
+    assert out["messages"][0] == {"role": "system", "content": "be brief"}
+    assert out["messages"][1]["content"][1] == {"type": "image_url",
+                                                "image_url": {"url": "https://x.test/i.png"}}
+    assert [c["id"] for c in out["messages"][2]["tool_calls"]] == ["c1", "c2"]
+    assert out["messages"][3:] == [{"role": "tool", "tool_call_id": "c1", "content": "one"},
+                                   {"role": "tool", "tool_call_id": "c2", "content": "two"}]
+    assert out["max_tokens"] == 99 and out["reasoning_effort"] == "low"
+    assert out["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert out["response_format"]["json_schema"] == {"name": "x", "schema": {}}
+    assert out["tools"][0]["function"]["strict"] is True
+    assert out["stream_options"] == {"include_usage": True}
+    # and on to Messages (JSON output beside tools is refused there: one forced tool)
+    with pytest.raises(Untranslatable):
+        chat_to_messages(out)
+    del out["response_format"]
+    assert chat_to_messages(out)["system"] == [{"type": "text", "text": "be brief"}]
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"store": True}, "store"),
+    ({"store": None}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+])
+def test_a_responses_request_that_needs_stored_state_or_hosted_tools_is_refused(
+        extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(Untranslatable) as caught:
+        responses_to_chat({"model": "m", "store": False, "input": "hi", **extra})
+    assert caught.value.param == field
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_chat_stream_as_responses_events_ends_in_the_whole_answer(seed: int) -> None:
+    """Chat chunks -> Responses events, and Messages events -> Responses events through Chat:
+    the end event's response holds the output the whole answer's translation holds."""
+    rng = random.Random(seed)
+    answer = random_chat_answer(rng)
+    whole = chat_answer_to_responses(answer, 1700000000)
+    upstream = chat_answer_to_stream(answer, rng)
+    direct = ChatToResponses(1700000000)
+    kinds, final = _responses_final(_translate(direct, upstream))
+    assert direct.ended and kinds[:2] == ["response.created", "response.in_progress"]
+    assert _without_ids(final["output"]) == _without_ids(whole["output"])
+    assert final["status"] == whole["status"] and final["usage"] == whole["usage"]
+    assert (final["incomplete_details"] is None) == (whole["incomplete_details"] is None)
+    assert kinds.count("response.output_item.added") == len(whole["output"])
+    as_messages = _translate(ChatToMessages(), upstream)
+    chained = ThroughChat(1700000000)
+    _kinds, through = _responses_final(_translate(chained, as_messages))
+    assert chained.ended
+    assert _without_ids(through["output"]) == _without_ids(whole["output"])
+
+
+def test_a_chat_error_chunk_is_a_responses_error_event() -> None:
+    machine = ChatToResponses(0)
+    out = machine.feed(SSEEvent(b'{"error":{"message":"x","type":"server_error"}}'))
+    assert machine.failed and out.startswith(b"event: error\n")
+    assert json.loads(out.split(b"data: ", 1)[1])["code"] == "server_error"

@@ -68,12 +68,19 @@ def test_each_api_reaches_the_other_by_translation_and_its_own_as_it_is() -> Non
 
 
 def test_apis_narrow_a_backend_and_translate_false_keeps_today_s_rule() -> None:
-    # the Chat backend narrowed to chat: no backend serves the Responses API (no translation
-    # reaches it yet)
-    with pytest.raises(RouteNotServed):
+    # the Chat backend narrowed to chat: the Responses API reaches both by translation,
+    # and only without stored state
+    both = routing(pool_of(), request("responses", input="hi", store=False))
+    assert both.excluded == frozenset()
+    assert {b: t.name for b, (t, _) in both.translated.items()} == {
+        "chat": "responses->chat", "msgs": "responses->messages"}
+    with pytest.raises(Untranslatable) as caught:
         routing(pool_of(), request("responses", input="hi"))
+    assert caught.value.param == "store"
     wide = routing(pool_of(chat_apis=None), request("responses", input="hi"))
     assert wide.excluded == {"msgs"} and not wide.translated
+    with pytest.raises(RouteNotServed):
+        routing(pool_of(), request("embeddings", input="hi"))
     kept = routing(pool_of(translate=False), request("chat/completions"))
     assert kept.excluded == {"msgs"} and not kept.translated
 
@@ -104,6 +111,8 @@ def test_every_translation_joins_routes_of_two_apis() -> None:
         assert (translation.client, translation.backend) == (client, backend)
         apis = [next(a for a, r in API_ENDPOINTS.items() if e in r) for e in (client, backend)]
         assert translation.name == "->".join(apis) and apis[0] != apis[1]
+    assert set(TRANSLATIONS) == {("chat/completions", "messages"), ("messages", "chat/completions"),
+                                 ("responses", "chat/completions"), ("responses", "messages")}
 
 
 def test_apis_in_the_configuration(tmp_path: Any) -> None:

@@ -24,6 +24,12 @@ from gateway.wire.translate.chat_messages_answer import (
     messages_answer_to_chat,
 )
 from gateway.wire.translate.chat_messages_stream import ChatToMessages, MessagesToChat
+from gateway.wire.translate.responses_chat import (
+    ChatToResponses,
+    chat_answer_to_responses,
+    responses_to_chat,
+)
+from gateway.wire.usage import Usage
 
 #: each API's routes (the `apis` a backend may be narrowed to)
 API_ENDPOINTS: Mapping[str, frozenset[Endpoint]] = {
@@ -34,7 +40,40 @@ API_ENDPOINTS: Mapping[str, frozenset[Endpoint]] = {
     "messages": frozenset({"messages", "messages/count_tokens"}),
 }
 
-Machine = ChatToMessages | MessagesToChat
+
+
+class ThroughChat:
+    """A Messages stream written as a Responses stream through Chat: each Messages event to
+    Chat chunks (`MessagesToChat`), each of those to Responses events (`ChatToResponses`).
+    The chunks in between are single-line `data:` events, split without a decoder."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, created: int) -> None:
+        self.first = MessagesToChat(created, include_usage=True)
+        self.second = ChatToResponses(created)
+
+    @property
+    def usage(self) -> Usage | None:
+        return self.second.usage
+
+    @property
+    def ended(self) -> bool:
+        return self.second.ended
+
+    @property
+    def failed(self) -> bool:
+        return self.second.failed
+
+    def feed(self, event: SSEEvent) -> bytes:
+        chunks = self.first.feed(event)
+        if not chunks:
+            return b""
+        return b"".join([self.second.feed(SSEEvent(part[6:]))
+                         for part in chunks.split(b"\n\n") if part])
+
+
+Machine = ChatToMessages | MessagesToChat | ChatToResponses | ThroughChat
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +127,15 @@ TRANSLATIONS: Mapping[tuple[Endpoint, Endpoint], Translation] = {
         "messages->chat", "messages", "chat/completions", CHAT, messages_to_chat,
         _whole(lambda body, _created: chat_answer_to_messages(body)),
         lambda _created: ChatToMessages()),
+    ("responses", "chat/completions"): Translation(
+        "responses->chat", "responses", "chat/completions", CHAT, responses_to_chat,
+        _whole(chat_answer_to_responses), ChatToResponses),
+    ("responses", "messages"): Translation(
+        "responses->messages", "responses", "messages", MESSAGES,
+        lambda body: chat_to_messages(responses_to_chat(body)),
+        _whole(lambda body, created: chat_answer_to_responses(
+            messages_answer_to_chat(body, created), created)),
+        ThroughChat),
 }
 
 
