@@ -89,10 +89,13 @@ def chat_answer_to_stream(answer: dict[str, Any], rng: random.Random) -> bytes:
     and each tool call's arguments in random fragments, the finish chunk, usage, `[DONE]`."""
     base = {"id": answer["id"], "object": "chat.completion.chunk", "created": 1,
             "model": answer["model"]}
+    # compact as OpenAI writes it (the translation's fast path), or spaced (its parse)
+    separators = (",", ":") if rng.random() < 0.7 else (", ", ": ")
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        obj = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+        obj = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                    "finish_reason": finish}], "usage": None}
+        return b"data: " + json.dumps(obj, separators=separators).encode() + b"\n\n"
 
     def pieces(text: str) -> list[str]:
         cuts = sorted(rng.sample(range(1, len(text)), min(3, len(text) - 1))) if len(text) > 1 \
@@ -112,8 +115,8 @@ def chat_answer_to_stream(answer: dict[str, Any], rng: random.Random) -> bytes:
                 for p in pieces(call["function"]["arguments"])]
     out.append(chunk({}, answer["choices"][0]["finish_reason"]))
     if "usage" in answer:
-        out.append(b"data: " + json.dumps({**base, "choices": [],
-                                           "usage": answer["usage"]}).encode() + b"\n\n")
+        out.append(b"data: " + json.dumps({**base, "choices": [], "usage": answer["usage"]},
+                                          separators=separators).encode() + b"\n\n")
     out.append(b"data: [DONE]\n\n")
     return b"".join(out)
 
@@ -608,3 +611,34 @@ def test_a_chat_error_chunk_is_a_responses_error_event() -> None:
     out = machine.feed(SSEEvent(b'{"error":{"message":"x","type":"server_error"}}'))
     assert machine.failed and out.startswith(b"event: error\n")
     assert json.loads(out.split(b"data: ", 1)[1])["code"] == "server_error"
+
+
+def test_the_spliced_deltas_are_the_parsed_ones_byte_for_byte() -> None:
+    """The fast path (a delta of the usual shape spliced without parsing) writes exactly what
+    the parse writes for the same delta in another key order."""
+    start = (b'{"type":"message_start","message":{"id":"m","model":"c"}}',
+             b'{"type":"content_block_start","index":0,"content_block":{"type":"text",'
+             b'"text":""}}',
+             b'{"type":"content_block_start","index":1,"content_block":{"type":"tool_use",'
+             b'"id":"t","name":"f","input":{}}}')
+    fast, slow = MessagesToChat(3, True), MessagesToChat(3, True)
+    for data in start:
+        assert fast.feed(SSEEvent(data)) == slow.feed(SSEEvent(data))
+    for usual, other in (
+        (b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta",'
+         b'"text":"a\\"b\\u00e9"}}',
+         b'{"index":0,"type":"content_block_delta","delta":{"text":"a\\"b\\u00e9",'
+         b'"type":"text_delta"}}'),
+        (b'{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta",'
+         b'"partial_json":"{\\"k"}}',
+         b'{"index":1,"type":"content_block_delta","delta":{"partial_json":"{\\"k",'
+         b'"type":"input_json_delta"}}'),
+    ):
+        assert fast.feed(SSEEvent(usual)) == slow.feed(SSEEvent(other))
+    chat_fast, chat_slow = ChatToMessages(), ChatToMessages()
+    role = b'{"id":"c","model":"m","choices":[{"index":0,"delta":{"content":"x"}}]}'
+    assert chat_fast.feed(SSEEvent(role)) == chat_slow.feed(SSEEvent(role))
+    usual = (b'{"id":"c","choices":[{"index":0,"delta":{"content":"\\"q\\""},'
+             b'"logprobs":null,"finish_reason":null}],"usage":null}')
+    other = b'{"id":"c","choices":[{"delta":{"content":"\\"q\\""},"index":0}]}'
+    assert chat_fast.feed(SSEEvent(usual)) == chat_slow.feed(SSEEvent(other))

@@ -13,6 +13,7 @@ read (`usage`), which the relay's encoder hands the stats.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from gateway.wire.base import json_bytes
@@ -27,6 +28,27 @@ from gateway.wire.translate.chat_messages_answer import (
     messages_usage,
 )
 from gateway.wire.usage import Usage, usage_of
+
+#: one JSON string literal (possessive: never backtracks), as the APIs write a delta's text
+_STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+#: the common Messages delta, whole: its block index, its kind, its text as a JSON string
+_MESSAGES_DELTA = re.compile(
+    rb'\{"type":"content_block_delta","index":(\d{1,6}),"delta":\{"type":'
+    rb'"(text_delta|input_json_delta)","(?:text|partial_json)":(' + _STRING + rb')\}\}')
+#: the common Chat chunk's choice: text or one tool call's arguments, no finish reason
+_CHAT_DELTA = re.compile(
+    rb'"choices":\[\{"index":0,"delta":\{(?:"content":(' + _STRING + rb')|"tool_calls":\['
+    rb'\{"index":(\d{1,6}),"function":\{"arguments":(' + _STRING + rb')\}\}\])\}'
+    rb'(?:,"logprobs":null)?,"finish_reason":null(?:,"logprobs":null)?\}\]')
+#: stands for a delta's text while a chunk's bytes are built once per stream
+_MARK = "\x00mark\x00"
+_MARK_JSON = json_bytes(_MARK)
+
+
+def _around(obj: object) -> tuple[bytes, bytes]:
+    """`obj`'s bytes before and after its one `_MARK` string: a delta's text goes between."""
+    before, _, after = _data(obj).rpartition(_MARK_JSON)
+    return before, after
 
 
 def _payload(event: SSEEvent) -> dict[str, Any] | None:
@@ -45,6 +67,12 @@ def _named(name: str, obj: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + json_bytes(obj) + b"\n\n"
 
 
+def _around_named(name: str, obj: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The named event's bytes before and after its one `_MARK` string."""
+    before, _, after = _named(name, obj).rpartition(_MARK_JSON)
+    return before, after
+
+
 class MessagesToChat:
     """A Messages stream (a Messages backend) written as a Chat stream (a Chat client).
 
@@ -53,6 +81,7 @@ class MessagesToChat:
 
     __slots__ = (
         "_messages_usage",
+        "_spliced",
         "calls",
         "created",
         "ended",
@@ -76,6 +105,9 @@ class MessagesToChat:
         self.usage: Usage | None = None
         self.ended = self.failed = False
         self._messages_usage: dict[str, Any] = {}
+        #: per content block index: the delta type it takes, and the chunk's bytes around
+        #: such a delta's text (`feed`)
+        self._spliced: dict[int, tuple[bytes, bytes, bytes]] = {}
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         return _data({"id": self.id, "object": "chat.completion.chunk",
@@ -88,8 +120,22 @@ class MessagesToChat:
             self._messages_usage.update({k: v for k, v in usage.items() if v is not None})
             self.usage = usage_of({"usage": self._messages_usage})
 
+    def _splice(self, index: int, kind: bytes, delta: dict[str, Any]) -> None:
+        """Build once the chunk a `kind` delta of block `index` becomes (its text marked)."""
+        self._spliced[index] = (kind, *_around({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "choices": [{"index": 0, "delta": delta,
+                                              "finish_reason": None, "logprobs": None}]}))
+
     def feed(self, event: SSEEvent) -> bytes:
-        """The Chat bytes for one Messages event (often none)."""
+        """The Chat bytes for one Messages event (often none). A text or arguments delta of
+        the usual shape is spliced into its block's chunk without parsing (the per-event
+        cost); every other event is parsed."""
+        found = _MESSAGES_DELTA.fullmatch(event.data)
+        if found is not None and not self.ended:
+            around = self._spliced.get(int(found.group(1)))
+            if around is not None and around[0] == found.group(2):
+                return around[1] + found.group(3) + around[2]
         obj = _payload(event)
         kind = obj.get("type") if obj is not None else None
         if kind is None and event.event is not None:
@@ -131,11 +177,16 @@ class MessagesToChat:
         if kind == "tool_use" and isinstance(index, int):
             if block.get("name") == JSON_TOOL:
                 self.json_blocks.add(index)
+                self._splice(index, b"input_json_delta", {"content": _MARK})
                 return b""
             call = self.calls[index] = len(self.calls)
+            self._splice(index, b"input_json_delta", {"tool_calls": [{
+                "index": call, "function": {"arguments": _MARK}}]})
             return self._chunk({"tool_calls": [{
                 "index": call, "id": block.get("id"), "type": "function",
                 "function": {"name": block.get("name"), "arguments": ""}}]})
+        if kind == "text" and isinstance(index, int):
+            self._splice(index, b"text_delta", {"content": _MARK})
         if kind == "text" and block.get("text"):
             return self._chunk({"content": block["text"]})
         if kind == "thinking" and block.get("thinking"):
@@ -170,6 +221,7 @@ class ChatToMessages:
 
     __slots__ = (
         "_chat_usage",
+        "_spliced",
         "ended",
         "failed",
         "model",
@@ -193,6 +245,13 @@ class ChatToMessages:
         self.usage: Usage | None = None
         self.ended = self.failed = False
         self._chat_usage: dict[str, Any] | None = None
+        #: per block index: the `content_block_delta` bytes around a delta's text (`feed`)
+        self._spliced: dict[int, tuple[bytes, bytes]] = {}
+
+    def _splice(self, index: int, delta: dict[str, Any]) -> tuple[bytes, bytes]:
+        around = self._spliced[index] = _around_named("content_block_delta", {
+            "type": "content_block_delta", "index": index, "delta": delta})
+        return around
 
     def _begin(self, obj: dict[str, Any]) -> bytes:
         self.started = True
@@ -254,9 +313,28 @@ class ChatToMessages:
             "usage": usage}) + _named("message_stop", {"type": "message_stop"})
 
     def feed(self, event: SSEEvent) -> bytes:
-        """The Messages bytes for one Chat chunk (often a few events, sometimes none)."""
+        """The Messages bytes for one Chat chunk (often a few events, sometimes none). A text
+        or arguments delta of the usual shape into the open block (its first opens it the
+        long way) is spliced without parsing (the per-event cost); every other chunk is
+        parsed."""
         if self.ended:
             return b""
+        data = event.data
+        at = data.find(b'"choices":[{"index":0,"delta":{')
+        if at > 0 and self.open is not None:
+            found = _CHAT_DELTA.match(data, at)
+            if found is not None and data.find(b'"usage":{') < 0 and data.find(b'"error"') < 0:
+                text, call, arguments = found.group(1, 2, 3)
+                kind, index = self.open
+                if text is not None and kind == "text":
+                    around = self._spliced.get(index) or self._splice(
+                        index, {"type": "text_delta", "text": _MARK})
+                    return around[0] + text + around[1]
+                if call is not None and kind == "tool" and \
+                        self.tools.get(int(call)) == index and arguments != b'""':
+                    around = self._spliced.get(index) or self._splice(
+                        index, {"type": "input_json_delta", "partial_json": _MARK})
+                    return around[0] + arguments + around[1]
         if event.data.strip() == b"[DONE]":
             return (b"" if self.started else self._begin({})) + self._end()
         obj = _payload(event)
