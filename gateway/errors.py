@@ -54,7 +54,7 @@ OpenAI error JSON itself is built in one place, `error_body`.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -296,9 +296,6 @@ class GatewayError(Exception):
         if should_retry is None and 400 <= self.status < 500:
             should_retry = False if self.status not in RETRYABLE_CLIENT_STATUSES else None
         self.should_retry = should_retry
-        #: what must run once this error was answered (the end of the logical request: reap
-        #: its attempts, record it); the HTTP error handler runs it after sending the answer
-        self.after_response: Callable[[], Awaitable[None]] | None = None
 
     @property
     def shown_type(self) -> str:

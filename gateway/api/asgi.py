@@ -5,7 +5,8 @@ errors, exception handlers, the exit stack, telemetry, a body limit of its own) 
 and every one of its fifty-odd body messages passes back out through a send wrapper per
 layer. Profiled at c=50 that was a fifth of the gateway's CPU, none of it doing anything these
 routes need: they read and bound their own body, check their own key and turn our own error
-tree into answers (`gateway.api.common.gateway_error_response`).
+tree into answers (`gateway.api.common.gateway_error_response`), in the shape of the route's
+protocol, which the table holds beside each handler.
 
 So the few routes that carry traffic are kept in `FastRoutes`, a table of exact (method, path)
 pairs, and `GatewayAPI` answers a request that matches one by calling its handler directly
@@ -14,9 +15,10 @@ the route table lists them and a wrong method still gets 405; both ways run the 
 the key check included (the handlers do it themselves). Everything else (the ops routes, the
 dashboard, routes with path parameters) goes through FastAPI as before.
 
-A `GatewayError` raised by a handler becomes its answer exactly as FastAPI's exception handler
-would make it; anything else is a bug of ours: `report` logs and counts it, and the answer is
-an `InternalError` (a 500 in the route's error shape), on these routes as on the framework's,
+A `GatewayError` raised by a handler (before it handed its request to the proxy, which returns
+its own answers, errors included) becomes its answer in the route's shape; anything else is a
+bug of ours: `report` logs and counts it, and the answer is an `InternalError` (a 500 in the
+route's error shape), on these routes as on the framework's (in the path's shape there),
 so the server never answers a bare 500 of its own. A bug that escapes while the answer is
 being sent (a stream already under way) is reported; the answer it interrupted stays the
 only one.
@@ -35,32 +37,37 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.api.answer import REFUSAL_KEY
 from gateway.api.browser import BrowserGuard
 from gateway.api.keys import KeyRing, credential, is_ops_path
-from gateway.api.refusals import REFUSAL_KEY, write_refusal_line
+from gateway.api.refusals import write_refusal_line
 from gateway.errors import ForbiddenOrigin, GatewayError, InternalError, Unauthorized
+from gateway.wire.base import WireProtocol
 
 #: a route's handler: the request in, the response out (it may raise a `GatewayError`)
 Handler = Callable[[Request], Awaitable[Response]]
-#: the answer to a `GatewayError` raised by a handler
-OnError = Callable[[Request, GatewayError], Response]
+#: the answer to a `GatewayError`, in the shape of the route's protocol (None: no route took
+#: the request, the path decides)
+OnError = Callable[[Request, GatewayError, WireProtocol | None], Response]
 #: logs and counts any other exception (a bug of ours)
 Report = Callable[[Exception], None]
 
 
 class FastRoutes:
-    """Exact (method, path) -> handler; filled while the routers are built."""
+    """Exact (method, path) -> (handler, the route's protocol); filled while the routers
+    are built."""
 
     def __init__(self) -> None:
-        self.handlers: dict[tuple[str, str], Handler] = {}
+        self.handlers: dict[tuple[str, str], tuple[Handler, WireProtocol]] = {}
 
-    def post(self, router: APIRouter, path: str) -> Callable[[Handler], Handler]:
+    def post(self, router: APIRouter, path: str,
+             protocol: WireProtocol) -> Callable[[Handler], Handler]:
         """Decorator: `handler` answers `POST path`, on the router (route table, 405s) and in
-        this table (the shortcut)."""
+        this table (the shortcut), its errors in `protocol`'s shape."""
 
         def register(handler: Handler) -> Handler:
             router.add_api_route(path, handler, methods=["POST"])
-            self.handlers[("POST", path)] = handler
+            self.handlers[("POST", path)] = (handler, protocol)
             return handler
 
         return register
@@ -82,25 +89,24 @@ class GatewayAPI(FastAPI):
         # the framework's routes: its outermost middleware sends this handler's answer
         self.add_exception_handler(Exception, self._framework_bug)
 
-    def _on_bug(self, request: Request, exc: Exception) -> Response:
+    def _on_bug(self, request: Request, exc: Exception,
+                protocol: WireProtocol | None = None) -> Response:
         self._report(exc)
-        return self._on_error(request, InternalError.of(exc))
+        return self._on_error(request, InternalError.of(exc), protocol)
 
-    def _answer(self, request: Request, exc: GatewayError) -> Response:
-        """The answer to `exc`; if that answer cannot be rendered (a client's text that JSON
-        cannot carry, a bug of ours), the route's shaped internal error instead, reported:
-        never the server's bare 500. The refusal noted for the log line is replaced, so the
-        line says what was answered."""
+    def _answer(self, request: Request, exc: GatewayError,
+                protocol: WireProtocol | None = None) -> Response:
+        """The answer to `exc` (in `protocol`'s shape, the route's; None: the path's); if
+        that answer cannot be rendered (a client's text that JSON cannot carry, a bug of
+        ours), the route's shaped internal error instead, reported: never the server's bare
+        500. The refusal noted for the log line is replaced, so the line says what was
+        answered."""
         try:
-            return self._on_error(request, exc)
+            return self._on_error(request, exc, protocol)
         except (ValueError, TypeError) as bug:  # rendering failed: a bug of ours
             request.scope.get("state", {}).pop(REFUSAL_KEY, None)
             self._report(bug)
-            internal = InternalError.of(bug)
-            # the request's end rides on the error it replaces: without it the admission
-            # slot, the pool's counts and the upstreams would never be given back
-            internal.after_response = exc.after_response
-            return self._on_error(request, internal)
+            return self._on_error(request, InternalError.of(bug), protocol)
 
     async def _framework_bug(self, request: Request, exc: Exception) -> Response:
         return self._on_bug(request, exc)
@@ -133,16 +139,17 @@ class GatewayAPI(FastAPI):
             response.headers["www-authenticate"] = 'Basic realm="hedge-gateway ops"'
             await response(scope, receive, send)
             return
-        handler = self._fast.get((scope["method"], scope["path"]))
-        if handler is not None:
+        fast = self._fast.get((scope["method"], scope["path"]))
+        if fast is not None:
+            handler, protocol = fast
             scope["app"] = self
             request = Request(scope, receive)
-            try:
+            try:  # the proxy's answers come back as values; a raise is the route's refusal
                 response = await handler(request)
             except GatewayError as exc:
-                response = self._answer(request, exc)
+                response = self._answer(request, exc, protocol)
             except Exception as exc:  # noqa: BLE001 - a bug: answered, reported
-                response = self._on_bug(request, exc)
+                response = self._on_bug(request, exc, protocol)
             try:
                 await response(scope, receive, send)
             except Exception as exc:  # noqa: BLE001 - the answer has begun: report only

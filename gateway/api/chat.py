@@ -60,23 +60,23 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
                 param="model",
             )
         headers = {k.lower(): v for k, v in request.headers.items()}
-        req = LogicalRequest(rid, entry.endpoint, body, stream, headers, route=entry.path,
-                             model=logged_model, body_bytes=size)
+        req = LogicalRequest(rid, entry.endpoint, body, stream, headers, entry.protocol,
+                             route=entry.path, model=logged_model, body_bytes=size)
         return await proxy.handle(request, pool, req)
 
     chat = route("POST", "/v1/chat/completions")
     legacy = route("POST", "/v1/completions")
     embed = route("POST", "/v1/embeddings")
 
-    @fast.post(router, chat.path)
+    @fast.post(router, chat.path, chat.protocol)
     async def chat_completions(request: Request) -> Response:
         return await proxied(request, chat)
 
-    @fast.post(router, legacy.path)
+    @fast.post(router, legacy.path, legacy.protocol)
     async def completions(request: Request) -> Response:
         return await proxied(request, legacy)
 
-    @fast.post(router, embed.path)
+    @fast.post(router, embed.path, embed.protocol)
     async def embeddings(request: Request) -> Response:
         return await proxied(request, embed)
 

@@ -1,5 +1,6 @@
 """What every route shares: the request id, the bounded JSON body, the key guard, and the
-error tree as an answer in the shape of the route it answers.
+error tree as an answer: in the shape of the route that took the request (its protocol, from
+the route table), or of the path when no route did.
 
 Routes know nothing of hedge timing: they read and check the request, find the pool and hand
 a `LogicalRequest` to the proxy.
@@ -8,23 +9,21 @@ a `LogicalRequest` to the proxy.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.end import AnswerThen
+from gateway.api.answer import error_response, note_refusal
 from gateway.api.keys import KeyRing, backoff
 from gateway.api.proxy import Admission
-from gateway.api.refusals import REQUEST_ID_KEY, note_refusal
+from gateway.api.refusals import REQUEST_ID_KEY
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -63,41 +62,6 @@ def request_id_of(request: Request) -> str:
     rid = supplied if _REQUEST_ID.fullmatch(supplied) else str(uuid.uuid4())
     state[REQUEST_ID_KEY] = rid
     return rid
-
-
-def error_response(exc: GatewayError, request_id: str, path: str = "",
-                   extra: Mapping[str, str] | None = None) -> JSONResponse:
-    """The error as JSON in the shape of the route it answers (Anthropic's on /v1/messages,
-    OpenAI's elsewhere), with the retry headers the SDKs obey. `extra`: headers the status
-    calls for (a 405's `Allow`)."""
-    headers = {**(extra or {}), "x-request-id": request_id}
-    if exc.should_retry is not None:
-        headers["x-should-retry"] = "true" if exc.should_retry else "false"
-    if exc.retry_after is not None:
-        headers["retry-after"] = str(max(1, round(exc.retry_after)))
-        headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
-    if isinstance(exc, PayloadTooLarge):
-        headers["connection"] = "close"
-    message = exc.message
-    if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
-        message = f"{exc.message} (request id {request_id})"
-    body = protocol_for_path(path).error_body(exc, message)
-    return SafeJSONResponse(body, status_code=exc.status, headers=headers)
-
-
-class SafeJSONResponse(JSONResponse):
-    """JSON whose text may hold what UTF-8 cannot encode: an error can quote a client's own
-    key (`param`), and a JSON body may carry a lone surrogate (`"\\ud800"`), which parses
-    into a `str` that Starlette's `ensure_ascii=False` rendering cannot encode (a bare 500
-    from the server, below our handlers). Such text is written as JSON escapes instead; all
-    other bodies render byte for byte as before."""
-
-    def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except UnicodeEncodeError:
-            return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None,
-                              separators=(",", ":")).encode("ascii")
 
 
 def check_json_type(request: Request) -> None:
@@ -142,14 +106,17 @@ async def read_body(request: Request, limit: int,
     return b"".join(parts)
 
 
-def gateway_error_response(request: Request, exc: GatewayError) -> Response:
+def gateway_error_response(request: Request, exc: GatewayError,
+                           protocol: WireProtocol | None = None) -> Response:
     """The answer to an error of ours raised while handling `request` (noted for the
-    request log's line, `gateway.api.refusals`). A wrong key is answered more slowly the
-    more of them its connection sent (`gateway.api.keys.backoff`)."""
+    request log's line, `gateway.api.refusals`), in `protocol`'s shape: the route's, when a
+    route took the request (`gateway.api.asgi` passes it from the route table); None: no
+    route did (an unknown path, a refusal before any route), and the path's rule decides. A
+    wrong key is answered more slowly the more of them its connection sent
+    (`gateway.api.keys.backoff`)."""
     note_refusal(request.scope, exc)
-    response = error_response(exc, request_id_of(request), request.url.path)
-    if exc.after_response is not None:  # answer first, then end the logical request
-        return AnswerThen(response, exc.after_response)
+    shape = protocol if protocol is not None else protocol_for_path(request.url.path)
+    response = error_response(exc, request_id_of(request), shape)
     if isinstance(exc, Unauthorized):
         return slowed(request, response)
     return response
@@ -199,13 +166,15 @@ def install_error_handlers(app: FastAPI) -> None:
             error = InvalidRequest(str(exc.detail))
         allow = (exc.headers or {}).get("Allow") if exc.status_code == 405 else None
         note_refusal(request.scope, error)
-        return error_response(error, request_id_of(request), request.url.path,
+        return error_response(error, request_id_of(request),
+                              protocol_for_path(request.url.path),
                               {"allow": allow} if allow else None)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         error = InvalidRequest("invalid request")
         note_refusal(request.scope, error)
-        return error_response(error, request_id_of(request), request.url.path)
+        return error_response(error, request_id_of(request),
+                              protocol_for_path(request.url.path))
 
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(HTTPException, on_http_error)
@@ -240,6 +209,7 @@ def make_auth_guard(keys: KeyRing | tuple[str, ...], *, x_api_key: bool = False)
 
 
 def protocol_for_path(path: str) -> WireProtocol:
-    """The protocol whose error shape answers a request to `path`, even one no route matched
-    (`gateway.wire.paths.errors_of`)."""
+    """The protocol whose error shape answers a request to `path` that no route took (an
+    unknown path, a wrong method, a refusal before routing: `gateway.wire.paths.errors_of`,
+    which the server's own answers read too). A route's answers take its own protocol."""
     return MESSAGES if errors_of(path) == "anthropic" else CHAT

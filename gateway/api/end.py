@@ -1,23 +1,22 @@
-"""The end of a logical request, and the response that answers before it.
+"""The end of a logical request.
 
 One owner ends every request, whatever path it takes: `RequestEnd`. It runs exactly once:
 it releases the admission slot, closes the winner, reaps the losers, records the stats and
-writes the one log line. The client is answered first: a JSON body or an error is sent, then
-the response (`AnswerThen`, or the error handler through `GatewayError.after_response`) runs
-the end in the same request task, bounded by the race's reap timeout; a stream runs it when
-the relay is over. The proxy (`gateway.api.proxy`) decides which path a request takes.
+writes the one log line. The client is answered first: the proxy (`gateway.api.proxy`)
+returns the request's answer as a value, an `Answer` (`gateway.api.answer`) holding the
+response (a JSON body or an error) and this end, which it runs after the response is sent,
+in the same request task, bounded by the race's reap timeout; a stream's response runs it
+itself as soon as the relay is over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from gateway.clock import Clock
 from gateway.hedge.attempt import Prefix
@@ -119,22 +118,3 @@ class RequestEnd:
                 # runtime's providers may now be closed if a reload retired them, and a
                 # reader of `holding` knows the request has wholly ended
                 pool.holding -= 1
-
-
-class AnswerThen(Response):
-    """Sends `inner` to the client, then runs `then` (shielded), whatever happens to the
-    sending: the client gets its answer before losers are reaped and stats recorded."""
-
-    def __init__(self, inner: Response, then: Callable[[], Awaitable[None]]) -> None:
-        self.inner = inner
-        self.then = then
-        self.status_code = inner.status_code
-        self.raw_headers = inner.raw_headers
-        self.background = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self.inner(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.then()

@@ -1,8 +1,12 @@
-"""The inference routes, in one table: method, path, route, whether it streams, error shape,
-whether it is hedged.
+"""The inference routes, in one table: method, path, route, whether it streams, its wire
+protocol (and so its error shape), whether it is hedged.
 
-The routers (`gateway.api.chat`, `.responses`, `.messages`) register these routes and the
-error handler answers them in the shape given here (`gateway.wire.paths.errors_of`);
+The routers (`gateway.api.chat`, `.responses`, `.messages`) register these routes; each
+entry's `protocol` is the one decision of how the route's streams and errors look: the
+request it hands the proxy carries it, and the errors answered for it, before the proxy or
+by it, are in its shape. The path's rule (`gateway.wire.paths.errors_of`) is only for answers
+given where no route took the request (the server's own, an unknown path, a wrong method);
+the unit test holds the two to the same shape on every path of the table.
 `tests/unit/test_inference_routes.py` checks that the app serves exactly this table, and the
 route matrix (`tests/e2e/test_route_matrix.py`) is generated from it: a new inference route
 is added here, and it is tested under reloads, client keys and workers like every other.
@@ -12,7 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.wire.base import WireProtocol
+from gateway.wire.chat import CHAT
+from gateway.wire.messages import COUNT_TOKENS, MESSAGES
 from gateway.wire.paths import Endpoint, ErrorShape
+from gateway.wire.responses import RESPONSES, RESPONSES_ITEM
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +32,8 @@ class InferenceRoute:
     endpoint: Endpoint
     #: accepts `"stream": true`
     streams: bool
-    errors: ErrorShape
+    #: the route's wire rules: first token, ends, error events and error bodies
+    protocol: WireProtocol
     #: the body field that carries the prompt (checked present), None: no such rule; the
     #: stored-response operations take no body
     prompt: str | None
@@ -36,25 +45,30 @@ class InferenceRoute:
     #: from any backend; a stored response is held by one backend only
     single: bool = False
 
+    @property
+    def errors(self) -> ErrorShape:
+        """The JSON shape of the route's error answers (its protocol's)."""
+        return self.protocol.errors
+
 
 INFERENCE_ROUTES: tuple[InferenceRoute, ...] = (
-    InferenceRoute("POST", "/v1/chat/completions", "chat/completions", True, "openai",
+    InferenceRoute("POST", "/v1/chat/completions", "chat/completions", True, CHAT,
                    "messages"),
-    InferenceRoute("POST", "/v1/completions", "completions", True, "openai", "prompt"),
-    InferenceRoute("POST", "/v1/embeddings", "embeddings", False, "openai", "input"),
-    InferenceRoute("POST", "/v1/responses", "responses", True, "openai", None),
-    InferenceRoute("GET", "/v1/responses/{response_id}", "responses/item", False, "openai",
-                   None, stored=True, single=True),
+    InferenceRoute("POST", "/v1/completions", "completions", True, CHAT, "prompt"),
+    InferenceRoute("POST", "/v1/embeddings", "embeddings", False, CHAT, "input"),
+    InferenceRoute("POST", "/v1/responses", "responses", True, RESPONSES, None),
+    InferenceRoute("GET", "/v1/responses/{response_id}", "responses/item", False,
+                   RESPONSES_ITEM, None, stored=True, single=True),
     InferenceRoute("DELETE", "/v1/responses/{response_id}", "responses/item", False,
-                   "openai", None, stored=True, single=True),
+                   RESPONSES_ITEM, None, stored=True, single=True),
     InferenceRoute("POST", "/v1/responses/{response_id}/cancel", "responses/item", False,
-                   "openai", None, stored=True, single=True),
+                   RESPONSES_ITEM, None, stored=True, single=True),
     InferenceRoute("GET", "/v1/responses/{response_id}/input_items", "responses/item", False,
-                   "openai", None, stored=True, single=True),
-    InferenceRoute("POST", "/v1/messages", "messages", True, "anthropic", "messages",
+                   RESPONSES_ITEM, None, stored=True, single=True),
+    InferenceRoute("POST", "/v1/messages", "messages", True, MESSAGES, "messages",
                    x_api_key=True),
     InferenceRoute("POST", "/v1/messages/count_tokens", "messages/count_tokens", False,
-                   "anthropic", "messages", x_api_key=True, single=True),
+                   COUNT_TOKENS, "messages", x_api_key=True, single=True),
 )
 
 #: the table's paths, by number of segments, for `route_path_of`

@@ -1,8 +1,8 @@
 """The Anthropic Messages routes: `/v1/messages` and `/v1/messages/count_tokens`.
 
 Like `gateway.api.chat`, these only read and check a request and hand a `LogicalRequest` to the
-proxy; what differs is the `WireProtocol` (first token, end, error shapes: Anthropic's, which
-`gateway.api.common.error_response` chooses by path), the beta features the client asks for
+proxy; what differs is the `WireProtocol` (first token, end, error shapes: Anthropic's, the
+route table's `MESSAGES` and `COUNT_TOKENS`), the beta features the client asks for
 (`anthropic-beta`, passed upstream), and the gateway key, which may come as `x-api-key` as well
 as Bearer. Counting tokens is one attempt, never hedged.
 """
@@ -22,7 +22,6 @@ from gateway.api.request import LogicalRequest
 from gateway.errors import ModelNotFound
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
-from gateway.wire.messages import COUNT_TOKENS, MESSAGES
 from gateway.wire.validate import check_body, parse_body
 
 #: client headers passed upstream on /v1/messages (the beta features it asks for)
@@ -57,7 +56,7 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
         headers = {k.lower(): v for k, v in request.headers.items()}
         forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
         req = LogicalRequest(request_id_of(request), entry.endpoint, body, stream, headers,
-                             protocol=COUNT_TOKENS if entry.single else MESSAGES,
+                             protocol=entry.protocol,
                              single=entry.single,
                              forward_headers=forward, route=entry.path, model=logged_model,
                              body_bytes=size)
@@ -66,11 +65,11 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
     create = route("POST", "/v1/messages")
     count = route("POST", "/v1/messages/count_tokens")
 
-    @fast.post(router, create.path)
+    @fast.post(router, create.path, create.protocol)
     async def messages(request: Request) -> Response:
         return await inference(request, create)
 
-    @fast.post(router, count.path)
+    @fast.post(router, count.path, count.protocol)
     async def count_tokens(request: Request) -> Response:
         return await inference(request, count)
 

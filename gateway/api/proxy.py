@@ -4,17 +4,19 @@ bookkeeping.
 This is the shell around the race. It admits the request, has its plan taken once
 (`gateway.hedge.plan`: may it be hedged, its deadline, its backends and their order), hands the
 race that plan and the attempts' runner (`gateway.hedge.runner`), runs it while watching for the
-client's disconnect, and answers: a streaming response that relays the winner, a JSON body, or
-an error.
+client's disconnect, and returns its answer as a value (`gateway.api.answer.Answer`): a
+streaming response that relays the winner, a JSON body, or an error in the route's shape (the
+request's protocol), each with the request's end to run after it.
 
-One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.api.end`).
-Only when no response will carry it (a bug of ours raised, or the request task is cancelled)
-does `handle` run it inline.
+One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.api.end`),
+carried by the answer. Only when no answer will be sent (the request task is cancelled) does
+`handle` run it inline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping
@@ -22,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
-from gateway.api.end import LINE_KEY, AnswerThen, RequestEnd, report_bug
+from gateway.api.answer import Answer, error_response, note_refusal
+from gateway.api.end import LINE_KEY, RequestEnd, report_bug
 from gateway.api.request import LogicalRequest
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
@@ -44,7 +47,8 @@ from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
-from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd
+from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd, WireProtocol
+from gateway.wire.translate.routes import Translation
 from gateway.wire.usage import ask_for_usage, body_usage
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
@@ -115,8 +119,15 @@ class Proxy:
         self.admission = Admission(server.max_concurrent_requests,
                                    server.max_inflight_body_bytes)
 
-    async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Response:
-        routes = routing(pool, req)
+    async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Answer:
+        """`req`'s answer, errors included, and (once admitted) its end to run after the
+        answer is sent. Raises only when no answer will be sent: the request task was
+        cancelled (the end has run), or a bug of ours before admission (nothing is held; the
+        app answers it as any bug of a route)."""
+        try:
+            routes = routing(pool, req)
+        except GatewayError as exc:  # no backend serves the route (or can carry the request):
+            return self._error(exc, req, None, request.scope)  # refused before any race
         # from here every path writes the request's log line (the end, or a refusal below)
         request.scope.setdefault("state", {})[LINE_KEY] = True
         method = request.scope["method"]
@@ -127,7 +138,7 @@ class Proxy:
             self.admission.enter(held)
         except Overloaded as exc:
             self._record_refusal(pool, req, exc, method)
-            raise
+            return self._error(exc, req, None)
         start = self.clock()
         pool.inflight_requests += 1
         pool.holding += 1
@@ -150,9 +161,7 @@ class Proxy:
             summary.ended = self.clock()
             self.stats.record(summary)
             log_request(summary, self.stats.error_classes)
-            if error is exc:
-                raise
-            raise error from exc
+            return self._error(error, req, None)
         try:
             result = await self._race_or_disconnect(race, request.receive, end)
             # no attempt starts after the race: let go of the body and its serialized copy,
@@ -162,7 +171,7 @@ class Proxy:
             if result is None:  # the client went away before the first token
                 summary.error = summary.reason = "client_disconnected"
                 summary.status = 499
-                return AnswerThen(Response(status_code=499), end)
+                return Answer(Response(status_code=499), end)
             end.prefix = winner = result.prefix
             rewrite = None
             if req.on_commit is not None and winner.translation is None:
@@ -184,29 +193,45 @@ class Proxy:
                     body = winner.translation.answer(body, int(time.time()))
                 if req.metered:
                     summary.usage = body_usage(body)
-                return AnswerThen(
+                return Answer(
                     Response(body, media_type="application/json", headers=headers), end
                 )
-            return self._streaming_response(pool, req, result, summary, headers, end,
-                                            strip_usage, rewrite)
-        except GatewayError as exc:
+            # a stream runs the end itself, as it closes (`on_close`, exactly once, whatever
+            # ends it): the answer adds no second call to the streamed request's path
+            return Answer(self._streaming_response(pool, req, result, summary, headers, end,
+                                                   strip_usage, rewrite))
+        except GatewayError as exc:  # answered in the route's shape, then the end runs
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
             summary.status, summary.reason = exc.status, exc.log_reason()
-            exc.after_response = end  # the error handler answers, then ends the request
-            raise
-        except Exception as exc:  # a bug of ours: answered in the route's shape all the same
+            return self._error(exc, req, end)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: answered, reported
             report_bug(self.stats, exc)
             if summary.winner is None:
                 summary.attach(race.attempts, race.suppressed, None)
             summary.error = summary.reason = InternalError.code
             summary.status = InternalError.status
-            error = InternalError.of(exc)
-            error.after_response = end
-            raise error from exc
+            return self._error(InternalError.of(exc), req, end)
         except BaseException:
-            await end()  # no response will carry the end (a bug of ours, a cancellation)
+            await end()  # no answer will carry the end (the request task was cancelled)
             raise
+
+    def _error(self, exc: GatewayError, req: LogicalRequest, end: RequestEnd | None,
+               refused: Scope | None = None) -> Answer:
+        """`exc` answered in the route's shape (`req.protocol`), then `end`. A body that
+        cannot be rendered (a client's text JSON cannot carry, a bug of ours) is answered
+        as the route's internal error instead, reported: never a bare 500, and the same end.
+        `refused`: the scope of a request refused before the proxy took its log line, noted
+        with what it was answered (`gateway.api.refusals`)."""
+        try:
+            response = error_response(exc, req.request_id, req.protocol)
+        except (ValueError, TypeError) as bug:  # rendering failed: a bug of ours
+            report_bug(self.stats, bug)
+            exc = InternalError.of(bug)
+            response = error_response(exc, req.request_id, req.protocol)
+        if refused is not None:
+            note_refusal(refused, exc)
+        return Answer(response, end)
 
     def _prepare(
         self, request: Request, pool: PoolRuntime, req: LogicalRequest,
@@ -290,9 +315,9 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
-            encoder=protocol.encoder_for(rewrite) if result.prefix.translation is None
-            else result.prefix.translation.encoder(int(time.time())),
-            error_event=protocol.error_event,
+            protocol=protocol if result.prefix.translation is None
+            else _translating(protocol, result.prefix.translation),
+            rewrite=rewrite,
         )
 
         async def finish(early_end: StreamEnd | None) -> None:
@@ -329,6 +354,13 @@ def _upstream_request(req: LogicalRequest, body: Mapping[str, Any],
         method=req.method, path=req.path, query=req.query, forward_headers=req.forward_headers,
         translated=translated,
     )
+
+
+def _translating(protocol: WireProtocol, translation: Translation) -> WireProtocol:
+    """The client's protocol (its errors, its shutdown event) with the translated stream's
+    encoder: the backend's events written in the client's API. Once per translated stream."""
+    encoder = translation.encoder(int(time.time()))
+    return dataclasses.replace(protocol, encoder=lambda _protocol, _rewrite: encoder)
 
 
 def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:

@@ -4,10 +4,10 @@ A request that reaches a pool is logged by its end (`gateway.api.end`); one refu
 (a wrong content type, a body too large or not JSON, a wrong key, an unknown model, route or
 method, a foreign origin, a route the pool's backends do not serve) never got there, and used
 to leave no trace. Now each step that answers with an error notes why in the request's scope
-state (`note_refusal`), the route notes the model once it has read the body (`note_model`),
-and the app writes the line after the answer is sent (`write_refusal_line`), unless the
-proxy took the request and so its line (`gateway.api.end.LINE_KEY`). One place writes, one
-flag decides: exactly one line per request.
+state (`gateway.api.answer.note_refusal`), the route notes the model once it has read the body
+(`note_model`), and the app writes the line after the answer is sent (`write_refusal_line`),
+unless the proxy took the request and so its line (`gateway.api.end.LINE_KEY`). One place
+writes, one flag decides: exactly one line per request.
 
 Lines are written for requests to an inference route (any method: a 405 names its route) and
 for requests to a path no route of the gateway matched (a client whose base URL lacks `/v1`
@@ -22,16 +22,15 @@ from typing import Any
 
 from starlette.types import Scope
 
+from gateway.api.answer import REFUSAL_KEY
 from gateway.api.end import LINE_KEY
 from gateway.api.inference import route_path_of
-from gateway.errors import GatewayError, RouteNotFound
+from gateway.errors import RouteNotFound
 from gateway.stats.loggable import loggable_model
 from gateway.stats.requestlog import log_refusal
 
 #: scope state: the request's id (`gateway.api.common.request_id_of`)
 REQUEST_ID_KEY = "request_id"
-#: scope state: (status, reason) of the error the request was answered with
-REFUSAL_KEY = "hedge_refusal"
 #: scope state: the model the client sent, loggable (`gateway.stats.loggable`)
 MODEL_KEY = "hedge_model"
 #: the reason of a request that got no answer of ours (cancelled while its body was read)
@@ -41,11 +40,6 @@ UNANSWERED = "unanswered"
 def _state(scope: Scope) -> dict[str, Any]:
     state: dict[str, Any] = scope.setdefault("state", {})
     return state
-
-
-def note_refusal(scope: Scope, exc: GatewayError) -> None:
-    """The request is answered with `exc` (the first answer counts: a request has one)."""
-    _state(scope).setdefault(REFUSAL_KEY, (exc.status, exc.log_reason()))
 
 
 def note_model(scope: Scope, body: Mapping[str, Any], hidden: Collection[str]) -> str | None:

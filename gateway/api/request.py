@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.wire.base import Rewrite, WireProtocol
-from gateway.wire.chat import CHAT
 from gateway.wire.paths import Endpoint
 from gateway.wire.sse import SSEEvent
 
@@ -26,8 +25,9 @@ class LogicalRequest:
     body: Mapping[str, Any]
     stream: bool
     headers: Mapping[str, str]
-    #: the route's wire rules: first token, end of stream, error shapes
-    protocol: WireProtocol = CHAT
+    #: the route's wire rules: first token, end of stream, error shapes (the route table's
+    #: entry for its route, `gateway.api.inference`: no default of one API)
+    protocol: WireProtocol
     #: delay-triggered hedges refused by the route's own rule (the Responses store rules)
     stateful: bool = False
     #: one backend at a time, not hedged and not counted as refused (count_tokens)

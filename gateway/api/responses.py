@@ -44,7 +44,7 @@ from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import Settings
 from gateway.wire.base import Rewrite
-from gateway.wire.responses import RESPONSES, RESPONSES_ITEM, response_id_of
+from gateway.wire.responses import response_id_of
 from gateway.wire.sse import SSEEvent
 from gateway.wire.validate import check_body, parse_body
 
@@ -150,7 +150,7 @@ def build_responses_router(
             body = {**body, "previous_response_id": ref.upstream_id}
         req = LogicalRequest(
             request_id_of(request), entry.endpoint, body, stream, headers_of(request),
-            protocol=RESPONSES, stateful=responses_stateful(body), pinned=pinned,
+            protocol=entry.protocol, stateful=responses_stateful(body), pinned=pinned,
             on_commit=minting(pool.settings.name, stream, binding, translated),
             route=entry.path, model=logged_model, body_bytes=size,
         )
@@ -173,7 +173,7 @@ def build_responses_router(
                             IdRewriter([(ref.upstream_id, response_id)]))
         req = LogicalRequest(
             request_id_of(request), "responses/item", {}, False, headers_of(request),
-            protocol=RESPONSES_ITEM, single=entry.single, pinned=ref.backend, method=entry.method,
+            protocol=entry.protocol, single=entry.single, pinned=ref.backend, method=entry.method,
             path=f"responses/{quote(ref.upstream_id, safe='')}{suffix}", query=query,
             on_commit=lambda _backend, _events: rewrite, metered=False, route=entry.path,
         )
@@ -185,7 +185,7 @@ def build_responses_router(
     cancel = route("POST", "/v1/responses/{response_id}/cancel")
     items = route("GET", "/v1/responses/{response_id}/input_items")
 
-    @fast.post(router, create.path)
+    @fast.post(router, create.path, create.protocol)
     async def responses(request: Request) -> Response:
         return await inference(request, create)
 

@@ -23,8 +23,7 @@ from gateway.errors import (
     UpstreamNoToken,
     UpstreamProtocolError,
 )
-from gateway.wire.base import Kind
-from gateway.wire.chat import chat_answered, classify, classify_payload
+from gateway.wire.base import Kind, WireProtocol
 from gateway.wire.sse import SSEBatch, SSEEvent
 from gateway.wire.translate.routes import Translation
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
@@ -131,17 +130,18 @@ async def open_until_first_token(
     provider: Provider,
     call: UpstreamCall,
     is_lost: Callable[[], bool],
-    classify: Callable[[SSEEvent], Kind] = classify,
-    answered: Callable[[list[SSEEvent]], bool] = chat_answered,
+    protocol: WireProtocol,
     seen: HeadersSeen | None = None,
 ) -> Prefix:
     """Open a streaming attempt and read until its first token or its normal end.
 
-    `classify` is the route's per-event predicate; `answered` says, once, whether a stream
+    `protocol` is the route's (no default: the race knows no API of its own): its
+    `classify` is the per-event predicate; its `answered` says, once, whether a stream
     that reached its end event without a token is a complete answer (chat: it gave a finish
     reason) or a failure. The bound on events before the first token counts every event read,
     checked after each read that brought neither a token nor an end. `seen` gets the
     answer's headers as soon as they are in."""
+    classify, answered = protocol.classify, protocol.answered
     stream = await _open(provider, call, seen)
     batches = stream.batches()
     try:
@@ -173,11 +173,13 @@ async def open_whole_response(
     provider: Provider,
     call: UpstreamCall,
     is_lost: Callable[[], bool],
-    classify_body: Callable[[object], Kind] = classify_payload,
+    protocol: WireProtocol,
     seen: HeadersSeen | None = None,
 ) -> Prefix:
-    """Open a non-streaming attempt and read its whole body: its 'first token'. `seen` gets
-    the answer's headers as soon as they are in."""
+    """Open a non-streaming attempt and read its whole body: its 'first token', as the
+    route's `protocol` judges a whole body (`classify_body`). `seen` gets the answer's
+    headers as soon as they are in."""
+    classify_body = protocol.classify_body
     stream = await _open(provider, call, seen)
     batches = stream.batches()
     try:

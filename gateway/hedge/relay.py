@@ -14,11 +14,12 @@ Upstream `id:`/`retry:` fields and comments were already dropped by the decoder;
 comments are the response's own.
 
 A stream that ends without `[DONE]` and without an error event is a truncation: the client gets
-a final error event in OpenAI shape, never a silent success. Those are the chat rules; the
-Responses API and Messages end at named events and shape their errors their own way, so the
-proxy passes their per-batch encoder (`gateway.wire.named`) and error builder
-(`gateway.wire.responses`, `gateway.wire.messages`) in; the deadlines, the drain and the closing
-stay the same.
+a final error event in the route's shape, never a silent success. What ends a stream and how
+its errors look are the route's `WireProtocol`, a required argument (this module holds no
+default of one API): chat ends at `[DONE]` with OpenAI's error events, the Responses API and
+Messages at named events (`gateway.wire.named`) with their own error builders
+(`gateway.wire.responses`, `gateway.wire.messages`); the deadlines, the drain and the closing
+are the same for all.
 """
 
 from __future__ import annotations
@@ -30,18 +31,12 @@ from typing import Literal
 
 from gateway.errors import UpstreamError
 from gateway.hedge.attempt import Prefix
-from gateway.wire.base import Encoder, RelayOutcome, StreamEnd
-from gateway.wire.chat import CHAT_ENCODER, openai_error_event
+from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd, WireProtocol
 from gateway.wire.sse import SSEBatch
 
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
 DRAIN_TIMEOUT = 0.05
 DRAIN_READS = 8
-
-
-#: a final in-stream error in OpenAI shape (the default for callers that name no protocol;
-#: the proxy passes each protocol's own)
-error_event = openai_error_event
 
 
 async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
@@ -125,16 +120,17 @@ async def relay(
     max_stream_deadline: float,
     clock: Callable[[], float],
     outcome: RelayOutcome,
-    encoder: Encoder = CHAT_ENCODER,
-    error_event: Callable[[str, str, str], bytes] = error_event,
+    protocol: WireProtocol,
+    rewrite: Rewrite | None = None,
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
 
-    `encoder` and `error_event` are the protocol's (`WireProtocol.encoder_for`,
-    `.error_event`: the Responses API and Messages end at named events, not `[DONE]`, and
-    shape their errors their own way); the defaults, for callers that name no protocol, are
-    chat's."""
+    The encoder (`protocol.encoder_for(rewrite)`, once per request) and the error events
+    (`protocol.error_event`) are the route's protocol's: the Responses API and Messages end
+    at named events, not `[DONE]`, and shape their errors their own way."""
+    encoder = protocol.encoder_for(rewrite)
     encode, by_batch = encoder.events, encoder.batch
+    error_event = protocol.error_event
     deadlines: _Deadlines | None = None
     try:
         yield encode(prefix.buffered, request_id, outcome)

@@ -112,11 +112,8 @@ def attempt_runner(
         seen = pool.quota_watch(backend, clock)
         try:
             if req.stream:
-                return await open_until_first_token(
-                    provider, call, is_lost, protocol.classify, protocol.answered, seen
-                )
-            return await open_whole_response(provider, call, is_lost, protocol.classify_body,
-                                             seen)
+                return await open_until_first_token(provider, call, is_lost, protocol, seen)
+            return await open_whole_response(provider, call, is_lost, protocol, seen)
         except UpstreamStatusError as exc:
             if req.pinned is not None and upstream_status(exc.status).pinned_answer:
                 # no other backend holds this state: its verdict on the request (404: it
@@ -142,17 +139,15 @@ def attempt_runner(
         )
         if trace is not None:
             call = replace(call, extra_headers=trace.attempt_started(record))
-        backend_protocol = translation.protocol
+        provider, backend_protocol = pool.providers[backend], translation.protocol
         seen = pool.quota_watch(backend, clock)
         try:
             if req.stream:
-                prefix = await open_until_first_token(
-                    pool.providers[backend], call, is_lost, backend_protocol.classify,
-                    backend_protocol.answered, seen)
+                prefix = await open_until_first_token(provider, call, is_lost,
+                                                      backend_protocol, seen)
             else:
-                prefix = await open_whole_response(
-                    pool.providers[backend], call, is_lost, backend_protocol.classify_body,
-                    seen)
+                prefix = await open_whole_response(provider, call, is_lost, backend_protocol,
+                                                   seen)
         finally:
             record.ended = clock()
             if trace is not None:

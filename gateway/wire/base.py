@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.errors import GatewayError
+from gateway.wire.paths import ErrorShape
 from gateway.wire.sse import SSEBatch, SSEEvent
 from gateway.wire.usage import Usage
 
@@ -114,6 +115,8 @@ class WireProtocol:
     #: (this protocol, the request's rewrite) -> the relay's encoder: the chat rule
     #: (`[DONE]`) or the named-event rule (`gateway.wire.named`); see `encoder_for`
     encoder: Callable[[WireProtocol, Rewrite | None], Encoder] = field(kw_only=True)
+    #: the name of the shape `error_body` writes (the route table and the tests read it)
+    errors: ErrorShape = field(kw_only=True)
 
     def encoder_for(self, rewrite: Rewrite | None = None) -> Encoder:
         """The relay's encoder for one request of this protocol (once per request)."""

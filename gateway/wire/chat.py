@@ -229,4 +229,4 @@ def chat_encoder(_protocol: WireProtocol, _rewrite: Rewrite | None = None) -> En
 
 
 CHAT = WireProtocol("chat", classify, classify_payload, frozenset(), openai_error_event,
-                    openai_error_body, chat_answered, encoder=chat_encoder)
+                    openai_error_body, chat_answered, encoder=chat_encoder, errors="openai")

@@ -118,8 +118,8 @@ def _anthropic_body(exc: GatewayError, message: str) -> dict[str, object]:
 
 MESSAGES = WireProtocol("messages", classify_messages, classify_messages_body,
                         frozenset({MESSAGES_END.encode()}), messages_error_event,
-                        _anthropic_body, encoder=named_relay_encoder)
+                        _anthropic_body, encoder=named_relay_encoder, errors="anthropic")
 #: a single-backend call whose body is relayed whatever it says
 COUNT_TOKENS = WireProtocol("count_tokens", classify_messages, classify_any_body,
                             MESSAGES.ends, messages_error_event, _anthropic_body,
-                            encoder=named_relay_encoder)
+                            encoder=named_relay_encoder, errors="anthropic")

@@ -28,6 +28,8 @@ from gateway.app import build_pools, make_http_client
 from gateway.clock import monotonic
 from gateway.errors import UpstreamError
 from gateway.hedge.attempt import Prefix, open_until_first_token, open_whole_response
+from gateway.wire.base import WireProtocol
+from gateway.wire.chat import CHAT
 from providers.base import Provider, UpstreamCall
 from tests.harness import (
     Head,
@@ -48,7 +50,8 @@ MAX_TICKS = 400
 #: the sweep ends once the attempt finished before its cancel this many times in a row
 FINISHED_IN_A_ROW = 3
 
-Opener = Callable[[Provider, UpstreamCall, Callable[[], bool]], Coroutine[Any, Any, Prefix]]
+Opener = Callable[[Provider, UpstreamCall, Callable[[], bool], WireProtocol],
+                  Coroutine[Any, Any, Prefix]]
 
 
 def sockets_to(port: int) -> list[str]:
@@ -71,7 +74,7 @@ async def sweep(provider: Provider, call: UpstreamCall, opener: Opener,
     """Cancel an attempt after k loop iterations, k = 0, 1, ...; (ticks swept, first leak)."""
     in_a_row = 0
     for ticks in range(MAX_TICKS):
-        attempt = asyncio.create_task(opener(provider, call, lambda: False))
+        attempt = asyncio.create_task(opener(provider, call, lambda: False, CHAT))
         for _ in range(ticks):
             await asyncio.sleep(0)
         in_a_row = in_a_row + 1 if attempt.done() else 0
@@ -150,7 +153,7 @@ def test_a_request_cancelled_while_its_pool_drops_dead_connections_closes_them_a
     loop_thread.add_cleanup(close_client)
 
     async def one() -> None:
-        prefix = await open_whole_response(provider, call, lambda: False)
+        prefix = await open_whole_response(provider, call, lambda: False, CHAT)
         await prefix.aclose()
 
     async def sweep_dead() -> tuple[int, list[str]]:

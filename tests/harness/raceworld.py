@@ -39,6 +39,7 @@ from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race, RaceResult
 from gateway.settings import BudgetSettings, DelaySettings, ServerSettings
 from gateway.stats import RequestSummary, Stats
+from gateway.wire.chat import CHAT
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import ENDPOINTS, UpstreamCall
 from tests.harness.builders import gateway_settings
@@ -249,7 +250,7 @@ async def play(setup: Setup, loop: VirtualLoop, world: World | None = None) -> S
         call = UpstreamCall("chat/completions", {}, True, "req", 30.0)
         provider = FakeProvider(world, record.index, step)
         return await open_until_first_token(
-            provider, call, lambda: record.outcome is not None
+            provider, call, lambda: record.outcome is not None, CHAT
         )
 
     refused = None if setup.hedging else SuppressReason.DISABLED
@@ -344,4 +345,4 @@ def http_request() -> Request:
 
 def logical_request(stream: bool) -> LogicalRequest:
     body = {"model": "pool", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    return LogicalRequest("req", "chat/completions", body, stream, {})
+    return LogicalRequest("req", "chat/completions", body, stream, {}, CHAT)

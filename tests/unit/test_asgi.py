@@ -16,6 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.api.asgi import FastRoutes, GatewayAPI
 from gateway.api.keys import BACKOFF_CAP, MAX_FAILURES, backoff
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.wire.base import WireProtocol
+from gateway.wire.chat import CHAT
 
 
 class Recorder:
@@ -35,14 +37,14 @@ def build() -> tuple[GatewayAPI, list[str]]:
     fast = FastRoutes()
     router = APIRouter()
 
-    @fast.post(router, "/v1/echo")
+    @fast.post(router, "/v1/echo", CHAT)
     async def echo(request: Request) -> Response:
         body = json.loads(await request.body())
         if body.get("fail"):
             raise InvalidRequest("you asked for it", param="fail")
         return JSONResponse({"echo": body})
 
-    def on_error(request: Request, exc: GatewayError) -> Response:
+    def on_error(request: Request, exc: GatewayError, _shape: WireProtocol | None) -> Response:
         return JSONResponse({"error": {"message": exc.message, "param": exc.param}},
                             status_code=exc.status)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
@@ -70,7 +71,8 @@ def read(reads: Sequence[Sequence[SSEEvent]], *, hang: bool = False,
     async def main() -> Prefix:
         call = UpstreamCall("chat/completions", {}, True, "req", 30.0)
         return await asyncio.wait_for(
-            open_until_first_token(provider, call, lambda: False, classify, answered), 1.0)
+            open_until_first_token(provider, call, lambda: False,
+                                   replace(CHAT, classify=classify, answered=answered)), 1.0)
 
     try:
         return asyncio.run(main()), provider

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from gateway.api.proxy import Admission
+from gateway.api.answer import Answer
+from gateway.api.proxy import Admission, Proxy
 from gateway.errors import InternalError, Overloaded, UpstreamClientError
+from gateway.wire.messages import MESSAGES
 from gateway.wire.usage import ask_for_usage
 from tests.harness.raceworld import (
     HANG,
@@ -30,26 +33,67 @@ SLOW_CLOSE = 3.0
 
 def test_an_error_is_answered_before_the_losers_are_reaped() -> None:
     """The hedge's 400 at 0.375 s is the answer; the primary (cancelled) takes 3 s to close.
-    The proxy must raise at once and leave the reaping and the stats to `after_response`,
-    which the error handler runs after sending the error."""
+    The proxy must return the error's answer at once, holding the request's end, which runs
+    after the answer is sent (the reaping and the stats), once."""
 
     async def main(loop: VirtualLoop) -> None:
         world = World(loop, close_takes=SLOW_CLOSE)
         proxy, pool = proxy_for(Setup([HANG, Step("400", 0.125)]), loop, world)
-        with pytest.raises(UpstreamClientError) as info:
-            await proxy.handle(http_request(), pool, logical_request(stream=True))
+        answer = await proxy.handle(http_request(), pool, logical_request(stream=True))
         assert loop.time() == 0.375  # answered at the 400, not after the slow close
         assert proxy.stats.summaries == []  # type: ignore[attr-defined]
-        end = info.value.after_response
-        assert end is not None
-        await end()
+        assert answer.end is not None  # the request's end travels with its answer
+        sent = await _send(answer, loop, proxy)
+        assert [(m["type"], at, recorded) for at, m, recorded in sent] == [
+            ("http.response.start", 0.375, 0), ("http.response.body", 0.375, 0)]
+        assert sent[0][1]["status"] == UpstreamClientError.status
+        error = json.loads(sent[1][1]["body"])["error"]
+        assert error["code"] == UpstreamClientError.code  # the route's (OpenAI's) shape
         assert proxy.admission.active == 0 and pool.inflight_requests == 0
         [(recorded_at, summary)] = proxy.stats.summaries  # type: ignore[attr-defined]
         assert recorded_at == 0.375 + SLOW_CLOSE  # after the loser closed: close_ms counts it
         assert summary.attempts[0].close_s == SLOW_CLOSE
+        assert summary.status == UpstreamClientError.status
         assert set(world.closed) == set(world.opened)
+        await answer.end()  # once: a second call records nothing more
+        assert len(proxy.stats.summaries) == 1  # type: ignore[attr-defined]
 
     run_virtual(main)
+
+
+def test_an_error_is_answered_in_the_shape_of_the_requests_route() -> None:
+    """The route decides the shape, once: a request whose route speaks Anthropic's protocol
+    gets Anthropic's error body from the proxy, whatever the URL path says (here chat's)."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([Step("400", 0.0)]), loop, world)
+        req = replace(logical_request(stream=True), protocol=MESSAGES)
+        answer = await proxy.handle(http_request(), pool, req)
+        sent = await _send(answer, loop, proxy)
+        body = json.loads(sent[1][1]["body"])
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert sent[0][1]["status"] == 400
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
+
+    run_virtual(main)
+
+
+async def _send(answer: Answer, loop: VirtualLoop, proxy: Proxy
+                ) -> list[tuple[float, dict[str, Any], int]]:
+    """Send `answer` to a client that reads it all: each message with when it went out and
+    how many summaries were recorded by then."""
+    sent: list[tuple[float, dict[str, Any], int]] = []
+
+    async def send(message: Any) -> None:
+        sent.append((loop.time(), message,
+                     len(proxy.stats.summaries)))  # type: ignore[attr-defined]
+
+    async def receive() -> Any:
+        return {"type": "http.disconnect"}
+
+    await answer({"type": "http"}, receive, send)
+    return sent
 
 
 def test_a_json_answer_is_sent_before_the_losers_are_reaped() -> None:
@@ -78,8 +122,9 @@ def test_a_json_answer_is_sent_before_the_losers_are_reaped() -> None:
 
 
 def test_a_failure_building_the_stream_still_ends_the_request() -> None:
-    """If building the streaming response raises after the race committed, the winner's
-    upstream is closed and the admission slot and in-flight count are given back."""
+    """If building the streaming response raises after the race committed, the answer is
+    the route's internal error, reported, and its end closes the winner's upstream and gives
+    back the admission slot and in-flight count."""
 
     async def main(loop: VirtualLoop) -> None:
         world = World(loop)
@@ -89,11 +134,13 @@ def test_a_failure_building_the_stream_still_ends_the_request() -> None:
             raise RuntimeError("a bug while building the response")
 
         proxy._streaming_response = broken  # type: ignore[method-assign,assignment]
-        with pytest.raises(InternalError) as raised:
-            await proxy.handle(http_request(), pool, logical_request(stream=True))
-        assert isinstance(raised.value.__cause__, RuntimeError)
-        assert raised.value.after_response is not None  # the error's answer ends the request
-        await raised.value.after_response()
+        answer = await proxy.handle(http_request(), pool, logical_request(stream=True))
+        assert answer.status_code == InternalError.status
+        assert proxy.stats.internal_errors == 1  # the RuntimeError, reported once
+        assert answer.end is not None  # the error's answer ends the request
+        sent = await _send(answer, loop, proxy)
+        assert [recorded for _, _, recorded in sent] == [0, 0]  # answered, then ended
+        assert json.loads(sent[1][1]["body"])["error"]["code"] == InternalError.code
         assert proxy.admission.active == 0 and pool.inflight_requests == 0
         assert set(world.closed) == set(world.opened) == {0}
         assert len(proxy.stats.summaries) == 1  # type: ignore[attr-defined]

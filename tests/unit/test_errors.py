@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.api.common import error_response
+from gateway.api.answer import error_response
 from gateway.errors import (
     AllAttemptsFailed,
     GatewayPoolFull,
@@ -23,9 +23,10 @@ from gateway.errors import (
     error_body,
     failure_codes,
 )
-from gateway.hedge.relay import error_event
 from gateway.server.connection import raw_error_response
 from gateway.wire.base import ERROR_ENDS
+from gateway.wire.chat import CHAT
+from gateway.wire.chat import openai_error_event as error_event
 from providers.http import UpstreamClient, translate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,10 +82,10 @@ def test_the_builder_and_its_callers_agree() -> None:
 
 
 def test_routes_quote_the_request_id_only_for_server_side_failures() -> None:
-    bad = error_response(InvalidRequest("no", param="n"), "r3")
+    bad = error_response(InvalidRequest("no", param="n"), "r3", CHAT)
     assert json.loads(bytes(bad.body)) == InvalidRequest("no", param="n").body()
     assert bad.status_code == 400
-    failed = error_response(AllAttemptsFailed(["a: status 503"]), "r4")
+    failed = error_response(AllAttemptsFailed(["a: status 503"]), "r4", CHAT)
     assert failed.status_code == 502
     assert json.loads(bytes(failed.body)) == error_body(
         "all upstream attempts failed: a: status 503", type="upstream_error",

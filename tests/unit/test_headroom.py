@@ -36,6 +36,7 @@ from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
 from gateway.settings import BackendSettings, HealthSettings
+from gateway.wire.chat import CHAT
 from gateway.wire.ratelimit import Quota
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import UpstreamCall
@@ -435,11 +436,11 @@ async def test_the_attempt_hands_a_refusals_headers_to_the_watch_as_a_successes(
     refusal = UpstreamStatusError.of(429)
     refusal.quota = left(0)
     with pytest.raises(UpstreamRateLimited):
-        await open_until_first_token(Refusing(refusal), call, lambda: False,
+        await open_until_first_token(Refusing(refusal), call, lambda: False, CHAT,
                                      seen=seen.append)
     assert seen == [left(0)]
     with pytest.raises(UpstreamError):  # opened, then no token: the headers were seen first
-        await open_until_first_token(Refusing(None), call, lambda: False,
+        await open_until_first_token(Refusing(None), call, lambda: False, CHAT,
                                      seen=seen.append)
     assert seen == [left(0), left(7)]
 

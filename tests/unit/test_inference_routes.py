@@ -55,6 +55,17 @@ def test_the_fast_path_takes_every_post_without_a_path_parameter() -> None:
     assert fast == {(r.method, r.path) for r in INFERENCE_ROUTES if "{" not in r.path}
 
 
+def test_the_fast_path_answers_each_routes_refusals_in_the_routes_protocol() -> None:
+    """The shape of a route's errors is decided once, by its entry in the table: the fast
+    path holds the entry's protocol beside its handler, and the request the route hands the
+    proxy carries the same protocol (`LogicalRequest.protocol`)."""
+    app = create_app(SETTINGS)
+    held = {key: protocol for key, (_, protocol) in app._fast.items()}  # type: ignore[attr-defined]
+    assert held == {(r.method, r.path): r.protocol for r in INFERENCE_ROUTES if "{" not in r.path}
+    for r in INFERENCE_ROUTES:
+        assert r.errors == r.protocol.errors, r
+
+
 def test_each_route_answers_errors_in_its_shape() -> None:
     for r in INFERENCE_ROUTES:
         path = r.path.replace("{response_id}", "resp_1")

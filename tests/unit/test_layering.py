@@ -70,7 +70,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.hedge.pool", "gateway.hedge.attempt", "gateway.hedge.generation"),
     ("gateway.hedge", "gateway.api.stream"),
     ("gateway.stats",),
-    ("gateway.api.proxy", "gateway.api.end", "gateway.api.request"),
+    ("gateway.api.proxy", "gateway.api.end", "gateway.api.request", "gateway.api.answer"),
     ("gateway.api", "gateway.server", "gateway.dashboard"),
     ("gateway.app",),
     ("gateway.cli", "gateway.bench"),
@@ -80,6 +80,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: and `gateway.wire.paths`; the supervisor's `ConfigOrigin` and the bench's `CONFIG_ENV` in
 #: `gateway.settings.origin`; what an attempt sends (`UpstreamCall`) is built by the race's
 #: runner (`gateway.hedge.runner`), and the routes' names are `gateway.wire.paths.Endpoint`.
+#: The race and the relay take each request's protocol as an argument (`gateway.wire.base`),
+#: so no module of `gateway.hedge` reads one API's wire module.
 FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("gateway.server", "gateway.api"),
     ("gateway.server", "gateway.hedge"),
@@ -89,6 +91,11 @@ FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("gateway.hedge", "gateway.stats"),
     ("gateway.wire", "gateway.hedge"),
     ("providers", "gateway.hedge"),
+    # the race holds no rule of one API: the route's `WireProtocol` is handed to it
+    ("gateway.hedge", "gateway.wire.chat"),
+    ("gateway.hedge", "gateway.wire.responses"),
+    ("gateway.hedge", "gateway.wire.messages"),
+    ("gateway.hedge", "gateway.wire.named"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer
 PACKAGES = ("gateway", "providers")

@@ -18,6 +18,7 @@ from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.plan import affinity_route, excluded_backends
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
+from gateway.wire.chat import CHAT
 from gateway.wire.sse import SSEBatch, SSEEvent
 from tests.harness.builders import gateway_settings
 
@@ -175,7 +176,7 @@ def test_in_a_pool_of_mixed_providers_the_home_is_a_backend_that_serves_the_rout
     for turn, body_bytes in enumerate((120_000, 124_000)):
         body = {"model": "pool", "max_tokens": 16, "metadata": {"user_id": user},
                 "messages": [{"role": "user", "content": f"turn {turn}"}]}
-        req = LogicalRequest("r", "messages", body, True, {}, body_bytes=body_bytes)
+        req = LogicalRequest("r", "messages", body, True, {}, CHAT, body_bytes=body_bytes)
         excluded = excluded_backends(pool, req)
         assert excluded == {"b0"}
         route = affinity_route(pool, req, excluded)

@@ -30,6 +30,7 @@ from gateway.settings import (
     HedgingSettings,
     PoolSettings,
 )
+from gateway.wire.chat import CHAT
 from providers.base import UpstreamCall
 from tests.harness.builders import backends_for
 from tests.harness.raceworld import FakeProvider, Step, World
@@ -94,7 +95,8 @@ async def play_one(loop: VirtualLoop, pool: PoolRuntime, route: AffinityRoute | 
         at = take(backend, size.uncached(backend), record.kind == "primary")
         provider = FakeProvider(world, record.index, Step("token", at))
         call = UpstreamCall("chat/completions", {}, True, "req", 60.0)
-        return await open_until_first_token(provider, call, lambda: record.outcome is not None)
+        return await open_until_first_token(provider, call, lambda: record.outcome is not None,
+                                            CHAT)
 
     options = RaceOptions(loop.time() + 60.0, delays, True, None, affinity=route, cold=cold,
                           input_tokens=size.tokens)

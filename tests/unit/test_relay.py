@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 from gateway.hedge.attempt import Prefix
 from gateway.hedge.relay import relay
 from gateway.wire.base import RelayOutcome, StreamEnd
-from gateway.wire.chat import DONE
+from gateway.wire.chat import CHAT, DONE
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent
 
 ROLE = b'{"choices":[{"delta":{"role":"assistant"}}]}'
@@ -44,7 +44,7 @@ async def relayed(chunks: list[bytes]) -> tuple[list[bytes], RelayOutcome, Upstr
     outcome = RelayOutcome()
     out = [part async for part in relay(prefix, request_id="r", idle=60.0,
                                         max_stream_deadline=1e9, clock=lambda: 0.0,
-                                        outcome=outcome)]
+                                        outcome=outcome, protocol=CHAT)]
     return out, outcome, upstream
 
 

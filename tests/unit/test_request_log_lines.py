@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from gateway.api.answer import REFUSAL_KEY
 from gateway.api.end import LINE_KEY
 from gateway.api.inference import INFERENCE_ROUTES, route_path_of
-from gateway.api.refusals import MODEL_KEY, REFUSAL_KEY, note_model, write_refusal_line
+from gateway.api.refusals import MODEL_KEY, note_model, write_refusal_line
 from gateway.errors import (
     Draining,
     GatewayError,

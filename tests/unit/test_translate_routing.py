@@ -16,7 +16,10 @@ from gateway.hedge.pool import PoolRuntime
 from gateway.settings import BackendSettings, PoolSettings, load_settings
 from gateway.settings.fields import ConfigError
 from gateway.settings.model import PROVIDER_APIS
+from gateway.wire.chat import CHAT
+from gateway.wire.messages import MESSAGES
 from gateway.wire.paths import Endpoint
+from gateway.wire.responses import RESPONSES
 from gateway.wire.translate.routes import API_ENDPOINTS, TRANSLATIONS, endpoints_of
 from providers.anthropic import AnthropicProvider
 from providers.bedrock import BedrockProvider
@@ -51,7 +54,8 @@ def pool_of(*, translate: bool = True, chat_apis: tuple[str, ...] | None = ("cha
 
 def request(endpoint: Endpoint, **body: Any) -> LogicalRequest:
     base = {"model": "pool", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    return LogicalRequest("r", endpoint, {**base, **body}, False, {})
+    protocol = {"messages": MESSAGES, "responses": RESPONSES}.get(endpoint, CHAT)
+    return LogicalRequest("r", endpoint, {**base, **body}, False, {}, protocol)
 
 
 def test_each_api_reaches_the_other_by_translation_and_its_own_as_it_is() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.errors import Untranslatable
 from gateway.wire.base import json_bytes
+from gateway.wire.responses import responses_error
 from gateway.wire.sse import SSEEvent
 from gateway.wire.usage import Usage, usage_of
 
@@ -228,8 +229,8 @@ def chat_error_to_responses(body: Any) -> dict[str, Any]:
     """An OpenAI error chunk as the Responses API's `error` event payload."""
     error = body.get("error") if isinstance(body, dict) else None
     error = error if isinstance(error, dict) else {"message": str(error or "upstream error")}
-    return {"type": "error", "code": error.get("code") or error.get("type") or "server_error",
-            "message": str(error.get("message", "upstream error")), "param": error.get("param")}
+    return responses_error(str(error.get("code") or error.get("type") or "server_error"),
+                           str(error.get("message", "upstream error")), error.get("param"))
 
 
 class ChatToResponses:
@@ -357,7 +358,7 @@ class ChatToResponses:
         if obj.get("error") is not None or event.event == b"error":
             self.ended = self.failed = True
             return self._event("error", **{k: v for k, v in chat_error_to_responses(obj).items()
-                                           if k != "type"})
+                                           if k not in ("type", "sequence_number")})
         out = b"" if self.started else self._begin(obj)
         if isinstance(obj.get("usage"), dict):
             self._chat_usage = obj["usage"]
