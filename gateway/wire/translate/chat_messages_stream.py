@@ -35,6 +35,7 @@ _STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
 _MESSAGES_DELTA = re.compile(
     rb'\{"type":"content_block_delta","index":(\d{1,6}),"delta":\{"type":'
     rb'"(text_delta|input_json_delta)","(?:text|partial_json)":(' + _STRING + rb')\}\}')
+_messages_delta = _MESSAGES_DELTA.fullmatch
 #: the common Chat chunk's choice: text or one tool call's arguments, no finish reason
 _CHAT_DELTA = re.compile(
     rb'"choices":\[\{"index":0,"delta":\{(?:"content":(' + _STRING + rb')|"tool_calls":\['
@@ -43,6 +44,7 @@ _CHAT_DELTA = re.compile(
 #: stands for a delta's text while a chunk's bytes are built once per stream
 _MARK = "\x00mark\x00"
 _MARK_JSON = json_bytes(_MARK)
+_chat_delta = _CHAT_DELTA.match
 
 
 def _around(obj: object) -> tuple[bytes, bytes]:
@@ -105,9 +107,9 @@ class MessagesToChat:
         self.usage: Usage | None = None
         self.ended = self.failed = False
         self._messages_usage: dict[str, Any] = {}
-        #: per content block index: the delta type it takes, and the chunk's bytes around
-        #: such a delta's text (`feed`)
-        self._spliced: dict[int, tuple[bytes, bytes, bytes]] = {}
+        #: per content block index (its digits, as the events write it): the delta type it
+        #: takes, and the chunk's bytes around such a delta's text (`feed`)
+        self._spliced: dict[bytes, tuple[bytes, bytes, bytes]] = {}
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         return _data({"id": self.id, "object": "chat.completion.chunk",
@@ -122,7 +124,7 @@ class MessagesToChat:
 
     def _splice(self, index: int, kind: bytes, delta: dict[str, Any]) -> None:
         """Build once the chunk a `kind` delta of block `index` becomes (its text marked)."""
-        self._spliced[index] = (kind, *_around({
+        self._spliced[str(index).encode()] = (kind, *_around({
             "id": self.id, "object": "chat.completion.chunk", "created": self.created,
             "model": self.model, "choices": [{"index": 0, "delta": delta,
                                               "finish_reason": None, "logprobs": None}]}))
@@ -131,11 +133,12 @@ class MessagesToChat:
         """The Chat bytes for one Messages event (often none). A text or arguments delta of
         the usual shape is spliced into its block's chunk without parsing (the per-event
         cost); every other event is parsed."""
-        found = _MESSAGES_DELTA.fullmatch(event.data)
-        if found is not None and not self.ended:
-            around = self._spliced.get(int(found.group(1)))
-            if around is not None and around[0] == found.group(2):
-                return around[1] + found.group(3) + around[2]
+        found = _messages_delta(event.data)
+        if found is not None:
+            index, kind, text = found.group(1, 2, 3)
+            around = self._spliced.get(index)
+            if around is not None and around[0] == kind and not self.ended:
+                return around[1] + text + around[2]
         obj = _payload(event)
         kind = obj.get("type") if obj is not None else None
         if kind is None and event.event is not None:
@@ -320,12 +323,14 @@ class ChatToMessages:
         if self.ended:
             return b""
         data = event.data
-        at = data.find(b'"choices":[{"index":0,"delta":{')
-        if at > 0 and self.open is not None:
-            found = _CHAT_DELTA.match(data, at)
-            if found is not None and data.find(b'"usage":{') < 0 and data.find(b'"error"') < 0:
+        current = self.open
+        if current is not None and (at := data.find(b'"choices":[{"index":0,"delta":{')) > 0:
+            found = _chat_delta(data, at)
+            # a usage object in the same chunk (after its choices, as every server writes it)
+            # is read the long way
+            if found is not None and data.find(b'"usage":{', found.end()) < 0:
                 text, call, arguments = found.group(1, 2, 3)
-                kind, index = self.open
+                kind, index = current
                 if text is not None and kind == "text":
                     around = self._spliced.get(index) or self._splice(
                         index, {"type": "text_delta", "text": _MARK})

@@ -97,13 +97,15 @@ class Translation:
         """The relay's encoder for one translated stream: the backend's events, each
         translated as it arrives (once per stream)."""
         machine = self.machine(created)
+        feed = machine.feed
+        chat = machine if isinstance(machine, MessagesToChat) else None
 
         def events(batch: list[SSEEvent], _request_id: str, outcome: RelayOutcome) -> bytes:
-            if isinstance(machine, MessagesToChat):  # the client's own wish (the relay
-                machine.include_usage = not outcome.strip_usage  # strips what it did not ask)
-            out = b"".join([machine.feed(event) for event in batch])
-            if machine.usage is not None:
-                outcome.usage = machine.usage
+            if chat is not None:  # the client's own wish (the relay strips what it did not ask)
+                chat.include_usage = not outcome.strip_usage
+            # one event per read is the usual case: no list, no join
+            out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
+            outcome.usage = machine.usage or outcome.usage
             if machine.ended:
                 outcome.end = StreamEnd.UPSTREAM_ERROR if machine.failed else StreamEnd.DONE
             return out
