@@ -47,8 +47,7 @@ from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
-from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd, WireProtocol
-from gateway.wire.translate.routes import Translation
+from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd, Translation, WireProtocol
 from gateway.wire.usage import ask_for_usage, body_usage
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured

@@ -23,9 +23,8 @@ from gateway.errors import (
     UpstreamNoToken,
     UpstreamProtocolError,
 )
-from gateway.wire.base import Kind, WireProtocol
+from gateway.wire.base import Kind, Translation, WireProtocol
 from gateway.wire.sse import SSEBatch, SSEEvent
-from gateway.wire.translate.routes import Translation
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
 AttemptKind = Literal["primary", "hedge", "failover"]

@@ -24,8 +24,8 @@ from gateway.hedge.budget import SuppressReason
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.sizing import RequestSize
+from gateway.wire.base import Translation, translation_for
 from gateway.wire.paths import Endpoint
-from gateway.wire.translate.routes import Translation, translation_for
 
 
 class RequestFacts(Protocol):
@@ -153,13 +153,13 @@ def routing(pool: PoolRuntime, req: RequestFacts) -> Routing:
     naming the field)."""
     excluded: set[str] = set()
     via: dict[str, Translation] = {}
-    translate = pool.settings.translate
+    translate, table = pool.settings.translate and bool(pool.translations), pool.translations
     for b in pool.settings.backends:
         serves = pool.serves_of(b.name)
         if req.pinned not in (None, b.name):
             excluded.add(b.name)
         elif req.endpoint not in serves:
-            found = translation_for(req.endpoint, serves) if translate else None
+            found = translation_for(table, req.endpoint, serves) if translate else None
             if found is None:
                 excluded.add(b.name)
             else:

@@ -21,7 +21,8 @@ from gateway.hedge.delay import HedgeDelay
 from gateway.hedge.prefill import ConversationMemory, estimate_tokens, new_tokens
 from gateway.hedge.sizing import ColdRule, DelayReader, RequestSize, SizedDelays
 from gateway.settings import PoolSettings
-from gateway.wire.translate.routes import endpoints_of
+from gateway.wire.base import Translations
+from gateway.wire.paths import endpoints_of
 from providers.base import ENDPOINTS, Endpoint, Provider
 
 
@@ -76,6 +77,10 @@ class PoolRuntime:
     #: per backend: the routes it serves, its provider's narrowed by its `apis` (read by
     #: `serves_of`; a backend missing here serves its provider's)
     serves: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    #: the translations its requests may take to a backend of another API (the composition
+    #: root's table, `gateway.wire.translate.routes.TRANSLATIONS`; empty: none), read only
+    #: when the pool's `translate` is on
+    translations: Translations = field(default_factory=dict)
 
     def serves_of(self, backend: str) -> frozenset[str]:
         """The routes `backend` serves: its provider's, narrowed by its `apis`."""
@@ -99,6 +104,7 @@ class PoolRuntime:
         global_hedging: bool,
         now: float,
         rng: random.Random,
+        translations: Translations | None = None,
     ) -> PoolRuntime:
         delay, ratio = settings.hedging.delay, settings.hedging.budget.ratio
         delays = {b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends}
@@ -118,6 +124,7 @@ class PoolRuntime:
             models=_models(settings),
             models_json=_models_json(settings),
             serves=_serves(settings, providers),
+            translations=translations or {},
         )
 
     def carried_over(
@@ -168,6 +175,7 @@ class PoolRuntime:
             models=_models(settings),
             models_json=_models_json(settings),
             serves=_serves(settings, providers),
+            translations=self.translations,
         )
 
     def quota_watch(self, backend: str, clock: Clock) -> Callable[[Mapping[str, str]], None]:

@@ -23,9 +23,8 @@ from gateway.hedge.attempt import (
 )
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import AttemptRunner
-from gateway.wire.base import WireProtocol
+from gateway.wire.base import Translation, WireProtocol
 from gateway.wire.paths import Endpoint
-from gateway.wire.translate.routes import Translation
 from providers.base import UpstreamCall
 
 

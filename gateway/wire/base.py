@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, Protocol
 
 from gateway.errors import GatewayError
-from gateway.wire.paths import ErrorShape
+from gateway.wire.paths import Endpoint, ErrorShape
 from gateway.wire.sse import SSEBatch, SSEEvent
 from gateway.wire.usage import Usage
 
@@ -121,6 +122,78 @@ class WireProtocol:
     def encoder_for(self, rewrite: Rewrite | None = None) -> Encoder:
         """The relay's encoder for one request of this protocol (once per request)."""
         return self.encoder(self, rewrite)
+
+
+class StreamTranslator(Protocol):
+    """One translated stream's state machine (`gateway.wire.translate`): the client's bytes
+    for each backend event, whether the client's stream is over, the usage read so far."""
+
+    #: the client asked for the usage chunk (a Chat client's `stream_options`); the
+    #: machines of other client APIs ignore it
+    include_usage: bool
+
+    @property
+    def usage(self) -> Usage | None: ...
+    @property
+    def ended(self) -> bool: ...
+    @property
+    def failed(self) -> bool: ...
+
+    def feed(self, event: SSEEvent) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Translation:
+    """A client route answered by a backend route of another API; the table of them is
+    `gateway.wire.translate.routes.TRANSLATIONS`, handed to each pool."""
+
+    #: `client->backend` by API (`chat->messages`): the label it is counted under
+    name: str
+    client: Endpoint
+    backend: Endpoint
+    #: the backend's wire rules: its first token, its end, its errors before commit
+    protocol: WireProtocol
+    #: the client's request body -> the backend's (Untranslatable: a 400 naming the field)
+    request: Callable[[Mapping[str, Any]], dict[str, Any]]
+    #: a whole backend answer -> the client's, given `created` (seconds since the epoch)
+    answer: Callable[[bytes, int], bytes]
+    #: a fresh state machine for one stream, given `created`
+    machine: Callable[[int], StreamTranslator]
+
+    def encoder(self, created: int) -> Encoder:
+        """The relay's encoder for one translated stream: the backend's events, each
+        translated as it arrives (once per stream)."""
+        machine = self.machine(created)
+        feed = machine.feed
+
+        def events(batch: list[SSEEvent], _request_id: str, outcome: RelayOutcome) -> bytes:
+            # the client's own wish (the relay strips the usage chunk it did not ask for)
+            machine.include_usage = not outcome.strip_usage
+            # one event per read is the usual case: no list, no join
+            out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
+            outcome.usage = machine.usage or outcome.usage
+            if machine.ended:
+                outcome.end = StreamEnd.UPSTREAM_ERROR if machine.failed else StreamEnd.DONE
+            return out
+
+        return Encoder(events)
+
+
+#: (client route, backend route) -> the translation between them
+Translations = Mapping[tuple[Endpoint, Endpoint], Translation]
+
+
+def translation_for(table: Translations, client: Endpoint, serves: frozenset[str]
+                    ) -> Translation | None:
+    """The translation of `table` that takes a request on `client` to a backend serving
+    `serves` (None: it serves `client` itself, or none reaches it). Once per request and
+    backend that does not serve the request's route."""
+    if client in serves:
+        return None
+    for (source, target), translation in table.items():
+        if source == client and target in serves:
+            return translation
+    return None
 
 
 def json_bytes(obj: object) -> bytes:

@@ -18,9 +18,9 @@ from gateway.settings.fields import ConfigError
 from gateway.settings.model import PROVIDER_APIS
 from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
-from gateway.wire.paths import Endpoint
+from gateway.wire.paths import API_ENDPOINTS, Endpoint, endpoints_of
 from gateway.wire.responses import RESPONSES
-from gateway.wire.translate.routes import API_ENDPOINTS, TRANSLATIONS, endpoints_of
+from gateway.wire.translate.routes import TRANSLATIONS
 from providers.anthropic import AnthropicProvider
 from providers.bedrock import BedrockProvider
 from providers.openai import OpenAIProvider
@@ -49,7 +49,7 @@ def pool_of(*, translate: bool = True, chat_apis: tuple[str, ...] | None = ("cha
     )
     settings = PoolSettings(name="pool", backends=backends, translate=translate)
     return PoolRuntime.build(settings, providers or PROVIDERS, global_hedging=True, now=0.0,
-                             rng=random.Random(1))
+                             rng=random.Random(1), translations=TRANSLATIONS)
 
 
 def request(endpoint: Endpoint, **body: Any) -> LogicalRequest:

@@ -227,6 +227,7 @@ class ChatToMessages:
         "_spliced",
         "ended",
         "failed",
+        "include_usage",
         "model",
         "next_index",
         "open",
@@ -247,6 +248,8 @@ class ChatToMessages:
         self.stop: str | None = None
         self.usage: Usage | None = None
         self.ended = self.failed = False
+        #: Messages always reports usage: what a Chat client asks for does not apply
+        self.include_usage = True
         self._chat_usage: dict[str, Any] | None = None
         #: per block index: the `content_block_delta` bytes around a delta's text (`feed`)
         self._spliced: dict[int, tuple[bytes, bytes]] = {}

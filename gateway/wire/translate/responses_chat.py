@@ -242,8 +242,8 @@ class ChatToResponses:
     output index; the finished items are kept for the final response object (bounded by the
     answer, which the client receives anyway)."""
 
-    __slots__ = ("_chat_usage", "created", "ended", "failed", "finish", "id", "model", "open",
-                 "output", "seq", "started", "texts", "tools", "usage")
+    __slots__ = ("_chat_usage", "created", "ended", "failed", "finish", "id", "include_usage",
+                 "model", "open", "output", "seq", "started", "texts", "tools", "usage")
 
     def __init__(self, created: int) -> None:
         self.created = created
@@ -261,6 +261,8 @@ class ChatToResponses:
         self.finish: str | None = None
         self.usage: Usage | None = None
         self.ended = self.failed = False
+        #: the Responses API always reports usage: a Chat client's wish does not apply
+        self.include_usage = True
         self._chat_usage: Any = None
 
     def _event(self, kind: str, /, **payload: Any) -> bytes:

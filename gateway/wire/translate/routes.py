@@ -1,19 +1,20 @@
-"""Which client route reaches which backend route by translation, and how (pure).
+"""The translations: which client route reaches which backend route, and how (pure).
 
 A backend serves the routes its provider speaks, narrowed by its `apis`; a request on a route
-the chosen backend does not serve goes to a route it does serve when a `Translation` joins
-the two. The table is read once per request and per backend that needs it (never per event);
-what a translation carries per stream is a fresh state machine behind the relay's `Encoder`.
+the chosen backend does not serve goes to a route it does serve when a `Translation`
+(`gateway.wire.base`) of this table joins the two. The composition root hands the table to
+each pool, so the race and its plan read no one API's module; it is read once per request
+and per backend that needs it (never per event), and what a translation carries per stream
+is a fresh state machine behind the relay's `Encoder`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from gateway.wire.base import Encoder, RelayOutcome, StreamEnd, WireProtocol, json_bytes
+from gateway.wire.base import Translation, json_bytes
 from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
 from gateway.wire.paths import Endpoint
@@ -31,27 +32,19 @@ from gateway.wire.translate.responses_chat import (
 )
 from gateway.wire.usage import Usage
 
-#: each API's routes (the `apis` a backend may be narrowed to)
-API_ENDPOINTS: Mapping[str, frozenset[Endpoint]] = {
-    "chat": frozenset({"chat/completions"}),
-    "completions": frozenset({"completions"}),
-    "embeddings": frozenset({"embeddings"}),
-    "responses": frozenset({"responses", "responses/item"}),
-    "messages": frozenset({"messages", "messages/count_tokens"}),
-}
-
-
 
 class ThroughChat:
     """A Messages stream written as a Responses stream through Chat: each Messages event to
     Chat chunks (`MessagesToChat`), each of those to Responses events (`ChatToResponses`).
     The chunks in between are single-line `data:` events, split without a decoder."""
 
-    __slots__ = ("first", "second")
+    __slots__ = ("first", "include_usage", "second")
 
     def __init__(self, created: int) -> None:
         self.first = MessagesToChat(created, include_usage=True)
         self.second = ChatToResponses(created)
+        #: the Responses API always reports usage: a Chat client's wish does not apply
+        self.include_usage = True
 
     @property
     def usage(self) -> Usage | None:
@@ -73,44 +66,6 @@ class ThroughChat:
                          for part in chunks.split(b"\n\n") if part])
 
 
-Machine = ChatToMessages | MessagesToChat | ChatToResponses | ThroughChat
-
-
-@dataclass(frozen=True, slots=True)
-class Translation:
-    """A client route answered by a backend route of another API."""
-
-    #: `client->backend` by API (`chat->messages`): the label it is counted under
-    name: str
-    client: Endpoint
-    backend: Endpoint
-    #: the backend's wire rules: its first token, its end, its errors before commit
-    protocol: WireProtocol
-    #: the client's request body -> the backend's (Untranslatable: a 400 naming the field)
-    request: Callable[[Mapping[str, Any]], dict[str, Any]]
-    #: a whole backend answer -> the client's, given `created` (seconds since the epoch)
-    answer: Callable[[bytes, int], bytes]
-    #: a fresh state machine for one stream, given `created`
-    machine: Callable[[int], Machine]
-
-    def encoder(self, created: int) -> Encoder:
-        """The relay's encoder for one translated stream: the backend's events, each
-        translated as it arrives (once per stream)."""
-        machine = self.machine(created)
-        feed = machine.feed
-        chat = machine if isinstance(machine, MessagesToChat) else None
-
-        def events(batch: list[SSEEvent], _request_id: str, outcome: RelayOutcome) -> bytes:
-            if chat is not None:  # the client's own wish (the relay strips what it did not ask)
-                chat.include_usage = not outcome.strip_usage
-            # one event per read is the usual case: no list, no join
-            out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
-            outcome.usage = machine.usage or outcome.usage
-            if machine.ended:
-                outcome.end = StreamEnd.UPSTREAM_ERROR if machine.failed else StreamEnd.DONE
-            return out
-
-        return Encoder(events)
 
 
 def _whole(translate: Callable[[dict[str, Any], int], dict[str, Any]]
@@ -143,21 +98,3 @@ TRANSLATIONS: Mapping[tuple[Endpoint, Endpoint], Translation] = {
 
 #: every translation's name, in a fixed order: the only values the stats' label takes
 TRANSLATION_NAMES: tuple[str, ...] = tuple(t.name for t in TRANSLATIONS.values())
-
-
-def translation_for(client: Endpoint, serves: frozenset[str]) -> Translation | None:
-    """The translation that takes a request on `client` to a backend serving `serves` (None:
-    it serves `client` itself, or no translation reaches it)."""
-    if client in serves:
-        return None
-    for (source, target), translation in TRANSLATIONS.items():
-        if source == client and target in serves:
-            return translation
-    return None
-
-
-def endpoints_of(apis: tuple[str, ...] | None, serves: frozenset[str]) -> frozenset[str]:
-    """The routes a backend serves: its provider's (`serves`), narrowed to `apis` if set."""
-    if apis is None:
-        return serves
-    return serves & frozenset().union(*(API_ENDPOINTS[api] for api in apis))
