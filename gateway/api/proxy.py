@@ -315,7 +315,7 @@ class Proxy:
             clock=self.clock,
             outcome=outcome,
             protocol=protocol if result.prefix.translation is None
-            else _translating(protocol, result.prefix.translation),
+            else _translating(protocol, result.prefix.translation, not strip_usage),
             rewrite=rewrite,
         )
 
@@ -355,10 +355,11 @@ def _upstream_request(req: LogicalRequest, body: Mapping[str, Any],
     )
 
 
-def _translating(protocol: WireProtocol, translation: Translation) -> WireProtocol:
+def _translating(protocol: WireProtocol, translation: Translation, include_usage: bool
+                 ) -> WireProtocol:
     """The client's protocol (its errors, its shutdown event) with the translated stream's
     encoder: the backend's events written in the client's API. Once per translated stream."""
-    encoder = translation.encoder(int(time.time()))
+    encoder = translation.encoder(int(time.time()), include_usage)
     return dataclasses.replace(protocol, encoder=lambda _protocol, _rewrite: encoder)
 
 

@@ -160,23 +160,32 @@ class Translation:
     #: a fresh state machine for one stream, given `created`
     machine: Callable[[int], StreamTranslator]
 
-    def encoder(self, created: int) -> Encoder:
+    def encoder(self, created: int, include_usage: bool = True) -> Encoder:
         """The relay's encoder for one translated stream: the backend's events, each
-        translated as it arrives (once per stream)."""
+        translated as it arrives (once per stream). `include_usage`: the client asked for
+        the usage chunk (a Chat client's `stream_options`). A read of plain `data:` events
+        (a Chat backend's, `SSEBatch.raw`) is fed without building its events."""
         machine = self.machine(created)
+        machine.include_usage = include_usage
         feed = machine.feed
 
         def events(batch: list[SSEEvent], _request_id: str, outcome: RelayOutcome) -> bytes:
-            # the client's own wish (the relay strips the usage chunk it did not ask for)
-            machine.include_usage = not outcome.strip_usage
             # one event per read is the usual case: no list, no join
             out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
-            outcome.usage = machine.usage or outcome.usage
+            usage = machine.usage
+            if usage is not outcome.usage and usage is not None:
+                outcome.usage = usage
             if machine.ended:
                 outcome.end = StreamEnd.UPSTREAM_ERROR if machine.failed else StreamEnd.DONE
             return out
 
-        return Encoder(events)
+        def by_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> bytes:
+            raw = batch.raw
+            if raw is None or raw.find(b"\n\n") != len(raw) - 2:
+                return events(batch.events, request_id, outcome)
+            return events([SSEEvent(raw[6:-2])], request_id, outcome)
+
+        return Encoder(events, by_batch)
 
 
 #: (client route, backend route) -> the translation between them
