@@ -41,7 +41,16 @@ from tests.e2e.test_sim_tools import (
     gpt,
     slow_primary,
 )
-from tests.harness import AsgiServerFactory, RunningServer
+from tests.harness import AsgiServerFactory, RunningServer, UpstreamFactory
+from tests.harness.bodies import json_script
+from tests.harness.protocol_wire import (
+    SSE_HEADERS,
+    anthropic_error,
+    message_start,
+    text_block_start,
+    text_delta,
+)
+from tests.harness.scripts import Head, Script, Send
 
 POOL = "tools"
 
@@ -272,3 +281,43 @@ def test_translate_false_keeps_each_request_on_its_own_api(
     assert "x-hedge-translated" not in raw.headers
     assert raw.parse().type == "message"
     del sims
+
+
+def test_a_messages_backend_s_errors_reach_a_chat_client_in_its_shape(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory,
+) -> None:
+    """A scripted Messages upstream, a Chat client: its 429 is the client's 429 in OpenAI's
+    shape with the upstream's retry advice, and its `error` event after the first token ends
+    the client's stream with an error chunk the SDK raises; what it was sent is a Messages
+    request."""
+    busy = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    scripts = iter([
+        json_script(busy, 429, headers={"retry-after": "7"}),
+        Script(headers=SSE_HEADERS, steps=[
+            Head(), Send(message_start()), Send(text_block_start()), Send(text_delta("Hi")),
+            Send(anthropic_error("overloaded_error", "Overloaded"))]),
+    ])
+    (upstream,) = scripted_upstream(1, responder=lambda _request: next(scripts))
+    pool = PoolSettings(name=POOL, timeout=20.0, backends=(
+        BackendSettings(name="messages", provider="anthropic", base_url=upstream.root_url,
+                        api_key="sk-ant-x", model="claude"),))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    asked: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with gpt(gateway) as client:
+        with pytest.raises(openai.RateLimitError) as limited:
+            client.chat.completions.create(model=POOL, messages=asked)
+        assert limited.value.response.headers["retry-after"] == "7"
+        body = limited.value.body
+        assert isinstance(body, dict) and body["type"] == "rate_limit_error"  # OpenAI's shape
+        seen: list[str] = []
+        with pytest.raises(openai.APIError) as cut:
+            for chunk in client.chat.completions.create(model=POOL, messages=asked,
+                                                         stream=True):
+                seen += [c.delta.content or "" for c in chunk.choices]
+        assert "".join(seen) == "Hi"  # the token before the error, then the error
+        assert "Overloaded" in cut.value.message
+    sent = upstream.requests[0]
+    assert sent.path == "/v1/messages" and sent.body["model"] == "claude"
+    assert sent.body["system"] == [{"type": "text", "text": "be brief"}]
+    assert sent.body["max_tokens"] == 4096
