@@ -9,11 +9,16 @@ answer comes from the other API's backend, translated; the first request of each
 sent until the slow backend was its primary, so that answer is a hedged race between a Chat
 and a Messages backend, won by the translated hedge, its loser cut. Then the tool's result
 goes back and the answer is text: a tool round trip in the client's own shape.
+
+`test_every_translated_route_answers_in_its_own_shape` is generated from the route table
+(`gateway.api.inference.INFERENCE_ROUTES`) and the translations: a route or a translation
+added there is tried here, streamed and whole, with the route matrix's own answer check.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -21,6 +26,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute
 from gateway.app import create_app
 from gateway.settings import (
     BackendSettings,
@@ -29,7 +35,9 @@ from gateway.settings import (
     PoolSettings,
     Settings,
 )
+from gateway.wire.translate.routes import TRANSLATIONS
 from providers.sim.server import create_sim_app
+from tests.e2e.test_route_matrix import check_answer
 from tests.e2e.test_sim_tools import (
     FAST,
     QUESTION,
@@ -42,7 +50,7 @@ from tests.e2e.test_sim_tools import (
     slow_primary,
 )
 from tests.harness import AsgiServerFactory, RunningServer, UpstreamFactory
-from tests.harness.bodies import json_script
+from tests.harness.bodies import json_script, smallest_body
 from tests.harness.protocol_wire import (
     SSE_HEADERS,
     anthropic_error,
@@ -321,3 +329,44 @@ def test_a_messages_backend_s_errors_reach_a_chat_client_in_its_shape(
     assert sent.path == "/v1/messages" and sent.body["model"] == "claude"
     assert sent.body["system"] == [{"type": "text", "text": "be brief"}]
     assert sent.body["max_tokens"] == 4096
+
+
+# --- every translated route, generated from the route table and the translations -------------
+
+#: each backend route a translation reaches, as a backend that serves only it
+_ONLY: dict[str, Callable[[RunningServer], BackendSettings]] = {
+    "chat/completions": lambda sim: BackendSettings(
+        name="only", provider="openai", base_url=sim.v1, model="m", apis=("chat",)),
+    "messages": lambda sim: BackendSettings(
+        name="only", provider="anthropic", base_url=sim.base_url, model="m"),
+}
+MATRIX = [
+    pytest.param(route, backend, stream,
+                 id=f"{route.path} {'stream' if stream else 'whole'} -> {backend}")
+    for route in INFERENCE_ROUTES if not route.stored and not route.single
+    for (client, backend) in TRANSLATIONS if client == route.endpoint
+    for stream in ((False, True) if route.streams else (False,))
+]
+
+
+@pytest.mark.parametrize(("route", "backend", "stream"), MATRIX)
+def test_every_translated_route_answers_in_its_own_shape(
+    asgi_server: AsgiServerFactory, route: InferenceRoute, backend: str, stream: bool,
+) -> None:
+    """Each route a translation serves, streamed and whole, against a pool whose one backend
+    serves only the translation's target: the route's own answer (its end of stream or its
+    body), the header naming the translation, and the translation counted."""
+    sim = asgi_server(create_sim_app(FAST, seed=1))
+    pool = PoolSettings(name=POOL, timeout=20.0, backends=(_ONLY[backend](sim),))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    body = smallest_body(route, POOL, stream)
+    assert body is not None
+    if route.endpoint == "responses":
+        body["store"] = False  # only a request without stored state is translated
+    with httpx.Client(base_url=gateway.base_url, timeout=20.0) as client, client.stream(
+            route.method, route.path, json=body) as response:
+        response.read()
+    check_answer(route, stream, response)
+    name = next(t.name for (c, b), t in TRANSLATIONS.items()
+                if (c, b) == (route.endpoint, backend))
+    assert response.headers["x-hedge-translated"] == name
