@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gateway.api.request import LogicalRequest
-from gateway.errors import RouteNotServed, Untranslatable
+from gateway.errors import AllAttemptsFailed, RouteNotServed, Untranslatable
 from gateway.hedge.plan import routing
 from gateway.hedge.pool import PoolRuntime
 from gateway.settings import BackendSettings, PoolSettings, load_settings
@@ -140,3 +140,13 @@ def test_apis_in_the_configuration(tmp_path: Any) -> None:
     assert any("apis" in e for e in load("[graphql]"))
     pool = dataclasses.replace(pool_of().settings, translate=False)
     assert pool.translate is False
+
+
+@pytest.mark.parametrize("body", [b'{"content": "not blocks", "choices": "x"}',
+                                  b'{"choices": [{"message": "a string"}]}', b"[1]"])
+def test_a_whole_answer_of_a_shape_its_api_never_has_is_a_502(body: bytes) -> None:
+    for translation in TRANSLATIONS.values():
+        try:
+            translation.answer(body, 0)
+        except AllAttemptsFailed as exc:
+            assert exc.status == 502

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gateway.errors import AllAttemptsFailed
 from gateway.wire.base import Translation, json_bytes
 from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
@@ -71,7 +72,14 @@ class ThroughChat:
 def _whole(translate: Callable[[dict[str, Any], int], dict[str, Any]]
            ) -> Callable[[bytes, int], bytes]:
     def answer(data: bytes, created: int) -> bytes:
-        return json_bytes(translate(json.loads(data), created))
+        """The client's answer; a backend answer of a shape its API never has (a string
+        where an object goes) is the backend's failure, a 502, not a bug of ours."""
+        try:
+            return json_bytes(translate(json.loads(data), created))
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError,
+                RecursionError) as exc:
+            raise AllAttemptsFailed([f"the backend's answer could not be translated "
+                                     f"({type(exc).__name__})"]) from None
 
     return answer
 
