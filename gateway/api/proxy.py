@@ -359,7 +359,7 @@ def _translating(protocol: WireProtocol, translation: Translation, include_usage
                  ) -> WireProtocol:
     """The client's protocol (its errors, its shutdown event) with the translated stream's
     encoder: the backend's events written in the client's API. Once per translated stream."""
-    encoder = translation.encoder(int(time.time()), include_usage)
+    encoder = translation.encoder(int(time.time()), include_usage, protocol.error_event)
     return dataclasses.replace(protocol, encoder=lambda _protocol, _rewrite: encoder)
 
 

@@ -160,18 +160,26 @@ class Translation:
     #: a fresh state machine for one stream, given `created`
     machine: Callable[[int], StreamTranslator]
 
-    def encoder(self, created: int, include_usage: bool = True) -> Encoder:
+    def encoder(self, created: int, include_usage: bool,
+                error_event: Callable[[str, str, str], bytes]) -> Encoder:
         """The relay's encoder for one translated stream: the backend's events, each
         translated as it arrives (once per stream). `include_usage`: the client asked for
-        the usage chunk (a Chat client's `stream_options`). A read of plain `data:` events
+        the usage chunk (a Chat client's `stream_options`); `error_event`: the client
+        protocol's, which ends the stream when the backend sends an event of a shape its API
+        never has (the backend's failure, not a bug of ours). A read of plain `data:` events
         (a Chat backend's, `SSEBatch.raw`) is fed without building its events."""
         machine = self.machine(created)
         machine.include_usage = include_usage
         feed = machine.feed
 
-        def events(batch: list[SSEEvent], _request_id: str, outcome: RelayOutcome) -> bytes:
-            # one event per read is the usual case: no list, no join
-            out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
+        def events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
+            try:
+                # one event per read is the usual case: no list, no join
+                out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
+            except (TypeError, AttributeError, KeyError, IndexError, ValueError):
+                outcome.end = StreamEnd.UPSTREAM_ERROR
+                return error_event("upstream sent an event its API never has",
+                                   "upstream_error", request_id)
             usage = machine.usage
             if usage is not outcome.usage and usage is not None:
                 outcome.usage = usage

@@ -16,10 +16,12 @@ from gateway.hedge.pool import PoolRuntime
 from gateway.settings import BackendSettings, PoolSettings, load_settings
 from gateway.settings.fields import ConfigError
 from gateway.settings.model import PROVIDER_APIS
+from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
 from gateway.wire.paths import API_ENDPOINTS, Endpoint, endpoints_of
 from gateway.wire.responses import RESPONSES
+from gateway.wire.sse import SSEEvent
 from gateway.wire.translate.routes import TRANSLATIONS
 from providers.anthropic import AnthropicProvider
 from providers.bedrock import BedrockProvider
@@ -150,3 +152,13 @@ def test_a_whole_answer_of_a_shape_its_api_never_has_is_a_502(body: bytes) -> No
             translation.answer(body, 0)
         except AllAttemptsFailed as exc:
             assert exc.status == 502
+
+
+def test_a_stream_event_of_a_shape_its_api_never_has_ends_the_stream_as_upstream_error() -> None:
+    translation = TRANSLATIONS[("chat/completions", "messages")]
+    encoder = translation.encoder(0, True, CHAT.error_event)
+    outcome = RelayOutcome()
+    out = encoder.events([SSEEvent(b'{"type":"message_start","message":"not an object"}')],
+                         "req-1", outcome)
+    assert outcome.end is StreamEnd.UPSTREAM_ERROR
+    assert b"upstream_error" in out and b"req-1" in out
