@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,8 @@ from gateway.wire.messages import MESSAGES
 from gateway.wire.paths import API_ENDPOINTS, Endpoint, endpoints_of
 from gateway.wire.responses import RESPONSES
 from gateway.wire.sse import SSEEvent
+from gateway.wire.translate.chat_messages import DROPPED_CHAT, DROPPED_MESSAGES
+from gateway.wire.translate.responses_chat import DROPPED_RESPONSES
 from gateway.wire.translate.routes import TRANSLATIONS
 from providers.anthropic import AnthropicProvider
 from providers.bedrock import BedrockProvider
@@ -162,3 +165,16 @@ def test_a_stream_event_of_a_shape_its_api_never_has_ends_the_stream_as_upstream
                          "req-1", outcome)
     assert outcome.end is StreamEnd.UPSTREAM_ERROR
     assert b"upstream_error" in out and b"req-1" in out
+
+
+def test_the_docs_list_every_dropped_field() -> None:
+    """docs/translation.md's lists of what is dropped name every field the code drops."""
+    doc = (Path(__file__).parents[2] / "docs" / "translation.md").read_text()
+    sections = {"Chat Completions → Messages": DROPPED_CHAT,
+                "Messages → Chat Completions": DROPPED_MESSAGES,
+                "Responses API → Chat Completions": DROPPED_RESPONSES}
+    for title, dropped in sections.items():
+        section = doc.split(f"## Requests: {title}")[1].split("\n## ")[0]
+        listed = section.split("**Dropped**")[1]
+        missing = [name for name in dropped if f"`{name}`" not in listed]
+        assert not missing, (title, missing)

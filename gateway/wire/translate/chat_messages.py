@@ -21,16 +21,15 @@ DEFAULT_MAX_TOKENS = 4096
 #: the tool a Chat `response_format` (JSON output) becomes on a Messages backend: forced, its
 #: arguments are the JSON answer, and the answer's translation turns them back into text
 JSON_TOOL = "json_answer"
-#: Chat fields dropped on the way to Messages: they tune delivery or bookkeeping, not the answer
+#: Chat fields dropped on the way to Messages: they tune delivery or bookkeeping, not the
+#: answer (docs/translation.md lists them; a test holds the two equal)
 DROPPED_CHAT = frozenset({
-    "model", "stream", "stream_options", "service_tier", "store", "metadata", "seed",
-    "prediction", "parallel_tool_calls", "user", "max_tokens", "max_completion_tokens",
-    "safety_identifier", "prompt_cache_key", "verbosity",
+    "service_tier", "store", "metadata", "seed", "prediction", "safety_identifier",
+    "prompt_cache_key", "verbosity",
 })
-#: Messages fields dropped on the way to Chat (`metadata.user_id` becomes `user`)
+#: Messages fields dropped on the way to Chat (of `metadata`, `user_id` becomes `user`)
 DROPPED_MESSAGES = frozenset({
-    "model", "stream", "metadata", "service_tier", "context_management", "cache_control",
-    "output_config", "inference_geo",
+    "service_tier", "context_management", "cache_control", "output_config", "inference_geo",
 })
 #: a Chat field at its default (or absent) changes nothing; any other value changes the answer
 _CHAT_DEFAULTS: Mapping[str, Any] = {

@@ -22,9 +22,10 @@ from gateway.wire.sse import SSEEvent
 from gateway.wire.usage import Usage, usage_of
 
 #: Responses fields dropped on the way to Chat: bookkeeping and delivery, not the answer
+#: (docs/translation.md lists them; a test holds the two equal)
 DROPPED_RESPONSES = frozenset({
-    "model", "stream", "store", "metadata", "include", "truncation", "service_tier",
-    "safety_identifier", "prompt_cache_key", "max_tool_calls", "stream_options", "user",
+    "metadata", "include", "truncation", "service_tier", "safety_identifier",
+    "prompt_cache_key", "max_tool_calls", "stream_options", "user",
 })
 #: what keeps a request on Responses backends: (field, the value that is translatable)
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
