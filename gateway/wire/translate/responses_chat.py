@@ -27,7 +27,7 @@ DROPPED_RESPONSES = frozenset({
     "metadata", "include", "truncation", "service_tier", "safety_identifier",
     "prompt_cache_key", "max_tool_calls", "stream_options", "user",
 })
-#: what keeps a request on Responses backends: (field, the value that is translatable)
+#: fields that name stored state: a request that carries one stays on Responses backends
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 
 
