@@ -20,16 +20,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from gateway.api.admin import build_admin_router
 from gateway.api.asgi import FastRoutes, GatewayAPI
 from gateway.api.browser import BrowserGuard
 from gateway.api.chat import build_router
 from gateway.api.common import gateway_error_response, install_error_handlers
 from gateway.api.end import report_bug
 from gateway.api.keys import KeyRing
+from gateway.api.keystore import TenantSync
 from gateway.api.messages import build_messages_router
 from gateway.api.ops import build_ops_router
 from gateway.api.proxy import Proxy
 from gateway.api.responses import build_responses_router
+from gateway.api.tenancy import TenantGate
 from gateway.clock import Clock, monotonic
 from gateway.dashboard import PerSecond, build_dashboard_router, run_sampler, sample_now
 from gateway.drain import Drain
@@ -179,11 +182,14 @@ class Reloader:
         workers: int = 1,
         keys: Mapping[str, KeyRing] | None = None,
         contexts: CaContexts | None = None,
+        gate: TenantGate | None = None,
     ) -> None:
         """`workers`: under `serve --workers N`, a reloaded file's budgets are split as at
         start (`gateway.server.workers.worker_settings`). `keys`: the rings the routes
         check, by their `server` field (`api_keys`, `ops_keys`): a reload that changes one
-        swaps it in. `contexts`: the TLS contexts the backends were built with."""
+        swaps it in. `contexts`: the TLS contexts the backends were built with. `gate`: the
+        client keys of `keys:`, replaced by a reloaded file's (a revoked key is refused from
+        the next request)."""
         self.live = live
         self.stats = stats
         self._client = client
@@ -192,6 +198,7 @@ class Reloader:
         self._workers = workers
         self._keys = dict(keys or {})
         self._contexts = contexts if contexts is not None else CaContexts()
+        self._gate = gate
         #: the reload a SIGHUP started, and whether another SIGHUP came meanwhile
         self._running: asyncio.Task[bool] | None = None
         self._again = False
@@ -245,6 +252,7 @@ class Reloader:
         if isinstance(loaded, list):
             return self._refused(loaded)
         data, settings = loaded
+        current_keys = self.live.current.settings.keys
         running = self.live.current.settings.server
         # keys take effect now (rotating a leaked one must not need a restart)
         swapped = {name: getattr(settings.server, name) for name in self._keys
@@ -262,6 +270,11 @@ class Reloader:
         except Exception as exc:  # noqa: BLE001 - building a backend failed: nothing swapped
             return self._refused([f"{path}: its backends could not be built "
                                   f"({type(exc).__name__})"])
+        if self._gate is not None and settings.keys != current_keys:
+            self._gate.replace(settings.keys)
+            LOGGER.warning("configuration reload: keys changed (%d named key%s), in effect "
+                           "for new requests", len(settings.keys),
+                           "" if len(settings.keys) == 1 else "s")
         for name, value in swapped.items():
             self._keys[name].replace(value)
             LOGGER.warning("configuration reload: server.%s changed (%d key%s), in effect for "
@@ -330,6 +343,14 @@ def create_app(
     series = Series(source.origin)
     drain = Drain()
     proxy = Proxy(settings.server, stats, clock, drain, tracing)
+    rings = {name: KeyRing(getattr(settings.server, name)) for name in RELOADED_SERVER_KEYS}
+    api_keys, ops_keys = rings["api_keys"], rings["ops_keys"]
+    # the store only where keys are named (usage to keep) or made at run time: a gateway
+    # without them opens no file and asks no key. With it, a key is always asked (revoking
+    # the last key must not open the gateway to anyone)
+    keyed = bool(settings.keys or settings.server.admin_keys or settings.server.store)
+    gate = TenantGate(api_keys, settings.keys, clock, required=keyed)
+    sync = TenantSync(gate, settings.server.store, workers) if keyed else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -341,6 +362,9 @@ def create_app(
         tasks = [refresher, asyncio.create_task(
             close_retired(live, stats, delay_refresh), name="close-retired-providers")]
         try:
+            if sync is not None:  # the keys made at run time, before the first request
+                await sync.start()
+                tasks.append(asyncio.create_task(sync.run(), name="tenant-store-sync"))
             await sample_now(series, source.series_reading_async)  # before serving: the baseline
             tasks.append(asyncio.create_task(
                 run_sampler(series, source.series_reading_async, clock), name="series-sampler"))
@@ -349,6 +373,8 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.wait(tasks)
+            if sync is not None:
+                await sync.stop()  # the last batch of usage
             if publisher is not None:
                 publisher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -360,8 +386,6 @@ def create_app(
             await client.aclose()
 
     fast = FastRoutes()
-    rings = {name: KeyRing(getattr(settings.server, name)) for name in RELOADED_SERVER_KEYS}
-    api_keys, ops_keys = rings["api_keys"], rings["ops_keys"]
     app = GatewayAPI(
         fast=fast,
         on_error=gateway_error_response,
@@ -380,9 +404,11 @@ def create_app(
         redirect_slashes=False,
     )
     install_error_handlers(app)
-    app.include_router(build_router(settings, live, proxy, fast, api_keys))
-    app.include_router(build_responses_router(settings, live, proxy, fast, keys=api_keys))
-    app.include_router(build_messages_router(settings, live, proxy, fast, keys=api_keys))
+    app.include_router(build_router(settings, live, proxy, fast, gate))
+    app.include_router(build_responses_router(settings, live, proxy, fast, gate))
+    app.include_router(build_messages_router(settings, live, proxy, fast, gate))
+    if settings.server.admin_keys:  # else there is no admin API, not even its routes
+        app.include_router(build_admin_router(rings["admin_keys"], sync, live))
     #: the per-second caches of /hedge/stats and /metrics (their `builds` count)
     app.state.ops_read_caches = (PerSecond(), PerSecond())
     app.include_router(build_ops_router(live, clock, stats=source, metrics=metrics, drain=drain,
@@ -395,7 +421,11 @@ def create_app(
     app.state.live = live
     #: `reloader.hangup(path)` on SIGHUP (wired by `hedge-gateway serve`)
     app.state.reloader = Reloader(live, stats, client, clock, rng, workers, keys=rings,
-                                  contexts=contexts)
+                                  contexts=contexts, gate=gate)
+    #: the client keys (`server.api_keys`, `keys:`) and their live limits
+    app.state.tenant_gate = gate
+    #: the store behind the keys (None: the gateway opens none)
+    app.state.tenant_sync = sync
     app.state.stats = stats
     #: the `/hedge/stats` document as of now (the endpoint's is up to a second old)
     app.state.stats_source = source

@@ -21,6 +21,7 @@ from gateway import argtypes
 if TYPE_CHECKING:
     from gateway.settings import ServerSettings, Settings, SimProfile
     from gateway.settings.origin import ConfigOrigin
+    from gateway.settings.tenants import TenantKeySettings
 
 
 DEFAULT_STATS_URL = "http://127.0.0.1:8080"
@@ -41,7 +42,7 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"hedge-gateway: cannot read {ns.config}: {exc.strerror}", file=sys.stderr)
         return 2
     file_server, server = file_settings.server, settings.server
-    warn_at_start(server, ns.log_level)
+    warn_at_start(server, ns.log_level, settings.keys)
     before, after = raise_open_file_limit()  # a stream holds two descriptors (and workers
     raised = f" (raised from {before})" if after != before else ""  # inherit the limit)
     print(f"hedge-gateway: open-file limit {after}{raised}", file=sys.stderr)
@@ -122,29 +123,31 @@ def _curl_line(settings: Settings, root: str) -> str:
             f"-d '{data}'")
 
 
-def start_warnings(server: ServerSettings) -> list[str]:
+def start_warnings(server: ServerSettings,
+                   keys: tuple[TenantKeySettings, ...] = ()) -> list[str]:
     """What an operator should hear before `serve` listens: keys or secrets short enough to
-    guess, and a listener reachable from other machines that asks no client key (anyone who
+    guess, a listener reachable from other machines that asks no client key (anyone who
     reaches the port spends the upstream keys; a page's rebound name too, unless
-    `server.allowed_hosts` is set)."""
+    `server.allowed_hosts` is set), and rules of `keys:` this version does not enforce yet."""
     from gateway.api.browser import is_loopback
-    from gateway.settings.load import weak_secrets
+    from gateway.settings.load import unenforced_keys, weak_secrets
 
-    lines = weak_secrets(server)
-    if not is_loopback(server.host) and not server.api_keys:
+    lines = weak_secrets(server) + unenforced_keys(keys)
+    if not is_loopback(server.host) and not server.api_keys and not keys:
         lines.append(f"listening on {server.host}, reachable from other machines, without "
                      "client keys: anyone who reaches the port can use the upstreams; set "
                      "server.api_keys")
     return lines
 
 
-def warn_at_start(server: ServerSettings, level: str) -> None:
+def warn_at_start(server: ServerSettings, level: str,
+                  keys: tuple[TenantKeySettings, ...] = ()) -> None:
     """Log `start_warnings`, one line each, on `hedge_gateway.config` (configured here: the
     server configures the same logging again when it starts). Kept apart from the start-up
     lines printed above and below it, so either can change without the other."""
     import logging.config
 
-    lines = start_warnings(server)
+    lines = start_warnings(server, keys)
     if lines:
         logging.config.dictConfig(logging_config(level))
         for line in lines:
@@ -338,7 +341,34 @@ def build_parser() -> argparse.ArgumentParser:
                            "with several URLs, the replicas' stats merged into one view")
     stats.add_argument("url", nargs="*", help=f"gateway root URL (default {DEFAULT_STATS_URL})")
     stats.set_defaults(func=_stats)
+
+    keys = sub.add_parser("keys", help="client keys made at run time, and each key's usage, "
+                          "in the store (docs/tenants.md)")
+    keys.add_argument("--store", help="store URL, sqlite:///path (default: --config's "
+                      "server.store, else the embedded file)")
+    keys.add_argument("--config", help="YAML file whose server.store to use")
+    actions = keys.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="make a key; its secret is printed once")
+    create.add_argument("name")
+    create.add_argument("--pool", action="append", help="a pool it may use (repeatable; "
+                        "default: every pool)")
+    for flag in ("requests-per-minute", "input-tokens-per-minute", "output-tokens-per-minute",
+                 "in-flight"):
+        create.add_argument(f"--{flag}", type=argtypes.count, help="limit (default: none)")
+    actions.add_parser("list", help="every key of the store, active or revoked")
+    revoke = actions.add_parser("revoke", help="revoke a key: refused by every worker within "
+                                "a second")
+    revoke.add_argument("name")
+    usage = actions.add_parser("usage", help="requests and tokens per key and UTC day")
+    usage.add_argument("name", nargs="?")
+    keys.set_defaults(func=_keys)
     return parser
+
+
+def _keys(ns: argparse.Namespace) -> int:
+    from gateway.tenants.command import run
+
+    return run(ns, sys.stdout, sys.stderr)
 
 
 # --- sim ---------------------------------------------------------------------------------------

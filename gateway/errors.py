@@ -30,7 +30,8 @@ Two trees, in this one file, and each class carries its facts as class attribute
     ├── UpstreamProtocolError                 ├── UpstreamClientError (an upstream 4xx)
     │   └── UpstreamDisconnected              │   └── ...TooLarge, Unprocessable, NotFound, Conflict
     ├── UpstreamInBandError                   ├── FirstTokenTimeout
-    ├── UpstreamNoToken                       └── InternalError (a bug of ours, 500)
+    ├── UpstreamNoToken                       ├── KeyRateLimited, KeyConflict (client keys)
+    │                                         └── InternalError (a bug of ours, 500)
     └── InternalAttemptError
 
 What each status an upstream answers with means is one table, `UPSTREAM_STATUSES` (read
@@ -296,6 +297,8 @@ class GatewayError(Exception):
         if should_retry is None and 400 <= self.status < 500:
             should_retry = False if self.status not in RETRYABLE_CLIENT_STATUSES else None
         self.should_retry = should_retry
+        #: headers the answer carries besides the retry advice (a key's rate-limit headers)
+        self.headers: list[tuple[bytes, bytes]] = []
 
     @property
     def shown_type(self) -> str:
@@ -448,6 +451,31 @@ class Draining(Overloaded):
 
     def __init__(self) -> None:
         super().__init__("the gateway is shutting down", retry_after=1.0)
+
+
+class KeyRateLimited(GatewayError):
+    """A client key is over one of its own limits (`keys[].limits`): 429 with the pause
+    after which the request would pass, and the key's rate-limit headers. Retryable: the
+    SDKs wait that long and send it again. The message names the key's name and the limit,
+    never the key."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, name: str, kind: str, retry_after: float) -> None:
+        super().__init__(f"key {name!r} is over its {kind.replace('_', ' ')} limit; "
+                         f"retry after {retry_after:.3g} s", retry_after=retry_after)
+        self.kind = kind
+
+
+class KeyConflict(GatewayError):
+    """`/admin/keys`: a key's name that exists already, or a key of the configuration file
+    (made and revoked there, not at run time)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "key_conflict"
 
 
 class InternalError(GatewayError):

@@ -78,7 +78,10 @@ def error_response(exc: GatewayError, request_id: str, protocol: WireProtocol,
     if exc.status >= 500:  # our failure or the upstreams': the id to quote to the operator
         message = f"{exc.message} (request id {request_id})"
     body = protocol.error_body(exc, message)
-    return SafeJSONResponse(body, status_code=exc.status, headers=headers)
+    response = SafeJSONResponse(body, status_code=exc.status, headers=headers)
+    if exc.headers:  # a client key's rate-limit headers
+        response.raw_headers.extend(exc.headers)
+    return response
 
 
 class SafeJSONResponse(JSONResponse):

@@ -10,12 +10,12 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
-from gateway.api.common import check_json_type, make_auth_guard, read_body, request_id_of
+from gateway.api.common import check_json_type, read_body, request_id_of
 from gateway.api.inference import InferenceRoute, route
-from gateway.api.keys import KeyRing
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
+from gateway.api.tenancy import TenantGate, check_pool, supplied_key
 from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -26,23 +26,20 @@ from gateway.wire.validate import check_body, parse_body
 
 
 def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
-                 keys: KeyRing | None = None) -> APIRouter:
+                 gate: TenantGate) -> APIRouter:
     """The API routes. `settings.server` is bound here (body limit: a start-time key); the
-    gateway keys are `keys` (by default `server.api_keys`), read per request so a reload can
-    change them; the pools are read from `live` once per request, so a request keeps the
+    client keys are `gate`'s (`server.api_keys` and `keys:`), read per request so a reload
+    can change them; the pools are read from `live` once per request, so a request keeps the
     generation it started with through a reload. The inference routes go into `fast` too
     (`gateway.api.asgi`) and check the key themselves; `/v1/models` has it as a dependency."""
-    ring = keys if keys is not None else KeyRing(settings.server.api_keys)
-    guard = make_auth_guard(ring)
     router = APIRouter()
-    # the inference routes call the guard only while there are keys: FastAPI solving a
+    # the inference routes check the key only while there are keys: FastAPI solving a
     # dependency costs about 4 % of a streamed request's CPU; /v1/models is not hot
-    guarded = APIRouter(dependencies=[Depends(guard)])
+    guarded = APIRouter(dependencies=[Depends(gate.guard)])
     limit = settings.server.max_body_bytes
 
     async def proxied(request: Request, entry: InferenceRoute) -> Response:
-        if ring.digests:
-            await guard(request)
+        tenant = gate.identify(request) if gate.active else None
         rid = request_id_of(request)
         check_json_type(request)
         raw = await read_body(request, limit, proxy.admission)
@@ -59,9 +56,15 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
                 "the model does not exist in this gateway; GET /v1/models lists them",
                 param="model",
             )
+        check_pool(tenant, model)
         headers = {k.lower(): v for k, v in request.headers.items()}
         req = LogicalRequest(rid, entry.endpoint, body, stream, headers, entry.protocol,
-                             route=entry.path, model=logged_model, body_bytes=size)
+                             route=entry.path, model=logged_model, body_bytes=size,
+                             key=None if tenant is None else tenant.name,
+                             hedging=tenant is None or tenant.settings.hedging.enabled)
+        if tenant is not None:
+            return await gate.limited(request, tenant, size, anthropic=False,
+                                      handle=lambda: proxy.handle(request, pool, req))
         return await proxy.handle(request, pool, req)
 
     chat = route("POST", "/v1/chat/completions")
@@ -85,6 +88,10 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
         """The pools, in OpenAI's list shape, or in Anthropic's when the request carries
         `anthropic-version` (the Anthropic SDKs and tools send it on every call)."""
         names = list(live.current.pools)
+        # a named key sees the pools it may use (the dependency has checked the key)
+        tenant = gate.tenants.find(supplied_key(request, x_api_key=False))
+        if tenant is not None:
+            names = [name for name in names if tenant.may_use(name)]
         if "anthropic-version" in request.headers:
             return anthropic_model_list(names)
         return {

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,9 +20,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.answer import error_response, note_refusal
-from gateway.api.keys import KeyRing, backoff
+from gateway.api.keys import backoff
 from gateway.api.proxy import Admission
 from gateway.api.refusals import REQUEST_ID_KEY
+from gateway.api.tenancy import quota_headers
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -116,6 +116,9 @@ def gateway_error_response(request: Request, exc: GatewayError,
     (`gateway.api.keys.backoff`)."""
     note_refusal(request.scope, exc)
     shape = protocol if protocol is not None else protocol_for_path(request.url.path)
+    if not exc.headers:  # a named key's quotas on every answer to it
+        exc.headers = quota_headers(request.scope,
+                                    anthropic=errors_of(request.url.path) == "anthropic")
     response = error_response(exc, request_id_of(request), shape)
     if isinstance(exc, Unauthorized):
         return slowed(request, response)
@@ -179,33 +182,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
-
-
-#: checks a request's gateway key; raises `Unauthorized`
-Guard = Callable[[Request], Awaitable[None]]
-
-
-def make_auth_guard(keys: KeyRing | tuple[str, ...], *, x_api_key: bool = False) -> Guard:
-    """A dependency that checks the gateway key in constant time (`gateway.api.keys`); a
-    no-op while the ring is empty. The ring is read per request, so a reload that changes
-    `server.api_keys` takes effect for the next request.
-
-    `x_api_key`: the key may also come as `x-api-key` (Anthropic's SDKs send it so).
-    The 401 never repeats what was sent."""
-    ring = keys if isinstance(keys, KeyRing) else KeyRing(keys)
-
-    async def guard(request: Request) -> None:
-        if not ring.digests:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        supplied = token.strip() if scheme.lower() == "bearer" else ""
-        if not supplied and x_api_key:
-            supplied = request.headers.get("x-api-key", "").strip()
-        if not ring.matches(supplied):
-            raise Unauthorized("missing or invalid gateway API key")
-
-    return guard
 
 
 def protocol_for_path(path: str) -> WireProtocol:

@@ -34,6 +34,9 @@ LOGGER = logging.getLogger("hedge_gateway.errors")
 #: proxy and this end; without it the app writes a refusal's line
 #: (`gateway.api.refusals`), so that every request has exactly one
 LINE_KEY = "hedge_line"
+#: the key in a request's scope state under which the proxy leaves the request's summary, for
+#: what runs after its answer (a client key's limits charge its usage: `gateway.api.tenancy`)
+SUMMARY_KEY = "hedge_summary"
 
 
 def report_bug(stats: Stats, exc: BaseException) -> None:

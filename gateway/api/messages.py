@@ -13,12 +13,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
-from gateway.api.common import check_json_type, make_auth_guard, read_body, request_id_of
+from gateway.api.common import check_json_type, read_body, request_id_of
 from gateway.api.inference import InferenceRoute, route
-from gateway.api.keys import KeyRing
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
+from gateway.api.tenancy import TenantGate, check_pool
 from gateway.errors import ModelNotFound
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
@@ -29,18 +29,15 @@ _MESSAGES_FORWARD = ("anthropic-beta",)
 
 
 def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
-                          keys: KeyRing | None = None) -> APIRouter:
+                          gate: TenantGate) -> APIRouter:
     """The Messages routes. Like `gateway.api.chat.build_router`, the pools are read from
     `live` once per request (a reload never changes a running request's rules); the routes go
-    into `fast` too (`gateway.api.asgi`) and check the key themselves."""
-    ring = keys if keys is not None else KeyRing(settings.server.api_keys)
-    guard = make_auth_guard(ring, x_api_key=True)
+    into `fast` too (`gateway.api.asgi`) and check the key (`gate`) themselves."""
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
     async def inference(request: Request, entry: InferenceRoute) -> Response:
-        if ring.digests:
-            await guard(request)
+        tenant = gate.identify(request, x_api_key=True) if gate.active else None
         check_json_type(request)
         raw = await read_body(request, limit, proxy.admission)
         body, size = parse_body(raw), len(raw)
@@ -53,13 +50,18 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
                 "the model does not exist in this gateway; GET /v1/models lists them",
                 param="model",
             )
+        check_pool(tenant, model)
         headers = {k.lower(): v for k, v in request.headers.items()}
         forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
         req = LogicalRequest(request_id_of(request), entry.endpoint, body, stream, headers,
                              protocol=entry.protocol,
                              single=entry.single,
                              forward_headers=forward, route=entry.path, model=logged_model,
-                             body_bytes=size)
+                             body_bytes=size, key=None if tenant is None else tenant.name,
+                             hedging=tenant is None or tenant.settings.hedging.enabled)
+        if tenant is not None:
+            return await gate.limited(request, tenant, size, anthropic=True,
+                                      handle=lambda: proxy.handle(request, pool, req))
         return await proxy.handle(request, pool, req)
 
     create = route("POST", "/v1/messages")

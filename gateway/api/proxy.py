@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope
 
 from gateway.api.answer import Answer, error_response, note_refusal
-from gateway.api.end import LINE_KEY, RequestEnd, report_bug
+from gateway.api.end import LINE_KEY, SUMMARY_KEY, RequestEnd, report_bug
 from gateway.api.request import LogicalRequest
 from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
@@ -128,7 +128,8 @@ class Proxy:
         except GatewayError as exc:  # no backend serves the route (or can carry the request):
             return self._error(exc, req, None, request.scope)  # refused before any race
         # from here every path writes the request's log line (the end, or a refusal below)
-        request.scope.setdefault("state", {})[LINE_KEY] = True
+        state = request.scope.setdefault("state", {})
+        state[LINE_KEY] = True
         method = request.scope["method"]
         held = req.body_bytes or 0  # counted against `server.max_inflight_body`
         try:
@@ -143,7 +144,8 @@ class Proxy:
         pool.holding += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start, metered=req.metered, route=req.route, method=method,
-                                 model=req.model)
+                                 model=req.model, key=req.key)
+        state[SUMMARY_KEY] = summary  # read after the answer (`gateway.api.tenancy`)
         try:
             race, end, strip_usage = self._prepare(request, pool, req, summary, routes, held)
         except BaseException as exc:  # nothing owns the request's end yet: give back here
@@ -287,6 +289,7 @@ class Proxy:
         now = self.clock()
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  now, route=req.route, method=method, model=req.model,
+                                 key=req.key,
                                  status=exc.status, reason=exc.log_reason())
         summary.error = exc.code
         summary.ended = now

@@ -52,3 +52,7 @@ class LogicalRequest:
     model: str | None = None
     #: the body's size as received (its input tokens are estimated from it); None: unknown
     body_bytes: int | None = None
+    #: the name of the client's named key (`keys:`), for the request log; never the key
+    key: str | None = None
+    #: False: the client's key turned delay-triggered hedges off (`keys[].hedging.enabled`)
+    hedging: bool = True

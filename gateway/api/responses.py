@@ -21,12 +21,10 @@ from starlette.responses import Response
 from gateway.api.asgi import FastRoutes
 from gateway.api.common import (
     check_json_type,
-    make_auth_guard,
     read_body,
     request_id_of,
 )
 from gateway.api.inference import InferenceRoute, route
-from gateway.api.keys import KeyRing
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
@@ -39,6 +37,7 @@ from gateway.api.stored import (
     StoredRef,
     generate_secret,
 )
+from gateway.api.tenancy import TenantGate, check_pool
 from gateway.errors import ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
@@ -69,7 +68,7 @@ def build_responses_router(
     live: Live,
     proxy: Proxy,
     fast: FastRoutes,
-    keys: KeyRing | None = None,
+    gate: TenantGate,
 ) -> APIRouter:
     """The Responses routes. Like `gateway.api.chat.build_router`, the pools
     are read from `live` once per request (a reload never changes a running request's rules);
@@ -78,8 +77,7 @@ def build_responses_router(
     Response ids are signed with `server.response_id_secret`, else with a secret of this
     app's own (a single process: the supervisor gives its workers one)."""
     ids = ResponseIds(settings.server.response_id_secret or generate_secret())
-    ring = keys if keys is not None else KeyRing(settings.server.api_keys)
-    bearer = make_auth_guard(ring)
+    bearer = gate.guard
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
@@ -103,7 +101,7 @@ def build_responses_router(
 
     def binding_of(request: Request) -> bytes:
         """The binding of the client's gateway key (empty when the gateway has no keys)."""
-        return ids.binding(_bearer_key(request)) if ring.digests else b""
+        return ids.binding(_bearer_key(request)) if gate.active else b""
 
     def find(response_id: object, binding: bytes) -> StoredRef | None:
         """What a client's response id says, when it verifies and belongs to this client."""
@@ -132,12 +130,12 @@ def build_responses_router(
         return on_commit
 
     async def inference(request: Request, entry: InferenceRoute) -> Response:
-        if ring.digests:
-            await bearer(request)
+        tenant = gate.identify(request) if gate.active else None
         body, size = await read_json(request)
         logged_model = note_model(request.scope, body, live.current.hidden)
         model, stream = check_body(body, needs_prompt=entry.prompt)
         pool = pool_of(model)
+        check_pool(tenant, model)
         pinned = translated = None
         binding = binding_of(request)
         previous = body.get("previous_response_id")
@@ -153,7 +151,12 @@ def build_responses_router(
             protocol=entry.protocol, stateful=responses_stateful(body), pinned=pinned,
             on_commit=minting(pool.settings.name, stream, binding, translated),
             route=entry.path, model=logged_model, body_bytes=size,
+            key=None if tenant is None else tenant.name,
+            hedging=tenant is None or tenant.settings.hedging.enabled,
         )
+        if tenant is not None:
+            return await gate.limited(request, tenant, size, anthropic=False,
+                                      handle=lambda: proxy.handle(request, pool, req))
         return await proxy.handle(request, pool, req)
 
     async def stored(request: Request, entry: InferenceRoute, response_id: str, suffix: str

@@ -200,11 +200,12 @@ def bodies(prompt_bytes: int = 0) -> dict[str, tuple[str, bytes]]:
 
 
 def _send(connection: http.client.HTTPConnection, kind: str,
-          sent: Mapping[str, tuple[str, bytes]]) -> None:
+          sent: Mapping[str, tuple[str, bytes]], headers: Mapping[str, str] | None = None
+          ) -> None:
     path, body = sent[kind]
     connection.request("POST", path, body,
                        {"content-type": "application/json",
-                        "anthropic-version": "2023-06-01"})
+                        "anthropic-version": "2023-06-01", **(headers or {})})
     response = connection.getresponse()
     payload = response.read()
     if response.status != 200:
@@ -234,7 +235,9 @@ def _gateway(workdir: Path, variant: Variant, prefix: list[str],
     config.write_text(gateway_config(sim_port, variant.top, variant.pool,
                                      translated=variant.translated))
     # the same hash seed every run: dict and set orders, hence the work done, repeat
-    env = {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env = {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
+           # a store the configuration opens (named keys) is the measurement's own
+           "XDG_STATE_HOME": str(workdir / "state"), **(extra_env or {})}
     sim = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(sim_port),
            "--seed", "1", "--ttft-median-ms", "0", "--ttft-sigma", "0",
            "--straggler-probability", "0", "--tokens", "50", "--inter-token-ms", "0"]
@@ -274,7 +277,7 @@ def measure(workdir: Path, *, counted: int = COUNTED,
     with _gateway(workdir, variant, valgrind, extra_env) as (proc, connection):
         for kind in KINDS:
             for _ in range(WARMUP):
-                _send(connection, kind, sent)
+                _send(connection, kind, sent, variant.headers)
         counts: dict[str, int] = {}
         dumps = 0
         for _ in range(ROUNDS):
@@ -282,7 +285,7 @@ def measure(workdir: Path, *, counted: int = COUNTED,
                 _control(proc.pid, "--zero")
                 _control(proc.pid, "--instr=on")
                 for _ in range(counted):
-                    _send(connection, kind, sent)
+                    _send(connection, kind, sent, variant.headers)
                 _control(proc.pid, "--instr=off")
                 _control(proc.pid, "--dump")
                 dumps += 1
@@ -312,13 +315,13 @@ def measure_cpu(workdir: Path, *, counted: int = CPU_REQUESTS,
     with _gateway(workdir, variant, [], None) as (proc, connection):
         for kind in KINDS:
             for _ in range(WARMUP * 3):
-                _send(connection, kind, sent)
+                _send(connection, kind, sent, variant.headers)
         result: dict[str, float] = {}
         for _ in range(ROUNDS):
             for kind in KINDS:
                 before = _cpu_seconds(proc.pid)
                 for _ in range(counted):
-                    _send(connection, kind, sent)
+                    _send(connection, kind, sent, variant.headers)
                 each = (_cpu_seconds(proc.pid) - before) * 1e6 / counted
                 result[kind] = min(result.get(kind, each), each)
     return {kind: round(value, 1) for kind, value in result.items()}

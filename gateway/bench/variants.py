@@ -6,6 +6,7 @@ Data and one pure merge; nothing here starts a process.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ class Variant:
     #: each pool's backends speak the other API (the chat pool Messages, the Messages pool
     #: Chat Completions only): every request is translated, both ways
     translated: bool = False
+    #: headers every measured request carries (a client key)
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 _OFF: tuple[Variant, ...] = (
@@ -65,6 +68,29 @@ def _all_off() -> Variant:
                    serve_args=tuple(a for v in _OFF for a in v.serve_args))
 
 
+#: how many named keys the `keys-1000` variant configures; its client sends one in the middle
+BENCH_KEYS = 1000
+
+
+def _bench_key(index: int) -> str:
+    return f"bench-key-{index:04d}-0123456789abcdefghijklmnopq"
+
+
+def _many_keys() -> Variant:
+    """1,000 named keys, each with all four limits (high enough never to refuse the
+    measured requests), against the default's no keys at all: what a key lookup, its limits'
+    admission and settlement, its headers and its usage count cost a request. The store
+    these keys open is in the measurement's own folder (`XDG_STATE_HOME`)."""
+    limits = {"requests_per_minute": 10**9, "input_tokens_per_minute": 10**12,
+              "output_tokens_per_minute": 10**12, "in_flight": 10**6}
+    keys = [{"name": f"tenant-{index:04d}",
+             "key_sha256": hashlib.sha256(_bench_key(index).encode()).hexdigest(),
+             "limits": limits} for index in range(BENCH_KEYS)]
+    return Variant("keys-1000", "1,000 named keys with limits (keys:)", default_on=False,
+                   top={"keys": keys},
+                   headers={"authorization": f"Bearer {_bench_key(BENCH_KEYS // 2)}"})
+
+
 #: name -> variant; `default` is the configuration the guard measures
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("default", "every feature at its default"),
@@ -74,6 +100,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("translated", "translation (each pool's backends speak the other API)",
             default_on=False, translated=True),
     _all_off(),
+    _many_keys(),
 )}
 
 

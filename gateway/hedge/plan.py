@@ -54,6 +54,9 @@ class RequestFacts(Protocol):
     #: the body's size as received; None: unknown
     @property
     def body_bytes(self) -> int | None: ...
+    #: False: the client's key turned delay-triggered hedges off
+    @property
+    def hedging(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +126,8 @@ def hedge_refusal(pool: PoolRuntime, req: RequestFacts) -> SuppressReason | None
         return SuppressReason.DISABLED
     if req.headers.get("x-hedge", "").lower() == "off":
         return SuppressReason.DISABLED
-    if req.body.get("store") is True or "idempotency-key" in req.headers or req.stateful:
+    if req.body.get("store") is True or "idempotency-key" in req.headers or req.stateful \
+            or not req.hedging:
         return SuppressReason.DISABLED
     return None
 

@@ -48,6 +48,8 @@ class Spec:
     items: type[Checked] | None = None
     #: what one entry of `items` is called in messages ("pool", "backend")
     item_name: str = ""
+    #: `items` may be absent or empty (top-level `keys:`); else at least one is required
+    empty_ok: bool = False
     #: False where the default stands for "see the description" rather than a value a file
     #: would write (a backend's model is its pool's name; its base_url is required for openai)
     default_shown: bool = True
@@ -64,9 +66,11 @@ def section(cls: type[Checked], doc: str) -> Mapping[str, Spec]:
     return {FIELD_KEY: Spec(doc, section=cls)}
 
 
-def items(cls: type[Checked], item_name: str, doc: str) -> Mapping[str, Spec]:
-    """The metadata of a field that holds a tuple of settings objects, at least one."""
-    return {FIELD_KEY: Spec(doc, items=cls, item_name=item_name)}
+def items(cls: type[Checked], item_name: str, doc: str, *,
+          empty_ok: bool = False) -> Mapping[str, Spec]:
+    """The metadata of a field that holds a tuple of settings objects: at least one, unless
+    `empty_ok` (then the field's default is the empty tuple)."""
+    return {FIELD_KEY: Spec(doc, items=cls, item_name=item_name, empty_ok=empty_ok)}
 
 
 def specs(cls: type[Any]) -> list[tuple[dataclasses.Field[Any], Spec]]:
@@ -153,7 +157,7 @@ def _field_problems(obj: Checked) -> Iterator[str]:
                 yield f"{f.name}: must be a {spec.section.__name__}"
         elif spec.items is not None:
             entries = tuple(current) if isinstance(current, list | tuple) else None
-            if not entries:
+            if entries is None or (not entries and not spec.empty_ok):
                 yield f"{f.name}: must list at least one {spec.item_name}"
             elif not all(isinstance(entry, spec.items) for entry in entries):
                 yield f"{f.name}: every entry must be a {spec.items.__name__}"

@@ -53,9 +53,11 @@ from gateway.settings.model import (
     Settings,
     SimProfile,
 )
+from gateway.settings.tenants import TenantKeySettings
 
 __all__ = ["MIN_SECRET_CHARS", "ConfigError", "check_config", "default_settings",
-           "describe_pools", "load_settings", "parse_settings", "weak_secrets"]
+           "describe_pools", "load_settings", "parse_settings", "unenforced_keys",
+           "weak_secrets"]
 
 C = TypeVar("C", bound=Checked)
 
@@ -87,9 +89,12 @@ class Section:
     def raw(self, key: str) -> object:
         return self._data.get(key)
 
-    def items(self, key: str, what: str) -> list[tuple[str, object]]:
-        """The entries of a required, non-empty list, each with its key path."""
+    def items(self, key: str, what: str, empty_ok: bool = False) -> list[tuple[str, object]]:
+        """The entries of a list, each with its key path: required and non-empty unless
+        `empty_ok`."""
         value = self.raw(key)
+        if empty_ok and (value is None or value == []):
+            return []
         if value is None:
             self.errors.append(f"{self.at(key)}: required; list at least one {what}")
         elif not isinstance(value, list):
@@ -148,7 +153,7 @@ def _field(where: Section, key: str, f: dataclasses.Field[Any], spec: Spec,
     if spec.items is not None:
         item_cls = spec.items
         return tuple(_build(item_cls, node, path, errors)
-                     for path, node in where.items(key, spec.item_name))
+                     for path, node in where.items(key, spec.item_name, spec.empty_ok))
     if not where.has(key) or (where.raw(key) is None and not has_default(f)):
         if not has_default(f):
             errors.append(f"{where.at(key)}: required")
@@ -304,7 +309,7 @@ def weak_secrets(server: ServerSettings) -> list[str]:
     its place (`server.api_keys[1]`) and never its value. Warned, not refused: a short key
     may be all a running deployment has, and refusing it would turn an upgrade into an
     outage (docs/security.md says why)."""
-    found = [f"server.{name}[{index}]" for name in ("api_keys", "ops_keys")
+    found = [f"server.{name}[{index}]" for name in ("api_keys", "ops_keys", "admin_keys")
              for index, key in enumerate(getattr(server, name))
              if len(key) < MIN_SECRET_CHARS]
     secret = server.response_id_secret
@@ -312,6 +317,15 @@ def weak_secrets(server: ServerSettings) -> list[str]:
         found.append("server.response_id_secret")
     return [f"{where} is shorter than {MIN_SECRET_CHARS} characters: a short key can be "
             f"guessed; use a random one of {MIN_SECRET_CHARS} or more" for where in found]
+
+
+def unenforced_keys(keys: Sequence[TenantKeySettings]) -> list[str]:
+    """A warning per named key that sets a rule this version does not enforce yet (budget,
+    TTFT objective, its own hedge budget ratio): accepted, so a file can be written ahead, but never
+    silently taken for in force."""
+    return [f"keys[{index}] ({key.name}): {', '.join(found)} not enforced yet by this "
+            "version; only pools, limits and hedging.enabled are" for index, key in enumerate(keys)
+            if (found := key.unenforced())]
 
 
 def check_config(
@@ -335,6 +349,6 @@ def check_config(
     print(f"{path}: OK", file=out)
     for line in describe_pools(settings):
         print(f"  {line}", file=out)
-    for line in weak_secrets(settings.server):
+    for line in weak_secrets(settings.server) + unenforced_keys(settings.keys):
         print(f"{path}: warning: {line}", file=err)
     return 0

@@ -16,6 +16,7 @@ plain (slots), since the request path reads these per request.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import ssl
 from collections.abc import Iterator, Sequence
@@ -26,6 +27,7 @@ from gateway.settings import parse as cv
 from gateway.settings import upstream as uv
 from gateway.settings.caching import min_keyed_tokens
 from gateway.settings.fields import At, Checked, items, scalar, section
+from gateway.settings.tenants import TenantKeySettings, store_url
 
 MiB = 1024 * 1024
 _probability = cv.number(0, 1)
@@ -474,7 +476,7 @@ class TracingSettings(Checked):
 
 #: the `server` keys a reload changes in a running server: the client and ops keys, so a leaked
 #: one is revoked without a restart (the others are bound at start: the socket, the limits)
-RELOADED_SERVER_KEYS = ("api_keys", "ops_keys")
+RELOADED_SERVER_KEYS = ("api_keys", "ops_keys", "admin_keys")
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,6 +500,13 @@ class ServerSettings(Checked):
         "always, on any other address once this is set; the probes answer any host"))
     ops_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
         cv.keys, "keys for /hedge/*, /metrics and /dashboard (as Bearer); empty: open"))
+    admin_keys: tuple[str, ...] = field(default=(), repr=False, metadata=scalar(
+        cv.keys, "keys for /admin/keys (as Bearer): client keys made and revoked at run time; "
+        "empty: no admin API"))
+    store: str | None = field(default=None, metadata=scalar(
+        cv.optional(store_url), "where keys made at run time and each key's usage live: "
+        "sqlite:///path; null: the embedded file (docs/tenants.md), opened only when keys: "
+        "or admin_keys is set"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
         cv.size, "larger request bodies get 413", key="max_body"))
     max_header_bytes: int = field(default=16 * 1024, metadata=scalar(
@@ -545,6 +554,11 @@ class Settings(Checked):
     affinity_enabled: bool = field(default=True, metadata=scalar(
         cv.boolean, "global switch: false spreads every pool's requests by load alone",
         key="affinity.enabled"))
+    #: the client keys with names and rules (`gateway.tenants`); `server.api_keys` stay
+    #: keys without rules
+    keys: tuple[TenantKeySettings, ...] = field(default=(), metadata=items(
+        TenantKeySettings, "key", "client keys with names, pools and limits (docs/tenants.md); "
+        "empty: only server.api_keys", empty_ok=True))
 
     groups: ClassVar[dict[str, str]] = {"hedging": "options for every pool",
                                         "affinity": "conversation affinity in every pool"}
@@ -560,6 +574,31 @@ class Settings(Checked):
 
     def _rules(self, at: At) -> Iterator[str]:
         yield from unique_names(self.pools, "pools", "pool name {!r}", at)
+        yield from self._key_rules(at)
+
+    def _key_rules(self, at: At) -> Iterator[str]:
+        """Key names and digests unique (a digest twice would make one key two tenants),
+        none equal to a `server.api_keys` entry's, every pool named one that exists."""
+        pools = {pool.name for pool in self.pools}
+        plain = {hashlib.sha256(key.encode()).hexdigest() for key in self.server.api_keys}
+        names: dict[str, int] = {}
+        digests: dict[str, int] = {}
+        for index, key in enumerate(self.keys or ()):
+            path = f"keys[{index}]"
+            if key.name in names:
+                yield f"{at(path + '.name')}: duplicate key name {key.name!r} " \
+                      f"(also {at(f'keys[{names[key.name]}]')})"
+            names.setdefault(key.name, index)
+            if key.key_sha256 is not None:
+                if key.key_sha256 in digests:
+                    yield f"{at(path + '.key_sha256')}: the same key as " \
+                          f"{at(f'keys[{digests[key.key_sha256]}]')}"
+                elif key.key_sha256 in plain:
+                    yield f"{at(path + '.key_sha256')}: also listed in server.api_keys"
+                digests.setdefault(key.key_sha256, index)
+            for pool in key.pools or ():
+                if pool not in pools:
+                    yield f"{at(path + '.pools')}: no pool named {pool!r}"
 
     def pool(self, name: str) -> PoolSettings | None:
         for pool in self.pools:

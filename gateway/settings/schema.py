@@ -52,7 +52,7 @@ def _object(cls: type[Checked], defs: dict[str, Any]) -> dict[str, Any]:
 
 def _property(f: dataclasses.Field[Any], spec: Spec, defs: dict[str, Any]) -> dict[str, Any]:
     if spec.items is not None:
-        return {"description": spec.doc, "type": "array", "minItems": 1,
+        return {"description": spec.doc, "type": "array", "minItems": 0 if spec.empty_ok else 1,
                 "items": _ref(spec.items, defs)}
     if spec.section is not None:
         # `sim:` with every key commented out is YAML null, and loads as the defaults

@@ -33,7 +33,8 @@ The line of a request that reached a pool goes on with: `pool`, `endpoint`, `str
 `hedge_input_tokens` (input tokens paid again by extra attempts),
 `attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
 `ttft_ms` (from the attempt's start; for a cancelled attempt its elapsed time then),
-`outcome`, `failure`, `reason`, `close_ms`, `late_events`}].
+`outcome`, `failure`, `reason`, `close_ms`, `late_events`}], and for a request of a named
+client key (`keys:`), `key`: its name.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
     kinds = [a.kind for a in summary.attempts]
     ended = summary.ended if summary.ended is not None else summary.started
     outcome = request_class(summary, error_classes)
-    return {
+    record = {
         "id": summary.request_id,
         "route": summary.route,
         "method": summary.method,
@@ -101,6 +102,9 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
         "hedge_input_tokens": hedge_input_tokens(summary),
         "attempts": [_attempt(a, summary.started) for a in summary.attempts],
     }
+    if summary.key is not None:  # a named client key: its name, never the key
+        record["key"] = summary.key
+    return record
 
 
 def refusal_record(request_id: str | None, method: str, route: str | None, path: str,

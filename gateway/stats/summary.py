@@ -46,6 +46,8 @@ class RequestSummary:
     method: str = "POST"
     #: the model name the client sent, already made loggable (`gateway.stats.loggable`)
     model: str | None = None
+    #: the name of the client's named key (`keys:`); None: none, or a key without a name
+    key: str | None = None
     #: the HTTP status the client was answered with (499: it left before the first token)
     status: int | None = None
     #: the machine reason of an error answer (`GatewayError.log_reason`); None: the outcome

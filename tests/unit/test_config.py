@@ -37,6 +37,12 @@ from gateway.settings.load import (
     parse_settings,
 )
 from gateway.settings.model import AwsSettings, GoogleSettings
+from gateway.settings.tenants import (
+    TenantBudget,
+    TenantHedging,
+    TenantKeySettings,
+    TenantLimits,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 EXAMPLE_ENV = {"GATEWAY_KEY": "gw-test-key", "OPENAI_API_KEY": "sk-test-openai",
@@ -159,7 +165,7 @@ def test_full_reference_lists_every_key() -> None:
 
     tree = yaml.safe_load((CONFIG_DIR / "full-reference.yaml").read_text())
     pool = tree["pools"][0]
-    assert set(tree) == {"server", "hedging", "affinity", "pools"} == keys(Settings)
+    assert set(tree) == {"server", "hedging", "affinity", "pools", "keys"} == keys(Settings)
     assert set(tree["hedging"]) == set(yaml_layout(Settings)["hedging"])
     assert set(tree["affinity"]) == set(yaml_layout(Settings)["affinity"])
     assert set(tree["server"]) == keys(ServerSettings)
@@ -176,6 +182,11 @@ def test_full_reference_lists_every_key() -> None:
     assert cloud <= set(pool["backends"][2]) | set(pool["backends"][3])
     assert set(pool["backends"][2]["aws"]) == keys(AwsSettings)
     assert set(pool["backends"][3]["google"]) == keys(GoogleSettings)
+    key = tree["keys"][0]
+    assert set(key) == keys(TenantKeySettings)
+    assert set(key["limits"]) == keys(TenantLimits)
+    assert set(key["budget"]) == keys(TenantBudget)
+    assert set(key["hedging"]) == keys(TenantHedging)
 
 
 def test_openai_example_needs_its_key() -> None:
@@ -387,7 +398,7 @@ def test_unknown_key_suggests_the_close_one() -> None:
 
 def test_unknown_key_without_close_match_lists_keys() -> None:
     (message,) = errors("colour: blue\n" + MINIMAL)
-    assert message == "colour: unknown key; expected one of server, hedging, affinity, pools"
+    assert message == "colour: unknown key; expected one of server, hedging, affinity, pools, keys"
 
 
 def test_bad_url() -> None:

@@ -170,7 +170,7 @@ def test_schema_command_prints_a_json_schema() -> None:
     assert SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert SCHEMA["type"] == "object" and SCHEMA["required"] == ["pools"]
     assert SCHEMA["additionalProperties"] is False
-    assert set(SCHEMA["properties"]) == {"server", "hedging", "affinity", "pools"}
+    assert set(SCHEMA["properties"]) == {"server", "hedging", "affinity", "pools", "keys"}
 
 
 def test_every_key_has_a_type_and_a_one_line_description() -> None:

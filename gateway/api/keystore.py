@@ -1,0 +1,122 @@
+"""The store behind the client keys, kept off the request path: keys made at run time come in,
+usage goes out, each in the background.
+
+`TenantSync` opens the store (`gateway.tenants.store`) when the gateway starts, in a worker
+thread, and then, every `POLL_INTERVAL` seconds, reads the store's one-row keys version: when
+another process (a worker, a replica on the same file, `hedge-gateway keys revoke`) made or
+revoked a key, it loads the active keys into the gate (`TenantGate.adopt_stored`). Every
+`FLUSH_INTERVAL` it writes the usage counted since the last batch, in one transaction. Both run
+in worker threads: the event loop never waits on the file.
+
+A store that cannot be read keeps the keys last read (a revocation waits for it) and is
+logged once per failure streak; a batch that cannot be written is kept and added to the next
+(bounded: one counter triple per key). At shutdown the last batch is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import sqlite3
+
+from gateway.api.tenancy import TenantGate
+from gateway.server.workers import worker_limits
+from gateway.tenants.store import SqliteStore, UsageRow, path_of
+
+#: how often each process looks for keys made or revoked elsewhere (seconds): a revocation
+#: reaches every worker within this and a poll's time
+POLL_INTERVAL = 0.5
+#: how often usage is written (seconds): a killed process loses at most this much of it
+FLUSH_INTERVAL = 1.0
+LOGGER = logging.getLogger("hedge_gateway.store")
+
+
+class TenantSync:
+    """Keeps `gate` in step with the store at `url` (None: the embedded default file)."""
+
+    def __init__(self, gate: TenantGate, url: str | None, workers: int = 1) -> None:
+        self.gate = gate
+        #: under `serve --workers N` each worker holds its share of a stored key's limits,
+        #: as of a configured key's (`gateway.server.workers.worker_limits`)
+        self.workers = workers
+        self.path = path_of(url)
+        self.store: SqliteStore | None = None
+        self.version = -1
+        self._failing = False
+
+    async def start(self) -> None:
+        """Open the store and load its keys (before the gateway serves)."""
+        self.store = await asyncio.to_thread(SqliteStore, self.path)
+        await self.poll()
+
+    async def poll(self) -> None:
+        """Load the store's keys if they changed since the last look."""
+        store = self.store
+        if store is None:
+            return
+        try:
+            version = await asyncio.to_thread(store.keys_version)
+            if version != self.version:
+                keys, bad = await asyncio.to_thread(store.active_keys)
+                for name in bad:
+                    LOGGER.error("store key %r is not a valid key; skipped", name)
+                if self.workers > 1:
+                    keys = [dataclasses.replace(key, limits=worker_limits(key.limits,
+                                                                          self.workers))
+                            for key in keys]
+                for name in self.gate.adopt_stored(keys):
+                    LOGGER.warning("store key %r is also in the configuration's keys: the "
+                                   "configuration's is used", name)
+                self.version = version
+            self._recovered()
+        except (sqlite3.Error, OSError) as exc:
+            self._failed("read", exc)
+
+    async def flush(self) -> None:
+        """Write the usage counted since the last batch (kept for the next on failure)."""
+        store = self.store
+        usage = self.gate.take_usage()
+        if store is None or not usage:
+            return
+        day = datetime.datetime.fromtimestamp(self.gate.wall(), tz=datetime.UTC).date()
+        rows = [UsageRow(name, day.isoformat(), *counts) for name, counts in usage.items()]
+        try:
+            await asyncio.to_thread(store.add_usage, rows)
+            self._recovered()
+        except (sqlite3.Error, OSError) as exc:
+            self._failed("write", exc)
+            for name, counts in usage.items():  # back into the next batch
+                kept = self.gate.usage.setdefault(name, [0, 0, 0])
+                for index, count in enumerate(counts):
+                    kept[index] += count
+
+    async def run(self) -> None:
+        """Poll and flush until cancelled."""
+        flushes = max(1, round(FLUSH_INTERVAL / POLL_INTERVAL))
+        beat = 0
+        while True:
+            await asyncio.sleep(POLL_INTERVAL)
+            await self.poll()
+            beat += 1
+            if beat % flushes == 0:
+                await self.flush()
+
+    async def stop(self) -> None:
+        """The last batch, then the file closed."""
+        await self.flush()
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
+            self.store = None
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if not self._failing:
+            LOGGER.error("tenant store %s: cannot %s it (%s); keys stay as last read, usage "
+                         "is kept for the next batch", self.path, what, type(exc).__name__)
+        self._failing = True
+
+    def _recovered(self) -> None:
+        if self._failing:
+            LOGGER.warning("tenant store %s: working again", self.path)
+        self._failing = False

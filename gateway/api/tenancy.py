@@ -1,0 +1,220 @@
+"""The client key of a request and its rules: who it is, which pools it may use, whether it is
+within its limits, and the rate-limit headers of every answer to it.
+
+`TenantGate` is the one check every inference route calls: `server.api_keys` (keys without
+rules, `gateway.api.keys.KeyRing`) and the named keys of `keys:` (`gateway.tenants`). While
+neither holds a key, `active` is False and a request pays that one test. A key with limits
+has each admitted request wrapped (`limited`): the limits' headers go on the answer, whatever
+it is, and once it has ended, its slot goes back and the upstream's usage is charged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.api.end import SUMMARY_KEY
+from gateway.api.keys import KeyRing
+from gateway.clock import Clock
+from gateway.errors import KeyRateLimited, ModelNotFound, Unauthorized
+from gateway.hedge.prefill import estimate_tokens
+from gateway.settings.tenants import TenantKeySettings
+from gateway.stats import RequestSummary
+from gateway.tenants.headers import ratelimit_headers
+from gateway.tenants.limits import Refusal
+from gateway.tenants.registry import Tenant, Tenants
+
+#: the key in a request's scope state under which a named key's tenant is kept, so that an
+#: error the route raises before admission still states the key's quotas
+TENANT_KEY = "hedge_tenant"
+#: what a request for a pool its key may not use is told: the same as for a pool that does not
+#: exist, so a key cannot learn which pools other keys use
+NOT_FOUND = "the model does not exist in this gateway; GET /v1/models lists them"
+
+
+def supplied_key(request: Request, *, x_api_key: bool) -> str:
+    """The key a request presents: Bearer's token, or (`x_api_key`: Anthropic's routes)
+    `x-api-key`."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    supplied = token.strip() if scheme.lower() == "bearer" else ""
+    if not supplied and x_api_key:
+        supplied = request.headers.get("x-api-key", "").strip()
+    return supplied
+
+
+class TenantGate:
+    """The client keys a route checks: `ring` (`server.api_keys`, no rules) and `tenants`
+    (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
+    seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
+
+    __slots__ = ("clock", "configured", "required", "ring", "stored", "tenants", "usage",
+                 "wall")
+
+    def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
+                 wall: Callable[[], float] = time.time, *, required: bool = False) -> None:
+        self.ring = ring
+        #: a key is asked even while none is known: a gateway with a store of keys, whose
+        #: last key revoked must not leave it open to anyone
+        self.required = required
+        self.clock = clock
+        self.wall = wall
+        #: the file's `keys:` and the store's keys made at run time (`TenantSync`)
+        self.configured: tuple[TenantKeySettings, ...] = tuple(keys)
+        self.stored: tuple[TenantKeySettings, ...] = ()
+        self.tenants = Tenants(self.configured, clock())
+        #: each named key's usage since the last batch went to the store: [requests, input
+        #: tokens, output tokens], one entry per key (bounded by the keys)
+        self.usage: dict[str, list[int]] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether a key is asked (else every request is let in, unnamed)."""
+        return self.required or bool(self.ring.digests) or bool(self.tenants.by_digest)
+
+    def replace(self, keys: Iterable[TenantKeySettings]) -> None:
+        """A reload's `keys:`: in force for the next request; unchanged keys keep their
+        live limits (`gateway.tenants.registry`)."""
+        self.configured = tuple(keys)
+        self._rebuild()
+
+    def adopt_stored(self, keys: Iterable[TenantKeySettings]) -> list[str]:
+        """The store's active keys (made at run time), in force for the next request; a key
+        missing from them was revoked. One whose name or digest the file's `keys:` has is
+        skipped (the file wins): its name is returned, for a warning."""
+        names = {key.name for key in self.configured}
+        digests = {key.key_sha256 for key in self.configured}
+        kept, clashing = [], []
+        for key in keys:
+            if key.name in names or key.key_sha256 in digests:
+                clashing.append(key.name)
+            else:
+                kept.append(key)
+        self.stored = tuple(kept)
+        self._rebuild()
+        return clashing
+
+    def _rebuild(self) -> None:
+        self.tenants = Tenants(self.configured + self.stored, self.clock(), self.tenants)
+
+    def take_usage(self) -> dict[str, list[int]]:
+        """The usage counted since the last call, handed over whole (to be written)."""
+        usage, self.usage = self.usage, {}
+        return usage
+
+    def identify(self, request: Request, *, x_api_key: bool = False) -> Tenant | None:
+        """The named key the request presents, None for a key of `server.api_keys` (or when
+        no key is configured); `Unauthorized` for any other. The 401 never repeats it."""
+        if not self.active:
+            return None
+        supplied = supplied_key(request, x_api_key=x_api_key)
+        tenant = self.tenants.find(supplied)
+        if tenant is not None:
+            if tenant.limits is not None:
+                request.scope.setdefault("state", {})[TENANT_KEY] = tenant
+            return tenant
+        if self.ring.matches(supplied):
+            return None
+        raise Unauthorized("missing or invalid gateway API key")
+
+    async def guard(self, request: Request) -> None:
+        """`identify` as a route dependency (the model list, stored responses)."""
+        self.identify(request)
+
+    async def limited(self, request: Request, tenant: Tenant, body_bytes: int, *,
+                      anthropic: bool, handle: Callable[[], Awaitable[Response]]) -> Response:
+        """Run `handle` (the proxy) for a request of a named key, or refuse it with 429 when
+        one of its limits says so; once it has ended, its usage is counted (and its limits
+        charged)."""
+        limits = tenant.limits
+        estimated = estimate_tokens(body_bytes)
+        headers: list[tuple[bytes, bytes]] | None = None
+        if limits is not None:
+            verdict = limits.admit(self.clock(), estimated)
+            if isinstance(verdict, Refusal):
+                refused = KeyRateLimited(tenant.name, verdict.kind, verdict.retry_after)
+                refused.headers = ratelimit_headers(verdict.quotas, anthropic=anthropic,
+                                                    wall=self.wall())
+                raise refused
+            headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall())
+        state = request.scope.setdefault("state", {})
+        settled = False
+
+        def settle() -> None:
+            """Once, after the answer: the slot back, the usage counted and charged."""
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            summary = state.get(SUMMARY_KEY)
+            usage = summary.usage if isinstance(summary, RequestSummary) else None
+            counts = self.usage.get(tenant.name)
+            if counts is None:
+                counts = self.usage[tenant.name] = [0, 0, 0]
+            counts[0] += 1
+            if usage is not None:
+                counts[1] += usage.input
+                counts[2] += usage.output
+            if limits is not None:
+                limits.settle(self.clock(), estimated, None if usage is None else usage.input,
+                              None if usage is None else usage.output)
+
+        try:  # no await between the admission and here: the slot cannot leak
+            response = await handle()  # the answer, errors included (`gateway.api.answer`)
+        except BaseException:  # no answer will be sent (cancelled, a bug of ours)
+            settle()
+            raise
+        if headers is not None:
+            answer_headers(response.raw_headers, headers)
+        return Settled(response, settle)
+
+
+class Settled(Response):
+    """Sends `response` (the proxy's answer: its own end runs inside it), then calls `settle`.
+    `settle` is plain code, no await, so a `finally` runs it whatever happens to the sending,
+    a cancellation included, without the cost of a shielded scope per request."""
+
+    def __init__(self, response: Response, settle: Callable[[], None]) -> None:
+        self.response = response
+        self.settle = settle
+        self.status_code = response.status_code
+        self.raw_headers = response.raw_headers
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.settle()
+
+
+#: the rate-limit header families; an upstream's are dropped from an answer that states a key's
+_FAMILIES = (b"x-ratelimit-", b"anthropic-ratelimit-")
+
+
+def answer_headers(raw: list[tuple[bytes, bytes]], ours: list[tuple[bytes, bytes]]) -> None:
+    """Put the key's rate-limit headers on an answer, in place of any the winning upstream
+    sent (relayed otherwise): the client of a key with limits reads the key's, never two
+    values of one header."""
+    raw[:] = [(name, value) for name, value in raw if not name.startswith(_FAMILIES)]
+    raw.extend(ours)
+
+
+def quota_headers(scope: Scope, *, anthropic: bool) -> list[tuple[bytes, bytes]]:
+    """The rate-limit headers of the named key a refused request presented (none without
+    one, or without limits): an error raised before admission (a bad body, a pool the key may
+    not use) states the key's quotas too, as of its last admission (what remains can only
+    have grown since)."""
+    tenant = scope.get("state", {}).get(TENANT_KEY)
+    if not isinstance(tenant, Tenant) or tenant.limits is None:
+        return []
+    return ratelimit_headers(tenant.limits.quotas(), anthropic=anthropic, wall=time.time())
+
+
+def check_pool(tenant: Tenant | None, pool: str) -> None:
+    """A named key asking for a pool it may not use is answered as for an unknown model."""
+    if tenant is not None and not tenant.may_use(pool):
+        raise ModelNotFound(NOT_FOUND, param="model")

@@ -1,0 +1,80 @@
+"""`hedge-gateway keys create|list|revoke|usage`: the store's keys and usage from a shell.
+
+Works on the store's file directly (no gateway needs to run): the running gateways' workers see
+a key made or revoked here within their next poll (well under a second), and usage as each
+process last wrote it (once a second). The store is `--store URL`, else the `server.store` of
+`--config FILE`, else the embedded default file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from typing import TextIO
+
+from gateway.settings.fields import ConfigError
+from gateway.settings.tenants import TenantLimits, store_url
+from gateway.tenants.store import SqliteStore, StoreError, path_of
+
+LIMIT_FLAGS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
+               "in_flight")
+
+
+def store_path(ns: argparse.Namespace) -> str:
+    """The file the command works on (see the module docstring)."""
+    if ns.store is not None:
+        return path_of(store_url(ns.store))
+    if ns.config is not None:
+        from gateway.settings.load import load_settings
+
+        return path_of(load_settings(ns.config).server.store)
+    return path_of(None)
+
+
+def run(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """The `keys` command: 0 done, 1 refused (a name taken, an unknown key), 2 unusable
+    arguments or configuration."""
+    try:
+        path = store_path(ns)
+    except ConfigError as exc:
+        print(f"hedge-gateway keys: {exc}", file=err)
+        return 2
+    store = SqliteStore(path)
+    try:
+        if ns.action == "create":
+            limits = TenantLimits(**{flag: getattr(ns, flag) for flag in LIMIT_FLAGS})
+            secret, key = store.create_key(ns.name, ns.pool or (), limits)
+            print(json.dumps({"name": key.name, "key": secret, "pools": list(key.pools)}),
+                  file=out)
+            print("the key is shown this once; the store keeps only its SHA-256", file=err)
+        elif ns.action == "revoke":
+            store.revoke(ns.name)
+            print(f"revoked {ns.name}", file=out)
+        elif ns.action == "list":
+            for stored in store.list_keys():
+                state = "revoked " + _day(stored.revoked) if stored.revoked else "active"
+                pools = ",".join(stored.pools) or "*"
+                shown = " ".join(f"{flag}={value}" for flag, value in
+                                 zip(LIMIT_FLAGS, _limits(stored.limits), strict=True)
+                                 if value is not None)
+                print(f"{stored.name}\t{state}\tpools={pools}\t{shown}".rstrip(), file=out)
+        else:
+            print("name\tday\trequests\tinput_tokens\toutput_tokens", file=out)
+            for row in store.usage(ns.name):
+                print(f"{row.name}\t{row.day}\t{row.requests}\t{row.input_tokens}\t"
+                      f"{row.output_tokens}", file=out)
+    except (StoreError, ConfigError) as exc:
+        print(f"hedge-gateway keys {ns.action}: {exc}", file=err)
+        return 1
+    finally:
+        store.close()
+    return 0
+
+
+def _limits(limits: TenantLimits) -> tuple[int | None, ...]:
+    return tuple(getattr(limits, flag) for flag in LIMIT_FLAGS)
+
+
+def _day(when: float) -> str:
+    return datetime.datetime.fromtimestamp(when, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

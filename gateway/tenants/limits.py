@@ -1,0 +1,150 @@
+"""One key's limits as buckets: admit a request, settle its tokens, let it go. Pure: no I/O,
+the clock is a number handed in.
+
+Each per-minute limit is a bucket that holds the limit and refills evenly, limit / 60 a
+second. That is what the rate-limit headers clients read describe (the limit, what remains,
+the time until the bucket is full again) and what their retries can act on: a refusal says
+exactly when the request would pass. A key keeps a fixed handful of numbers (one bucket per
+kind of limit, an in-flight count), whatever its traffic: memory per key is bounded.
+
+- requests: one token per request, taken at admission;
+- input tokens: taken at admission as estimated from the body; corrected at the end by the
+  upstream's usage, when it reports one;
+- output tokens: cannot be known before the answer, so a request is admitted while the
+  bucket is not in debt, and its output is taken at the end (the bucket may go below zero:
+  the next requests wait until it refills past zero);
+- in flight: a count, taken at admission and given back at the end.
+
+A request larger than a bucket holds (more input tokens than the limit) is admitted only from
+a full bucket, so it is slow but never refused for ever.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from gateway.settings.tenants import TenantLimits
+
+#: the kinds of limit, as the headers and the refusals name them
+Kind = Literal["requests", "input_tokens", "output_tokens", "in_flight"]
+#: what a refusal for requests in flight advises: no clock says when one ends
+IN_FLIGHT_RETRY = 1.0
+
+
+class Bucket:
+    """A bucket of `capacity` refilled at `capacity / 60` a second; starts full."""
+
+    __slots__ = ("at", "capacity", "level", "rate")
+
+    def __init__(self, capacity: int, now: float) -> None:
+        self.capacity = float(capacity)
+        self.rate = capacity / 60.0
+        self.level = float(capacity)
+        self.at = now
+
+    def refill(self, now: float) -> None:
+        if now > self.at:
+            self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+            self.at = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` can be taken (an amount past the capacity: until full)."""
+        needed = min(amount, self.capacity) - self.level
+        return 0.0 if needed <= 0 else needed / self.rate
+
+    def reset_in(self) -> float:
+        """Seconds until the bucket is full again."""
+        return max(0.0, (self.capacity - self.level) / self.rate)
+
+    def remaining(self) -> int:
+        return max(0, math.floor(self.level))
+
+
+class Quota(NamedTuple):
+    """One limit as an answer's headers state it (a tuple: one is made per limit per
+    request)."""
+
+    kind: Kind
+    limit: int
+    remaining: int
+    #: seconds until the limit is whole again
+    reset: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request over a limit: which one, and when it would pass."""
+
+    kind: Kind
+    retry_after: float
+    quotas: tuple[Quota, ...]
+
+
+class KeyLimits:
+    """The live state of one key's limits (see the module docstring)."""
+
+    __slots__ = ("buckets", "in_flight", "inflight_limit", "input", "output", "requests")
+
+    def __init__(self, limits: TenantLimits, now: float) -> None:
+        def bucket(capacity: int | None) -> Bucket | None:
+            return None if capacity is None else Bucket(capacity, now)
+
+        self.requests = bucket(limits.requests_per_minute)
+        self.input = bucket(limits.input_tokens_per_minute)
+        self.output = bucket(limits.output_tokens_per_minute)
+        self.inflight_limit = limits.in_flight
+        self.in_flight = 0
+        #: the per-minute buckets in the headers' order, with their kinds
+        kinds: tuple[tuple[Kind, Bucket | None], ...] = (
+            ("requests", self.requests), ("input_tokens", self.input),
+            ("output_tokens", self.output))
+        self.buckets: tuple[tuple[Kind, Bucket], ...] = tuple(
+            (kind, bucket) for kind, bucket in kinds if bucket is not None)
+
+    def admit(self, now: float, input_tokens: int) -> Refusal | tuple[Quota, ...]:
+        """Take one request of `input_tokens` (estimated) at `now`: the quotas left after it,
+        or the refusal that takes nothing. Every limit is checked before any is taken."""
+        longest = 0.0
+        why: Kind = "requests"
+        for kind, bucket in self.buckets:
+            bucket.refill(now)
+            wait = bucket.wait_for(self._takes(bucket, input_tokens))
+            if wait > longest:
+                longest, why = wait, kind
+        if self.inflight_limit is not None and self.in_flight >= self.inflight_limit \
+                and longest < IN_FLIGHT_RETRY:
+            longest, why = IN_FLIGHT_RETRY, "in_flight"
+        if longest > 0:  # the request passes only once every limit lets it
+            return Refusal(why, longest, self.quotas())
+        for _, bucket in self.buckets:
+            if bucket is not self.output:
+                bucket.level -= self._takes(bucket, input_tokens)
+        self.in_flight += 1
+        return self.quotas()
+
+    def settle(self, now: float, estimated_input: int, input_tokens: int | None,
+               output_tokens: int | None) -> None:
+        """The end of an admitted request: its slot back, its input corrected from the
+        estimate to the upstream's count, its output taken (either None: not reported)."""
+        self.in_flight = max(0, self.in_flight - 1)
+        if self.input is not None and input_tokens is not None:
+            self.input.refill(now)
+            self.input.level = min(self.input.capacity,
+                                   self.input.level - (input_tokens - estimated_input))
+        if self.output is not None and output_tokens:
+            self.output.refill(now)
+            self.output.level -= output_tokens
+
+    def quotas(self) -> tuple[Quota, ...]:
+        """The per-minute limits as of their last refill."""
+        return tuple(Quota(kind, int(bucket.capacity), bucket.remaining(), bucket.reset_in())
+                     for kind, bucket in self.buckets)
+
+    def _takes(self, bucket: Bucket, input_tokens: int) -> float:
+        """What a request needs of `bucket` at admission; output: not to be in debt, which
+        waiting for a fraction of a token above zero expresses."""
+        if bucket is self.requests:
+            return 1.0
+        return float(input_tokens) if bucket is self.input else 1e-9

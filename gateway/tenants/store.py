@@ -1,0 +1,220 @@
+"""The embedded store: client keys made at run time and each key's usage, in one SQLite file.
+
+Blocking (stdlib `sqlite3`): the app calls it from worker threads (`asyncio.to_thread`), never
+on the event loop, and never on a request's path. Workers and the `hedge-gateway keys`
+command share the file: WAL mode lets readers go on while one writes, and a busy writer waits
+up to `BUSY_TIMEOUT` rather than failing.
+
+What the request path needs of it is kept in memory and refreshed off the path: each process
+polls `keys_version` (one row) a few times a second and reloads the keys when it moved, so a
+key revoked by any process is refused by every worker within a second; usage is counted in
+memory per key and written here in one batch a second (`add_usage`), so a process that is
+killed loses at most its last batch.
+
+Keys are stored as SHA-256 digests; a new key's secret is returned once, by `create_key`, and
+never kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gateway.settings.fields import ConfigError
+from gateway.settings.tenants import TenantKeySettings, TenantLimits
+
+#: seconds a writer waits for another's transaction before it gives up
+BUSY_TIMEOUT = 5.0
+#: the file `server.store: null` names, under `$XDG_STATE_HOME` (default ~/.local/state)
+DEFAULT_FILE = os.path.join("hedge-gateway", "tenants.sqlite")
+#: a new key's secret: this prefix and 32 random URL-safe bytes
+KEY_PREFIX = "hg-"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS keys (
+    name TEXT PRIMARY KEY, key_sha256 TEXT NOT NULL UNIQUE, pools TEXT NOT NULL,
+    limits TEXT NOT NULL, created REAL NOT NULL, revoked REAL);
+CREATE TABLE IF NOT EXISTS usage (
+    name TEXT NOT NULL, day TEXT NOT NULL, requests INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, PRIMARY KEY (name, day));
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_version', 0);
+"""
+
+
+def default_path(env: dict[str, str] | None = None) -> str:
+    """The embedded store's file: `$XDG_STATE_HOME/hedge-gateway/tenants.sqlite`, or under
+    `~/.local/state` when the variable is unset."""
+    environ = os.environ if env is None else env
+    state = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                          "state")
+    return os.path.join(state, DEFAULT_FILE)
+
+
+def path_of(url: str | None) -> str:
+    """The file of a `server.store` URL, or the default for None. As SQLAlchemy reads them:
+    `sqlite:///relative/path`, `sqlite:////absolute/path`."""
+    return default_path() if url is None else url[len("sqlite:///"):]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredKey:
+    """A key made at run time, as listed (never its secret or digest)."""
+
+    name: str
+    pools: tuple[str, ...]
+    limits: TenantLimits
+    created: float
+    revoked: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """One key's usage on one UTC day."""
+
+    name: str
+    day: str
+    requests: int
+    input_tokens: int
+    output_tokens: int
+
+
+class StoreError(Exception):
+    """The store refused an operation (a name taken, an unknown key): said to the caller."""
+
+
+class SqliteStore:
+    """The embedded store at `path` (its folder made if missing). Thread-safe: one
+    connection, its use serialised by a lock."""
+
+    def __init__(self, path: str) -> None:
+        folder = os.path.dirname(path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT, check_same_thread=False,
+                                   isolation_level=None)
+        with self._locked() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            yield self._db
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # --- keys -----------------------------------------------------------------------------
+
+    def create_key(self, name: str, pools: Sequence[str] = (),
+                   limits: TenantLimits | None = None, *, now: float | None = None
+                   ) -> tuple[str, TenantKeySettings]:
+        """A new key `name`: its secret (returned once, never stored) and its settings.
+        `StoreError` when the name is taken or invalid."""
+        secret = KEY_PREFIX + secrets.token_urlsafe(32)
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        try:
+            key = TenantKeySettings(name=name, key_sha256=digest, pools=tuple(pools),
+                                    limits=limits or TenantLimits())
+        except ConfigError as exc:
+            raise StoreError("; ".join(exc.errors)) from None
+        with self._locked() as db:
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("INSERT INTO keys (name, key_sha256, pools, limits, created) "
+                           "VALUES (?, ?, ?, ?, ?)",
+                           (key.name, digest, json.dumps(list(key.pools)),
+                            json.dumps(asdict(key.limits)), time.time() if now is None else now))
+                db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
+                db.execute("COMMIT")
+            except sqlite3.IntegrityError:
+                db.execute("ROLLBACK")
+                raise StoreError(f"a key named {name!r} exists already") from None
+        return secret, key
+
+    def revoke(self, name: str, *, now: float | None = None) -> None:
+        """Revoke key `name` (kept, marked, for its usage); `StoreError` when unknown."""
+        with self._locked() as db:
+            db.execute("BEGIN IMMEDIATE")
+            changed = db.execute("UPDATE keys SET revoked = ? WHERE name = ? AND revoked IS "
+                                 "NULL", (time.time() if now is None else now, name)).rowcount
+            if changed:
+                db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
+            db.execute("COMMIT")
+        if not changed:
+            raise StoreError(f"no active key named {name!r}")
+
+    def keys_version(self) -> int:
+        """A number that moves whenever a key is made or revoked (what workers poll)."""
+        with self._locked() as db:
+            row = db.execute("SELECT value FROM meta WHERE name = 'keys_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def active_keys(self) -> tuple[list[TenantKeySettings], list[str]]:
+        """Every key not revoked, as settings (digests, never secrets), and the names of rows
+        that do not make a valid key (written by hand, or by another version): skipped, so one
+        bad row never keeps the others, or a revocation, from taking effect."""
+        with self._locked() as db:
+            rows = db.execute("SELECT name, key_sha256, pools, limits FROM keys WHERE revoked "
+                              "IS NULL ORDER BY name").fetchall()
+        keys, bad = [], []
+        for name, digest, pools, limits in rows:
+            try:
+                keys.append(TenantKeySettings(name=name, key_sha256=digest,
+                                              pools=tuple(json.loads(pools)),
+                                              limits=TenantLimits(**json.loads(limits))))
+            except (ConfigError, ValueError, TypeError):
+                bad.append(str(name))
+        return keys, bad
+
+    def list_keys(self) -> list[StoredKey]:
+        with self._locked() as db:
+            rows = db.execute("SELECT name, pools, limits, created, revoked FROM keys "
+                              "ORDER BY name").fetchall()
+        return [StoredKey(name, tuple(json.loads(pools)), TenantLimits(**json.loads(limits)),
+                          created, revoked) for name, pools, limits, created, revoked in rows]
+
+    # --- usage ----------------------------------------------------------------------------
+
+    def add_usage(self, rows: Iterable[UsageRow]) -> None:
+        """Add one batch of usage (one transaction: all of it or none)."""
+        batch = [(r.name, r.day, r.requests, r.input_tokens, r.output_tokens) for r in rows]
+        if not batch:
+            return
+        with self._locked() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany(
+                    "INSERT INTO usage (name, day, requests, input_tokens, output_tokens) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (name, day) DO UPDATE SET "
+                    "requests = requests + excluded.requests, "
+                    "input_tokens = input_tokens + excluded.input_tokens, "
+                    "output_tokens = output_tokens + excluded.output_tokens", batch)
+            except sqlite3.Error:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def usage(self, name: str | None = None) -> list[UsageRow]:
+        """Usage per key and day, newest day first; one key's with `name`."""
+        query = "SELECT name, day, requests, input_tokens, output_tokens FROM usage"
+        args: tuple[Any, ...] = ()
+        if name is not None:
+            query += " WHERE name = ?"
+            args = (name,)
+        with self._locked() as db:
+            rows = db.execute(query + " ORDER BY day DESC, name", args).fetchall()
+        return [UsageRow(*row) for row in rows]

@@ -1,0 +1,396 @@
+"""Named client keys over real sockets: the gateway under its own server, simulated and
+scripted upstreams, the official `openai` and `anthropic` SDKs as clients.
+
+- a key may use only its pools: another pool is answered as an unknown model, in the route's
+  shape (OpenAI's 404 on the OpenAI routes, Anthropic's on /v1/messages), and the model list
+  shows it only its own; `server.api_keys` keep working as keys without rules;
+- over a limit, 429 with Retry-After and the key's rate-limit headers (OpenAI's family, or
+  Anthropic's on /v1/messages); every answer, an upstream's failure included, carries them;
+- the SDK's own retry honours the advice: a key at its in-flight limit is refused, the held
+  request ends, and the SDK's retry (after the advised pause) is let in;
+- output tokens are charged from the upstream's usage once a stream has ended;
+- a reload that removes a key refuses it from the next request; the key never appears in an
+  answer, the stats, the metrics or a log line.
+
+Each test ends with the leak check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway.settings import (
+    BackendSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    ServerSettings,
+    Settings,
+    SimProfile,
+)
+from gateway.settings.load import load_settings
+from gateway.settings.tenants import TenantHedging, TenantKeySettings, TenantLimits
+from tests.harness import (
+    Gate,
+    LoopThread,
+    UpstreamFactory,
+    chat_completion_obj,
+    json_script,
+    stream_script,
+)
+from tests.harness.limits_kit import (
+    MESSAGES,
+    Canary,
+    GatewayFactory,
+    holding,
+    verbose_logs,
+)
+
+TEAM_A = "team-a-key-0123456789abcdefghijklmnop"
+TEAM_B = "team-b-key-0123456789abcdefghijklmnop"
+LEGACY = "legacy-key-0123456789abcdefghijklmnop"
+FAST = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0, tokens=3,
+                  inter_token=0.0)
+NO_HEDGES = HedgingSettings(enabled=False)
+
+
+@pytest.fixture(autouse=True)
+def store_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's embedded store in its own folder (`server.store: null` names a file under
+    `$XDG_STATE_HOME`), never the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    return tmp_path / "state" / "hedge-gateway" / "tenants.sqlite"
+
+
+def sim_pool(name: str, profile: SimProfile = FAST) -> PoolSettings:
+    return PoolSettings(name, (BackendSettings("s", "sim", sim=profile),), hedging=NO_HEDGES)
+
+
+def keyed(*keys: TenantKeySettings, pools: tuple[PoolSettings, ...] = ()) -> Settings:
+    return Settings(pools or (sim_pool("alpha"), sim_pool("beta")),
+                    server=ServerSettings(api_keys=(LEGACY,)), keys=keys)
+
+
+def openai_client(root: str, key: str, *, retries: int = 0,
+                  http: openai.DefaultHttpxClient | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=root + "/v1", api_key=key, max_retries=retries,
+                         timeout=10.0, http_client=http)
+
+
+def anthropic_client(root: str, key: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=root, api_key=key, max_retries=0, timeout=10.0)
+
+
+def test_a_key_uses_only_its_pools_and_sees_only_them(
+    loop_thread: LoopThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    verbose_logs(caplog)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, pools=("alpha",))))
+    answers: list[str] = []
+    with openai_client(gateway.root, TEAM_A) as team_a, \
+            openai_client(gateway.root, LEGACY) as legacy:
+        reply = team_a.chat.completions.with_raw_response.create(model="alpha",
+                                                                 messages=MESSAGES)
+        answers.append(reply.text)
+        assert reply.parse().choices
+        with pytest.raises(openai.NotFoundError) as other_pool:
+            team_a.chat.completions.create(model="beta", messages=MESSAGES)
+        with pytest.raises(openai.NotFoundError) as no_pool:
+            team_a.chat.completions.create(model="gamma", messages=MESSAGES)
+        # told exactly what a pool that does not exist is told
+        assert other_pool.value.body == no_pool.value.body
+        assert other_pool.value.code == "model_not_found"
+        answers.append(other_pool.value.response.text)
+        assert [m.id for m in team_a.models.list()] == ["alpha"]
+        assert [m.id for m in legacy.models.list()] == ["alpha", "beta"]
+        assert legacy.chat.completions.create(model="beta", messages=MESSAGES).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(gateway.root, "not-a-key").chat.completions.create(
+                model="alpha", messages=MESSAGES)
+        with pytest.raises(openai.NotFoundError):  # the Responses route checks it too
+            team_a.responses.create(model="beta", input="hi", store=False)
+    with anthropic_client(gateway.root, TEAM_A) as claude:
+        message = claude.messages.create(model="alpha", max_tokens=8,
+                                         messages=[{"role": "user", "content": "hi"}])
+        assert message.content
+        with pytest.raises(anthropic.NotFoundError) as refused:
+            claude.messages.create(model="beta", max_tokens=8,
+                                   messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.body["type"] == "error"  # type: ignore[index]
+        assert refused.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+        answers.append(refused.value.response.text)
+    lines = [line for line in (getattr(r, "hedge_request", None) for r in caplog.records
+                               if r.name == "hedge_gateway.requests") if line and line.get("pool")]
+    assert {(line["pool"], line.get("key")) for line in lines} == {
+        ("alpha", "team-a"), ("beta", None)}  # the name of a named key; none for the others
+    Canary(TEAM_A, LEGACY).assert_absent_everywhere(gateway.root, caplog, *answers)
+
+
+def ratelimit(headers: Mapping[str, str], family: str = "x-ratelimit") -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.startswith(family)}
+
+
+def test_over_a_limit_the_answer_is_429_with_the_headers_of_the_routes_family(
+    loop_thread: LoopThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two requests a minute: the first two answers say 1 and then 0 remain, the third is
+    refused with the pause that lets the next one in; an upstream's failure carries the
+    headers too. On /v1/messages the same in Anthropic's family and error shape."""
+    verbose_logs(caplog)
+    broken = sim_pool("broken", SimProfile(fail_probability=1.0, fail_status=500))
+    two = TenantLimits(requests_per_minute=2)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, limits=two),
+        TenantKeySettings("team-b", key=TEAM_B, limits=two),
+        pools=(sim_pool("alpha"), broken)))
+    answers = []
+    with openai_client(gateway.root, TEAM_A) as team_a:
+        seen = []
+        for _ in range(2):
+            reply = team_a.chat.completions.with_raw_response.create(model="alpha",
+                                                                     messages=MESSAGES)
+            seen.append(ratelimit(reply.headers))
+        assert [h["x-ratelimit-remaining-requests"] for h in seen] == ["1", "0"]
+        assert {h["x-ratelimit-limit-requests"] for h in seen} == {"2"}
+        assert all(re.fullmatch(r"\d+(\.\d+)?s", h["x-ratelimit-reset-requests"]) for h in seen)
+        with pytest.raises(openai.NotFoundError) as unknown:  # refused before admission
+            team_a.chat.completions.create(model="nope", messages=MESSAGES)
+        assert ratelimit(unknown.value.response.headers)[
+            "x-ratelimit-remaining-requests"] == "0"
+        with pytest.raises(openai.RateLimitError) as over:
+            team_a.chat.completions.create(model="alpha", messages=MESSAGES)
+        response = over.value.response
+        assert response.status_code == 429
+        assert over.value.code == "rate_limit_exceeded"
+        assert over.value.type == "rate_limit_error"
+        assert "team-a" in over.value.message and "requests" in over.value.message
+        assert 0 < float(response.headers["retry-after-ms"]) <= 30_000
+        assert 1 <= int(response.headers["retry-after"]) <= 30
+        assert "x-should-retry" not in response.headers  # a retry later can pass
+        assert ratelimit(response.headers)["x-ratelimit-remaining-requests"] == "0"
+        answers.append(response.text)
+    with anthropic_client(gateway.root, TEAM_B) as claude:
+        first = claude.messages.with_raw_response.create(
+            model="alpha", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+        family = ratelimit(first.headers, "anthropic-ratelimit")
+        assert family["anthropic-ratelimit-requests-limit"] == "2"
+        assert family["anthropic-ratelimit-requests-remaining"] == "1"
+        assert family["anthropic-ratelimit-requests-reset"].endswith("Z")
+        assert not ratelimit(first.headers)  # not OpenAI's family on Anthropic's route
+        with pytest.raises(anthropic.NotFoundError) as unknown_model:
+            claude.messages.create(model="nope", max_tokens=8,
+                                   messages=[{"role": "user", "content": "hi"}])
+        assert ratelimit(unknown_model.value.response.headers, "anthropic-ratelimit")[
+            "anthropic-ratelimit-requests-remaining"] == "1"
+        with pytest.raises(anthropic.InternalServerError) as failed:  # after admission
+            claude.messages.create(model="broken", max_tokens=8,
+                                   messages=[{"role": "user", "content": "hi"}])
+        assert ratelimit(failed.value.response.headers, "anthropic-ratelimit")[
+            "anthropic-ratelimit-requests-remaining"] == "0"
+        with pytest.raises(anthropic.RateLimitError) as refused:
+            claude.messages.create(model="alpha", max_tokens=8,
+                                   messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+        assert "retry-after" in refused.value.response.headers
+        answers.append(refused.value.response.text)
+    Canary(TEAM_A, TEAM_B).assert_absent_everywhere(gateway.root, caplog, *answers)
+
+
+def test_the_sdks_retry_is_let_in_once_the_request_holding_the_slot_has_ended(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """In flight 1: a stream holds the key's one slot. A second request is refused with
+    429 and Retry-After; on seeing it the test lets the held stream end. The SDK waits the
+    advised pause, sends the request again, and it passes: refused only while the slot was
+    held, and never sent upstream while refused."""
+    gate = Gate()
+    (upstream,) = scripted_upstream(1, responder=holding(
+        gate, json_script(chat_completion_obj("ok"))))
+    pool = PoolSettings("held", (BackendSettings("u", "openai", "m", upstream.base_url),),
+                        hedging=NO_HEDGES)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(in_flight=1)),
+        pools=(pool,)))
+    statuses: list[int] = []
+    released: list[int] = []  # how many answers the client had seen when the slot was freed
+
+    def on_response(response: Any) -> None:  # the SDK's own HTTP client calls it
+        statuses.append(response.status_code)
+        if response.status_code == 429 and not released:
+            assert response.headers["retry-after-ms"] == "1000"
+            released.append(len(statuses))
+            gate.open()
+
+    body = {"model": "held", "messages": MESSAGES, "stream": True, "user": "held"}
+    with httpx.Client(base_url=gateway.root, timeout=10.0) as raw, \
+            raw.stream("POST", "/v1/chat/completions", json=body,
+                       headers={"authorization": f"Bearer {TEAM_A}"}) as held:
+        lines = held.iter_lines()
+        assert any("first" in line for line in lines)  # the slot is held from here
+        with openai.DefaultHttpxClient(event_hooks={"response": [on_response]}) as hooked, \
+                openai_client(gateway.root, TEAM_A, retries=3, http=hooked) as client:
+            answer = client.chat.completions.create(model="held", messages=MESSAGES)
+        assert answer.choices[0].message.content == "ok"
+        assert "[DONE]" in "".join(lines)  # the held stream ended properly
+    assert statuses[0] == 429 and released == [1] and statuses[-1] == 200
+    assert len(upstream.requests) == 2  # the held one and the retry that passed
+
+
+def test_a_client_that_leaves_mid_stream_gives_its_keys_slot_back(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """In flight 1: a client leaves a stream after its first token; the gateway closes the
+    upstream, the request ends, and the key's slot is free again (the next request passes
+    once the upstream has seen the close), never held for ever."""
+    gate = Gate()
+    (upstream,) = scripted_upstream(1, responder=holding(
+        gate, json_script(chat_completion_obj("ok"))))
+    pool = PoolSettings("held", (BackendSettings("u", "openai", "m", upstream.base_url),),
+                        hedging=NO_HEDGES)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(in_flight=1)),
+        pools=(pool,)))
+    body = {"model": "held", "messages": MESSAGES, "stream": True, "user": "held"}
+    auth = {"authorization": f"Bearer {TEAM_A}"}
+    try:
+        with httpx.Client(base_url=gateway.root, timeout=10.0) as raw:
+            with raw.stream("POST", "/v1/chat/completions", json=body, headers=auth) as held:
+                lines = held.iter_lines()  # kept: a dropped iterator closes the connection
+                assert any("first" in line for line in lines)
+                second = raw.post("/v1/chat/completions", headers=auth,
+                                  json={"model": "held", "messages": MESSAGES})
+                assert second.status_code == 429  # the slot is held
+            # the client has left: the upstream is closed and the request ends
+            (first,) = upstream.requests[:1]
+            assert upstream.wait_closed(first)
+        with openai_client(gateway.root, TEAM_A, retries=3) as client:
+            assert client.chat.completions.create(model="held", messages=MESSAGES).choices
+    finally:
+        gate.open()
+
+
+def test_a_keys_headers_replace_the_upstreams_on_its_answers(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """The upstream states its own quota; a key with limits reads one value of each header,
+    its key's, and a key without rules still reads the upstream's."""
+    upstream_quota = {"x-ratelimit-limit-requests": "1000",
+                      "x-ratelimit-remaining-requests": "999"}
+    (upstream,) = scripted_upstream(1, responder=lambda _request: json_script(
+        chat_completion_obj("ok"), headers=upstream_quota))
+    pool = PoolSettings("alpha", (BackendSettings("u", "openai", "m", upstream.base_url),),
+                        hedging=NO_HEDGES)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A,
+                          limits=TenantLimits(requests_per_minute=5)), pools=(pool,)))
+
+    def raw_headers(key: str) -> list[tuple[str, str]]:
+        reply = httpx.post(gateway.url("/v1/chat/completions"), timeout=10.0,
+                           json={"model": "alpha", "messages": MESSAGES},
+                           headers={"authorization": f"Bearer {key}"})
+        assert reply.status_code == 200
+        return [(k, v) for k, v in reply.headers.multi_items() if k.startswith("x-ratelimit")]
+
+    assert sorted(raw_headers(TEAM_A)) == [
+        ("x-ratelimit-limit-requests", "5"), ("x-ratelimit-remaining-requests", "4"),
+        ("x-ratelimit-reset-requests", "12s")]
+    assert sorted(raw_headers(LEGACY)) == sorted(upstream_quota.items())
+
+
+def test_output_tokens_are_charged_from_the_usage_once_the_stream_has_ended(
+    loop_thread: LoopThread
+) -> None:
+    """Ten output tokens a minute: a stream of thirty is let in (the bucket is not in debt),
+    its usage is charged when it ends, and the next request is refused for output tokens."""
+    profile = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
+                         tokens=30, inter_token=0.0, usage=True)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A,
+                          limits=TenantLimits(output_tokens_per_minute=10)),
+        pools=(sim_pool("alpha", profile),)))
+    with openai_client(gateway.root, TEAM_A) as client:
+        with client.chat.completions.with_streaming_response.create(
+                model="alpha", messages=MESSAGES, stream=True) as response:
+            assert response.headers["x-ratelimit-remaining-output-tokens"] == "10"
+            chunks = list(response.parse())
+        assert chunks
+        with pytest.raises(openai.RateLimitError) as over:
+            client.chat.completions.create(model="alpha", messages=MESSAGES)
+    assert "output tokens" in over.value.message
+    assert over.value.response.headers["x-ratelimit-remaining-output-tokens"] == "0"
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "gateway.yaml"
+
+
+def keys_yaml(*names: str) -> str:
+    lines = ["pools:", "  - name: alpha", "    hedging: {enabled: false}",
+             "    backends: [{name: s, provider: sim, sim: {ttft_median: 0, tokens: 2}}]",
+             "keys:" if names else "keys: []"]
+    for name in names:
+        digest = hashlib.sha256({"team-a": TEAM_A, "team-b": TEAM_B}[name].encode()).hexdigest()
+        lines.append(f"  - {{name: {name}, key_sha256: {digest}, limits: {{in_flight: 4}}}}")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_reload_that_removes_a_key_refuses_it_from_the_next_request(
+    loop_thread: LoopThread, config_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    verbose_logs(caplog)
+    config_file.write_text(keys_yaml("team-a", "team-b"))
+    gateway = GatewayFactory(loop_thread)(load_settings(config_file))
+
+    def status(key: str) -> int:
+        return httpx.post(gateway.url("/v1/chat/completions"), timeout=10.0,
+                          json={"model": "alpha", "messages": MESSAGES},
+                          headers={"authorization": f"Bearer {key}"}).status_code
+
+    assert (status(TEAM_A), status(TEAM_B)) == (200, 200)
+    config_file.write_text(keys_yaml("team-b"))
+    reloader = gateway.app.state.reloader
+    assert loop_thread.run(reloader.reload(str(config_file)))
+    assert (status(TEAM_A), status(TEAM_B)) == (401, 200)
+    assert "keys changed (1 named key)" in caplog.text
+    Canary(TEAM_A, TEAM_B).assert_absent_everywhere(gateway.root, caplog)
+
+
+def test_a_key_with_hedging_off_is_never_hedged_and_another_key_is(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two upstreams whose first token comes 300 ms in, a fixed hedge delay of 50 ms. A key
+    with `hedging: {enabled: false}`: its plan refuses hedges (`disabled`), one attempt; the
+    key without rules: the hedge goes out after the delay, two attempts."""
+    verbose_logs(caplog)
+    ups = scripted_upstream(2, responder=lambda _request: stream_script(["ok"], ttft=0.3))
+    pool = PoolSettings("slow", tuple(
+        BackendSettings(f"u{k}", "openai", "m", up.base_url, group=f"g{k}")
+        for k, up in enumerate(ups)), hedging=HedgingSettings(
+            delay=DelaySettings(mode="fixed", value=0.05)))
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, hedging=TenantHedging(enabled=False)),
+        pools=(pool,)))
+    attempts = {}
+    for key in (TEAM_A, LEGACY):
+        with openai_client(gateway.root, key) as client, \
+                client.chat.completions.with_streaming_response.create(
+                    model="slow", messages=MESSAGES, stream=True) as response:
+            attempts[key] = response.headers["x-hedge-attempts"]
+            list(response.parse())
+    assert attempts == {TEAM_A: "1", LEGACY: "2"}
+    lines = [line for line in (getattr(r, "hedge_request", None) for r in caplog.records
+                               if r.name == "hedge_gateway.requests") if line]
+    keyed_line = next(line for line in lines if line.get("key") == "team-a")
+    assert keyed_line["suppressed"] == ["disabled"] and keyed_line["hedges"] == 0

@@ -1,0 +1,80 @@
+"""The embedded store (a SQLite file in the test's folder: no sockets) and the gate's view of
+its keys: keys made and revoked, seen by a second connection as a second worker would see
+them, usage added in batches, a key kept only as its digest."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from gateway.api.keys import KeyRing
+from gateway.api.tenancy import TenantGate
+from gateway.settings.tenants import TenantKeySettings, TenantLimits
+from gateway.tenants.store import SqliteStore, StoreError, UsageRow, default_path, path_of
+
+
+def test_the_default_file_is_under_the_state_home() -> None:
+    assert default_path({"XDG_STATE_HOME": "/srv/state"}) == \
+        "/srv/state/hedge-gateway/tenants.sqlite"
+    assert default_path({}).endswith("/.local/state/hedge-gateway/tenants.sqlite")
+    assert path_of("sqlite:////var/lib/gw.db") == "/var/lib/gw.db"
+
+
+def test_keys_made_and_revoked_are_seen_by_another_process_and_the_version_moves(
+    tmp_path: Path
+) -> None:
+    path = str(tmp_path / "s" / "tenants.sqlite")
+    one, other = SqliteStore(path), SqliteStore(path)  # two workers on one file
+    try:
+        before = other.keys_version()
+        secret, key = one.create_key("team-a", ("alpha",), TenantLimits(in_flight=2), now=5.0)
+        assert secret.startswith("hg-") and len(secret) > 40
+        assert key.key_sha256 == hashlib.sha256(secret.encode()).hexdigest()
+        assert other.keys_version() > before
+        assert other.active_keys() == ([TenantKeySettings(
+            "team-a", key_sha256=key.key_sha256, pools=("alpha",),
+            limits=TenantLimits(in_flight=2))], [])
+        with pytest.raises(StoreError, match="exists already"):
+            other.create_key("team-a")
+        version = one.keys_version()
+        other.revoke("team-a", now=6.0)
+        assert one.keys_version() > version and one.active_keys() == ([], [])
+        (listed,) = one.list_keys()
+        assert (listed.name, listed.created, listed.revoked) == ("team-a", 5.0, 6.0)
+        with pytest.raises(StoreError, match="no active key"):
+            one.revoke("team-a")
+    finally:
+        one.close()
+        other.close()
+    assert secret.encode() not in Path(path).read_bytes()  # only its digest is kept
+
+
+def test_usage_batches_add_up_per_key_and_day(tmp_path: Path) -> None:
+    store = SqliteStore(str(tmp_path / "t.sqlite"))
+    try:
+        store.add_usage([UsageRow("a", "2026-12-07", 2, 100, 10),
+                         UsageRow("b", "2026-12-07", 1, 5, 5)])
+        store.add_usage([UsageRow("a", "2026-12-07", 1, 50, 20),
+                         UsageRow("a", "2026-12-08", 1, 1, 1)])
+        store.add_usage([])
+        assert store.usage("a") == [UsageRow("a", "2026-12-08", 1, 1, 1),
+                                    UsageRow("a", "2026-12-07", 3, 150, 30)]
+        assert [row.name for row in store.usage()] == ["a", "a", "b"]
+    finally:
+        store.close()
+
+
+def test_the_gate_takes_the_stores_keys_and_the_files_win_a_clash() -> None:
+    configured = TenantKeySettings("team-a", key="secret-of-team-a")
+    gate = TenantGate(KeyRing(), [configured], clock=lambda: 0.0)
+    stored = [TenantKeySettings("team-a", key="another"),
+              TenantKeySettings("team-b", key="secret-of-team-a-again"),
+              TenantKeySettings("team-c", key="secret-of-team-c")]
+    assert gate.adopt_stored(stored) == ["team-a"]
+    assert gate.tenants.find("secret-of-team-c") is not None
+    assert gate.tenants.find("another") is None
+    assert gate.adopt_stored([]) == []  # revoked in the store
+    assert gate.tenants.find("secret-of-team-c") is None
+    assert gate.tenants.find("secret-of-team-a") is not None

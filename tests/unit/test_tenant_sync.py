@@ -1,0 +1,83 @@
+"""The store kept off the request path (`gateway.api.keystore.TenantSync`), on a real file but
+with the store's failures injected: a store that cannot be read keeps the keys last read, a
+batch that cannot be written is kept for the next, and a row that no longer validates is
+skipped rather than ending the sync. No sockets; `asyncio.run` drives it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from gateway.api.keys import KeyRing
+from gateway.api.keystore import TenantSync
+from gateway.api.tenancy import TenantGate
+from gateway.tenants.store import UsageRow
+
+
+def gate() -> TenantGate:
+    return TenantGate(KeyRing(), (), clock=lambda: 0.0, wall=lambda: 86_400.0, required=True)
+
+
+def fail(*_: object) -> None:
+    raise sqlite3.OperationalError("disk I/O error")
+
+
+def test_a_store_that_fails_keeps_the_keys_and_the_usage_until_it_works_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="hedge_gateway.store")
+    the_gate = gate()
+    sync = TenantSync(the_gate, f"sqlite:///{tmp_path}/t.sqlite")
+
+    async def scenario() -> None:
+        await sync.start()
+        assert sync.store is not None
+        secret, _ = sync.store.create_key("team-a")
+        await sync.poll()
+        assert the_gate.tenants.find(secret) is not None
+        real_version, real_add = sync.store.keys_version, sync.store.add_usage
+        sync.store.keys_version = fail  # type: ignore[method-assign,assignment]
+        sync.store.add_usage = fail  # type: ignore[method-assign,assignment]
+        the_gate.usage["team-a"] = [2, 20, 10]
+        await sync.poll()
+        await sync.flush()
+        assert the_gate.tenants.find(secret) is not None  # the keys last read
+        assert the_gate.usage == {"team-a": [2, 20, 10]}  # kept for the next batch
+        the_gate.usage["team-a"][0] += 1
+        sync.store.keys_version = real_version  # type: ignore[method-assign]
+        sync.store.add_usage = real_add  # type: ignore[method-assign]
+        await sync.flush()
+        assert sync.store.usage("team-a") == [UsageRow("team-a", "1970-01-02", 3, 20, 10)]
+        await sync.stop()
+
+    asyncio.run(scenario())
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if "cannot" in m]) == 1  # once per failure streak
+    assert any("working again" in m for m in messages)
+
+
+def test_a_row_that_no_longer_validates_is_skipped_and_the_sync_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    the_gate = gate()
+    path = tmp_path / "t.sqlite"
+    sync = TenantSync(the_gate, f"sqlite:///{path}")
+
+    async def scenario() -> None:
+        await sync.start()
+        assert sync.store is not None
+        good, _ = sync.store.create_key("good")
+        sync.store.create_key("bad")
+        with sqlite3.connect(path) as db:  # written by something else, or by hand
+            db.execute("UPDATE keys SET limits = '{\"in_flight\": 0}' WHERE name = 'bad'")
+            db.execute("UPDATE meta SET value = value + 1")
+        await sync.poll()
+        assert the_gate.tenants.find(good) is not None
+        await sync.stop()
+
+    asyncio.run(scenario())
+    assert any("'bad'" in r.getMessage() for r in caplog.records)
