@@ -144,7 +144,7 @@ class Proxy:
         pool.holding += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start, metered=req.metered, route=req.route, method=method,
-                                 model=req.model, key=req.key)
+                                 model=req.model, key=req.key, objective=req.objective)
         state[SUMMARY_KEY] = summary  # read after the answer (`gateway.api.tenancy`)
         try:
             race, end, strip_usage = self._prepare(request, pool, req, summary, routes, held)

@@ -59,6 +59,8 @@ class AttemptRecord:
     probe: bool = False
     #: its stream ended normally without a token: a complete (perhaps empty) answer
     empty: bool = False
+    #: a hedge sent early for the request's TTFT objective (`gateway.hedge.deadline`)
+    deadline: bool = False
 
 
 #: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from gateway.errors import RouteNotServed, Untranslatable
 from gateway.hedge.affinity import AffinityRoute, route_for
 from gateway.hedge.budget import SuppressReason
+from gateway.hedge.deadline import KeyShare
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.sizing import RequestSize
@@ -57,6 +58,15 @@ class RequestFacts(Protocol):
     #: False: the client's key turned delay-triggered hedges off
     @property
     def hedging(self) -> bool: ...
+    #: the request's TTFT objective in seconds (None: none; `gateway.hedge.deadline`)
+    @property
+    def objective(self) -> float | None: ...
+    #: its named key's share of the hedge budget (None: no named key)
+    @property
+    def share(self) -> KeyShare | None: ...
+    #: its named key's own budget ratio (None: the pool's)
+    @property
+    def share_ratio(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +99,9 @@ def plan(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str], start: 
         affinity=route,
         cold=cold,
         input_tokens=0 if size is None else size.tokens,
+        objective=req.objective,
+        share=req.share,
+        share_ratio=req.share_ratio,
     )
     return Plan(options, size, route is None and affinity_applies(pool, req))
 

@@ -320,12 +320,12 @@ def weak_secrets(server: ServerSettings) -> list[str]:
 
 
 def unenforced_keys(keys: Sequence[TenantKeySettings]) -> list[str]:
-    """A warning per named key that sets a rule this version does not enforce yet (budget,
-    TTFT objective, its own hedge budget ratio): accepted, so a file can be written ahead, but never
-    silently taken for in force."""
+    """A warning per named key that sets a rule this version does not enforce yet (a spend
+    budget): accepted, so a file can be written ahead, but never silently taken for in
+    force."""
     return [f"keys[{index}] ({key.name}): {', '.join(found)} not enforced yet by this "
-            "version; only pools, limits and hedging.enabled are" for index, key in enumerate(keys)
-            if (found := key.unenforced())]
+            "version; pools, limits, ttft_objective and hedging are"
+            for index, key in enumerate(keys) if (found := key.unenforced())]
 
 
 def check_config(

@@ -37,6 +37,8 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `hedge_input_tokens_total` | counter | pool | input tokens paid again by extra attempts |
 | `hedge_input_miss_tokens_total` | counter | pool | of those, cache misses where they were sent |
 | `internal_errors_total` | counter | | exceptions of ours on the request path (answered 500) |
+| `key_objectives_total` | counter | key, result | a key's objectives `met`, `missed` |
+| `key_deadline_hedges_total` | counter | key, result | early hedges `sent`, `refused` (share) |
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
@@ -182,9 +184,19 @@ class GatewayCollector(Collector):
                         failures.add_metric([pool, backend, key[8:]], value)
         bugs = _counter("internal_errors", "Exceptions of ours on the request path.", [])
         bugs.add_metric([], stats.internal_errors)
+        objectives = _counter("key_objectives", "Requests of a named key with a TTFT "
+                              "objective, by whether the first token met it.", ["key", "result"])
+        deadline = _counter("key_deadline_hedges", "Hedges a TTFT objective sent early "
+                            "(sent) or its key's share of the budget refused (refused).",
+                            ["key", "result"])
+        for key, counts in sorted(stats.keys.items()):
+            objectives.add_metric([key, "met"], counts["objectives_met"])
+            objectives.add_metric([key, "missed"], counts["objectives_missed"])
+            deadline.add_metric([key, "sent"], counts["deadline_hedges"])
+            deadline.add_metric([key, "refused"], counts["deadline_refused"])
         yield from (requests, routes, translated, attempts, started, won, suppressed, failovers,
                     panic, affinity, skips, refused, losers, late, censored, failures, tokens,
-                    hedge_cost, hedge_miss, bugs)
+                    hedge_cost, hedge_miss, bugs, objectives, deadline)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

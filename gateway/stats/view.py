@@ -10,7 +10,9 @@ denominator, a quantile with no data). `<scope>` is `lifetime` or `window` (same
 Top level: `window_s` (length of the recent window), `uptime_s` (since the stats started),
 `internal_errors` (exceptions of ours on the request path, wherever they were raised, each
 answered with a 500 in the route's shape), `config` (the configuration in force, below),
-`pools.<pool>` (one entry per configured pool):
+`pools.<pool>` (one entry per configured pool), `keys.<name>` (one entry per named key that
+sent a request with a TTFT objective, lifetime: `objectives_met`, `objectives_missed`,
+`deadline_hedges` sent early for an objective, `deadline_refused` by the key's own share):
 
 | field under `config.` | meaning |
 |---|---|
@@ -106,6 +108,8 @@ if TYPE_CHECKING:
     from gateway.stats.record import BackendStats, PoolStats, Stats
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
+#: a named key's counters in `keys`
+KEY_FIELDS = ("objectives_met", "objectives_missed", "deadline_hedges", "deadline_refused")
 SCOPES = ("lifetime", "window")
 
 
@@ -159,7 +163,13 @@ def document(stats: Stats, state: Mapping[str, Mapping[str, Any]], now: float, *
     if config is not None:
         doc["config"] = dict(config)
     doc["pools"] = out
+    doc["keys"] = {name: key_view(counts) for name, counts in sorted(stats.keys.items())}
     return doc
+
+
+def key_view(counts: Mapping[str, int]) -> dict[str, int]:
+    """One named key's deadline counters (`Stats.keys`), every field present."""
+    return {field: counts.get(field, 0) for field in KEY_FIELDS}
 
 
 def config_view(live: Live, now: float) -> dict[str, Any]:

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PURE = (
     "gateway.hedge.delay",
     "gateway.hedge.budget",
+    "gateway.hedge.deadline",
     "gateway.hedge.balancer",
     "gateway.hedge.headroom",
     "gateway.hedge.affinity",
@@ -65,7 +66,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "gateway.wire.sse", "gateway.wire.explain",
      "gateway.wire.usage", "gateway.hedge.latency", "gateway.stats.table",
      "gateway.server.extensions"),
-    ("gateway.wire", "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.balancer",
+    ("gateway.wire", "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.deadline",
+     "gateway.hedge.balancer",
      "gateway.hedge.headroom", "gateway.hedge.affinity", "gateway.hedge.prefill",
      "gateway.hedge.classes", "gateway.hedge.sizing", "gateway.server.workers",
      "gateway.api.stored", "gateway.tenants"),
