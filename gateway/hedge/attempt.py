@@ -24,7 +24,7 @@ from gateway.errors import (
     UpstreamNoToken,
     UpstreamProtocolError,
 )
-from gateway.wire.base import Kind, WireProtocol
+from gateway.wire.base import Kind, Translation, WireProtocol
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
@@ -117,6 +117,9 @@ class Prefix:
     buffered: list[SSEEvent]
     #: the stream ended normally without a token: `buffered` holds the whole answer
     empty: bool = False
+    #: the attempt's backend speaks another API than the client: how its answer is written
+    #: in the client's (None: it is relayed as it is)
+    translation: Translation | None = None
     #: a close has run to its end: closing again does nothing
     closed: bool = False
 

@@ -19,6 +19,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 |---|---|---|---|
 | `requests_total` | counter | pool, outcome | logical requests; `ok` or the error class |
 | `route_requests_total` | counter | pool, route | logical requests per route (fixed set) |
+| `translated_requests_total` | counter | pool, translation | translated: `chat->messages`... |
 | `attempts_total` | counter | pool, backend, kind, outcome | upstream attempts |
 | `hedges_started_total` | counter | pool | delay-triggered hedges started |
 | `hedges_won_total` | counter | pool | hedges whose stream won |
@@ -79,6 +80,7 @@ from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
 from gateway.stats.record import ROUTES, BucketHistogram, Stats
 from gateway.stats.view import live_view
+from gateway.wire.translate.routes import TRANSLATION_NAMES
 
 #: what a scrape reads: the counts, and each pool's live state as `view.live_view` gives it
 Reading = tuple[Stats, Mapping[str, Mapping[str, Any]]]
@@ -120,6 +122,9 @@ class GatewayCollector(Collector):
     def _counts(self, stats: Stats) -> Iterator[Metric]:
         requests = _counter("requests", "Logical requests by outcome.", ["pool", "outcome"])
         routes = _counter("route_requests", "Logical requests by route.", ["pool", "route"])
+        translated = _counter("translated_requests", "Requests answered by a backend of "
+                              "another API, by client API -> backend API.",
+                              ["pool", "translation"])
         attempts = _counter("attempts", "Upstream attempts by kind and outcome.",
                             ["pool", "backend", "kind", "outcome"])
         started = _counter("hedges_started", "Delay-triggered hedges started.", ["pool"])
@@ -160,6 +165,8 @@ class GatewayCollector(Collector):
                 requests.add_metric([pool, outcome], value)
             for route in ROUTES:
                 routes.add_metric([pool, route], c[f"route.{route}"])
+            for name in TRANSLATION_NAMES:
+                translated.add_metric([pool, name], c[f"translated.{name}"])
             started.add_metric([pool], c["hedges"])
             won.add_metric([pool], c["hedges_won"])
             for reason in SuppressReason:
@@ -213,8 +220,8 @@ class GatewayCollector(Collector):
             objectives.add_metric([key, "missed"], counts["objectives_missed"])
             deadline.add_metric([key, "sent"], counts["deadline_hedges"])
             deadline.add_metric([key, "refused"], counts["deadline_refused"])
-        yield from (requests, routes, attempts, started, won, suppressed, failovers, panic,
-                    affinity, skips, refused, losers, late, censored, failures, tokens,
+        yield from (requests, routes, translated, attempts, started, won, suppressed, failovers,
+                    panic, affinity, skips, refused, losers, late, censored, failures, tokens,
                     hedge_cost, hedge_miss, continued, not_continued, bugs, objectives,
                     deadline)
 

@@ -286,6 +286,8 @@ class Stats:
         if summary.affinity is not None:
             pc[f"affinity.{summary.affinity}"] += 1
         pc["empty_answers"] += winner is not None and winner.empty
+        if summary.translated is not None:
+            pc[f"translated.{summary.translated}"] += 1
         pc["headroom_skips"] += len(summary.headroom_skips)
         for name, skips in Counter(summary.headroom_skips).items():
             skipped = pool.backends.get(name)

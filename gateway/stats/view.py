@@ -63,6 +63,7 @@ sent a request with a TTFT objective, lifetime: `objectives_met`, `objectives_mi
 | `<scope>.continuations.input_tokens` | input tokens the continuations resent (as priced) |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
+| `<scope>.translated.<name>` | requests a backend of another API answered (`chat->messages`) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
 | `<scope>.tokens.cached` | of the input, read from the upstreams' prompt caches (as reported) |
 | `<scope>.tokens.cache_write` | of the input, written to a prompt cache (Anthropic's creation) |
@@ -109,6 +110,7 @@ from gateway.errors import NoBackendAvailable
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.prefill import class_label
 from gateway.stats.record import ROUTES
+from gateway.wire.translate.routes import TRANSLATION_NAMES
 
 if TYPE_CHECKING:
     from gateway.hedge.generation import Live
@@ -245,6 +247,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         },
         "cancelled": c["cancelled"],
         "routes": {route: c[f"route.{route}"] for route in ROUTES},
+        "translated": {name: c[f"translated.{name}"] for name in TRANSLATION_NAMES},
         "latency_saved_ms": saved,
         "errors": {
             k[8:]: v for k, v in sorted(c.items())

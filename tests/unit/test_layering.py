@@ -104,6 +104,8 @@ FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("gateway.hedge", "gateway.wire.responses"),
     ("gateway.hedge", "gateway.wire.messages"),
     ("gateway.hedge", "gateway.wire.named"),
+    # nor a translation between APIs: the pool is handed the table (`Translation` is data)
+    ("gateway.hedge", "gateway.wire.translate"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer
 PACKAGES = ("gateway", "providers")
