@@ -65,7 +65,9 @@ def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings |
                         model="m", group=f"g{i}"))]
     hedging = HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0),
                               stall=stall or StallSettings())
-    pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0)
+    # each API to its own backends: an answer reached by translation is not continued
+    pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0,
+                        translate=False)
     return sims, asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2,
                                                       tracing=tracing))
 
@@ -333,3 +335,26 @@ def test_a_stall_is_raced_on_every_api(asgi_server: AsgiServerFactory, path: str
     assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
     counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
     assert (counted["stalls"], counted["won"]) == (1, 1)
+
+
+def test_no_continuation_goes_through_a_translation(asgi_server: AsgiServerFactory) -> None:
+    """A chat pool of one OpenAI-compatible and one Anthropic backend, translating: whichever
+    answers, a break is the in-band error, never a continuation (a translated winner's
+    events are another API's; the Anthropic backend is reached by chat only translated)."""
+    faults = {"x-sim-break-at": "10", "x-sim-break": "reset"}
+    sims = [asgi_server(with_request_headers(create_sim_app(PROFILE, seed=i), faults))
+            for i in range(2)]
+    backends = (BackendSettings(name="o0", provider="openai", base_url=sims[0].v1, model="m",
+                                group="g0", continuation="prefill"),
+                BackendSettings(name="a1", provider="anthropic", base_url=sims[1].base_url,
+                                model="m", group="g1"))
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, hedging=HedgingSettings(
+        delay=DelaySettings(mode="fixed", value=5.0)))
+    gw = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2))
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client, \
+            pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(model=POOL, messages=QUESTION, stream=True):
+            pass
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert counted["started"] == 0 and counted["breaks_continued"] == 0
