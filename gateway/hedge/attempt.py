@@ -59,6 +59,10 @@ class AttemptRecord:
     probe: bool = False
     #: its stream ended normally without a token: a complete (perhaps empty) answer
     empty: bool = False
+    #: output tokens a loser that held a token had sent when it was closed: its upstream's
+    #: count when what it sent reported one, else one per event it sent (an estimate); None
+    #: for an attempt closed before its first token (`gateway.hedge.losers`)
+    output_sent: int | None = None
 
 
 #: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)

@@ -21,6 +21,7 @@ from gateway.hedge.delay import HedgeDelay
 from gateway.hedge.prefill import ConversationMemory, estimate_tokens, new_tokens
 from gateway.hedge.sizing import ColdRule, DelayReader, RequestSize, SizedDelays
 from gateway.settings import PoolSettings
+from gateway.settings.model import PriceSettings
 from providers.base import ENDPOINTS, Endpoint, Provider
 
 
@@ -72,6 +73,9 @@ class PoolRuntime:
     classes: Mapping[str, ClassDelays] = field(default_factory=dict)
     #: the last size of each recent conversation key (what its home backend has seen)
     memory: ConversationMemory = field(default_factory=ConversationMemory)
+    #: backend -> its price, for the backends that have one (built once per configuration;
+    #: empty: the pool's requests are not priced)
+    prices: Mapping[str, PriceSettings] = field(default_factory=dict)
 
     @property
     def inflight_requests(self) -> int:
@@ -108,6 +112,7 @@ class PoolRuntime:
             rng=rng,
             models=_models(settings),
             models_json=_models_json(settings),
+            prices=_prices(settings),
         )
 
     def carried_over(
@@ -157,6 +162,7 @@ class PoolRuntime:
             rng=self.rng,
             models=_models(settings),
             models_json=_models_json(settings),
+            prices=_prices(settings),
         )
 
     def quota_watch(self, backend: str, clock: Clock) -> Callable[[Mapping[str, str]], None]:
@@ -208,6 +214,11 @@ class PoolRuntime:
                 delay.refresh(now)
         for classes in self.classes.values():
             classes.refresh(now, win_rate, recorded)
+
+
+def _prices(settings: PoolSettings) -> dict[str, PriceSettings]:
+    """Backend -> its price, for the priced backends, built once per configuration."""
+    return {b.name: b.price for b in settings.backends if b.price is not None}
 
 
 def _models(settings: PoolSettings) -> dict[str, str]:

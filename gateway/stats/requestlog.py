@@ -30,7 +30,9 @@ The line of a request that reached a pool goes on with: `pool`, `endpoint`, `str
 `winner` (backend or null), `winner_kind`, `hedges` / `failovers` (extra attempts started),
 `suppressed` (reasons, in order), `ttft_ms` (client-observed, null without a token),
 `total_ms`, `usage` ({`input`, `output`} tokens of the winner, or null),
-`hedge_input_tokens` (input tokens paid again by extra attempts),
+`hedge_input_tokens` (input tokens paid again by extra attempts), `cost_usd` (what the
+request cost at its backends' prices, its losing attempts included; null when none of them is
+priced: docs/tenants.md),
 `attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
 `ttft_ms` (from the attempt's start; for a cancelled attempt its elapsed time then),
 `outcome`, `failure`, `reason`, `close_ms`, `late_events`}], and for a request of a named
@@ -47,6 +49,7 @@ from gateway.hedge.attempt import AttemptRecord
 from gateway.stats.loggable import loggable_path
 from gateway.stats.record import hedge_input_tokens, request_class
 from gateway.stats.summary import RequestSummary
+from gateway.tenants.spend import DECIMALS
 
 LOGGER_NAME = "hedge_gateway.requests"
 #: the `outcome` of a request refused before it reached a pool's race
@@ -100,6 +103,7 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
         "usage": None if summary.usage is None else {
             "input": summary.usage.input, "output": summary.usage.output},
         "hedge_input_tokens": hedge_input_tokens(summary),
+        "cost_usd": None if summary.cost is None else round(summary.cost, DECIMALS),
         "attempts": [_attempt(a, summary.started) for a in summary.attempts],
     }
     if summary.key is not None:  # a named client key: its name, never the key

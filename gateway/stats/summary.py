@@ -56,6 +56,9 @@ class RequestSummary:
     headroom_skips: Sequence[str] = ()
     #: the request's estimated input, all of it and at its conversation's home (None: unknown)
     size: RequestSize | None = None
+    #: what the request cost in US dollars, its losing attempts included (None: not priced);
+    #: set by the request's end (`gateway.stats.spend`)
+    cost: float | None = None
 
     def attach(
         self,

@@ -63,6 +63,8 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `<scope>.tokens.hedge_input_miss` | of the hedge cost, tokens that were cache misses where sent |
 | `<scope>.tokens.hedge_input_miss_share` | hedge_input_miss / hedge_input |
 | `<scope>.affinity.hit_rate` | hits / (hits + spills + misses) |
+| `<scope>.spend.usd` | what the requests cost at their backends' `price`, losers included |
+| `<scope>.spend.keys.<name>` | of that, each named client key's (`keys:`) |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
@@ -96,7 +98,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.errors import NoBackendAvailable
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.prefill import class_label
-from gateway.stats.record import ROUTES
+from gateway.stats.record import KEY_SPEND, MICRO, ROUTES
 
 if TYPE_CHECKING:
     from gateway.hedge.generation import Live
@@ -248,6 +250,11 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             "hedge_input_miss": c["tokens.hedge_input_miss"],
             "hedge_input_miss_share": _rate(c["tokens.hedge_input_miss"],
                                             c["tokens.hedge_input"]),
+        },
+        "spend": {
+            "usd": c["spend.micro_usd"] / MICRO,
+            "keys": {k[len(KEY_SPEND):]: v / MICRO for k, v in sorted(c.items())
+                     if k.startswith(KEY_SPEND)},
         },
     }
 

@@ -50,6 +50,7 @@ PURE = (
     "gateway.tenants.limits",
     "gateway.tenants.headers",
     "gateway.tenants.registry",
+    "gateway.tenants.spend",
     "providers.sim.cache",
     "providers.sim.prompt",
     "providers.sim.schema",
