@@ -28,6 +28,7 @@ from gateway.errors import InvalidRequest, KeyConflict, RouteNotFound, Unauthori
 from gateway.hedge.generation import Live
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantLimits
+from gateway.tenants.spend import DECIMALS
 from gateway.tenants.store import SqliteStore, StoreError
 from gateway.wire.validate import parse_body
 
@@ -102,7 +103,8 @@ def build_admin_router(admin: KeyRing, sync: TenantSync | None, live: Live) -> A
         rows = await asyncio.to_thread(store.usage, name)
         return {"name": name, "data": [
             {"day": row.day, "requests": row.requests, "input_tokens": row.input_tokens,
-             "output_tokens": row.output_tokens} for row in rows]}
+             "output_tokens": row.output_tokens,
+             "spend_usd": round(row.spend_usd, DECIMALS)} for row in rows]}
 
     return router
 

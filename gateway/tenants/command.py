@@ -15,6 +15,7 @@ from typing import TextIO
 
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantLimits, store_url
+from gateway.tenants.spend import cost_text
 from gateway.tenants.store import SqliteStore, StoreError, path_of
 
 LIMIT_FLAGS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
@@ -60,10 +61,10 @@ def run(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                                  if value is not None)
                 print(f"{stored.name}\t{state}\tpools={pools}\t{shown}".rstrip(), file=out)
         else:
-            print("name\tday\trequests\tinput_tokens\toutput_tokens", file=out)
+            print("name\tday\trequests\tinput_tokens\toutput_tokens\tspend_usd", file=out)
             for row in store.usage(ns.name):
                 print(f"{row.name}\t{row.day}\t{row.requests}\t{row.input_tokens}\t"
-                      f"{row.output_tokens}", file=out)
+                      f"{row.output_tokens}\t{cost_text(row.spend_usd)}", file=out)
     except (StoreError, ConfigError) as exc:
         print(f"hedge-gateway keys {ns.action}: {exc}", file=err)
         return 1

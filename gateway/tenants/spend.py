@@ -59,3 +59,26 @@ def request_cost(charges: Iterable[Charge],
 def cost_text(usd: float) -> str:
     """A cost as `x-hedge-cost` writes it: US dollars, `DECIMALS` decimals (`0.000125`)."""
     return f"{usd:.{DECIMALS}f}"
+
+
+#: a key's spend as the store last said it, in micro-dollars: (today's, this month's)
+PeriodSpend = tuple[int, int]
+
+
+def period_spend(rows: Iterable[tuple[str, str, int]], today: str) -> dict[str, PeriodSpend]:
+    """Per key, its spend of `today` and of today's month (UTC, ISO days), from the store's
+    rows (name, day, micro-dollars) of this month."""
+    month = today[:7]
+    spent: dict[str, PeriodSpend] = {}
+    for name, day, micro in rows:
+        if day[:7] != month:
+            continue
+        of_day, of_month = spent.get(name, (0, 0))
+        spent[name] = (of_day + (micro if day == today else 0), of_month + micro)
+    return spent
+
+
+def over_budget(usd: float, period: str, stored: PeriodSpend, unsent: int) -> bool:
+    """Whether a key whose budget is `usd` a `period` ("day" or "month") has spent it: the
+    store's figure for the period plus what this process counted and has not written yet."""
+    return (stored[0] if period == "day" else stored[1]) + unsent >= usd * 1_000_000

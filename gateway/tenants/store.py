@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS keys (
     limits TEXT NOT NULL, created REAL NOT NULL, revoked REAL);
 CREATE TABLE IF NOT EXISTS usage (
     name TEXT NOT NULL, day TEXT NOT NULL, requests INTEGER NOT NULL,
-    input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, PRIMARY KEY (name, day));
+    input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL,
+    spend_micro_usd INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (name, day));
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_version', 0);
 """
@@ -64,6 +65,15 @@ def path_of(url: str | None) -> str:
     """The file of a `server.store` URL, or the default for None. As SQLAlchemy reads them:
     `sqlite:///relative/path`, `sqlite:////absolute/path`."""
     return default_path() if url is None else url[len("sqlite:///"):]
+
+
+def _add_spend_column(db: sqlite3.Connection) -> None:
+    """A file made by a version without spend gets its column (0 for the days before)."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(usage)")}
+    if "spend_micro_usd" not in columns:
+        with contextlib.suppress(sqlite3.OperationalError):  # another process added it
+            db.execute("ALTER TABLE usage ADD COLUMN spend_micro_usd INTEGER NOT NULL "
+                       "DEFAULT 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +96,13 @@ class UsageRow:
     requests: int
     input_tokens: int
     output_tokens: int
+    #: what its requests cost, losing attempts included, in millionths of a US dollar (whole
+    #: numbers add up exactly across batches and processes)
+    spend_micro_usd: int = 0
+
+    @property
+    def spend_usd(self) -> float:
+        return self.spend_micro_usd / 1_000_000
 
 
 class StoreError(Exception):
@@ -107,6 +124,7 @@ class SqliteStore:
         with self._locked() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
+            _add_spend_column(db)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[sqlite3.Connection]:
@@ -191,18 +209,20 @@ class SqliteStore:
 
     def add_usage(self, rows: Iterable[UsageRow]) -> None:
         """Add one batch of usage (one transaction: all of it or none)."""
-        batch = [(r.name, r.day, r.requests, r.input_tokens, r.output_tokens) for r in rows]
+        batch = [(r.name, r.day, r.requests, r.input_tokens, r.output_tokens,
+                  r.spend_micro_usd) for r in rows]
         if not batch:
             return
         with self._locked() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.executemany(
-                    "INSERT INTO usage (name, day, requests, input_tokens, output_tokens) "
-                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (name, day) DO UPDATE SET "
-                    "requests = requests + excluded.requests, "
+                    "INSERT INTO usage (name, day, requests, input_tokens, output_tokens, "
+                    "spend_micro_usd) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (name, day) DO "
+                    "UPDATE SET requests = requests + excluded.requests, "
                     "input_tokens = input_tokens + excluded.input_tokens, "
-                    "output_tokens = output_tokens + excluded.output_tokens", batch)
+                    "output_tokens = output_tokens + excluded.output_tokens, "
+                    "spend_micro_usd = spend_micro_usd + excluded.spend_micro_usd", batch)
             except sqlite3.Error:
                 db.execute("ROLLBACK")
                 raise
@@ -210,7 +230,8 @@ class SqliteStore:
 
     def usage(self, name: str | None = None) -> list[UsageRow]:
         """Usage per key and day, newest day first; one key's with `name`."""
-        query = "SELECT name, day, requests, input_tokens, output_tokens FROM usage"
+        query = ("SELECT name, day, requests, input_tokens, output_tokens, spend_micro_usd "
+                 "FROM usage")
         args: tuple[Any, ...] = ()
         if name is not None:
             query += " WHERE name = ?"
@@ -218,3 +239,11 @@ class SqliteStore:
         with self._locked() as db:
             rows = db.execute(query + " ORDER BY day DESC, name", args).fetchall()
         return [UsageRow(*row) for row in rows]
+
+    def spend_since(self, first_day: str) -> list[tuple[str, str, int]]:
+        """(name, day, spend in micro-dollars) of every key from `first_day` (ISO) on: what
+        the budgets of a day or a month are held to (`gateway.tenants.budget`)."""
+        with self._locked() as db:
+            rows = db.execute("SELECT name, day, spend_micro_usd FROM usage WHERE day >= ? "
+                              "AND spend_micro_usd > 0", (first_day,)).fetchall()
+        return [(str(name), str(day), int(spent)) for name, day, spent in rows]
