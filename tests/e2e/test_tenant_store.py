@@ -121,7 +121,7 @@ pools:
     hedging: {{enabled: false}}
     backends:
       - {{name: s, provider: sim, sim: {{ttft_median: 0, straggler_probability: 0, tokens: 4,
-          inter_token: 0}}}}
+          inter_token: 0}}, price: {{input: 0, output: 1000000}}}}
 """
 
 
@@ -183,8 +183,9 @@ def test_a_restart_keeps_the_keys_made_at_run_time_and_loses_no_usage(tmp_path: 
     usage = keys_command(tmp_path, "usage", "team-a")
     assert usage.returncode == 0, usage.stderr
     (row,) = usage.stdout.splitlines()[1:]
-    name, _day, requests, _input, output = row.split("\t")
+    name, _day, requests, _input, output, spend = row.split("\t")
     assert (name, requests, output) == ("team-a", "6", str(6 * 4))
+    assert spend == f"{6 * 4:.6f}"  # a dollar per output token: spend outlives a restart too
     assert secret not in usage.stdout + keys_command(tmp_path, "list").stdout
 
 

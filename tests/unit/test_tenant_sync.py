@@ -15,6 +15,8 @@ import pytest
 from gateway.api.keys import KeyRing
 from gateway.api.keystore import TenantSync
 from gateway.api.tenancy import TenantGate
+from gateway.errors import BudgetExceeded
+from gateway.settings.tenants import TenantBudget, TenantKeySettings
 from gateway.tenants.store import UsageRow
 
 
@@ -81,3 +83,38 @@ def test_a_row_that_no_longer_validates_is_skipped_and_the_sync_goes_on(
 
     asyncio.run(scenario())
     assert any("'bad'" in r.getMessage() for r in caplog.records)
+
+
+def test_processes_share_a_keys_spend_through_the_stores_batches(tmp_path: Path) -> None:
+    """Two processes (two gates, two syncs) on one file, one key with a budget of 5 USD a
+    day. What one process spent counts at the other once its batch is written and read
+    back: until then only its own unwritten spend counts (the documented overshoot)."""
+    key = TenantKeySettings("team-a", key="team-a-secret", budget=TenantBudget(5.0, "day"))
+    one, two = (TenantGate(KeyRing(), (key,), clock=lambda: 0.0, wall=lambda: 86_400.0)
+                for _ in range(2))
+    url = f"sqlite:///{tmp_path}/t.sqlite"
+    (tenant,) = one.tenants.by_digest.values()
+    (tenant_two,) = two.tenants.by_digest.values()
+
+    async def scenario() -> None:
+        first, second = TenantSync(one, url), TenantSync(two, url)
+        await first.start()
+        await second.start()
+        one.usage["team-a"] = [1, 10, 10, 3_000_000]  # 3 USD spent in process one
+        two.usage["team-a"] = [1, 10, 10, 2_500_000]  # 2.50 USD in process two
+        one.check_budget(tenant)  # each alone is under 5 USD
+        two.check_budget(tenant_two)
+        await first.flush()  # process one's batch written, the store read back
+        await second.read_spend()
+        with pytest.raises(BudgetExceeded):  # two: its own 2.50 + the store's 3
+            two.check_budget(tenant_two)
+        one.check_budget(tenant)  # one has not seen two's unwritten 2.50 yet
+        await second.flush()
+        await first.read_spend()
+        with pytest.raises(BudgetExceeded):
+            one.check_budget(tenant)
+        assert [row.spend_usd for row in first.store.usage("team-a")] == [5.5]  # type: ignore[union-attr]
+        await first.stop()
+        await second.stop()
+
+    asyncio.run(scenario())
