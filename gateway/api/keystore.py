@@ -13,7 +13,7 @@ waits on the file.
 
 A store that cannot be read keeps the keys last read (a revocation waits for it) and is
 logged once per failure streak; a batch that cannot be written is kept and added to the next
-(bounded: one counter triple per key). At shutdown the last batch is written.
+(bounded: four counters per key). At shutdown the last batch is written.
 """
 
 from __future__ import annotations
