@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import io
 import math
+from pathlib import Path
+
+import pytest
 
 from gateway.hedge.attempt import AttemptRecord
 from gateway.hedge.losers import output_sent
 from gateway.hedge.sizing import RequestSize
+from gateway.settings import BackendSettings, ConfigError
+from gateway.settings.load import check_config
 from gateway.settings.model import PriceSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.prometheus import GatewayCollector
@@ -102,3 +108,24 @@ def test_spend_is_shown_in_the_log_line_the_stats_and_the_metrics_per_key_and_po
     metrics = {m.name: m for m in GatewayCollector(lambda: (stats, {})).collect()}
     assert [(x.labels, x.value) for x in metrics["hedge_gateway_key_spend_usd"].samples
             if x.name.endswith("_total")] == [({"pool": "chat", "key": "team-a"}, 0.0056)]
+
+
+def test_a_price_is_checked_and_a_budget_nothing_can_reach_is_warned_about(
+    tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        BackendSettings("s", "sim", price=PriceSettings(input=-1.0))
+    assert "input: must be in [0, inf)" in str(caught.value)
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "pools:\n"
+        "  - {name: priced, backends: [{name: s, provider: sim, price: {input: 1, output: 2}}]}\n"
+        "  - {name: free, backends: [{name: s, provider: sim}]}\n"
+        "keys:\n"
+        "  - {name: team-a, key_sha256: " + "a" * 64 + ", pools: [free], budget: {usd: 5}}\n"
+        "  - {name: team-b, key_sha256: " + "b" * 64 + ", budget: {usd: 5}}\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert check_config(str(config), out, err) == 0
+    warnings = err.getvalue().splitlines()
+    assert len(warnings) == 1 and "keys[0] (team-a): budget set, but no backend" in warnings[0]
+    assert "not enforced" not in err.getvalue()  # a budget is enforced now
