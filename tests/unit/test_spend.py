@@ -61,6 +61,8 @@ def test_a_hedged_request_pays_the_losers_input_and_what_they_sent() -> None:
     expected = (1000 * 2 + 3 * 8 + 1000 * 4 + 50 * 16) / 1e6
     assert math.isclose(summary_cost(s, PRICES) or 0, expected)
     # without the losing primary the request would have cost only the winner's part
+    s.metered = False  # a read of stored state generates nothing: no cost
+    assert summary_cost(s, PRICES) is None
     alone = summary_cost(_summary([hedge], 0, Usage(1000, 50)), PRICES)
     assert alone is not None and math.isclose(alone, (1000 * 4 + 50 * 16) / 1e6)
 
