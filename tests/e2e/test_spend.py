@@ -6,7 +6,9 @@ and simulated upstreams, the official `openai` and `anthropic` SDKs as clients.
   header (its cost is known only at its end) but its line has the cost;
 - a key past its budget is refused with 429 `budget_exceeded` and `x-should-retry: false` in
   the route's shape, and neither SDK sends the request again;
-- the spend reaches the store's usage rows (`/admin/keys/{name}/usage`).
+- the spend reaches the store's usage rows (`/admin/keys/{name}/usage`);
+- under `serve --workers 2`, what one worker's request spent reaches the other through the
+  store's batches: once it is written, every worker refuses the key.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gateway.settings import (
 )
 from gateway.settings.model import PriceSettings
 from gateway.settings.tenants import TenantBudget, TenantKeySettings
+from tests.e2e.test_tenant_store import chat_status, eventually, serving
 from tests.harness import (
     DONE,
     SSE_HEADERS,
@@ -210,3 +213,27 @@ def test_a_key_past_its_budget_is_refused_and_neither_sdk_retries(
     (row,) = usage_rows(gateway)
     assert row["requests"] == 1  # the refusals took nothing
     assert row["spend_usd"] == float(first.headers["x-hedge-cost"])
+
+
+WORKERS_CONFIG = """
+server: {{host: 127.0.0.1, port: {port}, shutdown_grace: 2s, store: "sqlite:///{store}"}}
+pools:
+  - name: alpha
+    hedging: {{enabled: false}}
+    backends:
+      - {{name: s, provider: sim, sim: {{ttft_median: 0, straggler_probability: 0, tokens: 4,
+          inter_token: 0}}, price: {{input: 0, output: 1000000}}}}
+keys:
+  - {{name: team-a, key: "KEY", budget: {{usd: 1, period: month}}}}
+""".replace("KEY", TEAM_A)
+
+
+@pytest.mark.timeout(120)
+def test_workers_share_a_keys_spend_through_the_store(tmp_path: Path) -> None:
+    """Two workers, a key with a budget of 1 USD, a dollar per output token: the first
+    answer (4 tokens) spends it whole. Once its worker's batch is written, each request, on
+    a connection of its own (the kernel spreads them over both workers), is refused."""
+    with serving(tmp_path, "--workers", "2", config_text=WORKERS_CONFIG) as (_, root):
+        assert chat_status(root, TEAM_A) == 200
+        eventually(lambda: all(chat_status(root, TEAM_A) == 429 for _ in range(20)),
+                   "every worker refuses the key past its budget")

@@ -126,12 +126,14 @@ pools:
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`hedge-gateway serve` on the test's config and store, in a process group of its own;
-    SIGTERM at the end, SIGKILL for whatever is left."""
+def serving(tmp_path: Path, *extra: str, config_text: str = CONFIG
+            ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`hedge-gateway serve` on the test's config (`config_text`, formatted with `port` and
+    `store`) and store, in a process group of its own; SIGTERM at the end, SIGKILL for
+    whatever is left."""
     port = free_port()
     config = tmp_path / "gateway.yaml"
-    config.write_text(CONFIG.format(port=port, store=tmp_path / "tenants.sqlite"))
+    config.write_text(config_text.format(port=port, store=tmp_path / "tenants.sqlite"))
     log = tmp_path / f"serve-{port}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([*command(), "serve", "--config", str(config), *extra],
