@@ -128,6 +128,7 @@ def test_a_hedged_answers_cost_counts_the_losing_primarys_input(
     assert reply.headers["x-hedge-cost"] == "2.020000"  # the winner alone: 1.020000
     primary, _ = arrivals
     assert owner(upstreams, primary).wait_closed(primary)  # the loser was closed, then...
+    assert wait_for(lambda: any(line["pool"] == POOL for line in request_lines(caplog)))
     (line,) = [line for line in request_lines(caplog) if line["pool"] == POOL]
     assert line["cost_usd"] == 2.02  # ...the line written with the same figure
     assert [a["outcome"] for a in line["attempts"]] == ["lost", "won"]
@@ -151,6 +152,8 @@ def test_a_streams_cost_is_in_its_log_line_not_in_a_header(
             list(response.parse())
     finally:
         gate.open()
+    # a stream's end (its line) runs as its last byte goes out: wait for it, not a time
+    assert wait_for(lambda: any(line["pool"] == POOL for line in request_lines(caplog)))
     (line,) = [line for line in request_lines(caplog) if line["pool"] == POOL]
     usage = line["usage"]
     # the winner's usage, plus the losing primary's input (the same count: one body sent)
