@@ -447,6 +447,7 @@ def app_from_env() -> FastAPI:
         raise ConfigError(f"{CONFIG_ENV}: not set (the path of the configuration file to serve)")
     with open(path, "rb") as file:
         origin = ConfigOrigin.of_file(file.read(), now=monotonic())
-    app = create_app(load_settings(path, installed=missing_extras), origin=origin)
-    tune_collector()  # as `serve` does, so the comparison is of the servers alone
+    settings = load_settings(path, installed=missing_extras)
+    app = create_app(settings, origin=origin)
+    tune_collector(settings.server)  # as `serve` does, so the comparison is of the servers alone
     return app

@@ -70,7 +70,7 @@ def _serve(ns: argparse.Namespace) -> int:
     # reloads the configuration on SIGHUP
     runner = build_server(app, server, app.state.drain, log_config=logging_config(ns.log_level),
                           on_hangup=reload if path else None)
-    tune_collector()
+    tune_collector(server)
     runner.run()
     return 0 if runner.started else 3  # 3: could not start (port taken, lifespan failed)
 

@@ -39,9 +39,12 @@ What this module adds around aiohttp, because the gateway needs it:
   reaches us between the look at hand-out and the write (one pass of the loop), rare and
   answered by a failover. A fresh connection closed unanswered is the server's doing and is
   never resent; other methods are left to aiohttp, which resends idempotent ones once by
-  itself. Knowing that a connection was reused costs aiohttp's request tracing: about 16-20
-  us of CPU per upstream request (measured on loopback, 164 -> 180 us a request in the
-  client's thread), some 2 % of the gateway's CPU per request.
+  itself. Whether a connection was reused is known without aiohttp's request tracing, which
+  cost about 16-20 us of CPU per upstream request on the first byte's path (164 -> 180 us a
+  request in the client's thread, some 2 % of the gateway's CPU per request): the connector
+  remembers, weakly, every connection it has handed out, and one handed out again came from
+  the pool (`_CheckedConnector`). It tells the request being sent through a context
+  variable, which each attempt's task has its own copy of.
 
 The session is created on first use, inside the running loop (aiohttp binds it to one).
 """
@@ -53,11 +56,14 @@ import errno
 import re
 import select
 import ssl as ssl_module
+import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
 import aiohttp.connector
+from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ClientRequest
 from aiohttp.tracing import Trace
 
@@ -113,14 +119,10 @@ class _Reuse:
         self.reused = False
 
 
-async def _on_reuse(session: aiohttp.ClientSession, context: object,
-                    params: aiohttp.TraceConnectionReuseconnParams) -> None:
-    holder = getattr(context, "trace_request_ctx", None)
-    if isinstance(holder, _Reuse):
-        holder.reused = True
-        connector = session.connector
-        if isinstance(connector, _CheckedConnector):
-            connector.handing_out = holder
+#: the record of the request this task is sending (`UpstreamClient._send` sets it around the
+#: call into aiohttp, `_CheckedConnector.connect` fills it in, in the same task). A context
+#: variable, not shared state: each attempt runs in a task of its own, with its own value.
+_SENDING: ContextVar[_Reuse | None] = ContextVar("hedge_gateway_sending", default=None)
 
 
 #: the times a POST whose request could not be written is sent again (module docstring)
@@ -152,27 +154,43 @@ def _peer_spoke(connection: aiohttp.connector.Connection) -> bool:
 
 class _CheckedConnector(aiohttp.TCPConnector):
     """aiohttp's connector, which also drops a pooled connection whose server has closed it
-    while it sat idle (module docstring), before the request is written on it."""
+    while it sat idle (module docstring), before the request is written on it, and tells the
+    request being sent (`_SENDING`) whether its connection came from the pool."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        #: the request a pooled connection is being handed to (set by `_on_reuse` inside
-        #: `connect`, with no await in between, so it is always that call's request)
-        self.handing_out: _Reuse | None = None
+        #: every connection handed out so far, weakly (an entry goes with its connection):
+        #: one handed out again was kept alive in the pool
+        self._handed: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
+
+    def _hand_out(self, connection: aiohttp.connector.Connection) -> bool:
+        """Whether this connection was handed out before (a pooled one); remembers it."""
+        protocol = connection.protocol
+        if protocol is None:
+            return False
+        if protocol in self._handed:
+            return True
+        self._handed.add(protocol)
+        return False
 
     async def connect(self, req: ClientRequest, traces: list[Trace],
                       timeout: aiohttp.ClientTimeout) -> aiohttp.connector.Connection:
+        holder = _SENDING.get()
         # each pass takes one pooled connection out of the pool, so this ends; bounded
         # anyway, in case others keep putting closed ones back
         for _ in range(max(self.limit, 1)):
-            self.handing_out = None
             connection = await super().connect(req, traces, timeout)
-            holder, self.handing_out = self.handing_out, None
-            if holder is None or not _peer_spoke(connection):
+            reused = self._hand_out(connection)
+            if holder is not None:
+                holder.reused = reused
+            if not reused or not _peer_spoke(connection):
                 return connection
-            holder.reused = False  # the next one may be a new connection
-            connection.close()
-        return await super().connect(req, traces, timeout)
+            connection.close()  # the next one may be a new connection
+        connection = await super().connect(req, traces, timeout)
+        reused = self._hand_out(connection)
+        if holder is not None:
+            holder.reused = reused
+        return connection
 
 
 class UpstreamResponse:
@@ -258,11 +276,9 @@ class UpstreamClient:
                 keepalive_timeout=self.keepalive_expiry,
                 ssl=self.ssl,
             )
-            reuse = aiohttp.TraceConfig()
-            reuse.on_connection_reuseconn.append(_on_reuse)
             session = self._session = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False, trust_env=self.trust_env,
-                timeout=aiohttp.ClientTimeout(total=None), trace_configs=[reuse],
+                timeout=aiohttp.ClientTimeout(total=None),
             )
         return session
 
@@ -315,15 +331,17 @@ class UpstreamClient:
         resends = RESENDS if method == "POST" else 0
         while True:
             reuse = _Reuse()
+            sending = _SENDING.set(reuse)
             try:
                 return await session.request(
                     method, url, data=content, headers=headers, params=params,
-                    timeout=timeout, allow_redirects=False, proxy=self.proxy,
-                    trace_request_ctx=reuse)
+                    timeout=timeout, allow_redirects=False, proxy=self.proxy)
             except aiohttp.ClientOSError as exc:
                 if resends <= 0 or not _closed_idle(exc, reuse):
                     raise
                 resends -= 1
+            finally:
+                _SENDING.reset(sending)
 
     async def aclose(self) -> None:
         if self._session is not None:

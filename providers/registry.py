@@ -26,9 +26,6 @@ from providers.http import UpstreamClient
 from providers.sim import SimProvider
 from providers.tls import CaContexts
 
-#: connection bound of a backend's own client (the shared one is sized by the app)
-OWN_MAX_CONNECTIONS = 256
-
 
 class _HttpAdapter(Protocol):
     """The constructor every adapter but the simulator has."""
@@ -96,15 +93,22 @@ def needs_own_client(settings: BackendSettings) -> bool:
     return settings.tls != TlsSettings() or settings.proxy is not None or settings.trust_env
 
 
-def own_client(settings: BackendSettings, contexts: CaContexts | None = None) -> UpstreamClient:
+def own_client(settings: BackendSettings, contexts: CaContexts | None = None, *,
+               max_connections: int) -> UpstreamClient:
     """A client with this backend's TLS, proxy and environment settings; never redirects.
-    `contexts`: the app's contexts by CA bundle, shared across backends and reloads."""
+    `contexts`: the app's contexts by CA bundle, shared across backends and reloads.
+
+    `max_connections` is the shared client's bound (the app sizes it from
+    `server.max_concurrent_requests`): a backend reached through its own CA or proxy carries
+    as many streams as any other. A fixed smaller bound (it was 256) made the streams past it
+    wait `timeouts.connect` for a slot and then fail with "pool full", while the server
+    admitted them (default 512 concurrent requests)."""
     verify: ssl.SSLContext | bool = settings.tls.verify
     if settings.tls.verify and settings.tls.ca_file is not None:
         verify = (contexts.get(settings.tls.ca_file) if contexts is not None
                   else ssl.create_default_context(cafile=settings.tls.ca_file))
     return UpstreamClient(
-        max_connections=OWN_MAX_CONNECTIONS,
+        max_connections=max_connections,
         ssl=verify,
         proxy=settings.proxy,
         trust_env=settings.trust_env,
@@ -124,5 +128,6 @@ def build_provider(
         return SimProvider(settings, rng=random.Random(rng.random()))
     build: _HttpAdapter = _adapter(settings.provider)  # type: ignore[assignment]
     own = needs_own_client(settings)
-    http = own_client(settings, contexts) if own else client
+    http = own_client(settings, contexts, max_connections=client.max_connections) if own \
+        else client
     return build(settings, http, timeouts, owns_client=own)

@@ -268,8 +268,17 @@ class Proxy:
         stop_race = _canceller(race_task)
         watcher.add_done_callback(stop_race)
         forget = self.drain.call_at_grace_end(self.server.shutdown_grace, stop_race)
+        result: RaceResult | None = None
         try:
-            await asyncio.wait({race_task})
+            # awaited itself, not through `asyncio.wait`: the result is here in the turn of the
+            # loop after the race's last, where `asyncio.wait` took one more (its callback,
+            # then this task's wake-up), on the way to the first byte. A cancellation of this
+            # task goes on into the race, as the `finally` below would do anyway.
+            result = await race_task
+        except asyncio.CancelledError:
+            if _being_cancelled():  # this task itself (the server stopping): it goes on
+                raise
+            # else the watcher (the client left) or the drain cancelled the race: below
         finally:
             forget()
             watcher.remove_done_callback(stop_race)
@@ -280,7 +289,7 @@ class Proxy:
             if self.drain.draining and not _saw_disconnect(watcher):
                 raise Draining()
             return None
-        return race_task.result()
+        return result
 
     def _record_refusal(self, pool: PoolRuntime, req: LogicalRequest, exc: Overloaded,
                         method: str) -> None:
@@ -325,6 +334,16 @@ class Proxy:
             summary.usage = outcome.usage
             await end()
 
+        # the final events of a shutdown and of a bug of ours, built only for a stream that
+        # ends that way (each is JSON to encode, on the way to the first byte)
+        error_event, request_id = protocol.error_event, req.request_id
+
+        def shutdown_event() -> bytes:
+            return error_event("the gateway is shutting down", "gateway_shutdown", request_id)
+
+        def internal_event() -> bytes:
+            return error_event("internal error", InternalError.code, request_id)
+
         return SSEResponse(
             body,
             headers=headers,
@@ -332,16 +351,12 @@ class Proxy:
             stuck_client=timeouts.stuck_client,
             drain=self.drain,
             grace=self.server.shutdown_grace,
-            shutdown_event=protocol.error_event(
-                "the gateway is shutting down", "gateway_shutdown", req.request_id
-            ),
+            shutdown_event=shutdown_event,
             on_close=finish,
             on_exhausted=end.release_winner,
             clock=self.clock,
             client_gone=end.watcher,
-            internal_event=protocol.error_event(
-                "internal error", InternalError.code, req.request_id
-            ),
+            internal_event=internal_event,
         )
 
 
@@ -361,6 +376,12 @@ def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:
         task.cancel()
 
     return cancel
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (not only a task it awaits)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _saw_disconnect(task: asyncio.Future[None]) -> bool:

@@ -58,15 +58,17 @@ class SSEResponse(Response):
         stuck_client: float,
         drain: Drain,
         grace: float,
-        shutdown_event: bytes,
+        shutdown_event: bytes | Callable[[], bytes],
         on_close: Callable[[StreamEnd | None], Awaitable[None]],
         clock: Callable[[], float],
         client_gone: asyncio.Future[None] | None = None,
-        internal_event: bytes = b"",
+        internal_event: bytes | Callable[[], bytes] = b"",
         on_exhausted: Callable[[], None] | None = None,
     ) -> None:
         """`internal_event`: the final error event (in the route's shape) a client gets when
         an exception of ours ends its stream, instead of a stream cut without a word.
+        `shutdown_event` and `internal_event` may be given as the call that builds them: it
+        runs only if the stream ends that way.
         `on_exhausted`: called (synchronously) once every byte of `body` was handed to the
         server, before the last body message goes out: the relay has read and closed its
         upstream by then, and the client may send its next request as soon as it sees the
@@ -116,7 +118,7 @@ class SSEResponse(Response):
             await self._send(send, {"type": "http.response.start", "status": 200,
                                     "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
-                self._watch(receive, tg)
+                watching = self._watch(receive, tg)
                 ticker.arm(self._period(), lambda: self._tick(send, tg.cancel_scope))
                 forget_drain = self.drain.call_at_grace_end(
                     self.grace, self._on_grace_end(tg.cancel_scope))
@@ -124,11 +126,15 @@ class SSEResponse(Response):
                 # inside the group: the ticker still watches a client stuck at the very end
                 await self._send(send, {"type": "http.response.body", "body": b"",
                                         "more_body": False})
-                tg.cancel_scope.cancel()
+                if watching:  # our own watcher task is in the group: end it. (Only then:
+                    # anyio names the cancelling task in the scope's reason, formatting its
+                    # repr, some 7 us per stream for a group with nothing to cancel.)
+                    tg.cancel_scope.cancel()
             if self.end is StreamEnd.SHUTDOWN:  # the grace ended: a final error event
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                     await self._send(send, {"type": "http.response.body",
-                                            "body": self.shutdown_event, "more_body": False})
+                                            "body": _built(self.shutdown_event),
+                                            "more_body": False})
             ended = True
         except* OSError:  # the socket broke under a send (the task group wraps it in a group)
             self.end = self.end or StreamEnd.CLIENT_GONE
@@ -145,7 +151,7 @@ class SSEResponse(Response):
                 if self.internal_event and not self._completed and not self._in_send:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                         await self._send(send, {"type": "http.response.body",
-                                                "body": self.internal_event,
+                                                "body": _built(self.internal_event),
                                                 "more_body": False})
             with anyio.CancelScope(shield=True):
                 if not self._completed and self.end in _ABORTED:
@@ -181,13 +187,14 @@ class SSEResponse(Response):
         if self.on_exhausted is not None:
             self.on_exhausted()
 
-    def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> None:
+    def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> bool:
         """End the stream when the client disconnects: through the proxy's watcher when
-        there is one (a done-callback, no task of ours), else with a task of our own."""
+        there is one (a done-callback, no task of ours), else with a task of our own in
+        `tg`. Whether that task was started."""
         gone = self.client_gone
         if gone is None:
             tg.start_soon(self._watch_client, receive, tg.cancel_scope)
-            return
+            return True
         scope = tg.cancel_scope
 
         def on_gone(task: asyncio.Future[None]) -> None:
@@ -197,6 +204,7 @@ class SSEResponse(Response):
             scope.cancel()
 
         gone.add_done_callback(on_gone)
+        return False
 
     async def _watch_client(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while True:
@@ -247,6 +255,12 @@ class SSEResponse(Response):
                 scope.cancel()
 
         return stop
+
+
+def _built(event: bytes | Callable[[], bytes]) -> bytes:
+    """A final event given as its bytes, or as the call that builds them (built only when a
+    stream does end that way: most never do, and building them is JSON encoding)."""
+    return event() if callable(event) else event
 
 
 def _being_cancelled() -> bool:

@@ -88,9 +88,22 @@ class Prefix:
     buffered: list[SSEEvent]
     #: the stream ended normally without a token: `buffered` holds the whole answer
     empty: bool = False
+    #: a close has run to its end: closing again does nothing
+    closed: bool = False
 
     async def aclose(self) -> None:
+        """Close the upstream; once it is closed, at once, without a task or a loop turn.
+
+        A streamed answer is closed twice, by the relay as it ends and by the request's end
+        (which must be sure of it on every path), right after the client's last byte. A close
+        runs in a task of its own (`close_quietly`), and the second one cost a task, a shield
+        and two turns of the loop, which the client's next request on the connection waited
+        behind. The flag is set only once a close has finished, so a second close while the
+        first is still under way still waits for a complete one."""
+        if self.closed:
+            return
         await close_quietly(self.stream, self.batches)
+        self.closed = True
 
 
 async def close_quietly(

@@ -183,7 +183,7 @@ def _worker_main(plan: WorkerPlan, index: int) -> None:
 
     runner = build_server(app, server, app.state.drain, log_config=plan.log_config,
                           on_hangup=hangup)
-    tune_collector()
+    tune_collector(server)
     runner.run(sockets=[sock])
     sys.exit(0 if runner.started else NOT_STARTED)
 

@@ -188,6 +188,36 @@ async def test_a_kept_alive_connection_is_reused_while_the_upstream_keeps_it(
     assert (upstream.connections, upstream.requests) == (1, 3)
 
 
+async def test_each_request_knows_whether_its_connection_was_pooled_without_tracing(
+    serve: Callable[[int | None], ClosingUpstream],
+) -> None:
+    """Whether a request went out on a pooled connection decides whether it may be sent
+    again; the connector knows it from its own record of the connections it handed out, not
+    from aiohttp's request tracing (a dozen awaited signals per upstream request, on the
+    first byte's path): the session traces nothing, and of three requests in a row the first
+    took a new connection and the next two the kept-alive one."""
+    upstream = serve(None)
+    client = UpstreamClient(max_connections=4)
+    records: list[http_module._Reuse] = []
+    original = http_module._Reuse
+
+    class Recorded(original):  # type: ignore[valid-type, misc]
+        def __init__(self) -> None:
+            super().__init__()
+            records.append(self)
+
+    http_module._Reuse = Recorded  # type: ignore[misc]
+    try:
+        for _ in range(3):
+            assert await post(client, upstream) == b"ok"
+        assert client._get_session().trace_configs == []
+    finally:
+        http_module._Reuse = original  # type: ignore[misc]
+        await client.aclose()
+    assert [record.reused for record in records] == [False, True, True]
+    assert (upstream.connections, upstream.requests) == (1, 3)
+
+
 async def test_several_stale_connections_are_passed_until_a_fresh_one_answers(
     serve: Callable[[int | None], ClosingUpstream],
 ) -> None:

@@ -7,13 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import replace
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from gateway.api.answer import Answer
+from gateway.api.end import RequestEnd
 from gateway.api.proxy import Admission, Proxy
+from gateway.drain import Drain
 from gateway.errors import InternalError, Overloaded, UpstreamClientError
+from gateway.hedge.race import Race
+from gateway.settings import ServerSettings
+from gateway.stats import Stats
+from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
 from gateway.wire.usage import ask_for_usage
 from tests.harness.raceworld import (
@@ -302,5 +309,67 @@ def test_a_streams_backend_slot_is_back_before_its_last_byte() -> None:
         assert held[-1] == ("http.response.body", False, 0)  # the end: already given back
         assert set(world.closed) == set(world.opened)
         assert all(pool.balancer.inflight(b.name) == 0 for b in pool.settings.backends)
+
+    run_virtual(main)
+
+
+async def test_the_race_result_reaches_the_proxy_in_the_next_turn_of_the_loop() -> None:
+    """On the way to the first byte, the race's result is taken up by the proxy in the turn of
+    the loop right after the race's last step: a callback the race scheduled as it returned
+    (one turn later) runs before the proxy resumes, and one scheduled from that callback (two
+    turns later) after it. Through `asyncio.wait` the proxy resumed a turn later still."""
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+
+    class QuickRace:
+        async def run(self) -> str:
+            def one_turn() -> None:
+                order.append("one turn")
+                loop.call_soon(order.append, "two turns")
+
+            loop.call_soon(one_turn)
+            return "result"
+
+    async def receive() -> dict[str, Any]:
+        await loop.create_future()
+        raise AssertionError("unreachable")
+
+    proxy = Proxy(ServerSettings(), cast(Stats, None), loop.time, Drain(loop.time))
+    end = SimpleNamespace(watcher=None)
+    result = await proxy._race_or_disconnect(cast(Race, QuickRace()), receive,
+                                             cast(RequestEnd, end))
+    order.append("proxy")
+    assert cast(object, result) == "result"
+    assert order == ["one turn", "proxy"]
+    await asyncio.sleep(0)
+    assert order == ["one turn", "proxy", "two turns"]
+    end.watcher.cancel()
+    await asyncio.wait({end.watcher})
+
+
+def test_a_streamed_answer_builds_no_final_error_event_it_does_not_send() -> None:
+    """A stream's final events for a shutdown and for a bug of ours are JSON to encode; the
+    proxy hands the stream the calls that build them, so a stream that ends otherwise (nearly
+    every one; here the scripted upstream's stream breaks, the relay's own error event) builds
+    neither, on the way to its first byte or after."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([Step("token", 0.0)]), loop, world)
+        built: list[str] = []
+
+        def counted(message: str, code: str, request_id: str) -> bytes:
+            built.append(code)
+            return CHAT.error_event(message, code, request_id)
+
+        req = replace(logical_request(stream=True), protocol=replace(CHAT, error_event=counted))
+        answer = await proxy.handle(http_request(), pool, req)
+        unsent = {"gateway_shutdown", InternalError.code}
+        assert answer.status_code == 200 and not unsent & set(built)
+        sent = await _send(answer, loop, proxy)
+        assert sent[-1][1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        assert not unsent & set(built)
+        [(_, summary)] = proxy.stats.summaries  # type: ignore[attr-defined]
+        assert summary.status == 200
 
     run_virtual(main)

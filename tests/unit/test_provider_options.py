@@ -3,8 +3,11 @@ TLS, proxy and environment settings, and their validation. No sockets."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from gateway.app import build_pools, make_http_client
 from gateway.settings import BackendSettings, ConfigError, parse_settings
 from gateway.settings.model import TlsSettings
 from providers.openai import upstream_headers
@@ -68,3 +71,30 @@ def test_bad_options_name_their_key(entry: dict[str, object], message: str) -> N
 def test_default_backends_share_the_client() -> None:
     assert not needs_own_client(backend())
     assert needs_own_client(backend(trust_env=True))
+
+
+@pytest.mark.parametrize("options", [{"tls": {"verify": False}}, {"trust_env": True},
+                                     {"proxy": "http://proxy.example:3128"}])
+async def test_a_backend_with_its_own_client_gets_the_configured_connection_bound(
+        options: dict[str, object]) -> None:
+    """A backend reached through its own TLS, proxy or environment settings has a client of
+    its own; its bound, and its aiohttp connector's limit, are the shared client's, which the
+    configuration sizes (2 x `server.max_concurrent_requests`), not a fixed smaller number
+    that left streams past it waiting for a slot the server had admitted them to."""
+    settings = parse_settings({"server": {"max_concurrent_requests": 1500}, "pools": [{
+        "name": "p", "backends": [
+            {"name": "shared", "base_url": "http://127.0.0.1:9/v1"},
+            {"name": "own", "base_url": "http://127.0.0.1:9/v1", **options}]}]}, {})
+    client = make_http_client(settings)
+    pools = build_pools(settings, client, lambda: 0.0, random.Random(1))
+    providers = pools["p"].providers
+    own = providers["own"]._client  # type: ignore[attr-defined]
+    try:
+        assert providers["shared"]._client is client  # type: ignore[attr-defined]
+        assert own is not client
+        assert client.max_connections == own.max_connections == 3000
+        connector = own._get_session().connector
+        assert connector is not None and connector.limit == 3000
+    finally:
+        await own.aclose()
+        await client.aclose()

@@ -86,3 +86,23 @@ async def test_a_word_error_in_content_is_not_an_error_event() -> None:
     chunk = b'data: {"choices":[{"delta":{"content":"\\"error\\""}}]}\n\n'
     out, outcome, _ = await relayed([chunk, b"data: [DONE]\n\n"])
     assert out[1] == chunk and outcome.end is StreamEnd.DONE
+
+
+async def test_a_closed_prefix_closes_again_at_once_without_a_turn_of_the_loop() -> None:
+    """The relay closes its upstream as the stream ends, and the request's end closes it
+    again to be sure; the second close must not cost a task and turns of the loop (the
+    client's next request on the connection waits behind them): it completes without ever
+    suspending, and the upstream was closed once."""
+    upstream = Upstream()
+    prefix = Prefix(upstream, _batches([]), [SSEEvent(ROLE), SSEEvent(TOKEN)])
+    await prefix.aclose()
+    assert upstream.closed == 1
+    again = prefix.aclose()
+    try:
+        again.send(None)  # a coroutine that suspends would yield here instead of returning
+    except StopIteration:
+        pass
+    else:  # pragma: no cover - the failure this test is for
+        again.close()
+        raise AssertionError("the second close suspended (it ran through a task again)")
+    assert upstream.closed == 1

@@ -101,3 +101,39 @@ def test_a_stream_shorter_than_a_tick_runs_no_extra_task_and_a_long_one_keeps_al
     seen, sent = run_virtual(main)
     assert seen[:2] == [1, 1]  # the first two chunks: the response's own task only
     assert b": keep-alive\n\n" in sent
+
+
+async def test_a_normal_end_with_the_proxys_watcher_cancels_no_scope() -> None:
+    """With the proxy's watcher there is no task of the response's own in its group, and a
+    stream that ends normally cancels nothing: a cancel would name the cancelling task in its
+    reason (anyio formats the task's repr, about 7 us per stream, for nothing to stop)."""
+    loop = asyncio.get_running_loop()
+    reprs: list[str] = []
+
+    class CountingTask(asyncio.Task[None]):
+        def __repr__(self) -> str:
+            text = super().__repr__()
+            reprs.append(text)
+            return text
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: x\n\n"
+
+    ends: list[str | None] = []
+
+    async def on_close(end: str | None) -> None:
+        ends.append(end)
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    gone: asyncio.Future[None] = loop.create_future()
+    stream = SSEResponse(body(), headers={}, keepalive=15.0, stuck_client=30.0,
+                         drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
+                         on_close=on_close, clock=loop.time, client_gone=gone)
+    await CountingTask(stream({"type": "http"}, never, send))
+    assert [m.get("body") for m in sent] == [None, b"data: x\n\n", b""]
+    assert ends == [None] and reprs == []
+    gone.cancel()
