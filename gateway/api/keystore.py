@@ -88,7 +88,7 @@ class TenantSync:
             self.gate.keep_unsent()
             return
         if not usage:
-            await self.read_spend()
+            await self.read_spend(usage)
             return
         day = datetime.datetime.fromtimestamp(self.gate.wall(), tz=datetime.UTC).date()
         rows = [UsageRow(name, day.isoformat(), *counts) for name, counts in usage.items()]
@@ -99,11 +99,12 @@ class TenantSync:
             self._failed("write", exc)
             self.gate.keep_unsent()  # back into the next batch
             return
-        await self.read_spend()
+        await self.read_spend(usage)
 
-    async def read_spend(self) -> None:
+    async def read_spend(self, written: dict[str, list[int]] | None = None) -> None:
         """Every key's spend of today and this month, as the store holds it (all processes'
-        written batches), for the budgets (`TenantGate.check_budget`)."""
+        written batches), for the budgets (`TenantGate.check_budget`); `written`: the batch
+        just written, which the read includes."""
         store = self.store
         if store is None:
             return
@@ -114,7 +115,7 @@ class TenantSync:
         except (sqlite3.Error, OSError) as exc:
             self._failed("read", exc)
             return
-        self.gate.adopt_spend(period_spend(rows, today.isoformat()))
+        self.gate.adopt_spend(period_spend(rows, today.isoformat()), written)
 
     async def run(self) -> None:
         """Poll and flush until cancelled."""

@@ -115,11 +115,15 @@ class TenantGate:
         self.sending = usage
         return usage
 
-    def adopt_spend(self, spent: dict[str, PeriodSpend]) -> None:
-        """The store's spend per key, read after the last batch was written (so the batch
-        is in it and no longer counted apart)."""
+    def adopt_spend(self, spent: dict[str, PeriodSpend],
+                    written: dict[str, list[int]] | None = None) -> None:
+        """The store's spend per key. `written`: the batch (`take_usage`) this was read
+        after, which is in it now and no longer counted apart; a read that is not after a
+        batch of its own (a poll) leaves a batch being written counted, twice at worst for
+        a moment, never missed."""
         self.spent = spent
-        self.sending = {}
+        if written is not None and self.sending is written:
+            self.sending = {}
 
     def keep_unsent(self) -> None:
         """The batch could not be written: back into the next one."""
