@@ -26,11 +26,11 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.settings.fields import ConfigError
-from gateway.settings.tenants import TenantKeySettings, TenantLimits
+from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
 
 #: seconds a writer waits for another's transaction before it gives up
 BUSY_TIMEOUT = 5.0
@@ -42,7 +42,7 @@ KEY_PREFIX = "hg-"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
     name TEXT PRIMARY KEY, key_sha256 TEXT NOT NULL UNIQUE, pools TEXT NOT NULL,
-    limits TEXT NOT NULL, created REAL NOT NULL, revoked REAL);
+    limits TEXT NOT NULL, created REAL NOT NULL, revoked REAL, budget TEXT);
 CREATE TABLE IF NOT EXISTS usage (
     name TEXT NOT NULL, day TEXT NOT NULL, requests INTEGER NOT NULL,
     input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL,
@@ -68,12 +68,20 @@ def path_of(url: str | None) -> str:
 
 
 def _add_spend_column(db: sqlite3.Connection) -> None:
-    """A file made by a version without spend gets its column (0 for the days before)."""
-    columns = {row[1] for row in db.execute("PRAGMA table_info(usage)")}
-    if "spend_micro_usd" not in columns:
-        with contextlib.suppress(sqlite3.OperationalError):  # another process added it
-            db.execute("ALTER TABLE usage ADD COLUMN spend_micro_usd INTEGER NOT NULL "
-                       "DEFAULT 0")
+    """A file made by a version without spend gets its columns: each day's spend (0 for the
+    days before) and each key's budget (none for the keys made before)."""
+    added = (("usage", "spend_micro_usd", "INTEGER NOT NULL DEFAULT 0"),
+             ("keys", "budget", "TEXT"))
+    for table, column, kind in added:
+        columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if column not in columns:
+            with contextlib.suppress(sqlite3.OperationalError):  # another process added it
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+
+
+def _budget(text: str | None) -> TenantBudget:
+    """A key's budget as stored (JSON; NULL for a key made before budgets: none)."""
+    return TenantBudget() if text is None else TenantBudget(**json.loads(text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,7 @@ class StoredKey:
     limits: TenantLimits
     created: float
     revoked: float | None
+    budget: TenantBudget = field(default_factory=TenantBudget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,24 +147,26 @@ class SqliteStore:
     # --- keys -----------------------------------------------------------------------------
 
     def create_key(self, name: str, pools: Sequence[str] = (),
-                   limits: TenantLimits | None = None, *, now: float | None = None
-                   ) -> tuple[str, TenantKeySettings]:
+                   limits: TenantLimits | None = None, *, now: float | None = None,
+                   budget: TenantBudget | None = None) -> tuple[str, TenantKeySettings]:
         """A new key `name`: its secret (returned once, never stored) and its settings.
         `StoreError` when the name is taken or invalid."""
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()
         try:
             key = TenantKeySettings(name=name, key_sha256=digest, pools=tuple(pools),
-                                    limits=limits or TenantLimits())
+                                    limits=limits or TenantLimits(),
+                                    budget=budget or TenantBudget())
         except ConfigError as exc:
             raise StoreError("; ".join(exc.errors)) from None
         with self._locked() as db:
             try:
                 db.execute("BEGIN IMMEDIATE")
-                db.execute("INSERT INTO keys (name, key_sha256, pools, limits, created) "
-                           "VALUES (?, ?, ?, ?, ?)",
+                db.execute("INSERT INTO keys (name, key_sha256, pools, limits, created, "
+                           "budget) VALUES (?, ?, ?, ?, ?, ?)",
                            (key.name, digest, json.dumps(list(key.pools)),
-                            json.dumps(asdict(key.limits)), time.time() if now is None else now))
+                            json.dumps(asdict(key.limits)), time.time() if now is None else now,
+                            json.dumps(asdict(key.budget))))
                 db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
                 db.execute("COMMIT")
             except sqlite3.IntegrityError:
@@ -186,24 +197,26 @@ class SqliteStore:
         that do not make a valid key (written by hand, or by another version): skipped, so one
         bad row never keeps the others, or a revocation, from taking effect."""
         with self._locked() as db:
-            rows = db.execute("SELECT name, key_sha256, pools, limits FROM keys WHERE revoked "
-                              "IS NULL ORDER BY name").fetchall()
+            rows = db.execute("SELECT name, key_sha256, pools, limits, budget FROM keys WHERE "
+                              "revoked IS NULL ORDER BY name").fetchall()
         keys, bad = [], []
-        for name, digest, pools, limits in rows:
+        for name, digest, pools, limits, budget in rows:
             try:
                 keys.append(TenantKeySettings(name=name, key_sha256=digest,
                                               pools=tuple(json.loads(pools)),
-                                              limits=TenantLimits(**json.loads(limits))))
+                                              limits=TenantLimits(**json.loads(limits)),
+                                              budget=_budget(budget)))
             except (ConfigError, ValueError, TypeError):
                 bad.append(str(name))
         return keys, bad
 
     def list_keys(self) -> list[StoredKey]:
         with self._locked() as db:
-            rows = db.execute("SELECT name, pools, limits, created, revoked FROM keys "
+            rows = db.execute("SELECT name, pools, limits, created, revoked, budget FROM keys "
                               "ORDER BY name").fetchall()
         return [StoredKey(name, tuple(json.loads(pools)), TenantLimits(**json.loads(limits)),
-                          created, revoked) for name, pools, limits, created, revoked in rows]
+                          created, revoked, _budget(budget))
+                for name, pools, limits, created, revoked, budget in rows]
 
     # --- usage ----------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ and simulated upstreams, the official `openai` and `anthropic` SDKs as clients.
   header (its cost is known only at its end) but its line has the cost;
 - a key past its budget is refused with 429 `budget_exceeded` and `x-should-retry: false` in
   the route's shape, and neither SDK sends the request again;
-- the spend reaches the store's usage rows (`/admin/keys/{name}/usage`);
+- the spend reaches the store's usage rows (`/admin/keys/{name}/usage`); a key made at run
+  time (`POST /admin/keys`, `keys create`) may have a budget too;
 - under `serve --workers 2`, what one worker's request spent reaches the other through the
   store's batches: once it is written, every worker refuses the key.
 """
@@ -33,7 +34,7 @@ from gateway.settings import (
 )
 from gateway.settings.model import PriceSettings
 from gateway.settings.tenants import TenantBudget, TenantKeySettings
-from tests.e2e.test_tenant_store import chat_status, eventually, serving
+from tests.e2e.test_tenant_store import chat_status, eventually, keys_command, serving
 from tests.harness import (
     DONE,
     SSE_HEADERS,
@@ -240,3 +241,37 @@ def test_workers_share_a_keys_spend_through_the_store(tmp_path: Path) -> None:
         assert chat_status(root, TEAM_A) == 200
         eventually(lambda: all(chat_status(root, TEAM_A) == 429 for _ in range(20)),
                    "every worker refuses the key past its budget")
+
+
+def test_a_key_made_at_run_time_with_a_budget_is_held_to_it(
+    loop_thread: LoopThread, tmp_path: Path
+) -> None:
+    """`POST /admin/keys` with a budget: the key's first answer spends it, and once that
+    request has ended the next is refused; `keys create --budget-usd` stores one too."""
+    pools = (PoolSettings("alpha", (BackendSettings("s", "sim", sim=FAST, price=PRICE),),
+                          hedging=HedgingSettings(enabled=False)),)
+    store = f"sqlite:///{tmp_path}/tenants.sqlite"
+    gateway = GatewayFactory(loop_thread)(Settings(pools, server=ServerSettings(
+        admin_keys=("admin-key-0123456789abcdefghijklmnopqrstu",), store=store)))
+    with httpx.Client(base_url=gateway.root, timeout=10.0, trust_env=False) as http:
+        bad = http.post("/admin/keys", headers=ADMIN,
+                        json={"name": "x", "budget": {"usd": -1}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "budget"
+        made = http.post("/admin/keys", headers=ADMIN, json={
+            "name": "team-a", "budget": {"usd": 0.001, "period": "day"}})
+        assert made.status_code == 201, made.text
+        assert made.json()["budget"] == {"usd": 0.001, "period": "day"}
+        secret = made.json()["key"]
+        listed = http.get("/admin/keys", headers=ADMIN).json()["data"]
+        assert [k["budget"] for k in listed] == [{"usd": 0.001, "period": "day"}]
+    with openai.OpenAI(base_url=gateway.v1, api_key=secret, max_retries=0) as client:
+        client.chat.completions.create(model="alpha", messages=MESSAGES)
+        assert wait_for(lambda: [row["requests"] for row in usage_rows(gateway)] == [1])
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model="alpha", messages=MESSAGES)
+    assert refused.value.code == "budget_exceeded"
+    made_by_command = keys_command(tmp_path, "create", "team-b", "--budget-usd", "2.5",
+                                   "--budget-period", "day")
+    assert made_by_command.returncode == 0, made_by_command.stderr
+    listing = keys_command(tmp_path, "list").stdout
+    assert "budget=2.5/day" in listing and "budget=0.001/day" in listing
