@@ -19,6 +19,7 @@ from gateway.stats import RequestSummary, Stats
 from gateway.stats.prometheus import GatewayCollector
 from gateway.stats.requestlog import request_record
 from gateway.stats.spend import charges, summary_cost
+from gateway.stats.table import render
 from gateway.stats.view import snapshot
 from gateway.tenants.spend import Charge, charge_cost, cost_text, request_cost
 from gateway.wire.sse import SSEEvent
@@ -107,6 +108,9 @@ def test_spend_is_shown_in_the_log_line_the_stats_and_the_metrics_per_key_and_po
     stats.record(s)
     spend = snapshot(stats, {}, 1.0)["pools"]["chat"]["lifetime"]["spend"]
     assert spend == {"usd": 0.0056, "keys": {"team-a": 0.0056}}
+    printed = io.StringIO()
+    render(snapshot(stats, {}, 1.0), printed)  # `hedge-gateway stats URL`
+    assert "spend 0.005600 USD" in printed.getvalue()
     metrics = {m.name: m for m in GatewayCollector(lambda: (stats, {})).collect()}
     assert [(x.labels, x.value) for x in metrics["hedge_gateway_key_spend_usd"].samples
             if x.name.endswith("_total")] == [({"pool": "chat", "key": "team-a"}, 0.0056)]
