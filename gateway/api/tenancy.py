@@ -24,11 +24,10 @@ from gateway.errors import BudgetExceeded, KeyRateLimited, ModelNotFound, Unauth
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
 from gateway.stats import RequestSummary
-from gateway.stats.record import MICRO
 from gateway.tenants.headers import ratelimit_headers
 from gateway.tenants.limits import Refusal
 from gateway.tenants.registry import Tenant, Tenants
-from gateway.tenants.spend import PeriodSpend, over_budget
+from gateway.tenants.spend import MICRO, PeriodSpend, over_budget
 
 #: the key in a request's scope state under which a named key's tenant is kept, so that an
 #: error the route raises before admission still states the key's quotas

@@ -70,8 +70,9 @@ from prometheus_client.registry import Collector
 from gateway.errors import NoBackendAvailable
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
-from gateway.stats.record import KEY_SPEND, MICRO, ROUTES, BucketHistogram, Stats
+from gateway.stats.record import KEY_SPEND, ROUTES, BucketHistogram, Stats
 from gateway.stats.view import live_view
+from gateway.tenants.spend import MICRO
 
 #: what a scrape reads: the counts, and each pool's live state as `view.live_view` gives it
 Reading = tuple[Stats, Mapping[str, Mapping[str, Any]]]

@@ -32,6 +32,7 @@ from gateway.hedge.budget import SuppressReason
 from gateway.hedge.latency import LifetimeSketch, WindowedSketch
 from gateway.stats.races import RecentRaces
 from gateway.stats.summary import RequestSummary
+from gateway.tenants.spend import MICRO
 from gateway.wire.base import ERROR_ENDS, StreamEnd
 from providers.base import ENDPOINTS
 
@@ -48,9 +49,8 @@ SLICES = 6
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                 5.0, 10.0, 30.0)
 CLOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
-#: spend is counted in millionths of a dollar (`spend.micro_usd`, and per named key
-#: `spend.key.<name>`), the precision `x-hedge-cost` states
-MICRO = 1_000_000
+#: the counter of each named key's spend (micro-dollars, `gateway.tenants.spend.MICRO`),
+#: beside the pool's `spend.micro_usd`
 KEY_SPEND = "spend.key."
 #: ends of a relayed stream that are not errors
 CLEAN_ENDS = (None, StreamEnd.DONE)

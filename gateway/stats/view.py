@@ -98,7 +98,8 @@ from typing import TYPE_CHECKING, Any
 from gateway.errors import NoBackendAvailable
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.prefill import class_label
-from gateway.stats.record import KEY_SPEND, MICRO, ROUTES
+from gateway.stats.record import KEY_SPEND, ROUTES
+from gateway.tenants.spend import MICRO
 
 if TYPE_CHECKING:
     from gateway.hedge.generation import Live

@@ -20,6 +20,9 @@ from gateway.settings.model import PriceSettings
 
 #: prices are per this many tokens
 PER_TOKENS = 1_000_000
+#: spend is counted in millionths of a dollar (whole numbers add up exactly across requests,
+#: batches and processes), the precision `x-hedge-cost` states
+MICRO = 1_000_000
 #: `x-hedge-cost` and the log line state a cost to this many decimals (a millionth of a
 #: dollar: a single token of the cheapest models is below it, a request rarely is)
 DECIMALS = 6
@@ -81,4 +84,4 @@ def period_spend(rows: Iterable[tuple[str, str, int]], today: str) -> dict[str, 
 def over_budget(usd: float, period: str, stored: PeriodSpend, unsent: int) -> bool:
     """Whether a key whose budget is `usd` a `period` ("day" or "month") has spent it: the
     store's figure for the period plus what this process counted and has not written yet."""
-    return (stored[0] if period == "day" else stored[1]) + unsent >= usd * 1_000_000
+    return (stored[0] if period == "day" else stored[1]) + unsent >= usd * MICRO

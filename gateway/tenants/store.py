@@ -31,6 +31,7 @@ from typing import Any
 
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
+from gateway.tenants.spend import MICRO
 
 #: seconds a writer waits for another's transaction before it gives up
 BUSY_TIMEOUT = 5.0
@@ -111,7 +112,7 @@ class UsageRow:
 
     @property
     def spend_usd(self) -> float:
-        return self.spend_micro_usd / 1_000_000
+        return self.spend_micro_usd / MICRO
 
 
 class StoreError(Exception):
