@@ -53,7 +53,7 @@ class TenantGate:
     seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
 
     __slots__ = ("clock", "configured", "required", "ring", "sending", "spent", "stored",
-                 "tenants", "usage", "wall")
+                 "tenants", "unread", "usage", "wall")
 
     def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
                  wall: Callable[[], float] = time.time, *, required: bool = False) -> None:
@@ -74,6 +74,9 @@ class TenantGate:
         #: the batch being written (`take_usage`), still counted against budgets until the
         #: store's spend that includes it is read (`adopt_spend`)
         self.sending: dict[str, list[int]] = {}
+        #: a key's spend of batches written whose read-back failed: still counted until a
+        #: read of the store includes them (micro-dollars per key)
+        self.unread: dict[str, int] = {}
         #: each key's spend (today's, this month's) as the store last said it
         self.spent: dict[str, PeriodSpend] = {}
 
@@ -111,6 +114,8 @@ class TenantGate:
         """The usage counted since the last call, handed over whole (to be written); it
         still counts against budgets until `adopt_spend` or `keep_unsent`."""
         usage, self.usage = self.usage, {}
+        for name, counts in self.sending.items():  # written, but never read back
+            self.unread[name] = self.unread.get(name, 0) + counts[3]
         self.sending = usage
         return usage
 
@@ -121,6 +126,7 @@ class TenantGate:
         batch of its own (a poll) leaves a batch being written counted, twice at worst for
         a moment, never missed."""
         self.spent = spent
+        self.unread = {}  # written before this read began: in it
         if written is not None and self.sending is written:
             self.sending = {}
 
@@ -147,8 +153,9 @@ class TenantGate:
         if budget.usd is None:
             return
         name = tenant.name
-        unsent = sum(counts[3] for counts in (self.usage.get(name), self.sending.get(name))
-                     if counts is not None)
+        unsent = self.unread.get(name, 0) + sum(
+            counts[3] for counts in (self.usage.get(name), self.sending.get(name))
+            if counts is not None)
         if over_budget(budget.usd, budget.period, self.spent.get(name, (0, 0)), unsent):
             raise BudgetExceeded(name, budget.usd, budget.period)
 

@@ -118,3 +118,32 @@ def test_processes_share_a_keys_spend_through_the_stores_batches(tmp_path: Path)
         await second.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_batch_written_but_not_read_back_still_counts_against_the_budget(
+    tmp_path: Path
+) -> None:
+    """The batch is written, the read of the spend fails, the next batch is taken: the
+    written one still counts until a read includes it."""
+    key = TenantKeySettings("team-a", key="team-a-secret", budget=TenantBudget(5.0, "day"))
+    the_gate = TenantGate(KeyRing(), (key,), clock=lambda: 0.0, wall=lambda: 86_400.0)
+    (tenant,) = the_gate.tenants.by_digest.values()
+
+    async def scenario() -> None:
+        sync = TenantSync(the_gate, f"sqlite:///{tmp_path}/t.sqlite")
+        await sync.start()
+        assert sync.store is not None
+        real_read = sync.store.spend_since
+        sync.store.spend_since = fail  # type: ignore[method-assign,assignment]
+        the_gate.usage["team-a"] = [1, 10, 10, 6_000_000]
+        await sync.flush()  # written; its read-back failed
+        await sync.flush()  # the next (empty) batch taken
+        with pytest.raises(BudgetExceeded):
+            the_gate.check_budget(tenant)
+        sync.store.spend_since = real_read  # type: ignore[method-assign]
+        await sync.read_spend()  # the store's figure now holds it, once
+        assert the_gate.spent == {"team-a": (6_000_000, 6_000_000)}
+        assert the_gate.unread == {} and the_gate.sending == {}
+        await sync.stop()
+
+    asyncio.run(scenario())
