@@ -16,6 +16,7 @@ from gateway.settings import BackendSettings, ConfigError
 from gateway.settings.load import check_config
 from gateway.settings.model import PriceSettings
 from gateway.stats import RequestSummary, Stats
+from gateway.stats.merge import document, export, merge
 from gateway.stats.prometheus import GatewayCollector
 from gateway.stats.requestlog import request_record
 from gateway.stats.spend import charges, summary_cost
@@ -108,6 +109,12 @@ def test_spend_is_shown_in_the_log_line_the_stats_and_the_metrics_per_key_and_po
     stats.record(s)
     spend = snapshot(stats, {}, 1.0)["pools"]["chat"]["lifetime"]["spend"]
     assert spend == {"usd": 0.0056, "keys": {"team-a": 0.0056}}
+    other = Stats({"chat": ["a", "b"]}, now=0.0)
+    other.record(s)  # another worker: the workers' documents merge into the server's
+    merged = document(merge([export(stats, {}, 1.0, {"worker": 0, "pid": 1}),
+                             export(other, {}, 1.0, {"worker": 1, "pid": 2})]))
+    assert merged["pools"]["chat"]["lifetime"]["spend"] == {"usd": 0.0084,
+                                                            "keys": {"team-a": 0.0084}}
     printed = io.StringIO()
     render(snapshot(stats, {}, 1.0), printed)  # `hedge-gateway stats URL`
     assert "spend 0.005600 USD" in printed.getvalue()
