@@ -186,12 +186,13 @@ def usage_rows(gateway: Any) -> list[dict[str, Any]]:
 
 
 def test_a_key_past_its_budget_is_refused_and_neither_sdk_retries(
-    loop_thread: LoopThread, tmp_path: Path
+    loop_thread: LoopThread, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each answer costs at least 3 output tokens at 0.002: past 0.001 after the first.
     Once the first request has ended (its spend counted: a cost is known at a request's
     end), the next is refused. The SDKs would retry a 429 three times; `x-should-retry:
     false` stops them."""
+    verbose_logs(caplog)
     gateway = budgeted_gateway(loop_thread, tmp_path, usd=0.001)
     hooks, sent = recorder()
     with openai.OpenAI(base_url=gateway.v1, api_key=TEAM_A, max_retries=3,
@@ -214,6 +215,9 @@ def test_a_key_past_its_budget_is_refused_and_neither_sdk_retries(
                                messages=[{"role": "user", "content": "hi"}])
     assert sent == ["/v1/messages"]
     assert refused_too.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    refusals = [(line["status"], line["reason"]) for line in request_lines(caplog)
+                if line["reason"] != "ok"]
+    assert refusals == [(429, "budget_exceeded")] * 2
     (row,) = usage_rows(gateway)
     assert row["requests"] == 1  # the refusals took nothing
     assert row["spend_usd"] == float(first.headers["x-hedge-cost"])
