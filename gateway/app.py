@@ -54,6 +54,7 @@ from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
 from gateway.stats.tracing import Tracing, build_tracing
+from gateway.wire.translate.routes import TRANSLATIONS
 from providers.base import CarriesCredentials, Provider
 from providers.http import UpstreamClient
 from providers.registry import build_provider, missing_extras
@@ -110,6 +111,7 @@ def build_pools(
                 global_hedging=settings.hedging_enabled,
                 now=now,
                 rng=random.Random(rng.random()),
+                translations=TRANSLATIONS,
             )
         else:
             pools[pool.name] = before.carried_over(

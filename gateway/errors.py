@@ -14,7 +14,8 @@ addresses (`gateway.wire.explain`), because a client cannot fix a request withou
 Two trees, in this one file, and each class carries its facts as class attributes:
 
     UpstreamError (one attempt)               GatewayError (the client's answer)
-    ├── UpstreamConnectError                  ├── InvalidRequest ── ForbiddenField, InvalidJSON
+    ├── UpstreamConnectError                  ├── InvalidRequest ── ForbiddenField, InvalidJSON,
+    │                                         │                     Untranslatable
     │   └── UpstreamConnectTimeout            ├── Unauthorized
     ├── GatewayPoolFull                       ├── ModelNotFound, RouteNotServed, RouteNotFound
     ├── UpstreamTimeout                       ├── ResponseNotFound, MethodNotAllowed
@@ -337,6 +338,17 @@ class ForbiddenField(InvalidRequest):
     """A body field that could choose a destination or a credential."""
 
     code = "forbidden_field"
+
+
+class Untranslatable(InvalidRequest):
+    """A field that changes the answer and that the backend's API cannot carry (`n > 1` to
+    Messages, `logprobs`): refused naming it (`param`) rather than dropped in silence."""
+
+    code = "untranslatable_field"
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}; no backend of this model speaks the API that "
+                         "carries it", param=field)
 
 
 class Unauthorized(GatewayError):

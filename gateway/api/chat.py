@@ -15,7 +15,7 @@ from gateway.api.inference import InferenceRoute, route
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
-from gateway.api.tenancy import TenantGate, check_pool, supplied_key
+from gateway.api.tenancy import TenantGate, check_pool, deadline_of, supplied_key
 from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -58,10 +58,13 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
             )
         check_pool(tenant, model)
         headers = {k.lower(): v for k, v in request.headers.items()}
+        deadline = deadline_of(tenant, headers)
         req = LogicalRequest(rid, entry.endpoint, body, stream, headers, entry.protocol,
                              route=entry.path, model=logged_model, body_bytes=size,
                              key=None if tenant is None else tenant.name,
-                             hedging=tenant is None or tenant.settings.hedging.enabled)
+                             hedging=tenant is None or tenant.settings.hedging.enabled,
+                             objective=deadline.objective, share=deadline.share,
+                             share_ratio=deadline.ratio, forward_headers=deadline.forward)
         if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=False,
                                       handle=lambda: proxy.handle(request, pool, req))

@@ -18,7 +18,7 @@ from gateway.api.inference import InferenceRoute, route
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
-from gateway.api.tenancy import TenantGate, check_pool
+from gateway.api.tenancy import TenantGate, check_pool, deadline_of
 from gateway.errors import ModelNotFound
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
@@ -53,12 +53,16 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
         check_pool(tenant, model)
         headers = {k.lower(): v for k, v in request.headers.items()}
         forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
+        deadline = deadline_of(tenant, headers)
+        forward.update(deadline.forward)
         req = LogicalRequest(request_id_of(request), entry.endpoint, body, stream, headers,
                              protocol=entry.protocol,
                              single=entry.single,
                              forward_headers=forward, route=entry.path, model=logged_model,
                              body_bytes=size, key=None if tenant is None else tenant.name,
-                             hedging=tenant is None or tenant.settings.hedging.enabled)
+                             hedging=tenant is None or tenant.settings.hedging.enabled,
+                             objective=deadline.objective, share=deadline.share,
+                             share_ratio=deadline.ratio)
         if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=True,
                                       handle=lambda: proxy.handle(request, pool, req))

@@ -16,7 +16,9 @@ carried by the answer. Only when no answer will be sent (the request task is can
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +38,7 @@ from gateway.errors import (
     InternalError,
     Overloaded,
 )
-from gateway.hedge.plan import excluded_backends
+from gateway.hedge.plan import Routing, Translated, routing
 from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race, RaceResult
@@ -47,7 +49,7 @@ from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.stats.spend import summary_cost
 from gateway.tenants.spend import cost_text
-from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd
+from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd, Translation, WireProtocol
 from gateway.wire.usage import ask_for_usage, body_usage
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
@@ -124,9 +126,9 @@ class Proxy:
         cancelled (the end has run), or a bug of ours before admission (nothing is held; the
         app answers it as any bug of a route)."""
         try:
-            excluded = excluded_backends(pool, req)
-        except GatewayError as exc:  # no backend serves the route: refused before any race,
-            return self._error(exc, req, None, request.scope)  # the app writes its line
+            routes = routing(pool, req)
+        except GatewayError as exc:  # no backend serves the route (or can carry the request):
+            return self._error(exc, req, None, request.scope)  # refused before any race
         # from here every path writes the request's log line (the end, or a refusal below)
         state = request.scope.setdefault("state", {})
         state[LINE_KEY] = True
@@ -144,10 +146,10 @@ class Proxy:
         pool.holding += 1
         summary = RequestSummary(req.request_id, pool.settings.name, req.endpoint, req.stream,
                                  start, metered=req.metered, route=req.route, method=method,
-                                 model=req.model, key=req.key)
+                                 model=req.model, key=req.key, objective=req.objective)
         state[SUMMARY_KEY] = summary  # read after the answer (`gateway.api.tenancy`)
         try:
-            race, end, strip_usage = self._prepare(request, pool, req, summary, excluded, held)
+            race, end, strip_usage = self._prepare(request, pool, req, summary, routes, held)
         except BaseException as exc:  # nothing owns the request's end yet: give back here
             pool.inflight_requests -= 1
             pool.holding -= 1
@@ -175,7 +177,7 @@ class Proxy:
                 return Answer(Response(status_code=499), end)
             end.prefix = winner = result.prefix
             rewrite = None
-            if req.on_commit is not None:
+            if req.on_commit is not None and winner.translation is None:
                 rewrite = req.on_commit(result.winner.backend, winner.buffered)
             headers = {
                 **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
@@ -183,11 +185,15 @@ class Proxy:
                 "x-hedge-backend": result.winner.backend,
                 "x-hedge-attempts": str(len(race.attempts)),
             }
+            if winner.translation is not None:
+                headers["x-hedge-translated"] = summary.translated = winner.translation.name
             summary.status = 200
             if not req.stream:
                 body = winner.buffered[0].data
                 if rewrite is not None:
                     body = rewrite[1](body)
+                if winner.translation is not None:
+                    body = winner.translation.answer(body, int(time.time()))
                 if req.metered:
                     summary.usage = body_usage(body)
                 cost = summary_cost(summary, pool.prices)
@@ -235,16 +241,16 @@ class Proxy:
 
     def _prepare(
         self, request: Request, pool: PoolRuntime, req: LogicalRequest,
-        summary: RequestSummary, excluded: frozenset[str], held: int = 0,
+        summary: RequestSummary, routes: Routing, held: int = 0,
     ) -> tuple[Race, RequestEnd, bool]:
         """The race of an admitted request, the owner of its end, and whether the usage the
         gateway asked for is to be dropped from the stream."""
-        plan = make_plan(pool, req, excluded, summary.started)
+        plan = make_plan(pool, req, routes.excluded, summary.started)
         summary.size = plan.size
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
-        runner = attempt_runner(pool, _upstream_request(req, upstream_body),
+        runner = attempt_runner(pool, _upstream_request(req, upstream_body, routes.translated),
                                 plan.options.deadline, self.clock, trace)
         race = Race(pool, runner, plan.options, self.clock)
         if plan.affinity_miss:
@@ -325,7 +331,8 @@ class Proxy:
             max_stream_deadline=self.clock() + timeouts.max_stream,
             clock=self.clock,
             outcome=outcome,
-            protocol=protocol,
+            protocol=protocol if result.prefix.translation is None
+            else _translating(protocol, result.prefix.translation, not strip_usage),
             rewrite=rewrite,
         )
 
@@ -360,13 +367,23 @@ class Proxy:
         )
 
 
-def _upstream_request(req: LogicalRequest, body: Mapping[str, Any]) -> UpstreamRequest:
+def _upstream_request(req: LogicalRequest, body: Mapping[str, Any],
+                      translated: Translated) -> UpstreamRequest:
     """What the race's attempts send for `req`, with `body` (the client's, or a copy that
-    asks for usage)."""
+    asks for usage), and to the backends of another API their translation of it."""
     return UpstreamRequest(
         req.endpoint, body, req.stream, req.request_id, req.protocol, pinned=req.pinned,
         method=req.method, path=req.path, query=req.query, forward_headers=req.forward_headers,
+        translated=translated,
     )
+
+
+def _translating(protocol: WireProtocol, translation: Translation, include_usage: bool
+                 ) -> WireProtocol:
+    """The client's protocol (its errors, its shutdown event) with the translated stream's
+    encoder: the backend's events written in the client's API. Once per translated stream."""
+    encoder = translation.encoder(int(time.time()), include_usage, protocol.error_event)
+    return dataclasses.replace(protocol, encoder=lambda _protocol, _rewrite: encoder)
 
 
 def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:

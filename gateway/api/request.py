@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.hedge.deadline import KeyShare
 from gateway.wire.base import Rewrite, WireProtocol
 from gateway.wire.paths import Endpoint
 from gateway.wire.sse import SSEEvent
@@ -56,3 +57,10 @@ class LogicalRequest:
     key: str | None = None
     #: False: the client's key turned delay-triggered hedges off (`keys[].hedging.enabled`)
     hedging: bool = True
+    #: the request's TTFT objective in seconds: the tighter of its key's and its
+    #: `x-slo-ttft-ms` header's (None: none); its hedge may go early for it
+    objective: float | None = None
+    #: the named key's share of the hedge budget that pays for early hedges (None: no key)
+    share: KeyShare | None = None
+    #: the named key's own `hedging.ratio` (None: the pool's)
+    share_ratio: float | None = None

@@ -37,7 +37,7 @@ from gateway.api.stored import (
     StoredRef,
     generate_secret,
 )
-from gateway.api.tenancy import TenantGate, check_pool
+from gateway.api.tenancy import TenantGate, check_pool, deadline_of
 from gateway.errors import ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
@@ -146,13 +146,17 @@ def build_responses_router(
                                        "to this gateway", param="previous_response_id")
             pinned, translated = ref.backend, (ref.upstream_id, str(previous))
             body = {**body, "previous_response_id": ref.upstream_id}
+        headers = headers_of(request)
+        deadline = deadline_of(tenant, headers)
         req = LogicalRequest(
-            request_id_of(request), entry.endpoint, body, stream, headers_of(request),
+            request_id_of(request), entry.endpoint, body, stream, headers,
             protocol=entry.protocol, stateful=responses_stateful(body), pinned=pinned,
             on_commit=minting(pool.settings.name, stream, binding, translated),
             route=entry.path, model=logged_model, body_bytes=size,
             key=None if tenant is None else tenant.name,
             hedging=tenant is None or tenant.settings.hedging.enabled,
+            objective=deadline.objective, share=deadline.share, share_ratio=deadline.ratio,
+            forward_headers=deadline.forward,
         )
         if tenant is not None:
             return await gate.limited(request, tenant, size, anthropic=False,

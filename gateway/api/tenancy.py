@@ -11,7 +11,8 @@ it is, and once it has ended, its slot goes back and the upstream's usage is cha
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,6 +22,7 @@ from gateway.api.end import SUMMARY_KEY
 from gateway.api.keys import KeyRing
 from gateway.clock import Clock
 from gateway.errors import BudgetExceeded, KeyRateLimited, ModelNotFound, Unauthorized
+from gateway.hedge.deadline import OBJECTIVE_HEADER, KeyShare, header_objective, objective
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
 from gateway.stats import RequestSummary
@@ -276,3 +278,28 @@ def check_pool(tenant: Tenant | None, pool: str) -> None:
     """A named key asking for a pool it may not use is answered as for an unknown model."""
     if tenant is not None and not tenant.may_use(pool):
         raise ModelNotFound(NOT_FOUND, param="model")
+
+
+class Deadline(NamedTuple):
+    """A request's TTFT objective and who pays for the hedges it sends early."""
+
+    #: seconds; None: no objective
+    objective: float | None
+    #: the named key's share of the hedge budget (None: no named key: no early hedge)
+    share: KeyShare | None
+    #: the key's own `hedging.ratio` (None: the pool's)
+    ratio: float | None
+    #: headers to send upstream: the objective in force as `x-slo-ttft-ms`, for in-cluster
+    #: schedulers (the key's when it is the tighter: they see what the gateway holds it to)
+    forward: dict[str, str]
+
+
+def deadline_of(tenant: Tenant | None, headers: Mapping[str, str]) -> Deadline:
+    """The request's objective: the tighter of its key's `ttft_objective` and its
+    `x-slo-ttft-ms` header (a malformed header is ignored: `header_objective`)."""
+    key = None if tenant is None else tenant.settings.ttft_objective
+    seconds = objective(key, header_objective(headers.get(OBJECTIVE_HEADER)))
+    forward = {} if seconds is None else {OBJECTIVE_HEADER: str(max(1, round(seconds * 1000)))}
+    if tenant is None:
+        return Deadline(seconds, None, None, forward)
+    return Deadline(seconds, tenant.share, tenant.settings.hedging.ratio, forward)

@@ -70,22 +70,23 @@ REQUEST_TIMEOUT = 60.0
 CPU_REQUESTS = 200
 
 
-def _backend(name: str, provider: str, base_url: str, **extra: str) -> dict[str, str]:
+def _backend(name: str, provider: str, base_url: str, **extra: str) -> dict[str, Any]:
     return {"name": name, "provider": provider, "base_url": base_url, "model": "m", **extra}
 
 
 def gateway_config(port: int, top: Mapping[str, Any] | None = None,
-                   pool: Mapping[str, Any] | None = None) -> str:
+                   pool: Mapping[str, Any] | None = None, *, translated: bool = False) -> str:
     """The measured gateway's configuration: a chat pool and a Messages pool of two backends
     each, all served by the simulator on `port`; `top` is merged into the document, `pool`
-    into every pool (a variant's overrides)."""
-    pools = [
-        {"name": "chat", "backends": [
-            _backend(b, "openai", f"http://127.0.0.1:{port}/v1") for b in ("a", "b")]},
-        {"name": "claude", "backends": [
-            _backend(b, "anthropic", f"http://127.0.0.1:{port}", api_key="unused")
-            for b in ("c", "d")]},
-    ]
+    into every pool (a variant's overrides). `translated`: each pool's backends speak the
+    other API (Messages for the chat pool, Chat Completions only for the Messages pool), so
+    the same requests are translated both ways."""
+    chat = [_backend(b, "openai", f"http://127.0.0.1:{port}/v1") for b in ("a", "b")]
+    messages = [_backend(b, "anthropic", f"http://127.0.0.1:{port}", api_key="unused")
+                for b in ("c", "d")]
+    if translated:
+        chat, messages = messages, [{**b, "apis": ["chat"]} for b in chat]
+    pools = [{"name": "chat", "backends": chat}, {"name": "claude", "backends": messages}]
     document: dict[str, Any] = merged({}, top or {})
     document["pools"] = [merged(p, pool or {}) for p in pools]
     return yaml.safe_dump(document, sort_keys=False)
@@ -231,7 +232,8 @@ def _gateway(workdir: Path, variant: Variant, prefix: list[str],
     configuration, and a keep-alive connection to it once it listens."""
     sim_port, port = _free_port(), _free_port()
     config = workdir / "config.yaml"
-    config.write_text(gateway_config(sim_port, variant.top, variant.pool))
+    config.write_text(gateway_config(sim_port, variant.top, variant.pool,
+                                     translated=variant.translated))
     # the same hash seed every run: dict and set orders, hence the work done, repeat
     env = {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
            # a store the configuration opens (named keys) is the measurement's own

@@ -35,6 +35,9 @@ class Variant:
     top: Mapping[str, Any] = field(default_factory=dict)
     pool: Mapping[str, Any] = field(default_factory=dict)
     serve_args: tuple[str, ...] = ()
+    #: each pool's backends speak the other API (the chat pool Messages, the Messages pool
+    #: Chat Completions only): every request is translated, both ways
+    translated: bool = False
     #: headers every measured request carries (a client key)
     headers: Mapping[str, str] = field(default_factory=dict)
 
@@ -94,6 +97,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     *_OFF,
     Variant("tracing-on", "request tracing (server.tracing.exporter: console)",
             default_on=False, top={"server": {"tracing": {"exporter": "console"}}}),
+    Variant("translated", "translation (each pool's backends speak the other API)",
+            default_on=False, translated=True),
     _all_off(),
     _many_keys(),
 )}

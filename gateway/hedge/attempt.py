@@ -23,7 +23,7 @@ from gateway.errors import (
     UpstreamNoToken,
     UpstreamProtocolError,
 )
-from gateway.wire.base import Kind, WireProtocol
+from gateway.wire.base import Kind, Translation, WireProtocol
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
@@ -63,6 +63,8 @@ class AttemptRecord:
     #: count when what it sent reported one, else one per event it sent (an estimate); None
     #: for an attempt closed before its first token (`gateway.hedge.losers`)
     output_sent: int | None = None
+    #: a hedge sent early for the request's TTFT objective (`gateway.hedge.deadline`)
+    deadline: bool = False
 
 
 #: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)
@@ -88,6 +90,9 @@ class Prefix:
     buffered: list[SSEEvent]
     #: the stream ended normally without a token: `buffered` holds the whole answer
     empty: bool = False
+    #: the attempt's backend speaks another API than the client: how its answer is written
+    #: in the client's (None: it is relayed as it is)
+    translation: Translation | None = None
     #: a close has run to its end: closing again does nothing
     closed: bool = False
 

@@ -79,6 +79,8 @@ class SuppressReason(enum.StrEnum):
     DISABLED = "disabled"
     #: the copy would prefill the whole input cold for longer than the primary likely needs
     COLD = "cold"
+    #: a hedge a deadline would have sent early, refused by the key's own share of the budget
+    KEY_BUDGET = "key_budget"
 
 
 class HedgeBudget:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from gateway.hedge.affinity import AffinityRoute, Outcome
 from gateway.hedge.attempt import AttemptRecord
 from gateway.hedge.budget import SuppressReason
+from gateway.hedge.deadline import KeyShare
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.sizing import ColdRule, DelayReader, SizedDelays
 
@@ -49,6 +50,14 @@ class RaceOptions:
     cold: ColdRule | None = None
     #: the request's estimated input tokens: the budget's deposit and each extra attempt's price
     input_tokens: int = 0
+    #: the request's time-to-first-token objective, seconds (None: none): a primary whose
+    #: learnt tail would miss it is hedged earlier (`gateway.hedge.deadline`)
+    objective: float | None = None
+    #: the key's share of the hedge budget that pays for those early hedges (None: the
+    #: request has no named key, and an objective sends no early hedge)
+    share: KeyShare | None = None
+    #: the key's own budget ratio, its share's deposit per request (None: the pool's)
+    share_ratio: float | None = None
 
 
 @dataclass(slots=True)

@@ -5,8 +5,10 @@ its attempts read.
 The API layer hands the request's facts (`RequestFacts`: a structural view of what the route
 read, never the route's own type) and the pool; the race is handed the plan as data
 (`Plan.options`) and reads no request again. Two steps, because one rule is a refusal before
-the request is admitted: `excluded_backends` (a route no backend serves is a 404, counted as a
-refusal); the rest is `plan`, read once the request holds its admission slot.
+the request is admitted: `routing` (a route no backend serves is a 404, counted as a
+refusal; a request no backend's API can carry is a 400), with the backends it reaches by
+translation and what each is sent; the rest is `plan`, read once the request holds its
+admission slot.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.errors import RouteNotServed
+from gateway.errors import RouteNotServed, Untranslatable
 from gateway.hedge.affinity import AffinityRoute, route_for
 from gateway.hedge.budget import SuppressReason
+from gateway.hedge.deadline import KeyShare
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.sizing import RequestSize
+from gateway.wire.base import Translation, translation_for
 from gateway.wire.paths import Endpoint
 
 
@@ -54,6 +58,15 @@ class RequestFacts(Protocol):
     #: False: the client's key turned delay-triggered hedges off
     @property
     def hedging(self) -> bool: ...
+    #: the request's TTFT objective in seconds (None: none; `gateway.hedge.deadline`)
+    @property
+    def objective(self) -> float | None: ...
+    #: its named key's share of the hedge budget (None: no named key)
+    @property
+    def share(self) -> KeyShare | None: ...
+    #: its named key's own budget ratio (None: the pool's)
+    @property
+    def share_ratio(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +99,9 @@ def plan(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str], start: 
         affinity=route,
         cold=cold,
         input_tokens=0 if size is None else size.tokens,
+        objective=req.objective,
+        share=req.share,
+        share_ratio=req.share_ratio,
     )
     return Plan(options, size, route is None and affinity_applies(pool, req))
 
@@ -129,19 +145,69 @@ def hedge_refusal(pool: PoolRuntime, req: RequestFacts) -> SuppressReason | None
     return None
 
 
-def excluded_backends(pool: PoolRuntime, req: RequestFacts) -> frozenset[str]:
-    """The pool's backends this request may not use: those whose provider does not serve its
-    route, and all but the pinned one. RouteNotServed (404) when none is left."""
-    excluded = frozenset(
-        b.name for b in pool.settings.backends
-        if req.endpoint not in pool.providers[b.name].serves
-        or (req.pinned not in (None, b.name))
-    )
+#: per backend reached by translation: its translation and the body it is sent
+Translated = Mapping[str, tuple[Translation, Mapping[str, Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """Which of the pool's backends a request may use, and how it reaches each."""
+
+    #: the backends it may not use (see `routing`)
+    excluded: frozenset[str]
+    #: the backends it reaches only by translation (empty: none, the usual case)
+    translated: Translated
+
+
+def routing(pool: PoolRuntime, req: RequestFacts) -> Routing:
+    """The pool's backends this request may not use: those that serve neither its route nor
+    (when the pool translates) a route a translation reaches, and all but the pinned one.
+    Each backend reached by translation is sent the request translated, once per API.
+
+    RouteNotServed (404) when no backend is left. A request a translation refuses
+    (`Untranslatable`: a field that changes the answer has no place in the backend's API)
+    goes to the backends that speak its own API; with none, the refusal is the answer (400
+    naming the field)."""
+    excluded: set[str] = set()
+    via: dict[str, Translation] = {}
+    translate, table = pool.settings.translate and bool(pool.translations), pool.translations
+    for b in pool.settings.backends:
+        serves = pool.serves_of(b.name)
+        if req.pinned not in (None, b.name):
+            excluded.add(b.name)
+        elif req.endpoint not in serves:
+            found = translation_for(table, req.endpoint, serves) if translate else None
+            if found is None:
+                excluded.add(b.name)
+            else:
+                via[b.name] = found
     if len(excluded) == len(pool.settings.backends):
         raise RouteNotServed(
             f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
         )
-    return excluded
+    if not via:
+        return Routing(frozenset(excluded), {})
+    bodies: dict[str, Mapping[str, Any]] = {}
+    refused: Untranslatable | None = None
+    for translation in {t.name: t for t in via.values()}.values():
+        try:
+            bodies[translation.name] = translation.request(req.body)
+        except Untranslatable as exc:
+            refused = exc
+    translated = {}
+    for name, translation in via.items():
+        if translation.name in bodies:
+            translated[name] = (translation, bodies[translation.name])
+        else:
+            excluded.add(name)
+    if refused is not None and len(excluded) == len(pool.settings.backends):
+        raise refused
+    return Routing(frozenset(excluded), translated)
+
+
+def excluded_backends(pool: PoolRuntime, req: RequestFacts) -> frozenset[str]:
+    """The backends `req` may not use (`routing`'s)."""
+    return routing(pool, req).excluded
 
 
 def affinity_applies(pool: PoolRuntime, req: RequestFacts) -> bool:

@@ -22,6 +22,8 @@ from gateway.hedge.prefill import ConversationMemory, estimate_tokens, new_token
 from gateway.hedge.sizing import ColdRule, DelayReader, RequestSize, SizedDelays
 from gateway.settings import PoolSettings
 from gateway.settings.model import PriceSettings
+from gateway.wire.base import Translations
+from gateway.wire.paths import endpoints_of
 from providers.base import ENDPOINTS, Endpoint, Provider
 
 
@@ -76,6 +78,18 @@ class PoolRuntime:
     #: backend -> its price, for the backends that have one (built once per configuration;
     #: empty: the pool's requests are not priced)
     prices: Mapping[str, PriceSettings] = field(default_factory=dict)
+    #: per backend: the routes it serves, its provider's narrowed by its `apis` (read by
+    #: `serves_of`; a backend missing here serves its provider's)
+    serves: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    #: the translations its requests may take to a backend of another API (the composition
+    #: root's table, `gateway.wire.translate.routes.TRANSLATIONS`; empty: none), read only
+    #: when the pool's `translate` is on
+    translations: Translations = field(default_factory=dict)
+
+    def serves_of(self, backend: str) -> frozenset[str]:
+        """The routes `backend` serves: its provider's, narrowed by its `apis`."""
+        found = self.serves.get(backend)
+        return found if found is not None else self.providers[backend].serves
 
     @property
     def inflight_requests(self) -> int:
@@ -94,6 +108,7 @@ class PoolRuntime:
         global_hedging: bool,
         now: float,
         rng: random.Random,
+        translations: Translations | None = None,
     ) -> PoolRuntime:
         delay, ratio = settings.hedging.delay, settings.hedging.budget.ratio
         delays = {b.name: HedgeDelay(delay, budget_ratio=ratio) for b in settings.backends}
@@ -113,6 +128,10 @@ class PoolRuntime:
             models=_models(settings),
             models_json=_models_json(settings),
             prices=_prices(settings),
+
+
+            serves=_serves(settings, providers),
+            translations=translations or {},
         )
 
     def carried_over(
@@ -163,6 +182,10 @@ class PoolRuntime:
             models=_models(settings),
             models_json=_models_json(settings),
             prices=_prices(settings),
+
+
+            serves=_serves(settings, providers),
+            translations=self.translations,
         )
 
     def quota_watch(self, backend: str, clock: Clock) -> Callable[[Mapping[str, str]], None]:
@@ -219,6 +242,12 @@ class PoolRuntime:
 def _prices(settings: PoolSettings) -> dict[str, PriceSettings]:
     """Backend -> its price, for the priced backends, built once per configuration."""
     return {b.name: b.price for b in settings.backends if b.price is not None}
+
+
+def _serves(settings: PoolSettings, providers: Mapping[str, Provider]
+            ) -> dict[str, frozenset[str]]:
+    return {b.name: endpoints_of(b.apis, providers[b.name].serves) for b in settings.backends
+            if b.name in providers}
 
 
 def _models(settings: PoolSettings) -> dict[str, str]:

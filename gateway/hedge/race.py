@@ -29,7 +29,11 @@ failover restarts it with the replacement's delay from the replacement's start. 
 every allowed attempt has started, nothing can start any more: `max_attempts` is counted once
 and the timer stops waking the race. A delay shortened to the conversation's home's (an
 attempt away from its warm home) is kept only if the hedge would go home when it is due;
-else the timer waits for the attempt's own delay (`Placement.early_hedge`).
+else the timer waits for the attempt's own delay (`Placement.early_hedge`). A request with a
+TTFT objective whose primary's learnt tail would miss it has its first hedge due earlier, as
+late as still meets the objective (`gateway.hedge.deadline`), paid from its key's own share
+as well as the pool's budget; one the share cannot pay is counted `key_budget` and the timer
+waits for the normal delay. A failover before it puts the replacement's normal delay in force.
 
 The race knows no HTTP framework and no wire format: what an attempt does is the `AttemptRunner`
 it is given, and "token" means "the runner returned".
@@ -64,6 +68,7 @@ from gateway.hedge.attempt import (
     Prefix,
 )
 from gateway.hedge.budget import SuppressReason
+from gateway.hedge.deadline import deadline_delay
 from gateway.hedge.delay import min_useful
 from gateway.hedge.losers import Losers
 from gateway.hedge.placement import Placement, RaceOptions
@@ -104,6 +109,8 @@ class Race:
     _timed: AttemptRecord | None = None
     #: when the next hedge is considered (inf: hedging off, or every attempt started)
     _next_hedge: float = math.inf
+    #: the next hedge is due early, for the request's TTFT objective (`_plan_deadline`)
+    _early: bool = False
     #: the committed attempt, holding its backend slot until `aclose`
     _streaming: AttemptRecord | None = None
     #: the first complete answer without a token, relayed if no running attempt yields one
@@ -123,6 +130,10 @@ class Race:
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
         pool.budget.on_request(now, self.options.input_tokens)
+        share = self.options.share
+        if share is not None:
+            ratio = self.options.share_ratio
+            share.deposit(pool.budget.settings.ratio if ratio is None else ratio)
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
         primary = self.placement.primary(now)
@@ -132,6 +143,8 @@ class Race:
         self._timed = self.attempts[-1]
         self._delay = self.options.delays[primary].delay(now)
         self._next_hedge = now + self._delay if self.options.hedging else math.inf
+        if self.options.objective is not None and share is not None and self.options.hedging:
+            self._plan_deadline(primary, self.options.objective, now)
         try:
             while True:
                 wake = min(self._next_hedge, self.options.deadline)
@@ -312,10 +325,46 @@ class Race:
             record.reason = CANCELLED_AFTER_TOKEN
             self._close_prefix(task, record, now)
 
+    def _plan_deadline(self, primary: str, objective: float, now: float) -> None:
+        """A request with a TTFT objective whose primary's learnt tail would miss it: its
+        first hedge is due as late as still meets it (`gateway.hedge.deadline`), predicted
+        with the fastest typical TTFT among the other backends it may use."""
+        delays, excluded = self.options.delays, self.options.excluded
+        seconds = [m for name in delays if name != primary and name not in excluded
+                   and (m := delays[name].median(now)) is not None]
+        at = deadline_delay(normal=self._delay, objective=objective,
+                            primary_tail=delays[primary].tail(now),
+                            second_ttft=min(seconds) if seconds else None)
+        if at is not None:
+            self._early = True
+            self._next_hedge = now + at
+
+    def _early_hedge(self, now: float) -> None:
+        """The deadline's early hedge is due: paid from the key's own share (refused and
+        counted `key_budget` when it cannot pay: the timer then waits for the normal delay,
+        as for any request), and from the pool's budget as every hedge is."""
+        self._early = False
+        share, timed = self.options.share, self._timed
+        assert share is not None and timed is not None  # `_plan_deadline` had both
+        if not share.can_pay():
+            self.suppressed.append(SuppressReason.KEY_BUDGET)
+            self._next_hedge = timed.started + self._delay
+            return
+        started = len(self.attempts)
+        self._next_hedge = timed.started + self._delay  # refused: the normal hedge's time
+        self._try_extra("hedge", now)
+        if len(self.attempts) > started:
+            share.spend()
+            self.attempts[-1].deadline = True
+            self._next_hedge = max(self._next_hedge, now + self._delay)
+
     def _hedge_due(self, now: float) -> None:
         """The hedge timer is due: try a hedge, unless the delay in force was its home's and
         the hedge would not go home (`Placement.early_hedge`): then the timer waits for the
         timed attempt's own delay, and nothing is counted (no hedge was due by that one)."""
+        if self._early:
+            self._early_hedge(now)
+            return
         timed = self._timed
         wait = None if timed is None else self.placement.early_hedge(
             timed, self._tasks.values(), self.attempts, now)
@@ -335,6 +384,7 @@ class Race:
         if reason is None:
             if kind == "failover" and self.options.hedging:
                 replacement = self._timed = self.attempts[-1]
+                self._early = False  # the replacement's own delay applies
                 self._delay = self.options.delays[replacement.backend].delay(now)
                 self._next_hedge = replacement.started + self._delay
                 self.timer_restarts += 1

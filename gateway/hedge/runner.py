@@ -9,7 +9,7 @@ in front of it. A request on a stored response (`path`) is sent as the client se
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -23,7 +23,7 @@ from gateway.hedge.attempt import (
 )
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import AttemptRunner
-from gateway.wire.base import WireProtocol
+from gateway.wire.base import Translation, WireProtocol
 from gateway.wire.paths import Endpoint
 from providers.base import UpstreamCall
 
@@ -53,6 +53,10 @@ class UpstreamRequest:
     path: str | None = None
     query: tuple[tuple[str, str], ...] = ()
     forward_headers: Mapping[str, str] = field(default_factory=dict)
+    #: per backend reached by translation: its translation and the body it is sent
+    #: (`gateway.hedge.plan.routing`); empty for the usual request
+    translated: Mapping[str, tuple[Translation, Mapping[str, Any]]] = field(
+        default_factory=dict)
 
 
 def attempt_runner(
@@ -64,6 +68,7 @@ def attempt_runner(
     protocol = req.protocol
     body = req.body
     models = pool.models
+    translated = req.translated
     # serialized once for every attempt: `{"model":` + the backend's model + the rest;
     # a request on a stored response (`path`) carries its body as the client sent it;
     # not at all for providers that build their own request from the body (a copy of
@@ -83,6 +88,9 @@ def attempt_runner(
                 return True
             return False
 
+        routed = translated.get(backend) if translated else None
+        if routed is not None:
+            return await run_translated(backend, record, is_lost, *routed)
         call = UpstreamCall(
             endpoint=req.endpoint,
             body={**body, "model": models[backend]} if req.path is None else body,
@@ -116,6 +124,35 @@ def attempt_runner(
             record.ended = clock()
             if trace is not None:
                 trace.attempt_ended(record)
+
+    async def run_translated(backend: str, record: AttemptRecord, is_lost: Callable[[], bool],
+                             translation: Translation, sent: Mapping[str, Any]) -> Prefix:
+        """An attempt on a backend of another API: the translated body, the backend's route
+        and its first-token rule; the prefix says how its answer is written back."""
+        call = UpstreamCall(
+            endpoint=translation.backend,
+            body={**sent, "model": models[backend]},
+            stream=req.stream,
+            request_id=req.request_id,
+            first_byte_timeout=max(0.0, deadline - clock()),
+        )
+        if trace is not None:
+            call = replace(call, extra_headers=trace.attempt_started(record))
+        provider, backend_protocol = pool.providers[backend], translation.protocol
+        seen = pool.quota_watch(backend, clock)
+        try:
+            if req.stream:
+                prefix = await open_until_first_token(provider, call, is_lost,
+                                                      backend_protocol, seen)
+            else:
+                prefix = await open_whole_response(provider, call, is_lost, backend_protocol,
+                                                   seen)
+        finally:
+            record.ended = clock()
+            if trace is not None:
+                trace.attempt_ended(record)
+        prefix.translation = translation
+        return prefix
 
     return run
 

@@ -51,6 +51,8 @@ class DelayReader(Protocol):
 
     def median(self, now: float) -> float | None: ...
 
+    def tail(self, now: float) -> float | None: ...
+
     def observe(self, ttft: float, now: float, *, censored: bool = False) -> None: ...
 
 
@@ -107,6 +109,13 @@ class ClassView:
         if not self.by_size:
             return self.classes.overall.median(now)
         return self.classes.median(self.tokens, now)
+
+    def tail(self, now: float) -> float | None:
+        """The TTFT by which a request of this size has almost surely answered here (q99);
+        None while nothing was learnt (a deadline's prediction of the primary)."""
+        if not self.by_size:
+            return self.classes.overall.tail(now)
+        return self.classes.tail(self.tokens, now)
 
     def observe(self, ttft: float, now: float, *, censored: bool = False) -> None:
         """Into the backend's delay over all requests and into this size's class."""

@@ -320,11 +320,11 @@ def weak_secrets(server: ServerSettings) -> list[str]:
 
 
 def unenforced_keys(keys: Sequence[TenantKeySettings]) -> list[str]:
-    """A warning per named key that sets a rule this version does not enforce yet (TTFT
-    objective, its own hedge budget ratio): accepted, so a file can be written ahead, but never
-    silently taken for in force."""
+    """A warning per named key that sets a rule this version does not enforce yet: none
+    today (pools, limits, budget, ttft_objective and hedging are all enforced); kept so that a
+    rule accepted ahead of its enforcement is never silently taken for in force."""
     return [f"keys[{index}] ({key.name}): {', '.join(found)} not enforced yet by this "
-            "version; only pools, limits, budget and hedging.enabled are"
+            "version; pools, limits, budget, ttft_objective and hedging are"
             for index, key in enumerate(keys) if (found := key.unenforced())]
 
 

@@ -288,6 +288,12 @@ DEFAULT_AUTH = {"openai": "bearer", "anthropic": "x-api-key", "sim": "none",
 CLOUD_ANTHROPIC_VERSIONS = {"bedrock": "bedrock-2023-05-31", "vertex": "vertex-2023-10-16"}
 #: providers that find their upstream from `region` (and `project`), not from `base_url`
 CLOUD_PROVIDERS = ("bedrock", "vertex")
+#: the APIs each provider speaks (what its adapter's `serves` covers; a test holds them equal)
+PROVIDER_APIS: dict[str, tuple[str, ...]] = {
+    "openai": ("chat", "responses", "completions", "embeddings"),
+    "anthropic": ("messages",), "bedrock": ("messages",), "vertex": ("messages",),
+    "sim": cv.API_NAMES,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +356,10 @@ class BackendSettings(Checked):
         cv.number(0, open_low=True), "share of primaries relative to the other backends"))
     max_concurrency: int | None = field(default=None, metadata=scalar(
         cv.optional(cv.integer(1)), "attempts in flight at most; null: no cap"))
+    apis: tuple[str, ...] | None = field(default=None, metadata=scalar(
+        cv.optional(cv.apis), "the APIs this backend speaks, of those its provider does "
+        "(chat, responses, messages, completions, embeddings); null: all its provider's. "
+        "Requests in another API are translated to one it speaks (the pool's `translate`)"))
     sim: SimProfile | None = field(default=None, metadata=section(
         SimProfile, "the simulated behaviour (provider sim only)"))
     price: PriceSettings | None = field(default=None, metadata=section(
@@ -410,6 +420,11 @@ class BackendSettings(Checked):
         for key, providers in owners.items():
             if getattr(self, key) is not None and self.provider not in providers:
                 yield f"{at(key)}: only used by provider {' and '.join(providers)}"
+        spoken = PROVIDER_APIS[self.provider]
+        for api in self.apis or ():
+            if api not in spoken:
+                yield (f"{at('apis')}: provider {self.provider} does not speak {api} (it "
+                       f"speaks {', '.join(spoken)})")
 
     def _cloud_rules(self, at: At) -> Iterator[str]:
         """bedrock and vertex: located by region (and project), credentials of their own."""
@@ -442,6 +457,10 @@ class PoolSettings(Checked):
         HealthSettings, "ejection of failing backends"))
     affinity: AffinitySettings = field(default_factory=AffinitySettings, metadata=section(
         AffinitySettings, "keep a conversation's requests on the backend that caches it"))
+    translate: bool = field(default=True, metadata=scalar(
+        cv.boolean, "true: a request whose API a backend does not speak is translated to one "
+        "it does (Chat Completions <-> Messages); false: only backends that speak the "
+        "request's API serve it"))
 
     def _complete(self) -> None:
         if self.affinity.min_input_tokens is None:

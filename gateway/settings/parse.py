@@ -321,6 +321,26 @@ def _strings(value: object, what: str, pattern: re.Pattern[str], example: str) -
     return tuple(result)
 
 
+#: the APIs a backend may be narrowed to (`apis`), by the name of their routes' family
+API_NAMES = ("chat", "responses", "messages", "completions", "embeddings")
+
+
+def _api_list(value: object) -> tuple[str, ...]:
+    """A backend's `apis`: a non-empty list of distinct API names."""
+    if not isinstance(value, list | tuple) or not value:
+        raise Invalid(f"must be a non-empty list of {', '.join(API_NAMES)}, "
+                      f"got {type_name(value)}")
+    for index, entry in enumerate(value):
+        if entry not in API_NAMES:
+            raise Invalid(f"entry [{index}] must be one of {', '.join(API_NAMES)}, "
+                          f"got {show(entry)}")
+    if len(set(value)) != len(value):
+        raise Invalid("names an API twice")
+    return tuple(str(entry) for entry in value)
+
+
+apis = Parser(_api_list, {"type": "array", "minItems": 1, "uniqueItems": True,
+                          "items": {"enum": list(API_NAMES)}})
 #: browser origins (`scheme://host[:port]`), compared lowercase as browsers send them
 origins = Parser(lambda value: _strings(value, "origin", _ORIGIN, "https://app.example.com"),
                  {"type": "array", "items": {"type": "string", "pattern": "^https?://"}})

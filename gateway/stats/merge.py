@@ -94,6 +94,7 @@ def export(stats: Stats, live: Mapping[str, Mapping[str, Any]], now: float,
         "uptime_s": max(0.0, now - stats.started),
         "pools": pools,
         "internal_errors": stats.internal_errors,
+        "keys": {name: dict(counts) for name, counts in stats.keys.items()},
         "workers": [{**worker, "age_s": 0.0, "pools": own}],
         "races": stats.races.export(worker),
     }
@@ -166,6 +167,7 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     races: list[Any] = []
     uptime = 0.0
     internal_errors = 0
+    keys: dict[str, Counter[str]] = {}
     for item in exports:
         if not isinstance(item, Mapping) or item.get("format") != FORMAT:
             raise ValueError(f"not a mergeable stats export (format {FORMAT!r} expected)")
@@ -173,6 +175,9 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             windows.add(float(item["window_s"]))
             uptime = max(uptime, float(item["uptime_s"]))
             internal_errors += int(item.get("internal_errors", 0))
+            for name, counts in item.get("keys", {}).items():
+                keys.setdefault(str(name), Counter()).update(
+                    {str(k): int(v) for k, v in counts.items()})
             for name, pool in item["pools"].items():
                 _merge_pool(pools.setdefault(str(name), {}), pool)
             entries = list(item["workers"])
@@ -186,7 +191,8 @@ def merge(exports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if len(windows) != 1:
         raise ValueError(f"exports cover different windows: {sorted(windows)} s")
     return {"format": FORMAT, "window_s": windows.pop(), "uptime_s": uptime, "pools": pools,
-            "internal_errors": internal_errors, "workers": workers, "races": races}
+            "internal_errors": internal_errors, "workers": workers, "races": races,
+            "keys": {name: dict(counts) for name, counts in keys.items()}}
 
 
 def only_pools(item: Mapping[str, Any], names: Collection[str]) -> dict[str, Any]:
@@ -238,6 +244,7 @@ def rebuild(item: Mapping[str, Any]) -> tuple[Stats, dict[str, dict[str, Any]], 
     layout = {pool: list(p["backends"]) for pool, p in merged["pools"].items()}
     stats = Stats(layout, now=0.0, window=merged["window_s"])
     stats.internal_errors = merged["internal_errors"]
+    stats.keys = {name: Counter(counts) for name, counts in merged["keys"].items()}
     for name, pool in merged["pools"].items():
         ps = stats.pools[name]
         ps.counts.lifetime.update(pool["lifetime"])

@@ -19,6 +19,7 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 |---|---|---|---|
 | `requests_total` | counter | pool, outcome | logical requests; `ok` or the error class |
 | `route_requests_total` | counter | pool, route | logical requests per route (fixed set) |
+| `translated_requests_total` | counter | pool, translation | translated: `chat->messages`... |
 | `attempts_total` | counter | pool, backend, kind, outcome | upstream attempts |
 | `hedges_started_total` | counter | pool | delay-triggered hedges started |
 | `hedges_won_total` | counter | pool | hedges whose stream won |
@@ -38,6 +39,8 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `spend_usd_total` | counter | pool | what requests cost at their prices, losers included |
 | `key_spend_usd_total` | counter | pool, key | of that, each named client key's |
 | `internal_errors_total` | counter | | exceptions of ours on the request path (answered 500) |
+| `key_objectives_total` | counter | key, result | a key's objectives `met`, `missed` |
+| `key_deadline_hedges_total` | counter | key, result | early hedges `sent`, `refused` (share) |
 | `attempt_ttft_seconds` | histogram | pool, backend | attempt TTFT (attempts with a token) |
 | `client_ttft_seconds` | histogram | pool | request arrival to first-token commit |
 | `loser_close_seconds` | histogram | pool | cancel to upstream closed, per loser |
@@ -73,6 +76,7 @@ from gateway.hedge.pool import PoolRuntime
 from gateway.stats.record import KEY_SPEND, ROUTES, BucketHistogram, Stats
 from gateway.stats.view import live_view
 from gateway.tenants.spend import MICRO
+from gateway.wire.translate.routes import TRANSLATION_NAMES
 
 #: what a scrape reads: the counts, and each pool's live state as `view.live_view` gives it
 Reading = tuple[Stats, Mapping[str, Mapping[str, Any]]]
@@ -110,6 +114,9 @@ class GatewayCollector(Collector):
     def _counts(self, stats: Stats) -> Iterator[Metric]:
         requests = _counter("requests", "Logical requests by outcome.", ["pool", "outcome"])
         routes = _counter("route_requests", "Logical requests by route.", ["pool", "route"])
+        translated = _counter("translated_requests", "Requests answered by a backend of "
+                              "another API, by client API -> backend API.",
+                              ["pool", "translation"])
         attempts = _counter("attempts", "Upstream attempts by kind and outcome.",
                             ["pool", "backend", "kind", "outcome"])
         started = _counter("hedges_started", "Delay-triggered hedges started.", ["pool"])
@@ -154,6 +161,8 @@ class GatewayCollector(Collector):
                 requests.add_metric([pool, outcome], value)
             for route in ROUTES:
                 routes.add_metric([pool, route], c[f"route.{route}"])
+            for name in TRANSLATION_NAMES:
+                translated.add_metric([pool, name], c[f"translated.{name}"])
             started.add_metric([pool], c["hedges"])
             won.add_metric([pool], c["hedges_won"])
             for reason in SuppressReason:
@@ -186,9 +195,19 @@ class GatewayCollector(Collector):
                         failures.add_metric([pool, backend, key[8:]], value)
         bugs = _counter("internal_errors", "Exceptions of ours on the request path.", [])
         bugs.add_metric([], stats.internal_errors)
-        yield from (requests, routes, attempts, started, won, suppressed, failovers, panic,
-                    affinity, skips, refused, losers, late, censored, failures, tokens,
-                    hedge_cost, hedge_miss, spend, key_spend, bugs)
+        objectives = _counter("key_objectives", "Requests of a named key with a TTFT "
+                              "objective, by whether the first token met it.", ["key", "result"])
+        deadline = _counter("key_deadline_hedges", "Hedges a TTFT objective sent early "
+                            "(sent) or its key's share of the budget refused (refused).",
+                            ["key", "result"])
+        for key, counts in sorted(stats.keys.items()):
+            objectives.add_metric([key, "met"], counts["objectives_met"])
+            objectives.add_metric([key, "missed"], counts["objectives_missed"])
+            deadline.add_metric([key, "sent"], counts["deadline_hedges"])
+            deadline.add_metric([key, "refused"], counts["deadline_refused"])
+        yield from (requests, routes, translated, attempts, started, won, suppressed, failovers,
+                    panic, affinity, skips, refused, losers, late, censored, failures, tokens,
+                    hedge_cost, hedge_miss, spend, key_spend, bugs, objectives, deadline)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

@@ -250,6 +250,11 @@ class Stats:
         self.internal_errors = 0
         #: the last races, for the dashboard's timeline
         self.races = RecentRaces(now)
+        #: per named key (`keys:`), lifetime: `objectives_met`, `objectives_missed`,
+        #: `deadline_hedges` (sent early for an objective), `deadline_refused` (its share could
+        #: not pay). Bounded by the keys configured or made (names, never the keys); a key
+        #: with no objective and no deadline hedge adds nothing
+        self.keys: dict[str, Counter[str]] = {}
 
     @classmethod
     def for_pools(cls, pools: Mapping[str, PoolRuntime], *, now: float,
@@ -285,6 +290,8 @@ class Stats:
         if summary.affinity is not None:
             pc[f"affinity.{summary.affinity}"] += 1
         pc["empty_answers"] += winner is not None and winner.empty
+        if summary.translated is not None:
+            pc[f"translated.{summary.translated}"] += 1
         pc["headroom_skips"] += len(summary.headroom_skips)
         for name, skips in Counter(summary.headroom_skips).items():
             skipped = pool.backends.get(name)
@@ -294,6 +301,8 @@ class Stats:
         pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:
             pc[f"suppressed.{SuppressReason(reason).value}"] += 1
+        if summary.key is not None and summary.objective is not None:
+            self._record_key(summary.key, summary)
         for attempt in summary.attempts:
             self._record_attempt(pool, attempt, attempt is winner, pc, now, summary.metered)
         client_ttft = summary.client_ttft
@@ -322,6 +331,18 @@ class Stats:
             if summary.key is not None:  # a named key: names are bounded by the keys
                 pc[f"{KEY_SPEND}{summary.key}"] += micro
         pool.counts.add(pc, now)
+
+    def _record_key(self, key: str, summary: RequestSummary) -> None:
+        """A named key's request with an objective: met or missed, and its deadline
+        hedges, sent or refused by the key's share."""
+        counts = self.keys.get(key)
+        if counts is None:
+            counts = self.keys[key] = Counter()
+        met = summary.objective_met
+        if met is not None:
+            counts["objectives_met" if met else "objectives_missed"] += 1
+        counts["deadline_hedges"] += summary.deadline_hedges
+        counts["deadline_refused"] += summary.suppressed.count(SuppressReason.KEY_BUDGET)
 
     def _record_attempt(
         self, pool: PoolStats, attempt: AttemptRecord, won: bool, pc: Counter[str], now: float,

@@ -36,7 +36,9 @@ priced: docs/tenants.md),
 `attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
 `ttft_ms` (from the attempt's start; for a cancelled attempt its elapsed time then),
 `outcome`, `failure`, `reason`, `close_ms`, `late_events`}], and for a request of a named
-client key (`keys:`), `key`: its name.
+client key (`keys:`), `key`: its name. A request with a TTFT objective adds `objective_ms`,
+`objective_met` (null when the client left first) and `deadline_hedges` (hedges sent early
+for it; one its key's share could not pay is in `suppressed` as `key_budget`).
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
     }
     if summary.key is not None:  # a named client key: its name, never the key
         record["key"] = summary.key
+    if summary.objective is not None:
+        record["objective_ms"] = _ms(summary.objective)
+        record["objective_met"] = summary.objective_met
+        record["deadline_hedges"] = summary.deadline_hedges
     return record
 
 

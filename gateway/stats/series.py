@@ -8,7 +8,8 @@ whatever the traffic.
 Per pool, each point (`seq`: 1 + `t` rounded to a whole second, so the same
 second has the same `seq` in every worker; `t`: the seconds since the start, exactly):
 - rates over the interval since the previous point, per second: `requests`, `hedges_started`,
-  `hedges_won`, `failovers`, `suppressed.<reason>`, `tokens_input`, `tokens_output`,
+  `hedges_won`, `failovers`, `suppressed.<reason>`, `translated.<client->backend>` (requests
+  answered by a backend of another API), `tokens_input`, `tokens_output`,
   `hedge_input_tokens` (from the lifetime counters' growth; 0 in a series' first point, which
   is taken as the process starts, before it serves);
 - the recent-window quantiles at that moment (the same window as `/hedge/stats`' `window`):
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.hedge.budget import SuppressReason
 from gateway.stats.merge import merge, rebuild
+from gateway.wire.translate.routes import TRANSLATION_NAMES
 
 if TYPE_CHECKING:
     from gateway.hedge.latency import WindowedSketch
@@ -70,7 +72,8 @@ RATES = {
     "hedge_input_tokens": "tokens.hedge_input",
 }
 #: every counter a rate is made of
-RATE_KEYS = (*RATES.values(), *(f"suppressed.{r.value}" for r in SuppressReason))
+RATE_KEYS = (*RATES.values(), *(f"suppressed.{r.value}" for r in SuppressReason),
+             *(f"translated.{name}" for name in TRANSLATION_NAMES))
 #: a process first seen after the first point counts from zero if it started at most this
 #: long before that point: the workers forked together start within it, however late one of
 #: them first publishes
@@ -187,6 +190,9 @@ class Series:
                 point[field] = _rate(grown[key], elapsed)
             point["suppressed"] = {
                 r.value: _rate(grown[f"suppressed.{r.value}"], elapsed) for r in SuppressReason
+            }
+            point["translated"] = {
+                name: _rate(grown[f"translated.{name}"], elapsed) for name in TRANSLATION_NAMES
             }
             point["client_ttft_ms"] = _quantiles_ms(ps.client_ttft.recent, at)
             (close_p99,) = ps.close.recent.quantiles((0.99,), at)

@@ -59,6 +59,10 @@ class RequestSummary:
     #: what the request cost in US dollars, its losing attempts included (None: not priced);
     #: set by the request's end (`gateway.stats.spend`)
     cost: float | None = None
+    #: its answer came from a backend of another API: `client->backend` (`chat->messages`)
+    translated: str | None = None
+    #: its TTFT objective in seconds (None: none): met or missed, counted per key
+    objective: float | None = None
 
     def attach(
         self,
@@ -75,3 +79,17 @@ class RequestSummary:
     @property
     def client_ttft(self) -> float | None:
         return None if self.committed_at is None else self.committed_at - self.started
+
+    @property
+    def objective_met(self) -> bool | None:
+        """Whether its first token came within its objective; None without an objective or
+        when the client left first (499: the gateway's answer was never due)."""
+        if self.objective is None or self.status == 499:
+            return None
+        ttft = self.client_ttft
+        return ttft is not None and ttft <= self.objective
+
+    @property
+    def deadline_hedges(self) -> int:
+        """Hedges sent early for its objective."""
+        return sum(a.deadline for a in self.attempts)

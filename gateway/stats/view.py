@@ -10,7 +10,9 @@ denominator, a quantile with no data). `<scope>` is `lifetime` or `window` (same
 Top level: `window_s` (length of the recent window), `uptime_s` (since the stats started),
 `internal_errors` (exceptions of ours on the request path, wherever they were raised, each
 answered with a 500 in the route's shape), `config` (the configuration in force, below),
-`pools.<pool>` (one entry per configured pool):
+`pools.<pool>` (one entry per configured pool), `keys.<name>` (one entry per named key that
+sent a request with a TTFT objective, lifetime: `objectives_met`, `objectives_missed`,
+`deadline_hedges` sent early for an objective, `deadline_refused` by the key's own share):
 
 | field under `config.` | meaning |
 |---|---|
@@ -55,6 +57,7 @@ answered with a 500 in the route's shape), `config` (the configuration in force,
 | `<scope>.empty_answers` | requests answered by a stream that ended normally without a token |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
+| `<scope>.translated.<name>` | requests a backend of another API answered (`chat->messages`) |
 | `<scope>.tokens.input` / `.output` | tokens the winning attempts reported (`usage`) |
 | `<scope>.tokens.cached` | of the input, read from the upstreams' prompt caches (as reported) |
 | `<scope>.tokens.cache_write` | of the input, written to a prompt cache (Anthropic's creation) |
@@ -100,6 +103,7 @@ from gateway.hedge.budget import SuppressReason
 from gateway.hedge.prefill import class_label
 from gateway.stats.record import KEY_SPEND, ROUTES
 from gateway.tenants.spend import MICRO
+from gateway.wire.translate.routes import TRANSLATION_NAMES
 
 if TYPE_CHECKING:
     from gateway.hedge.generation import Live
@@ -107,6 +111,8 @@ if TYPE_CHECKING:
     from gateway.stats.record import BackendStats, PoolStats, Stats
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
+#: a named key's counters in `keys`
+KEY_FIELDS = ("objectives_met", "objectives_missed", "deadline_hedges", "deadline_refused")
 SCOPES = ("lifetime", "window")
 
 
@@ -160,7 +166,13 @@ def document(stats: Stats, state: Mapping[str, Mapping[str, Any]], now: float, *
     if config is not None:
         doc["config"] = dict(config)
     doc["pools"] = out
+    doc["keys"] = {name: key_view(counts) for name, counts in sorted(stats.keys.items())}
     return doc
+
+
+def key_view(counts: Mapping[str, int]) -> dict[str, int]:
+    """One named key's deadline counters (`Stats.keys`), every field present."""
+    return {field: counts.get(field, 0) for field in KEY_FIELDS}
 
 
 def config_view(live: Live, now: float) -> dict[str, Any]:
@@ -228,6 +240,7 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
         },
         "cancelled": c["cancelled"],
         "routes": {route: c[f"route.{route}"] for route in ROUTES},
+        "translated": {name: c[f"translated.{name}"] for name in TRANSLATION_NAMES},
         "latency_saved_ms": saved,
         "errors": {
             k[8:]: v for k, v in sorted(c.items())

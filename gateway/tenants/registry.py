@@ -5,7 +5,8 @@ dict: the lookup's timing depends on the digest, which a prober cannot steer tow
 one without knowing a key, so it tells nothing, and a thousand keys cost one lookup rather
 than a thousand comparisons. A reload builds a new registry; a key whose name, digest and
 limits are unchanged keeps its live limits (its buckets and in-flight count), so a reload
-neither resets a key's minute nor forgets its running requests.
+neither resets a key's minute nor forgets its running requests; a key whose name and digest
+are unchanged keeps its share of the hedge budget (`gateway.hedge.deadline.KeyShare`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gateway.hedge.deadline import KeyShare
 from gateway.settings.tenants import TenantKeySettings
 from gateway.tenants.limits import KeyLimits
 
@@ -28,6 +30,8 @@ class Tenant:
     #: its live limits; None: no limit (the key costs its requests nothing more)
     limits: KeyLimits | None
     settings: TenantKeySettings
+    #: its share of the hedge budget, paying for the hedges its deadlines send early
+    share: KeyShare
 
     def may_use(self, pool: str) -> bool:
         return self.pools is None or pool in self.pools
@@ -56,7 +60,9 @@ class Tenants:
             else:
                 limits = KeyLimits(key.limits, now) if key.limits.any() else None
             pools = frozenset(key.pools) if key.pools else None
-            self.by_digest[key.key_sha256] = Tenant(key.name, pools, limits, key)
+            same = kept is not None and kept.settings.name == key.name
+            share = kept.share if kept is not None and same else KeyShare()
+            self.by_digest[key.key_sha256] = Tenant(key.name, pools, limits, key, share)
 
     def find(self, supplied: str) -> Tenant | None:
         """The tenant whose key was `supplied`, or None."""

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, Protocol
 
 from gateway.errors import GatewayError
-from gateway.wire.paths import ErrorShape
+from gateway.wire.paths import Endpoint, ErrorShape
 from gateway.wire.sse import SSEBatch, SSEEvent
 from gateway.wire.usage import Usage
 
@@ -121,6 +122,95 @@ class WireProtocol:
     def encoder_for(self, rewrite: Rewrite | None = None) -> Encoder:
         """The relay's encoder for one request of this protocol (once per request)."""
         return self.encoder(self, rewrite)
+
+
+class StreamTranslator(Protocol):
+    """One translated stream's state machine (`gateway.wire.translate`): the client's bytes
+    for each backend event, whether the client's stream is over, the usage read so far."""
+
+    #: the client asked for the usage chunk (a Chat client's `stream_options`); the
+    #: machines of other client APIs ignore it
+    include_usage: bool
+
+    @property
+    def usage(self) -> Usage | None: ...
+    @property
+    def ended(self) -> bool: ...
+    @property
+    def failed(self) -> bool: ...
+
+    def feed(self, event: SSEEvent) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Translation:
+    """A client route answered by a backend route of another API; the table of them is
+    `gateway.wire.translate.routes.TRANSLATIONS`, handed to each pool."""
+
+    #: `client->backend` by API (`chat->messages`): the label it is counted under
+    name: str
+    client: Endpoint
+    backend: Endpoint
+    #: the backend's wire rules: its first token, its end, its errors before commit
+    protocol: WireProtocol
+    #: the client's request body -> the backend's (Untranslatable: a 400 naming the field)
+    request: Callable[[Mapping[str, Any]], dict[str, Any]]
+    #: a whole backend answer -> the client's, given `created` (seconds since the epoch)
+    answer: Callable[[bytes, int], bytes]
+    #: a fresh state machine for one stream, given `created`
+    machine: Callable[[int], StreamTranslator]
+
+    def encoder(self, created: int, include_usage: bool,
+                error_event: Callable[[str, str, str], bytes]) -> Encoder:
+        """The relay's encoder for one translated stream: the backend's events, each
+        translated as it arrives (once per stream). `include_usage`: the client asked for
+        the usage chunk (a Chat client's `stream_options`); `error_event`: the client
+        protocol's, which ends the stream when the backend sends an event of a shape its API
+        never has (the backend's failure, not a bug of ours). A read of plain `data:` events
+        (a Chat backend's, `SSEBatch.raw`) is fed without building its events."""
+        machine = self.machine(created)
+        machine.include_usage = include_usage
+        feed = machine.feed
+
+        def events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
+            try:
+                # one event per read is the usual case: no list, no join
+                out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
+            except (TypeError, AttributeError, KeyError, IndexError, ValueError):
+                outcome.end = StreamEnd.UPSTREAM_ERROR
+                return error_event("upstream sent an event its API never has",
+                                   "upstream_error", request_id)
+            usage = machine.usage
+            if usage is not outcome.usage and usage is not None:
+                outcome.usage = usage
+            if machine.ended:
+                outcome.end = StreamEnd.UPSTREAM_ERROR if machine.failed else StreamEnd.DONE
+            return out
+
+        def by_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> bytes:
+            raw = batch.raw
+            if raw is None or raw.find(b"\n\n") != len(raw) - 2:
+                return events(batch.events, request_id, outcome)
+            return events([SSEEvent(raw[6:-2])], request_id, outcome)
+
+        return Encoder(events, by_batch)
+
+
+#: (client route, backend route) -> the translation between them
+Translations = Mapping[tuple[Endpoint, Endpoint], Translation]
+
+
+def translation_for(table: Translations, client: Endpoint, serves: frozenset[str]
+                    ) -> Translation | None:
+    """The translation of `table` that takes a request on `client` to a backend serving
+    `serves` (None: it serves `client` itself, or none reaches it). Once per request and
+    backend that does not serve the request's route."""
+    if client in serves:
+        return None
+    for (source, target), translation in table.items():
+        if source == client and target in serves:
+            return translation
+    return None
 
 
 def json_bytes(obj: object) -> bytes:

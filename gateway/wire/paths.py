@@ -38,3 +38,20 @@ def errors_of(path: str) -> ErrorShape:
         if path == prefix or path.startswith(prefix + "/"):
             return "anthropic"
     return "openai"
+
+
+#: each API's routes, by the names a backend's `apis` takes
+API_ENDPOINTS: dict[str, frozenset[Endpoint]] = {
+    "chat": frozenset({"chat/completions"}),
+    "completions": frozenset({"completions"}),
+    "embeddings": frozenset({"embeddings"}),
+    "responses": frozenset({"responses", "responses/item"}),
+    "messages": frozenset({"messages", "messages/count_tokens"}),
+}
+
+
+def endpoints_of(apis: tuple[str, ...] | None, serves: frozenset[str]) -> frozenset[str]:
+    """The routes a backend serves: its provider's (`serves`), narrowed to `apis` if set."""
+    if apis is None:
+        return serves
+    return serves & frozenset().union(*(API_ENDPOINTS[api] for api in apis))

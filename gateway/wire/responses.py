@@ -93,10 +93,16 @@ def classify_responses_body(obj: object) -> Kind:
     return Kind.TOKEN
 
 
+def responses_error(code: str, message: str, param: object = None) -> dict[str, object]:
+    """The payload of the Responses API's flat `error` event (`ResponseErrorEvent` in the
+    SDK): ours, and an upstream's translated from another API."""
+    return {"type": "error", "code": code, "param": param, "sequence_number": 0,
+            "message": message}
+
+
 def responses_error_event(message: str, code: str, request_id: str) -> bytes:
     """A final `event: error` in the Responses shape (`ResponseErrorEvent` in the SDK)."""
-    payload = {"type": "error", "code": code, "param": None, "sequence_number": 0,
-               "message": f"{message} (request id {request_id})"}
+    payload = responses_error(code, f"{message} (request id {request_id})")
     return encode_event(json_bytes(payload), b"error")
 
 

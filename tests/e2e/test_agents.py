@@ -21,6 +21,7 @@ tool's result (`providers.sim.tools`), so one run of each CLI makes the whole ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -101,16 +103,27 @@ class Demo:
     recorder: Recorder
 
 
-@pytest.fixture
-def demo(loop_thread: LoopThread) -> Demo:
+def demo_of(loop_thread: LoopThread, apis: tuple[str, ...] | None = None) -> Demo:
+    """The demo, recorded; `apis`: every demo backend narrowed to these APIs (the others
+    reach it translated)."""
     holder: list[Recorder] = []
 
     def wrap(app: ASGIApp) -> ASGIApp:
         holder.append(Recorder(app))
         return holder[0]
 
-    gateway = GatewayFactory(loop_thread)(default_settings(), wrap=wrap)
+    settings = default_settings()
+    if apis is not None:
+        pools = tuple(dataclasses.replace(pool, backends=tuple(
+            dataclasses.replace(b, apis=apis) for b in pool.backends)) for pool in settings.pools)
+        settings = dataclasses.replace(settings, pools=pools)
+    gateway = GatewayFactory(loop_thread)(settings, wrap=wrap)
     return Demo(gateway, holder[0])
+
+
+@pytest.fixture
+def demo(loop_thread: LoopThread) -> Demo:
+    return demo_of(loop_thread)
 
 
 def agent(package: AgentPackage) -> Path:
@@ -209,6 +222,31 @@ def _codex_round_trip(calls: list[Exchange]) -> bool:
 def test_codex_runs_a_tool_through_the_demo(
     demo: Demo, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    codex_round_trip(demo, tmp_path, caplog)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_codex_runs_a_tool_through_a_messages_only_pool(
+    loop_thread: LoopThread, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The demo's backends narrowed to Messages (`apis: [messages]`): Codex's Responses
+    requests (`store: false`, the whole input) reach them translated, and back."""
+    demo = demo_of(loop_thread, ("messages",))
+    run = codex_round_trip(demo, tmp_path, caplog)
+    assert translated_to(demo, run) == {"responses->messages"}
+
+
+def translated_to(demo: Demo, run: Run) -> set[str]:
+    """The translations /hedge/stats counted for the demo pool (every request of `run` was
+    one of them)."""
+    stats = json.loads(httpx.get(demo.gateway.url("/hedge/stats"), timeout=5.0).text)
+    counted = stats["pools"][POOL]["lifetime"]["translated"]
+    calls = [x for x in run.exchanges if x.path.startswith("/v1/") and x.status == 200]
+    assert sum(counted.values()) == len(calls), (counted, len(calls))
+    return {name for name, count in counted.items() if count}
+
+
+def codex_round_trip(demo: Demo, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Run:
     codex = agent(CODEX)
     caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     codex_home = tmp_path / "codex-home"
@@ -228,6 +266,7 @@ def test_codex_runs_a_tool_through_the_demo(
     assert any(t.get("name") == "exec_command" for t in first["tools"]), first["tools"]
     assert all(x.json()["model"] == POOL for x in calls)
     check_log(caplog, calls, "/v1/responses")
+    return run
 
 
 # ---- Claude Code ------------------------------------------------------------------------------
@@ -267,6 +306,21 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
 def test_claude_code_runs_a_tool_through_the_demo(
     demo: Demo, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    claude_round_trip(demo, tmp_path, caplog)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_claude_code_runs_a_tool_through_a_chat_only_pool(
+    loop_thread: LoopThread, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The demo's backends narrowed to Chat Completions (`apis: [chat]`): Claude Code's
+    Messages requests reach them translated, and its tool round trip completes."""
+    demo = demo_of(loop_thread, ("chat",))
+    run = claude_round_trip(demo, tmp_path, caplog)
+    assert translated_to(demo, run) == {"messages->chat"}
+
+
+def claude_round_trip(demo: Demo, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Run:
     claude = agent(CLAUDE_CODE)
     caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     work = tmp_path / "work"
@@ -284,3 +338,4 @@ def test_claude_code_runs_a_tool_through_the_demo(
     assert {x.json()["model"] for x in calls} == {POOL}
     assert not [x for x in run.exchanges if x.status == 404 and x.path.startswith("/v1/")]
     check_log(caplog, calls, "/v1/messages")
+    return run

@@ -67,10 +67,11 @@ def engines() -> Iterator[list[EngineServer]]:
         yield servers
 
 
-def pool_settings(servers: list[EngineServer]) -> Settings:
+def pool_settings(servers: list[EngineServer], *, translate: bool = True) -> Settings:
     """One pool of the two engines, hedging on with a short fixed delay, so that a hedge
     (and the cancelling of its loser on a real server) happens whenever the engine is slower
-    than the delay; whether it does is the engine's business, and nothing asserts on it."""
+    than the delay; whether it does is the engine's business, and nothing asserts on it.
+    `translate`: the pool's rule for Messages requests (translated to Chat, or a 404)."""
     backends = tuple(
         BackendSettings(name=server.name, provider="openai", model=MODEL_ALIAS,
                         base_url=server.base_url, group=f"zone-{server.name}")
@@ -78,7 +79,7 @@ def pool_settings(servers: list[EngineServer]) -> Settings:
     )
     hedging = HedgingSettings(delay=DelaySettings(mode="fixed", value=0.05))
     return Settings(pools=(PoolSettings(name=POOL, backends=backends, timeout=60.0,
-                                        hedging=hedging),))
+                                        hedging=hedging, translate=translate),))
 
 
 @pytest.fixture
@@ -195,11 +196,14 @@ def test_a_complete_answer_without_text_is_relayed(
 
 
 def test_the_anthropic_sdk_gets_a_404_from_a_pool_without_messages(
-    gateway: RunningServer, engines: list[EngineServer], leak_check: LeakBaseline
+    asgi_server: AsgiServerFactory, engines: list[EngineServer], leak_check: LeakBaseline
 ) -> None:
     """llama-cpp-python's server serves no `/v1/messages` (its own route list says so), so a
-    pool of such engines has no backend for the route: the Anthropic SDK gets a 404 in
-    Anthropic's shape naming it, never a 500 and never a request to an engine."""
+    pool of such engines that does not translate (`translate: false`) has no backend for the
+    route: the Anthropic SDK gets a 404 in Anthropic's shape naming it, never a 500 and never
+    a request to an engine."""
+    gateway = asgi_server.build(
+        lambda: create_app(pool_settings(engines, translate=False), seed=5))
     with httpx.Client(timeout=10.0, trust_env=False) as http:
         paths = http.get(f"{engines[0].root_url}/openapi.json").json()["paths"]
     assert "/v1/chat/completions" in paths and "/v1/messages" not in paths
@@ -210,6 +214,31 @@ def test_the_anthropic_sdk_gets_a_404_from_a_pool_without_messages(
                                messages=[{"role": "user", "content": "hi"}])
     assert caught.value.status_code == 404
     assert "messages" in str(caught.value.body)
+    leak_check.check_live()
+
+
+def test_the_anthropic_sdk_is_answered_by_engines_that_speak_only_chat(
+    gateway: RunningServer, leak_check: LeakBaseline
+) -> None:
+    """The same pool translating (its default): the Messages request goes to the engines as
+    Chat Completions, and a real model's answer comes back in Anthropic's shape, streamed
+    and whole."""
+    with anthropic.Anthropic(base_url=gateway.base_url, api_key="unused", max_retries=0,
+                             timeout=60.0) as client:
+        raw = client.messages.with_raw_response.create(
+            model=POOL, max_tokens=8, messages=[{"role": "user", "content": "Say hi."}])
+        with client.messages.stream(model=POOL, max_tokens=8, messages=[
+                {"role": "user", "content": "Say hi."}]) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_message()
+            streamed_via = stream.response.headers["x-hedge-translated"]
+    assert raw.headers["x-hedge-translated"] == streamed_via == "messages->chat"
+    whole = raw.parse()
+    assert whole.type == "message" and whole.stop_reason in ("end_turn", "max_tokens")
+    assert whole.usage.input_tokens > 0 and whole.usage.output_tokens > 0
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    # llama-cpp-python reports no usage in a stream: the translated stream says 0
+    assert final.stop_reason in ("end_turn", "max_tokens") and final.content[0].type == "text"
     leak_check.check_live()
 
 

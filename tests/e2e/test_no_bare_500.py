@@ -178,7 +178,7 @@ STEPS = (
     Step("response id", _patch(("gateway.api.stored.ResponseIds", "read", _raise)),
          applies=_stored),
     Step("pool lookup", _break_pool_lookup),
-    Step("eligibility", _patch(("gateway.api.proxy", "excluded_backends", _raise)),
+    Step("eligibility", _patch(("gateway.api.proxy", "routing", _raise)),
          shared=True),
     Step("admission", _patch(("gateway.api.proxy.Admission", "enter", _raise)),
          shared=True),

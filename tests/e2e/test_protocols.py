@@ -58,12 +58,14 @@ MESSAGES: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hi"
 
 
 def settings_for(backends: Sequence[BackendSettings], *, delay: float = 0.3,
-                 timeout: float = 10.0, max_body: int | None = None) -> Settings:
+                 timeout: float = 10.0, max_body: int | None = None,
+                 translate: bool = True) -> Settings:
     server = ServerSettings(api_keys=(KEY,)) if max_body is None else ServerSettings(
         api_keys=(KEY,), max_body_bytes=max_body)
     pool = PoolSettings(
         name=POOL, backends=tuple(backends), timeout=timeout, timeouts=Timeouts(),
         hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=delay)),
+        translate=translate,
     )
     return Settings(pools=(pool,), server=server)
 
@@ -328,8 +330,10 @@ def test_truncated_responses_stream_ends_with_an_error_event(
 def test_a_route_without_backends_is_404_naming_it(
     asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory
 ) -> None:
+    """In a pool that keeps each request on its own API (`translate: false`; a translating
+    pool would send the chat request to the Messages backend, translated)."""
     upstreams = scripted_upstream(1)
-    root = serve(asgi_server, settings_for(anthropic_backends(upstreams)))
+    root = serve(asgi_server, settings_for(anthropic_backends(upstreams), translate=False))
     with gpt(root) as client, pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model=POOL, messages=[{"role": "user", "content": "x"}])
     assert "/v1/chat/completions" in caught.value.message
@@ -366,7 +370,9 @@ def test_simulator_trap_in_both_protocols_the_hedge_wins(
     asgi_server: AsgiServerFactory,
 ) -> None:
     """Two loopback simulators, one whose first text comes 5 s after its scaffolding: whichever
-    is the primary, the answer comes from the fast one and the slow one's streams are cut."""
+    is the primary, the answer comes from the fast one and the slow one's streams are cut.
+    (Each protocol on its own backends, `translate: false`: the fast one is `a1` for
+    Messages and `b1` for the Responses API.)"""
     slow = SimProfile(ttft_median=5.0, ttft_sigma=0.0, straggler_probability=0.0, tokens=3)
     fast = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0, tokens=3)
     sims = [asgi_server(create_sim_app(profile, seed=1)) for profile in (slow, fast)]
@@ -375,7 +381,8 @@ def test_simulator_trap_in_both_protocols_the_hedge_wins(
                 for i, sim in enumerate(sims)]
     anthropic_side = [BackendSettings(name=f"a{i}", provider="anthropic", base_url=sim.base_url,
                                       model="m", group=f"g{i}") for i, sim in enumerate(sims)]
-    root = serve(asgi_server, settings_for([*backends, *anthropic_side], delay=0.2))
+    root = serve(asgi_server, settings_for([*backends, *anthropic_side], delay=0.2,
+                                           translate=False))
     with claude(root) as client:
         for _ in range(2):
             with client.messages.with_streaming_response.create(

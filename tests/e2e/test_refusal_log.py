@@ -50,8 +50,12 @@ SECRET = "response-id-secret-5d1c"
 POOL = "pool"
 #: held before its first token for as long as a test runs (the overload case's occupant)
 SLOW = "slow"
-#: a pool whose only backend speaks Anthropic's Messages and nothing else
+#: a pool whose only backend speaks Anthropic's Messages and nothing else, and which keeps
+#: each request on its own API (`translate: false`)
 MESSAGES_ONLY = "msgonly"
+#: the same backend in a pool that translates: a chat request Messages cannot carry (`n: 2`)
+#: is refused naming the field
+TRANSLATING = "translating"
 MAX_BODY = 2048
 #: a model name with a newline, an escape sequence and a bidi override in it
 HOSTILE_MODEL = "no-such\nmodel\x1b[2J\u202e"
@@ -71,6 +75,10 @@ def settings() -> Settings:
                 BackendSettings(name="z0", provider="sim", model="m", sim=slow),)),
             PoolSettings(name=MESSAGES_ONLY, backends=(
                 BackendSettings(name="a0", provider="anthropic", model="m",
+                                base_url="http://127.0.0.1:9", api_key=PROVIDER_KEY),),
+                         translate=False),
+            PoolSettings(name=TRANSLATING, backends=(
+                BackendSettings(name="a1", provider="anthropic", model="m",
                                 base_url="http://127.0.0.1:9", api_key=PROVIDER_KEY),)),
         ),
         server=ServerSettings(api_keys=(CLIENT_KEY,), max_body_bytes=MAX_BODY,
@@ -187,6 +195,9 @@ KINDS = (
     Kind("route_not_served", 404, "route_not_served",
          lambda r: _bodied(r) and r.errors == "openai",
          lambda r, q: _with_body(q, model=MESSAGES_ONLY), lambda r: MESSAGES_ONLY),
+    Kind("untranslatable_field", 400, "untranslatable_field",
+         lambda r: r.endpoint == "chat/completions",
+         lambda r, q: _with_body(q, model=TRANSLATING, n=2), lambda r: TRANSLATING),
     Kind("unknown_response", 404, "unknown_response", lambda r: r.stored,
          lambda r, q: {**q, "path": r.path.replace("{response_id}", stored_id("other-key"))}),
     Kind("overloaded", 503, "overloaded", lambda r: True,

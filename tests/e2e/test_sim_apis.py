@@ -43,7 +43,8 @@ def sims_and_gateway(asgi_server: AsgiServerFactory, *, in_process: bool = False
                      ) -> tuple[list[RunningServer], RunningServer]:
     """Two loopback simulators behind an OpenAI and an Anthropic backend each (or two
     in-process simulators), and a gateway whose hedges wait 5 s, so every request here is
-    one attempt unless it fails."""
+    one attempt unless it fails. Each API's requests stay on its own backends
+    (`translate: false`): what is checked here is each API's own answers and refusals."""
     sims = [asgi_server(create_sim_app(PROFILE, seed=i)) for i in range(2)]
     if in_process:
         backends = [BackendSettings(name=f"s{i}", provider="sim", model="m", group=f"g{i}",
@@ -55,7 +56,8 @@ def sims_and_gateway(asgi_server: AsgiServerFactory, *, in_process: bool = False
             BackendSettings(name=f"a{i}", provider="anthropic", base_url=sim.base_url,
                             model="m", group=f"g{i}"))]
     hedging = HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0))
-    pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0)
+    pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0,
+                        translate=False)
     settings = Settings(pools=(pool,))
     return sims, asgi_server.build(lambda: create_app(settings, seed=2))
 

@@ -69,7 +69,8 @@ def serve(asgi_server: AsgiServerFactory, settings: Settings) -> RunningServer:
 
 def race(asgi_server: AsgiServerFactory) -> tuple[list[RunningServer], RunningServer]:
     """A slow and a fast simulator, each behind an OpenAI and an Anthropic backend (one zone
-    each), and a gateway that hedges after 200 ms."""
+    each), and a gateway that hedges after 200 ms; each API's requests stay on its own
+    backends (`translate: false`), so the fast one of that API answers."""
     sims = [asgi_server(create_sim_app(profile, seed=1)) for profile in (SLOW, FAST)]
     backends = [backend for i, sim in enumerate(sims) for backend in (
         BackendSettings(name=f"o{i}", provider="openai", base_url=sim.v1, model="m",
@@ -77,7 +78,8 @@ def race(asgi_server: AsgiServerFactory) -> tuple[list[RunningServer], RunningSe
         BackendSettings(name=f"a{i}", provider="anthropic", base_url=sim.base_url, model="m",
                         group=f"g{i}"))]
     hedging = HedgingSettings(delay=DelaySettings(mode="fixed", value=0.2))
-    pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0)
+    pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0,
+                        translate=False)
     return sims, serve(asgi_server, Settings(pools=(pool,)))
 
 

@@ -42,6 +42,8 @@ from gateway.settings.tenants import TenantHedging, TenantKeySettings, TenantLim
 from tests.harness import (
     Gate,
     LoopThread,
+    RecordedRequest,
+    Script,
     UpstreamFactory,
     chat_completion_obj,
     json_script,
@@ -53,7 +55,9 @@ from tests.harness.limits_kit import (
     GatewayFactory,
     holding,
     verbose_logs,
+    wait_for,
 )
+from tests.harness.protocol_wire import messages_script
 
 TEAM_A = "team-a-key-0123456789abcdefghijklmnop"
 TEAM_B = "team-b-key-0123456789abcdefghijklmnop"
@@ -394,3 +398,104 @@ def test_a_key_with_hedging_off_is_never_hedged_and_another_key_is(
                                if r.name == "hedge_gateway.requests") if line]
     keyed_line = next(line for line in lines if line.get("key") == "team-a")
     assert keyed_line["suppressed"] == ["disabled"] and keyed_line["hedges"] == 0
+
+
+def test_a_key_with_a_ttft_objective_hedges_before_the_pools_delay_and_meets_it(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two upstreams on which a request's first attempt is slow (its token 0.8 s in) and any
+    later one fast; the pool's fixed hedge delay is 3 s, longer than the slow attempt. Once
+    both backends have learnt that (warm-up by a key without an objective), a key with a
+    400 ms objective has its hedge sent before its primary's token (the primary is cancelled
+    before it, so before the pool's delay), and its requests meet the objective; the key
+    without one is never hedged. The objective goes upstream as `x-slo-ttft-ms`; the per-key
+    counts are in /hedge/stats, /metrics and the request log."""
+    verbose_logs(caplog)
+    seen: set[str] = set()
+
+    def first_slow(request: RecordedRequest) -> Script:
+        rid = request.headers.get("x-client-request-id") or request.headers["x-request-id"]
+        first = rid not in seen
+        seen.add(rid)
+        return stream_script(["ok"], ttft=0.8 if first else 0.0)
+
+    ups = scripted_upstream(2, responder=first_slow)
+    pool = PoolSettings("slow", tuple(
+        BackendSettings(f"u{k}", "openai", "m", up.base_url, group=f"g{k}")
+        for k, up in enumerate(ups)), hedging=HedgingSettings(
+            delay=DelaySettings(mode="fixed", value=3.0, min_samples=1)))
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, ttft_objective=0.4),
+        TenantKeySettings("team-b", key=TEAM_B), pools=(pool,)))
+
+    def attempts_of(key: str) -> str:
+        with openai_client(gateway.root, key) as client, \
+                client.chat.completions.with_streaming_response.create(
+                    model="slow", messages=MESSAGES, stream=True) as response:
+            list(response.parse())
+            return response.headers["x-hedge-attempts"]
+
+    def learnt() -> bool:
+        backends = httpx.get(gateway.root + "/hedge/stats").json()["pools"]["slow"]["backends"]
+        return all(b["hedge_delay_by_class_ms"] for b in backends.values())
+
+    # team-b warms both backends up (slow first attempts, never hedged); the balancer tries a
+    # backend with no TTFT yet first, so two requests teach both (`min_samples: 1`)
+    for _ in range(8):
+        assert attempts_of(TEAM_B) == "1"
+        if wait_for(learnt, timeout=1.5):  # the delays refresh once a second
+            break
+    assert learnt()
+    before = [len(up.requests) for up in ups]
+    assert [attempts_of(TEAM_A) for _ in range(3)] == ["2"] * 3
+    assert [attempts_of(TEAM_B) for _ in range(2)] == ["1"] * 2
+    sent = [r for up, n in zip(ups, before, strict=True) for r in up.requests[n:]]
+    keyed_requests = [r for r in sent if "x-slo-ttft-ms" in r.headers]
+    assert len(keyed_requests) == 6 and len(sent) == 8  # team-a: two attempts each
+    assert {r.headers["x-slo-ttft-ms"] for r in keyed_requests} == {"400"}
+    primaries = [r for r in keyed_requests if r.events_written <= 1]
+    assert len(primaries) == 3  # each closed before its token: the hedge came first
+    stats = httpx.get(gateway.root + "/hedge/stats").json()
+    assert stats["keys"] == {"team-a": {"objectives_met": 3, "objectives_missed": 0,
+                                        "deadline_hedges": 3, "deadline_refused": 0}}
+    metrics = httpx.get(gateway.root + "/metrics").text
+    assert 'hedge_gateway_key_deadline_hedges_total{key="team-a",result="sent"} 3.0' in metrics
+    assert 'key="team-b"' not in metrics
+    lines = [line for line in (getattr(r, "hedge_request", None) for r in caplog.records
+                               if r.name == "hedge_gateway.requests") if line]
+    team_a = [line for line in lines if line.get("key") == "team-a"]
+    assert [(x["objective_ms"], x["objective_met"], x["deadline_hedges"]) for x in team_a] \
+        == [(400.0, True, 1)] * 3
+    Canary(TEAM_A, TEAM_B).assert_absent_everywhere(gateway.root, caplog)
+
+
+def test_the_objective_in_force_goes_upstream_a_header_only_tightening_the_keys(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """`x-slo-ttft-ms` reaches the upstream as the objective in force: the header's when it
+    is tighter than the key's, the key's otherwise (a looser or malformed header changes
+    nothing); a key without rules forwards the client's header; no objective, no header. The
+    OpenAI SDK on /v1/chat/completions, the Anthropic SDK on /v1/messages."""
+    up = scripted_upstream(1)[0]
+    ant = scripted_upstream(1, responder=lambda _request: messages_script(["ok"]))[0]
+    pools = (PoolSettings("one", (BackendSettings("u", "openai", "m", up.base_url),),
+                          hedging=NO_HEDGES),
+             PoolSettings("claude", (BackendSettings("a", "anthropic", "claude-x", ant.root_url,
+                                                     api_key="sk-ant-0"),), hedging=NO_HEDGES))
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, ttft_objective=0.4), pools=pools))
+    cases = [(TEAM_A, "250", "250"), (TEAM_A, "900", "400"), (TEAM_A, "soon", "400"),
+             (TEAM_A, None, "400"), (LEGACY, "300", "300"), (LEGACY, None, None)]
+    for key, header, _ in cases:
+        with openai_client(gateway.root, key) as client:
+            list(client.chat.completions.create(
+                model="one", messages=MESSAGES, stream=True,
+                extra_headers={} if header is None else {"x-slo-ttft-ms": header}))
+    with anthropic_client(gateway.root, TEAM_A) as claude:  # /v1/messages too
+        list(claude.messages.create(model="claude", max_tokens=8, stream=True, extra_headers={
+            "x-slo-ttft-ms": "150"}, messages=[{"role": "user", "content": "hi"}]))
+    assert up.wait_requests(len(cases)) and ant.wait_requests(1)
+    assert [r.headers.get("x-slo-ttft-ms") for r in up.requests] == [
+        sent for _, _, sent in cases]
+    assert ant.requests[0].headers.get("x-slo-ttft-ms") == "150"

@@ -33,6 +33,7 @@ from gateway.errors import (
 )
 from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
 from gateway.hedge.budget import HedgeBudget, SuppressReason
+from gateway.hedge.deadline import KeyShare
 from gateway.hedge.delay import HedgeDelay
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
@@ -186,6 +187,11 @@ class Setup:
     guard_on: bool = False
     #: logical requests in flight in the pool (the budget caps extra attempts at 20 % of it)
     inflight_requests: int = 1
+    #: backend index -> TTFTs its delay has learnt (repeated to `min_samples`, refreshed at 0)
+    learnt: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    #: the request's TTFT objective and its key's share of the budget (`gateway.hedge.deadline`)
+    objective: float | None = None
+    share: KeyShare | None = None
 
 
 @dataclass
@@ -234,10 +240,16 @@ def build_pool(setup: Setup) -> tuple[PoolRuntime, CountingBudget]:
 
 
 def delays_for(setup: Setup) -> dict[str, HedgeDelay]:
-    return {
+    delays = {
         f"b{i}": HedgeDelay(DelaySettings(mode="fixed", value=setup.delays.get(i, setup.delay)))
         for i in range(setup.backends)
     }
+    for index, ttfts in setup.learnt.items():
+        delay = delays[f"b{index}"]
+        for k in range(max(len(ttfts), delay.settings.min_samples)):
+            delay.observe(ttfts[k % len(ttfts)], 0.0)
+        delay.refresh(0.0)
+    return delays
 
 
 async def play(setup: Setup, loop: VirtualLoop, world: World | None = None) -> Seen:
@@ -254,7 +266,8 @@ async def play(setup: Setup, loop: VirtualLoop, world: World | None = None) -> S
         )
 
     refused = None if setup.hedging else SuppressReason.DISABLED
-    options = RaceOptions(setup.deadline, delays_for(setup), setup.hedging, refused)
+    options = RaceOptions(setup.deadline, delays_for(setup), setup.hedging, refused,
+                          objective=setup.objective, share=setup.share)
     race = Race(pool, runner, options, loop.time)
     task = asyncio.ensure_future(race.run())
     world.race_task = task

@@ -87,6 +87,11 @@ def test_the_instruction_variants_configure_the_same_features() -> None:
     assert variants.VARIANTS["no-request-log"].serve_args == ("--log-level", "warning")
     assert set(variants.VARIANTS["all-off"].serve_args) == {"--log-level", "warning"}
     assert not variants.VARIANTS["tracing-on"].default_on
+    swapped = _loaded(instructions.gateway_config(9000, translated=True))
+    chat, claude = swapped.pools
+    assert {b.provider for b in chat.backends} == {"anthropic"}
+    assert {(b.provider, b.apis) for b in claude.backends} == {("openai", ("chat",))}
+    assert variants.VARIANTS["translated"].translated
 
 
 def test_instruction_bodies_are_the_guards_unless_a_prompt_length_is_given() -> None:

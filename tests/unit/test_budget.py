@@ -31,6 +31,7 @@ def test_reason_values_are_the_stats_keys() -> None:
         "ineffective",
         "disabled",
         "cold",
+        "key_budget",
     ]
     assert str(SuppressReason.BUDGET) == "budget"
     assert isinstance(SuppressReason.BUDGET, str)

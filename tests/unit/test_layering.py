@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PURE = (
     "gateway.hedge.delay",
     "gateway.hedge.budget",
+    "gateway.hedge.deadline",
     "gateway.hedge.balancer",
     "gateway.hedge.headroom",
     "gateway.hedge.affinity",
@@ -66,7 +67,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "gateway.wire.sse", "gateway.wire.explain",
      "gateway.wire.usage", "gateway.hedge.latency", "gateway.stats.table",
      "gateway.server.extensions"),
-    ("gateway.wire", "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.balancer",
+    ("gateway.wire", "gateway.hedge.delay", "gateway.hedge.budget", "gateway.hedge.deadline",
+     "gateway.hedge.balancer",
      "gateway.hedge.headroom", "gateway.hedge.affinity", "gateway.hedge.prefill",
      "gateway.hedge.classes", "gateway.hedge.sizing", "gateway.server.workers",
      "gateway.api.stored", "gateway.tenants"),
@@ -100,6 +102,8 @@ FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("gateway.hedge", "gateway.wire.responses"),
     ("gateway.hedge", "gateway.wire.messages"),
     ("gateway.hedge", "gateway.wire.named"),
+    # nor a translation between APIs: the pool is handed the table (`Translation` is data)
+    ("gateway.hedge", "gateway.wire.translate"),
 )
 #: package `__init__` modules re-export their children and sit in their children's layer
 PACKAGES = ("gateway", "providers")

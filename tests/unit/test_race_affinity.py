@@ -4,6 +4,7 @@ In-process runners; what is asserted is which backend each attempt went to, neve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -160,8 +161,10 @@ def test_in_a_pool_of_mixed_providers_the_home_is_a_backend_that_serves_the_rout
     """b0 serves chat only, b1 and b2 serve Anthropic's messages. For a messages conversation
     whose key puts b0 first in the pool's order, the home the size rules read (the backend
     taken to hold its history) is the backend its turns go to, not b0, which no turn of it
-    can reach."""
-    settings = gateway_settings(["http://127.0.0.1:9/v1"] * 3).pools[0]
+    can reach. (A pool that translates would reach b0 too: this one keeps each request on
+    its own API, `translate: false`.)"""
+    settings = dataclasses.replace(gateway_settings(["http://127.0.0.1:9/v1"] * 3).pools[0],
+                                   translate=False)
     providers = {"b0": Serving("chat/completions"), "b1": Serving("messages"),
                  "b2": Serving("messages")}
     pool = PoolRuntime.build(settings, providers, global_hedging=True,  # type: ignore[arg-type]

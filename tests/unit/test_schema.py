@@ -61,6 +61,7 @@ _BOUNDS: dict[str, Any] = {
     "minItems": lambda v, r: len(v) >= r, "minLength": lambda v, r: len(v) >= r,
     "pattern": lambda v, r: re.search(r, v) is not None,
     "enum": lambda v, r: v in r, "const": lambda v, r: v == r,
+    "uniqueItems": lambda v, r: not r or len({json.dumps(x, sort_keys=True) for x in v}) == len(v),
 }
 
 

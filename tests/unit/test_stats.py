@@ -282,6 +282,7 @@ def test_suppressed_by_reason_and_failovers() -> None:
         "ineffective": 0,
         "disabled": 1,
         "cold": 0,
+        "key_budget": 0,
     }
     assert v["failovers"] == 1 and v["failovers_won"] == 1
     assert v["hedges"]["started"] == 0

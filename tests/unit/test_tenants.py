@@ -219,9 +219,5 @@ def test_rules_not_enforced_yet_are_warned_about_never_taken_silently() -> None:
     keys = (key_settings(budget=TenantBudget(usd=5.0), ttft_objective=0.8), key_settings(
         name="plain", key="other-secret", hedging=TenantHedging(enabled=False)),
         key_settings(name="ratio", key="third-secret", hedging=TenantHedging(ratio=0.2)))
-    # a budget is enforced (docs/tenants.md): no longer warned about
-    assert unenforced_keys(keys) == [
-        "keys[0] (team-a): ttft_objective not enforced yet by this version; only "
-        "pools, limits, budget and hedging.enabled are",
-        "keys[2] (ratio): hedging.ratio not enforced yet by this version; only "
-        "pools, limits, budget and hedging.enabled are"]
+    # budget, ttft_objective and hedging.ratio are all enforced now: none is warned about
+    assert unenforced_keys(keys) == []

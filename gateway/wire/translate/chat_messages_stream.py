@@ -1,0 +1,378 @@
+"""Streams between Chat Completions and Messages, event by event (pure).
+
+One small state machine per stream: each upstream event is parsed once, and what it means in
+the client's API is written at once; nothing is held back but the end (a Chat stream's finish
+reason comes before its usage chunk, and Messages puts both in `message_delta`, so that one
+event is written when `[DONE]` arrives). Tool-call arguments pass as they stream, fragment for
+fragment: Chat's `tool_calls[].function.arguments` <-> Messages' `input_json_delta`.
+
+Each machine says when the client's stream is over (`ended`, `failed`) and keeps the usage it
+read (`usage`), which the relay's encoder hands the stats.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from gateway.wire.base import json_bytes
+from gateway.wire.sse import SSEEvent
+from gateway.wire.translate.chat_messages import JSON_TOOL
+from gateway.wire.translate.chat_messages_answer import (
+    FINISH_OF_STOP,
+    STOP_OF_FINISH,
+    chat_error_to_messages,
+    chat_usage,
+    messages_error_to_chat,
+    messages_usage,
+)
+from gateway.wire.usage import Usage, usage_of
+
+#: one JSON string literal (possessive: never backtracks), as the APIs write a delta's text
+_STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+#: the common Messages delta, whole: its block index, its kind, its text as a JSON string
+_MESSAGES_DELTA = re.compile(
+    rb'\{"type":"content_block_delta","index":(\d{1,6}),"delta":\{"type":'
+    rb'"(text_delta|input_json_delta)","(?:text|partial_json)":(' + _STRING + rb')\}\}')
+_messages_delta = _MESSAGES_DELTA.fullmatch
+#: the common Chat chunk's choice: text or one tool call's arguments, no finish reason
+_CHAT_DELTA = re.compile(
+    rb'"choices":\[\{"index":0,"delta":\{(?:"content":(' + _STRING + rb')|"tool_calls":\['
+    rb'\{"index":(\d{1,6}),"function":\{"arguments":(' + _STRING + rb')\}\}\])\}'
+    rb'(?:,"logprobs":null)?,"finish_reason":null(?:,"logprobs":null)?\}\]')
+#: stands for a delta's text while a chunk's bytes are built once per stream
+_MARK = "\x00mark\x00"
+_MARK_JSON = json_bytes(_MARK)
+_chat_delta = _CHAT_DELTA.match
+
+
+def _around(obj: object) -> tuple[bytes, bytes]:
+    """`obj`'s bytes before and after its one `_MARK` string: a delta's text goes between."""
+    before, _, after = _data(obj).rpartition(_MARK_JSON)
+    return before, after
+
+
+def _payload(event: SSEEvent) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(event.data)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _data(obj: object) -> bytes:
+    return b"data: " + json_bytes(obj) + b"\n\n"
+
+
+def _named(name: str, obj: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + json_bytes(obj) + b"\n\n"
+
+
+def _around_named(name: str, obj: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The named event's bytes before and after its one `_MARK` string."""
+    before, _, after = _named(name, obj).rpartition(_MARK_JSON)
+    return before, after
+
+
+class MessagesToChat:
+    """A Messages stream (a Messages backend) written as a Chat stream (a Chat client).
+
+    `include_usage`: the client asked for the usage chunk (`stream_options.include_usage`);
+    `created`: the chunks' `created` (Messages has no such field)."""
+
+    __slots__ = (
+        "_messages_usage",
+        "_spliced",
+        "calls",
+        "created",
+        "ended",
+        "failed",
+        "id",
+        "include_usage",
+        "json_blocks",
+        "model",
+        "usage",
+    )
+
+    def __init__(self, created: int, include_usage: bool) -> None:
+        self.created, self.include_usage = created, include_usage
+        self.id: object = None
+        self.model: object = None
+        #: Messages content block index -> its Chat tool call index
+        self.calls: dict[int, int] = {}
+        #: blocks of the forced JSON tool (a translated `response_format`): their arguments
+        #: are the answer's text
+        self.json_blocks: set[int] = set()
+        self.usage: Usage | None = None
+        self.ended = self.failed = False
+        self._messages_usage: dict[str, Any] = {}
+        #: per content block index (its digits, as the events write it): the delta type it
+        #: takes, and the chunk's bytes around such a delta's text (`feed`)
+        self._spliced: dict[bytes, tuple[bytes, bytes, bytes]] = {}
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return _data({"id": self.id, "object": "chat.completion.chunk",
+                      "created": self.created, "model": self.model,
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                   "logprobs": None}]})
+
+    def _take_usage(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            self._messages_usage.update({k: v for k, v in usage.items() if v is not None})
+            self.usage = usage_of({"usage": self._messages_usage})
+
+    def _splice(self, index: int, kind: bytes, delta: dict[str, Any]) -> None:
+        """Build once the chunk a `kind` delta of block `index` becomes (its text marked)."""
+        self._spliced[str(index).encode()] = (kind, *_around({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "choices": [{"index": 0, "delta": delta,
+                                              "finish_reason": None, "logprobs": None}]}))
+
+    def feed(self, event: SSEEvent) -> bytes:
+        """The Chat bytes for one Messages event (often none). A text or arguments delta of
+        the usual shape is spliced into its block's chunk without parsing (the per-event
+        cost); every other event is parsed."""
+        found = _messages_delta(event.data)
+        if found is not None:
+            index, kind, text = found.group(1, 2, 3)
+            around = self._spliced.get(index)
+            if around is not None and around[0] == kind and not self.ended:
+                return around[1] + text + around[2]
+        obj = _payload(event)
+        kind = obj.get("type") if obj is not None else None
+        if kind is None and event.event is not None:
+            kind = event.event.decode("latin-1")
+        if obj is None or self.ended:
+            return b""
+        if kind == "content_block_delta":
+            return self._delta(obj)
+        if kind == "content_block_start":
+            return self._start(obj)
+        if kind == "message_start":
+            message = obj.get("message") or {}
+            self.id, self.model = message.get("id"), message.get("model")
+            self._take_usage(message.get("usage"))
+            return self._chunk({"role": "assistant", "content": ""})
+        if kind == "message_delta":
+            self._take_usage(obj.get("usage"))
+            stop = (obj.get("delta") or {}).get("stop_reason")
+            if stop is None:
+                return b""
+            return self._chunk({}, FINISH_OF_STOP.get(str(stop), "stop"))
+        if kind == "message_stop":
+            self.ended = True
+            tail = b""
+            if self.include_usage:
+                tail = _data({"id": self.id, "object": "chat.completion.chunk",
+                              "created": self.created, "model": self.model, "choices": [],
+                              "usage": chat_usage(self._messages_usage)})
+            return tail + b"data: [DONE]\n\n"
+        if kind == "error":
+            self.ended = self.failed = True
+            return _data(messages_error_to_chat(obj))
+        return b""  # ping, content_block_stop, an event this API version does not know
+
+    def _start(self, obj: dict[str, Any]) -> bytes:
+        block = obj.get("content_block") or {}
+        index = obj.get("index")
+        kind = block.get("type")
+        if kind == "tool_use" and isinstance(index, int):
+            if block.get("name") == JSON_TOOL:
+                self.json_blocks.add(index)
+                self._splice(index, b"input_json_delta", {"content": _MARK})
+                return b""
+            call = self.calls[index] = len(self.calls)
+            self._splice(index, b"input_json_delta", {"tool_calls": [{
+                "index": call, "function": {"arguments": _MARK}}]})
+            return self._chunk({"tool_calls": [{
+                "index": call, "id": block.get("id"), "type": "function",
+                "function": {"name": block.get("name"), "arguments": ""}}]})
+        if kind == "text" and isinstance(index, int):
+            self._splice(index, b"text_delta", {"content": _MARK})
+        if kind == "text" and block.get("text"):
+            return self._chunk({"content": block["text"]})
+        if kind == "thinking" and block.get("thinking"):
+            return self._chunk({"reasoning_content": block["thinking"]})
+        return b""
+
+    def _delta(self, obj: dict[str, Any]) -> bytes:
+        delta = obj.get("delta") or {}
+        kind = delta.get("type")
+        if kind == "text_delta":
+            return self._chunk({"content": delta.get("text", "")})
+        if kind == "thinking_delta":
+            return self._chunk({"reasoning_content": delta.get("thinking", "")})
+        if kind == "input_json_delta":
+            index = obj.get("index")
+            if index in self.json_blocks:
+                return self._chunk({"content": delta.get("partial_json", "")})
+            call = self.calls.get(index) if isinstance(index, int) else None
+            if call is None:
+                return b""
+            return self._chunk({"tool_calls": [{
+                "index": call, "function": {"arguments": delta.get("partial_json", "")}}]})
+        return b""  # signature_delta: a signature is for Messages backends only
+
+
+class ChatToMessages:
+    """A Chat stream (a Chat backend) written as a Messages stream (a Messages client).
+
+    Blocks open as the output's kind changes (thinking, text, a tool call) and close when the
+    next opens; `message_delta` (stop reason and usage) and `message_stop` are written at
+    `[DONE]`, after the usage chunk the translated request asked for."""
+
+    __slots__ = (
+        "_chat_usage",
+        "_spliced",
+        "ended",
+        "failed",
+        "include_usage",
+        "model",
+        "next_index",
+        "open",
+        "started",
+        "stop",
+        "tools",
+        "usage",
+    )
+
+    def __init__(self, model: object = None) -> None:
+        self.model = model
+        self.started = False
+        #: the open block: ("text" | "thinking" | "tool", its index); None between blocks
+        self.open: tuple[str, int] | None = None
+        self.next_index = 0
+        #: Chat tool call index -> its Messages content block index
+        self.tools: dict[int, int] = {}
+        self.stop: str | None = None
+        self.usage: Usage | None = None
+        self.ended = self.failed = False
+        #: Messages always reports usage: what a Chat client asks for does not apply
+        self.include_usage = True
+        self._chat_usage: dict[str, Any] | None = None
+        #: per block index: the `content_block_delta` bytes around a delta's text (`feed`)
+        self._spliced: dict[int, tuple[bytes, bytes]] = {}
+
+    def _splice(self, index: int, delta: dict[str, Any]) -> tuple[bytes, bytes]:
+        around = self._spliced[index] = _around_named("content_block_delta", {
+            "type": "content_block_delta", "index": index, "delta": delta})
+        return around
+
+    def _begin(self, obj: dict[str, Any]) -> bytes:
+        self.started = True
+        return _named("message_start", {"type": "message_start", "message": {
+            "id": obj.get("id"), "type": "message", "role": "assistant",
+            "model": obj.get("model", self.model), "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
+
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        index = self.open[1]
+        self.open = None
+        return _named("content_block_stop", {"type": "content_block_stop", "index": index})
+
+    def _block(self, kind: str, block: dict[str, Any]) -> bytes:
+        """Close the open block and open a new one of `kind`."""
+        out = self._close()
+        index = self.next_index
+        self.next_index += 1
+        self.open = (kind, index)
+        return out + _named("content_block_start", {
+            "type": "content_block_start", "index": index, "content_block": block})
+
+    def _text(self, kind: str, text: str) -> bytes:
+        out = b""
+        if self.open is None or self.open[0] != kind:
+            out = self._block(kind, {"type": "text", "text": ""} if kind == "text" else
+                              {"type": "thinking", "thinking": "", "signature": ""})
+        assert self.open is not None
+        delta = ({"type": "text_delta", "text": text} if kind == "text"
+                 else {"type": "thinking_delta", "thinking": text})
+        return out + _named("content_block_delta", {
+            "type": "content_block_delta", "index": self.open[1], "delta": delta})
+
+    def _tool(self, call: dict[str, Any]) -> bytes:
+        out = b""
+        position = call.get("index", 0)
+        function = call.get("function") or {}
+        index = self.tools.get(position)
+        if index is None:
+            out = self._block("tool", {"type": "tool_use", "id": call.get("id"),
+                                       "name": function.get("name"), "input": {}})
+            assert self.open is not None
+            index = self.tools[position] = self.open[1]
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            out += _named("content_block_delta", {
+                "type": "content_block_delta", "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": arguments}})
+        return out
+
+    def _end(self) -> bytes:
+        self.ended = True
+        usage = messages_usage(self._chat_usage) if self._chat_usage else {"output_tokens": 0}
+        return self._close() + _named("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": self.stop or "end_turn",
+                                               "stop_sequence": None},
+            "usage": usage}) + _named("message_stop", {"type": "message_stop"})
+
+    def feed(self, event: SSEEvent) -> bytes:
+        """The Messages bytes for one Chat chunk (often a few events, sometimes none). A text
+        or arguments delta of the usual shape into the open block (its first opens it the
+        long way) is spliced without parsing (the per-event cost); every other chunk is
+        parsed."""
+        if self.ended:
+            return b""
+        data = event.data
+        current = self.open
+        if current is not None and (at := data.find(b'"choices":[{"index":0,"delta":{')) > 0:
+            found = _chat_delta(data, at)
+            # a usage object in the same chunk (after its choices, as every server writes it)
+            # is read the long way
+            if found is not None and data.find(b'"usage":{', found.end()) < 0:
+                text, call, arguments = found.group(1, 2, 3)
+                kind, index = current
+                if text is not None and kind == "text":
+                    around = self._spliced.get(index) or self._splice(
+                        index, {"type": "text_delta", "text": _MARK})
+                    return around[0] + text + around[1]
+                if call is not None and kind == "tool" and \
+                        self.tools.get(int(call)) == index and arguments != b'""':
+                    around = self._spliced.get(index) or self._splice(
+                        index, {"type": "input_json_delta", "partial_json": _MARK})
+                    return around[0] + arguments + around[1]
+        if event.data.strip() == b"[DONE]":
+            return (b"" if self.started else self._begin({})) + self._end()
+        obj = _payload(event)
+        if obj is None:
+            return b""
+        if obj.get("error") is not None or event.event == b"error":
+            self.ended = self.failed = True
+            return _named("error", chat_error_to_messages(obj))
+        out = b"" if self.started else self._begin(obj)
+        if isinstance(obj.get("usage"), dict):
+            self._chat_usage = obj["usage"]
+            self.usage = usage_of(obj)
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                out += self._text("thinking", reasoning)
+            for name in ("content", "refusal"):
+                text = delta.get(name)
+                if isinstance(text, str) and text:
+                    out += self._text("text", text)
+            for call in delta.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    out += self._tool(call)
+            finish = choice.get("finish_reason")
+            if finish:
+                self.stop = STOP_OF_FINISH.get(str(finish), "end_turn")
+                out += self._close()
+        return out
+
+

@@ -1,0 +1,372 @@
+"""One pool, any API: Chat Completions and Messages clients against a pool of one Chat-only
+and one Messages-only backend, over real sockets, with the official SDKs.
+
+Each backend is a loopback simulator behind the real adapter of its API (`openai` narrowed to
+`apis: [chat]`, `anthropic`), and the simulator checks each request as the real API would
+(a translated body it would refuse fails the test). The backend that speaks the client's own
+API is the slow one (its first token after 5 s) and the pool hedges after 200 ms, so every
+answer comes from the other API's backend, translated; the first request of each test is
+sent until the slow backend was its primary, so that answer is a hedged race between a Chat
+and a Messages backend, won by the translated hedge, its loser cut. Then the tool's result
+goes back and the answer is text: a tool round trip in the client's own shape.
+
+`test_every_translated_route_answers_in_its_own_shape` is generated from the route table
+(`gateway.api.inference.INFERENCE_ROUTES`) and the translations: a route or a translation
+added there is tried here, streamed and whole, with the route matrix's own answer check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute
+from gateway.app import create_app
+from gateway.settings import (
+    BackendSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    Settings,
+)
+from gateway.wire.translate.routes import TRANSLATIONS
+from providers.sim.server import create_sim_app
+from tests.e2e.test_route_matrix import check_answer
+from tests.e2e.test_sim_tools import (
+    FAST,
+    QUESTION,
+    SLOW,
+    Forecast,
+    Heard,
+    check_the_loser_was_cut,
+    claude,
+    gpt,
+    slow_primary,
+)
+from tests.harness import AsgiServerFactory, RunningServer, UpstreamFactory
+from tests.harness.bodies import json_script, smallest_body
+from tests.harness.protocol_wire import (
+    SSE_HEADERS,
+    anthropic_error,
+    message_start,
+    text_block_start,
+    text_delta,
+)
+from tests.harness.scripts import Head, Script, Send
+
+POOL = "tools"
+
+
+def mixed_pool(asgi_server: AsgiServerFactory, slow: str, *, translate: bool = True
+               ) -> tuple[list[RunningServer], RunningServer]:
+    """A gateway over a Chat-only backend (`chat`) and a Messages-only one (`messages`);
+    `slow` names the one whose simulator takes 5 s to its first token (it is `sims[0]`)."""
+    slow_sim, fast_sim = (asgi_server(create_sim_app(p, seed=1)) for p in (SLOW, FAST))
+    sim_of = {slow: slow_sim, ("messages" if slow == "chat" else "chat"): fast_sim}
+    backends = (
+        BackendSettings(name="chat", provider="openai", base_url=sim_of["chat"].v1,
+                        model="m", group="g0", apis=("chat",)),
+        BackendSettings(name="messages", provider="anthropic",
+                        base_url=sim_of["messages"].base_url, model="m", group="g1"),
+    )
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, translate=translate,
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=0.2)))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    return [slow_sim, fast_sim], gateway
+
+
+def check_counted(gateway: RunningServer, name: str) -> None:
+    """Every translated request of the test is counted under `name` in /hedge/stats and
+    /metrics (the requests before it, sent until the race ran, included), the other
+    direction under its own, and the dashboard's series carries the rate of each."""
+    other = "messages->chat" if name == "chat->messages" else "chat->messages"
+    deadline = time.monotonic() + 5.0  # a request is recorded just after its answer is out
+    while True:
+        pool = httpx.get(gateway.url("/hedge/stats"), timeout=5.0).json()["pools"][POOL]
+        counted = pool["lifetime"]["translated"]
+        settled = pool["inflight_requests"] == 0 and counted[name] >= 2
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert counted[name] == pool["lifetime"]["requests"] >= 2
+    assert sum(counted.values()) == counted[name]
+    metrics = httpx.get(gateway.url("/metrics"), timeout=5.0).text
+    line = (f'hedge_gateway_translated_requests_total{{pool="{POOL}",translation="{name}"}} '
+            f"{float(counted[name])}")
+    assert line in metrics.splitlines()
+    series = httpx.get(gateway.url("/hedge/series"), timeout=5.0).json()["pools"][POOL]
+    assert {name, other} <= set(series[-1]["translated"])
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_chat_client_round_trips_a_tool_through_a_messages_backend(
+    asgi_server: AsgiServerFactory, stream: bool,
+) -> None:
+    sims, gateway = mixed_pool(asgi_server, slow="chat")
+    tool = openai.pydantic_function_tool(Forecast)
+    asked: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "user", "content": QUESTION}]
+
+    def send(headers: dict[str, str], messages: list[Any]) -> tuple[dict[str, str], Any]:
+        heard = Heard()
+        with gpt(gateway, heard) as client:
+            if stream:
+                with client.chat.completions.stream(
+                    model=POOL, messages=messages, tools=[tool], extra_headers=headers,
+                    stream_options={"include_usage": True},
+                ) as events:
+                    for _ in events:
+                        pass
+                    return heard.headers, events.get_final_completion()
+            answer = client.chat.completions.create(
+                model=POOL, messages=messages, tools=[tool], extra_headers=headers)
+            return heard.headers, answer
+
+    headers, first = slow_primary(sims, lambda h: send(h, asked))
+    assert headers["x-hedge-backend"] == "messages"
+    assert headers["x-hedge-translated"] == "chat->messages"
+    assert headers["x-hedge-attempts"] == "2"  # the race ran: the slow Chat primary lost
+    if stream:
+        check_the_loser_was_cut(sims)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "Forecast"
+    Forecast.model_validate_json(call.function.arguments)
+    assert first.usage is not None and first.usage.completion_tokens > 0
+    headers, reply = send({}, [
+        *asked,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny all week"}])
+    assert headers["x-hedge-translated"] == "chat->messages"
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    check_counted(gateway, "chat->messages")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_messages_client_round_trips_a_tool_through_a_chat_backend(
+    asgi_server: AsgiServerFactory, stream: bool,
+) -> None:
+    sims, gateway = mixed_pool(asgi_server, slow="messages")
+    tools: list[anthropic.types.ToolParam] = [
+        {"name": "forecast", "description": "the forecast",
+         "input_schema": Forecast.model_json_schema()}]
+    asked: list[anthropic.types.MessageParam] = [{"role": "user", "content": QUESTION}]
+
+    def send(headers: dict[str, str], messages: list[Any]) -> tuple[Any, Any]:
+        with claude(gateway) as client:
+            if stream:
+                with client.messages.stream(
+                    model=POOL, max_tokens=512, tools=tools, messages=messages,
+                    extra_headers=headers,
+                ) as events:
+                    kinds = [event.type for event in events]
+                    assert kinds[-1] == "message_stop"
+                    return events.response.headers, events.get_final_message()
+            raw = client.messages.with_raw_response.create(
+                model=POOL, max_tokens=512, tools=tools, messages=messages,
+                extra_headers=headers)
+            return raw.headers, raw.parse()
+
+    headers, first = slow_primary(sims, lambda h: send(h, asked))
+    assert headers["x-hedge-backend"] == "chat"
+    assert headers["x-hedge-translated"] == "messages->chat"
+    assert headers["x-hedge-attempts"] == "2"
+    if stream:
+        check_the_loser_was_cut(sims)
+    assert first.stop_reason == "tool_use"
+    (block,) = [b for b in first.content if b.type == "tool_use"]
+    assert block.name == "forecast"
+    Forecast.model_validate(block.input)  # accumulated from the translated deltas
+    assert first.usage.output_tokens > 0
+    headers, reply = send({}, [
+        *asked,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": block.id,
+                                           "name": block.name, "input": block.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                      "content": "sunny"}]}])
+    assert headers["x-hedge-translated"] == "messages->chat"
+    assert reply.stop_reason == "end_turn" and reply.content[0].type == "text"
+    check_counted(gateway, "messages->chat")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize(("slow", "via"), [("messages", "responses->chat"),
+                                           ("chat", "responses->messages")],
+                         ids=["to-chat", "to-messages"])
+def test_responses_client_without_stored_state_round_trips_a_tool(
+    asgi_server: AsgiServerFactory, stream: bool, slow: str, via: str,
+) -> None:
+    """A Responses client (`store: false`, the whole input each turn) against the pool of a
+    Chat-only and a Messages-only backend: neither speaks its API, both are reached by
+    translation (Messages through Chat), and the answer is in the Responses shape."""
+    _sims, gateway = mixed_pool(asgi_server, slow=slow)
+    tool = openai.pydantic_responses_function_tool(Forecast)
+    winner = "chat" if slow == "messages" else "messages"
+
+    def send(conversation: Any) -> tuple[dict[str, str], Any]:
+        heard = Heard()
+        with gpt(gateway, heard) as client:
+            if stream:
+                with client.responses.stream(model=POOL, input=conversation, tools=[tool],
+                                             store=False) as events:
+                    kinds = [event.type for event in events]
+                    assert kinds[:2] == ["response.created", "response.in_progress"]
+                    assert kinds[-1] == "response.completed"
+                    return heard.headers, events.get_final_response()
+            answer = client.responses.create(model=POOL, input=conversation, tools=[tool],
+                                             store=False)
+            return heard.headers, answer
+
+    headers, first = send(QUESTION)
+    assert (headers["x-hedge-backend"], headers["x-hedge-translated"]) == (winner, via)
+    assert first.status == "completed"
+    (item,) = [o for o in first.output if o.type == "function_call"]
+    assert item.name == "Forecast"
+    Forecast.model_validate_json(item.arguments)
+    assert first.usage is not None and first.usage.output_tokens > 0
+    headers, after = send([
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": item.call_id, "name": item.name,
+         "arguments": item.arguments},
+        {"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}])
+    assert headers["x-hedge-translated"] == via
+    assert after.output[0].type == "message" and after.output_text
+
+
+def test_a_stored_responses_request_stays_with_responses_backends(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    """`store: true` (the Responses API's default) makes state only a Responses backend
+    keeps: a pool without one refuses it, naming `store`."""
+    _sims, gateway = mixed_pool(asgi_server, slow="chat")
+    with gpt(gateway) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=POOL, input="hi")
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "store"
+
+
+def test_a_field_no_backend_can_carry_is_refused_naming_it(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    """n > 1 reaches the Chat backend (its own API); in a pool whose only Chat backend is
+    gone from the route (a Messages-only pool), it is a 400 naming `n`, in Chat's shape."""
+    slow, fast = (asgi_server(create_sim_app(p, seed=1)) for p in (SLOW, FAST))
+    del slow
+    pool = PoolSettings(name=POOL, timeout=20.0, backends=(
+        BackendSettings(name="messages", provider="anthropic", base_url=fast.base_url,
+                        model="m"),))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    with gpt(gateway) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=POOL, n=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "n"
+    assert error["code"] == "untranslatable_field"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+
+
+def test_translate_false_keeps_each_request_on_its_own_api(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    """With `translate: false` a Messages client reaches only the Messages backend, however
+    slow it is (5 s to its first token): no hedge goes to the Chat one."""
+    sims, gateway = mixed_pool(asgi_server, slow="messages", translate=False)
+    with claude(gateway) as client:
+        raw = client.messages.with_raw_response.create(
+            model=POOL, max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+    assert raw.headers["x-hedge-backend"] == "messages"
+    assert raw.headers["x-hedge-attempts"] == "1"
+    assert "x-hedge-translated" not in raw.headers
+    assert raw.parse().type == "message"
+    del sims
+
+
+def test_a_messages_backend_s_errors_reach_a_chat_client_in_its_shape(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory,
+) -> None:
+    """A scripted Messages upstream, a Chat client: its 429 is the client's 429 in OpenAI's
+    shape with the upstream's retry advice, and its `error` event after the first token ends
+    the client's stream with an error chunk the SDK raises; what it was sent is a Messages
+    request."""
+    busy = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    scripts = iter([
+        json_script(busy, 429, headers={"retry-after": "7"}),
+        Script(headers=SSE_HEADERS, steps=[
+            Head(), Send(message_start()), Send(text_block_start()), Send(text_delta("Hi")),
+            Send(anthropic_error("overloaded_error", "Overloaded"))]),
+    ])
+    (upstream,) = scripted_upstream(1, responder=lambda _request: next(scripts))
+    pool = PoolSettings(name=POOL, timeout=20.0, backends=(
+        BackendSettings(name="messages", provider="anthropic", base_url=upstream.root_url,
+                        api_key="sk-ant-x", model="claude"),))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    asked: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with gpt(gateway) as client:
+        with pytest.raises(openai.RateLimitError) as limited:
+            client.chat.completions.create(model=POOL, messages=asked)
+        assert limited.value.response.headers["retry-after"] == "7"
+        body = limited.value.body
+        assert isinstance(body, dict) and body["type"] == "rate_limit_error"  # OpenAI's shape
+        seen: list[str] = []
+        with pytest.raises(openai.APIError) as cut:
+            for chunk in client.chat.completions.create(model=POOL, messages=asked,
+                                                         stream=True):
+                seen += [c.delta.content or "" for c in chunk.choices]
+        assert "".join(seen) == "Hi"  # the token before the error, then the error
+        assert "Overloaded" in cut.value.message
+    sent = upstream.requests[0]
+    assert sent.path == "/v1/messages" and sent.body["model"] == "claude"
+    assert sent.body["system"] == [{"type": "text", "text": "be brief"}]
+    assert sent.body["max_tokens"] == 4096
+
+
+# --- every translated route, generated from the route table and the translations -------------
+
+#: each backend route a translation reaches, as a backend that serves only it
+_ONLY: dict[str, Callable[[RunningServer], BackendSettings]] = {
+    "chat/completions": lambda sim: BackendSettings(
+        name="only", provider="openai", base_url=sim.v1, model="m", apis=("chat",)),
+    "messages": lambda sim: BackendSettings(
+        name="only", provider="anthropic", base_url=sim.base_url, model="m"),
+}
+MATRIX = [
+    pytest.param(route, backend, stream,
+                 id=f"{route.path} {'stream' if stream else 'whole'} -> {backend}")
+    for route in INFERENCE_ROUTES if not route.stored and not route.single
+    for (client, backend) in TRANSLATIONS if client == route.endpoint
+    for stream in ((False, True) if route.streams else (False,))
+]
+
+
+@pytest.mark.parametrize(("route", "backend", "stream"), MATRIX)
+def test_every_translated_route_answers_in_its_own_shape(
+    asgi_server: AsgiServerFactory, route: InferenceRoute, backend: str, stream: bool,
+) -> None:
+    """Each route a translation serves, streamed and whole, against a pool whose one backend
+    serves only the translation's target: the route's own answer (its end of stream or its
+    body), the header naming the translation, and the translation counted."""
+    sim = asgi_server(create_sim_app(FAST, seed=1))
+    pool = PoolSettings(name=POOL, timeout=20.0, backends=(_ONLY[backend](sim),))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    body = smallest_body(route, POOL, stream)
+    assert body is not None
+    if route.endpoint == "responses":
+        body["store"] = False  # only a request without stored state is translated
+    with httpx.Client(base_url=gateway.base_url, timeout=20.0) as client, client.stream(
+            route.method, route.path, json=body) as response:
+        response.read()
+    check_answer(route, stream, response)
+    name = next(t.name for (c, b), t in TRANSLATIONS.items()
+                if (c, b) == (route.endpoint, backend))
+    assert response.headers["x-hedge-translated"] == name

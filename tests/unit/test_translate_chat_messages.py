@@ -1,0 +1,644 @@
+"""Chat Completions <-> Messages translation: requests, whole answers, streams, usage, errors.
+
+Pure: no sockets. The round-trip properties run over seeded random answers (a fixed list of
+seeds, so a failure names the seed that shows it)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.errors import Untranslatable
+from gateway.wire.sse import SSEDecoder, SSEEvent
+from gateway.wire.translate.chat_messages import (
+    DEFAULT_MAX_TOKENS,
+    JSON_TOOL,
+    chat_to_messages,
+    messages_to_chat,
+)
+from gateway.wire.translate.chat_messages_answer import (
+    chat_answer_to_messages,
+    chat_error_to_messages,
+    chat_usage,
+    messages_answer_to_chat,
+    messages_error_to_chat,
+    messages_usage,
+)
+from gateway.wire.translate.chat_messages_stream import ChatToMessages, MessagesToChat
+from gateway.wire.translate.responses_chat import (
+    ChatToResponses,
+    chat_answer_to_responses,
+    responses_to_chat,
+)
+from gateway.wire.translate.routes import ThroughChat
+
+RECORDED = Path(__file__).parent.parent / "e2e" / "recorded"
+
+
+def events_of(raw: bytes) -> list[SSEEvent]:
+    decoder = SSEDecoder()
+    return decoder.feed(raw) + decoder.close()
+
+
+def chat_stream_to_answer(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """A Chat stream's bytes accumulated into a whole completion, as an SDK would; and whether
+    it ended with `[DONE]`."""
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    calls: dict[int, dict[str, Any]] = {}
+    answer: dict[str, Any] = {}
+    finish = None
+    done = False
+    for event in events_of(raw):
+        if event.data == b"[DONE]":
+            done = True
+            continue
+        chunk = json.loads(event.data)
+        answer.setdefault("id", chunk["id"])
+        answer.setdefault("model", chunk["model"])
+        if chunk.get("usage"):
+            answer["usage"] = chunk["usage"]
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            for name in ("content", "reasoning_content"):
+                if delta.get(name):
+                    message[name] = (message.get(name) or "") + delta[name]
+            for call in delta.get("tool_calls") or ():
+                into = calls.setdefault(call["index"], {"id": None, "type": "function",
+                                                        "function": {"name": None,
+                                                                     "arguments": ""}})
+                if call.get("id"):
+                    into["id"] = call["id"]
+                function = call.get("function") or {}
+                if function.get("name"):
+                    into["function"]["name"] = function["name"]
+                into["function"]["arguments"] += function.get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    answer["choices"] = [{"index": 0, "message": message, "finish_reason": finish,
+                          "logprobs": None}]
+    return answer, done
+
+
+def chat_answer_to_stream(answer: dict[str, Any], rng: random.Random) -> bytes:
+    """A whole completion streamed as a Chat server streams it: a role chunk, reasoning, text
+    and each tool call's arguments in random fragments, the finish chunk, usage, `[DONE]`."""
+    base = {"id": answer["id"], "object": "chat.completion.chunk", "created": 1,
+            "model": answer["model"]}
+    # compact as OpenAI writes it (the translation's fast path), or spaced (its parse)
+    separators = (",", ":") if rng.random() < 0.7 else (", ", ": ")
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        obj = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                    "finish_reason": finish}], "usage": None}
+        return b"data: " + json.dumps(obj, separators=separators).encode() + b"\n\n"
+
+    def pieces(text: str) -> list[str]:
+        cuts = sorted(rng.sample(range(1, len(text)), min(3, len(text) - 1))) if len(text) > 1 \
+            else []
+        return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+    message = answer["choices"][0]["message"]
+    out = [chunk({"role": "assistant", "content": ""})]
+    for name in ("reasoning_content", "content"):
+        if message.get(name):
+            out += [chunk({name: p}) for p in pieces(message[name])]
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                          "function": {"name": call["function"]["name"],
+                                                       "arguments": ""}}]}))
+        out += [chunk({"tool_calls": [{"index": i, "function": {"arguments": p}}]})
+                for p in pieces(call["function"]["arguments"])]
+    out.append(chunk({}, answer["choices"][0]["finish_reason"]))
+    if "usage" in answer:
+        out.append(b"data: " + json.dumps({**base, "choices": [], "usage": answer["usage"]},
+                                          separators=separators).encode() + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return b"".join(out)
+
+
+def random_chat_answer(rng: random.Random) -> dict[str, Any]:
+    """A Chat answer of a shape both APIs carry: text and/or reasoning and/or parallel tool
+    calls with compact JSON arguments, a finish reason that fits it, usage perhaps cached."""
+    words = ["hello", "wörld", "{", "\"q\"", "\n", "   ", "tool", "🙂", "x" * 40]
+    text = "".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    if rng.random() < 0.3:
+        message["reasoning_content"] = "think " + text[::-1]
+    calls = [{"id": f"call_{rng.randrange(10**6)}_{i}", "type": "function",
+              "function": {"name": rng.choice(["get_weather", "Bash", "read_file"]),
+                           "arguments": json.dumps({"q": text, "n": i, "deep": {"a": [1, None]}},
+                                                   separators=(",", ":"),
+                                                   ensure_ascii=False)}}
+             for i in range(rng.choice([0, 0, 1, 2, 3]))]
+    if calls:
+        message["tool_calls"] = calls
+        if rng.random() < 0.5:
+            message["content"] = text
+        finish = "tool_calls"
+    else:
+        message["content"] = text
+        finish = rng.choice(["stop", "length", "content_filter"])
+    prompt, output = rng.randint(1, 5000), rng.randint(1, 500)
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": output,
+                             "total_tokens": prompt + output}
+    if rng.random() < 0.5:
+        usage["prompt_tokens_details"] = {"cached_tokens": rng.randint(0, prompt)}
+    return {"id": f"chatcmpl-{rng.randrange(10**9)}", "object": "chat.completion",
+            "created": 1700000000, "model": "m",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                         "logprobs": None}],
+            "usage": usage}
+
+
+SEEDS = range(200)
+
+
+# --- requests: Chat -> Messages ---------------------------------------------------------------
+
+
+def test_chat_request_carries_system_images_tools_calls_results_stop_and_sampling() -> None:
+    body = {
+        "model": "m", "max_completion_tokens": 300, "temperature": 0.5, "top_p": 0.9,
+        "stop": "END", "stream": True, "stream_options": {"include_usage": True},
+        "parallel_tool_calls": False, "tool_choice": "required", "user": "u-1",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "developer", "content": [{"type": "text", "text": "and kind"}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "what is here?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "look", "arguments": "{\"at\":1}"}},
+                {"id": "c2", "type": "function",
+                 "function": {"name": "look", "arguments": "{\"at\":2}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "one"},
+            {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        ],
+        "tools": [{"type": "function", "function": {
+            "name": "look", "description": "looks", "parameters": {"type": "object"}}}],
+    }
+    out = chat_to_messages(body)
+    assert out["system"] == [{"type": "text", "text": "be brief"},
+                             {"type": "text", "text": "and kind"}]
+    assert out["max_tokens"] == 300 and out["temperature"] == 0.5 and out["top_p"] == 0.9
+    assert out["stop_sequences"] == ["END"] and out["stream"] is True
+    assert out["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
+    assert out["tools"] == [{"name": "look", "description": "looks",
+                             "input_schema": {"type": "object"}}]
+    assert out["metadata"] == {"user_id": "u-1"}
+    user, assistant, results = out["messages"]
+    assert user["content"][1] == {"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    assert user["content"][2]["source"] == {"type": "url", "url": "https://x.test/a.png"}
+    assert [b["input"] for b in assistant["content"]] == [{"at": 1}, {"at": 2}]
+    # parallel results: one user turn holding both, in order
+    assert results["role"] == "user"
+    assert [(b["tool_use_id"], b["content"][0]["text"]) for b in results["content"]] == [
+        ("c1", "one"), ("c2", "two")]
+    assert "stream_options" not in out and "parallel_tool_calls" not in out
+
+
+def test_chat_request_without_max_tokens_gets_the_default_and_reasoning_a_budget() -> None:
+    out = chat_to_messages({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "reasoning_effort": "low"})
+    assert out["thinking"] == {"type": "enabled", "budget_tokens": 2048}
+    assert out["max_tokens"] == DEFAULT_MAX_TOKENS
+
+
+def test_chat_json_output_becomes_a_forced_tool() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    out = chat_to_messages({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "response_format": {"type": "json_schema",
+                                                "json_schema": {"name": "x", "schema": schema}}})
+    assert out["tools"][0]["name"] == JSON_TOOL and out["tools"][0]["input_schema"] == schema
+    assert out["tool_choice"] == {"type": "tool", "name": JSON_TOOL}
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"response_format": {"type": "json_object"},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "response_format"),
+])
+def test_chat_fields_that_change_the_answer_are_refused_naming_them(
+        extra: dict[str, Any], field: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(Untranslatable) as caught:
+        chat_to_messages(body)
+    assert caught.value.status == 400 and caught.value.param == field
+    assert caught.value.should_retry is False
+
+
+def test_chat_fields_at_their_default_or_that_only_tune_are_dropped() -> None:
+    out = chat_to_messages({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "n": 1, "logprobs": False, "presence_penalty": 0, "seed": 7,
+                            "service_tier": "auto", "store": False, "metadata": {"a": "b"}})
+    assert set(out) == {"model", "messages", "max_tokens"}
+
+
+# --- requests: Messages -> Chat ---------------------------------------------------------------
+
+
+def test_messages_request_carries_tools_calls_results_images_thinking_and_stop() -> None:
+    body = {
+        "model": "m", "max_tokens": 100, "system": [{"type": "text", "text": "sys",
+                                                     "cache_control": {"type": "ephemeral"}}],
+        "stop_sequences": ["X", "Y"], "temperature": 0.2, "stream": True,
+        "thinking": {"type": "enabled", "budget_tokens": 5000},
+        "tool_choice": {"type": "tool", "name": "f", "disable_parallel_tool_use": True},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}, "description": "d",
+                   "cache_control": {"type": "ephemeral"}}],
+        "metadata": {"user_id": "u"},
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "see"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                             "data": "QQ=="}}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hm", "signature": "sig"},
+                {"type": "text", "text": "calling"},
+                {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+                {"type": "tool_use", "id": "t2", "name": "f", "input": {"a": 2}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "r1"},
+                {"type": "tool_result", "tool_use_id": "t2",
+                 "content": [{"type": "text", "text": "r2"}], "is_error": True},
+                {"type": "text", "text": "go on"}]},
+        ],
+    }
+    out = messages_to_chat(body)
+    assert out["messages"][0] == {"role": "system", "content": "sys"}
+    assert out["messages"][1]["content"][1] == {
+        "type": "image_url", "image_url": {"url": "data:image/jpeg;base64,QQ=="}}
+    assistant = out["messages"][2]
+    assert assistant["content"] == "calling"
+    assert [c["function"]["arguments"] for c in assistant["tool_calls"]] == [
+        '{"a":1}', '{"a":2}']
+    assert out["messages"][3:] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "r1"},
+        {"role": "tool", "tool_call_id": "t2", "content": "r2"},
+        {"role": "user", "content": "go on"}]
+    assert out["stop"] == ["X", "Y"] and out["max_tokens"] == 100
+    assert out["reasoning_effort"] == "medium"
+    assert out["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert out["parallel_tool_calls"] is False
+    assert out["stream_options"] == {"include_usage": True} and out["user"] == "u"
+    assert out["tools"] == [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}, "description": "d"}}]
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"top_k": 5}, "top_k"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "data": "x"}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "url", "url": "u"}}]}]}]},
+     "messages[0].content[0].content[0].type"),
+])
+def test_messages_fields_that_change_the_answer_are_refused_naming_them(
+        extra: dict[str, Any], field: str) -> None:
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            **extra}
+    with pytest.raises(Untranslatable) as caught:
+        messages_to_chat(body)
+    assert caught.value.param == field
+
+
+@pytest.mark.parametrize("name", ["claude-code-2.1.332-first.json",
+                                  "claude-code-2.1.332-retry.json"])
+def test_recorded_claude_code_requests_translate_to_chat(name: str) -> None:
+    """Claude Code's real first request (every default tool, cache breakpoints, adaptive
+    thinking, context management, a mid-conversation system turn) becomes a Chat request
+    that keeps its system prompt, its turns and every tool."""
+    body = json.loads((RECORDED / name).read_text())["body"]
+    out = messages_to_chat(body)
+    assert out["messages"][0]["role"] == "system"
+    assert "Claude agent" in out["messages"][0]["content"]
+    assert "say hi" in json.dumps(out["messages"])
+    assert [t["function"]["name"] for t in out["tools"]] == [t["name"] for t in body["tools"]]
+    assert out["max_tokens"] == body["max_tokens"] and out["stream"] is True
+    assert "thinking" not in out and "reasoning_effort" not in out  # adaptive: left to the model
+    assert "cache_control" not in json.dumps(out)
+    # and back: a Messages backend would get the same turns and tools
+    again = chat_to_messages(out)
+    assert [t["name"] for t in again["tools"]] == [t["name"] for t in body["tools"]]
+
+
+def test_a_request_round_trips_chat_messages_chat() -> None:
+    body = {"model": "m", "max_tokens": 50, "temperature": 0.3, "stop": ["a"],
+            "messages": [{"role": "system", "content": "s"},
+                         {"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "c", "tool_calls": [
+                             {"id": "1", "type": "function",
+                              "function": {"name": "f", "arguments": '{"x":1}'}}]},
+                         {"role": "tool", "tool_call_id": "1", "content": "r"}],
+            "tools": [{"type": "function", "function": {
+                "name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": "auto"}
+    assert messages_to_chat(chat_to_messages(body)) == body
+
+
+# --- whole answers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_chat_answer_round_trips_through_messages(seed: int) -> None:
+    answer = random_chat_answer(random.Random(seed))
+    assert messages_answer_to_chat(chat_answer_to_messages(answer), 1700000000) == answer
+
+
+def test_a_messages_answer_becomes_a_chat_answer() -> None:
+    body = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude",
+            "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                        {"type": "text", "text": "a"},
+                        {"type": "tool_use", "id": "tu", "name": "f", "input": {"k": "v"}}],
+            "stop_reason": "tool_use", "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 3, "cache_read_input_tokens": 90,
+                      "cache_creation_input_tokens": 5}}
+    out = messages_answer_to_chat(body, 7)
+    message = out["choices"][0]["message"]
+    assert message["content"] == "a" and message["reasoning_content"] == "t"
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"k":"v"}'}
+    assert out["choices"][0]["finish_reason"] == "tool_calls" and out["created"] == 7
+    assert out["usage"] == {"prompt_tokens": 105, "completion_tokens": 3,
+                            "total_tokens": 108, "prompt_tokens_details": {"cached_tokens": 90}}
+
+
+def test_the_forced_json_tool_comes_back_as_text() -> None:
+    body = {"id": "m", "model": "c", "stop_reason": "tool_use", "content": [
+        {"type": "tool_use", "id": "t", "name": JSON_TOOL, "input": {"a": 1}}]}
+    message = messages_answer_to_chat(body, 0)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": '{"a":1}'}
+
+
+@pytest.mark.parametrize(("chat", "messages"), [
+    ({"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105,
+      "prompt_tokens_details": {"cached_tokens": 60}},
+     {"input_tokens": 40, "output_tokens": 5, "cache_read_input_tokens": 60}),
+    ({"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
+     {"input_tokens": 7, "output_tokens": 1}),
+])
+def test_usage_with_cached_tokens_both_ways(chat: dict[str, Any],
+                                            messages: dict[str, Any]) -> None:
+    assert messages_usage(chat) == messages
+    assert chat_usage(messages) == chat
+
+
+def test_errors_keep_their_meaning_in_the_other_shape() -> None:
+    assert messages_error_to_chat({"type": "error", "error": {
+        "type": "overloaded_error", "message": "busy"}}) == {"error": {
+            "message": "busy", "type": "server_error", "param": None,
+            "code": "overloaded_error"}}
+    assert chat_error_to_messages({"error": {
+        "message": "slow down", "type": "requests", "param": None,
+        "code": "rate_limit_exceeded"}}) == {"type": "error", "error": {
+            "type": "rate_limit_error", "message": "slow down [code rate_limit_exceeded]"}}
+
+
+# --- streams ----------------------------------------------------------------------------------
+
+
+def _translate(machine: ChatToMessages | MessagesToChat | ChatToResponses | ThroughChat,
+               raw: bytes) -> bytes:
+    return b"".join(machine.feed(event) for event in events_of(raw))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_chat_stream_round_trips_through_messages_event_by_event(seed: int) -> None:
+    """Chat chunks -> Messages events -> Chat chunks, each event translated as it comes:
+    accumulated, the answer is the one streamed (arguments fragment for fragment)."""
+    rng = random.Random(seed)
+    answer = random_chat_answer(rng)
+    upstream = chat_answer_to_stream(answer, rng)
+    to_messages = ChatToMessages()
+    as_messages = _translate(to_messages, upstream)
+    assert to_messages.ended and not to_messages.failed
+    back = MessagesToChat(created=1700000000, include_usage=True)
+    as_chat = _translate(back, as_messages)
+    assert back.ended
+    got, done = chat_stream_to_answer(as_chat)
+    assert done
+    expected = {k: answer[k] for k in ("id", "model", "choices", "usage")}
+    assert got == expected
+    assert back.usage == to_messages.usage is not None
+
+
+def test_each_chat_chunk_is_written_as_it_arrives() -> None:
+    """No buffering: the text and each argument fragment are out before the next chunk."""
+    machine = ChatToMessages()
+    role = machine.feed(SSEEvent(b'{"id":"c","model":"m","choices":[{"index":0,"delta":'
+                                 b'{"role":"assistant","content":""}}]}'))
+    assert b"message_start" in role
+    text = machine.feed(SSEEvent(b'{"id":"c","choices":[{"index":0,"delta":{"content":"Hi"}}]}'))
+    assert b'"text_delta","text":"Hi"' in text
+    start = machine.feed(SSEEvent(
+        b'{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"t",'
+        b'"function":{"name":"f","arguments":"{\\"a"}}]}}]}'))
+    assert start.index(b"content_block_stop") < start.index(b"tool_use") \
+        < start.index(b'"partial_json":"{\\"a"')
+    more = machine.feed(SSEEvent(
+        b'{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,'
+        b'"function":{"arguments":"\\":1}"}}]}}]}'))
+    assert b'"partial_json":"\\":1}"' in more
+    assert not machine.ended
+
+
+def test_a_messages_stream_becomes_chat_chunks_with_usage_and_done() -> None:
+    raw = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1",'
+           b'"model":"claude","usage":{"input_tokens":3,"cache_read_input_tokens":10,'
+           b'"output_tokens":1}}}\n\n'
+           b'event: ping\ndata: {"type":"ping"}\n\n'
+           b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+           b'"content_block":{"type":"thinking","thinking":""}}\n\n'
+           b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+           b'"delta":{"type":"thinking_delta","thinking":"hmm"}}\n\n'
+           b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+           b'"delta":{"type":"signature_delta","signature":"sig"}}\n\n'
+           b'event: content_block_start\ndata: {"type":"content_block_start","index":1,'
+           b'"content_block":{"type":"tool_use","id":"tu","name":"f","input":{}}}\n\n'
+           b'event: content_block_delta\ndata: {"type":"content_block_delta","index":1,'
+           b'"delta":{"type":"input_json_delta","partial_json":"{\\"k\\":"}}\n\n'
+           b'event: content_block_delta\ndata: {"type":"content_block_delta","index":1,'
+           b'"delta":{"type":"input_json_delta","partial_json":"2}"}}\n\n'
+           b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+           b'"tool_use"},"usage":{"output_tokens":9}}\n\n'
+           b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    machine = MessagesToChat(created=5, include_usage=True)
+    answer, done = chat_stream_to_answer(_translate(machine, raw))
+    assert done and machine.ended
+    assert answer["choices"][0]["message"]["reasoning_content"] == "hmm"
+    assert answer["choices"][0]["message"]["tool_calls"] == [
+        {"id": "tu", "type": "function", "function": {"name": "f", "arguments": '{"k":2}'}}]
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert answer["usage"] == {"prompt_tokens": 13, "completion_tokens": 9,
+                               "total_tokens": 22,
+                               "prompt_tokens_details": {"cached_tokens": 10}}
+    assert machine.usage is not None and machine.usage.cached == 10
+
+
+def test_an_error_event_in_either_stream_ends_it_in_the_other_shape() -> None:
+    to_chat = MessagesToChat(created=0, include_usage=False)
+    out = to_chat.feed(SSEEvent(b'{"type":"error","error":{"type":"overloaded_error",'
+                                b'"message":"busy"}}', b"error"))
+    assert to_chat.failed and json.loads(out[6:])["error"]["code"] == "overloaded_error"
+    to_messages = ChatToMessages()
+    out = to_messages.feed(SSEEvent(b'{"error":{"message":"boom","type":"server_error"}}'))
+    assert to_messages.failed and out.startswith(b"event: error\n")
+
+
+def test_a_chat_stream_without_usage_asked_gets_no_usage_chunk() -> None:
+    machine = MessagesToChat(created=0, include_usage=False)
+    raw = (b'data: {"type":"message_start","message":{"id":"m","model":"c"}}\n\n'
+           b'data: {"type":"message_stop"}\n\n')
+    assert _translate(machine, raw).count(b"data: ") == 2  # the role chunk and [DONE]
+
+
+# --- Responses (store: false) -> Chat, and -> Messages through Chat ---------------------------
+
+
+def _responses_final(raw: bytes) -> tuple[list[str], dict[str, Any]]:
+    """A Responses stream's event types and the response object of its end event."""
+    kinds: list[str] = []
+    final: dict[str, Any] = {}
+    for event in events_of(raw):
+        obj = json.loads(event.data)
+        assert event.event is not None and obj["type"] == event.event.decode()
+        kinds.append(obj["type"])
+        if obj["type"] in ("response.completed", "response.incomplete"):
+            final = obj["response"]
+    return kinds, final
+
+
+def _without_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in item.items() if k != "id"} for item in output]
+
+
+def test_a_responses_request_without_stored_state_becomes_chat() -> None:
+    body = {"model": "m", "store": False, "instructions": "be brief", "stream": True,
+            "max_output_tokens": 99, "temperature": 0.1, "reasoning": {"effort": "low"},
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+            "tool_choice": {"type": "function", "name": "f"},
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"},
+                       "strict": True}],
+            "input": [
+                {"role": "user", "content": [
+                    {"type": "input_text", "text": "look"},
+                    {"type": "input_image", "image_url": "https://x.test/i.png"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                {"type": "function_call_output", "call_id": "c2", "output": "two"}]}
+    out = responses_to_chat(body)
+    assert out["messages"][0] == {"role": "system", "content": "be brief"}
+    assert out["messages"][1]["content"][1] == {"type": "image_url",
+                                                "image_url": {"url": "https://x.test/i.png"}}
+    assert [c["id"] for c in out["messages"][2]["tool_calls"]] == ["c1", "c2"]
+    assert out["messages"][3:] == [{"role": "tool", "tool_call_id": "c1", "content": "one"},
+                                   {"role": "tool", "tool_call_id": "c2", "content": "two"}]
+    assert out["max_tokens"] == 99 and out["reasoning_effort"] == "low"
+    assert out["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert out["response_format"]["json_schema"] == {"name": "x", "schema": {}}
+    assert out["tools"][0]["function"]["strict"] is True
+    assert out["stream_options"] == {"include_usage": True}
+    # and on to Messages (JSON output beside tools is refused there: one forced tool)
+    with pytest.raises(Untranslatable):
+        chat_to_messages(out)
+    del out["response_format"]
+    assert chat_to_messages(out)["system"] == [{"type": "text", "text": "be brief"}]
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"store": True}, "store"),
+    ({"store": None}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+])
+def test_a_responses_request_that_needs_stored_state_or_hosted_tools_is_refused(
+        extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(Untranslatable) as caught:
+        responses_to_chat({"model": "m", "store": False, "input": "hi", **extra})
+    assert caught.value.param == field
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_chat_stream_as_responses_events_ends_in_the_whole_answer(seed: int) -> None:
+    """Chat chunks -> Responses events, and Messages events -> Responses events through Chat:
+    the end event's response holds the output the whole answer's translation holds."""
+    rng = random.Random(seed)
+    answer = random_chat_answer(rng)
+    whole = chat_answer_to_responses(answer, 1700000000)
+    upstream = chat_answer_to_stream(answer, rng)
+    direct = ChatToResponses(1700000000)
+    kinds, final = _responses_final(_translate(direct, upstream))
+    assert direct.ended and kinds[:2] == ["response.created", "response.in_progress"]
+    assert _without_ids(final["output"]) == _without_ids(whole["output"])
+    assert final["status"] == whole["status"] and final["usage"] == whole["usage"]
+    assert (final["incomplete_details"] is None) == (whole["incomplete_details"] is None)
+    assert kinds.count("response.output_item.added") == len(whole["output"])
+    as_messages = _translate(ChatToMessages(), upstream)
+    chained = ThroughChat(1700000000)
+    _kinds, through = _responses_final(_translate(chained, as_messages))
+    assert chained.ended
+    assert _without_ids(through["output"]) == _without_ids(whole["output"])
+
+
+def test_a_chat_error_chunk_is_a_responses_error_event() -> None:
+    machine = ChatToResponses(0)
+    out = machine.feed(SSEEvent(b'{"error":{"message":"x","type":"server_error"}}'))
+    assert machine.failed and out.startswith(b"event: error\n")
+    assert json.loads(out.split(b"data: ", 1)[1])["code"] == "server_error"
+
+
+def test_the_spliced_deltas_are_the_parsed_ones_byte_for_byte() -> None:
+    """The fast path (a delta of the usual shape spliced without parsing) writes exactly what
+    the parse writes for the same delta in another key order."""
+    start = (b'{"type":"message_start","message":{"id":"m","model":"c"}}',
+             b'{"type":"content_block_start","index":0,"content_block":{"type":"text",'
+             b'"text":""}}',
+             b'{"type":"content_block_start","index":1,"content_block":{"type":"tool_use",'
+             b'"id":"t","name":"f","input":{}}}')
+    fast, slow = MessagesToChat(3, True), MessagesToChat(3, True)
+    for data in start:
+        assert fast.feed(SSEEvent(data)) == slow.feed(SSEEvent(data))
+    for usual, other in (
+        (b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta",'
+         b'"text":"a\\"b\\u00e9"}}',
+         b'{"index":0,"type":"content_block_delta","delta":{"text":"a\\"b\\u00e9",'
+         b'"type":"text_delta"}}'),
+        (b'{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta",'
+         b'"partial_json":"{\\"k"}}',
+         b'{"index":1,"type":"content_block_delta","delta":{"partial_json":"{\\"k",'
+         b'"type":"input_json_delta"}}'),
+    ):
+        assert fast.feed(SSEEvent(usual)) == slow.feed(SSEEvent(other))
+    chat_fast, chat_slow = ChatToMessages(), ChatToMessages()
+    role = b'{"id":"c","model":"m","choices":[{"index":0,"delta":{"content":"x"}}]}'
+    assert chat_fast.feed(SSEEvent(role)) == chat_slow.feed(SSEEvent(role))
+    usual = (b'{"id":"c","choices":[{"index":0,"delta":{"content":"\\"q\\""},'
+             b'"logprobs":null,"finish_reason":null}],"usage":null}')
+    other = b'{"id":"c","choices":[{"delta":{"content":"\\"q\\""},"index":0}]}'
+    assert chat_fast.feed(SSEEvent(usual)) == chat_slow.feed(SSEEvent(other))

@@ -1,0 +1,180 @@
+"""Which backends a request reaches in a pool of mixed APIs, and by which translation (pure:
+the plan's `routing` over stub providers, the configuration's `apis` and `translate`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.api.request import LogicalRequest
+from gateway.errors import AllAttemptsFailed, RouteNotServed, Untranslatable
+from gateway.hedge.plan import routing
+from gateway.hedge.pool import PoolRuntime
+from gateway.settings import BackendSettings, PoolSettings, load_settings
+from gateway.settings.fields import ConfigError
+from gateway.settings.model import PROVIDER_APIS
+from gateway.wire.base import RelayOutcome, StreamEnd
+from gateway.wire.chat import CHAT
+from gateway.wire.messages import MESSAGES
+from gateway.wire.paths import API_ENDPOINTS, Endpoint, endpoints_of
+from gateway.wire.responses import RESPONSES
+from gateway.wire.sse import SSEEvent
+from gateway.wire.translate.chat_messages import DROPPED_CHAT, DROPPED_MESSAGES
+from gateway.wire.translate.responses_chat import DROPPED_RESPONSES
+from gateway.wire.translate.routes import TRANSLATIONS
+from providers.anthropic import AnthropicProvider
+from providers.bedrock import BedrockProvider
+from providers.openai import OpenAIProvider
+from providers.sim import SimProvider
+from providers.vertex import VertexProvider
+
+
+class Serving:
+    """A provider stub that serves `routes` (all that routing reads of one)."""
+
+    def __init__(self, *routes: str) -> None:
+        self.serves = frozenset(routes)
+
+
+PROVIDERS: dict[str, Any] = {"chat": Serving("chat/completions", "completions", "embeddings",
+                                             "responses", "responses/item"),
+                             "msgs": Serving("messages", "messages/count_tokens")}
+
+
+def pool_of(*, translate: bool = True, chat_apis: tuple[str, ...] | None = ("chat",),
+            providers: dict[str, Any] | None = None) -> PoolRuntime:
+    backends = (
+        BackendSettings(name="chat", provider="openai", base_url="http://127.0.0.1:9/v1",
+                        apis=chat_apis),
+        BackendSettings(name="msgs", provider="anthropic", base_url="http://127.0.0.1:9"),
+    )
+    settings = PoolSettings(name="pool", backends=backends, translate=translate)
+    return PoolRuntime.build(settings, providers or PROVIDERS, global_hedging=True, now=0.0,
+                             rng=random.Random(1), translations=TRANSLATIONS)
+
+
+def request(endpoint: Endpoint, **body: Any) -> LogicalRequest:
+    base = {"model": "pool", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    protocol = {"messages": MESSAGES, "responses": RESPONSES}.get(endpoint, CHAT)
+    return LogicalRequest("r", endpoint, {**base, **body}, False, {}, protocol)
+
+
+def test_each_api_reaches_the_other_by_translation_and_its_own_as_it_is() -> None:
+    pool = pool_of()
+    chat = routing(pool, request("chat/completions"))
+    assert chat.excluded == frozenset()
+    assert set(chat.translated) == {"msgs"}
+    translation, body = chat.translated["msgs"]
+    assert translation.name == "chat->messages" and translation.backend == "messages"
+    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    messages = routing(pool, request("messages"))
+    assert messages.excluded == frozenset() and set(messages.translated) == {"chat"}
+    assert messages.translated["chat"][0].name == "messages->chat"
+
+
+def test_apis_narrow_a_backend_and_translate_false_keeps_today_s_rule() -> None:
+    # the Chat backend narrowed to chat: the Responses API reaches both by translation,
+    # and only without stored state
+    both = routing(pool_of(), request("responses", input="hi", store=False))
+    assert both.excluded == frozenset()
+    assert {b: t.name for b, (t, _) in both.translated.items()} == {
+        "chat": "responses->chat", "msgs": "responses->messages"}
+    with pytest.raises(Untranslatable) as caught:
+        routing(pool_of(), request("responses", input="hi"))
+    assert caught.value.param == "store"
+    wide = routing(pool_of(chat_apis=None), request("responses", input="hi"))
+    assert wide.excluded == {"msgs"} and not wide.translated
+    with pytest.raises(RouteNotServed):
+        routing(pool_of(), request("embeddings", input="hi"))
+    kept = routing(pool_of(translate=False), request("chat/completions"))
+    assert kept.excluded == {"msgs"} and not kept.translated
+
+
+def test_a_field_one_api_cannot_carry_keeps_the_request_on_its_own_api() -> None:
+    """`n: 2` cannot go to Messages: the Chat backend alone serves it; with no Chat backend,
+    the refusal is the answer, naming the field."""
+    mixed = routing(pool_of(), request("chat/completions", n=2))
+    assert mixed.excluded == {"msgs"} and not mixed.translated
+    only_messages = pool_of(providers={"chat": Serving("embeddings"), "msgs": PROVIDERS["msgs"]})
+    with pytest.raises(Untranslatable) as caught:
+        routing(only_messages, request("chat/completions", n=2))
+    assert caught.value.param == "n"
+
+
+def test_provider_apis_are_what_each_adapter_serves() -> None:
+    adapters: dict[str, Any] = {"openai": OpenAIProvider, "anthropic": AnthropicProvider,
+                "bedrock": BedrockProvider, "vertex": VertexProvider, "sim": SimProvider}
+    for provider, adapter in adapters.items():
+        serves: frozenset[str] = adapter.serves
+        spoken = {api for api, routes in API_ENDPOINTS.items() if routes & serves}
+        assert spoken == set(PROVIDER_APIS[provider]), provider
+        assert endpoints_of(PROVIDER_APIS[provider], serves) == serves, provider
+
+
+def test_every_translation_joins_routes_of_two_apis() -> None:
+    for (client, backend), translation in TRANSLATIONS.items():
+        assert (translation.client, translation.backend) == (client, backend)
+        apis = [next(a for a, r in API_ENDPOINTS.items() if e in r) for e in (client, backend)]
+        assert translation.name == "->".join(apis) and apis[0] != apis[1]
+    assert set(TRANSLATIONS) == {("chat/completions", "messages"), ("messages", "chat/completions"),
+                                 ("responses", "chat/completions"), ("responses", "messages")}
+
+
+def test_apis_in_the_configuration(tmp_path: Any) -> None:
+    def load(apis: str) -> list[str]:
+        path = tmp_path / "c.yaml"
+        path.write_text(
+            "pools:\n  - name: p\n    backends:\n"
+            f"      - {{name: a, provider: anthropic, base_url: 'http://x', apis: {apis}}}\n")
+        try:
+            load_settings(str(path))
+        except ConfigError as exc:
+            return list(exc.errors)
+        return []
+
+    assert load("[messages]") == []
+    assert load("[chat]") == [
+        "pools[0].backends[0].apis: provider anthropic does not speak chat (it speaks "
+        "messages)"]
+    assert any("apis" in e for e in load("[]"))
+    assert any("apis" in e for e in load("[messages, messages]"))
+    assert any("apis" in e for e in load("[graphql]"))
+    pool = dataclasses.replace(pool_of().settings, translate=False)
+    assert pool.translate is False
+
+
+@pytest.mark.parametrize("body", [b'{"content": "not blocks", "choices": "x"}',
+                                  b'{"choices": [{"message": "a string"}]}', b"[1]"])
+def test_a_whole_answer_of_a_shape_its_api_never_has_is_a_502(body: bytes) -> None:
+    for translation in TRANSLATIONS.values():
+        try:
+            translation.answer(body, 0)
+        except AllAttemptsFailed as exc:
+            assert exc.status == 502
+
+
+def test_a_stream_event_of_a_shape_its_api_never_has_ends_the_stream_as_upstream_error() -> None:
+    translation = TRANSLATIONS[("chat/completions", "messages")]
+    encoder = translation.encoder(0, True, CHAT.error_event)
+    outcome = RelayOutcome()
+    out = encoder.events([SSEEvent(b'{"type":"message_start","message":"not an object"}')],
+                         "req-1", outcome)
+    assert outcome.end is StreamEnd.UPSTREAM_ERROR
+    assert b"upstream_error" in out and b"req-1" in out
+
+
+def test_the_docs_list_every_dropped_field() -> None:
+    """docs/translation.md's lists of what is dropped name every field the code drops."""
+    doc = (Path(__file__).parents[2] / "docs" / "translation.md").read_text()
+    sections = {"Chat Completions → Messages": DROPPED_CHAT,
+                "Messages → Chat Completions": DROPPED_MESSAGES,
+                "Responses API → Chat Completions": DROPPED_RESPONSES}
+    for title, dropped in sections.items():
+        section = doc.split(f"## Requests: {title}")[1].split("\n## ")[0]
+        listed = section.split("**Dropped**")[1]
+        missing = [name for name in dropped if f"`{name}`" not in listed]
+        assert not missing, (title, missing)
