@@ -42,7 +42,7 @@ def output_sent(buffered: list[SSEEvent]) -> int:
     the winner's path."""
     reported = 0
     for event in buffered:
-        if b'"usage"' in event.data:
+        if event.data.find(b'"usage"') >= 0:
             found = read_usage(event.data)
             if found is not None:
                 reported = max(reported, found[0].output)
