@@ -355,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("requests-per-minute", "input-tokens-per-minute", "output-tokens-per-minute",
                  "in-flight"):
         create.add_argument(f"--{flag}", type=argtypes.count, help="limit (default: none)")
+    create.add_argument("--budget-usd", type=float, help="a spend budget in US dollars per "
+                        "--budget-period (default: none); past it: 429 budget_exceeded")
+    create.add_argument("--budget-period", choices=("day", "month"), default="month",
+                        help="the budget's period, UTC (default: month)")
     actions.add_parser("list", help="every key of the store, active or revoked")
     revoke = actions.add_parser("revoke", help="revoke a key: refused by every worker within "
                                 "a second")

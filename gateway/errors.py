@@ -31,6 +31,7 @@ Two trees, in this one file, and each class carries its facts as class attribute
     │   └── UpstreamDisconnected              │   └── ...TooLarge, Unprocessable, NotFound, Conflict
     ├── UpstreamInBandError                   ├── FirstTokenTimeout
     ├── UpstreamNoToken                       ├── KeyRateLimited, KeyConflict (client keys)
+    │                                         ├── BudgetExceeded (a client key's spend)
     │                                         └── InternalError (a bug of ours, 500)
     └── InternalAttemptError
 
@@ -467,6 +468,21 @@ class KeyRateLimited(GatewayError):
         super().__init__(f"key {name!r} is over its {kind.replace('_', ' ')} limit; "
                          f"retry after {retry_after:.3g} s", retry_after=retry_after)
         self.kind = kind
+
+
+class BudgetExceeded(GatewayError):
+    """A client key has spent its budget for the period (`keys[].budget`): 429, and
+    `x-should-retry: false`, since no retry passes before the period ends or an operator
+    raises the budget; the SDKs give up at once. The message names the key's name, the
+    budget and the period, never the key."""
+
+    status = 429
+    type = "insufficient_quota"
+    code = "budget_exceeded"
+
+    def __init__(self, name: str, usd: float, period: str) -> None:
+        super().__init__(f"key {name!r} has spent its budget of {usd:g} USD for this "
+                         f"{period} (UTC)", should_retry=False)
 
 
 class KeyConflict(GatewayError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,7 +28,8 @@ from gateway.api.tenancy import supplied_key
 from gateway.errors import InvalidRequest, KeyConflict, RouteNotFound, Unauthorized
 from gateway.hedge.generation import Live
 from gateway.settings.fields import ConfigError
-from gateway.settings.tenants import TenantLimits
+from gateway.settings.tenants import TenantBudget, TenantLimits
+from gateway.tenants.spend import DECIMALS
 from gateway.tenants.store import SqliteStore, StoreError
 from gateway.wire.validate import parse_body
 
@@ -57,16 +59,18 @@ def build_admin_router(admin: KeyRing, sync: TenantSync | None, live: Live) -> A
         store = store_for(request)
         check_json_type(request)
         body = parse_body(await read_body(request, MAX_ADMIN_BODY))
-        name, pools, limits = _key_request(body, set(live.current.pools))
+        name, pools, limits, budget = _key_request(body, set(live.current.pools))
         if sync is not None and any(key.name == name for key in sync.gate.configured):
             raise KeyConflict(f"key {name!r} is defined in the configuration file")
         try:
-            secret, key = await asyncio.to_thread(store.create_key, name, pools, limits)
+            secret, key = await asyncio.to_thread(functools.partial(
+                store.create_key, name, pools, limits, budget=budget))
         except StoreError as exc:
             raise KeyConflict(str(exc)) from None
         await adopt()
         return JSONResponse({"name": key.name, "key": secret, "pools": list(key.pools),
-                             "limits": dataclasses.asdict(key.limits)}, status_code=201)
+                             "limits": dataclasses.asdict(key.limits),
+                             "budget": dataclasses.asdict(key.budget)}, status_code=201)
 
     @router.get("/admin/keys")
     async def list_keys(request: Request) -> dict[str, Any]:
@@ -74,10 +78,12 @@ def build_admin_router(admin: KeyRing, sync: TenantSync | None, live: Live) -> A
         stored = await asyncio.to_thread(store.list_keys)
         data: list[dict[str, Any]] = [
             {"name": key.name, "source": "config", "pools": list(key.pools),
-             "limits": dataclasses.asdict(key.limits), "created": None, "revoked": None}
+             "limits": dataclasses.asdict(key.limits),
+             "budget": dataclasses.asdict(key.budget), "created": None, "revoked": None}
             for key in (sync.gate.configured if sync is not None else ())]
         data += [{"name": key.name, "source": "store", "pools": list(key.pools),
-                  "limits": dataclasses.asdict(key.limits), "created": key.created,
+                  "limits": dataclasses.asdict(key.limits),
+                  "budget": dataclasses.asdict(key.budget), "created": key.created,
                   "revoked": key.revoked} for key in stored]
         return {"data": data}
 
@@ -102,14 +108,16 @@ def build_admin_router(admin: KeyRing, sync: TenantSync | None, live: Live) -> A
         rows = await asyncio.to_thread(store.usage, name)
         return {"name": name, "data": [
             {"day": row.day, "requests": row.requests, "input_tokens": row.input_tokens,
-             "output_tokens": row.output_tokens} for row in rows]}
+             "output_tokens": row.output_tokens,
+             "spend_usd": round(row.spend_usd, DECIMALS)} for row in rows]}
 
     return router
 
 
 def _key_request(body: dict[str, Any], pools: set[str]
-                 ) -> tuple[str, tuple[str, ...], TenantLimits]:
-    """The name, pools and limits a create request asks for; 400 naming what is wrong."""
+                 ) -> tuple[str, tuple[str, ...], TenantLimits, TenantBudget]:
+    """The name, pools, limits and budget a create request asks for; 400 naming what is
+    wrong."""
     name = body.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequest("name: required, a string", param="name")
@@ -125,6 +133,13 @@ def _key_request(body: dict[str, Any], pools: set[str]
         raise InvalidRequest(f"limits: a mapping of {', '.join(sorted(fields))}",
                              param="limits")
     try:
-        return name, tuple(wanted), TenantLimits(**limits)
+        checked = TenantLimits(**limits)
     except ConfigError as exc:
         raise InvalidRequest("limits: " + "; ".join(exc.errors), param="limits") from None
+    budget = body.get("budget", {})
+    if not isinstance(budget, dict) or not set(budget) <= {"usd", "period"}:
+        raise InvalidRequest("budget: a mapping of period, usd", param="budget")
+    try:
+        return name, tuple(wanted), checked, TenantBudget(**budget)
+    except ConfigError as exc:
+        raise InvalidRequest("budget: " + "; ".join(exc.errors), param="budget") from None

@@ -25,6 +25,7 @@ from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
+from gateway.stats.spend import summary_cost
 
 if TYPE_CHECKING:
     from gateway.stats.tracing import RequestTrace
@@ -120,6 +121,7 @@ class RequestEnd:
                 summary.affinity = self._race.placement.affinity
                 summary.headroom_skips = self._race.placement.headroom_skips
                 summary.ended = self._clock()
+                summary.cost = summary_cost(summary, pool.prices)
                 stats.record(summary)
                 log_request(summary, stats.error_classes)
                 if self.trace is not None:

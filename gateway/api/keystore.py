@@ -5,12 +5,15 @@ usage goes out, each in the background.
 thread, and then, every `POLL_INTERVAL` seconds, reads the store's one-row keys version: when
 another process (a worker, a replica on the same file, `hedge-gateway keys revoke`) made or
 revoked a key, it loads the active keys into the gate (`TenantGate.adopt_stored`). Every
-`FLUSH_INTERVAL` it writes the usage counted since the last batch, in one transaction. Both run
-in worker threads: the event loop never waits on the file.
+`FLUSH_INTERVAL` it writes the usage counted since the last batch (spend included), in one
+transaction, and reads back every key's spend of the day and the month, which the budgets are
+held to; while a key has a budget, the spend is also read at every poll, so another process's
+batch is seen within a poll of its writing. All run in worker threads: the event loop never
+waits on the file.
 
 A store that cannot be read keeps the keys last read (a revocation waits for it) and is
 logged once per failure streak; a batch that cannot be written is kept and added to the next
-(bounded: one counter triple per key). At shutdown the last batch is written.
+(bounded: four counters per key). At shutdown the last batch is written.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sqlite3
 
 from gateway.api.tenancy import TenantGate
 from gateway.server.workers import worker_limits
+from gateway.tenants.spend import period_spend
 from gateway.tenants.store import SqliteStore, UsageRow, path_of
 
 #: how often each process looks for keys made or revoked elsewhere (seconds): a revocation
@@ -47,9 +51,10 @@ class TenantSync:
         self._failing = False
 
     async def start(self) -> None:
-        """Open the store and load its keys (before the gateway serves)."""
+        """Open the store and load its keys and their spend (before the gateway serves)."""
         self.store = await asyncio.to_thread(SqliteStore, self.path)
         await self.poll()
+        await self.read_spend()
 
     async def poll(self) -> None:
         """Load the store's keys if they changed since the last look."""
@@ -75,10 +80,15 @@ class TenantSync:
             self._failed("read", exc)
 
     async def flush(self) -> None:
-        """Write the usage counted since the last batch (kept for the next on failure)."""
+        """Write the usage counted since the last batch (kept for the next on failure), then
+        read back every key's spend for the budgets."""
         store = self.store
         usage = self.gate.take_usage()
-        if store is None or not usage:
+        if store is None:
+            self.gate.keep_unsent()
+            return
+        if not usage:
+            await self.read_spend(usage)
             return
         day = datetime.datetime.fromtimestamp(self.gate.wall(), tz=datetime.UTC).date()
         rows = [UsageRow(name, day.isoformat(), *counts) for name, counts in usage.items()]
@@ -87,10 +97,25 @@ class TenantSync:
             self._recovered()
         except (sqlite3.Error, OSError) as exc:
             self._failed("write", exc)
-            for name, counts in usage.items():  # back into the next batch
-                kept = self.gate.usage.setdefault(name, [0, 0, 0])
-                for index, count in enumerate(counts):
-                    kept[index] += count
+            self.gate.keep_unsent()  # back into the next batch
+            return
+        await self.read_spend(usage)
+
+    async def read_spend(self, written: dict[str, list[int]] | None = None) -> None:
+        """Every key's spend of today and this month, as the store holds it (all processes'
+        written batches), for the budgets (`TenantGate.check_budget`); `written`: the batch
+        just written, which the read includes."""
+        store = self.store
+        if store is None:
+            return
+        today = datetime.datetime.fromtimestamp(self.gate.wall(), tz=datetime.UTC).date()
+        try:
+            rows = await asyncio.to_thread(store.spend_since,
+                                           today.replace(day=1).isoformat())
+        except (sqlite3.Error, OSError) as exc:
+            self._failed("read", exc)
+            return
+        self.gate.adopt_spend(period_spend(rows, today.isoformat()), written)
 
     async def run(self) -> None:
         """Poll and flush until cancelled."""
@@ -101,7 +126,9 @@ class TenantSync:
             await self.poll()
             beat += 1
             if beat % flushes == 0:
-                await self.flush()
+                await self.flush()  # reads the spend back
+            elif self.gate.budgeted():
+                await self.read_spend()
 
     async def stop(self) -> None:
         """The last batch, then the file closed."""

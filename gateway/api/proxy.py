@@ -49,6 +49,8 @@ from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
+from gateway.stats.spend import summary_cost
+from gateway.tenants.spend import cost_text
 from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd, Translation, WireProtocol
 from gateway.wire.usage import ask_for_usage, body_usage
 
@@ -196,6 +198,9 @@ class Proxy:
                     body = winner.translation.answer(body, int(time.time()))
                 if req.metered:
                     summary.usage = body_usage(body)
+                cost = summary_cost(summary, pool.prices)
+                if cost is not None:  # final already: every loser was closed at the commit
+                    headers["x-hedge-cost"] = cost_text(cost)
                 return Answer(
                     Response(body, media_type="application/json", headers=headers), end
                 )

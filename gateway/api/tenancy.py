@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.api.end import SUMMARY_KEY
 from gateway.api.keys import KeyRing
 from gateway.clock import Clock
-from gateway.errors import KeyRateLimited, ModelNotFound, Unauthorized
+from gateway.errors import BudgetExceeded, KeyRateLimited, ModelNotFound, Unauthorized
 from gateway.hedge.deadline import OBJECTIVE_HEADER, KeyShare, header_objective, objective
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
@@ -29,6 +29,7 @@ from gateway.stats import RequestSummary
 from gateway.tenants.headers import ratelimit_headers
 from gateway.tenants.limits import Refusal
 from gateway.tenants.registry import Tenant, Tenants
+from gateway.tenants.spend import MICRO, PeriodSpend, over_budget
 
 #: the key in a request's scope state under which a named key's tenant is kept, so that an
 #: error the route raises before admission still states the key's quotas
@@ -53,8 +54,8 @@ class TenantGate:
     (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
     seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
 
-    __slots__ = ("clock", "configured", "required", "ring", "stored", "tenants", "usage",
-                 "wall")
+    __slots__ = ("clock", "configured", "required", "ring", "sending", "spent", "stored",
+                 "tenants", "unread", "usage", "wall")
 
     def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
                  wall: Callable[[], float] = time.time, *, required: bool = False) -> None:
@@ -69,8 +70,17 @@ class TenantGate:
         self.stored: tuple[TenantKeySettings, ...] = ()
         self.tenants = Tenants(self.configured, clock())
         #: each named key's usage since the last batch went to the store: [requests, input
-        #: tokens, output tokens], one entry per key (bounded by the keys)
+        #: tokens, output tokens, spend in micro-dollars], one entry per key (bounded by the
+        #: keys)
         self.usage: dict[str, list[int]] = {}
+        #: the batch being written (`take_usage`), still counted against budgets until the
+        #: store's spend that includes it is read (`adopt_spend`)
+        self.sending: dict[str, list[int]] = {}
+        #: a key's spend of batches written whose read-back failed: still counted until a
+        #: read of the store includes them (micro-dollars per key)
+        self.unread: dict[str, int] = {}
+        #: each key's spend (today's, this month's) as the store last said it
+        self.spent: dict[str, PeriodSpend] = {}
 
     @property
     def active(self) -> bool:
@@ -103,9 +113,53 @@ class TenantGate:
         self.tenants = Tenants(self.configured + self.stored, self.clock(), self.tenants)
 
     def take_usage(self) -> dict[str, list[int]]:
-        """The usage counted since the last call, handed over whole (to be written)."""
+        """The usage counted since the last call, handed over whole (to be written); it
+        still counts against budgets until `adopt_spend` or `keep_unsent`."""
         usage, self.usage = self.usage, {}
+        for name, counts in self.sending.items():  # written, but never read back
+            self.unread[name] = self.unread.get(name, 0) + counts[3]
+        self.sending = usage
         return usage
+
+    def adopt_spend(self, spent: dict[str, PeriodSpend],
+                    written: dict[str, list[int]] | None = None) -> None:
+        """The store's spend per key. `written`: the batch (`take_usage`) this was read
+        after, which is in it now and no longer counted apart; a read that is not after a
+        batch of its own (a poll) leaves a batch being written counted, twice at worst for
+        a moment, never missed."""
+        self.spent = spent
+        self.unread = {}  # written before this read began: in it
+        if written is not None and self.sending is written:
+            self.sending = {}
+
+    def keep_unsent(self) -> None:
+        """The batch could not be written: back into the next one."""
+        for name, counts in self.sending.items():
+            kept = self.usage.get(name)
+            if kept is None:
+                self.usage[name] = counts
+            else:
+                for index, count in enumerate(counts):
+                    kept[index] += count
+        self.sending = {}
+
+    def budgeted(self) -> bool:
+        """Whether any key in force has a budget (its spend is then read at every poll)."""
+        return any(t.settings.budget.usd is not None for t in self.tenants.by_digest.values())
+
+    def check_budget(self, tenant: Tenant) -> None:
+        """`BudgetExceeded` for a key that has spent its budget of the period: the store's
+        figure plus this process's unwritten spend (other processes' unwritten spend, at
+        most one batch each, is the overshoot: docs/tenants.md)."""
+        budget = tenant.settings.budget
+        if budget.usd is None:
+            return
+        name = tenant.name
+        unsent = self.unread.get(name, 0) + sum(
+            counts[3] for counts in (self.usage.get(name), self.sending.get(name))
+            if counts is not None)
+        if over_budget(budget.usd, budget.period, self.spent.get(name, (0, 0)), unsent):
+            raise BudgetExceeded(name, budget.usd, budget.period)
 
     def identify(self, request: Request, *, x_api_key: bool = False) -> Tenant | None:
         """The named key the request presents, None for a key of `server.api_keys` (or when
@@ -134,6 +188,7 @@ class TenantGate:
         limits = tenant.limits
         estimated = estimate_tokens(body_bytes)
         headers: list[tuple[bytes, bytes]] | None = None
+        self.check_budget(tenant)  # before the limits: a refused request takes nothing
         if limits is not None:
             verdict = limits.admit(self.clock(), estimated)
             if isinstance(verdict, Refusal):
@@ -155,11 +210,14 @@ class TenantGate:
             usage = summary.usage if isinstance(summary, RequestSummary) else None
             counts = self.usage.get(tenant.name)
             if counts is None:
-                counts = self.usage[tenant.name] = [0, 0, 0]
+                counts = self.usage[tenant.name] = [0, 0, 0, 0]
             counts[0] += 1
             if usage is not None:
                 counts[1] += usage.input
                 counts[2] += usage.output
+            cost = summary.cost if isinstance(summary, RequestSummary) else None
+            if cost is not None:
+                counts[3] += round(cost * MICRO)
             if limits is not None:
                 limits.settle(self.clock(), estimated, None if usage is None else usage.input,
                               None if usage is None else usage.output)

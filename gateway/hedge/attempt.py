@@ -62,6 +62,10 @@ class AttemptRecord:
     probe: bool = False
     #: its stream ended normally without a token: a complete (perhaps empty) answer
     empty: bool = False
+    #: output tokens a loser that held a token had sent when it was closed: its upstream's
+    #: count when what it sent reported one, else one per event it sent (an estimate); None
+    #: for an attempt closed before its first token (`gateway.hedge.losers`)
+    output_sent: int | None = None
     #: a hedge sent early for the request's TTFT objective (`gateway.hedge.deadline`)
     deadline: bool = False
 

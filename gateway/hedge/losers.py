@@ -5,7 +5,8 @@ closes its upstream, shielded from the cancellation: `gateway.hedge.attempt.clos
 one that already holds a token, which `Task.cancel()` cannot reach, has its `Prefix` closed in
 a task of its own. Either way the loser is kept here, so the request's end can wait for every
 upstream to be closed (bounded by `REAP_TIMEOUT`) and nothing is left running after it. Each
-loser's record gets `close_s`, how long its close took, for the stats.
+loser's record gets `close_s`, how long its close took, for the stats, and a loser that held a
+token its `output_sent`, what it had sent (its spend counts it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from gateway.clock import Clock
 from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.wire.sse import SSEEvent
+from gateway.wire.usage import read_usage
 
 #: how long the race waits for cancelled attempts to finish closing before it gives up on them
 REAP_TIMEOUT = 5.0
@@ -30,6 +33,20 @@ def _close_timer(
         record.close_s = max(0.0, clock() - cancelled_at)
 
     return done
+
+
+def output_sent(buffered: list[SSEEvent]) -> int:
+    """The output tokens of what a loser had read when it was closed: the largest count a
+    usage object among its events reported (a whole non-streamed answer, Anthropic's
+    `message_start`), else one per event. Runs once per loser that held a token, never on
+    the winner's path."""
+    reported = 0
+    for event in buffered:
+        if event.data.find(b'"usage"') >= 0:
+            found = read_usage(event.data)
+            if found is not None:
+                reported = max(reported, found[0].output)
+    return reported or len(buffered)
 
 
 class Losers:
@@ -50,6 +67,7 @@ class Losers:
 
     def close_prefix(self, task: asyncio.Task[Prefix], record: AttemptRecord, at: float) -> None:
         """Close an attempt that holds a token (or an empty answer), in a task of its own."""
+        record.output_sent = output_sent(task.result().buffered)
         closer = asyncio.ensure_future(task.result().aclose())
         closer.add_done_callback(_close_timer(record, self._clock, at))
         self._closing.append(closer)

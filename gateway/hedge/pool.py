@@ -22,6 +22,7 @@ from gateway.hedge.gaps import GapSketch
 from gateway.hedge.prefill import ConversationMemory, estimate_tokens, new_tokens
 from gateway.hedge.sizing import ColdRule, DelayReader, RequestSize, SizedDelays
 from gateway.settings import PoolSettings
+from gateway.settings.model import PriceSettings
 from gateway.wire.base import Translations
 from gateway.wire.paths import endpoints_of
 from providers.base import ENDPOINTS, Endpoint, Provider
@@ -78,6 +79,9 @@ class PoolRuntime:
     #: per backend: its streams' longest gaps between tokens (the stall delay); a backend
     #: gets its sketch with its first stream that ends
     gaps: dict[str, GapSketch] = field(default_factory=dict)
+    #: backend -> its price, for the backends that have one (built once per configuration;
+    #: empty: the pool's requests are not priced)
+    prices: Mapping[str, PriceSettings] = field(default_factory=dict)
     #: per backend: the routes it serves, its provider's narrowed by its `apis` (read by
     #: `serves_of`; a backend missing here serves its provider's)
     serves: Mapping[str, frozenset[str]] = field(default_factory=dict)
@@ -127,6 +131,9 @@ class PoolRuntime:
             rng=rng,
             models=_models(settings),
             models_json=_models_json(settings),
+            prices=_prices(settings),
+
+
             serves=_serves(settings, providers),
             translations=translations or {},
         )
@@ -179,6 +186,9 @@ class PoolRuntime:
             rng=self.rng,
             models=_models(settings),
             models_json=_models_json(settings),
+            prices=_prices(settings),
+
+
             serves=_serves(settings, providers),
             translations=self.translations,
         )
@@ -232,6 +242,11 @@ class PoolRuntime:
                 delay.refresh(now)
         for classes in self.classes.values():
             classes.refresh(now, win_rate, recorded)
+
+
+def _prices(settings: PoolSettings) -> dict[str, PriceSettings]:
+    """Backend -> its price, for the priced backends, built once per configuration."""
+    return {b.name: b.price for b in settings.backends if b.price is not None}
 
 
 def _serves(settings: PoolSettings, providers: Mapping[str, Provider]

@@ -57,7 +57,7 @@ from gateway.settings.tenants import TenantKeySettings
 
 __all__ = ["MIN_SECRET_CHARS", "ConfigError", "check_config", "default_settings",
            "describe_pools", "load_settings", "parse_settings", "unenforced_keys",
-           "weak_secrets"]
+           "unpriced_budgets", "weak_secrets"]
 
 C = TypeVar("C", bound=Checked)
 
@@ -334,12 +334,24 @@ def weak_secrets(server: ServerSettings) -> list[str]:
 
 
 def unenforced_keys(keys: Sequence[TenantKeySettings]) -> list[str]:
-    """A warning per named key that sets a rule this version does not enforce yet (a spend
-    budget): accepted, so a file can be written ahead, but never silently taken for in
-    force."""
+    """A warning per named key that sets a rule this version does not enforce yet: none
+    today (pools, limits, budget, ttft_objective and hedging are all enforced); kept so that a
+    rule accepted ahead of its enforcement is never silently taken for in force."""
     return [f"keys[{index}] ({key.name}): {', '.join(found)} not enforced yet by this "
-            "version; pools, limits, ttft_objective and hedging are"
+            "version; pools, limits, budget, ttft_objective and hedging are"
             for index, key in enumerate(keys) if (found := key.unenforced())]
+
+
+def unpriced_budgets(settings: Settings) -> list[str]:
+    """A warning per named key with a budget that none of its pools' backends has a price
+    for: its requests would cost nothing, so the budget could never be reached."""
+    priced = {pool.name for pool in settings.pools
+              if any(backend.price is not None for backend in pool.backends)}
+    return [f"keys[{index}] ({key.name}): budget set, but no backend of its pools has a "
+            "price: its requests cost nothing and the budget is never reached"
+            for index, key in enumerate(settings.keys)
+            if key.budget.usd is not None
+            and not (priced & set(key.pools or (pool.name for pool in settings.pools)))]
 
 
 def check_config(
@@ -363,6 +375,7 @@ def check_config(
     print(f"{path}: OK", file=out)
     for line in describe_pools(settings):
         print(f"  {line}", file=out)
-    for line in weak_secrets(settings.server) + unenforced_keys(settings.keys):
+    for line in (weak_secrets(settings.server) + unenforced_keys(settings.keys)
+                 + unpriced_budgets(settings)):
         print(f"{path}: warning: {line}", file=err)
     return 0

@@ -300,6 +300,20 @@ class GoogleSettings(Checked):
             yield f"{at('credentials_file')}: no such file"
 
 
+@dataclass(frozen=True, slots=True)
+class PriceSettings(Checked):
+    """What a backend charges, in US dollars per million tokens: the spend of each request
+    (its losing attempts included) is counted from these (docs/tenants.md)."""
+
+    input: float = field(default=0.0, metadata=scalar(
+        cv.number(0), "USD per million input tokens (not read from a cache)"))
+    cached_input: float | None = field(default=None, metadata=scalar(
+        cv.optional(cv.number(0)), "USD per million input tokens read from the upstream's "
+        "prompt cache; null: the input price"))
+    output: float = field(default=0.0, metadata=scalar(
+        cv.number(0), "USD per million output tokens"))
+
+
 #: how each provider sends `api_key` unless `auth` says otherwise (bedrock signs its requests
 #: with AWS credentials, vertex sends a Google OAuth token: neither takes an api_key)
 DEFAULT_AUTH = {"openai": "bearer", "anthropic": "x-api-key", "sim": "none",
@@ -394,6 +408,9 @@ class BackendSettings(Checked):
             "llama-cpp-python's OpenAI server, which starts a new turn after a final "
             "assistant message instead of continuing it)",
             default_shown=False))
+    price: PriceSettings | None = field(default=None, metadata=section(
+        PriceSettings, "USD per million tokens (input, cached_input, output); absent: its "
+        "requests are not priced"))
 
     #: what a validator can check of `_rules` (`hedge-gateway schema` adds it to the backend)
     json_rules: ClassVar[dict[str, object]] = {

@@ -81,10 +81,12 @@ class TenantLimits(Checked):
 
 @dataclass(frozen=True, slots=True)
 class TenantBudget(Checked):
-    """A spend budget in US dollars per period (not enforced yet: see docs/tenants.md)."""
+    """A spend budget in US dollars per period: past it the key's requests are refused with
+    429 `budget_exceeded` until the period ends (docs/tenants.md)."""
 
     usd: float | None = field(default=None, metadata=scalar(
-        cv.optional(cv.number(0)), "US dollars per period; null: no budget"))
+        cv.optional(cv.number(0)), "US dollars per period, counted at the backends' prices, "
+        "losing attempts included; null: no budget"))
     period: Literal["day", "month"] = field(default="month", metadata=scalar(
         cv.choice(("day", "month")), "day or month (UTC)"))
 
@@ -117,7 +119,7 @@ class TenantKeySettings(Checked):
     limits: TenantLimits = field(default_factory=TenantLimits, metadata=section(
         TenantLimits, "requests and tokens per minute, requests in flight"))
     budget: TenantBudget = field(default_factory=TenantBudget, metadata=section(
-        TenantBudget, "a spend budget (not enforced yet)"))
+        TenantBudget, "a spend budget per day or month"))
     ttft_objective: float | None = field(default=None, metadata=scalar(
         cv.optional(cv.duration()), "a time-to-first-token objective: a primary likely to miss "
         "it is hedged earlier; null: none"))
@@ -136,8 +138,6 @@ class TenantKeySettings(Checked):
             yield f"{at('key')}: give key_sha256 or key, not both"
 
     def unenforced(self) -> list[str]:
-        """The keys set here that this version does not act on yet (warned at start)."""
-        found = []
-        if self.budget.usd is not None:
-            found.append("budget")
-        return found
+        """The keys set here that this version does not act on yet (warned at start): none
+        today; a rule accepted ahead of its enforcement is listed here."""
+        return []

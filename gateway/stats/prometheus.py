@@ -38,6 +38,8 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `tokens_total` | counter | pool, backend, type | `input`, `output`, `cached`, `cache_write` |
 | `hedge_input_tokens_total` | counter | pool | input tokens paid again by extra attempts |
 | `hedge_input_miss_tokens_total` | counter | pool | of those, cache misses where they were sent |
+| `spend_usd_total` | counter | pool | what requests cost at their prices, losers included |
+| `key_spend_usd_total` | counter | pool, key | of that, each named client key's |
 | `internal_errors_total` | counter | | exceptions of ours on the request path (answered 500) |
 | `key_objectives_total` | counter | key, result | a key's objectives `met`, `missed` |
 | `key_deadline_hedges_total` | counter | key, result | early hedges `sent`, `refused` (share) |
@@ -78,8 +80,9 @@ from prometheus_client.registry import Collector
 from gateway.errors import NoBackendAvailable
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.pool import PoolRuntime
-from gateway.stats.record import ROUTES, BucketHistogram, Stats
+from gateway.stats.record import KEY_SPEND, ROUTES, BucketHistogram, Stats
 from gateway.stats.view import live_view
+from gateway.tenants.spend import MICRO
 from gateway.wire.translate.routes import TRANSLATION_NAMES
 
 #: what a scrape reads: the counts, and each pool's live state as `view.live_view` gives it
@@ -155,6 +158,10 @@ class GatewayCollector(Collector):
         hedge_miss = _counter("hedge_input_miss_tokens",
                               "Of the hedge cost, input tokens that were cache misses where sent.",
                               ["pool"])
+        spend = _counter("spend_usd", "What requests cost at their backends' prices, losing "
+                         "attempts included (USD).", ["pool"])
+        key_spend = _counter("key_spend_usd", "Of the spend, each named client key's (USD).",
+                             ["pool", "key"])
         for pool, ps in stats.pools.items():
             c = ps.counts.lifetime
             outcomes = {"ok": c["outcome.ok"]}
@@ -180,6 +187,10 @@ class GatewayCollector(Collector):
             late.add_metric([pool], c["late_events"])
             hedge_cost.add_metric([pool], c["tokens.hedge_input"])
             hedge_miss.add_metric([pool], c["tokens.hedge_input_miss"])
+            spend.add_metric([pool], c["spend.micro_usd"] / MICRO)
+            for name, value in sorted(c.items()):
+                if name.startswith(KEY_SPEND):
+                    key_spend.add_metric([pool, name[len(KEY_SPEND):]], value / MICRO)
             for backend, bs in ps.backends.items():
                 bc = bs.counts.lifetime
                 for kind in KINDS:
@@ -222,8 +233,8 @@ class GatewayCollector(Collector):
             deadline.add_metric([key, "refused"], counts["deadline_refused"])
         yield from (requests, routes, translated, attempts, started, won, suppressed, failovers,
                     panic, affinity, skips, refused, losers, late, censored, failures, tokens,
-                    hedge_cost, hedge_miss, continued, not_continued, bugs, objectives,
-                    deadline)
+                    hedge_cost, hedge_miss, spend, key_spend, continued, not_continued, bugs,
+                    objectives, deadline)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

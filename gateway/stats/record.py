@@ -32,6 +32,7 @@ from gateway.hedge.budget import SuppressReason
 from gateway.hedge.latency import LifetimeSketch, WindowedSketch
 from gateway.stats.races import RecentRaces
 from gateway.stats.summary import RequestSummary
+from gateway.tenants.spend import MICRO
 from gateway.wire.base import ERROR_ENDS, StreamEnd
 from providers.base import ENDPOINTS
 
@@ -48,6 +49,9 @@ SLICES = 6
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                 5.0, 10.0, 30.0)
 CLOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+#: the counter of each named key's spend (micro-dollars, `gateway.tenants.spend.MICRO`),
+#: beside the pool's `spend.micro_usd`
+KEY_SPEND = "spend.key."
 #: ends of a relayed stream that are not errors
 CLEAN_ENDS = (None, StreamEnd.DONE)
 
@@ -323,6 +327,11 @@ class Stats:
             backend = pool.backends.get(winner.backend)
             if backend is not None:
                 backend.counts.add(tokens, now)
+        if summary.cost is not None:  # counted in micro-dollars: the counters are integers
+            micro = round(summary.cost * MICRO)
+            pc["spend.micro_usd"] += micro
+            if summary.key is not None:  # a named key: names are bounded by the keys
+                pc[f"{KEY_SPEND}{summary.key}"] += micro
         pool.counts.add(pc, now)
 
     def _record_continuations(self, pool: PoolStats, counts: ContinuationCounts,

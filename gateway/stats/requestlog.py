@@ -30,7 +30,9 @@ The line of a request that reached a pool goes on with: `pool`, `endpoint`, `str
 `winner` (backend or null), `winner_kind`, `hedges` / `failovers` (extra attempts started),
 `suppressed` (reasons, in order), `ttft_ms` (client-observed, null without a token),
 `total_ms`, `usage` ({`input`, `output`} tokens of the winner, or null),
-`hedge_input_tokens` (input tokens paid again by extra attempts),
+`hedge_input_tokens` (input tokens paid again by extra attempts), `cost_usd` (what the
+request cost at its backends' prices, its losing attempts included; null when none of them is
+priced: docs/tenants.md),
 `continuations` (null when the stream had none: else, by backend, `started`, `won`,
 `breaks_continued`, `breaks_ended`, `stalls`, `refused` by reason, and `input_tokens`
 resent),
@@ -52,6 +54,7 @@ from gateway.hedge.attempt import AttemptRecord, ContinuationCounts
 from gateway.stats.loggable import loggable_path
 from gateway.stats.record import hedge_input_tokens, request_class
 from gateway.stats.summary import RequestSummary
+from gateway.tenants.spend import DECIMALS
 
 LOGGER_NAME = "hedge_gateway.requests"
 #: the `outcome` of a request refused before it reached a pool's race
@@ -117,6 +120,7 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
             "input": summary.usage.input, "output": summary.usage.output},
         "hedge_input_tokens": hedge_input_tokens(summary),
         "continuations": _continuations(summary.continuations),
+        "cost_usd": None if summary.cost is None else round(summary.cost, DECIMALS),
         "attempts": [_attempt(a, summary.started) for a in summary.attempts],
     }
     if summary.key is not None:  # a named client key: its name, never the key

@@ -58,6 +58,9 @@ class RequestSummary:
     size: RequestSize | None = None
     #: what its continuations did after commit (None: it could have none)
     continuations: ContinuationCounts | None = None
+    #: what the request cost in US dollars, its losing attempts included (None: not priced);
+    #: set by the request's end (`gateway.stats.spend`)
+    cost: float | None = None
     #: its answer came from a backend of another API: `client->backend` (`chat->messages`)
     translated: str | None = None
     #: its TTFT objective in seconds (None: none): met or missed, counted per key

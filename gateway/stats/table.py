@@ -140,10 +140,11 @@ def render(stats: dict[str, Any], out: TextIO) -> None:
             file=out,
         )
         tokens = pool.get("lifetime", {}).get("tokens", {})
+        spend = pool.get("lifetime", {}).get("spend", {})
         print(
             f"tokens (lifetime): input {_fmt(tokens.get('input'))}, output "
             f"{_fmt(tokens.get('output'))}, hedge cost {_fmt(tokens.get('hedge_input'))} "
-            "input tokens",
+            "input tokens" + (f"; spend {spend['usd']:.6f} USD" if spend.get("usd") else ""),
             file=out,
         )
         _table(

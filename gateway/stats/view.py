@@ -72,6 +72,8 @@ sent a request with a TTFT objective, lifetime: `objectives_met`, `objectives_mi
 | `<scope>.tokens.hedge_input_miss` | of the hedge cost, tokens that were cache misses where sent |
 | `<scope>.tokens.hedge_input_miss_share` | hedge_input_miss / hedge_input |
 | `<scope>.affinity.hit_rate` | hits / (hits + spills + misses) |
+| `<scope>.spend.usd` | what the requests cost at their backends' `price`, losers included |
+| `<scope>.spend.keys.<name>` | of that, each named client key's (`keys:`) |
 
 | field under `pools.<pool>.backends.<backend>.` | meaning |
 |---|---|
@@ -109,7 +111,8 @@ from typing import TYPE_CHECKING, Any
 from gateway.errors import NoBackendAvailable
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.prefill import class_label
-from gateway.stats.record import ROUTES
+from gateway.stats.record import KEY_SPEND, ROUTES
+from gateway.tenants.spend import MICRO
 from gateway.wire.translate.routes import TRANSLATION_NAMES
 
 if TYPE_CHECKING:
@@ -277,6 +280,11 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
             "hedge_input_miss": c["tokens.hedge_input_miss"],
             "hedge_input_miss_share": _rate(c["tokens.hedge_input_miss"],
                                             c["tokens.hedge_input"]),
+        },
+        "spend": {
+            "usd": c["spend.micro_usd"] / MICRO,
+            "keys": {k[len(KEY_SPEND):]: v / MICRO for k, v in sorted(c.items())
+                     if k.startswith(KEY_SPEND)},
         },
     }
 

@@ -14,7 +14,8 @@ import json
 from typing import TextIO
 
 from gateway.settings.fields import ConfigError
-from gateway.settings.tenants import TenantLimits, store_url
+from gateway.settings.tenants import TenantBudget, TenantLimits, store_url
+from gateway.tenants.spend import cost_text
 from gateway.tenants.store import SqliteStore, StoreError, path_of
 
 LIMIT_FLAGS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
@@ -44,7 +45,8 @@ def run(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         if ns.action == "create":
             limits = TenantLimits(**{flag: getattr(ns, flag) for flag in LIMIT_FLAGS})
-            secret, key = store.create_key(ns.name, ns.pool or (), limits)
+            budget = TenantBudget(usd=ns.budget_usd, period=ns.budget_period)
+            secret, key = store.create_key(ns.name, ns.pool or (), limits, budget=budget)
             print(json.dumps({"name": key.name, "key": secret, "pools": list(key.pools)}),
                   file=out)
             print("the key is shown this once; the store keeps only its SHA-256", file=err)
@@ -58,12 +60,14 @@ def run(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                 shown = " ".join(f"{flag}={value}" for flag, value in
                                  zip(LIMIT_FLAGS, _limits(stored.limits), strict=True)
                                  if value is not None)
+                if stored.budget.usd is not None:
+                    shown += f" budget={stored.budget.usd:g}/{stored.budget.period}"
                 print(f"{stored.name}\t{state}\tpools={pools}\t{shown}".rstrip(), file=out)
         else:
-            print("name\tday\trequests\tinput_tokens\toutput_tokens", file=out)
+            print("name\tday\trequests\tinput_tokens\toutput_tokens\tspend_usd", file=out)
             for row in store.usage(ns.name):
                 print(f"{row.name}\t{row.day}\t{row.requests}\t{row.input_tokens}\t"
-                      f"{row.output_tokens}", file=out)
+                      f"{row.output_tokens}\t{cost_text(row.spend_usd)}", file=out)
     except (StoreError, ConfigError) as exc:
         print(f"hedge-gateway keys {ns.action}: {exc}", file=err)
         return 1

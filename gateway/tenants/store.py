@@ -26,11 +26,12 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.settings.fields import ConfigError
-from gateway.settings.tenants import TenantKeySettings, TenantLimits
+from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
+from gateway.tenants.spend import MICRO
 
 #: seconds a writer waits for another's transaction before it gives up
 BUSY_TIMEOUT = 5.0
@@ -42,10 +43,11 @@ KEY_PREFIX = "hg-"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
     name TEXT PRIMARY KEY, key_sha256 TEXT NOT NULL UNIQUE, pools TEXT NOT NULL,
-    limits TEXT NOT NULL, created REAL NOT NULL, revoked REAL);
+    limits TEXT NOT NULL, created REAL NOT NULL, revoked REAL, budget TEXT);
 CREATE TABLE IF NOT EXISTS usage (
     name TEXT NOT NULL, day TEXT NOT NULL, requests INTEGER NOT NULL,
-    input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, PRIMARY KEY (name, day));
+    input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL,
+    spend_micro_usd INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (name, day));
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_version', 0);
 """
@@ -66,6 +68,23 @@ def path_of(url: str | None) -> str:
     return default_path() if url is None else url[len("sqlite:///"):]
 
 
+def _add_spend_column(db: sqlite3.Connection) -> None:
+    """A file made by a version without spend gets its columns: each day's spend (0 for the
+    days before) and each key's budget (none for the keys made before)."""
+    added = (("usage", "spend_micro_usd", "INTEGER NOT NULL DEFAULT 0"),
+             ("keys", "budget", "TEXT"))
+    for table, column, kind in added:
+        columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if column not in columns:
+            with contextlib.suppress(sqlite3.OperationalError):  # another process added it
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+
+
+def _budget(text: str | None) -> TenantBudget:
+    """A key's budget as stored (JSON; NULL for a key made before budgets: none)."""
+    return TenantBudget() if text is None else TenantBudget(**json.loads(text))
+
+
 @dataclass(frozen=True, slots=True)
 class StoredKey:
     """A key made at run time, as listed (never its secret or digest)."""
@@ -75,6 +94,7 @@ class StoredKey:
     limits: TenantLimits
     created: float
     revoked: float | None
+    budget: TenantBudget = field(default_factory=TenantBudget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +106,13 @@ class UsageRow:
     requests: int
     input_tokens: int
     output_tokens: int
+    #: what its requests cost, losing attempts included, in millionths of a US dollar (whole
+    #: numbers add up exactly across batches and processes)
+    spend_micro_usd: int = 0
+
+    @property
+    def spend_usd(self) -> float:
+        return self.spend_micro_usd / MICRO
 
 
 class StoreError(Exception):
@@ -107,6 +134,7 @@ class SqliteStore:
         with self._locked() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(_SCHEMA)
+            _add_spend_column(db)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[sqlite3.Connection]:
@@ -120,24 +148,26 @@ class SqliteStore:
     # --- keys -----------------------------------------------------------------------------
 
     def create_key(self, name: str, pools: Sequence[str] = (),
-                   limits: TenantLimits | None = None, *, now: float | None = None
-                   ) -> tuple[str, TenantKeySettings]:
+                   limits: TenantLimits | None = None, *, now: float | None = None,
+                   budget: TenantBudget | None = None) -> tuple[str, TenantKeySettings]:
         """A new key `name`: its secret (returned once, never stored) and its settings.
         `StoreError` when the name is taken or invalid."""
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()
         try:
             key = TenantKeySettings(name=name, key_sha256=digest, pools=tuple(pools),
-                                    limits=limits or TenantLimits())
+                                    limits=limits or TenantLimits(),
+                                    budget=budget or TenantBudget())
         except ConfigError as exc:
             raise StoreError("; ".join(exc.errors)) from None
         with self._locked() as db:
             try:
                 db.execute("BEGIN IMMEDIATE")
-                db.execute("INSERT INTO keys (name, key_sha256, pools, limits, created) "
-                           "VALUES (?, ?, ?, ?, ?)",
+                db.execute("INSERT INTO keys (name, key_sha256, pools, limits, created, "
+                           "budget) VALUES (?, ?, ?, ?, ?, ?)",
                            (key.name, digest, json.dumps(list(key.pools)),
-                            json.dumps(asdict(key.limits)), time.time() if now is None else now))
+                            json.dumps(asdict(key.limits)), time.time() if now is None else now,
+                            json.dumps(asdict(key.budget))))
                 db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
                 db.execute("COMMIT")
             except sqlite3.IntegrityError:
@@ -168,41 +198,45 @@ class SqliteStore:
         that do not make a valid key (written by hand, or by another version): skipped, so one
         bad row never keeps the others, or a revocation, from taking effect."""
         with self._locked() as db:
-            rows = db.execute("SELECT name, key_sha256, pools, limits FROM keys WHERE revoked "
-                              "IS NULL ORDER BY name").fetchall()
+            rows = db.execute("SELECT name, key_sha256, pools, limits, budget FROM keys WHERE "
+                              "revoked IS NULL ORDER BY name").fetchall()
         keys, bad = [], []
-        for name, digest, pools, limits in rows:
+        for name, digest, pools, limits, budget in rows:
             try:
                 keys.append(TenantKeySettings(name=name, key_sha256=digest,
                                               pools=tuple(json.loads(pools)),
-                                              limits=TenantLimits(**json.loads(limits))))
+                                              limits=TenantLimits(**json.loads(limits)),
+                                              budget=_budget(budget)))
             except (ConfigError, ValueError, TypeError):
                 bad.append(str(name))
         return keys, bad
 
     def list_keys(self) -> list[StoredKey]:
         with self._locked() as db:
-            rows = db.execute("SELECT name, pools, limits, created, revoked FROM keys "
+            rows = db.execute("SELECT name, pools, limits, created, revoked, budget FROM keys "
                               "ORDER BY name").fetchall()
         return [StoredKey(name, tuple(json.loads(pools)), TenantLimits(**json.loads(limits)),
-                          created, revoked) for name, pools, limits, created, revoked in rows]
+                          created, revoked, _budget(budget))
+                for name, pools, limits, created, revoked, budget in rows]
 
     # --- usage ----------------------------------------------------------------------------
 
     def add_usage(self, rows: Iterable[UsageRow]) -> None:
         """Add one batch of usage (one transaction: all of it or none)."""
-        batch = [(r.name, r.day, r.requests, r.input_tokens, r.output_tokens) for r in rows]
+        batch = [(r.name, r.day, r.requests, r.input_tokens, r.output_tokens,
+                  r.spend_micro_usd) for r in rows]
         if not batch:
             return
         with self._locked() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.executemany(
-                    "INSERT INTO usage (name, day, requests, input_tokens, output_tokens) "
-                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (name, day) DO UPDATE SET "
-                    "requests = requests + excluded.requests, "
+                    "INSERT INTO usage (name, day, requests, input_tokens, output_tokens, "
+                    "spend_micro_usd) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (name, day) DO "
+                    "UPDATE SET requests = requests + excluded.requests, "
                     "input_tokens = input_tokens + excluded.input_tokens, "
-                    "output_tokens = output_tokens + excluded.output_tokens", batch)
+                    "output_tokens = output_tokens + excluded.output_tokens, "
+                    "spend_micro_usd = spend_micro_usd + excluded.spend_micro_usd", batch)
             except sqlite3.Error:
                 db.execute("ROLLBACK")
                 raise
@@ -210,7 +244,8 @@ class SqliteStore:
 
     def usage(self, name: str | None = None) -> list[UsageRow]:
         """Usage per key and day, newest day first; one key's with `name`."""
-        query = "SELECT name, day, requests, input_tokens, output_tokens FROM usage"
+        query = ("SELECT name, day, requests, input_tokens, output_tokens, spend_micro_usd "
+                 "FROM usage")
         args: tuple[Any, ...] = ()
         if name is not None:
             query += " WHERE name = ?"
@@ -218,3 +253,11 @@ class SqliteStore:
         with self._locked() as db:
             rows = db.execute(query + " ORDER BY day DESC, name", args).fetchall()
         return [UsageRow(*row) for row in rows]
+
+    def spend_since(self, first_day: str) -> list[tuple[str, str, int]]:
+        """(name, day, spend in micro-dollars) of every key from `first_day` (ISO) on: what
+        the budgets of a day or a month are held to (`gateway.tenants.budget`)."""
+        with self._locked() as db:
+            rows = db.execute("SELECT name, day, spend_micro_usd FROM usage WHERE day >= ? "
+                              "AND spend_micro_usd > 0", (first_day,)).fetchall()
+        return [(str(name), str(day), int(spent)) for name, day, spent in rows]

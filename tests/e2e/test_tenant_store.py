@@ -121,17 +121,19 @@ pools:
     hedging: {{enabled: false}}
     backends:
       - {{name: s, provider: sim, sim: {{ttft_median: 0, straggler_probability: 0, tokens: 4,
-          inter_token: 0}}}}
+          inter_token: 0}}, price: {{input: 0, output: 1000000}}}}
 """
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`hedge-gateway serve` on the test's config and store, in a process group of its own;
-    SIGTERM at the end, SIGKILL for whatever is left."""
+def serving(tmp_path: Path, *extra: str, config_text: str = CONFIG
+            ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`hedge-gateway serve` on the test's config (`config_text`, formatted with `port` and
+    `store`) and store, in a process group of its own; SIGTERM at the end, SIGKILL for
+    whatever is left."""
     port = free_port()
     config = tmp_path / "gateway.yaml"
-    config.write_text(CONFIG.format(port=port, store=tmp_path / "tenants.sqlite"))
+    config.write_text(config_text.format(port=port, store=tmp_path / "tenants.sqlite"))
     log = tmp_path / f"serve-{port}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([*command(), "serve", "--config", str(config), *extra],
@@ -183,8 +185,9 @@ def test_a_restart_keeps_the_keys_made_at_run_time_and_loses_no_usage(tmp_path: 
     usage = keys_command(tmp_path, "usage", "team-a")
     assert usage.returncode == 0, usage.stderr
     (row,) = usage.stdout.splitlines()[1:]
-    name, _day, requests, _input, output = row.split("\t")
+    name, _day, requests, _input, output, spend = row.split("\t")
     assert (name, requests, output) == ("team-a", "6", str(6 * 4))
+    assert spend == f"{6 * 4:.6f}"  # a dollar per output token: spend outlives a restart too
     assert secret not in usage.stdout + keys_command(tmp_path, "list").stdout
 
 

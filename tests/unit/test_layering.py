@@ -53,6 +53,7 @@ PURE = (
     "gateway.tenants.limits",
     "gateway.tenants.headers",
     "gateway.tenants.registry",
+    "gateway.tenants.spend",
     "providers.sim.cache",
     "providers.sim.prompt",
     "providers.sim.schema",

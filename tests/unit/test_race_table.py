@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 import pytest
 
-from gateway.hedge.attempt import CANCELLED_AFTER_TOKEN
+from gateway.hedge.attempt import CANCELLED_AFTER_TOKEN, CANCELLED_BEFORE_TOKEN
 from gateway.settings import BudgetSettings
 from tests.harness.raceworld import HANG, STREAM_FOR, Seen, Setup, Step, World, play
 from tests.harness.virtualtime import run_virtual
@@ -188,6 +188,10 @@ def check_invariants(seen: Seen) -> None:
             assert world.closed[i] <= seen.decided_at, f"attempt {i} closed late"
         if record.outcome in ("lost", "cancelled"):
             assert record.close_s is not None, f"attempt {i}: close time not recorded"
+        if record.reason == CANCELLED_AFTER_TOKEN:  # its spend counts what it had sent
+            assert record.output_sent, f"attempt {i}: its output until closed not recorded"
+        elif record.reason == CANCELLED_BEFORE_TOKEN:
+            assert record.output_sent is None, f"attempt {i}: sent nothing, charged output"
     budget = seen.budget
     assert budget.spent == budget.released and budget.extra_in_flight == 0
     hedges = sum(a.kind == "hedge" for a in race.attempts)

@@ -15,6 +15,8 @@ import pytest
 from gateway.api.keys import KeyRing
 from gateway.api.keystore import TenantSync
 from gateway.api.tenancy import TenantGate
+from gateway.errors import BudgetExceeded
+from gateway.settings.tenants import TenantBudget, TenantKeySettings
 from gateway.tenants.store import UsageRow
 
 
@@ -81,3 +83,67 @@ def test_a_row_that_no_longer_validates_is_skipped_and_the_sync_goes_on(
 
     asyncio.run(scenario())
     assert any("'bad'" in r.getMessage() for r in caplog.records)
+
+
+def test_processes_share_a_keys_spend_through_the_stores_batches(tmp_path: Path) -> None:
+    """Two processes (two gates, two syncs) on one file, one key with a budget of 5 USD a
+    day. What one process spent counts at the other once its batch is written and read
+    back: until then only its own unwritten spend counts (the documented overshoot)."""
+    key = TenantKeySettings("team-a", key="team-a-secret", budget=TenantBudget(5.0, "day"))
+    one, two = (TenantGate(KeyRing(), (key,), clock=lambda: 0.0, wall=lambda: 86_400.0)
+                for _ in range(2))
+    url = f"sqlite:///{tmp_path}/t.sqlite"
+    (tenant,) = one.tenants.by_digest.values()
+    (tenant_two,) = two.tenants.by_digest.values()
+
+    async def scenario() -> None:
+        first, second = TenantSync(one, url), TenantSync(two, url)
+        await first.start()
+        await second.start()
+        one.usage["team-a"] = [1, 10, 10, 3_000_000]  # 3 USD spent in process one
+        two.usage["team-a"] = [1, 10, 10, 2_500_000]  # 2.50 USD in process two
+        one.check_budget(tenant)  # each alone is under 5 USD
+        two.check_budget(tenant_two)
+        await first.flush()  # process one's batch written, the store read back
+        await second.read_spend()
+        with pytest.raises(BudgetExceeded):  # two: its own 2.50 + the store's 3
+            two.check_budget(tenant_two)
+        one.check_budget(tenant)  # one has not seen two's unwritten 2.50 yet
+        await second.flush()
+        await first.read_spend()
+        with pytest.raises(BudgetExceeded):
+            one.check_budget(tenant)
+        assert [row.spend_usd for row in first.store.usage("team-a")] == [5.5]  # type: ignore[union-attr]
+        await first.stop()
+        await second.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_written_but_not_read_back_still_counts_against_the_budget(
+    tmp_path: Path
+) -> None:
+    """The batch is written, the read of the spend fails, the next batch is taken: the
+    written one still counts until a read includes it."""
+    key = TenantKeySettings("team-a", key="team-a-secret", budget=TenantBudget(5.0, "day"))
+    the_gate = TenantGate(KeyRing(), (key,), clock=lambda: 0.0, wall=lambda: 86_400.0)
+    (tenant,) = the_gate.tenants.by_digest.values()
+
+    async def scenario() -> None:
+        sync = TenantSync(the_gate, f"sqlite:///{tmp_path}/t.sqlite")
+        await sync.start()
+        assert sync.store is not None
+        real_read = sync.store.spend_since
+        sync.store.spend_since = fail  # type: ignore[method-assign,assignment]
+        the_gate.usage["team-a"] = [1, 10, 10, 6_000_000]
+        await sync.flush()  # written; its read-back failed
+        await sync.flush()  # the next (empty) batch taken
+        with pytest.raises(BudgetExceeded):
+            the_gate.check_budget(tenant)
+        sync.store.spend_since = real_read  # type: ignore[method-assign]
+        await sync.read_spend()  # the store's figure now holds it, once
+        assert the_gate.spent == {"team-a": (6_000_000, 6_000_000)}
+        assert the_gate.unread == {} and the_gate.sending == {}
+        await sync.stop()
+
+    asyncio.run(scenario())

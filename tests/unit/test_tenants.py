@@ -219,6 +219,5 @@ def test_rules_not_enforced_yet_are_warned_about_never_taken_silently() -> None:
     keys = (key_settings(budget=TenantBudget(usd=5.0), ttft_objective=0.8), key_settings(
         name="plain", key="other-secret", hedging=TenantHedging(enabled=False)),
         key_settings(name="ratio", key="third-secret", hedging=TenantHedging(ratio=0.2)))
-    assert unenforced_keys(keys) == [
-        "keys[0] (team-a): budget not enforced yet by this version; pools, limits, "
-        "ttft_objective and hedging are"]
+    # budget, ttft_objective and hedging.ratio are all enforced now: none is warned about
+    assert unenforced_keys(keys) == []
