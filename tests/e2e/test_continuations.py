@@ -371,26 +371,34 @@ TEAM = "team-c-key-0123456789abcdefghijklmnop"
 ADMIN_KEY = "admin-key-0123456789abcdefghijklmnopqrstu"
 
 
+CUT_AT_TEN = [
+    pytest.param({"x-sim-break-at": "10", "x-sim-break": "reset"}, id="break"),
+    pytest.param({"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"}, id="stall"),
+]
+
+
+@pytest.mark.parametrize("faults", CUT_AT_TEN)
 def test_a_continued_answer_costs_both_backends_and_counts_once_for_its_key(
         asgi_server: AsgiServerFactory, caplog: pytest.LogCaptureFixture,
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A priced pool whose first backend breaks after 10 of 30 tokens; the other continues.
-    The request's cost is the broken stream's input and its 10 tokens at its backend's
-    price, plus the continuation's input (the request and the 10 tokens it resent) and its
-    20 tokens at the other's: in the log line, /hedge/stats (pool and key), /metrics and the
-    store. The key's usage counts one request and the 30 tokens the client read, once; its
-    limits (one request in flight, two a minute) see one request: the next one is let in."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, faults: dict[str, str]) -> None:
+    """A priced pool whose first backend breaks (or stalls: the continuation wins the
+    race) after 10 of 30 tokens; the other continues. The request's cost is the first
+    stream's input and its 10 tokens at its backend's price, plus the continuation's input
+    (the request and the 10 tokens it resent) and its 20 tokens at the other's: in the log
+    line, /hedge/stats (pool and key), /metrics and the store. The key's usage counts one
+    request and the 30 tokens the client read, once; its limits (one request in flight, two
+    a minute) see one request: the next one is let in."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     usage_profile = dataclasses.replace(PROFILE, usage=True)
-    faults = {"x-sim-break-at": "10", "x-sim-break": "reset"}
     sims = [asgi_server(with_request_headers(create_sim_app(usage_profile, seed=i), faults))
             for i in range(2)]
     backends = tuple(BackendSettings(name=f"o{i}", provider="openai", base_url=sim.v1,
                                      model="m", group=f"g{i}", continuation="prefill",
                                      price=PRICES[i]) for i, sim in enumerate(sims))
     pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, translate=False,
-                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0)))
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0),
+                                                stall=StallSettings(min=0.2, max=1.0)))
     key = TenantKeySettings("team-c", key=TEAM, limits=TenantLimits(
         requests_per_minute=2, in_flight=1))
     settings = Settings(pools=(pool,), keys=(key,),
@@ -411,7 +419,8 @@ def test_a_continued_answer_costs_both_backends_and_counts_once_for_its_key(
     assert wait_for(lambda: line() is not None)
     logged = line()
     assert logged is not None
-    (broke,) = logged["continuations"]["breaks_continued"]
+    (broke,) = logged["continuations"]["breaks_continued" if "x-sim-break" in faults
+                                        else "stalls"]
     (took,) = logged["continuations"]["won"]
     first, second = PRICES[int(broke[1])], PRICES[int(took[1])]
     relayed, sent = 10, usage.prompt_tokens
