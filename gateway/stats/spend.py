@@ -89,9 +89,9 @@ def _cached(sent: int, summary: RequestSummary, backend: str) -> int:
 
 def summary_cost(summary: RequestSummary,
                  prices: Mapping[str, PriceSettings]) -> float | None:
-    """What `summary`'s request cost in US dollars, its losers included; None when no
-    backend it was charged on has a price (or no price is configured at all), and for a read
-    of stored state, which generates nothing (`RequestSummary.metered`)."""
+    """What `summary`'s request cost in US dollars, its losers and continuations included;
+    None when no backend it was charged on has a price (or no price is configured at all),
+    and for a read of stored state, which generates nothing (`RequestSummary.metered`)."""
     if not prices or not summary.metered:
         return None
     return request_cost(charges(summary), prices)
