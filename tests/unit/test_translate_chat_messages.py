@@ -392,6 +392,16 @@ def test_the_forced_json_tool_comes_back_as_text() -> None:
     assert message == {"role": "assistant", "content": '{"a":1}'}
 
 
+def test_a_json_answer_finishes_stop_not_tool_calls() -> None:
+    """The forced JSON tool is the client's text, not a call: a `tool_calls` finish with no
+    call returned would send an SDK's tool loop looking for one."""
+    body = {"id": "m", "model": "c", "stop_reason": "tool_use", "content": [
+        {"type": "tool_use", "id": "t", "name": JSON_TOOL, "input": {"a": 1}}]}
+    assert messages_answer_to_chat(body, 0)["choices"][0]["finish_reason"] == "stop"
+    real = {**body, "content": [{"type": "tool_use", "id": "u", "name": "f", "input": {}}]}
+    assert messages_answer_to_chat(real, 0)["choices"][0]["finish_reason"] == "tool_calls"
+
+
 @pytest.mark.parametrize(("chat", "messages"), [
     ({"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105,
       "prompt_tokens_details": {"cached_tokens": 60}},
@@ -495,6 +505,22 @@ def test_a_messages_stream_becomes_chat_chunks_with_usage_and_done() -> None:
                                "total_tokens": 22,
                                "prompt_tokens_details": {"cached_tokens": 10}}
     assert machine.usage is not None and machine.usage.cached == 10
+
+
+def test_a_streamed_json_answer_finishes_stop_not_tool_calls() -> None:
+    raw = (b'data: {"type":"message_start","message":{"id":"m","model":"c"}}\n\n'
+           b'data: {"type":"content_block_start","index":0,"content_block":{"type":'
+           b'"tool_use","id":"t","name":"' + JSON_TOOL.encode() + b'","input":{}}}\n\n'
+           b'data: {"type":"content_block_delta","index":0,"delta":{"type":'
+           b'"input_json_delta","partial_json":"{\\"a\\":1}"}}\n\n'
+           b'data: {"type":"message_delta","delta":{"stop_reason":"tool_use"},'
+           b'"usage":{"output_tokens":4}}\n\n'
+           b'data: {"type":"message_stop"}\n\n')
+    answer, done = chat_stream_to_answer(_translate(MessagesToChat(created=0,
+                                                                   include_usage=False), raw))
+    assert done and answer["choices"][0]["message"]["content"] == '{"a":1}'
+    assert "tool_calls" not in answer["choices"][0]["message"]
+    assert answer["choices"][0]["finish_reason"] == "stop"
 
 
 def test_an_error_event_in_either_stream_ends_it_in_the_other_shape() -> None:
