@@ -254,6 +254,22 @@ def test_chat_fields_at_their_default_or_that_only_tune_are_dropped() -> None:
     assert set(out) == {"model", "messages", "max_tokens"}
 
 
+@pytest.mark.parametrize("field", ["min_p", "repetition_penalty", "guided_json", "top_a"])
+def test_chat_fields_neither_carried_nor_dropped_are_refused_naming_them(field: str) -> None:
+    """A server's own sampling or guided-decoding field changes the answer: dropped on the
+    way to Messages it would change it unseen."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: 0.5}
+    with pytest.raises(Untranslatable) as caught:
+        chat_to_messages(body)
+    assert caught.value.status == 400 and caught.value.param == field
+
+
+def test_chat_top_k_is_carried_to_messages() -> None:
+    out = chat_to_messages({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "top_k": 40})
+    assert out["top_k"] == 40
+
+
 # --- requests: Messages -> Chat ---------------------------------------------------------------
 
 
@@ -323,6 +339,16 @@ def test_messages_fields_that_change_the_answer_are_refused_naming_them(
     with pytest.raises(Untranslatable) as caught:
         messages_to_chat(body)
     assert caught.value.param == field
+
+
+@pytest.mark.parametrize("field", ["min_p", "repetition_penalty", "guided_json", "betas"])
+def test_messages_fields_neither_carried_nor_dropped_are_refused_naming_them(
+        field: str) -> None:
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            field: 1}
+    with pytest.raises(Untranslatable) as caught:
+        messages_to_chat(body)
+    assert caught.value.status == 400 and caught.value.param == field
 
 
 @pytest.mark.parametrize("name", ["claude-code-2.1.332-first.json",
@@ -608,6 +634,14 @@ def test_a_responses_request_that_needs_stored_state_or_hosted_tools_is_refused(
     with pytest.raises(Untranslatable) as caught:
         responses_to_chat({"model": "m", "store": False, "input": "hi", **extra})
     assert caught.value.param == field
+
+
+@pytest.mark.parametrize("field", ["top_k", "min_p", "repetition_penalty", "guided_json"])
+def test_responses_fields_neither_carried_nor_dropped_are_refused_naming_them(
+        field: str) -> None:
+    with pytest.raises(Untranslatable) as caught:
+        responses_to_chat({"model": "m", "store": False, "input": "hi", field: 1})
+    assert caught.value.status == 400 and caught.value.param == field
 
 
 @pytest.mark.parametrize("seed", range(60))

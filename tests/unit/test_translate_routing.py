@@ -58,7 +58,8 @@ def pool_of(*, translate: bool = True, chat_apis: tuple[str, ...] | None = ("cha
 
 
 def request(endpoint: Endpoint, **body: Any) -> LogicalRequest:
-    base = {"model": "pool", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    base: dict[str, Any] = {"model": "pool"} if endpoint == "responses" else {
+        "model": "pool", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     protocol = {"messages": MESSAGES, "responses": RESPONSES}.get(endpoint, CHAT)
     return LogicalRequest("r", endpoint, {**base, **body}, False, {}, protocol)
 
@@ -103,6 +104,17 @@ def test_a_field_one_api_cannot_carry_keeps_the_request_on_its_own_api() -> None
     with pytest.raises(Untranslatable) as caught:
         routing(only_messages, request("chat/completions", n=2))
     assert caught.value.param == "n"
+
+
+def test_an_unknown_field_keeps_the_request_on_its_own_api() -> None:
+    """`min_p` (a Chat server's extension) has no place in Messages: the Chat backend alone
+    serves the request; with no Chat backend, the refusal names the field."""
+    mixed = routing(pool_of(), request("chat/completions", min_p=0.1))
+    assert mixed.excluded == {"msgs"} and not mixed.translated
+    only_messages = pool_of(providers={"chat": Serving("embeddings"), "msgs": PROVIDERS["msgs"]})
+    with pytest.raises(Untranslatable) as caught:
+        routing(only_messages, request("chat/completions", min_p=0.1))
+    assert caught.value.param == "min_p"
 
 
 def test_provider_apis_are_what_each_adapter_serves() -> None:
