@@ -26,7 +26,7 @@ Two trees, in this one file, and each class carries its facts as class attribute
     │   ├── UpstreamNotFound                  ├── AllAttemptsFailed
     │   ├── UpstreamRateLimited               ├── UpstreamPushback
     │   ├── UpstreamUnavailable               │   └── UpstreamRateLimitedEverywhere
-    │   └── UpstreamServerError               ├── NoBackendAvailable
+    │   └── UpstreamServerError               ├── NoBackendAvailable, AnswerBroken
     ├── UpstreamProtocolError                 ├── UpstreamClientError (an upstream 4xx)
     │   └── UpstreamDisconnected              │   └── ...TooLarge, Unprocessable, NotFound, Conflict
     ├── UpstreamInBandError                   ├── FirstTokenTimeout
@@ -525,6 +525,20 @@ class AllAttemptsFailed(GatewayError):
         detail = "; ".join(reasons) if reasons else "no backend available"
         super().__init__(f"all upstream attempts failed: {detail}", should_retry=False)
         self.reasons = tuple(reasons)
+
+
+class AnswerBroken(GatewayError):
+    """A non-streaming request's answer, read upstream as a stream so that it could be
+    continued, broke after its first token and no continuation completed it (502). Retryable:
+    the next attempt starts from the beginning on whichever backend answers."""
+
+    status = 502
+    type = "upstream_error"
+    code = "answer_broken"
+
+    def __init__(self, end: str) -> None:
+        super().__init__(f"the upstream answer broke after its first token ({end}) and "
+                         "could not be continued")
 
 
 class UpstreamPushback(GatewayError):

@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
 from gateway.errors import (
+    AnswerBroken,
     Draining,
     GatewayError,
     InternalError,
@@ -51,8 +52,17 @@ from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.stats.spend import summary_cost
 from gateway.tenants.spend import cost_text
-from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd, Translation, WireProtocol
+from gateway.wire.base import (
+    RelayOutcome,
+    Rewrite,
+    StreamEnd,
+    Translation,
+    WireProtocol,
+    json_bytes,
+)
+from gateway.wire.sse import SSEDecoder
 from gateway.wire.usage import ask_for_usage, body_usage
+from gateway.wire.whole import MAX_WHOLE_BYTES, streamed_body, whole_answer
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
     from gateway.stats.tracing import Tracing
@@ -151,7 +161,8 @@ class Proxy:
                                  model=req.model, key=req.key, objective=req.objective)
         state[SUMMARY_KEY] = summary  # read after the answer (`gateway.api.tenancy`)
         try:
-            race, end, strip_usage = self._prepare(request, pool, req, summary, routes, held)
+            race, end, strip_usage, whole = self._prepare(request, pool, req, summary, routes,
+                                                          held)
         except BaseException as exc:  # nothing owns the request's end yet: give back here
             pool.inflight_requests -= 1
             pool.holding -= 1
@@ -190,6 +201,8 @@ class Proxy:
             if winner.translation is not None:
                 headers["x-hedge-translated"] = summary.translated = winner.translation.name
             summary.status = 200
+            if whole:  # read upstream as a stream so that it could be continued
+                return await self._whole_answer(pool, req, result, summary, headers, end)
             if not req.stream:
                 body = winner.buffered[0].data
                 if rewrite is not None:
@@ -244,15 +257,27 @@ class Proxy:
     def _prepare(
         self, request: Request, pool: PoolRuntime, req: LogicalRequest,
         summary: RequestSummary, routes: Routing, held: int = 0,
-    ) -> tuple[Race, RequestEnd, bool]:
-        """The race of an admitted request, the owner of its end, and whether the usage the
-        gateway asked for is to be dropped from the stream."""
+    ) -> tuple[Race, RequestEnd, bool, bool]:
+        """The race of an admitted request, the owner of its end, whether the usage the
+        gateway asked for is to be dropped from the stream, and whether a non-streaming
+        request is read upstream as a stream (so that a break or a stall can be continued)
+        and answered whole."""
         plan = make_plan(pool, req, routes.excluded, summary.started)
         summary.size = plan.size
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
+        # continuations speak the client's API: never to a backend reached by translation
+        # (and a translated winner is not continued: `_streaming_response`)
+        apart = routes.excluded | frozenset(routes.translated)
+        streamed = None
+        if not req.stream and not routes.translated and may_continue(
+                pool, req.protocol.name, True, req.stateful, req.pinned, apart):
+            streamed = streamed_body(req.protocol.name, req.body)
+        if streamed is not None:
+            upstream_body, strip_usage = streamed, False
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
-        upstream = _upstream_request(req, upstream_body, routes.translated)
+        upstream = _upstream_request(req, upstream_body, routes.translated,
+                                     stream=req.stream or streamed is not None)
         runner = attempt_runner(pool, upstream, plan.options.deadline, self.clock, trace)
         race = Race(pool, runner, plan.options, self.clock)
         if plan.affinity_miss:
@@ -260,13 +285,11 @@ class Proxy:
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
                          stats=self.stats,
                          clock=self.clock, trace=trace)
-        # continuations speak the client's API: never to a backend reached by translation
-        # (and a translated winner is not continued: `_streaming_response`)
-        apart = routes.excluded | frozenset(routes.translated)
-        if may_continue(pool, req.protocol.name, req.stream, req.stateful, req.pinned, apart):
+        if streamed is not None or may_continue(pool, req.protocol.name, req.stream,
+                                                req.stateful, req.pinned, apart):
             end.continuations = Continuations(
                 pool, upstream, replace(plan.options, excluded=apart), self.clock, trace)
-        return race, end, strip_usage
+        return race, end, strip_usage, streamed is not None
 
     async def _race_or_disconnect(
         self, race: Race, receive: Receive, end: RequestEnd
@@ -317,6 +340,58 @@ class Proxy:
         summary.ended = now
         self.stats.record(summary)
         log_request(summary, self.stats.error_classes)
+
+    async def _whole_answer(
+        self, pool: PoolRuntime, req: LogicalRequest, result: RaceResult,
+        summary: RequestSummary, headers: dict[str, str], end: RequestEnd,
+    ) -> Answer:
+        """A non-streaming request whose upstream was read as a stream: relayed (a break or
+        a stall continued, as a stream's is) into memory, then answered whole in its API's
+        shape (`gateway.wire.whole`); an answer that broke and was not continued is the
+        route's 502 (`AnswerBroken`). The client leaving ends the relay (499). Bounded: by
+        the stream deadlines of the relay and by `MAX_WHOLE_BYTES`."""
+        outcome = RelayOutcome()
+        timeouts = pool.settings.timeouts
+        body = relay(
+            result.prefix, request_id=req.request_id, idle=timeouts.idle,
+            max_stream_deadline=self.clock() + timeouts.max_stream, clock=self.clock,
+            outcome=outcome, protocol=req.protocol, resume=end.continuations,
+            backend=result.winner.backend,
+        )
+        reading = asyncio.ensure_future(_read_whole(body))
+        watcher = end.watcher
+        try:
+            if watcher is not None:
+                either: set[asyncio.Future[Any]] = {reading, watcher}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            data = await reading if reading.done() or watcher is None else None
+        finally:
+            if not reading.done():
+                reading.cancel()
+                await asyncio.wait({reading})
+            aclose = getattr(body, "aclose", None)  # an async generator: closed if not yet
+            if aclose is not None:
+                await aclose()
+        summary.relay_end = outcome.end
+        summary.usage = outcome.usage
+        if data is None:  # the client went away
+            summary.error = summary.reason = "client_disconnected"
+            summary.status = 499
+            return Answer(Response(status_code=499), end)
+        answer = None if outcome.end != StreamEnd.DONE else whole_answer(
+            req.protocol.name, SSEDecoder().feed(data))
+        if answer is None:
+            exc = AnswerBroken(outcome.end.value)
+            summary.error = exc.code
+            summary.status, summary.reason = exc.status, exc.log_reason()
+            return self._error(exc, req, end)
+        if req.metered and summary.usage is None:
+            summary.usage = body_usage(json_bytes(answer))
+        cost = summary_cost(summary, pool.prices)
+        if cost is not None:
+            headers["x-hedge-cost"] = cost_text(cost)
+        return Answer(Response(json_bytes(answer), media_type="application/json",
+                               headers=headers), end)
 
     def _streaming_response(
         self,
@@ -378,11 +453,12 @@ class Proxy:
 
 
 def _upstream_request(req: LogicalRequest, body: Mapping[str, Any],
-                      translated: Translated) -> UpstreamRequest:
+                      translated: Translated, stream: bool) -> UpstreamRequest:
     """What the race's attempts send for `req`, with `body` (the client's, or a copy that
-    asks for usage), and to the backends of another API their translation of it."""
+    asks for usage or for a stream), and to the backends of another API their translation
+    of it."""
     return UpstreamRequest(
-        req.endpoint, body, req.stream, req.request_id, req.protocol, pinned=req.pinned,
+        req.endpoint, body, stream, req.request_id, req.protocol, pinned=req.pinned,
         method=req.method, path=req.path, query=req.query, forward_headers=req.forward_headers,
         translated=translated,
     )
@@ -414,6 +490,18 @@ def _being_cancelled() -> bool:
 def _saw_disconnect(task: asyncio.Future[None]) -> bool:
     """Whether the disconnect watcher saw the client leave (not merely got cancelled)."""
     return task.done() and not task.cancelled() and task.exception() is None
+
+
+async def _read_whole(body: AsyncIterator[bytes]) -> bytes:
+    """Every byte the relay yields, joined; `AnswerBroken` past `MAX_WHOLE_BYTES`."""
+    parts: list[bytes] = []
+    size = 0
+    async for part in body:
+        size += len(part)
+        if size > MAX_WHOLE_BYTES:
+            raise AnswerBroken("the answer passed its size bound")
+        parts.append(part)
+    return b"".join(parts)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -1,0 +1,121 @@
+"""A non-streaming request whose upstream breaks after its first token is continued as a
+stream is, and the client gets one whole answer. Real sockets: loopback simulators that break
+every fresh stream at token 10 (and continue a final assistant message honestly), the gateway
+under uvicorn, the official SDKs as clients, non-streaming. Each test ends with the automatic
+leak check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from gateway.settings import StallSettings
+from tests.e2e.test_continuations import (
+    KINDS,
+    POOL,
+    QUESTION,
+    TOKENS,
+    WHOLE,
+    gateway,
+    stats,
+)
+from tests.harness import AsgiServerFactory
+from tests.harness.limits_kit import wait_for
+
+#: a header the simulators ignore: no fault at all
+NO_FAULT = {"x-sim-none": "1"}
+
+
+def continued(gw: Any) -> dict[str, Any]:
+    """The pool's continuation counters once the request's end has run."""
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted: dict[str, Any] = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    return counted
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_whole_chat_answer_broken_after_ten_tokens_is_continued(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """One chat.completion: the first ten tokens from the backend that broke, then the
+    continuation's, one id, one finish reason, the whole answer's usage; the break was
+    continued (not failed over from the start)."""
+    _, gw = gateway(asgi_server, kind)
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        answer = client.chat.completions.with_raw_response.create(model=POOL,
+                                                                  messages=QUESTION)
+    completion = answer.parse()
+    assert completion.object == "chat.completion" and completion.model == "m"
+    (choice,) = completion.choices
+    assert choice.message.role == "assistant" and choice.message.content == WHOLE
+    assert choice.finish_reason == "stop"
+    usage = completion.usage
+    assert usage is not None and usage.completion_tokens == TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    counted = continued(gw)
+    assert counted["started"] == 1 and counted["won"] == 1
+    assert counted["breaks_continued"] == 1 and counted["breaks_ended"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_whole_messages_answer_broken_after_ten_tokens_is_continued(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """One message: one text block holding both pieces, one stop reason, the output usage
+    of the whole answer; the break was continued."""
+    _, gw = gateway(asgi_server, kind)
+    with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as client:
+        message = client.messages.create(model=POOL, max_tokens=100, messages=QUESTION)
+    assert message.type == "message" and message.role == "assistant"
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == WHOLE  # type: ignore[union-attr]
+    assert message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == TOKENS and message.usage.input_tokens > 0
+    counted = continued(gw)
+    assert counted["started"] == 1 and counted["breaks_continued"] == 1
+
+
+def _without_ids(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer less what differs between any two requests (its id, its timestamp)."""
+    return {k: v for k, v in answer.items() if k not in ("id", "created")}
+
+
+def test_an_unbroken_whole_answer_is_the_same_read_as_a_stream_or_as_a_body(
+        asgi_server: AsgiServerFactory) -> None:
+    """What the client reads for an unbroken request is the same answer, field for field,
+    whether the gateway read it upstream as a stream (continuations on) or as a body
+    (continuations off): chat and Messages."""
+    answers: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for stall in (StallSettings(), StallSettings(enabled=False)):
+        _, gw = gateway(asgi_server, "reset", stall=stall, faults=NO_FAULT)
+        with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+            chat = client.chat.completions.create(model=POOL, messages=QUESTION)
+        with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as anth:
+            message = anth.messages.create(model=POOL, max_tokens=100, messages=QUESTION)
+        answers.append((_without_ids(chat.model_dump()), _without_ids(message.model_dump())))
+    streamed, whole = answers
+    assert streamed == whole
+    assert streamed[0]["choices"][0]["message"]["content"] == WHOLE
+
+
+def test_a_whole_answer_that_breaks_and_cannot_be_continued_is_a_502(
+        asgi_server: AsgiServerFactory) -> None:
+    """A tool call cut mid-arguments is not continued: the client gets the route's 502 (a
+    retryable error, never a cut body), and the refusal is counted."""
+    _, gw = gateway(asgi_server, "closed", faults={"x-sim-break-at": "3",
+                                                   "x-sim-break": "closed"})
+    tool: Any = {"type": "function", "function": {
+        "name": "lookup", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"]}}}
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client, \
+            pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model=POOL, messages=QUESTION, tools=[tool],
+                                       tool_choice="required")
+    assert caught.value.status_code == 502
+    assert caught.value.response.headers.get("x-should-retry") != "false"
+    body = caught.value.response.json()
+    assert body["error"]["code"] == "answer_broken"
+    counted = continued(gw)
+    assert counted["refused"] == {"not_text": 1} and counted["breaks_ended"] == 1
