@@ -1,0 +1,107 @@
+"""The pure assembly of a whole answer from its stream (`gateway.wire.whole`): text, tool
+calls and usage rebuilt; anything that is not one complete answer is None."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.wire.sse import SSEEvent
+from gateway.wire.whole import streamed_body, whole_answer
+
+
+def data(obj: Any) -> SSEEvent:
+    return SSEEvent(json.dumps(obj).encode())
+
+
+def named(obj: dict[str, Any]) -> SSEEvent:
+    return SSEEvent(json.dumps(obj).encode(), obj["type"].encode())
+
+
+HEAD = {"id": "c1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None) -> SSEEvent:
+    return data({**HEAD, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_a_chat_stream_becomes_one_completion() -> None:
+    events = [chunk({"role": "assistant", "content": ""}), chunk({"content": "a "}),
+              chunk({"content": "b"}), chunk({}, "stop"),
+              data({**HEAD, "choices": [], "usage": USAGE}), SSEEvent(b"[DONE]")]
+    assert whole_answer("chat", events) == {
+        "id": "c1", "object": "chat.completion", "created": 7, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "a b",
+                                             "refusal": None},
+                     "logprobs": None, "finish_reason": "stop"}],
+        "usage": USAGE}
+
+
+def test_a_chat_tool_call_is_joined_by_index() -> None:
+    events = [chunk({"role": "assistant", "tool_calls": [
+                  {"index": 0, "id": "t1", "type": "function",
+                   "function": {"name": "f", "arguments": ""}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+              chunk({}, "tool_calls"), SSEEvent(b"[DONE]")]
+    answer = whole_answer("chat", events)
+    assert answer is not None
+    message = answer["choices"][0]["message"]
+    assert message["content"] is None
+    assert message["tool_calls"] == [
+        {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}]
+
+
+def test_a_chat_stream_with_an_error_or_without_its_end_is_no_answer() -> None:
+    start = [chunk({"role": "assistant"}), chunk({"content": "a"})]
+    assert whole_answer("chat", [*start, data({"error": {"message": "x"}})]) is None
+    assert whole_answer("chat", start) is None
+    assert whole_answer("chat", [*start, chunk({}, "stop")]) is None  # no [DONE]
+    assert whole_answer("chat", [SSEEvent(b"not json")]) is None
+
+
+def test_a_messages_stream_becomes_one_message() -> None:
+    start = {"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 4, "output_tokens": 1}}}
+    events = [named(start),
+              named({"type": "content_block_start", "index": 0,
+                     "content_block": {"type": "text", "text": ""}}),
+              named({"type": "ping"}),
+              named({"type": "content_block_delta", "index": 0,
+                     "delta": {"type": "text_delta", "text": "a "}}),
+              named({"type": "content_block_delta", "index": 0,
+                     "delta": {"type": "text_delta", "text": "b"}}),
+              named({"type": "content_block_stop", "index": 0}),
+              named({"type": "content_block_start", "index": 1, "content_block": {
+                  "type": "tool_use", "id": "t", "name": "f", "input": {}}}),
+              named({"type": "content_block_delta", "index": 1,
+                     "delta": {"type": "input_json_delta", "partial_json": '{"x": 2}'}}),
+              named({"type": "content_block_stop", "index": 1}),
+              named({"type": "message_delta", "delta": {"stop_reason": "tool_use",
+                                                        "stop_sequence": None},
+                     "usage": {"output_tokens": 9}}),
+              named({"type": "message_stop"})]
+    assert whole_answer("messages", events) == {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+        "content": [{"type": "text", "text": "a b"},
+                    {"type": "tool_use", "id": "t", "name": "f", "input": {"x": 2}}],
+        "stop_reason": "tool_use", "stop_sequence": None,
+        "usage": {"input_tokens": 4, "output_tokens": 9}}
+    assert whole_answer("messages", events[:-1]) is None
+    assert whole_answer("messages", [*events[:4], named(
+        {"type": "error", "error": {"type": "overloaded_error", "message": "x"}})]) is None
+
+
+def test_what_is_read_as_a_stream() -> None:
+    body = {"model": "m", "messages": []}
+    assert streamed_body("chat", body) == {
+        **body, "stream": True, "stream_options": {"include_usage": True}}
+    assert streamed_body("messages", body) == {**body, "stream": True}
+    assert streamed_body("chat", {**body, "n": 2}) is None
+    assert streamed_body("chat", {**body, "logprobs": True}) is None
+    assert streamed_body("responses", body) is None
