@@ -75,13 +75,17 @@ def _backend(name: str, provider: str, base_url: str, **extra: str) -> dict[str,
 
 
 def gateway_config(port: int, top: Mapping[str, Any] | None = None,
-                   pool: Mapping[str, Any] | None = None, *, translated: bool = False) -> str:
+                   pool: Mapping[str, Any] | None = None, *, translated: bool = False,
+                   continued: bool = False) -> str:
     """The measured gateway's configuration: a chat pool and a Messages pool of two backends
     each, all served by the simulator on `port`; `top` is merged into the document, `pool`
     into every pool (a variant's overrides). `translated`: each pool's backends speak the
     other API (Messages for the chat pool, Chat Completions only for the Messages pool), so
-    the same requests are translated both ways."""
-    chat = [_backend(b, "openai", f"http://127.0.0.1:{port}/v1") for b in ("a", "b")]
+    the same requests are translated both ways. `continued`: the chat pool's backends
+    continue answers (`continue_final_message`), so a whole chat request is read upstream as
+    a stream."""
+    extra = {"continuation": "continue_final_message"} if continued else {}
+    chat = [_backend(b, "openai", f"http://127.0.0.1:{port}/v1", **extra) for b in ("a", "b")]
     messages = [_backend(b, "anthropic", f"http://127.0.0.1:{port}", api_key="unused")
                 for b in ("c", "d")]
     if translated:
@@ -233,7 +237,8 @@ def _gateway(workdir: Path, variant: Variant, prefix: list[str],
     sim_port, port = _free_port(), _free_port()
     config = workdir / "config.yaml"
     config.write_text(gateway_config(sim_port, variant.top, variant.pool,
-                                     translated=variant.translated))
+                                     translated=variant.translated,
+                                     continued=variant.continued))
     # the same hash seed every run: dict and set orders, hence the work done, repeat
     env = {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
            # a store the configuration opens (named keys) is the measurement's own

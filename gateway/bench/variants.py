@@ -40,6 +40,9 @@ class Variant:
     translated: bool = False
     #: headers every measured request carries (a client key)
     headers: Mapping[str, str] = field(default_factory=dict)
+    #: the chat pool's OpenAI-compatible backends continue answers (`continuation:
+    #: continue_final_message`): a whole chat request is read upstream as a stream
+    continued: bool = False
 
 
 _OFF: tuple[Variant, ...] = (
@@ -101,6 +104,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             default_on=False, top={"server": {"tracing": {"exporter": "console"}}}),
     Variant("translated", "translation (each pool's backends speak the other API)",
             default_on=False, translated=True),
+    Variant("continued", "continuations on every backend (a whole answer read as a stream)",
+            default_on=False, continued=True),
     _all_off(),
     _many_keys(),
 )}
