@@ -387,6 +387,9 @@ class Proxy:
             return self._error(exc, req, end)
         if req.metered and summary.usage is None:
             summary.usage = body_usage(json_bytes(answer))
+        if end.continuations is not None:  # their legs are charged: the cost is final
+            await end.continuations.aclose()
+            summary.continuations = end.continuations.counts
         cost = summary_cost(summary, pool.prices)
         if cost is not None:
             headers["x-hedge-cost"] = cost_text(cost)

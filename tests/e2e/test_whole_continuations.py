@@ -6,16 +6,31 @@ leak check."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 from typing import Any
 
 import anthropic
 import openai
 import pytest
 
-from gateway.settings import StallSettings
+from gateway.app import create_app
+from gateway.settings import (
+    BackendSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    Settings,
+    StallSettings,
+)
+from gateway.stats.requestlog import LOGGER_NAME
+from providers.sim.server import create_sim_app
 from tests.e2e.test_continuations import (
     KINDS,
     POOL,
+    PRICES,
+    PROFILE,
     QUESTION,
     TOKENS,
     WHOLE,
@@ -23,6 +38,7 @@ from tests.e2e.test_continuations import (
     stats,
 )
 from tests.harness import AsgiServerFactory
+from tests.harness.asgi import with_request_headers
 from tests.harness.limits_kit import wait_for
 
 #: a header the simulators ignore: no fault at all
@@ -119,3 +135,39 @@ def test_a_whole_answer_that_breaks_and_cannot_be_continued_is_a_502(
     assert body["error"]["code"] == "answer_broken"
     counted = continued(gw)
     assert counted["refused"] == {"not_text": 1} and counted["breaks_ended"] == 1
+
+
+def test_a_continued_whole_answers_cost_header_charges_both_backends(
+        asgi_server: AsgiServerFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """A priced pool whose first backend breaks after 10 of 30 tokens: the whole answer's
+    `x-hedge-cost` is the one its request log line records, and it holds the first
+    stream's input and 10 tokens and the continuation's input (the request and the 10 tokens
+    it resent) and 20 tokens, each at its backend's price."""
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    faults = {"x-sim-break-at": "10", "x-sim-break": "reset"}
+    usage_profile = dataclasses.replace(PROFILE, usage=True)
+    sims = [asgi_server(with_request_headers(create_sim_app(usage_profile, seed=i), faults))
+            for i in range(2)]
+    backends = tuple(BackendSettings(name=f"o{i}", provider="openai", base_url=sim.v1,
+                                     model="m", group=f"g{i}", continuation="prefill",
+                                     price=PRICES[i]) for i, sim in enumerate(sims))
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, translate=False,
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0)))
+    gw = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2))
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(model=POOL, messages=QUESTION)
+    completion = raw.parse()
+    assert completion.choices[0].message.content == WHOLE
+    usage = completion.usage
+    assert usage is not None and usage.completion_tokens == TOKENS
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    (logged,) = [json.loads(r.getMessage()) for r in caplog.records
+                 if r.name == LOGGER_NAME and json.loads(r.getMessage()).get("pool") == POOL]
+    (broke,) = logged["continuations"]["breaks_continued"]
+    (took,) = logged["continuations"]["won"]
+    first, second = PRICES[int(broke[1])], PRICES[int(took[1])]
+    relayed, sent = 10, usage.prompt_tokens
+    expected = (sent * first.input + relayed * first.output
+                + (sent + relayed) * second.input + (TOKENS - relayed) * second.output) / 1e6
+    assert logged["cost_usd"] == pytest.approx(expected, abs=1e-6)
+    assert float(raw.headers["x-hedge-cost"]) == pytest.approx(expected, abs=1e-6)
