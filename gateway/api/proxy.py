@@ -271,7 +271,7 @@ class Proxy:
         streamed = None
         if not req.stream and not routes.translated and may_continue(
                 pool, req.protocol.name, True, req.stateful, req.pinned, apart):
-            streamed = streamed_body(req.protocol.name, req.body)
+            streamed = streamed_body(req.endpoint, req.body)
         if streamed is not None:
             upstream_body, strip_usage = streamed, False
         trace = None if self.tracing is None else self.tracing.start(
@@ -385,15 +385,16 @@ class Proxy:
             summary.error = exc.code
             summary.status, summary.reason = exc.status, exc.log_reason()
             return self._error(exc, req, end)
-        if req.metered and summary.usage is None:
-            summary.usage = body_usage(json_bytes(answer))
+        whole = json_bytes(answer)
+        if req.metered:  # read from the answer sent, as a body's is
+            summary.usage = body_usage(whole)
         if end.continuations is not None:  # their legs are charged: the cost is final
             await end.continuations.aclose()
             summary.continuations = end.continuations.counts
         cost = summary_cost(summary, pool.prices)
         if cost is not None:
             headers["x-hedge-cost"] = cost_text(cost)
-        return Answer(Response(json_bytes(answer), media_type="application/json",
+        return Answer(Response(whole, media_type="application/json",
                                headers=headers), end)
 
     def _streaming_response(

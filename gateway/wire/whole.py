@@ -19,17 +19,18 @@ from typing import Any
 
 from gateway.wire.sse import SSEEvent
 
-#: the APIs whose non-streaming requests may be read upstream as streams
-WHOLE_APIS = frozenset({"chat", "messages"})
+#: the routes (upstream endpoints) whose non-streaming requests may be read as streams
+WHOLE_ENDPOINTS = frozenset({"chat/completions", "messages"})
 
 
-def streamed_body(api: str, body: dict[str, Any] | Any) -> dict[str, Any] | None:
-    """The body a non-streaming request of `api` is sent upstream as a stream, or None when
-    it is not to be (its answer could hold what the assembler does not rebuild: several
-    choices, log probabilities). Chat also asks for usage (the whole answer carries it)."""
-    if api not in WHOLE_APIS:
+def streamed_body(endpoint: str, body: dict[str, Any] | Any) -> dict[str, Any] | None:
+    """The body a non-streaming request to `endpoint` is sent upstream as a stream, or None
+    when it is not to be: another route (legacy completions, embeddings), or an answer that
+    could hold what the assembler does not rebuild (several choices, log probabilities).
+    Chat also asks for usage (the whole answer carries it)."""
+    if endpoint not in WHOLE_ENDPOINTS:
         return None
-    if api == "chat":
+    if endpoint == "chat/completions":
         if body.get("n") not in (None, 1) or body.get("logprobs") or \
                 body.get("top_logprobs") is not None:
             return None

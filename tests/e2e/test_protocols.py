@@ -4,6 +4,7 @@ SDKs as clients, unchanged. Each test ends with the automatic leak check."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -420,7 +421,11 @@ def test_messages_json_and_count_tokens_through_the_anthropic_provider(
                             "usage": {"input_tokens": 3, "output_tokens": 2}})
 
     upstreams = scripted_upstream(2, responder=responder)
-    root = serve(asgi_server, settings_for(anthropic_backends(upstreams), delay=5.0))
+    # the JSON body's path: backends that continue nothing, so a whole answer is read as
+    # one body (where they continue, it is read as a stream: test_whole_continuations.py)
+    backends = [dataclasses.replace(b, continuation="none")
+                for b in anthropic_backends(upstreams)]
+    root = serve(asgi_server, settings_for(backends, delay=5.0))
     with claude(root) as client:
         message = client.messages.create(model=POOL, max_tokens=8, messages=MESSAGES)
         counted = client.messages.count_tokens(model=POOL, messages=MESSAGES)

@@ -99,9 +99,10 @@ def test_a_messages_stream_becomes_one_message() -> None:
 
 def test_what_is_read_as_a_stream() -> None:
     body = {"model": "m", "messages": []}
-    assert streamed_body("chat", body) == {
+    assert streamed_body("chat/completions", body) == {
         **body, "stream": True, "stream_options": {"include_usage": True}}
     assert streamed_body("messages", body) == {**body, "stream": True}
-    assert streamed_body("chat", {**body, "n": 2}) is None
-    assert streamed_body("chat", {**body, "logprobs": True}) is None
-    assert streamed_body("responses", body) is None
+    assert streamed_body("chat/completions", {**body, "n": 2}) is None
+    assert streamed_body("chat/completions", {**body, "logprobs": True}) is None
+    for other in ("responses", "completions", "embeddings"):
+        assert streamed_body(other, body) is None
