@@ -286,8 +286,11 @@ class Splice:
                             for c in choices)
             texts = [c for c in choices if isinstance(c, dict)
                      and isinstance(c.get("delta"), dict) and c["delta"].get("content")]
-            if not texts and not finishing and obj.get("error") is None:
+            usage_chunk = not choices and isinstance(obj.get("usage"), dict)
+            if not texts and not finishing and not usage_chunk and obj.get("error") is None:
                 return None  # the role chunk, empty deltas: the client has them
+            # (a usage chunk is kept: a break after the last text delta leaves only the
+            # finish and usage chunks to the continuation, and the client asked for usage)
         obj.update(self.relayed.head)
         for choice in choices if isinstance(choices, list) else ():
             delta = choice.get("delta") if isinstance(choice, dict) else None
@@ -323,9 +326,13 @@ class Splice:
                 and isinstance(delta.get("text"), str) and delta["text"]:
             delta["text"] = self._first_text(delta["text"])
         usage = obj.get("usage")
-        if kind == "message_delta" and isinstance(usage, dict) \
-                and isinstance(usage.get("output_tokens"), int):
-            usage["output_tokens"] += relayed.tokens
+        if kind == "message_delta" and isinstance(usage, dict):
+            # the input is the original message_start's: the continuation's (which read the
+            # relayed text as input) would overwrite it in the client's accumulated usage
+            for key in _MESSAGES_INPUT:
+                usage.pop(key, None)
+            if isinstance(usage.get("output_tokens"), int):
+                usage["output_tokens"] += relayed.tokens
         return obj
 
 
@@ -380,6 +387,11 @@ class Splice:
         for part in item.get("content") or ():
             if isinstance(part, dict) and part.get("type") == "output_text":
                 part["text"] = whole
+
+
+#: Messages usage fields of the input, left out of a continuation's `message_delta`
+_MESSAGES_INPUT = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+                   "cache_creation")
 
 
 def _count(usage: dict[str, Any], input_key: str, output_key: str, tokens: int) -> None:

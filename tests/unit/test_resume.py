@@ -123,3 +123,38 @@ def test_the_responses_api_continues_one_open_message_item_only() -> None:
     assert relayed_answer("responses", [created, call]) is None
     done = named("response.output_text.done", sequence_number=4, item_id="msg_1", text="x")
     assert relayed_answer("responses", [created, message, part, delta, done]) is None
+
+
+def test_a_chat_usage_chunk_before_any_continued_text_is_kept() -> None:
+    """A break after the last text delta: the continuation sends only its finish and usage
+    chunks, and the usage chunk (include_usage) reaches the client, counted as one answer."""
+    answer = relayed_answer("chat", RELAYED_CHAT)
+    assert answer is not None
+    out = Splice(answer).events([
+        chat({"role": "assistant", "content": ""}, id="c2"),
+        chat({}, "stop", id="c2"),
+        SSEEvent(json.dumps({"id": "c2", "choices": [], "usage": {
+            "prompt_tokens": 12, "completion_tokens": 0, "total_tokens": 12}}).encode()),
+        SSEEvent(b"[DONE]"),
+    ])
+    objs = [json.loads(e.data) for e in out[:-1]]
+    assert [o["choices"] for o in objs][1] == []
+    assert objs[0]["choices"][0]["finish_reason"] == "stop"
+    assert objs[1]["id"] == "c1" and objs[1]["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+    assert out[-1].data == b"[DONE]"
+
+
+def test_a_messages_continuation_keeps_the_original_input_usage() -> None:
+    """The continuation's message_delta carries its own (cumulative) input usage; the
+    answer's input is the original message_start's, so those fields are left out."""
+    answer = relayed_answer("messages", MESSAGES_RELAYED)
+    assert answer is not None
+    out = Splice(answer).events([
+        named("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+        named("content_block_delta", index=0, delta={"type": "text_delta", "text": "x"}),
+        named("message_delta", delta={"stop_reason": "end_turn"}, usage={
+            "input_tokens": 101, "cache_read_input_tokens": 7,
+            "cache_creation_input_tokens": 3, "output_tokens": 4}),
+    ])
+    assert json.loads(out[-1].data)["usage"] == {"output_tokens": 5}
