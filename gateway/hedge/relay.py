@@ -136,6 +136,12 @@ class _Deadlines:
         self._handle = asyncio.get_running_loop().call_later(delay, self._fire)
 
     def _fire(self) -> None:
+        if self._cancelled:
+            # `interrupt` cancelled the read in this turn already: a second cancel would stay
+            # pending after `took_back` (the stream would end with no final event), and the
+            # winner must not be taken for an idle break; `rearm` arms the timer again
+            self._handle = None
+            return
         now = self.clock()
         if now >= self.max_at:
             self.expired = "too_long"
