@@ -34,7 +34,7 @@ from typing import Literal, Protocol
 
 from gateway.errors import UpstreamError
 from gateway.hedge.attempt import Prefix
-from gateway.wire.base import Kind, RelayOutcome, Rewrite, StreamEnd, WireProtocol
+from gateway.wire.base import EncodeEvents, Kind, RelayOutcome, Rewrite, StreamEnd, WireProtocol
 from gateway.wire.resume import Splice
 from gateway.wire.sse import SSEBatch, SSEEvent
 
@@ -235,8 +235,15 @@ async def relay(
     #: the continuation started beside a stalled stream, until one of the two yields
     rival: asyncio.Task[Continued | None] | None = None
     longest, stalled = 0.0, False
+    #: a break seen in a prefix (an error event read with the first token): the loop
+    #: continues it before reading on
+    pending: str | None = None
     try:
-        yield encode(prefix.buffered, request_id, outcome)
+        out = encode(prefix.buffered, request_id, outcome)
+        if kept is not None and outcome.end == StreamEnd.UPSTREAM_ERROR:
+            out, before = _cut_at_error(prefix.buffered, encode, request_id, outcome, protocol)
+            kept, pending = [SSEBatch(before)], "upstream reported an error"
+        yield out
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
             batches = prefix.batches.__aiter__()
@@ -256,29 +263,31 @@ async def relay(
                 deadlines.on_stall = on_stall
                 deadlines.set_stall(resume.stall_delay(backend))
             while True:
-                broke: str | None = None
+                broke, pending = pending, None
                 taken: Continued | None = None
-                deadlines.reading = True
-                try:
-                    batch: SSEBatch | None = await batches.__anext__()
-                except StopAsyncIteration:
-                    batch = None
-                except asyncio.CancelledError:
-                    if not deadlines.took_back():
-                        raise
-                    if deadlines.expired == "continued" and rival is not None:
-                        taken, rival = rival.result(), None
+                batch: SSEBatch | None = None
+                if broke is None:
+                    deadlines.reading = True
+                    try:
+                        batch = await batches.__anext__()
+                    except StopAsyncIteration:
                         batch = None
-                    elif kept is None or deadlines.expired != "idle":
-                        break
-                    else:
-                        batch, broke = None, "idle"
-                except UpstreamError as exc:
-                    if kept is None:
-                        raise
-                    batch, broke = None, f"upstream failed mid-stream: {exc.reason}"
-                finally:  # no yield may happen while `reading` is set
-                    deadlines.reading = False
+                    except asyncio.CancelledError:
+                        if not deadlines.took_back():
+                            raise
+                        if deadlines.expired == "continued" and rival is not None:
+                            taken, rival = rival.result(), None
+                            batch = None
+                        elif kept is None or deadlines.expired != "idle":
+                            break
+                        else:
+                            batch, broke = None, "idle"
+                    except UpstreamError as exc:
+                        if kept is None:
+                            raise
+                        batch, broke = None, f"upstream failed mid-stream: {exc.reason}"
+                    finally:  # no yield may happen while `reading` is set
+                        deadlines.reading = False
                 if batch is not None:
                     if rival is not None:  # the stalled stream came back first
                         await _drop(rival)
@@ -297,9 +306,8 @@ async def relay(
                     ended: StreamEnd = outcome.end  # (the encoder may have set it)
                     if kept is not None and ended == StreamEnd.UPSTREAM_ERROR:
                         # an error event: what came before it is relayed, the rest continued
-                        outcome.end = StreamEnd.CLIENT_GONE
-                        before = _before_error(batch.events, protocol.classify)
-                        out = encode(before, request_id, outcome)
+                        out, before = _cut_at_error(batch.events, encode, request_id,
+                                                    outcome, protocol)
                         batch, broke = SSEBatch(before), "upstream reported an error"
                     if kept is not None:
                         if len(kept) < MAX_KEPT_READS:
@@ -335,11 +343,16 @@ async def relay(
                 prefix, splice, backend = taken.prefix, taken.splice, taken.backend
                 batches = prefix.batches.__aiter__()
                 events = splice.events(prefix.buffered)
+                out = encode(events, request_id, outcome)
+                first_end: StreamEnd = outcome.end  # (the encoder may have set it)
+                if first_end == StreamEnd.UPSTREAM_ERROR:  # the continuation broke at once
+                    out, events = _cut_at_error(events, encode, request_id, outcome, protocol)
+                    pending = "upstream reported an error"
                 kept.append(SSEBatch(events))
                 longest, stalled = 0.0, False
                 deadlines.rearm()
                 deadlines.set_stall(resume.stall_delay(backend))
-                yield encode(events, request_id, outcome)
+                yield out
                 if outcome.end != StreamEnd.CLIENT_GONE:
                     break
             if outcome.end != StreamEnd.CLIENT_GONE:
@@ -397,6 +410,17 @@ async def _drop(task: asyncio.Task[Continued | None]) -> None:
 
 #: reads of one stream the relay keeps to continue it (`relay`'s `resume`)
 MAX_KEPT_READS = 1 << 16
+
+
+def _cut_at_error(events: list[SSEEvent], encode: EncodeEvents, request_id: str,
+                  outcome: RelayOutcome, protocol: WireProtocol
+                  ) -> tuple[bytes, list[SSEEvent]]:
+    """A read of a stream that will be continued, which held an error event: the client's
+    bytes of the events before it (the stream goes on), and those events (rare: a read
+    with an error event; encoded again without it)."""
+    outcome.end = StreamEnd.CLIENT_GONE
+    before = _before_error(events, protocol.classify)
+    return encode(before, request_id, outcome), before
 
 
 def _before_error(events: list[SSEEvent], classify: Callable[[SSEEvent], Kind]
