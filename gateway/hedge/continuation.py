@@ -78,6 +78,9 @@ class Continuations:
     def stall_won(self, backend: str) -> None:
         self.counts.won[backend] += 1
 
+    def refused(self, reason: str, backend: str) -> None:
+        self._refuse(reason, backend, False)
+
     def ended(self, backend: str, longest_gap: float) -> None:
         gaps = self.pool.gaps.get(backend)
         if gaps is None and backend in self.pool.providers:

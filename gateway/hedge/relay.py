@@ -72,6 +72,10 @@ class Resume(Protocol):
         """The relay took `continued` over (its spend counts what the client read from it;
         one it did not take is charged what it had sent when closed)."""
 
+    def refused(self, reason: str, backend: str) -> None:
+        """The stream from `backend` broke and the relay could not ask for a continuation
+        (`reason`: `too_long`, it relayed more than it keeps)."""
+
 
 log = logging.getLogger("hedge_gateway.relay")
 
@@ -227,7 +231,8 @@ async def relay(
     comes for the backend's stall delay, a continuation starts beside the open stream: the
     first of the two to yield wins and the other is cancelled and closed. For both the relay
     keeps a reference to each read it relayed (one list append per read, nothing per event),
-    up to `MAX_KEPT_READS` (past that, the stream is not continued), and the stream's longest
+    up to `MAX_KEPT_BYTES` relayed (past that, the stream is not continued: a break is
+    counted as refused, `too_long`), and the stream's longest
     gap (one subtraction per read); the protocol's `classify` finds an error event in the
     rare read that has one."""
     encoder = protocol.encoder_for(rewrite)
@@ -235,6 +240,9 @@ async def relay(
     error_event = protocol.error_event
     deadlines: _Deadlines | None = None
     kept: list[SSEBatch] | None = None if resume is None else [SSEBatch(list(prefix.buffered))]
+    #: what `kept` holds, in relayed bytes (and `KEPT_READ_COST` per read); and whether it
+    #: passed `MAX_KEPT_BYTES` (then a break is counted as refused: `too_long`)
+    kept_bytes, over = 0, False
     splice: Splice | None = None
     #: the continuation started beside a stalled stream, until one of the two yields
     rival: asyncio.Task[Continued | None] | None = None
@@ -260,7 +268,7 @@ async def relay(
                         return
                     stalled = True
                     rival = asyncio.ensure_future(
-                        resume([e for b in kept for e in b.events], backend, True))
+                        resume(_relayed(kept), backend, True))
                     rival.add_done_callback(
                         lambda task: watch.interrupt() if _yielded(task) else None)
 
@@ -314,10 +322,11 @@ async def relay(
                                                     outcome, protocol)
                         batch, broke = SSEBatch(before), "upstream reported an error"
                     if kept is not None:
-                        if len(kept) < MAX_KEPT_READS:
+                        kept_bytes += len(out) + KEPT_READ_COST
+                        if kept_bytes <= MAX_KEPT_BYTES:
                             kept.append(batch)
-                        else:
-                            kept = None  # too long to continue: breaks end as they did
+                        else:  # too long to continue: breaks end as they did, counted
+                            kept, over = None, True
                             deadlines.stall = math.inf
                     yield out
                     if broke is None:
@@ -335,7 +344,7 @@ async def relay(
                     if rival is not None:  # a continuation is on its way already
                         taken, rival = await rival, None
                     else:
-                        taken = await resume([e for b in kept for e in b.events], backend)
+                        taken = await resume(_relayed(kept), backend)
                     if taken is None:
                         outcome.end = StreamEnd.FAILED if broke else StreamEnd.TRUNCATED
                         yield error_event(*_break_error(broke, idle), request_id)
@@ -385,6 +394,8 @@ async def relay(
             f"upstream failed mid-stream: {exc.reason}", "upstream_failed", request_id
         )
     finally:
+        if over and resume is not None and outcome.end in _BROKEN:
+            resume.refused("too_long", backend)
         if deadlines is not None:
             deadlines.close()
         if rival is not None:
@@ -413,8 +424,20 @@ async def _drop(task: asyncio.Task[Continued | None]) -> None:
         await continued.prefix.aclose()
 
 
-#: reads of one stream the relay keeps to continue it (`relay`'s `resume`)
-MAX_KEPT_READS = 1 << 16
+#: what the relay keeps of one stream to continue it (`relay`'s `resume`): the bytes the
+#: client was sent (1 MiB), each read counted `KEPT_READ_COST` more (the reference kept),
+#: so neither big reads nor many empty ones grow it past the bound
+MAX_KEPT_BYTES = 1 << 20
+KEPT_READ_COST = 64
+
+#: how a stream that broke ends (not a client gone, nor the max_stream deadline)
+_BROKEN = frozenset({StreamEnd.FAILED, StreamEnd.TRUNCATED, StreamEnd.UPSTREAM_ERROR})
+
+
+def _relayed(kept: list[SSEBatch]) -> list[SSEEvent]:
+    """The events of the kept reads, decoded into this list alone (a kept plain read stays
+    bytes: its events are not cached on it)."""
+    return [e for b in kept for e in b.decoded()]
 
 
 def _cut_at_error(events: list[SSEEvent], encode: EncodeEvents, request_id: str,
