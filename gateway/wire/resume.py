@@ -230,6 +230,39 @@ def continuation_body(body: Mapping[str, Any], relayed: Relayed, style: Style
     return out, dropped
 
 
+def limit_reached(body: Mapping[str, Any], relayed: Relayed) -> bool:
+    """Whether the text relayed already holds the request's output limit (`max_tokens`...):
+    then there is nothing to continue (a continuation asked for one more token would go past
+    the limit the client set)."""
+    for key in _LIMITS.get(relayed.api, ()):
+        limit = body.get(key)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit <= relayed.tokens:
+            return True
+    return False
+
+
+def ended_at_limit(relayed: Relayed) -> list[SSEEvent] | None:
+    """The end of an answer that reached its output limit, as a continuation of it would
+    send it (to go through its `Splice`): finish reason `length` (chat), stop reason
+    `max_tokens` (Messages). None for the Responses API, whose end holds the whole response
+    object (such a break ends with the route's in-band error)."""
+    if relayed.api == "chat":
+        return [SSEEvent(_dumps({"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]})),
+            SSEEvent(b"[DONE]")]
+    if relayed.api != "messages":
+        return None
+    out: list[tuple[str, dict[str, Any]]] = []
+    if relayed.open_index is not None:  # the open text block is closed
+        out += [("content_block_start", {"index": 0, "content_block": {"type": "text",
+                                                                       "text": ""}}),
+                ("content_block_stop", {"index": 0})]
+    out += [("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                               "usage": {"output_tokens": 0}}),
+            ("message_stop", {})]
+    return [SSEEvent(_dumps({"type": kind, **obj}), kind.encode()) for kind, obj in out]
+
+
 def _dumps(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 

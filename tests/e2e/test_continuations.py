@@ -552,3 +552,24 @@ def test_an_error_event_in_a_continuations_first_read_is_continued_again(
                                                       "content": "Hello world"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world!"
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_break_at_the_clients_max_tokens_ends_with_finish_reason_length(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """The stream breaks once it relayed the client's max_tokens: no continuation goes past
+    the limit (none is sent at all), and the answer ends as the limit ends it."""
+    cut = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(role_chunk() + token_chunk("Hello")), Send(token_chunk(" world")),
+        Close()])
+    order, gw = scripted_gateway(asgi_server, scripted_upstream, cut,
+                                 stream_script([" again"]))
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=QUESTION, stream=True, max_tokens=2))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world"
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert len({c.id for c in chunks}) == 1
+    assert len(order.arrivals) == 1
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert counted["started"] == 0 and counted["refused"] == {"max_tokens": 1}
