@@ -62,6 +62,13 @@ from tests.harness.bodies import (
 )
 from tests.harness.builders import InOrder
 from tests.harness.limits_kit import wait_for
+from tests.harness.protocol_wire import (
+    message_start,
+    messages_script,
+    named,
+    text_block_start,
+    text_delta,
+)
 
 POOL = "pool"
 TOKENS = 30
@@ -573,3 +580,59 @@ def test_a_break_at_the_clients_max_tokens_ends_with_finish_reason_length(
     assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
     counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
     assert counted["started"] == 0 and counted["refused"] == {"max_tokens": 1}
+
+
+def anthropic_gateway(asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory,
+                      *scripts: Script) -> tuple[InOrder, RunningServer]:
+    """Two scripted Anthropic backends (prefill), the n-th request gets the n-th script."""
+    order = InOrder(*scripts)
+    upstreams = scripted_upstream(2, responder=order)
+    backends = tuple(BackendSettings(name=f"a{i}", provider="anthropic", base_url=u.root_url,
+                                     model="m", group=f"g{i}")
+                     for i, u in enumerate(upstreams))
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, translate=False,
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0)))
+    return order, asgi_server(create_app(Settings(pools=(pool,)), seed=2))
+
+
+def test_a_continued_message_keeps_its_original_input_usage(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """Anthropic's SDK takes message_delta's input fields over message_start's: the
+    continuation's (which read the relayed text as input) must not reach it."""
+    cut = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(message_start()), Send(text_block_start()), Send(text_delta("Hello")),
+        Close()])
+    rest = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(message_start("msg_2")), Send(text_block_start()),
+        Send(text_delta(" world")), Send(named("content_block_stop", {"index": 0})),
+        Send(named("message_delta", {
+            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+            "usage": {"input_tokens": 40, "cache_read_input_tokens": 30,
+                      "output_tokens": 1}})),
+        Send(named("message_stop"))])
+    order, gw = anthropic_gateway(asgi_server, scripted_upstream, cut, rest)
+    with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as client, \
+            client.messages.stream(model=POOL, max_tokens=100, messages=QUESTION) as stream:
+        message = stream.get_final_message()
+    assert len(order.arrivals) == 2
+    assert [getattr(b, "text", None) for b in message.content] == ["Hello world"]
+    assert message.id == "msg_1" and message.stop_reason == "end_turn"
+    assert message.usage.input_tokens == 3 and not message.usage.cache_read_input_tokens
+    assert message.usage.output_tokens == 2
+
+
+def test_a_message_broken_at_its_max_tokens_stops_there(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """Messages: a break once max_tokens was relayed is no continuation; the open block is
+    closed and the message stops with `max_tokens`."""
+    cut = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(message_start()), Send(text_block_start()), Send(text_delta("Hello")),
+        Send(text_delta(" world")), Close()])
+    order, gw = anthropic_gateway(asgi_server, scripted_upstream, cut,
+                                  messages_script([" again"]))
+    with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as client, \
+            client.messages.stream(model=POOL, max_tokens=2, messages=QUESTION) as stream:
+        message = stream.get_final_message()
+    assert len(order.arrivals) == 1
+    assert [getattr(b, "text", None) for b in message.content] == ["Hello world"]
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 2
