@@ -207,20 +207,20 @@ class TenantGate:
                 return
             settled = True
             summary = state.get(SUMMARY_KEY)
-            usage = summary.usage if isinstance(summary, RequestSummary) else None
+            if not isinstance(summary, RequestSummary):
+                summary = None
             counts = self.usage.get(tenant.name)
             if counts is None:
                 counts = self.usage[tenant.name] = [0, 0, 0, 0]
             counts[0] += 1
-            if usage is not None:
-                counts[1] += usage.input
-                counts[2] += usage.output
-            cost = summary.cost if isinstance(summary, RequestSummary) else None
+            input_tokens, output_tokens = charged(summary, estimated)
+            counts[1] += input_tokens or 0
+            counts[2] += output_tokens or 0
+            cost = None if summary is None else summary.cost
             if cost is not None:
                 counts[3] += round(cost * MICRO)
             if limits is not None:
-                limits.settle(self.clock(), estimated, None if usage is None else usage.input,
-                              None if usage is None else usage.output)
+                limits.settle(self.clock(), estimated, input_tokens, output_tokens)
 
         try:  # no await between the admission and here: the slot cannot leak
             response = await handle()  # the answer, errors included (`gateway.api.answer`)
@@ -230,6 +230,22 @@ class TenantGate:
         if headers is not None:
             answer_headers(response.raw_headers, headers)
         return Settled(response, settle)
+
+
+def charged(summary: RequestSummary | None, estimated: int) -> tuple[int | None, int | None]:
+    """The (input, output) tokens a key is charged for a request: the upstream's usage; for
+    an answer without it (the client left a stream before the usage came, a backend that
+    reports none in a stream), the admission's estimate of its input and, for a stream, one
+    output token per event relayed: leaving early must not skip the output limit. (None,
+    None) for a request that never committed an answer (its input estimate stays charged)."""
+    if summary is None:
+        return None, None
+    usage = summary.usage
+    if usage is not None:
+        return usage.input, usage.output
+    if summary.winner is None or not summary.metered:
+        return None, None
+    return estimated, summary.relayed
 
 
 class Settled(Response):

@@ -133,6 +133,7 @@ async def relay(
     error_event = protocol.error_event
     deadlines: _Deadlines | None = None
     try:
+        outcome.events = len(prefix.buffered)
         yield encode(prefix.buffered, request_id, outcome)
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
@@ -157,6 +158,9 @@ async def relay(
                     )
                     return
                 deadlines.last = clock()
+                # per read, not per event: a raw read is counted by one scan in C
+                raw = batch.raw
+                outcome.events += len(batch.events) if raw is None else raw.count(b"\n\n")
                 yield (by_batch(batch, request_id, outcome) if by_batch is not None
                        else encode(batch.events, request_id, outcome))
                 if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:

@@ -40,19 +40,30 @@ from gateway.settings import (
 from gateway.settings.load import load_settings
 from gateway.settings.tenants import TenantHedging, TenantKeySettings, TenantLimits
 from tests.harness import (
+    DONE,
+    SSE_HEADERS,
     Gate,
+    Head,
     LoopThread,
     RecordedRequest,
     Script,
+    Send,
+    Step,
     UpstreamFactory,
+    Wait,
     chat_completion_obj,
+    finish_chunk,
     json_script,
+    role_chunk,
     stream_script,
+    token_chunk,
+    usage_chunk,
 )
 from tests.harness.limits_kit import (
     MESSAGES,
     Canary,
     GatewayFactory,
+    data_lines,
     holding,
     verbose_logs,
     wait_for,
@@ -332,6 +343,69 @@ def test_output_tokens_are_charged_from_the_usage_once_the_stream_has_ended(
             client.chat.completions.create(model="alpha", messages=MESSAGES)
     assert "output tokens" in over.value.message
     assert over.value.response.headers["x-ratelimit-remaining-output-tokens"] == "0"
+
+
+def output_limited(upstream_url: str) -> Settings:
+    """A key of ten output tokens a minute on one scripted upstream, with nothing hedged."""
+    pool = PoolSettings("alpha", (BackendSettings("u", "openai", "m", upstream_url),),
+                        hedging=NO_HEDGES)
+    return keyed(TenantKeySettings("team-a", key=TEAM_A,
+                                   limits=TenantLimits(output_tokens_per_minute=10)),
+                 pools=(pool,))
+
+
+def test_a_stream_without_usage_is_charged_the_output_it_relayed(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """A backend that reports no usage in a stream (as llama-cpp-python): the thirty tokens
+    the client was sent are charged all the same, so the next request is refused for output
+    tokens, and the key's usage counts them."""
+    (upstream,) = scripted_upstream(1, responder=lambda _request: stream_script(
+        [f"tok{i} " for i in range(30)]))
+    gateway = GatewayFactory(loop_thread)(output_limited(upstream.base_url))
+    with openai_client(gateway.root, TEAM_A) as client:
+        chunks = list(client.chat.completions.create(model="alpha", messages=MESSAGES,
+                                                     stream=True))
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 30
+        with pytest.raises(openai.RateLimitError) as over:
+            client.chat.completions.create(model="alpha", messages=MESSAGES)
+    assert "output tokens" in over.value.message
+    counted = gateway.app.state.tenant_gate
+    usage = {**counted.usage, **counted.sending}["team-a"]
+    assert usage[2] >= 30  # requests, input, output, spend: the thirty relayed tokens
+    assert usage[1] > 0  # the admission's estimate of the input
+
+
+def test_a_client_that_leaves_a_stream_before_its_usage_is_charged_what_it_read(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """The upstream would report its usage at the end; the client reads twelve tokens and
+    leaves before it. The tokens relayed are charged: the next request is refused for
+    output tokens (leaving early does not skip the key's output limit)."""
+    gate = Gate()
+    steps: list[Step] = [Head(), Send(role_chunk())]
+    steps += [Send(token_chunk(f"tok{i} ")) for i in range(12)]
+    steps += [Wait(gate), Send(finish_chunk()), Send(usage_chunk(5, 500)), Send(DONE)]
+    (upstream,) = scripted_upstream(1, responder=lambda _request: Script(
+        headers=SSE_HEADERS, steps=steps))
+    gateway = GatewayFactory(loop_thread)(output_limited(upstream.base_url))
+    body = {"model": "alpha", "messages": MESSAGES, "stream": True}
+    auth = {"authorization": f"Bearer {TEAM_A}"}
+    try:
+        with httpx.Client(base_url=gateway.root, timeout=10.0) as raw:
+            with raw.stream("POST", "/v1/chat/completions", json=body, headers=auth) as held:
+                lines = held.iter_lines()  # kept: a dropped iterator closes the connection
+                assert "tok11" in data_lines(lines, "tok11")[-1]  # then it leaves
+            (first,) = upstream.requests[:1]
+            assert upstream.wait_closed(first)  # the client left: the request ends
+            assert wait_for(lambda: gateway.app.state.tenant_gate.tenants.find(TEAM_A)
+                            .limits.in_flight == 0)
+            refused = raw.post("/v1/chat/completions", headers=auth,
+                               json={"model": "alpha", "messages": MESSAGES})
+        assert refused.status_code == 429, refused.text
+        assert "output tokens" in refused.json()["error"]["message"]
+    finally:
+        gate.open()
 
 
 @pytest.fixture
