@@ -227,9 +227,24 @@ class TenantGate:
         except BaseException:  # no answer will be sent (cancelled, a bug of ours)
             settle()
             raise
+        if not sent_upstream(state.get(SUMMARY_KEY)):  # refused by the gateway itself
+            settled = True  # nothing to settle: a refused request takes nothing
+            if limits is not None:
+                limits.refund(self.clock(), estimated)
+                headers = ratelimit_headers(limits.quotas(), anthropic=anthropic,
+                                            wall=self.wall())
+                answer_headers(response.raw_headers, headers)
+            return response
         if headers is not None:
             answer_headers(response.raw_headers, headers)
         return Settled(response, settle)
+
+
+def sent_upstream(summary: object) -> bool:
+    """Whether a request the proxy answered reached any upstream: False when it was refused
+    before its race (no summary: untranslatable, a route no backend serves, the gateway's
+    overload or drain) or before its first attempt (a summary without attempts)."""
+    return isinstance(summary, RequestSummary) and bool(summary.attempts)
 
 
 def charged(summary: RequestSummary | None, estimated: int) -> tuple[int | None, int | None]:

@@ -408,6 +408,38 @@ def test_a_client_that_leaves_a_stream_before_its_usage_is_charged_what_it_read(
         gate.open()
 
 
+def test_a_request_the_gateway_refuses_before_any_upstream_takes_nothing_of_the_key(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Two requests a minute, a pool of an Anthropic backend the chat route reaches by
+    translation: a chat request that cannot be translated (400) and an embeddings request no
+    backend serves (404) are refused before any upstream sees them, so the key keeps both
+    requests of its minute, its headers say so, and no usage is counted for it."""
+    (upstream,) = scripted_upstream(1, responder=lambda _request: json_script({}))
+    pool = PoolSettings("claude", (BackendSettings("c", "anthropic", "claude-x",
+                                                   upstream.base_url, api_key="x"),),
+                        hedging=NO_HEDGES, translate=True)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(requests_per_minute=2)),
+        pools=(pool,)))
+    remaining = []
+    with openai_client(gateway.root, TEAM_A) as client:
+        for _ in range(3):
+            with pytest.raises(openai.BadRequestError) as untranslatable:
+                client.chat.completions.create(model="claude", messages=MESSAGES,
+                                               logprobs=True)
+            remaining.append(
+                untranslatable.value.response.headers["x-ratelimit-remaining-requests"])
+        with pytest.raises(openai.APIStatusError) as unserved:
+            client.embeddings.create(model="claude", input="hi")
+        assert unserved.value.status_code in (400, 404)
+        remaining.append(unserved.value.response.headers["x-ratelimit-remaining-requests"])
+    assert remaining == ["2", "2", "2", "2"]
+    assert upstream.requests == []  # refused by the gateway itself
+    counted = gateway.app.state.tenant_gate
+    assert "team-a" not in {**counted.usage, **counted.sending}
+
+
 @pytest.fixture
 def config_file(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "gateway.yaml"
