@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import sqlite3
 import threading
@@ -39,6 +40,14 @@ BUSY_TIMEOUT = 5.0
 DEFAULT_FILE = os.path.join("hedge-gateway", "tenants.sqlite")
 #: a new key's secret: this prefix and 32 random URL-safe bytes
 KEY_PREFIX = "hg-"
+
+#: the names a key made at run time may have: each is a segment of the admin API's paths
+#: (`/admin/keys/{name}`), so no `/`, `%` or space, and no leading `.` (a path's `.` and `..`
+#: segments are folded away by clients), or the key could never be revoked or read
+KEY_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._:-]{0,199}")
+#: what `KEY_NAME` allows, as an error says it
+KEY_NAME_RULE = ("1-200 characters of A-Z a-z 0-9 . _ : -, not starting with '.' nor "
+                 "holding '..'")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
@@ -152,6 +161,8 @@ class SqliteStore:
                    budget: TenantBudget | None = None) -> tuple[str, TenantKeySettings]:
         """A new key `name`: its secret (returned once, never stored) and its settings.
         `StoreError` when the name is taken or invalid."""
+        if not KEY_NAME.fullmatch(name):
+            raise StoreError(f"a key's name must be {KEY_NAME_RULE}")
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()
         try:

@@ -171,6 +171,32 @@ def keys_command(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
 
 
 @pytest.mark.timeout(90)
+def test_a_key_name_outside_the_safe_set_is_a_400_naming_the_field_and_409_is_for_taken(
+    loop_thread: LoopThread, tmp_path: Path
+) -> None:
+    """Every key the admin API makes can be revoked and read by its path: a name with `/`
+    (or `%`, a space, a leading `.`, `..`) is refused as a bad request naming `name`, and
+    only a name already taken is a conflict. A name of the safe set is revoked by its path."""
+    store = f"sqlite:///{tmp_path}/tenants.sqlite"
+    pools = (PoolSettings("alpha", (BackendSettings("s", "sim", sim=FAST),)),)
+    gateway = GatewayFactory(loop_thread)(Settings(pools, server=ServerSettings(
+        admin_keys=(ADMIN,), store=store)))
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    with httpx.Client(base_url=gateway.root, timeout=10.0, trust_env=False) as http:
+        for bad in ("team/a", "a%2Fb", "a b", ".hidden", "..", "a..b", "x" * 201):
+            refused = http.post("/admin/keys", headers=admin, json={"name": bad})
+            assert refused.status_code == 400, (bad, refused.text)
+            error = refused.json()["error"]
+            assert error["param"] == "name" and error["type"] == "invalid_request_error"
+        assert http.get("/admin/keys", headers=admin).json()["data"] == []  # none was made
+        made = http.post("/admin/keys", headers=admin, json={"name": "team_a-1.b:c"})
+        assert made.status_code == 201, made.text
+        taken = http.post("/admin/keys", headers=admin, json={"name": "team_a-1.b:c"})
+        assert taken.status_code == 409
+        gone = http.delete("/admin/keys/team_a-1.b:c", headers=admin)
+        assert gone.status_code == 200 and gone.json()["revoked"] is True
+
+
 def test_a_restart_keeps_the_keys_made_at_run_time_and_loses_no_usage(tmp_path: Path) -> None:
     made = keys_command(tmp_path, "create", "team-a", "--pool", "alpha")
     assert made.returncode == 0, made.stderr

@@ -51,6 +51,21 @@ def test_keys_made_and_revoked_are_seen_by_another_process_and_the_version_moves
     assert secret.encode() not in Path(path).read_bytes()  # only its digest is kept
 
 
+def test_a_name_outside_the_safe_set_is_refused_before_anything_is_written(
+    tmp_path: Path
+) -> None:
+    """`hedge-gateway keys create` goes to the store directly: a name its admin path could not
+    reach (`/`, a leading `.`) is refused there too, and nothing is written."""
+    store = SqliteStore(str(tmp_path / "tenants.sqlite"))
+    try:
+        for bad in ("team/a", ".a", "a..b", "a b", ""):
+            with pytest.raises(StoreError, match="must be 1-200 characters"):
+                store.create_key(bad)
+        assert store.list_keys() == []
+    finally:
+        store.close()
+
+
 def test_usage_batches_add_up_per_key_and_day(tmp_path: Path) -> None:
     store = SqliteStore(str(tmp_path / "t.sqlite"))
     try:
