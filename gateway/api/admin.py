@@ -84,7 +84,8 @@ def build_admin_router(admin: KeyRing, sync: TenantSync | None, live: Live) -> A
         data += [{"name": key.name, "source": "store", "pools": list(key.pools),
                   "limits": dataclasses.asdict(key.limits),
                   "budget": dataclasses.asdict(key.budget), "created": key.created,
-                  "revoked": key.revoked} for key in stored]
+                  "revoked": key.revoked, **({"invalid": True} if key.invalid else {})}
+                 for key in stored]
         return {"data": data}
 
     @router.delete("/admin/keys/{name}")

@@ -94,6 +94,19 @@ def _budget(text: str | None) -> TenantBudget:
     return TenantBudget() if text is None else TenantBudget(**json.loads(text))
 
 
+def _pools(text: str) -> tuple[str, ...]:
+    """A key's pools as stored (a JSON list of names); ValueError for anything else."""
+    pools = json.loads(text)
+    if not isinstance(pools, list) or not all(isinstance(pool, str) for pool in pools):
+        raise ValueError("pools: not a list of names")
+    return tuple(pools)
+
+
+def _instant(value: object) -> float | None:
+    """A stored time (seconds since the epoch), None for NULL or anything not a number."""
+    return float(value) if isinstance(value, int | float) else None
+
+
 @dataclass(frozen=True, slots=True)
 class StoredKey:
     """A key made at run time, as listed (never its secret or digest)."""
@@ -104,6 +117,9 @@ class StoredKey:
     created: float
     revoked: float | None
     budget: TenantBudget = field(default_factory=TenantBudget)
+    #: its row does not make a valid key (written by hand, or by another version): listed,
+    #: with no pools, limits or budget, so that it can be seen and revoked; never in force
+    invalid: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,12 +239,22 @@ class SqliteStore:
         return keys, bad
 
     def list_keys(self) -> list[StoredKey]:
+        """Every key, revoked ones included; a row that does not make a valid key is listed
+        as `invalid` (the guard `active_keys` has): one bad row never hides the others."""
         with self._locked() as db:
             rows = db.execute("SELECT name, pools, limits, created, revoked, budget FROM keys "
                               "ORDER BY name").fetchall()
-        return [StoredKey(name, tuple(json.loads(pools)), TenantLimits(**json.loads(limits)),
-                          created, revoked, _budget(budget))
-                for name, pools, limits, created, revoked, budget in rows]
+        listed = []
+        for name, pools, limits, created, revoked, budget in rows:
+            when = _instant(created) or 0.0
+            try:
+                listed.append(StoredKey(str(name), _pools(pools),
+                                        TenantLimits(**json.loads(limits)), when,
+                                        _instant(revoked), _budget(budget)))
+            except (ConfigError, ValueError, TypeError):
+                listed.append(StoredKey(str(name), (), TenantLimits(), when, _instant(revoked),
+                                        invalid=True))
+        return listed
 
     # --- usage ----------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -170,7 +171,6 @@ def keys_command(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
                           check=False)
 
 
-@pytest.mark.timeout(90)
 def test_a_key_name_outside_the_safe_set_is_a_400_naming_the_field_and_409_is_for_taken(
     loop_thread: LoopThread, tmp_path: Path
 ) -> None:
@@ -197,6 +197,36 @@ def test_a_key_name_outside_the_safe_set_is_a_400_naming_the_field_and_409_is_fo
         assert gone.status_code == 200 and gone.json()["revoked"] is True
 
 
+def test_an_unreadable_store_row_is_listed_as_invalid_beside_the_others(
+    loop_thread: LoopThread, tmp_path: Path
+) -> None:
+    """A row written by hand (or by another version) whose limits are not a key's: the admin
+    list and `hedge-gateway keys list` still answer, show it as invalid and list the good
+    key beside it; the good key still works and the bad row is never in force."""
+    store = f"sqlite:///{tmp_path}/tenants.sqlite"
+    pools = (PoolSettings("alpha", (BackendSettings("s", "sim", sim=FAST),)),)
+    gateway = GatewayFactory(loop_thread)(Settings(pools, server=ServerSettings(
+        admin_keys=(ADMIN,), store=store)))
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    with httpx.Client(base_url=gateway.root, timeout=10.0, trust_env=False) as http:
+        good = http.post("/admin/keys", headers=admin, json={"name": "team-a"})
+        assert good.status_code == 201
+        with contextlib.closing(sqlite3.connect(tmp_path / "tenants.sqlite")) as db, db:
+            db.execute("INSERT INTO keys (name, key_sha256, pools, limits, created) "
+                       "VALUES ('broken', 'ab', 'not json', '{\"in_flight\": -3}', 1.0)")
+        listed = http.get("/admin/keys", headers=admin)
+        assert listed.status_code == 200, listed.text
+        rows = {row["name"]: row for row in listed.json()["data"]}
+        assert rows["broken"]["invalid"] is True and "invalid" not in rows["team-a"]
+        assert chat_status(gateway.root, good.json()["key"]) == 200
+    shown = keys_command(tmp_path, "list")
+    assert shown.returncode == 0, shown.stderr
+    assert "Traceback" not in shown.stderr
+    lines = dict(line.split("\t")[:2] for line in shown.stdout.splitlines())
+    assert lines == {"broken": "invalid", "team-a": "active"}
+
+
+@pytest.mark.timeout(90)
 def test_a_restart_keeps_the_keys_made_at_run_time_and_loses_no_usage(tmp_path: Path) -> None:
     made = keys_command(tmp_path, "create", "team-a", "--pool", "alpha")
     assert made.returncode == 0, made.stderr
