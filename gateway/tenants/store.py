@@ -150,8 +150,12 @@ class SqliteStore:
 
     def __init__(self, path: str) -> None:
         folder = os.path.dirname(path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
+        if folder:  # a folder made here is its owner's alone (existing ones are left as are)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        # the file is made 0600 before SQLite opens it (not under a umask: that is the whole
+        # process's, threads included): SQLite gives its -wal and -shm files the database's
+        # permissions, so the digests and usage are never readable by other users
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
         self.path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT, check_same_thread=False,
