@@ -132,16 +132,27 @@ class TenantGate:
         if written is not None and self.sending is written:
             self.sending = {}
 
-    def keep_unsent(self) -> None:
-        """The batch could not be written: back into the next one."""
-        for name, counts in self.sending.items():
+    def keep_unsent(self, batch: dict[str, list[int]]) -> None:
+        """`batch` (`take_usage`) could not be written: back into the next one. It is the
+        batch given, never whatever is being written now: a later batch taken meanwhile (an
+        admin's flush beside the loop's) is neither lost nor put back twice; and a batch
+        a later take moved to `unread` leaves it, counted once, in `usage`."""
+        if self.sending is batch:
+            self.sending = {}
+        else:
+            for name, counts in batch.items():
+                left = self.unread.get(name, 0) - counts[3]
+                if left > 0:
+                    self.unread[name] = left
+                else:
+                    self.unread.pop(name, None)
+        for name, counts in batch.items():
             kept = self.usage.get(name)
             if kept is None:
                 self.usage[name] = counts
             else:
                 for index, count in enumerate(counts):
                     kept[index] += count
-        self.sending = {}
 
     def budgeted(self) -> bool:
         """Whether any key in force has a budget (its spend is then read at every poll)."""
