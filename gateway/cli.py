@@ -407,6 +407,14 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--midstream-error-probability", type=argtypes.probability,
         default=d.midstream_error_probability,
         help="share of streams that end with an in-band error event (default %(default)s)")
+    opt("--stall-probability", type=argtypes.probability, default=d.stall_probability,
+        help="share of streams that stall once after their first token (default %(default)s)")
+    opt("--stall-length-ms", type=argtypes.non_negative, default=d.stall_length * 1000,
+        help="how long a mid-stream stall lasts, ms (default %(default)s)")
+    opt("--break-probability", type=argtypes.probability, default=d.break_probability,
+        help="share of streams that break after their first token (default %(default)s)")
+    opt("--break-kind", choices=("reset", "closed", "error", "malformed"),
+        default=d.break_kind, help="how a stream breaks (default %(default)s)")
     opt("--prefill-ms-per-1k", type=argtypes.non_negative, default=d.prefill_ms_per_1k,
         help="TTFT added per 1,000 input tokens not in the prefix cache, ms; > 0 also turns "
         "the prefix cache on (default %(default)s)")
@@ -444,6 +452,10 @@ def sim_profile(ns: argparse.Namespace) -> SimProfile:
         fail_status=ns.fail_status,
         hang_probability=ns.hang_probability,
         midstream_error_probability=ns.midstream_error_probability,
+        stall_probability=ns.stall_probability,
+        stall_length=ns.stall_length_ms / 1000,
+        break_probability=ns.break_probability,
+        break_kind=ns.break_kind,
         seed=ns.seed,
         draws=ns.draws,
         prefill_ms_per_1k=ns.prefill_ms_per_1k,

@@ -20,6 +20,7 @@ import anyio
 
 from gateway.clock import Clock
 from gateway.hedge.attempt import Prefix
+from gateway.hedge.continuation import Continuations
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
 from gateway.stats import RequestSummary, Stats
@@ -51,8 +52,8 @@ class RequestEnd:
     """The one owner of the end of a logical request: callable any number of times, does its
     work once (see the module docstring for who calls it on which path)."""
 
-    __slots__ = ("_clock", "_done", "_leave", "_pool", "_race", "_stats", "_summary", "prefix",
-                 "trace", "watcher")
+    __slots__ = ("_clock", "_done", "_leave", "_pool", "_race", "_stats", "_summary",
+                 "continuations", "prefix", "trace", "watcher")
 
     def __init__(
         self, pool: PoolRuntime, race: Race, summary: RequestSummary, *,
@@ -69,6 +70,9 @@ class RequestEnd:
         self.prefix: Prefix | None = None
         #: the task watching the client for a disconnect, from the race to the last byte
         self.watcher: asyncio.Future[None] | None = None
+        #: the request's continuations after commit, when it may have some: their races are
+        #: closed by the end, their counts go to the summary
+        self.continuations: Continuations | None = None
         self._done = False
 
     def release_winner(self) -> None:
@@ -106,6 +110,12 @@ class RequestEnd:
                 await self._race.aclose()
             except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                 report_bug(stats, exc)
+            if self.continuations is not None:
+                try:
+                    await self.continuations.aclose()
+                    summary.continuations = self.continuations.counts
+                except Exception as exc:  # noqa: BLE001 - the end must go on; reported
+                    report_bug(stats, exc)
             try:
                 summary.panic = self._race.placement.panic
                 summary.affinity = self._race.placement.affinity

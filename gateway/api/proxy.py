@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -38,6 +39,7 @@ from gateway.errors import (
     InternalError,
     Overloaded,
 )
+from gateway.hedge.continuation import Continuations, may_continue
 from gateway.hedge.plan import Routing, Translated, routing
 from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
@@ -250,14 +252,20 @@ class Proxy:
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         trace = None if self.tracing is None else self.tracing.start(
             req.headers, pool.settings.name, req.endpoint)
-        runner = attempt_runner(pool, _upstream_request(req, upstream_body, routes.translated),
-                                plan.options.deadline, self.clock, trace)
+        upstream = _upstream_request(req, upstream_body, routes.translated)
+        runner = attempt_runner(pool, upstream, plan.options.deadline, self.clock, trace)
         race = Race(pool, runner, plan.options, self.clock)
         if plan.affinity_miss:
             race.placement.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
                          stats=self.stats,
                          clock=self.clock, trace=trace)
+        # continuations speak the client's API: never to a backend reached by translation
+        # (and a translated winner is not continued: `_streaming_response`)
+        apart = routes.excluded | frozenset(routes.translated)
+        if may_continue(pool, req.protocol.name, req.stream, req.stateful, req.pinned, apart):
+            end.continuations = Continuations(
+                pool, upstream, replace(plan.options, excluded=apart), self.clock, trace)
         return race, end, strip_usage
 
     async def _race_or_disconnect(
@@ -334,6 +342,8 @@ class Proxy:
             protocol=protocol if result.prefix.translation is None
             else _translating(protocol, result.prefix.translation, not strip_usage),
             rewrite=rewrite,
+            resume=end.continuations if result.prefix.translation is None else None,
+            backend=result.winner.backend,
         )
 
         async def finish(early_end: StreamEnd | None) -> None:

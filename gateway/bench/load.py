@@ -49,6 +49,9 @@ class Sample:
     backend: str | None = None
     #: `data:` events received before `[DONE]` (role, tokens, finish): all delivered?
     events: int = 0
+    #: the longest time between two reads that brought events after the first token
+    #: (None: no token)
+    longest_gap: float | None = None
 
 
 def is_content_token(payload: bytes | str) -> bool | None:
@@ -109,8 +112,8 @@ class StreamScan:
     line is kept between chunks. Lines are split on LF by hand (a CR before it is stripped):
     the gateway and the simulator both end lines with LF."""
 
-    __slots__ = ("_claim", "_clock", "_pending", "_start", "attempts", "backend", "done",
-                 "error", "events", "status", "ttft")
+    __slots__ = ("_claim", "_clock", "_last", "_pending", "_start", "attempts", "backend",
+                 "done", "error", "events", "longest_gap", "status", "ttft")
 
     def __init__(self, start: float, claim: Claim = _always,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -123,6 +126,9 @@ class StreamScan:
         self.events = 0
         self.done = False
         self.error: str | None = None
+        #: when the last read with events after the first token landed, and the longest gap
+        self._last: float | None = None
+        self.longest_gap: float | None = None
 
     def head(self, status: int, headers: Mapping[bytes, bytes]) -> None:
         self.status = status
@@ -137,6 +143,13 @@ class StreamScan:
             return True  # read to the end of the body so the connection can be reused
         lines = (self._pending + data).split(b"\n") if self._pending else data.split(b"\n")
         self._pending = lines.pop()
+        if self.ttft is not None and lines:  # a gap between reads after the first token
+            now = self._clock()
+            if self._last is not None:
+                gap = now - self._last
+                if self.longest_gap is None or gap > self.longest_gap:
+                    self.longest_gap = gap
+            self._last = now
         for raw in lines:
             if not raw.startswith(b"data:"):
                 continue
@@ -156,7 +169,9 @@ class StreamScan:
                 if kind:
                     if not self._claim():
                         return self._fail("lost")
-                    self.ttft = self._clock() - self._start
+                    self._last = self._clock()
+                    self.ttft = self._last - self._start
+                    self.longest_gap = 0.0
             elif _is_error_event(payload):
                 return self._fail("error event after the first token")
         if len(self._pending) > MAX_LINE:
@@ -180,7 +195,7 @@ class StreamScan:
         else:
             error = None if self.ttft is not None else "no token"
         return Sample(index, error is None, self.ttft, self._clock() - self._start, error,
-                      self.attempts, self.backend, self.events)
+                      self.attempts, self.backend, self.events, self.longest_gap)
 
 
 async def _attempt(client: LeanClient, url: Target, payload: bytes, index: int, start: float,

@@ -174,6 +174,30 @@ def format_workload(result: Mapping[str, Any]) -> str:
             f"{_cell(row['requests_per_s']):>7} | {_cell(proc.get('cpu_s'), 2):>8} "
             f"{_cell(proc.get('peak_rss_mb')):>9}")
     for row in result["modes"]:
+        gap, counted = row.get("longest_gap_ms"), row.get("continuations")
+        if counted is not None and gap is not None:
+            lines.append(f"   {row['mode']}: longest gap per stream p50 {_cell(gap['p50'])}"
+                         f" p99 {_cell(gap['p99'])}; continuations started "
+                         f"{counted.get('started')}, won {counted.get('won')}, stalls "
+                         f"{counted.get('stalls')}, breaks continued "
+                         f"{counted.get('breaks_continued')}, ended "
+                         f"{counted.get('breaks_ended')}; input tokens resent "
+                         f"{counted.get('input_tokens')} of the workload's "
+                         f"{counted.get('workload_tokens')}")
+        elif gap is not None and gap["p99"] is not None and row["mode"] == "direct" \
+                and any(r.get("continuations") is not None for r in result["modes"]):
+            lines.append(f"   direct: longest gap per stream p50 {_cell(gap['p50'])} p99 "
+                         f"{_cell(gap['p99'])}")
+    by_mode = {row["mode"]: row for row in result["modes"]}
+    calm, cont = by_mode.get("no-faults"), by_mode.get("continuation-on")
+    if calm is not None and cont is not None and calm["total_ms"]["p99"] \
+            and cont["total_ms"]["p99"] is not None:
+        lines.append(f"   continuation-on vs no-faults: total p99 x"
+                     f"{cont['total_ms']['p99'] / calm['total_ms']['p99']:.3f}; complete "
+                     f"{cont['ok']}/{cont['requests']}; extra attempts "
+                     f"{_cell(cont['upstream']['extra_pct'])} % (no-faults "
+                     f"{_cell(calm['upstream']['extra_pct'])} %)")
+    for row in result["modes"]:
         procs = row.get("processes") or {}
         ours = ", ".join(f"{name} {p['cpu_s']:.2f}" for name, p in procs.items()
                          if name != "machine")

@@ -26,6 +26,10 @@ from gateway.bench.load import Sample
 
 MODES = ("direct", "hedging-off", "hedging-on", "oracle")
 GATEWAY_MODES = ("hedging-off", "hedging-on")
+#: the `stalls` workload's gateway modes (hedging on): continuations off and on, and on with
+#: simulators that neither stall nor break (`FAULTLESS_MODES`: the goals' yardstick)
+CONTINUATION_MODES = {"no-faults": True, "continuation-off": False, "continuation-on": True}
+FAULTLESS_MODES = frozenset({"no-faults"})
 TTFT_QUANTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99), ("p99.9", 0.999))
 
 
@@ -113,6 +117,28 @@ def gateway_hedges(stats: object, pool: str) -> tuple[int, int] | None:
     return None
 
 
+def continuations(stats: object, before: object, pool: str) -> dict[str, int] | None:
+    """The pool's lifetime continuation counts of the measured requests (`/hedge/stats` at
+    the end less after the warm-up), or None without them."""
+    def read(doc: object) -> dict[str, int] | None:
+        try:
+            life = doc["pools"][pool]["lifetime"]  # type: ignore[index]
+            counts = {k: int(v) for k, v in life["continuations"].items()
+                      if isinstance(v, int)}
+            # the workload's own tokens, as the winners reported them: the yardstick of
+            # what the continuations resent
+            counts["workload_tokens"] = int(life["tokens"]["input"]) \
+                + int(life["tokens"]["output"])
+            return counts
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return None
+
+    end, start = read(stats), read(before)
+    if end is None:
+        return None
+    return {k: v - (start or {}).get(k, 0) for k, v in end.items()}
+
+
 def summarize_mode(
     mode: str,
     samples: Sequence[Sample],
@@ -132,11 +158,12 @@ def summarize_mode(
     ok = [s for s in samples if s.ok]
     ttfts = sorted(s.ttft for s in ok if s.ttft is not None)
     totals = sorted(s.total for s in ok)
+    gaps = sorted(s.longest_gap for s in samples if s.longest_gap is not None)
     kinds = Counter(s.error or "failed" for s in samples if not s.ok)
     view = upstream_view(logs)
     n = len(samples)
     hedges: dict[str, Any] | None = None
-    if mode in GATEWAY_MODES:
+    if mode in GATEWAY_MODES or mode in CONTINUATION_MODES:
         from_gateway = gateway_hedges(hedge_stats, pool)
         baseline = gateway_hedges(hedge_stats_before, pool)
         if from_gateway is not None and baseline is not None:  # leave out the warm-up
@@ -158,6 +185,11 @@ def summarize_mode(
         "ttft_ms": {name: ms(quantile(ttfts, q)) for name, q in TTFT_QUANTILES}
         | {"max": ms(ttfts[-1] if ttfts else None)},
         "total_ms": {"p50": ms(quantile(totals, 0.5)), "p99": ms(quantile(totals, 0.99))},
+        # each stream's longest gap between reads after its first token, over the streams
+        # that got one (a stalled stream's stall, a continued one's switch)
+        "longest_gap_ms": {"p50": ms(quantile(gaps, 0.5)), "p99": ms(quantile(gaps, 0.99))},
+        "continuations": continuations(hedge_stats, hedge_stats_before, pool)
+        if mode in CONTINUATION_MODES else None,
         "wall_s": round(wall, 3),
         "requests_per_s": round(n / wall, 2) if wall > 0 else None,
         "upstream": {

@@ -102,11 +102,14 @@ class BenchPlan:
 
 def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
     """The modes of `workload` in the order they run: the plan's that the workload has (with
-    `quick`, its `quick_modes` when it names them; `nginx` right after `direct`, with
+    `quick`, its `quick_modes` when it names them; then its own continuation modes;
+    `nginx` right after `direct`, with
     `plan.nginx`), then one per feature switched off (`features`), then `baseline` (with
     `baseline_src`), then one per other front server (`servers`)."""
     own = workload.quick_modes if quick and workload.quick_modes is not None else workload.modes
     modes = [m for m in plan.modes if own is None or m in own]
+    # a workload's own modes beyond the plan's (the `stalls` workload's continuation modes)
+    modes += [m for m in own or () if m in rows.CONTINUATION_MODES]
     if plan.nginx:  # the floor, next to the other mode without a gateway
         at = modes.index("direct") + 1 if "direct" in modes else 0
         modes.insert(at, servers.NGINX)
@@ -151,7 +154,8 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                                   hedging=mode != "hedging-off",
                                   delay_window=workload.delay_window,
                                   max_concurrent_requests=workload.max_concurrent_requests,
-                                  variant=variants.VARIANTS.get(mode)))
+                                  variant=variants.VARIANTS.get(mode),
+                                  continuation=rows.CONTINUATION_MODES.get(mode)))
     server = mode if mode in ctx.plan.servers else servers.OWN
     argv, env = servers.server_command(server, path, port, workers=ctx.plan.workers)
     cwd = None
@@ -179,10 +183,14 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
               "end": int(requests * workload.outage_span[1]),
               "extra_ms": workload.outage_extra * 1000.0}
 
+    profile = workload.profile
+    if mode in rows.FAULTLESS_MODES:  # the same streams without a stall or a break
+        profile = dataclasses.replace(profile, stall_probability=0.0, break_probability=0.0)
+
     async def reset() -> None:
         resets = await asyncio.gather(*(
             client.post(f"{s}/bench/reset", json={
-                "profile": profile_to_json(workload.profile), "seed": ctx.plan.seed,
+                "profile": profile_to_json(profile), "seed": ctx.plan.seed,
                 "backend": chr(97 + k), "outage": outage})
             for k, s in enumerate(sims)))
         for response in resets:

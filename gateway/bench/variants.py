@@ -95,6 +95,8 @@ def _many_keys() -> Variant:
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("default", "every feature at its default"),
     *_OFF,
+    Variant("no-continuations", "continuations after commit (hedging.stall)",
+            pool={"hedging": {"stall": {"enabled": False}}}),
     Variant("tracing-on", "request tracing (server.tracing.exporter: console)",
             default_on=False, top={"server": {"tracing": {"exporter": "console"}}}),
     Variant("translated", "translation (each pool's backends speak the other API)",
@@ -107,6 +109,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
 def feature_modes() -> tuple[str, ...]:
     """The variants `bench --features` adds as modes: each default-on feature switched off,
     then all of them at once. Not `no-request-log` (the bench's gateways already run with
-    `--log-level warning`) nor `no-hedging` (the bench's own `hedging-off`)."""
+    `--log-level warning`), `no-hedging` (the bench's own `hedging-off`) nor
+    `no-continuations` (the bench's OpenAI-compatible backends continue nothing by default;
+    `--workload stalls` measures continuations on and off)."""
     return tuple(name for name, v in VARIANTS.items()
-                 if v.default_on and name not in ("default", "no-request-log", "no-hedging"))
+                 if v.default_on and name not in ("default", "no-request-log", "no-hedging",
+                                                  "no-continuations"))

@@ -95,6 +95,15 @@ WORKLOADS: tuple[Workload, ...] = (
              # the oracle racing all three backends were 7 s of a quick run's context
              quick_modes=("hedging-off", "hedging-on")),
     *(_share_workload(percent) for percent in SLOW_SHARES),
+    Workload("stalls", "streams of 200 tokens 20 ms apart; 3 % stall 5 s at a random token, "
+             "1 % break (reset) at a random token; continuations off and on side by side, and on "
+             "without stalls or breaks (no-faults: the yardstick)",
+             SimProfile(ttft_median=0.15, ttft_sigma=0.25, straggler_probability=0.0,
+                        straggler_extra=0.0, tokens=200, inter_token=0.02, usage=False,
+                        stall_probability=0.03, stall_length=5.0, break_probability=0.01),
+             requests=600, concurrency=20, quick_requests=150,
+             modes=("direct", "no-faults", "continuation-off", "continuation-on"),
+             in_quick=False),
 )
 #: `--workload` names that stand for several workloads
 WORKLOAD_GROUPS = {"slow-shares": tuple(f"stragglers-{p}" for p in SLOW_SHARES)}

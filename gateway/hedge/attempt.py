@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.errors import (
@@ -27,7 +28,9 @@ from gateway.wire.base import Kind, Translation, WireProtocol
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
 
-AttemptKind = Literal["primary", "hedge", "failover"]
+#: `continuation`: only as a trace names a continuation's attempt (`gateway.hedge.continuation`);
+#: a continuation's own race records its attempt as its primary, apart from the request's
+AttemptKind = Literal["primary", "hedge", "failover", "continuation"]
 Outcome = Literal["won", "lost", "failed", "cancelled"]
 #: takes the headers of an upstream's answer (a refusal's too) as soon as they are in: the
 #: backend's quota headroom reads its rate-limit headers from them
@@ -65,6 +68,34 @@ class AttemptRecord:
     output_sent: int | None = None
     #: a hedge sent early for the request's TTFT objective (`gateway.hedge.deadline`)
     deadline: bool = False
+
+
+@dataclass(slots=True)
+class ContinuationCounts:
+    """What one request's continuations did (the stats add them up per pool and backend)."""
+
+    #: continuations started, per backend they went to
+    started: Counter[str] = field(default_factory=Counter)
+    #: continuations that gave the client its next token, per backend
+    won: Counter[str] = field(default_factory=Counter)
+    #: continuations not started, per reason (max_continuations, not_text, no_backend,
+    #: budget, disabled)
+    refused: Counter[str] = field(default_factory=Counter)
+    #: streams that broke after commit, per backend that broke: continued, or ended with the
+    #: in-band error
+    breaks_continued: Counter[str] = field(default_factory=Counter)
+    breaks_ended: Counter[str] = field(default_factory=Counter)
+    #: stalls detected after commit, per backend that stalled
+    stalls: Counter[str] = field(default_factory=Counter)
+    #: the input tokens the continuations granted were priced at (the request's estimate
+    #: plus the tokens relayed, each time): what they resent
+    input_tokens: int = 0
+    #: each continuation's attempt (kind `continuation`), for the dashboard's timeline: at
+    #: most `max_continuations` of them
+    records: list[AttemptRecord] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.started or self.refused or self.breaks_ended or self.stalls)
 
 
 #: `AttemptRecord.reason` of an attempt cancelled by the race (lost, or the request ended)

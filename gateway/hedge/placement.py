@@ -58,6 +58,8 @@ class RaceOptions:
     share: KeyShare | None = None
     #: the key's own budget ratio, its share's deposit per request (None: the pool's)
     share_ratio: float | None = None
+    #: False: the race deposits nothing in the budget (a continuation's: its request did)
+    deposit: bool = True
 
 
 @dataclass(slots=True)

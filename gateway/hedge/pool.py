@@ -18,6 +18,7 @@ from gateway.hedge.balancer import Balancer
 from gateway.hedge.budget import HedgeBudget
 from gateway.hedge.classes import ClassDelays
 from gateway.hedge.delay import HedgeDelay
+from gateway.hedge.gaps import GapSketch
 from gateway.hedge.prefill import ConversationMemory, estimate_tokens, new_tokens
 from gateway.hedge.sizing import ColdRule, DelayReader, RequestSize, SizedDelays
 from gateway.settings import PoolSettings
@@ -75,6 +76,9 @@ class PoolRuntime:
     classes: Mapping[str, ClassDelays] = field(default_factory=dict)
     #: the last size of each recent conversation key (what its home backend has seen)
     memory: ConversationMemory = field(default_factory=ConversationMemory)
+    #: per backend: its streams' longest gaps between tokens (the stall delay); a backend
+    #: gets its sketch with its first stream that ends
+    gaps: dict[str, GapSketch] = field(default_factory=dict)
     #: backend -> its price, for the backends that have one (built once per configuration;
     #: empty: the pool's requests are not priced)
     prices: Mapping[str, PriceSettings] = field(default_factory=dict)
@@ -172,6 +176,7 @@ class PoolRuntime:
                      if name in self.classes else ClassDelays(d, budget_ratio=ratio)
                      for name, d in delays.items()},
             memory=self.memory,
+            gaps={b.name: self.gaps[b.name] for b in settings.backends if b.name in self.gaps},
             whole_delays=_per_endpoint(
                 lambda endpoint: carried(self.whole_delays.get(endpoint, {}))
             ),

@@ -129,11 +129,12 @@ class Race:
 
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
-        pool.budget.on_request(now, self.options.input_tokens)
-        share = self.options.share
-        if share is not None:
-            ratio = self.options.share_ratio
-            share.deposit(pool.budget.settings.ratio if ratio is None else ratio)
+        if self.options.deposit:  # (a continuation's race: its request deposited)
+            pool.budget.on_request(now, self.options.input_tokens)
+            share = self.options.share
+            if share is not None:
+                ratio = self.options.share_ratio
+                share.deposit(pool.budget.settings.ratio if ratio is None else ratio)
         if self.options.refused_reason is not None:
             self.suppressed.append(self.options.refused_reason)
         primary = self.placement.primary(now)

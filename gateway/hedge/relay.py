@@ -26,13 +26,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 from collections.abc import AsyncIterator, Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from gateway.errors import UpstreamError
 from gateway.hedge.attempt import Prefix
-from gateway.wire.base import RelayOutcome, Rewrite, StreamEnd, WireProtocol
-from gateway.wire.sse import SSEBatch
+from gateway.wire.base import Kind, RelayOutcome, Rewrite, StreamEnd, WireProtocol
+from gateway.wire.resume import Splice
+from gateway.wire.sse import SSEBatch, SSEEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Continued:
+    """A continuation that yielded its first token: its prefix, the splice its events go
+    through, and its backend."""
+
+    prefix: Prefix
+    splice: Splice
+    backend: str
+
+
+class Resume(Protocol):
+    """What the relay asks when its stream breaks or stalls (`gateway.hedge.continuation`)."""
+
+    async def __call__(self, relayed: list[SSEEvent], backend: str, stall: bool = False
+                       ) -> Continued | None:
+        """Given the events the client was sent and the backend that broke (or stalled),
+        the continuation up to its first token, or None (a break: the client gets the
+        route's in-band error; a stall: the stream is waited for)."""
+
+    def stall_delay(self, backend: str) -> float:
+        """How long a stream of `backend` may go without an event before a continuation
+        starts beside it (inf: none will)."""
+
+    def stall_won(self, backend: str) -> None:
+        """The continuation on `backend` gave its token before the stalled stream."""
+
+    def ended(self, backend: str, longest_gap: float) -> None:
+        """A stream of `backend` without a stall ended normally: its longest gap."""
+
+
+log = logging.getLogger("hedge_gateway.relay")
 
 #: after `[DONE]`, how long and how many events the relay reads to let the connection be reused
 DRAIN_TIMEOUT = 0.05
@@ -55,7 +92,7 @@ async def _drain(batches: AsyncIterator[SSEBatch]) -> None:
 
 
 class _Deadlines:
-    """`timeouts.idle` and `timeouts.max_stream` as deadlines per event.
+    """`timeouts.idle` and `timeouts.max_stream` as deadlines per event, and the stall delay.
 
     httpx's read timeout restarts on every byte, so an upstream that sends only comments
     would never trip it; these deadlines move only when an event arrives. Per batch the relay
@@ -63,7 +100,12 @@ class _Deadlines:
     the earliest possible expiry and re-armed when it fires early (events came in meanwhile).
     Only a read that waits on the upstream is interrupted: the timer cancels the relay's task
     and the relay takes the cancellation back (as `asyncio.timeout` does). A deadline that
-    passes while the client is being written to is seen in `expired` right after that write."""
+    passes while the client is being written to is seen in `expired` right after that write.
+
+    The stall delay (`stall`, infinite unless the stream may be continued) is one more
+    deadline on the same timer: once per gap it calls `on_stall`, which starts a
+    continuation while the stream stays open; `interrupt` then ends the read if the
+    continuation yields its first token before the stream its next event."""
 
     def __init__(
         self, idle: float, max_stream_deadline: float, clock: Callable[[], float]
@@ -74,15 +116,23 @@ class _Deadlines:
         self.last = clock()
         #: the relay is awaiting the upstream (only then may the timer cancel it)
         self.reading = False
-        #: why the stream must end (None: it need not)
-        self.expired: Literal["idle", "too_long"] | None = None
+        #: why the stream must end (None: it need not; `continued`: a continuation won)
+        self.expired: Literal["idle", "too_long", "continued"] | None = None
+        #: the stall delay, and what to call when a gap reaches it (once per gap: `_stalled`
+        #: is the `last` it was called for)
+        self.stall = math.inf
+        self.on_stall: Callable[[], None] | None = None
+        self._stalled: float | None = None
         self._task = asyncio.current_task()
         self._cancelled = False
         self._handle: asyncio.TimerHandle | None = None
         self._arm()
 
     def _arm(self) -> None:
-        delay = max(0.0, min(self.last + self.idle, self.max_at) - self.clock())
+        due = min(self.last + self.idle, self.max_at)
+        if self._stalled != self.last:
+            due = min(due, self.last + self.stall)
+        delay = max(0.0, due - self.clock())
         self._handle = asyncio.get_running_loop().call_later(delay, self._fire)
 
     def _fire(self) -> None:
@@ -92,10 +142,22 @@ class _Deadlines:
         elif now - self.last >= self.idle:
             self.expired = "idle"
         else:
+            if self._stalled != self.last and now - self.last >= self.stall \
+                    and self.on_stall is not None:
+                self._stalled = self.last
+                self.on_stall()
             self._arm()
             return
         self._handle = None
         if self.reading and self._task is not None:
+            self._cancelled = True
+            self._task.cancel()
+
+    def interrupt(self) -> None:
+        """A continuation won the stall race: end the read of the stalled stream (only a
+        read: when none is pending the relay sees the winner itself)."""
+        if self.reading and self._task is not None and not self._cancelled:
+            self.expired = "continued"
             self._cancelled = True
             self._task.cancel()
 
@@ -105,6 +167,22 @@ class _Deadlines:
             return False
         self._cancelled = False
         return self._task.uncancel() == 0
+
+    def set_stall(self, delay: float) -> None:
+        """Watch for stalls of `delay` from now on (inf: no longer): the timer is re-armed
+        for the earliest deadline (once per stream and per continuation, never per event)."""
+        self.stall = delay
+        if self._handle is not None:
+            self._handle.cancel()
+            self._arm()
+
+    def rearm(self) -> None:
+        """A continuation took over: the idle deadline runs from now (the max_stream one
+        stays the request's)."""
+        self.expired = None
+        self.last = self.clock()
+        if self._handle is None:
+            self._arm()
 
     def close(self) -> None:
         if self._handle is not None:
@@ -122,23 +200,59 @@ async def relay(
     outcome: RelayOutcome,
     protocol: WireProtocol,
     rewrite: Rewrite | None = None,
+    resume: Resume | None = None,
+    backend: str = "",
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE bytes, one chunk per upstream read. Always closes the upstream.
 
     The encoder (`protocol.encoder_for(rewrite)`, once per request) and the error events
     (`protocol.error_event`) are the route's protocol's: the Responses API and Messages end
-    at named events, not `[DONE]`, and shape their errors their own way."""
+    at named events, not `[DONE]`, and shape their errors their own way.
+
+    `resume` (None: a break is the client's in-band error and a stall is waited out, as they
+    always were): when the stream from `backend` breaks (it fails, ends without its end
+    event, sends an error event, or passes the idle timeout), the relay asks it for a
+    continuation, closes the broken upstream and relays the continuation's events through
+    its splice; only when none comes does the client get the in-band error. When no event
+    comes for the backend's stall delay, a continuation starts beside the open stream: the
+    first of the two to yield wins and the other is cancelled and closed. For both the relay
+    keeps a reference to each read it relayed (one list append per read, nothing per event),
+    up to `MAX_KEPT_READS` (past that, the stream is not continued), and the stream's longest
+    gap (one subtraction per read); the protocol's `classify` finds an error event in the
+    rare read that has one."""
     encoder = protocol.encoder_for(rewrite)
     encode, by_batch = encoder.events, encoder.batch
     error_event = protocol.error_event
     deadlines: _Deadlines | None = None
+    kept: list[SSEBatch] | None = None if resume is None else [SSEBatch(list(prefix.buffered))]
+    splice: Splice | None = None
+    #: the continuation started beside a stalled stream, until one of the two yields
+    rival: asyncio.Task[Continued | None] | None = None
+    longest, stalled = 0.0, False
     try:
         outcome.events = len(prefix.buffered)
         yield encode(prefix.buffered, request_id, outcome)
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
             batches = prefix.batches.__aiter__()
+            if resume is not None:
+                watch = deadlines
+
+                def on_stall() -> None:
+                    nonlocal rival, stalled
+                    if rival is not None or kept is None or resume is None:
+                        return
+                    stalled = True
+                    rival = asyncio.ensure_future(
+                        resume([e for b in kept for e in b.events], backend, True))
+                    rival.add_done_callback(
+                        lambda task: watch.interrupt() if _yielded(task) else None)
+
+                deadlines.on_stall = on_stall
+                deadlines.set_stall(resume.stall_delay(backend))
             while True:
+                broke: str | None = None
+                taken: Continued | None = None
                 deadlines.reading = True
                 try:
                     batch: SSEBatch | None = await batches.__anext__()
@@ -147,23 +261,85 @@ async def relay(
                 except asyncio.CancelledError:
                     if not deadlines.took_back():
                         raise
-                    break
+                    if deadlines.expired == "continued" and rival is not None:
+                        taken, rival = rival.result(), None
+                        batch = None
+                    elif kept is None or deadlines.expired != "idle":
+                        break
+                    else:
+                        batch, broke = None, "idle"
+                except UpstreamError as exc:
+                    if kept is None:
+                        raise
+                    batch, broke = None, f"upstream failed mid-stream: {exc.reason}"
                 finally:  # no yield may happen while `reading` is set
                     deadlines.reading = False
-                if batch is None:
-                    outcome.end = StreamEnd.TRUNCATED
-                    yield error_event(
-                        "upstream stream ended before completion", "stream_truncated",
-                        request_id,
-                    )
-                    return
-                deadlines.last = clock()
-                # per read, not per event: a raw read is counted by one scan in C
-                raw = batch.raw
-                outcome.events += len(batch.events) if raw is None else raw.count(b"\n\n")
-                yield (by_batch(batch, request_id, outcome) if by_batch is not None
-                       else encode(batch.events, request_id, outcome))
-                if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
+                if batch is not None:
+                    if rival is not None:  # the stalled stream came back first
+                        await _drop(rival)
+                        rival = None
+                    now = clock()
+                    if kept is not None and now - deadlines.last > longest:
+                        longest = now - deadlines.last
+                    deadlines.last = now
+                    # per read, not per event: a raw read is counted by one scan in C
+                    raw = batch.raw
+                    outcome.events += len(batch.events) if raw is None else raw.count(b"\n\n")
+                    if splice is not None:
+                        events = splice.events(batch.events)
+                        batch = SSEBatch(events)
+                        out = encode(events, request_id, outcome)
+                    else:
+                        out = (by_batch(batch, request_id, outcome) if by_batch is not None
+                               else encode(batch.events, request_id, outcome))
+                    ended: StreamEnd = outcome.end  # (the encoder may have set it)
+                    if kept is not None and ended == StreamEnd.UPSTREAM_ERROR:
+                        # an error event: what came before it is relayed, the rest continued
+                        outcome.end = StreamEnd.CLIENT_GONE
+                        before = _before_error(batch.events, protocol.classify)
+                        out = encode(before, request_id, outcome)
+                        batch, broke = SSEBatch(before), "upstream reported an error"
+                    if kept is not None:
+                        if len(kept) < MAX_KEPT_READS:
+                            kept.append(batch)
+                        else:
+                            kept = None  # too long to continue: breaks end as they did
+                            deadlines.stall = math.inf
+                    yield out
+                    if broke is None:
+                        if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
+                            break
+                        continue
+                if taken is None:
+                    if kept is None or resume is None:  # ended without its end event
+                        outcome.end = StreamEnd.TRUNCATED
+                        yield error_event(
+                            "upstream stream ended before completion", "stream_truncated",
+                            request_id,
+                        )
+                        return
+                    if rival is not None:  # a continuation is on its way already
+                        taken, rival = await rival, None
+                    else:
+                        taken = await resume([e for b in kept for e in b.events], backend)
+                    if taken is None:
+                        outcome.end = StreamEnd.FAILED if broke else StreamEnd.TRUNCATED
+                        yield error_event(*_break_error(broke, idle), request_id)
+                        return
+                elif resume is not None:
+                    resume.stall_won(taken.backend)
+                assert kept is not None and resume is not None
+                await prefix.aclose()
+                prefix, splice, backend = taken.prefix, taken.splice, taken.backend
+                batches = prefix.batches.__aiter__()
+                events = splice.events(prefix.buffered)
+                kept.append(SSEBatch(events))
+                outcome.events += len(events)
+                longest, stalled = 0.0, False
+                deadlines.rearm()
+                deadlines.set_stall(resume.stall_delay(backend))
+                yield encode(events, request_id, outcome)
+                if outcome.end != StreamEnd.CLIENT_GONE:
                     break
             if outcome.end != StreamEnd.CLIENT_GONE:
                 pass
@@ -181,6 +357,8 @@ async def relay(
                 )
                 return
         if outcome.end == StreamEnd.DONE:
+            if resume is not None and not stalled:
+                resume.ended(backend, longest)
             await _drain(prefix.batches)
     except UpstreamError as exc:
         outcome.end = StreamEnd.FAILED
@@ -190,4 +368,50 @@ async def relay(
     finally:
         if deadlines is not None:
             deadlines.close()
+        if rival is not None:
+            await _drop(rival)
         await prefix.aclose()
+
+
+def _yielded(task: asyncio.Task[Continued | None]) -> bool:
+    """Whether a continuation's task ended with its first token."""
+    return not task.cancelled() and task.exception() is None and task.result() is not None
+
+
+async def _drop(task: asyncio.Task[Continued | None]) -> None:
+    """A continuation that lost to its stalled stream (or the stream's end): cancelled, and
+    closed if it had its token already, shielded from a cancellation of our own."""
+    task.cancel()
+    await asyncio.shield(asyncio.wait({task}))
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:  # a bug of ours: the stream goes on without the continuation
+        log.error("a continuation failed inside the gateway", exc_info=exc)
+        return
+    continued = task.result()
+    if continued is not None:
+        await continued.prefix.aclose()
+
+
+#: reads of one stream the relay keeps to continue it (`relay`'s `resume`)
+MAX_KEPT_READS = 1 << 16
+
+
+def _before_error(events: list[SSEEvent], classify: Callable[[SSEEvent], Kind]
+                  ) -> list[SSEEvent]:
+    """The events of a read before its first error event."""
+    for i, event in enumerate(events):
+        if classify(event) is Kind.ERROR:
+            return events[:i]
+    return []
+
+
+def _break_error(broke: str | None, idle: float) -> tuple[str, str]:
+    """The message and code of the in-band error of a break that was not continued."""
+    if broke is None:
+        return "upstream stream ended before completion", "stream_truncated"
+    if broke == "idle":
+        return (f"upstream failed mid-stream: read timeout (no event within {idle:g} s)",
+                "upstream_failed")
+    return broke, "upstream_failed"

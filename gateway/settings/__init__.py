@@ -27,6 +27,7 @@ from gateway.settings.model import (
     ServerSettings,
     Settings,
     SimProfile,
+    StallSettings,
     Timeouts,
     TracingSettings,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "ServerSettings",
     "Settings",
     "SimProfile",
+    "StallSettings",
     "Timeouts",
     "TracingSettings",
     "check_config",

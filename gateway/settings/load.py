@@ -295,8 +295,22 @@ def describe_pools(settings: Settings) -> list[str]:
                       f"initial {_duration_text(delay.initial)}")
         count = len(pool.backends)
         lines.append(f"pool {pool.name}: {count} backend{'s' if count != 1 else ''}, {state}, "
-                     f"max_attempts {hedging.max_attempts}, {timing}")
+                     f"max_attempts {hedging.max_attempts}, {timing}, {_continuations(pool)}")
     return lines
+
+
+def _continuations(pool: PoolSettings) -> str:
+    """Whether a stalled or broken stream of `pool` can be continued, and on how many of its
+    backends (those whose `continuation` is not `none`)."""
+    stall = pool.hedging.stall
+    able = sum(b.continuation != "none" for b in pool.backends)
+    if not stall.enabled or not stall.max_continuations:
+        return "continuations off"
+    if not able:
+        return "continuations off (no backend continues an answer)"
+    return (f"continuations on {able} of {len(pool.backends)} backends, at most "
+            f"{stall.max_continuations}, stall delay in [{_duration_text(stall.min)}, "
+            f"{_duration_text(stall.max)}]")
 
 
 #: client keys, ops keys and the response-id secret shorter than this are warned about: a

@@ -90,6 +90,25 @@ class BudgetSettings(Checked):
 
 
 @dataclass(frozen=True, slots=True)
+class StallSettings(Checked):
+    """After the first token: a stream that stalls or breaks is continued on another
+    backend (`BackendSettings.continuation` says how each continues an answer)."""
+
+    enabled: bool = field(default=True, metadata=scalar(
+        cv.boolean, "false: a stream that stalls waits, one that breaks ends with an error"))
+    min: float = field(default=2.0, metadata=scalar(
+        cv.duration(), "the shortest stall delay: no token for this long at least"))
+    max: float = field(default=30.0, metadata=scalar(
+        cv.duration(), "the longest stall delay; min <= max"))
+    max_continuations: int = field(default=2, metadata=scalar(
+        cv.integer(0, 5), "continuations per request at most; 0: none"))
+
+    def _rules(self, at: At) -> Iterator[str]:
+        if self.min > self.max:
+            yield f"{at('min')}: must be <= max"
+
+
+@dataclass(frozen=True, slots=True)
 class HedgingSettings(Checked):
     """When and how often a pool sends extra attempts."""
 
@@ -105,6 +124,8 @@ class HedgingSettings(Checked):
         cv.boolean, "no hedge whose copy would prefill the whole input cold for longer "
         "than the primary likely still needs, and no spill off a loaded home that would "
         "prefill it cold for longer than the wait it dodges (streams)"))
+    stall: StallSettings = field(default_factory=StallSettings, metadata=section(
+        StallSettings, "streams that stall or break after their first token"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +215,19 @@ class SimProfile(Checked):
         _probability, "share that send headers and a role chunk, then nothing"))
     midstream_error_probability: float = field(default=0.0, metadata=scalar(
         _probability, "share that fail in-band after a few tokens"))
+    stall_probability: float = field(default=0.0, metadata=scalar(
+        _probability, "share of streams that stall once after their first token, at a "
+        "random token"))
+    stall_length: float = field(default=5.0, metadata=scalar(
+        cv.duration(zero=True), "how long a mid-stream stall lasts"))
+    break_probability: float = field(default=0.0, metadata=scalar(
+        _probability, "share of streams that break after their first token, at a random "
+        "token"))
+    break_kind: str = field(default="reset", metadata=scalar(
+        cv.choice(("reset", "closed", "error", "malformed")), "how a stream breaks: reset "
+        "(the connection drops mid-body), closed (the body ends without its end event), "
+        "error (an in-band error event; overloaded_error on Messages), malformed (half an "
+        "event, then the connection ends)"))
     seed: int | None = field(default=None, metadata=scalar(
         cv.optional(cv.integer(0)), "integer >= 0 for a repeatable sequence; null: random"))
     draws: str = field(default="sequence", metadata=scalar(
@@ -362,6 +396,18 @@ class BackendSettings(Checked):
         "Requests in another API are translated to one it speaks (the pool's `translate`)"))
     sim: SimProfile | None = field(default=None, metadata=section(
         SimProfile, "the simulated behaviour (provider sim only)"))
+    #: None until `_complete` fills in the provider's own default
+    continuation: Literal["prefill", "continue_final_message", "none"] | None = field(
+        default=None, metadata=scalar(
+            cv.optional(cv.choice(("prefill", "continue_final_message", "none"))),
+            "how this backend continues a stalled or broken answer: prefill (a final "
+            "assistant message the model goes on from: anthropic, bedrock, vertex, sim), "
+            "continue_final_message (that message with continue_final_message: true and "
+            "add_generation_prompt: false: vLLM, SGLang), none (no continuation is sent to "
+            "it: openai's default, since its base_url may be OpenAI itself; also "
+            "llama-cpp-python's OpenAI server, which starts a new turn after a final "
+            "assistant message instead of continuing it)",
+            default_shown=False))
     price: PriceSettings | None = field(default=None, metadata=section(
         PriceSettings, "USD per million tokens (input, cached_input, output); absent: its "
         "requests are not priced"))
@@ -389,6 +435,8 @@ class BackendSettings(Checked):
             self._set("sim", SimProfile())
         if self.auth is None:
             self._set("auth", DEFAULT_AUTH[self.provider])
+        if self.continuation is None:
+            self._set("continuation", "none" if self.provider == "openai" else "prefill")
         if not self.anthropic_version:
             self._set("anthropic_version",
                       CLOUD_ANTHROPIC_VERSIONS.get(self.provider, "2023-06-01"))

@@ -28,6 +28,8 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `panic_total` | counter | pool | requests whose backend choice ran in panic mode |
 | `affinity_total` | counter | pool, result | how affinity chose the primary: hit, spill, miss |
 | `headroom_skips_total` | counter | pool, backend | choices that left it out: low quota headroom |
+| `continuations_total` | counter | pool, backend, event | after commit, by event (below) |
+| `continuations_refused_total` | counter | pool, reason | continuations not started, by reason |
 | `refused_no_backend_total` | counter | pool | requests refused untried: no backend had room |
 | `losers_cancelled_total` | counter | pool | attempts cancelled because another won |
 | `loser_events_after_commit_total` | counter | pool | events losers read after commit |
@@ -54,6 +56,11 @@ Metrics (all prefixed `hedge_gateway_`; counters end in `_total`):
 | `hedge_delay_seconds` | gauge | pool, backend | hedge delay in force |
 | `backend_state` | gauge | pool, backend, state | 1 for the current state (ok/ejected/paused/low) |
 | `backend_headroom` | gauge | pool, backend | least share of a quota left (when headers told) |
+
+`continuations_total`'s `event`: `started` and `won` count continuations sent to the backend
+and those that gave the client its next token; `stall`, `break_continued` and `break_ended`
+count the backend's own streams that stalled, broke and were continued elsewhere, or broke
+and ended with the in-band error.
 """
 
 from __future__ import annotations
@@ -83,6 +90,10 @@ Reading = tuple[Stats, Mapping[str, Mapping[str, Any]]]
 
 PREFIX = "hedge_gateway_"
 KINDS = ("primary", "hedge", "failover")
+#: the `event` label of `continuations_total`, and the counter each reads
+CONTINUATION_EVENTS = (("started", "continuations.started"), ("won", "continuations.won"),
+                       ("stall", "stalls"), ("break_continued", "breaks.continued"),
+                       ("break_ended", "breaks.ended"))
 OUTCOMES = ("won", "lost", "failed", "cancelled")
 STATES = ("ok", "ejected", "paused", "low")
 
@@ -193,6 +204,21 @@ class GatewayCollector(Collector):
                 for key, value in sorted(bc.items()):
                     if key.startswith("failure.") and value > 0:
                         failures.add_metric([pool, backend, key[8:]], value)
+        continued = _counter("continuations", "After commit, per backend: continuations "
+                             "started and won there, streams that stalled, broke and were "
+                             "continued, broke and ended with an error.",
+                             ["pool", "backend", "event"])
+        not_continued = _counter("continuations_refused", "Continuations not started, by "
+                                 "reason.", ["pool", "reason"])
+        for pool, ps in stats.pools.items():
+            c = ps.counts.lifetime
+            for key, value in sorted(c.items()):
+                if key.startswith("continuations.refused."):
+                    not_continued.add_metric([pool, key[22:]], value)
+            for backend, bs in ps.backends.items():
+                bc = bs.counts.lifetime
+                for event, key in CONTINUATION_EVENTS:
+                    continued.add_metric([pool, backend, event], bc[key])
         bugs = _counter("internal_errors", "Exceptions of ours on the request path.", [])
         bugs.add_metric([], stats.internal_errors)
         objectives = _counter("key_objectives", "Requests of a named key with a TTFT "
@@ -207,7 +233,8 @@ class GatewayCollector(Collector):
             deadline.add_metric([key, "refused"], counts["deadline_refused"])
         yield from (requests, routes, translated, attempts, started, won, suppressed, failovers,
                     panic, affinity, skips, refused, losers, late, censored, failures, tokens,
-                    hedge_cost, hedge_miss, spend, key_spend, bugs, objectives, deadline)
+                    hedge_cost, hedge_miss, spend, key_spend, continued, not_continued, bugs,
+                    objectives, deadline)
 
     def _latencies(self, stats: Stats) -> Iterator[Metric]:
         attempt = HistogramMetricFamily(

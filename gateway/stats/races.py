@@ -6,7 +6,8 @@
 `outcome` (`ok` or the error class), `ttft_ms` (client-observed), `total_ms`, `winner` (index
 of the winning attempt or null), and `attempts`: [{`backend`, `kind`, `start_ms` (from the
 request's arrival), `end_ms` (its first token, or when it was cancelled, failed or abandoned),
-`outcome`, `reason`}]. So a person sees a hedge overtake a straggler. No prompt, body or key.
+`outcome`, `reason`}], a continuation's attempt after the race's own (kind `continuation`).
+So a person sees a hedge overtake a straggler. No prompt, body or key.
 
 Under `serve --workers N` each worker's last races travel in its mergeable export
 (`gateway.stats.merge`) with `at`, the arrival on the host's monotonic clock, in place of `t`,
@@ -56,6 +57,9 @@ class RecentRaces:
         start = summary.started
         end = summary.ended if summary.ended is not None else start
         winner = summary.winner
+        attempts = list(summary.attempts)
+        if summary.continuations is not None:  # after commit, on the same timeline
+            attempts += summary.continuations.records
         self._races.append({
             "id": summary.request_id,
             "pool": summary.pool,
@@ -74,7 +78,7 @@ class RecentRaces:
                     "outcome": a.outcome,
                     "reason": a.reason,
                 }
-                for a in summary.attempts
+                for a in attempts
             ],
         })
 

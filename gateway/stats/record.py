@@ -40,7 +40,7 @@ from providers.base import ENDPOINTS
 ROUTES: tuple[str, ...] = ENDPOINTS
 
 if TYPE_CHECKING:
-    from gateway.hedge.attempt import AttemptRecord
+    from gateway.hedge.attempt import AttemptRecord, ContinuationCounts
     from gateway.hedge.pool import PoolRuntime
 
 WINDOW = 60.0
@@ -297,6 +297,8 @@ class Stats:
             skipped = pool.backends.get(name)
             if skipped is not None:
                 skipped.counts.add(Counter(headroom_skips=skips), now)
+        if summary.continuations:
+            self._record_continuations(pool, summary.continuations, pc, now)
         self.races.add(summary, outcome)
         pc[f"route.{route_label(summary.endpoint)}"] += 1
         for reason in summary.suppressed:
@@ -331,6 +333,27 @@ class Stats:
             if summary.key is not None:  # a named key: names are bounded by the keys
                 pc[f"{KEY_SPEND}{summary.key}"] += micro
         pool.counts.add(pc, now)
+
+    def _record_continuations(self, pool: PoolStats, counts: ContinuationCounts,
+                              pc: Counter[str], now: float) -> None:
+        """What a request's continuations did: per pool, and per backend (a continuation's
+        start and win on the backend it went to; a break or a stall on the one that had it)."""
+        per_backend: dict[str, Counter[str]] = {}
+        for key, counter in (("continuations.started", counts.started),
+                             ("continuations.won", counts.won),
+                             ("breaks.continued", counts.breaks_continued),
+                             ("breaks.ended", counts.breaks_ended),
+                             ("stalls", counts.stalls)):
+            for backend, n in counter.items():
+                pc[key] += n
+                per_backend.setdefault(backend, Counter())[key] += n
+        for reason, n in counts.refused.items():
+            pc[f"continuations.refused.{reason}"] += n
+        pc["continuations.input_tokens"] += counts.input_tokens
+        for backend, bc in per_backend.items():
+            stats = pool.backends.get(backend)
+            if stats is not None:
+                stats.counts.add(bc, now)
 
     def _record_key(self, key: str, summary: RequestSummary) -> None:
         """A named key's request with an objective: met or missed, and its deadline

@@ -33,6 +33,9 @@ The line of a request that reached a pool goes on with: `pool`, `endpoint`, `str
 `hedge_input_tokens` (input tokens paid again by extra attempts), `cost_usd` (what the
 request cost at its backends' prices, its losing attempts included; null when none of them is
 priced: docs/tenants.md),
+`continuations` (null when the stream had none: else, by backend, `started`, `won`,
+`breaks_continued`, `breaks_ended`, `stalls`, `refused` by reason, and `input_tokens`
+resent),
 `attempts`: [{`backend`, `kind`, `start_ms` (from the request's start),
 `ttft_ms` (from the attempt's start; for a cancelled attempt its elapsed time then),
 `outcome`, `failure`, `reason`, `close_ms`, `late_events`}], and for a request of a named
@@ -47,7 +50,7 @@ import json
 import logging
 from typing import Any
 
-from gateway.hedge.attempt import AttemptRecord
+from gateway.hedge.attempt import AttemptRecord, ContinuationCounts
 from gateway.stats.loggable import loggable_path
 from gateway.stats.record import hedge_input_tokens, request_class
 from gateway.stats.summary import RequestSummary
@@ -74,6 +77,17 @@ def _attempt(a: AttemptRecord, start: float) -> dict[str, Any]:
         "close_ms": _ms(a.close_s),
         "late_events": a.late_events,
     }
+
+
+def _continuations(counts: ContinuationCounts | None) -> dict[str, Any] | None:
+    """A request's continuations after commit, when it had any (None: none, or none
+    possible): to which backends, which won, why not, and what broke or stalled."""
+    if not counts:
+        return None
+    return {"started": dict(counts.started), "won": dict(counts.won),
+            "refused": dict(counts.refused), "breaks_continued": dict(counts.breaks_continued),
+            "breaks_ended": dict(counts.breaks_ended), "stalls": dict(counts.stalls),
+            "input_tokens": counts.input_tokens}
 
 
 def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> dict[str, Any]:
@@ -105,6 +119,7 @@ def request_record(summary: RequestSummary, error_classes: frozenset[str]) -> di
         "usage": None if summary.usage is None else {
             "input": summary.usage.input, "output": summary.usage.output},
         "hedge_input_tokens": hedge_input_tokens(summary),
+        "continuations": _continuations(summary.continuations),
         "cost_usd": None if summary.cost is None else round(summary.cost, DECIMALS),
         "attempts": [_attempt(a, summary.started) for a in summary.attempts],
     }

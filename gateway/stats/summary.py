@@ -13,7 +13,7 @@ from gateway.wire.base import StreamEnd
 from gateway.wire.usage import Usage
 
 if TYPE_CHECKING:
-    from gateway.hedge.attempt import AttemptRecord
+    from gateway.hedge.attempt import AttemptRecord, ContinuationCounts
     from gateway.hedge.race import RaceResult
 
 
@@ -59,6 +59,8 @@ class RequestSummary:
     headroom_skips: Sequence[str] = ()
     #: the request's estimated input, all of it and at its conversation's home (None: unknown)
     size: RequestSize | None = None
+    #: what its continuations did after commit (None: it could have none)
+    continuations: ContinuationCounts | None = None
     #: what the request cost in US dollars, its losing attempts included (None: not priced);
     #: set by the request's end (`gateway.stats.spend`)
     cost: float | None = None

@@ -55,6 +55,12 @@ sent a request with a TTFT objective, lifetime: `objectives_met`, `objectives_mi
 | `<scope>.affinity` | `hits`: primary first in its key's order; `spills`: a later one; `misses` |
 | `<scope>.headroom_skips` | backends left out of a choice for low quota headroom, once per choice |
 | `<scope>.empty_answers` | requests answered by a stream that ended normally without a token |
+| `<scope>.continuations.started` / `.won` | continuations started; those that won |
+| `<scope>.continuations.stalls` | streams without a token for their stall delay |
+| `<scope>.continuations.breaks_continued` | streams that broke after commit, continued |
+| `<scope>.continuations.breaks_ended` | the same, ended with the in-band error |
+| `<scope>.continuations.refused.<reason>` | continuations not started, by reason |
+| `<scope>.continuations.input_tokens` | input tokens the continuations resent (as priced) |
 | `<scope>.refused_no_backend` | requests refused untried: no backend could take them (503) |
 | `<scope>.routes.<route>` | requests per route (`chat/completions`, `responses`, `messages`, ...) |
 | `<scope>.translated.<name>` | requests a backend of another API answered (`chat->messages`) |
@@ -87,6 +93,10 @@ sent a request with a TTFT objective, lifetime: `objectives_met`, `objectives_mi
 | `<scope>.won` / `.lost` / `.failed` / `.cancelled` | the same, by outcome |
 | `<scope>.hedges_won` | hedges on this backend that won |
 | `<scope>.headroom_skips` | choices that left it out for low quota headroom |
+| `<scope>.continuations.started` / `.won` | continuations sent to it; those that won |
+| `<scope>.continuations.stalls` | its streams that stalled after commit |
+| `<scope>.continuations.breaks_continued` | its streams that broke, continued elsewhere |
+| `<scope>.continuations.breaks_ended` | its streams that broke, ended with an error |
 | `<scope>.ttft_ms.p50/p90/p95/p99` / `.count` | attempt TTFT (own start), attempts with a token |
 | `<scope>.ttft_censored` | attempts cancelled before a token; kept out of `ttft_ms` |
 | `<scope>.failures.<code>` | failed attempts by failure code (`unavailable`, ...) |
@@ -253,6 +263,12 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
                                        + c["affinity.spill"] + c["affinity.miss"])},
         "empty_answers": c["empty_answers"],
         "headroom_skips": c["headroom_skips"],
+        "continuations": {
+            **_continuations(c),
+            "input_tokens": c["continuations.input_tokens"],
+            "refused": {k[len(_REFUSED):]: v for k, v in sorted(c.items())
+                        if k.startswith(_REFUSED) and v > 0},
+        },
         "refused_no_backend": c[f"outcome.{NoBackendAvailable.code}"],
         "tokens": {
             "input": c["tokens.input"],
@@ -271,6 +287,17 @@ def pool_view(ps: PoolStats, scope: str, now: float, known: frozenset[str]) -> d
                      if k.startswith(KEY_SPEND)},
         },
     }
+
+
+_REFUSED = "continuations.refused."
+
+
+def _continuations(c: Mapping[str, int]) -> dict[str, int]:
+    """After commit: stalls seen, continuations started and won, breaks continued or ended
+    with the in-band error."""
+    return {"started": c["continuations.started"], "won": c["continuations.won"],
+            "stalls": c["stalls"], "breaks_continued": c["breaks.continued"],
+            "breaks_ended": c["breaks.ended"]}
 
 
 def backend_live(runtime: PoolRuntime, name: str, now: float) -> dict[str, Any]:
@@ -328,6 +355,7 @@ def backend_view(bs: BackendStats, live: Mapping[str, Any] | None, now: float) -
             "cancelled": c["outcome.cancelled"],
             "hedges_won": c["hedges_won"],
             "headroom_skips": c["headroom_skips"],
+            "continuations": _continuations(c),
             "ttft_ms": bs.ttft.view_ms(scope, QUANTILES, now),
             "ttft_censored": c["ttft_censored"],
             "failures": {

@@ -24,7 +24,7 @@ from typing import Any
 from gateway.wire.sse import encode_event
 from providers.base import Endpoint
 from providers.sim.embeddings import embeddings_body
-from providers.sim.wire import DONE, MIDSTREAM_ERROR, SimPlan, Sleep, wire_json
+from providers.sim.wire import DONE, MIDSTREAM_ERROR, SimPlan, Sleep, before_token, wire_json
 
 _MARKER = "\x00"
 _MARKER_JSON = json.dumps(_MARKER).encode()
@@ -110,6 +110,8 @@ async def sim_payloads(
     delay = plan.ttft
     for i, piece in enumerate(plan.tokens):
         await sleep(delay)
+        if i:
+            await before_token(plan, i, sleep)
         if i == plan.midstream_error_after:
             yield wire_json(MIDSTREAM_ERROR)
             return

@@ -16,7 +16,7 @@ import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from providers.sim.wire import Event, SimPlan, Sleep, named_event
+from providers.sim.wire import Event, SimPlan, Sleep, before_token, named_event
 
 
 def stop_reason(plan: SimPlan) -> str:
@@ -64,6 +64,8 @@ async def messages_stream(
     delay = plan.ttft
     for i, piece in enumerate(plan.tokens):
         await sleep(delay)
+        if i:
+            await before_token(plan, i, sleep)
         if i == plan.midstream_error_after:
             yield named_event("error", error)
             return

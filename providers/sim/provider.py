@@ -15,7 +15,12 @@ import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 
-from gateway.errors import UpstreamRejectedRequest, UpstreamStatusError, UpstreamTimeout
+from gateway.errors import (
+    UpstreamDisconnected,
+    UpstreamRejectedRequest,
+    UpstreamStatusError,
+    UpstreamTimeout,
+)
 from gateway.settings import BackendSettings, SimProfile
 from gateway.wire.explain import explain
 from gateway.wire.sse import SSEBatch, SSEEvent
@@ -26,9 +31,11 @@ from providers.sim.quota import SimQuota, refusal
 from providers.sim.validate import check_request, error_answer
 from providers.sim.wire import (
     TTFT_HEADER,
+    SimBreak,
     SimModel,
     SimPlan,
     Sleep,
+    parse_fault_headers,
     parse_ttft_override,
     retry_after_for,
     wire_json,
@@ -73,6 +80,12 @@ class _SimStream:
                 if self._closed:
                     return
         except _Closed:
+            return
+        except SimBreak as exc:
+            # what the HTTP client makes of each break: a reset is a disconnect; a body
+            # that ends early, or inside an event (which the decoder drops), just ends
+            if exc.kind == "reset":
+                raise UpstreamDisconnected("simulated connection reset mid-stream") from None
             return
 
     async def _sleep(self, delay: float) -> None:
@@ -179,13 +192,15 @@ class SimProvider:
     async def _open(self, call: UpstreamCall) -> UpstreamStream:
         try:
             override = parse_ttft_override(call.extra_headers.get(TTFT_HEADER))
+            faults = parse_fault_headers(call.extra_headers)
         except ValueError:
             raise UpstreamStatusError.of(400) from None
         rejection = check_request(call.endpoint, call.body)
         if rejection is not None:  # what the real API refuses, in its words (as over HTTP)
             raise UpstreamRejectedRequest(400, explanation=explain(
                 wire_json(error_answer(call.endpoint, 400, rejection))))
-        plan = self.model.plan(call.body, endpoint=call.endpoint, ttft_override=override)
+        plan = self.model.plan(call.body, endpoint=call.endpoint, ttft_override=override,
+                               faults=faults)
         if plan.status != 200:
             raise UpstreamStatusError.of(plan.status, retry_after=retry_after_for(plan.status))
         created = int(time.time())

@@ -18,7 +18,7 @@ import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from providers.sim.wire import Event, SimPlan, Sleep, named_event
+from providers.sim.wire import Event, SimPlan, Sleep, before_token, named_event
 
 
 def _usage(plan: SimPlan) -> dict[str, Any]:
@@ -101,6 +101,8 @@ async def responses_stream(
     delay = plan.ttft
     for i, piece in enumerate(plan.tokens):
         await sleep(delay)
+        if i:
+            await before_token(plan, i, sleep)
         if i == plan.midstream_error_after:
             yield ev("error", code="server_error", message="simulated failure", param=None)
             return

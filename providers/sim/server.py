@@ -45,8 +45,10 @@ from providers.sim.quota import SimQuota
 from providers.sim.validate import Rejection, check_request, error_answer
 from providers.sim.wire import (
     TTFT_HEADER,
+    SimBreak,
     SimModel,
     SimPlan,
+    parse_fault_headers,
     parse_ttft_override,
     retry_after_for,
 )
@@ -64,6 +66,8 @@ class SimStats:
     streams_completed: int = 0
     #: streams that ended with a simulated in-band error
     streams_errored: int = 0
+    #: streams the plan broke mid-stream (reset, closed early, a half event)
+    streams_broken: int = 0
     #: streams the client dropped before their end (including every hang)
     streams_closed_early: int = 0
     open_streams: int = 0
@@ -75,6 +79,10 @@ class SimStats:
     def add_usage(self, plan: SimPlan) -> None:
         self.usage_input_tokens += plan.prompt_tokens
         self.usage_output_tokens += len(plan.tokens)
+
+
+#: what a `malformed` break writes before the body ends: an event cut in half
+_HALF_EVENT = b'data: {"id":"cut-in-half","choices":[{"ind'
 
 
 def _error(status: int, message: str | Rejection, endpoint: str = "") -> Response:
@@ -145,12 +153,22 @@ class _SimStream(StreamingResponse):
         watcher = asyncio.ensure_future(until_disconnect())
         stats.streams_started += 1
         stats.open_streams += 1
-        finished = False
+        finished = broken = False
         try:
-            async with aclosing(self._events) as events:
-                async for chunk in events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            finished = True
+            try:
+                async with aclosing(self._events) as events:
+                    async for chunk in events:
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})
+                finished = True
+            except SimBreak as exc:  # the plan breaks the stream here, as `kind` says
+                broken = True
+                stats.streams_broken += 1
+                if exc.kind == "reset":  # the server drops the connection mid-body
+                    raise
+                if exc.kind == "malformed":  # half an event, then the body ends
+                    await send({"type": "http.response.body", "body": _HALF_EVENT,
+                                "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
@@ -161,7 +179,9 @@ class _SimStream(StreamingResponse):
             # `receive`) is not taken for a disconnect
             watcher.cancel()
             stats.open_streams -= 1
-            if not finished:
+            if broken:
+                pass
+            elif not finished:
                 stats.streams_closed_early += 1
             elif self._plan.midstream_error_after is not None:
                 stats.streams_errored += 1
@@ -196,12 +216,13 @@ class _SimServer:
             return _error(400, "the body must be a JSON object", endpoint)
         try:
             override = parse_ttft_override(request.headers.get(TTFT_HEADER))
+            faults = parse_fault_headers(request.headers)
         except ValueError as exc:
             return _error(400, str(exc), endpoint)
         rejection = check_request(endpoint, body)
         if rejection is not None:
             return _error(400, rejection, endpoint)
-        plan = self.model.plan(body, endpoint=endpoint, ttft_override=override)
+        plan = self.model.plan(body, endpoint=endpoint, ttft_override=override, faults=faults)
         if plan.status != 200:
             self.stats.faults += 1
             return _error(plan.status, "simulated failure", endpoint)

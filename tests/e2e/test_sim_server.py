@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -163,3 +164,38 @@ async def test_real_server_hang_is_counted_when_the_client_leaves() -> None:
         # a hanging non-streaming request ends with its client, not with the server
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/chat/completions", json={**CHAT, "stream": False}, timeout=0.1)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/messages", {**CHAT, "max_tokens": 100}),
+    ("/v1/responses", {"model": "m", "input": "hello there", "stream": True}),
+])
+async def test_real_server_breaks_mid_stream_by_header(path: str, body: dict[str, object]
+                                                       ) -> None:
+    """Each break kind by header on each API, over HTTP: ten tokens, then the break (the
+    connection dropped mid-body, a body ended without its end event, half an event, or an
+    error event), counted as broken; a continuation past the break point is not broken."""
+    profile = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
+                         inter_token=0.0)
+    async with serve(profile) as base, httpx.AsyncClient(base_url=base) as http:
+        for n, kind in enumerate(("reset", "closed", "malformed", "error"), start=1):
+            raw = b""
+            headers = {"x-sim-break-at": "10", "x-sim-break": kind}
+            try:
+                async with http.stream("POST", path, json=body, headers=headers) as response:
+                    async for piece in response.aiter_bytes():
+                        raw += piece
+                dropped = False
+            except httpx.RemoteProtocolError:
+                dropped = True
+            assert dropped == (kind == "reset")
+            assert len(re.findall(rb"tok\d+ ", raw)) == 10 and b"tok10" not in raw
+            assert b"[DONE]" not in raw and b"message_stop" not in raw \
+                and b"response.completed" not in raw
+            if kind == "malformed":
+                assert not raw.endswith(b"\n\n")
+            if kind == "error":
+                assert b"error" in raw.rsplit(b"tok9", 1)[1]
+            else:
+                await wait_for_stats(base, "streams_broken", n)

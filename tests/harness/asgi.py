@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 
 class _ThreadFriendlyServer(uvicorn.Server):
@@ -141,3 +141,17 @@ async def wait_for_sim_stats(base: str, key: str, value: int) -> dict[str, int]:
                 return stats
             await asyncio.sleep(0.01)
     raise AssertionError(f"{key} never reached {value}: {stats}")
+
+
+def with_request_headers(app: ASGIApp, headers: dict[str, str]) -> ASGIApp:
+    """`app`, seeing `headers` on every HTTP request as if the client had sent them: a
+    simulator behind the gateway gets its per-request fault headers (`x-sim-break-at`...),
+    which the gateway never forwards."""
+    extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope = {**scope, "headers": [*scope["headers"], *extra]}
+        await app(scope, receive, send)
+
+    return wrapped

@@ -252,6 +252,31 @@ def test_fixed_delay() -> None:
     assert (delay.mode, delay.value) == ("fixed", 0.25)
 
 
+def test_stall_settings_and_continuation_defaults_by_provider() -> None:
+    """`hedging.stall` per pool and `continuation` per backend, with each provider's default:
+    OpenAI does not continue an answer, the Messages providers and the simulator prefill."""
+    settings = parse(pool_with(
+        "hedging: {stall: {min: 500ms, max: 10s, max_continuations: 1}}\n"
+        "backends:\n"
+        '  - {name: o, base_url: "http://127.0.0.1:9001/v1"}\n'
+        '  - {name: v, base_url: "http://127.0.0.1:9002/v1", '
+        "continuation: continue_final_message}\n"
+        '  - {name: a, provider: anthropic, base_url: "http://127.0.0.1:9003"}\n'
+        "  - {name: s, provider: sim}\n"))
+    pool = settings.pools[0]
+    stall = pool.hedging.stall
+    assert (stall.enabled, stall.min, stall.max, stall.max_continuations) == (
+        True, 0.5, 10.0, 1)
+    assert [b.continuation for b in pool.backends] == [
+        "none", "continue_final_message", "prefill", "prefill"]
+    assert "continuations on 3 of 4 backends, at most 1" in describe_pools(settings)[0]
+    assert any("min" in e for e in errors(pool_with(
+        "hedging: {stall: {min: 40s, max: 30s}}\n" + ONE_BACKEND)))
+    assert errors(pool_with('backends: [{name: a, base_url: "http://127.0.0.1:9/v1", '
+                            "continuation: resume}]\n"))
+    assert "continuations off (no backend continues" in describe_pools(parse(MINIMAL))[0]
+
+
 # --------------------------------------------------------------------------- values
 
 

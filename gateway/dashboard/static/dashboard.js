@@ -171,7 +171,7 @@
     box.appendChild(svg);
     const legend = el("div", { class: "legend" });
     for (const [kind, color] of [["primary", "#3b6fd8"], ["hedge", "#e07b1f"],
-      ["failover", "#8a5cc7"]]) {
+      ["failover", "#8a5cc7"], ["continuation", "#2a9d8f"]]) {
       const item = el("span", {});
       const swatch = el("i", {});
       swatch.style.background = color;

@@ -1,0 +1,360 @@
+"""A stream that breaks after commit is continued on another backend: the client reads one
+answer. Real sockets: loopback simulators (which break at token 10 in each way a real
+upstream does, and continue a final assistant message honestly), the gateway under uvicorn,
+the official SDKs as clients. Each test ends with the automatic leak check."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Literal
+
+import anthropic
+import httpx
+import openai
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute
+from gateway.app import create_app
+from gateway.settings import (
+    BackendSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    Settings,
+    SimProfile,
+    StallSettings,
+)
+from gateway.stats.requestlog import LOGGER_NAME
+from gateway.stats.tracing import Tracing
+from providers.sim.server import create_sim_app
+from tests.e2e.test_route_matrix import STREAM_ENDS
+from tests.harness import AsgiServerFactory, RunningServer
+from tests.harness.asgi import with_request_headers
+from tests.harness.bodies import smallest_body
+from tests.harness.limits_kit import wait_for
+
+POOL = "pool"
+TOKENS = 30
+PROFILE = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
+                     tokens=TOKENS, inter_token=0.0, usage=False)
+WHOLE = "".join(f"tok{i} " for i in range(TOKENS))
+KINDS = ("reset", "closed", "malformed", "error")
+QUESTION: Any = [{"role": "user", "content": "hello there"}]
+
+
+def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings | None = None,
+            faults: dict[str, str] | None = None, tracing: Tracing | None = None,
+            style: Literal["prefill", "continue_final_message"] = "prefill",
+            ) -> tuple[list[RunningServer], RunningServer]:
+    """Two loopback simulators that break every fresh answer before token 10 (`kind`; or
+    do what `faults` say), behind an OpenAI-compatible and an Anthropic backend each,
+    continuing by prefill; no hedge before 5 s, so the first backend is the only attempt
+    until it breaks."""
+    faults = faults or {"x-sim-break-at": "10", "x-sim-break": kind}
+    sims = [asgi_server(with_request_headers(create_sim_app(PROFILE, seed=i), faults))
+            for i in range(2)]
+    backends = [backend for i, sim in enumerate(sims) for backend in (
+        BackendSettings(name=f"o{i}", provider="openai", base_url=sim.v1, model="m",
+                        group=f"g{i}", continuation=style),
+        BackendSettings(name=f"a{i}", provider="anthropic", base_url=sim.base_url,
+                        model="m", group=f"g{i}"))]
+    hedging = HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0),
+                              stall=stall or StallSettings())
+    # each API to its own backends: an answer reached by translation is not continued
+    pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0,
+                        translate=False)
+    return sims, asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2,
+                                                      tracing=tracing))
+
+
+def stats(gw: RunningServer) -> dict[str, Any]:
+    answer: dict[str, Any] = httpx.get(gw.url("/hedge/stats"), timeout=5.0).json()
+    return answer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_chat_stream_broken_after_ten_tokens_reads_as_one_answer(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """The first ten tokens, then the continuation's: one id, one model, one role, one
+    finish reason, the whole answer's usage, and `[DONE]` once."""
+    _, gw = gateway(asgi_server, kind)
+    text, ids, models, roles, finishes, usage = "", set(), set(), 0, [], None
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=QUESTION, stream=True,
+            stream_options={"include_usage": True}))
+    for chunk in chunks:
+        ids.add(chunk.id)
+        models.add(chunk.model)
+        for choice in chunk.choices:
+            assert choice.index == 0
+            text += choice.delta.content or ""
+            roles += choice.delta.role is not None
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+        usage = chunk.usage or usage
+    assert text == WHOLE
+    assert len(ids) == 1 and models == {"m"} and roles == 1 and finishes == ["stop"]
+    assert usage is not None and usage.completion_tokens == TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_messages_stream_broken_after_ten_tokens_reads_as_one_answer(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """Anthropic's SDK reads one message: one message_start, one text block, one stop."""
+    _, gw = gateway(asgi_server, kind)
+    names: list[str] = []
+    with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as client, \
+            client.messages.stream(model=POOL, max_tokens=100,
+                                   messages=QUESTION) as stream:
+        for event in stream:
+            names.append(event.type)
+        message = stream.get_final_message()
+    assert [b.type for b in message.content] == ["text"]
+    assert "".join(getattr(b, "text", "") for b in message.content) == WHOLE
+    assert message.stop_reason == "end_turn" and message.usage.output_tokens == TOKENS
+    assert names.count("message_start") == 1 and names.count("message_stop") == 1
+    assert names.count("content_block_start") == 1
+
+
+def test_raw_bytes_repeat_no_event_and_the_continuation_is_counted(
+        asgi_server: AsgiServerFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """On the wire: ten tokens from one backend and the rest from the other, each token
+    once, one role chunk, one finish chunk, one `[DONE]`. Then the break and the
+    continuation are counted per pool and backend in /hedge/stats, /metrics and the
+    request's log line."""
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    _, gw = gateway(asgi_server, "reset")
+    body = {"model": POOL, "messages": QUESTION, "stream": True}
+    raw = httpx.post(gw.url("/v1/chat/completions"), json=body, timeout=10.0).text
+    datas = [line[6:] for line in raw.split("\n") if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]" and datas.count("[DONE]") == 1
+    chunks = [json.loads(d) for d in datas[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert sum("role" in d for d in deltas) == 1
+    assert [d["content"] for d in deltas if d.get("content")] == \
+        [f"tok{i} " for i in range(TOKENS)]
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 1
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    doc = stats(gw)["pools"][POOL]
+    counted = dict(doc["lifetime"]["continuations"])
+    assert counted.pop("input_tokens") >= 10  # the request's input and the 10 tokens relayed
+    assert counted == {"started": 1, "won": 1, "stalls": 0, "breaks_continued": 1,
+                       "breaks_ended": 0, "refused": {}}
+    by_backend = {name: b["lifetime"]["continuations"] for name, b in doc["backends"].items()}
+    broke = [n for n, c in by_backend.items() if c["breaks_continued"] == 1]
+    took = [n for n, c in by_backend.items() if c["won"] == 1]
+    assert len(broke) == 1 and len(took) == 1 and broke != took
+    metrics = httpx.get(gw.url("/metrics"), timeout=5.0).text
+    assert (f'hedge_gateway_continuations_total{{backend="{took[0]}",event="won",'
+            f'pool="{POOL}"}} 1.0') in metrics
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
+    assert lines[-1]["continuations"]["breaks_continued"] == {broke[0]: 1}
+    assert lines[-1]["continuations"]["won"] == {took[0]: 1}
+    # the dashboard's timeline: the continuation's bar after the race's own
+    (race,) = httpx.get(gw.url("/hedge/races"), timeout=5.0).json()["races"]
+    assert [(a["kind"], a["backend"], a["outcome"]) for a in race["attempts"]] == [
+        ("primary", broke[0], "won"), ("continuation", took[0], "won")]
+    assert race["attempts"][1]["start_ms"] >= race["attempts"][0]["end_ms"]
+
+
+def test_with_continuations_off_a_break_is_the_in_band_error(
+        asgi_server: AsgiServerFactory) -> None:
+    """`hedging.stall.enabled: false`: the break ends the answer with an error, as before."""
+    _, gw = gateway(asgi_server, "reset", stall=StallSettings(enabled=False))
+    text = ""
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client, \
+            pytest.raises(openai.APIError):
+        for chunk in client.chat.completions.create(
+                model=POOL, messages=QUESTION, stream=True):
+            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    assert text == "".join(f"tok{i} " for i in range(10))
+
+
+def test_a_stream_stalled_after_ten_tokens_is_raced_by_a_continuation(
+        asgi_server: AsgiServerFactory) -> None:
+    """A stall of 30 s before token 10: once no token has come for the stall delay, a
+    continuation starts on the other backend while the stalled stream stays open; the
+    continuation's token comes first, so it wins and the stalled stream is closed. The
+    client reads the whole answer once, long before the stall would have ended."""
+    sims, gw = gateway(asgi_server, "", stall=StallSettings(min=0.2, max=1.0),
+                       faults={"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"})
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0, timeout=10.0) as client:
+        chunks = list(client.chat.completions.create(model=POOL, messages=QUESTION,
+                                                     stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks
+                if c.choices and c.choices[0].finish_reason]
+    assert text == WHOLE and finishes == ["stop"] and len({c.id for c in chunks}) == 1
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert (counted["stalls"], counted["started"], counted["won"]) == (1, 1, 1)
+    assert counted["breaks_continued"] == counted["breaks_ended"] == 0
+    # the stalled stream was closed by the gateway, not waited out
+    closed = [httpx.get(sim.url("/sim/stats"), timeout=5.0).json()["streams_closed_early"]
+              for sim in sims]
+    assert sorted(closed) == [0, 1]
+
+
+def test_a_tool_call_broken_mid_arguments_is_not_continued(
+        asgi_server: AsgiServerFactory) -> None:
+    """Only text is continued: a stream cut inside a tool call's arguments ends with the
+    in-band error, as without continuations, and the refusal is counted (`not_text`)."""
+    _, gw = gateway(asgi_server, "closed", faults={"x-sim-break-at": "3",
+                                                   "x-sim-break": "closed"})
+    tool: Any = {"type": "function", "function": {
+        "name": "lookup", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"]}}}
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client, \
+            pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(model=POOL, messages=QUESTION, stream=True,
+                                                tools=[tool], tool_choice="required"):
+            pass
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert counted["refused"] == {"not_text": 1} and counted["started"] == 0
+    assert counted["breaks_ended"] == 1 and counted["breaks_continued"] == 0
+
+
+CONTINUED_ENDPOINTS = frozenset({"chat/completions", "messages"})
+STREAMED_ROUTES = [pytest.param(r, id=f"{r.method} {r.path}")
+                   for r in INFERENCE_ROUTES if r.streams and not r.stored]
+
+
+@pytest.mark.parametrize("route", STREAMED_ROUTES)
+def test_every_streamed_route_continues_or_says_it_was_cut(
+        asgi_server: AsgiServerFactory, route: InferenceRoute) -> None:
+    """The route table, streamed, each stream reset after 4 tokens: chat and Messages read
+    as the whole answer ending once; every other route (legacy completions; the Responses
+    API's smallest body, which stores its response) ends with its in-band error after the 4
+    tokens, never cleanly."""
+    _, gw = gateway(asgi_server, "reset", faults={"x-sim-break-at": "4"})
+    body = smallest_body(route, POOL, stream=True)
+    assert body is not None
+    if "max_tokens" in body:
+        body["max_tokens"] = 100
+    raw = httpx.post(gw.url(route.path), json=body, timeout=10.0).text
+    tokens = re.findall(r"tok\d+ ", raw.split("response.output_text.done")[0])
+    end = STREAM_ENDS[route.endpoint]
+    if route.endpoint in CONTINUED_ENDPOINTS:
+        assert tokens == [f"tok{i} " for i in range(TOKENS)]
+        assert raw.count(end) == 1
+    else:
+        assert tokens == [f"tok{i} " for i in range(4)]
+        assert end not in raw and "error" in raw.rsplit("tok3 ", 1)[1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_responses_stream_broken_after_ten_tokens_reads_as_one_answer(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """The Responses API (`store: false`: nothing stored to fork): one response, one message
+    item, sequence numbers 0, 1, 2... without a gap or a repeat, the whole text in the final
+    response and its usage counting every output token once."""
+    _, gw = gateway(asgi_server, kind)
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        events = list(client.responses.create(model=POOL, input="hello there", stream=True,
+                                              store=False))
+    types = [e.type for e in events]
+    assert types.count("response.created") == 1 and types.count("response.completed") == 1
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == WHOLE
+    items = {getattr(e, "item_id", None) for e in events} - {None}
+    assert len(items) == 1
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == WHOLE and final.id == events[0].response.id  # type: ignore[union-attr]
+    assert final.usage is not None and final.usage.output_tokens == TOKENS
+
+
+def test_a_continuation_is_its_own_span_in_the_requests_trace(
+        asgi_server: AsgiServerFactory) -> None:
+    """The broken primary keeps its span and outcome; the continuation is a second attempt
+    span of kind `continuation` on the other backend, under the same request span."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    _, gw = gateway(asgi_server, "reset", tracing=Tracing(provider))
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(model=POOL, messages=QUESTION,
+                                                     stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == WHOLE
+    assert wait_for(lambda: len(exporter.get_finished_spans()) >= 3)
+    spans = exporter.get_finished_spans()
+    (request,) = [s for s in spans if s.name == "hedge_gateway.request"]
+    attempts = [dict(s.attributes or {}) for s in spans if s.name == "hedge_gateway.attempt"]
+    assert sorted(str(a["kind"]) for a in attempts) == ["continuation", "primary"]
+    primary = next(a for a in attempts if a["kind"] == "primary")
+    continuation = next(a for a in attempts if a["kind"] == "continuation")
+    assert primary["outcome"] == "won" and primary["backend"] != continuation["backend"]
+    assert all(s.parent is not None and request.context is not None
+               and s.parent.span_id == request.context.span_id
+               for s in spans if s.name == "hedge_gateway.attempt")
+
+
+def test_a_continue_final_message_backend_gets_the_flags_and_continues(
+        asgi_server: AsgiServerFactory) -> None:
+    """`continuation: continue_final_message` (vLLM, SGLang): the same one answer, the
+    upstream taking the flags (what they are: `test_continuation_bodies_per_style`)."""
+    _, gw = gateway(asgi_server, "reset", style="continue_final_message")
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(model=POOL, messages=QUESTION,
+                                                     stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == WHOLE
+
+
+STALLED_BODIES: list[Any] = [
+    pytest.param("/v1/chat/completions", {"messages": QUESTION}, id="chat"),
+    pytest.param("/v1/messages", {"messages": QUESTION, "max_tokens": 100}, id="messages"),
+    pytest.param("/v1/responses", {"input": "hello there", "store": False}, id="responses"),
+]
+
+
+@pytest.mark.parametrize("path,body", STALLED_BODIES)
+def test_a_stall_is_raced_on_every_api(asgi_server: AsgiServerFactory, path: str,
+                                       body: dict[str, Any]) -> None:
+    """The stall race on each API, read raw: every token once and in order, one end event,
+    long before the 30 s stall would have ended (the client's timeout is 10 s)."""
+    _, gw = gateway(asgi_server, "", stall=StallSettings(min=0.2, max=1.0),
+                    faults={"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"})
+    raw = httpx.post(gw.url(path), json={"model": POOL, "stream": True, **body},
+                     timeout=10.0).text
+    tokens = re.findall(r"tok\d+ ", raw.split("response.output_text.done")[0])
+    assert tokens == [f"tok{i} " for i in range(TOKENS)]
+    end = {"/v1/chat/completions": "data: [DONE]", "/v1/messages": "event: message_stop",
+           "/v1/responses": "event: response.completed"}[path]
+    assert raw.count(end) == 1
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert (counted["stalls"], counted["won"]) == (1, 1)
+
+
+def test_no_continuation_goes_through_a_translation(asgi_server: AsgiServerFactory) -> None:
+    """A chat pool of one OpenAI-compatible and one Anthropic backend, translating: whichever
+    answers, a break is the in-band error, never a continuation (a translated winner's
+    events are another API's; the Anthropic backend is reached by chat only translated)."""
+    faults = {"x-sim-break-at": "10", "x-sim-break": "reset"}
+    sims = [asgi_server(with_request_headers(create_sim_app(PROFILE, seed=i), faults))
+            for i in range(2)]
+    backends = (BackendSettings(name="o0", provider="openai", base_url=sims[0].v1, model="m",
+                                group="g0", continuation="prefill"),
+                BackendSettings(name="a1", provider="anthropic", base_url=sims[1].base_url,
+                                model="m", group="g1"))
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, hedging=HedgingSettings(
+        delay=DelaySettings(mode="fixed", value=5.0)))
+    gw = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2))
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client, \
+            pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(model=POOL, messages=QUESTION, stream=True):
+            pass
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert counted["started"] == 0 and counted["breaks_continued"] == 0

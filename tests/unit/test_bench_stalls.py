@@ -1,0 +1,45 @@
+"""`bench --workload stalls`: its modes side by side, the gateways they start, and the
+longest gap per stream the load client measures."""
+
+from __future__ import annotations
+
+import yaml
+
+from gateway.bench.load import StreamScan
+from gateway.bench.run import BenchPlan, plan_modes
+from gateway.bench.subject import gateway_config
+from gateway.bench.workloads import WORKLOADS
+
+STALLS = next(w for w in WORKLOADS if w.name == "stalls")
+
+
+def test_the_stalls_workload_runs_direct_and_continuations_off_and_on() -> None:
+    assert plan_modes(BenchPlan(workloads=(STALLS,)), STALLS) == [
+        "direct", "no-faults", "continuation-off", "continuation-on"]
+    profile = STALLS.profile
+    assert (profile.tokens, profile.inter_token, profile.stall_probability,
+            profile.stall_length, profile.break_probability) == (200, 0.02, 0.03, 5.0, 0.01)
+
+
+def test_continuation_modes_make_backends_that_continue() -> None:
+    for on in (True, False):
+        pool = yaml.safe_load(gateway_config(1, [2, 3], True, continuation=on))["pools"][0]
+        assert pool["hedging"]["stall"] == {"enabled": on}
+        assert {b["continuation"] for b in pool["backends"]} == {"prefill"}
+    plain = yaml.safe_load(gateway_config(1, [2, 3], True))["pools"][0]
+    assert "hedging" not in plain and all("continuation" not in b for b in plain["backends"])
+
+
+def test_the_load_client_measures_each_streams_longest_gap() -> None:
+    now = [0.0]
+    scan = StreamScan(0.0, clock=lambda: now[0])
+    scan.head(200, {})
+    token = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+    for at in (0.1, 0.2, 5.3, 5.4):
+        now[0] = at
+        assert scan.body(token)
+    now[0] = 5.5
+    scan.body(b"data: [DONE]\n\n")
+    sample = scan.sample(0)
+    assert sample.ok and sample.ttft == 0.1
+    assert sample.longest_gap is not None and abs(sample.longest_gap - 5.1) < 1e-9

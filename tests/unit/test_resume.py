@@ -1,0 +1,125 @@
+"""The wire side of a continued answer (`gateway.wire.resume`): what the client holds, the
+request that continues it, and how the continuation's events join the relayed ones."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.wire.resume import Splice, continuation_body, relayed_answer
+from gateway.wire.sse import SSEEvent
+
+
+def chat(delta: dict[str, Any], finish: str | None = None, **head: Any) -> SSEEvent:
+    obj = {"id": head.get("id", "c1"), "created": head.get("created", 1),
+           "model": head.get("model", "m"),
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return SSEEvent(json.dumps(obj).encode())
+
+
+def named(kind: str, **payload: Any) -> SSEEvent:
+    return SSEEvent(json.dumps({"type": kind, **payload}).encode(), kind.encode())
+
+
+RELAYED_CHAT = [chat({"role": "assistant", "content": ""}), chat({"content": "tok0 "}),
+                chat({"content": "tok1 "})]
+
+
+def test_the_relayed_chat_text_and_what_is_not_continued() -> None:
+    answer = relayed_answer("chat", RELAYED_CHAT)
+    assert answer is not None and (answer.text, answer.tokens) == ("tok0 tok1 ", 2)
+    assert answer.head == {"id": "c1", "created": 1, "model": "m"}
+    tool = chat({"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]})
+    assert relayed_answer("chat", [*RELAYED_CHAT, tool]) is None
+    assert relayed_answer("chat", [*RELAYED_CHAT, chat({}, "stop")]) is None
+    assert relayed_answer("chat", [chat({"reasoning_content": "hmm"})]) is None
+    assert relayed_answer("responses", RELAYED_CHAT) is None  # not a continued route
+
+
+def test_continuation_bodies_per_style() -> None:
+    answer = relayed_answer("chat", RELAYED_CHAT)
+    assert answer is not None
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    prefill, dropped = continuation_body(body, answer, "prefill")
+    assert prefill["messages"][-1] == {"role": "assistant", "content": "tok0 tok1 "}
+    assert prefill["max_tokens"] == 8 and dropped == "" and body["max_tokens"] == 10
+    assert "continue_final_message" not in prefill
+    vllm, _ = continuation_body(body, answer, "continue_final_message")
+    assert vllm["continue_final_message"] is True and vllm["add_generation_prompt"] is False
+    # the client's own prefill goes on with the relayed text
+    own = {"messages": [{"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "Sure: "}]}
+    merged, _ = continuation_body(own, answer, "prefill")
+    assert merged["messages"][-1]["content"] == "Sure: tok0 tok1 "
+    assert len(merged["messages"]) == 2
+
+
+MESSAGES_RELAYED = [
+    named("message_start", message={"id": "msg_1", "model": "m", "usage": {"input_tokens": 5}}),
+    named("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+    named("ping"),
+    named("content_block_delta", index=0, delta={"type": "text_delta", "text": "tok0 "}),
+]
+
+
+def test_a_messages_continuation_joins_the_open_text_block() -> None:
+    answer = relayed_answer("messages", MESSAGES_RELAYED)
+    assert answer is not None and answer.open_index == 0 and answer.tokens == 1
+    body, dropped = continuation_body({"messages": [{"role": "user", "content": "hi"}]},
+                                      answer, "prefill")
+    assert body["messages"][-1]["content"] == "tok0" and dropped == " "
+    splice = Splice(answer, dropped)
+    out = splice.events([
+        named("message_start", message={"id": "msg_2", "model": "m2"}),
+        named("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+        named("ping"),
+        named("content_block_delta", index=0, delta={"type": "text_delta", "text": " tok1 "}),
+        named("content_block_stop", index=0),
+        named("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 4}),
+        named("message_stop"),
+    ])
+    kinds = [json.loads(e.data)["type"] for e in out]
+    assert kinds == ["content_block_delta", "content_block_stop", "message_delta",
+                     "message_stop"]
+    assert json.loads(out[0].data)["delta"]["text"] == "tok1 "
+    assert json.loads(out[2].data)["usage"]["output_tokens"] == 5
+
+
+def test_a_chat_splice_drops_the_role_chunk_and_keeps_the_ids() -> None:
+    answer = relayed_answer("chat", RELAYED_CHAT)
+    assert answer is not None
+    out = Splice(answer).events([
+        chat({"role": "assistant", "content": ""}, id="c2", created=9, model="other"),
+        chat({"content": "tok2 "}, id="c2", created=9, model="other"),
+        chat({}, "stop", id="c2", created=9, model="other"),
+        SSEEvent(json.dumps({"id": "c2", "choices": [], "usage": {
+            "prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}}).encode()),
+        SSEEvent(b"[DONE]"),
+    ])
+    objs = [json.loads(e.data) for e in out[:-1]]
+    assert [o["id"] for o in objs] == ["c1"] * 3 and out[-1].data == b"[DONE]"
+    assert objs[0]["choices"][0]["delta"] == {"content": "tok2 "}
+    assert objs[2]["usage"] == {"prompt_tokens": 10, "completion_tokens": 3,
+                                "total_tokens": 13}
+
+
+def test_the_responses_api_continues_one_open_message_item_only() -> None:
+    created = named("response.created", sequence_number=0,
+                    response={"id": "resp_1", "model": "m", "output": []})
+    message = named("response.output_item.added", sequence_number=1, output_index=0,
+                    item={"id": "msg_1", "type": "message", "content": []})
+    part = named("response.content_part.added", sequence_number=2, item_id="msg_1",
+                 output_index=0, content_index=0, part={"type": "output_text", "text": ""})
+    delta = named("response.output_text.delta", sequence_number=3, item_id="msg_1",
+                  output_index=0, content_index=0, delta="tok0 ")
+    answer = relayed_answer("responses", [created, message, part, delta])
+    assert answer is not None and answer.text == "tok0 " and answer.head["seq"] == 4
+    body, _ = continuation_body({"input": "hi", "max_output_tokens": 5}, answer, "prefill")
+    assert body["input"] == [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "tok0 "}]
+    assert body["max_output_tokens"] == 4
+    call = named("response.output_item.added", sequence_number=1, output_index=0,
+                 item={"id": "fc_1", "type": "function_call"})
+    assert relayed_answer("responses", [created, call]) is None
+    done = named("response.output_text.done", sequence_number=4, item_id="msg_1", text="x")
+    assert relayed_answer("responses", [created, message, part, delta, done]) is None
