@@ -39,6 +39,7 @@ from gateway.settings import (
 )
 from gateway.settings.load import load_settings
 from gateway.settings.tenants import TenantHedging, TenantKeySettings, TenantLimits
+from tests.e2e.test_stored_responses import stored_upstream
 from tests.harness import (
     DONE,
     SSE_HEADERS,
@@ -438,6 +439,68 @@ def test_a_request_the_gateway_refuses_before_any_upstream_takes_nothing_of_the_
     assert upstream.requests == []  # refused by the gateway itself
     counted = gateway.app.state.tenant_gate
     assert "team-a" not in {**counted.usage, **counted.sending}
+
+
+def stored_pools(upstream_url: str) -> tuple[PoolSettings, ...]:
+    """Two pools on one upstream that holds a stored response (`stored_upstream`)."""
+    return tuple(PoolSettings(name, (BackendSettings("u", "openai", "m", upstream_url),),
+                              hedging=NO_HEDGES) for name in ("alpha", "beta"))
+
+
+def test_stored_response_operations_are_requests_of_the_key_within_its_limits(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Three requests a minute: creating a response, reading it and listing its input items
+    take them (each answer states the key's quota, and each is counted in its usage); the
+    cancel after them is refused with 429 and reaches no backend."""
+    (upstream,) = scripted_upstream(1, responder=stored_upstream)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(requests_per_minute=3)),
+        pools=stored_pools(upstream.base_url)))
+    remaining = []
+    with openai_client(gateway.root, TEAM_A) as client:
+        made = client.responses.with_raw_response.create(model="alpha", input="hi")
+        remaining.append(made.headers["x-ratelimit-remaining-requests"])
+        made_id = made.parse().id
+        read = client.responses.with_raw_response.retrieve(made_id)
+        remaining.append(read.headers["x-ratelimit-remaining-requests"])
+        listed = client.responses.input_items.with_raw_response.list(made_id)
+        remaining.append(listed.headers["x-ratelimit-remaining-requests"])
+        with pytest.raises(openai.RateLimitError) as over:
+            client.responses.cancel(made_id)
+    assert remaining == ["2", "1", "0"]
+    assert "requests" in over.value.message
+    assert [r.method for r in upstream.requests] == ["POST", "GET", "GET"]
+    counted = gateway.app.state.tenant_gate
+    assert wait_for(lambda: {**counted.usage, **counted.sending}.get("team-a", [0])[0] == 3)
+
+
+def test_a_stored_response_in_a_pool_its_key_may_no_longer_use_is_not_found(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """A key makes a response in `beta`; a reload narrows it to `alpha`. Reading, cancelling
+    or deleting that response is answered as for a response that does not exist, and no
+    backend is asked."""
+    (upstream,) = scripted_upstream(1, responder=stored_upstream)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, pools=("alpha", "beta")),
+        pools=stored_pools(upstream.base_url)))
+    with openai_client(gateway.root, TEAM_A) as client:
+        made = client.responses.create(model="beta", input="hi")
+        gate = gateway.app.state.tenant_gate
+
+        async def narrow() -> None:  # what a reload of `keys:` does
+            gate.replace([TenantKeySettings("team-a", key=TEAM_A, pools=("alpha",))])
+
+        loop_thread.run(narrow())
+        for attempt in (lambda: client.responses.retrieve(made.id),
+                        lambda: client.responses.cancel(made.id),
+                        lambda: client.responses.input_items.list(made.id),
+                        lambda: client.responses.delete(made.id)):
+            with pytest.raises(openai.NotFoundError) as caught:
+                attempt()
+            assert caught.value.code == "response_not_found"
+    assert [r.method for r in upstream.requests] == ["POST"]
 
 
 @pytest.fixture
