@@ -71,6 +71,25 @@ class AttemptRecord:
 
 
 @dataclass(slots=True)
+class ContinuationLeg:
+    """One continuation's attempt as its request's spend charges it (`gateway.stats.spend`):
+    the upstream was sent the request and the text relayed so far, so it charged both as
+    input, and the output it generated until it was closed."""
+
+    #: its attempt (`outcome` and `failure` say whether its upstream took the request)
+    record: AttemptRecord
+    #: the output tokens relayed to the client before it started: the text it resent
+    relayed: int
+    #: the relay took it over (a break's continuation, or a stall's that came first): its
+    #: output is what the client read from it (the tokens relayed until the next one took
+    #: over; the last one's, its upstream's count)
+    taken: bool = False
+    #: for one that yielded its first token and was not taken (it lost its stall race to the
+    #: stalled stream, or the client left): what it had sent when it was closed
+    output: int = 0
+
+
+@dataclass(slots=True)
 class ContinuationCounts:
     """What one request's continuations did (the stats add them up per pool and backend)."""
 
@@ -93,6 +112,8 @@ class ContinuationCounts:
     #: each continuation's attempt (kind `continuation`), for the dashboard's timeline: at
     #: most `max_continuations` of them
     records: list[AttemptRecord] = field(default_factory=list)
+    #: the same attempts as the request's spend charges them, in the order they started
+    legs: list[ContinuationLeg] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.started or self.refused or self.breaks_ended or self.stalls)

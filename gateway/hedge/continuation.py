@@ -27,8 +27,9 @@ from dataclasses import replace
 
 from gateway.clock import Clock
 from gateway.errors import GatewayError
-from gateway.hedge.attempt import AttemptRecord, ContinuationCounts
+from gateway.hedge.attempt import AttemptRecord, ContinuationCounts, ContinuationLeg, Prefix
 from gateway.hedge.gaps import GapSketch
+from gateway.hedge.losers import output_sent
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
@@ -54,6 +55,9 @@ class Continuations:
         self._failed: set[str] = set()
         #: the race of each continuation, closed at the request's end
         self._races: list[Race] = []
+        #: the upstream of each continuation that yielded its first token, by its leg: the
+        #: output of one not taken is counted from it at the request's end
+        self._yielded: list[tuple[ContinuationLeg, Prefix]] = []
 
     def _refuse(self, reason: str, backend: str, stall: bool) -> None:
         self.counts.refused[reason] += 1
@@ -135,6 +139,7 @@ class Continuations:
                 share=None), self.clock)
             self._races.append(race)
             self.counts.started[chosen] += 1
+            legs: list[ContinuationLeg] = []
             try:
                 result = await race.run()
             except GatewayError:
@@ -143,18 +148,32 @@ class Continuations:
             finally:
                 race.runner = race_over
                 pool.budget.release()
-                self.counts.records.extend(replace(r, kind="continuation")
-                                           for r in race.attempts)
+                records = [replace(r, kind="continuation") for r in race.attempts]
+                self.counts.records.extend(records)
+                legs = [ContinuationLeg(r, answer.tokens) for r in records]
+                self.counts.legs.extend(legs)
+            self._yielded.extend((leg, result.prefix) for leg in legs
+                                 if leg.record.index == result.winner.index)
             if not stall:  # a stall's continuation wins only if it beats the stream
                 self.counts.won[chosen] += 1
                 self.counts.breaks_continued[backend] += 1
             return Continued(result.prefix, Splice(answer, dropped), chosen)
 
+    def took(self, continued: Continued) -> None:
+        """The relay took `continued` over: its output is what the client reads from it."""
+        for leg, prefix in self._yielded:
+            if prefix is continued.prefix:
+                leg.taken = True
+
     async def aclose(self) -> None:
         """At the request's end: each continuation's race gives back its backend slot and
-        reaps its losers."""
+        reaps its losers; one that yielded and was not taken over is charged what it had
+        sent when it was closed (at most `max_continuations` of them, once per request)."""
         for race in self._races:
             await race.aclose()
+        for leg, prefix in self._yielded:
+            if not leg.taken:
+                leg.output = output_sent(prefix.buffered)
 
 
 #: where a continuation's attempts are numbered in the request's trace: past every attempt

@@ -68,6 +68,10 @@ class Resume(Protocol):
     def ended(self, backend: str, longest_gap: float) -> None:
         """A stream of `backend` without a stall ended normally: its longest gap."""
 
+    def took(self, continued: Continued) -> None:
+        """The relay took `continued` over (its spend counts what the client read from it;
+        one it did not take is charged what it had sent when closed)."""
+
 
 log = logging.getLogger("hedge_gateway.relay")
 
@@ -329,6 +333,7 @@ async def relay(
                 elif resume is not None:
                     resume.stall_won(taken.backend)
                 assert kept is not None and resume is not None
+                resume.took(taken)
                 await prefix.aclose()
                 prefix, splice, backend = taken.prefix, taken.splice, taken.backend
                 batches = prefix.batches.__aiter__()

@@ -128,16 +128,20 @@ def attempt_runner(
     async def run_translated(backend: str, record: AttemptRecord, is_lost: Callable[[], bool],
                              translation: Translation, sent: Mapping[str, Any]) -> Prefix:
         """An attempt on a backend of another API: the translated body, the backend's route
-        and its first-token rule; the prefix says how its answer is written back."""
+        and its first-token rule; the prefix says how its answer is written back. It is sent
+        the client's forwarded headers (the deadline's, the trace's) as a native attempt is,
+        less those only the client's API reads."""
         call = UpstreamCall(
             endpoint=translation.backend,
             body={**sent, "model": models[backend]},
             stream=req.stream,
             request_id=req.request_id,
             first_byte_timeout=max(0.0, deadline - clock()),
+            extra_headers=translation.forwarded(req.forward_headers),
         )
         if trace is not None:
-            call = replace(call, extra_headers=trace.attempt_started(record))
+            call = replace(
+                call, extra_headers={**call.extra_headers, **trace.attempt_started(record)})
         provider, backend_protocol = pool.providers[backend], translation.protocol
         seen = pool.quota_watch(backend, clock)
         try:

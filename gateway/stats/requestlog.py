@@ -31,8 +31,8 @@ The line of a request that reached a pool goes on with: `pool`, `endpoint`, `str
 `suppressed` (reasons, in order), `ttft_ms` (client-observed, null without a token),
 `total_ms`, `usage` ({`input`, `output`} tokens of the winner, or null),
 `hedge_input_tokens` (input tokens paid again by extra attempts), `cost_usd` (what the
-request cost at its backends' prices, its losing attempts included; null when none of them is
-priced: docs/tenants.md),
+request cost at its backends' prices, its losing attempts and continuations included; null
+when none of them is priced: docs/tenants.md),
 `continuations` (null when the stream had none: else, by backend, `started`, `won`,
 `breaks_continued`, `breaks_ended`, `stalls`, `refused` by reason, and `input_tokens`
 resent),

@@ -163,6 +163,16 @@ class Translation:
     answer: Callable[[bytes, int], bytes]
     #: a fresh state machine for one stream, given `created`
     machine: Callable[[int], StreamTranslator]
+    #: the prefixes of the client's forwarded headers that only its own API reads
+    #: (`anthropic-`: a Chat server would refuse or misread `anthropic-beta`)
+    client_only_headers: tuple[str, ...] = ()
+
+    def forwarded(self, headers: Mapping[str, str]) -> Mapping[str, str]:
+        """The client's forwarded headers (lower-case names) the backend's API reads too:
+        the deadline's and the trace's go on, as they do to a backend of the client's API."""
+        if not headers or not self.client_only_headers:
+            return headers
+        return {k: v for k, v in headers.items() if not k.startswith(self.client_only_headers)}
 
     def encoder(self, created: int, include_usage: bool,
                 error_event: Callable[[str, str, str], bytes]) -> Encoder:

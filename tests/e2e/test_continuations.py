@@ -5,9 +5,11 @@ the official SDKs as clients. Each test ends with the automatic leak check."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 import anthropic
@@ -25,10 +27,13 @@ from gateway.settings import (
     DelaySettings,
     HedgingSettings,
     PoolSettings,
+    ServerSettings,
     Settings,
     SimProfile,
     StallSettings,
 )
+from gateway.settings.model import PriceSettings
+from gateway.settings.tenants import TenantKeySettings, TenantLimits
 from gateway.stats.requestlog import LOGGER_NAME
 from gateway.stats.tracing import Tracing
 from providers.sim.server import create_sim_app
@@ -358,3 +363,92 @@ def test_no_continuation_goes_through_a_translation(asgi_server: AsgiServerFacto
     assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
     counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
     assert counted["started"] == 0 and counted["breaks_continued"] == 0
+
+
+#: round prices, a different one per simulator, so that each attempt's share is told apart
+PRICES = (PriceSettings(input=1000.0, output=2000.0), PriceSettings(input=3000.0, output=5000.0))
+TEAM = "team-c-key-0123456789abcdefghijklmnop"
+ADMIN_KEY = "admin-key-0123456789abcdefghijklmnopqrstu"
+
+
+CUT_AT_TEN = [
+    pytest.param({"x-sim-break-at": "10", "x-sim-break": "reset"}, id="break"),
+    pytest.param({"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"}, id="stall"),
+]
+
+
+@pytest.mark.parametrize("faults", CUT_AT_TEN)
+def test_a_continued_answer_costs_both_backends_and_counts_once_for_its_key(
+        asgi_server: AsgiServerFactory, caplog: pytest.LogCaptureFixture,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, faults: dict[str, str]) -> None:
+    """A priced pool whose first backend breaks (or stalls: the continuation wins the
+    race) after 10 of 30 tokens; the other continues. The request's cost is the first
+    stream's input and its 10 tokens at its backend's price, plus the continuation's input
+    (the request and the 10 tokens it resent) and its 20 tokens at the other's: in the log
+    line, /hedge/stats (pool and key), /metrics and the store. The key's usage counts one
+    request and the 30 tokens the client read, once; its limits (one request in flight, two
+    a minute) see one request: the next one is let in."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    usage_profile = dataclasses.replace(PROFILE, usage=True)
+    sims = [asgi_server(with_request_headers(create_sim_app(usage_profile, seed=i), faults))
+            for i in range(2)]
+    backends = tuple(BackendSettings(name=f"o{i}", provider="openai", base_url=sim.v1,
+                                     model="m", group=f"g{i}", continuation="prefill",
+                                     price=PRICES[i]) for i, sim in enumerate(sims))
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, translate=False,
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0),
+                                                stall=StallSettings(min=0.2, max=1.0)))
+    key = TenantKeySettings("team-c", key=TEAM, limits=TenantLimits(
+        requests_per_minute=2, in_flight=1))
+    settings = Settings(pools=(pool,), keys=(key,),
+                        server=ServerSettings(admin_keys=(ADMIN_KEY,)))
+    gw = asgi_server.build(lambda: create_app(settings, seed=2))
+    with openai.OpenAI(base_url=gw.v1, api_key=TEAM, max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=QUESTION, stream=True,
+            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == WHOLE
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == TOKENS
+
+    def line() -> dict[str, Any] | None:
+        lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
+        return next((x for x in lines if x.get("pool") == POOL), None)
+
+    assert wait_for(lambda: line() is not None)
+    logged = line()
+    assert logged is not None
+    (broke,) = logged["continuations"]["breaks_continued" if "x-sim-break" in faults
+                                        else "stalls"]
+    (took,) = logged["continuations"]["won"]
+    first, second = PRICES[int(broke[1])], PRICES[int(took[1])]
+    relayed, sent = 10, usage.prompt_tokens
+    expected = (sent * first.input + relayed * first.output
+                + (sent + relayed) * second.input + (TOKENS - relayed) * second.output) / 1e6
+    assert logged["usage"]["output"] == TOKENS  # the client's answer, counted once
+    assert logged["cost_usd"] == pytest.approx(expected, abs=1e-6)
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    spend = stats(gw)["pools"][POOL]["lifetime"]["spend"]
+    assert spend["usd"] == pytest.approx(expected, abs=1e-6)
+    assert spend["keys"]["team-c"] == pytest.approx(expected, abs=1e-6)
+    metrics = httpx.get(gw.url("/metrics"), timeout=5.0).text
+    (metered,) = [ln for ln in metrics.splitlines()
+                  if ln.startswith(f'hedge_gateway_spend_usd_total{{pool="{POOL}"}}')]
+    assert float(metered.rsplit(" ", 1)[1]) == pytest.approx(expected, abs=1e-6)
+
+    def stored() -> dict[str, Any] | None:
+        rows = httpx.get(gw.url("/admin/keys/team-c/usage"), timeout=5.0,
+                         headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()["data"]
+        return rows[0] if rows and rows[0]["requests"] else None
+
+    assert wait_for(lambda: stored() is not None)
+    row = stored()
+    assert row is not None
+    assert (row["requests"], row["output_tokens"]) == (1, TOKENS)
+    assert row["spend_usd"] == pytest.approx(expected, abs=1e-6)
+    # the key's limits saw one request: with two a minute, the next one is let in
+    with openai.OpenAI(base_url=gw.v1, api_key=TEAM, max_retries=0) as client:
+        again = list(client.chat.completions.create(model=POOL, messages=QUESTION,
+                                                    stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in again if c.choices) == WHOLE

@@ -50,7 +50,7 @@ from tests.e2e.test_sim_tools import (
     slow_primary,
 )
 from tests.harness import AsgiServerFactory, RunningServer, UpstreamFactory
-from tests.harness.bodies import json_script, smallest_body
+from tests.harness.bodies import chat_completion_obj, json_script, smallest_body
 from tests.harness.protocol_wire import (
     SSE_HEADERS,
     anthropic_error,
@@ -329,6 +329,45 @@ def test_a_messages_backend_s_errors_reach_a_chat_client_in_its_shape(
     assert sent.path == "/v1/messages" and sent.body["model"] == "claude"
     assert sent.body["system"] == [{"type": "text", "text": "be brief"}]
     assert sent.body["max_tokens"] == 4096
+
+
+def test_a_translated_attempt_is_sent_the_client_s_forwarded_headers(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory,
+) -> None:
+    """The deadline's `x-slo-ttft-ms` reaches a backend of the other API as it reaches one of
+    the client's own; `anthropic-beta`, which only Messages reads, stays behind on the way
+    to a Chat backend. The OpenAI SDK to a Messages backend, the Anthropic SDK to a Chat one."""
+    messages_up, chat_up = scripted_upstream(2, responder=lambda request: (
+        json_script({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude",
+                     "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+                     "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}})
+        if request.path == "/v1/messages" else json_script(chat_completion_obj("ok"))))
+    pools = (
+        PoolSettings(name="claude", timeout=20.0, backends=(
+            BackendSettings(name="messages", provider="anthropic", base_url=messages_up.root_url,
+                            api_key="sk-ant-x", model="claude"),)),
+        PoolSettings(name="gpt", timeout=20.0, backends=(
+            BackendSettings(name="chat", provider="openai", base_url=chat_up.base_url,
+                            model="m", apis=("chat",)),)))
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=pools), seed=5))
+    with gpt(gateway) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="claude", messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-slo-ttft-ms": "300"})
+    assert raw.headers["x-hedge-translated"] == "chat->messages"
+    assert raw.parse().choices[0].message.content == "ok"
+    with claude(gateway) as anthropic_client:
+        answer = anthropic_client.messages.with_raw_response.create(
+            model="gpt", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-slo-ttft-ms": "250", "anthropic-beta": "tools-2024-04-04"})
+    assert answer.headers["x-hedge-translated"] == "messages->chat"
+    assert answer.parse().content[0].type == "text"
+    (to_messages,), (to_chat,) = messages_up.requests, chat_up.requests
+    assert to_messages.path == "/v1/messages"
+    assert to_messages.headers.get("x-slo-ttft-ms") == "300"
+    assert to_chat.path.endswith("/chat/completions")
+    assert to_chat.headers.get("x-slo-ttft-ms") == "250"
+    assert "anthropic-beta" not in to_chat.headers
 
 
 # --- every translated route, generated from the route table and the translations -------------

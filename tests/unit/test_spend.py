@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.hedge.attempt import AttemptRecord
+from gateway.hedge.attempt import AttemptRecord, ContinuationCounts, ContinuationLeg, Outcome
 from gateway.hedge.losers import output_sent
 from gateway.hedge.sizing import RequestSize
 from gateway.settings import BackendSettings, ConfigError
@@ -142,3 +142,46 @@ def test_a_price_is_checked_and_a_budget_nothing_can_reach_is_warned_about(
     warnings = err.getvalue().splitlines()
     assert len(warnings) == 1 and "keys[0] (team-a): budget set, but no backend" in warnings[0]
     assert "not enforced" not in err.getvalue()  # a budget is enforced now
+
+
+def _continued(legs: list[ContinuationLeg]) -> RequestSummary:
+    """A stream on a that broke or stalled and went on as `legs` say; the client's usage is
+    the answer's (1,000 input, 30 output), as the splice reports it."""
+    s = _summary([AttemptRecord(0, "a", "primary", 0.0, False, outcome="won")], 0,
+                 Usage(1000, 30))
+    s.continuations = ContinuationCounts(legs=legs)
+    return s
+
+
+def _leg(backend: str, relayed: int, outcome: Outcome, failure: str | None = None,
+         taken: bool = False, output: int = 0) -> ContinuationLeg:
+    record = AttemptRecord(0, backend, "continuation", 1.0, False, outcome=outcome,
+                           failure=failure)
+    return ContinuationLeg(record, relayed, taken=taken, output=output)
+
+
+def test_a_continued_stream_and_its_continuation_share_the_answer() -> None:
+    """Broken after 10 tokens, continued on b: a is charged the input and its 10 tokens; b
+    the input plus the 10 it resent, and the other 20."""
+    s = _continued([_leg("b", 10, "won", taken=True)])
+    assert charges(s) == [Charge("a", 1000, 0, 10), Charge("b", 1010, 0, 20)]
+    assert math.isclose(summary_cost(s, PRICES) or 0,
+                        (1000 * 2 + 10 * 8 + 1010 * 4 + 20 * 16) / 1e6)
+
+
+def test_a_continuation_that_lost_its_stall_race_pays_its_input_and_what_it_sent() -> None:
+    """A stall at 10 tokens: the continuation on b yielded 2 events but the stalled stream
+    came back first and finished the answer: a keeps the whole output."""
+    s = _continued([_leg("b", 10, "won", output=2)])
+    assert charges(s) == [Charge("a", 1000, 0, 30), Charge("b", 1010, 0, 2)]
+
+
+def test_two_continuations_each_pay_what_the_client_read_from_them() -> None:
+    """a broke at 10; b took over and stalled at 25; a failed continuation (refused with a
+    status: never charged) and a broken one (charged its input) on the way; c finished."""
+    s = _continued([_leg("b", 10, "won", taken=True),
+                    _leg("d", 25, "failed", failure="server_error"),
+                    _leg("e", 25, "failed", failure="connection_reset"),
+                    _leg("c", 25, "won", taken=True)])
+    assert charges(s) == [Charge("a", 1000, 0, 10), Charge("b", 1010, 0, 15),
+                          Charge("e", 1025, 0, 0), Charge("c", 1025, 0, 5)]

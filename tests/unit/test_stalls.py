@@ -103,6 +103,9 @@ class Resumer:
     def ended(self, backend: str, longest_gap: float) -> None:
         """Nothing learnt here."""
 
+    def took(self, continued: Continued) -> None:
+        """Nothing charged here."""
+
 
 async def run_relay(stalled: Upstream, resumer: Resumer) -> tuple[str, RelayOutcome]:
     outcome = RelayOutcome()

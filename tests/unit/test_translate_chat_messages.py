@@ -254,6 +254,22 @@ def test_chat_fields_at_their_default_or_that_only_tune_are_dropped() -> None:
     assert set(out) == {"model", "messages", "max_tokens"}
 
 
+@pytest.mark.parametrize("field", ["min_p", "repetition_penalty", "guided_json", "top_a"])
+def test_chat_fields_neither_carried_nor_dropped_are_refused_naming_them(field: str) -> None:
+    """A server's own sampling or guided-decoding field changes the answer: dropped on the
+    way to Messages it would change it unseen."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: 0.5}
+    with pytest.raises(Untranslatable) as caught:
+        chat_to_messages(body)
+    assert caught.value.status == 400 and caught.value.param == field
+
+
+def test_chat_top_k_is_carried_to_messages() -> None:
+    out = chat_to_messages({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "top_k": 40})
+    assert out["top_k"] == 40
+
+
 # --- requests: Messages -> Chat ---------------------------------------------------------------
 
 
@@ -325,6 +341,16 @@ def test_messages_fields_that_change_the_answer_are_refused_naming_them(
     assert caught.value.param == field
 
 
+@pytest.mark.parametrize("field", ["min_p", "repetition_penalty", "guided_json", "betas"])
+def test_messages_fields_neither_carried_nor_dropped_are_refused_naming_them(
+        field: str) -> None:
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            field: 1}
+    with pytest.raises(Untranslatable) as caught:
+        messages_to_chat(body)
+    assert caught.value.status == 400 and caught.value.param == field
+
+
 @pytest.mark.parametrize("name", ["claude-code-2.1.332-first.json",
                                   "claude-code-2.1.332-retry.json"])
 def test_recorded_claude_code_requests_translate_to_chat(name: str) -> None:
@@ -390,6 +416,16 @@ def test_the_forced_json_tool_comes_back_as_text() -> None:
         {"type": "tool_use", "id": "t", "name": JSON_TOOL, "input": {"a": 1}}]}
     message = messages_answer_to_chat(body, 0)["choices"][0]["message"]
     assert message == {"role": "assistant", "content": '{"a":1}'}
+
+
+def test_a_json_answer_finishes_stop_not_tool_calls() -> None:
+    """The forced JSON tool is the client's text, not a call: a `tool_calls` finish with no
+    call returned would send an SDK's tool loop looking for one."""
+    body = {"id": "m", "model": "c", "stop_reason": "tool_use", "content": [
+        {"type": "tool_use", "id": "t", "name": JSON_TOOL, "input": {"a": 1}}]}
+    assert messages_answer_to_chat(body, 0)["choices"][0]["finish_reason"] == "stop"
+    real = {**body, "content": [{"type": "tool_use", "id": "u", "name": "f", "input": {}}]}
+    assert messages_answer_to_chat(real, 0)["choices"][0]["finish_reason"] == "tool_calls"
 
 
 @pytest.mark.parametrize(("chat", "messages"), [
@@ -497,6 +533,22 @@ def test_a_messages_stream_becomes_chat_chunks_with_usage_and_done() -> None:
     assert machine.usage is not None and machine.usage.cached == 10
 
 
+def test_a_streamed_json_answer_finishes_stop_not_tool_calls() -> None:
+    raw = (b'data: {"type":"message_start","message":{"id":"m","model":"c"}}\n\n'
+           b'data: {"type":"content_block_start","index":0,"content_block":{"type":'
+           b'"tool_use","id":"t","name":"' + JSON_TOOL.encode() + b'","input":{}}}\n\n'
+           b'data: {"type":"content_block_delta","index":0,"delta":{"type":'
+           b'"input_json_delta","partial_json":"{\\"a\\":1}"}}\n\n'
+           b'data: {"type":"message_delta","delta":{"stop_reason":"tool_use"},'
+           b'"usage":{"output_tokens":4}}\n\n'
+           b'data: {"type":"message_stop"}\n\n')
+    answer, done = chat_stream_to_answer(_translate(MessagesToChat(created=0,
+                                                                   include_usage=False), raw))
+    assert done and answer["choices"][0]["message"]["content"] == '{"a":1}'
+    assert "tool_calls" not in answer["choices"][0]["message"]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
 def test_an_error_event_in_either_stream_ends_it_in_the_other_shape() -> None:
     to_chat = MessagesToChat(created=0, include_usage=False)
     out = to_chat.feed(SSEEvent(b'{"type":"error","error":{"type":"overloaded_error",'
@@ -582,6 +634,14 @@ def test_a_responses_request_that_needs_stored_state_or_hosted_tools_is_refused(
     with pytest.raises(Untranslatable) as caught:
         responses_to_chat({"model": "m", "store": False, "input": "hi", **extra})
     assert caught.value.param == field
+
+
+@pytest.mark.parametrize("field", ["top_k", "min_p", "repetition_penalty", "guided_json"])
+def test_responses_fields_neither_carried_nor_dropped_are_refused_naming_them(
+        field: str) -> None:
+    with pytest.raises(Untranslatable) as caught:
+        responses_to_chat({"model": "m", "store": False, "input": "hi", field: 1})
+    assert caught.value.status == 400 and caught.value.param == field
 
 
 @pytest.mark.parametrize("seed", range(60))

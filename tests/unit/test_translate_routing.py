@@ -3,6 +3,7 @@ the plan's `routing` over stub providers, the configuration's `apis` and `transl
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 from pathlib import Path
@@ -12,8 +13,10 @@ import pytest
 
 from gateway.api.request import LogicalRequest
 from gateway.errors import AllAttemptsFailed, RouteNotServed, Untranslatable
+from gateway.hedge.attempt import AttemptRecord
 from gateway.hedge.plan import routing
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.runner import UpstreamRequest, attempt_runner
 from gateway.settings import BackendSettings, PoolSettings, load_settings
 from gateway.settings.fields import ConfigError
 from gateway.settings.model import PROVIDER_APIS
@@ -27,6 +30,7 @@ from gateway.wire.translate.chat_messages import DROPPED_CHAT, DROPPED_MESSAGES
 from gateway.wire.translate.responses_chat import DROPPED_RESPONSES
 from gateway.wire.translate.routes import TRANSLATIONS
 from providers.anthropic import AnthropicProvider
+from providers.base import UpstreamCall
 from providers.bedrock import BedrockProvider
 from providers.openai import OpenAIProvider
 from providers.sim import SimProvider
@@ -58,7 +62,8 @@ def pool_of(*, translate: bool = True, chat_apis: tuple[str, ...] | None = ("cha
 
 
 def request(endpoint: Endpoint, **body: Any) -> LogicalRequest:
-    base = {"model": "pool", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    base: dict[str, Any] = {"model": "pool"} if endpoint == "responses" else {
+        "model": "pool", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     protocol = {"messages": MESSAGES, "responses": RESPONSES}.get(endpoint, CHAT)
     return LogicalRequest("r", endpoint, {**base, **body}, False, {}, protocol)
 
@@ -103,6 +108,74 @@ def test_a_field_one_api_cannot_carry_keeps_the_request_on_its_own_api() -> None
     with pytest.raises(Untranslatable) as caught:
         routing(only_messages, request("chat/completions", n=2))
     assert caught.value.param == "n"
+
+
+def test_an_unknown_field_keeps_the_request_on_its_own_api() -> None:
+    """`min_p` (a Chat server's extension) has no place in Messages: the Chat backend alone
+    serves the request; with no Chat backend, the refusal names the field."""
+    mixed = routing(pool_of(), request("chat/completions", min_p=0.1))
+    assert mixed.excluded == {"msgs"} and not mixed.translated
+    only_messages = pool_of(providers={"chat": Serving("embeddings"), "msgs": PROVIDERS["msgs"]})
+    with pytest.raises(Untranslatable) as caught:
+        routing(only_messages, request("chat/completions", min_p=0.1))
+    assert caught.value.param == "min_p"
+
+
+class Refusing(Serving):
+    """A provider stub that keeps each call it is sent and refuses it (the test reads only
+    what was sent)."""
+
+    def __init__(self, *routes: str) -> None:
+        super().__init__(*routes)
+        self.calls: list[UpstreamCall] = []
+
+    async def send(self, call: UpstreamCall) -> Any:
+        self.calls.append(call)
+        raise AllAttemptsFailed(["stub"])
+
+    open = send
+
+
+class Trace:
+    """An attempt trace whose context header is `traceparent: t<attempt index>`."""
+
+    def attempt_started(self, record: AttemptRecord) -> dict[str, str]:
+        return {"traceparent": f"t{record.index}"}
+
+    def attempt_ended(self, record: AttemptRecord) -> None:
+        return None
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "messages"])
+def test_a_translated_attempt_is_sent_the_forwarded_headers_and_the_trace_s(
+        endpoint: Endpoint) -> None:
+    """Forwarded headers (the deadline's `x-slo-ttft-ms`) go to each attempt, translated or
+    not, with the attempt's trace header added to them; `anthropic-beta` only to a backend
+    that speaks Messages."""
+    providers = {"chat": Refusing(*PROVIDERS["chat"].serves),
+                 "msgs": Refusing(*PROVIDERS["msgs"].serves)}
+    pool = pool_of(providers=providers)
+    req = request(endpoint, stream=True)
+    routed = routing(pool, req)
+    forward = {"x-slo-ttft-ms": "800", "anthropic-beta": "b"}
+    run = attempt_runner(pool, UpstreamRequest(
+        endpoint=endpoint, body=req.body, stream=True, request_id="r", protocol=req.protocol,
+        forward_headers=forward, translated=routed.translated), 1e9, lambda: 0.0, Trace())
+
+    async def both() -> None:
+        for i, backend in enumerate(("chat", "msgs")):
+            with pytest.raises(AllAttemptsFailed):
+                await run(backend, AttemptRecord(index=i, backend=backend, kind="primary",
+                                                 started=0.0, spent_budget=False))
+
+    asyncio.run(both())
+    (to_chat,), (to_msgs,) = providers["chat"].calls, providers["msgs"].calls
+    assert (to_chat.endpoint, to_msgs.endpoint) == ("chat/completions", "messages")
+    assert dict(to_msgs.extra_headers) == {**forward, "traceparent": "t1"}
+    expected_chat = {"x-slo-ttft-ms": "800", "traceparent": "t0"}
+    if endpoint == "chat/completions":  # native: forwarded as the route gave them
+        expected_chat["anthropic-beta"] = "b"
+    assert dict(to_chat.extra_headers) == expected_chat
 
 
 def test_provider_apis_are_what_each_adapter_serves() -> None:

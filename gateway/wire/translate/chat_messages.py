@@ -3,9 +3,11 @@
 One call per request and per attempt that goes to a backend of the other API, never per event.
 Each field is carried, dropped (it only tunes: `DROPPED_*`, listed in docs/translation.md) or
 refused with `Untranslatable` (a 400 naming it) when it would change the answer and the other
-API has no place for it. A value equal to the field's default changes nothing and is dropped
-(`n: 1`, `logprobs: false`, `presence_penalty: 0`), so clients that send defaults everywhere
-still pass.
+API has no place for it. A top-level field neither carried nor dropped (`top_k` to Chat,
+`min_p`, `repetition_penalty`, `guided_json`: a server's own extensions) is refused too:
+dropped, it would silently change the answer the client asked for. A value equal to the
+field's default changes nothing and is dropped (`n: 1`, `logprobs: false`,
+`presence_penalty: 0`), so clients that send defaults everywhere still pass.
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ DROPPED_CHAT = frozenset({
 DROPPED_MESSAGES = frozenset({
     "service_tier", "context_management", "cache_control", "output_config", "inference_geo",
 })
+#: Chat fields the translation to Messages reads (carried, or refused by their value)
+CARRIED_CHAT = frozenset({
+    "model", "messages", "max_completion_tokens", "max_tokens", "temperature", "top_p",
+    "top_k", "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "reasoning_effort", "user", "stream", "stream_options",
+})
+#: Messages fields the translation to Chat reads (carried, or refused by their value)
+CARRIED_MESSAGES = frozenset({
+    "model", "messages", "system", "max_tokens", "temperature", "top_p", "stop_sequences",
+    "tools", "tool_choice", "thinking", "output_format", "metadata", "stream", "top_k",
+    "container", "mcp_servers",
+})
 #: a Chat field at its default (or absent) changes nothing; any other value changes the answer
 _CHAT_DEFAULTS: Mapping[str, Any] = {
     "n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
@@ -39,6 +53,16 @@ _CHAT_DEFAULTS: Mapping[str, Any] = {
 }
 #: reasoning effort -> a thinking budget, and back by the nearest budget at or above
 EFFORT_BUDGETS: Mapping[str, int] = {"minimal": 1024, "low": 2048, "medium": 8192, "high": 24576}
+
+
+def refuse_unknown(body: Mapping[str, Any], known: frozenset[str], api: str) -> None:
+    """`Untranslatable` naming the first top-level field of `body` outside `known` (the
+    fields a translation carries, refuses by value or drops). Such a field is another
+    server's extension or newer than this gateway: dropping it would change the answer
+    unseen, so the request stays with backends of its own API or is refused."""
+    for name in body:
+        if name not in known:
+            raise Untranslatable(name, f"{api} has no such field")
 
 
 def _image_url_to_block(url: str, field: str) -> dict[str, Any]:
@@ -151,7 +175,12 @@ def _chat_tool_choice(choice: Any, parallel: Any) -> dict[str, Any] | None:
     return result
 
 
+_KNOWN_CHAT = CARRIED_CHAT | DROPPED_CHAT | frozenset(_CHAT_DEFAULTS)
+_KNOWN_MESSAGES = CARRIED_MESSAGES | DROPPED_MESSAGES
+
+
 def _refuse_changing(body: Mapping[str, Any]) -> None:
+    refuse_unknown(body, _KNOWN_CHAT, "Messages")
     for name, default in _CHAT_DEFAULTS.items():
         value = body.get(name)
         if value is not None and value != default:
@@ -170,7 +199,7 @@ def chat_to_messages(body: Mapping[str, Any]) -> dict[str, Any]:
         out["system"] = system
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     out["max_tokens"] = limit if isinstance(limit, int) else DEFAULT_MAX_TOKENS
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "top_k"):
         if body.get(name) is not None:
             out[name] = body[name]
     stop = body.get("stop")
@@ -298,6 +327,7 @@ def _messages_tool(tool: Any, field: str) -> dict[str, Any]:
 
 def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     """A Messages request body as a Chat Completions request body."""
+    refuse_unknown(body, _KNOWN_MESSAGES, "Chat Completions")
     for name in ("top_k", "container", "mcp_servers"):
         if body.get(name) is not None:
             raise Untranslatable(name, "Chat Completions has no such field")

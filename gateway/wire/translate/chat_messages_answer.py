@@ -81,6 +81,15 @@ def messages_usage(usage: Any) -> dict[str, Any]:
     return out
 
 
+def finish_of(stop: Any, *, json_only: bool) -> str:
+    """Chat's `finish_reason` for a Messages `stop_reason`. `json_only`: the answer's only
+    tool call was the forced JSON tool of a translated `response_format`, which the client
+    receives as text, so `tool_use` there is a plain `stop` (no call is returned to make)."""
+    if json_only and stop == "tool_use":
+        return "stop"
+    return FINISH_OF_STOP.get(str(stop), "stop")
+
+
 def _arguments_text(value: Any) -> str:
     return json.dumps(value if value is not None else {}, separators=(",", ":"),
                       ensure_ascii=False)
@@ -92,6 +101,7 @@ def messages_answer_to_chat(body: Mapping[str, Any], created: int) -> dict[str, 
     text: list[str] = []
     thinking: list[str] = []
     calls: list[dict[str, Any]] = []
+    json_only = False
     for block in body.get("content") or ():
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
@@ -100,6 +110,7 @@ def messages_answer_to_chat(body: Mapping[str, Any], created: int) -> dict[str, 
             thinking.append(str(block.get("thinking", "")))
         elif kind == "tool_use" and block.get("name") == JSON_TOOL:
             text.append(_arguments_text(block.get("input")))
+            json_only = True
         elif kind == "tool_use":
             calls.append({"id": block.get("id"), "type": "function", "function": {
                 "name": block.get("name"), "arguments": _arguments_text(block.get("input"))}})
@@ -108,8 +119,7 @@ def messages_answer_to_chat(body: Mapping[str, Any], created: int) -> dict[str, 
         message["reasoning_content"] = "".join(thinking)
     if calls:
         message["tool_calls"] = calls
-    stop = body.get("stop_reason")
-    finish = FINISH_OF_STOP.get(str(stop), "stop")
+    finish = finish_of(body.get("stop_reason"), json_only=json_only and not calls)
     out: dict[str, Any] = {
         "id": body.get("id"), "object": "chat.completion", "created": created,
         "model": body.get("model"),

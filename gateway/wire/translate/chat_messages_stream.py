@@ -20,10 +20,10 @@ from gateway.wire.base import json_bytes
 from gateway.wire.sse import SSEEvent
 from gateway.wire.translate.chat_messages import JSON_TOOL
 from gateway.wire.translate.chat_messages_answer import (
-    FINISH_OF_STOP,
     STOP_OF_FINISH,
     chat_error_to_messages,
     chat_usage,
+    finish_of,
     messages_error_to_chat,
     messages_usage,
 )
@@ -159,7 +159,8 @@ class MessagesToChat:
             stop = (obj.get("delta") or {}).get("stop_reason")
             if stop is None:
                 return b""
-            return self._chunk({}, FINISH_OF_STOP.get(str(stop), "stop"))
+            return self._chunk({}, finish_of(stop, json_only=bool(self.json_blocks)
+                                             and not self.calls))
         if kind == "message_stop":
             self.ended = True
             tail = b""

@@ -19,6 +19,7 @@ from gateway.errors import Untranslatable
 from gateway.wire.base import json_bytes
 from gateway.wire.responses import responses_error
 from gateway.wire.sse import SSEEvent
+from gateway.wire.translate.chat_messages import refuse_unknown
 from gateway.wire.usage import Usage, usage_of
 
 #: Responses fields dropped on the way to Chat: bookkeeping and delivery, not the answer
@@ -27,6 +28,13 @@ DROPPED_RESPONSES = frozenset({
     "metadata", "include", "truncation", "service_tier", "safety_identifier",
     "prompt_cache_key", "max_tool_calls", "stream_options", "user",
 })
+#: Responses fields the translation to Chat reads (carried, or refused by their value)
+CARRIED_RESPONSES = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+    "parallel_tool_calls", "tools", "tool_choice", "text", "reasoning", "stream", "store",
+    "previous_response_id", "conversation", "prompt", "background", "top_logprobs",
+})
+_KNOWN_RESPONSES = CARRIED_RESPONSES | DROPPED_RESPONSES
 #: fields that name stored state: a request that carries one stays on Responses backends
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 
@@ -106,6 +114,7 @@ def _tool(tool: Any, field: str) -> dict[str, Any]:
 
 def responses_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     """A Responses request body as a Chat Completions request body."""
+    refuse_unknown(body, _KNOWN_RESPONSES, "Chat Completions")
     if body.get("store") is not False:
         raise Untranslatable("store", "a stored response stays with backends that speak the "
                              "Responses API (send `store: false` and the whole input)")

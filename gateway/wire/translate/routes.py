@@ -84,23 +84,28 @@ def _whole(translate: Callable[[dict[str, Any], int], dict[str, Any]]
     return answer
 
 
+#: forwarded headers only one API reads (`Translation.client_only_headers`)
+_ANTHROPIC_ONLY = ("anthropic-",)
+_OPENAI_ONLY = ("openai-",)
+
 TRANSLATIONS: Mapping[tuple[Endpoint, Endpoint], Translation] = {
     ("chat/completions", "messages"): Translation(
         "chat->messages", "chat/completions", "messages", MESSAGES, chat_to_messages,
-        _whole(messages_answer_to_chat), lambda created: MessagesToChat(created, True)),
+        _whole(messages_answer_to_chat), lambda created: MessagesToChat(created, True),
+        _OPENAI_ONLY),
     ("messages", "chat/completions"): Translation(
         "messages->chat", "messages", "chat/completions", CHAT, messages_to_chat,
         _whole(lambda body, _created: chat_answer_to_messages(body)),
-        lambda _created: ChatToMessages()),
+        lambda _created: ChatToMessages(), _ANTHROPIC_ONLY),
     ("responses", "chat/completions"): Translation(
         "responses->chat", "responses", "chat/completions", CHAT, responses_to_chat,
-        _whole(chat_answer_to_responses), ChatToResponses),
+        _whole(chat_answer_to_responses), ChatToResponses, _OPENAI_ONLY),
     ("responses", "messages"): Translation(
         "responses->messages", "responses", "messages", MESSAGES,
         lambda body: chat_to_messages(responses_to_chat(body)),
         _whole(lambda body, created: chat_answer_to_responses(
             messages_answer_to_chat(body, created), created)),
-        ThroughChat),
+        ThroughChat, _OPENAI_ONLY),
 }
 
 
