@@ -251,10 +251,12 @@ async def relay(
     #: continues it before reading on
     pending: str | None = None
     try:
+        outcome.events = len(prefix.buffered)
         out = encode(prefix.buffered, request_id, outcome)
         if kept is not None and outcome.end == StreamEnd.UPSTREAM_ERROR:
             out, before = _cut_at_error(prefix.buffered, encode, request_id, outcome, protocol)
             kept, pending = [SSEBatch(before)], "upstream reported an error"
+            outcome.events = len(before)
         yield out
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
@@ -308,6 +310,9 @@ async def relay(
                     if kept is not None and now - deadlines.last > longest:
                         longest = now - deadlines.last
                     deadlines.last = now
+                    # per read, not per event: a raw read is counted by one scan in C
+                    raw = batch.raw
+                    outcome.events += len(batch.events) if raw is None else raw.count(b"\n\n")
                     if splice is not None:
                         events = splice.events(batch.events)
                         batch = SSEBatch(events)
@@ -363,6 +368,7 @@ async def relay(
                     out, events = _cut_at_error(events, encode, request_id, outcome, protocol)
                     pending = "upstream reported an error"
                 kept.append(SSEBatch(events))
+                outcome.events += len(events)
                 longest, stalled = 0.0, False
                 deadlines.rearm()
                 deadlines.set_stall(resume.stall_delay(backend))
