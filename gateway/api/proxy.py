@@ -373,7 +373,7 @@ class Proxy:
             if aclose is not None:
                 await aclose()
         summary.relay_end = outcome.end
-        summary.usage = outcome.usage
+        summary.usage, summary.relayed = outcome.usage, outcome.events
         if data is None:  # the client went away
             summary.error = summary.reason = "client_disconnected"
             summary.status = 499
@@ -427,7 +427,7 @@ class Proxy:
 
         async def finish(early_end: StreamEnd | None) -> None:
             summary.relay_end = early_end or outcome.end
-            summary.usage = outcome.usage
+            summary.usage, summary.relayed = outcome.usage, outcome.events
             await end()
 
         # the final events of a shutdown and of a bug of ours, built only for a stream that
