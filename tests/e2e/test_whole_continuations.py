@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -171,3 +172,21 @@ def test_a_continued_whole_answers_cost_header_charges_both_backends(
                 + (sent + relayed) * second.input + (TOKENS - relayed) * second.output) / 1e6
     assert logged["cost_usd"] == pytest.approx(expected, abs=1e-6)
     assert float(raw.headers["x-hedge-cost"]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_whole_answer_stalled_after_ten_tokens_is_raced_by_a_continuation(
+        asgi_server: AsgiServerFactory) -> None:
+    """A stall of 30 s before token 10 of a non-streaming request: the continuation started
+    after the stall delay wins, the stalled upstream is closed, and the client gets the
+    whole answer once, long before the stall would have ended (the SDK's timeout is 10 s)."""
+    sims, gw = gateway(asgi_server, "", stall=StallSettings(min=0.2, max=1.0),
+                       faults={"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"})
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0, timeout=10.0) as client:
+        completion = client.chat.completions.create(model=POOL, messages=QUESTION)
+    assert completion.choices[0].message.content == WHOLE
+    assert completion.choices[0].finish_reason == "stop"
+    counted = continued(gw)
+    assert (counted["stalls"], counted["started"], counted["won"]) == (1, 1, 1)
+    closed = [httpx.get(sim.url("/sim/stats"), timeout=5.0).json()["streams_closed_early"]
+              for sim in sims]
+    assert sorted(closed) == [0, 1]
