@@ -570,7 +570,8 @@ class ServerSettings(Checked):
         "empty: no admin API"))
     store: str | None = field(default=None, metadata=scalar(
         cv.optional(store_url), "where keys made at run time and each key's usage live: "
-        "sqlite:///path; null: the embedded file (docs/tenants.md), opened only when keys: "
+        "sqlite:///path, or postgresql://user@host:port/db for a store shared by replicas (the "
+        "`postgres` extra); null: the embedded file (docs/tenants.md), opened only when keys: "
         "or admin_keys is set"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
         cv.size, "larger request bodies get 413", key="max_body"))

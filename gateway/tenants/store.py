@@ -80,7 +80,7 @@ def _add_spend_column(db: sqlite3.Connection) -> None:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
 
-def _budget(text: str | None) -> TenantBudget:
+def budget_of(text: str | None) -> TenantBudget:
     """A key's budget as stored (JSON; NULL for a key made before budgets: none)."""
     return TenantBudget() if text is None else TenantBudget(**json.loads(text))
 
@@ -117,6 +117,11 @@ class UsageRow:
 
 class StoreError(Exception):
     """The store refused an operation (a name taken, an unknown key): said to the caller."""
+
+
+class StoreUnavailable(OSError):
+    """A shared store could not be reached or did not answer in time (its message names the
+    driver's error class, never the URL): handled as an unreadable file is."""
 
 
 class SqliteStore:
@@ -206,7 +211,7 @@ class SqliteStore:
                 keys.append(TenantKeySettings(name=name, key_sha256=digest,
                                               pools=tuple(json.loads(pools)),
                                               limits=TenantLimits(**json.loads(limits)),
-                                              budget=_budget(budget)))
+                                              budget=budget_of(budget)))
             except (ConfigError, ValueError, TypeError):
                 bad.append(str(name))
         return keys, bad
@@ -216,7 +221,7 @@ class SqliteStore:
             rows = db.execute("SELECT name, pools, limits, created, revoked, budget FROM keys "
                               "ORDER BY name").fetchall()
         return [StoredKey(name, tuple(json.loads(pools)), TenantLimits(**json.loads(limits)),
-                          created, revoked, _budget(budget))
+                          created, revoked, budget_of(budget))
                 for name, pools, limits, created, revoked, budget in rows]
 
     # --- usage ----------------------------------------------------------------------------

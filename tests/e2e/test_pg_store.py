@@ -1,0 +1,146 @@
+"""Three `hedge-gateway serve` replicas on one PostgreSQL store (`server.store:
+postgresql://...`), a throwaway cluster (`tests.harness.postgres`):
+
+- a key made on one replica (its `/admin/keys`) is let in by all three, and once revoked on
+  another is refused by all three;
+- usage (spend included) written by all three adds up in `hedge-gateway keys usage`;
+- the store stopped mid-load: the replicas keep serving the keys they last read (the store's
+  failure is theirs, never the client's: no 5xx), keep the usage, and write it once it is
+  back, so no spend is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.test_cli import command, keyless_env
+from tests.e2e.test_tenant_store import WAIT, chat_status, eventually, serving
+from tests.harness.limits_kit import MESSAGES
+from tests.harness.postgres import PgCluster, pg_cluster
+
+ADMIN = "admin-key-0123456789abcdefghijklmnopqrstu"
+CONFIG = """
+server: {{host: 127.0.0.1, port: {port}, shutdown_grace: 2s, store: "URL",
+          admin_keys: ["ADMIN"]}}
+pools:
+  - name: alpha
+    hedging: {{enabled: false}}
+    backends:
+      - {{name: s, provider: sim, sim: {{ttft_median: 0, straggler_probability: 0, tokens: 4,
+          inter_token: 0}}, price: {{input: 0, output: 1000000}}}}
+"""
+REPLICAS = 3
+
+
+@pytest.fixture
+def cluster() -> Iterator[PgCluster]:
+    with pg_cluster() as running:
+        yield running
+
+
+@contextlib.contextmanager
+def replicas(tmp_path: Path, cluster: PgCluster) -> Iterator[list[str]]:
+    """Three gateways on the cluster, each from a folder of its own: their roots."""
+    text = CONFIG.replace("URL", cluster.url).replace("ADMIN", ADMIN)
+    with contextlib.ExitStack() as stack:
+        roots = []
+        for n in range(REPLICAS):
+            folder = tmp_path / f"replica{n}"
+            folder.mkdir()
+            roots.append(stack.enter_context(serving(folder, config_text=text))[1])
+        yield roots
+
+
+def keys_command(cluster: PgCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*command(), "keys", "--store", cluster.url, *args],
+                          env=keyless_env(), capture_output=True, text=True, timeout=WAIT,
+                          check=False)
+
+
+def usage_row(cluster: PgCluster, name: str) -> tuple[int, int, str]:
+    """(requests, output tokens, spend) of `name` today, as `keys usage` prints them."""
+    done = keys_command(cluster, "usage", name)
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()[1:]
+    if not rows:
+        return 0, 0, "0"
+    _name, _day, requests, _input, output, spend = rows[0].split("\t")
+    return int(requests), int(output), spend
+
+
+def make_key(root: str, name: str) -> str:
+    made = httpx.post(root + "/admin/keys", timeout=10.0, trust_env=False,
+                      headers={"authorization": f"Bearer {ADMIN}"}, json={"name": name})
+    assert made.status_code == 201, made.text
+    secret: str = made.json()["key"]
+    return secret
+
+
+@pytest.mark.timeout(180)
+def test_a_key_made_on_one_replica_is_let_in_by_all_and_revoked_on_another_refused_by_all(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    with replicas(tmp_path, cluster) as roots:
+        secret = make_key(roots[0], "team-a")
+        assert chat_status(roots[0], secret) == 200  # the making replica adopts it at once
+        # every replica polls the store twice a second
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica lets the new key in", timeout=5.0)
+        revoked = httpx.delete(roots[1] + "/admin/keys/team-a", timeout=10.0, trust_env=False,
+                               headers={"authorization": f"Bearer {ADMIN}"})
+        assert revoked.status_code == 200, revoked.text
+        assert chat_status(roots[1], secret) == 401
+        eventually(lambda: all(chat_status(root, secret) == 401 for root in roots),
+                   "every replica refuses the revoked key", timeout=5.0)
+        assert [chat_status(root, secret) for root in roots for _ in range(10)] == [401] * 30
+    listed = keys_command(cluster, "list")
+    assert listed.returncode == 0 and "team-a\trevoked" in listed.stdout
+    assert secret not in listed.stdout
+
+
+@pytest.mark.timeout(180)
+def test_spend_written_by_three_replicas_adds_up(tmp_path: Path, cluster: PgCluster) -> None:
+    made = keys_command(cluster, "create", "team-a")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    per_replica = (3, 5, 7)
+    with replicas(tmp_path, cluster) as roots:
+        for root, count in zip(roots, per_replica, strict=True):
+            with openai.OpenAI(base_url=root + "/v1", api_key=secret, max_retries=0) as client:
+                for _ in range(count):
+                    assert client.chat.completions.create(model="alpha",
+                                                          messages=MESSAGES).choices
+        total = sum(per_replica)
+        # each replica writes its batch once a second: all three batches reach the store
+        eventually(lambda: usage_row(cluster, "team-a")[0] == total,
+                   "all three replicas' usage in the store")
+    assert usage_row(cluster, "team-a") == (total, total * 4, f"{total * 4:.6f}")
+
+
+@pytest.mark.timeout(180)
+def test_the_store_stopped_mid_load_fails_open_and_loses_no_spend(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    """The store goes down between requests: each replica keeps the keys it last read
+    (fail open: the store's outage never reaches a client as an error) and keeps its usage,
+    written when the store is back."""
+    made = keys_command(cluster, "create", "team-a")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster) as roots:
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica has the key")
+        eventually(lambda: usage_row(cluster, "team-a")[0] == REPLICAS, "the first batches")
+        cluster.stop()
+        statuses = [chat_status(root, secret) for root in roots for _ in range(4)]
+        assert statuses == [200] * (REPLICAS * 4)
+        assert chat_status(roots[0], "hg-not-a-key") == 401  # open to known keys only
+        cluster.start()
+        eventually(lambda: usage_row(cluster, "team-a")[0] == REPLICAS * 5,
+                   "the usage kept while the store was down, written once it is back")
