@@ -146,12 +146,14 @@ class TenantSync:
             self.store = None
 
     def _failed(self, what: str, exc: BaseException) -> None:
+        self.gate.store_down = True
         if not self._failing:
             LOGGER.error("tenant store %s: cannot %s it (%s); keys stay as last read, usage "
                          "is kept for the next batch", self.path, what, type(exc).__name__)
         self._failing = True
 
     def _recovered(self) -> None:
+        self.gate.store_down = False
         if self._failing:
             LOGGER.warning("tenant store %s: working again", self.path)
         self._failing = False

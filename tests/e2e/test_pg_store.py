@@ -4,9 +4,10 @@ postgresql://...`), a throwaway cluster (`tests.harness.postgres`):
 - a key made on one replica (its `/admin/keys`) is let in by all three, and once revoked on
   another is refused by all three;
 - usage (spend included) written by all three adds up in `hedge-gateway keys usage`;
-- the store stopped mid-load: the replicas keep serving the keys they last read (the store's
-  failure is theirs, never the client's: no 5xx), keep the usage, and write it once it is
-  back, so no spend is lost.
+- the store stopped mid-load, `server.store_down: open`: the replicas keep serving the keys
+  they last read, keep the usage, and write it once the store is back, so no spend is lost;
+  `closed`: a named key's request gets 503 in the route's own shape (OpenAI's, Anthropic's)
+  with a retry after a second, until the store answers again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -29,7 +31,7 @@ from tests.harness.postgres import PgCluster, pg_cluster
 ADMIN = "admin-key-0123456789abcdefghijklmnopqrstu"
 CONFIG = """
 server: {{host: 127.0.0.1, port: {port}, shutdown_grace: 2s, store: "URL",
-          admin_keys: ["ADMIN"]}}
+          admin_keys: ["ADMIN"], store_down: DOWN}}
 pools:
   - name: alpha
     hedging: {{enabled: false}}
@@ -47,9 +49,11 @@ def cluster() -> Iterator[PgCluster]:
 
 
 @contextlib.contextmanager
-def replicas(tmp_path: Path, cluster: PgCluster) -> Iterator[list[str]]:
+def replicas(tmp_path: Path, cluster: PgCluster, store_down: str = "open"
+             ) -> Iterator[list[str]]:
     """Three gateways on the cluster, each from a folder of its own: their roots."""
-    text = CONFIG.replace("URL", cluster.url).replace("ADMIN", ADMIN)
+    text = CONFIG.replace("URL", cluster.url).replace("ADMIN", ADMIN).replace("DOWN",
+                                                                              store_down)
     with contextlib.ExitStack() as stack:
         roots = []
         for n in range(REPLICAS):
@@ -144,3 +148,33 @@ def test_the_store_stopped_mid_load_fails_open_and_loses_no_spend(
         cluster.start()
         eventually(lambda: usage_row(cluster, "team-a")[0] == REPLICAS * 5,
                    "the usage kept while the store was down, written once it is back")
+
+
+@pytest.mark.timeout(180)
+def test_the_store_stopped_mid_load_fails_closed_in_the_routes_own_shape(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    made = keys_command(cluster, "create", "team-a")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster, store_down="closed") as roots:
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica has the key")
+        cluster.stop()
+        eventually(lambda: all(chat_status(root, secret) == 503 for root in roots),
+                   "every replica refuses while the store is down")
+        with openai.OpenAI(base_url=roots[0] + "/v1", api_key=secret, max_retries=0) as oa:
+            with pytest.raises(openai.APIStatusError) as raised:
+                oa.chat.completions.create(model="alpha", messages=MESSAGES)
+        assert raised.value.status_code == 503
+        assert raised.value.response.headers["retry-after"] == "1"
+        assert raised.value.response.json()["error"]["code"] == "store_unavailable"
+        with anthropic.Anthropic(base_url=roots[1], api_key=secret, max_retries=0) as an:
+            with pytest.raises(anthropic.APIStatusError) as refused:
+                an.messages.create(model="alpha", max_tokens=16,
+                                   messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.status_code == 503
+        assert refused.value.response.json()["type"] == "error"
+        assert refused.value.response.json()["error"]["type"] == "overloaded_error"
+        cluster.start()
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica serves again once the store is back")
