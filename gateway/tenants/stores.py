@@ -5,7 +5,7 @@ extra) is imported only when one is named, so the embedded default never needs i
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from typing import TYPE_CHECKING
 
 from gateway.tenants.store import SqliteStore, path_of
@@ -27,9 +27,13 @@ def is_shared(url: str | None) -> bool:
 def missing_store_extra(url: str | None) -> str | None:
     """An error line when `url` names PostgreSQL and its driver is not installed (what
     check-config and serve print, naming the extra); None when the store can be opened."""
-    if is_shared(url) and importlib.util.find_spec("psycopg") is None:
+    if not is_shared(url):
+        return None
+    try:
+        importlib.import_module("psycopg")
+    except ImportError as exc:  # not installed, or its libpq missing ("no pq wrapper")
         return (f"server.store: a PostgreSQL store needs the extra {POSTGRES_EXTRA!r}, which "
-                f"is not installed (No module named 'psycopg'): pip install "
+                f"is not installed ({str(exc).splitlines()[0]}): pip install "
                 f"'hedge-gateway[{POSTGRES_EXTRA}]'")
     return None
 

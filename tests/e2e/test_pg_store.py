@@ -162,16 +162,16 @@ def test_the_store_stopped_mid_load_fails_closed_in_the_routes_own_shape(
         cluster.stop()
         eventually(lambda: all(chat_status(root, secret) == 503 for root in roots),
                    "every replica refuses while the store is down")
-        with openai.OpenAI(base_url=roots[0] + "/v1", api_key=secret, max_retries=0) as oa:
-            with pytest.raises(openai.APIStatusError) as raised:
-                oa.chat.completions.create(model="alpha", messages=MESSAGES)
+        with (openai.OpenAI(base_url=roots[0] + "/v1", api_key=secret, max_retries=0) as oa,
+              pytest.raises(openai.APIStatusError) as raised):
+            oa.chat.completions.create(model="alpha", messages=MESSAGES)
         assert raised.value.status_code == 503
         assert raised.value.response.headers["retry-after"] == "1"
         assert raised.value.response.json()["error"]["code"] == "store_unavailable"
-        with anthropic.Anthropic(base_url=roots[1], api_key=secret, max_retries=0) as an:
-            with pytest.raises(anthropic.APIStatusError) as refused:
-                an.messages.create(model="alpha", max_tokens=16,
-                                   messages=[{"role": "user", "content": "hi"}])
+        with (anthropic.Anthropic(base_url=roots[1], api_key=secret, max_retries=0) as an,
+              pytest.raises(anthropic.APIStatusError) as refused):
+            an.messages.create(model="alpha", max_tokens=16,
+                               messages=[{"role": "user", "content": "hi"}])
         assert refused.value.status_code == 503
         assert refused.value.response.json()["type"] == "error"
         assert refused.value.response.json()["error"]["type"] == "overloaded_error"
