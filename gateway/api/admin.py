@@ -30,7 +30,7 @@ from gateway.hedge.generation import Live
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantBudget, TenantLimits
 from gateway.tenants.spend import DECIMALS
-from gateway.tenants.store import StoreError
+from gateway.tenants.store import KEY_NAME, KEY_NAME_RULE, StoreError
 from gateway.wire.validate import parse_body
 
 if TYPE_CHECKING:
@@ -87,7 +87,8 @@ def build_admin_router(admin: KeyRing, sync: TenantSync | None, live: Live) -> A
         data += [{"name": key.name, "source": "store", "pools": list(key.pools),
                   "limits": dataclasses.asdict(key.limits),
                   "budget": dataclasses.asdict(key.budget), "created": key.created,
-                  "revoked": key.revoked} for key in stored]
+                  "revoked": key.revoked, **({"invalid": True} if key.invalid else {})}
+                 for key in stored]
         return {"data": data}
 
     @router.delete("/admin/keys/{name}")
@@ -124,6 +125,8 @@ def _key_request(body: dict[str, Any], pools: set[str]
     name = body.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequest("name: required, a string", param="name")
+    if not KEY_NAME.fullmatch(name):  # 409 is kept for a name that is taken
+        raise InvalidRequest(f"name: must be {KEY_NAME_RULE}", param="name")
     wanted = body.get("pools", [])
     if not isinstance(wanted, list) or not all(isinstance(p, str) for p in wanted):
         raise InvalidRequest("pools: must be a list of pool names", param="pools")

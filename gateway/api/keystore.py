@@ -56,6 +56,9 @@ class TenantSync:
         self.store: TenantStore | None = None
         self.version = -1
         self._failing = False
+        #: one flush at a time (the loop's, an admin's usage read, the last at shutdown):
+        #: a batch taken while another is being written would otherwise race its outcome
+        self._flushing = asyncio.Lock()
 
     async def start(self) -> None:
         """Open the store and load its keys and their spend (before the gateway serves)."""
@@ -89,11 +92,15 @@ class TenantSync:
 
     async def flush(self) -> None:
         """Write the usage counted since the last batch (kept for the next on failure), then
-        read back every key's spend for the budgets."""
+        read back every key's spend for the budgets. One at a time (`_flushing`)."""
+        async with self._flushing:
+            await self._flush()
+
+    async def _flush(self) -> None:
         store = self.store
         usage = self.gate.take_usage()
         if store is None:
-            self.gate.keep_unsent()
+            self.gate.keep_unsent(usage)
             return
         if not usage:
             await self.read_spend(usage)
@@ -105,7 +112,7 @@ class TenantSync:
             self._recovered()
         except (sqlite3.Error, OSError) as exc:
             self._failed("write", exc)
-            self.gate.keep_unsent()  # back into the next batch
+            self.gate.keep_unsent(usage)  # back into the next batch
             return
         await self.read_spend(usage)
 

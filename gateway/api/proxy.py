@@ -348,7 +348,7 @@ class Proxy:
 
         async def finish(early_end: StreamEnd | None) -> None:
             summary.relay_end = early_end or outcome.end
-            summary.usage = outcome.usage
+            summary.usage, summary.relayed = outcome.usage, outcome.events
             await end()
 
         # the final events of a shutdown and of a bug of ours, built only for a stream that

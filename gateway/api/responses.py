@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
@@ -77,7 +77,6 @@ def build_responses_router(
     Response ids are signed with `server.response_id_secret`, else with a secret of this
     app's own (a single process: the supervisor gives its workers one)."""
     ids = ResponseIds(settings.server.response_id_secret or generate_secret())
-    bearer = gate.guard
     router = APIRouter()
     limit = settings.server.max_body_bytes
 
@@ -167,10 +166,13 @@ def build_responses_router(
                      ) -> Response:
         """A stored response's operation, sent to the backend that made it under the id that
         backend gave it; its answer carries the client's id again. Not a generation: no
-        tokens, no latency samples (`metered`)."""
+        tokens, no latency samples (`metered`), but a request of the client's key all the
+        same: its limits, budget and usage count it, and a response in a pool the key may
+        not use (its pools narrowed since) is answered as one that does not exist."""
+        tenant = gate.identify(request) if gate.active else None
         ref = find(response_id, binding_of(request))
         pool = live.current.pools.get(ref.pool) if ref is not None else None
-        if ref is None or pool is None:
+        if ref is None or pool is None or (tenant is not None and not tenant.may_use(ref.pool)):
             raise ResponseNotFound(f"no response {response_id[:200]!r} is known to this "
                                    "gateway", param="response_id")
         # every value of a repeated parameter (`include[]=a&include[]=b`), in order
@@ -183,7 +185,11 @@ def build_responses_router(
             protocol=entry.protocol, single=entry.single, pinned=ref.backend, method=entry.method,
             path=f"responses/{quote(ref.upstream_id, safe='')}{suffix}", query=query,
             on_commit=lambda _backend, _events: rewrite, metered=False, route=entry.path,
+            key=None if tenant is None else tenant.name,
         )
+        if tenant is not None:  # no body: no input estimate
+            return await gate.limited(request, tenant, 0, anthropic=False,
+                                      handle=lambda: proxy.handle(request, pool, req))
         return await proxy.handle(request, pool, req)
 
     create = route("POST", "/v1/responses")
@@ -196,19 +202,19 @@ def build_responses_router(
     async def responses(request: Request) -> Response:
         return await inference(request, create)
 
-    @router.get(retrieve.path, dependencies=[Depends(bearer)])
+    @router.get(retrieve.path)
     async def get_response(request: Request, response_id: str) -> Response:
         return await stored(request, retrieve, response_id, "")
 
-    @router.delete(delete.path, dependencies=[Depends(bearer)])
+    @router.delete(delete.path)
     async def delete_response(request: Request, response_id: str) -> Response:
         return await stored(request, delete, response_id, "")
 
-    @router.post(cancel.path, dependencies=[Depends(bearer)])
+    @router.post(cancel.path)
     async def cancel_response(request: Request, response_id: str) -> Response:
         return await stored(request, cancel, response_id, "/cancel")
 
-    @router.get(items.path, dependencies=[Depends(bearer)])
+    @router.get(items.path)
     async def input_items(request: Request, response_id: str) -> Response:
         return await stored(request, items, response_id, "/input_items")
 

@@ -143,16 +143,27 @@ class TenantGate:
         if written is not None and self.sending is written:
             self.sending = {}
 
-    def keep_unsent(self) -> None:
-        """The batch could not be written: back into the next one."""
-        for name, counts in self.sending.items():
+    def keep_unsent(self, batch: dict[str, list[int]]) -> None:
+        """`batch` (`take_usage`) could not be written: back into the next one. It is the
+        batch given, never whatever is being written now: a later batch taken meanwhile (an
+        admin's flush beside the loop's) is neither lost nor put back twice; and a batch
+        a later take moved to `unread` leaves it, counted once, in `usage`."""
+        if self.sending is batch:
+            self.sending = {}
+        else:
+            for name, counts in batch.items():
+                left = self.unread.get(name, 0) - counts[3]
+                if left > 0:
+                    self.unread[name] = left
+                else:
+                    self.unread.pop(name, None)
+        for name, counts in batch.items():
             kept = self.usage.get(name)
             if kept is None:
                 self.usage[name] = counts
             else:
                 for index, count in enumerate(counts):
                     kept[index] += count
-        self.sending = {}
 
     def budgeted(self) -> bool:
         """Whether any key in force has a budget (its spend is then read at every poll)."""
@@ -220,29 +231,60 @@ class TenantGate:
                 return
             settled = True
             summary = state.get(SUMMARY_KEY)
-            usage = summary.usage if isinstance(summary, RequestSummary) else None
+            if not isinstance(summary, RequestSummary):
+                summary = None
             counts = self.usage.get(tenant.name)
             if counts is None:
                 counts = self.usage[tenant.name] = [0, 0, 0, 0]
             counts[0] += 1
-            if usage is not None:
-                counts[1] += usage.input
-                counts[2] += usage.output
-            cost = summary.cost if isinstance(summary, RequestSummary) else None
+            input_tokens, output_tokens = charged(summary, estimated)
+            counts[1] += input_tokens or 0
+            counts[2] += output_tokens or 0
+            cost = None if summary is None else summary.cost
             if cost is not None:
                 counts[3] += round(cost * MICRO)
             if limits is not None:
-                limits.settle(self.clock(), estimated, None if usage is None else usage.input,
-                              None if usage is None else usage.output)
+                limits.settle(self.clock(), estimated, input_tokens, output_tokens)
 
         try:  # no await between the admission and here: the slot cannot leak
             response = await handle()  # the answer, errors included (`gateway.api.answer`)
         except BaseException:  # no answer will be sent (cancelled, a bug of ours)
             settle()
             raise
+        if not sent_upstream(state.get(SUMMARY_KEY)):  # refused by the gateway itself
+            settled = True  # nothing to settle: a refused request takes nothing
+            if limits is not None:
+                limits.refund(self.clock(), estimated)
+                headers = ratelimit_headers(limits.quotas(), anthropic=anthropic,
+                                            wall=self.wall())
+                answer_headers(response.raw_headers, headers)
+            return response
         if headers is not None:
             answer_headers(response.raw_headers, headers)
         return Settled(response, settle)
+
+
+def sent_upstream(summary: object) -> bool:
+    """Whether a request the proxy answered reached any upstream: False when it was refused
+    before its race (no summary: untranslatable, a route no backend serves, the gateway's
+    overload or drain) or before its first attempt (a summary without attempts)."""
+    return isinstance(summary, RequestSummary) and bool(summary.attempts)
+
+
+def charged(summary: RequestSummary | None, estimated: int) -> tuple[int | None, int | None]:
+    """The (input, output) tokens a key is charged for a request: the upstream's usage; for
+    an answer without it (the client left a stream before the usage came, a backend that
+    reports none in a stream), the admission's estimate of its input and, for a stream, one
+    output token per event relayed: leaving early must not skip the output limit. (None,
+    None) for a request that never committed an answer (its input estimate stays charged)."""
+    if summary is None:
+        return None, None
+    usage = summary.usage
+    if usage is not None:
+        return usage.input, usage.output
+    if summary.winner is None or not summary.metered:
+        return None, None
+    return estimated, summary.relayed
 
 
 class Settled(Response):

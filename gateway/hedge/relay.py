@@ -234,6 +234,7 @@ async def relay(
     rival: asyncio.Task[Continued | None] | None = None
     longest, stalled = 0.0, False
     try:
+        outcome.events = len(prefix.buffered)
         yield encode(prefix.buffered, request_id, outcome)
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
@@ -285,6 +286,9 @@ async def relay(
                     if kept is not None and now - deadlines.last > longest:
                         longest = now - deadlines.last
                     deadlines.last = now
+                    # per read, not per event: a raw read is counted by one scan in C
+                    raw = batch.raw
+                    outcome.events += len(batch.events) if raw is None else raw.count(b"\n\n")
                     if splice is not None:
                         events = splice.events(batch.events)
                         batch = SSEBatch(events)
@@ -335,6 +339,7 @@ async def relay(
                 batches = prefix.batches.__aiter__()
                 events = splice.events(prefix.buffered)
                 kept.append(SSEBatch(events))
+                outcome.events += len(events)
                 longest, stalled = 0.0, False
                 deadlines.rearm()
                 deadlines.set_stall(resume.stall_delay(backend))

@@ -2,8 +2,10 @@
 
 Every attempt that reached its backend was sent the whole input, so each is charged:
 
-- the winner: its upstream's usage (input, cached input, output); without a usage report, the
-  gateway's estimate of its input (`RequestSize.tokens`) and no output;
+- the winner: its upstream's usage (input, cached input, output); without a usage report (a
+  client that left a stream before it, a backend that reports none in a stream), the
+  gateway's estimate of its input (`RequestSize.tokens`) and, for a stream, one output token
+  per event relayed to the client (`RequestSummary.relayed`);
 - a loser (an attempt the race cancelled, one whose token came second, a complete answer that
   lost): the input, taken from the winner's count when there is one (the same body was sent)
   else the estimate, of which the part its backend most likely had cached (the conversation's
@@ -53,7 +55,7 @@ def charges(summary: RequestSummary) -> list[Charge]:
                 found.append(Charge(attempt.backend, usage.input, usage.cached or 0,
                                     usage.output))
             else:
-                found.append(Charge(attempt.backend, sent, 0, 0))
+                found.append(Charge(attempt.backend, sent, 0, summary.relayed or 0))
             continue
         if attempt.outcome == "failed" and attempt.failure not in CHARGED_FAILURES:
             continue

@@ -35,6 +35,9 @@ class RequestSummary:
     relay_end: StreamEnd | None = None
     #: tokens of the winning attempt, when its response reported usage
     usage: Usage | None = None
+    #: a stream's events relayed to the client (`RelayOutcome.events`): its output, one token
+    #: per event, where `usage` is None; None for an answer that was not streamed
+    relayed: int | None = None
     #: a backend choice of this request ran in panic mode
     panic: bool = False
     #: False for a read of stored state: no tokens, no TTFT samples (`LogicalRequest.metered`)

@@ -67,6 +67,8 @@ def run(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         elif ns.action == "list":
             for stored in store.list_keys():
                 state = "revoked " + _day(stored.revoked) if stored.revoked else "active"
+                if stored.invalid:  # a row that makes no key: never in force
+                    state = "invalid" if not stored.revoked else state + " invalid"
                 pools = ",".join(stored.pools) or "*"
                 shown = " ".join(f"{flag}={value}" for flag, value in
                                  zip(LIMIT_FLAGS, _limits(stored.limits), strict=True)

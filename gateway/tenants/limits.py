@@ -137,6 +137,18 @@ class KeyLimits:
             self.output.refill(now)
             self.output.level -= output_tokens
 
+    def refund(self, now: float, estimated_input: int) -> None:
+        """The end of an admitted request the gateway refused before sending it anywhere
+        (untranslatable, a route no backend serves, the gateway's own overload or drain):
+        everything its admission took goes back, its slot included, so a refused request
+        takes nothing."""
+        self.in_flight = max(0, self.in_flight - 1)
+        for _, bucket in self.buckets:
+            if bucket is not self.output:
+                bucket.refill(now)
+                bucket.level = min(bucket.capacity,
+                                   bucket.level + self._takes(bucket, estimated_input))
+
     def quotas(self) -> tuple[Quota, ...]:
         """The per-minute limits as of their last refill."""
         return tuple(Quota(kind, int(bucket.capacity), bucket.remaining(), bucket.reset_in())

@@ -32,12 +32,15 @@ import psycopg
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
 from gateway.tenants.store import (
+    KEY_NAME,
+    KEY_NAME_RULE,
     KEY_PREFIX,
     StoredKey,
     StoreError,
     StoreUnavailable,
     UsageRow,
     budget_of,
+    listed_key,
 )
 
 #: seconds to connect before a call fails
@@ -114,6 +117,8 @@ class PostgresStore:
                    limits: TenantLimits | None = None, *, now: float | None = None,
                    budget: TenantBudget | None = None) -> tuple[str, TenantKeySettings]:
         """As `SqliteStore.create_key`."""
+        if not KEY_NAME.fullmatch(name):
+            raise StoreError(f"a key's name must be {KEY_NAME_RULE}")
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()
         try:
@@ -170,9 +175,7 @@ class PostgresStore:
         with self._locked() as db:
             rows = db.execute("SELECT name, pools, limits, created, revoked, budget FROM "
                               "hg_keys ORDER BY name").fetchall()
-        return [StoredKey(name, tuple(json.loads(pools)), TenantLimits(**json.loads(limits)),
-                          created, revoked, budget_of(budget))
-                for name, pools, limits, created, revoked, budget in rows]
+        return [listed_key(row) for row in rows]
 
     # --- usage ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import sqlite3
 import threading
@@ -39,6 +40,14 @@ BUSY_TIMEOUT = 5.0
 DEFAULT_FILE = os.path.join("hedge-gateway", "tenants.sqlite")
 #: a new key's secret: this prefix and 32 random URL-safe bytes
 KEY_PREFIX = "hg-"
+
+#: the names a key made at run time may have: each is a segment of the admin API's paths
+#: (`/admin/keys/{name}`), so no `/`, `%` or space, and no leading `.` (a path's `.` and `..`
+#: segments are folded away by clients), or the key could never be revoked or read
+KEY_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._:-]{0,199}")
+#: what `KEY_NAME` allows, as an error says it
+KEY_NAME_RULE = ("1-200 characters of A-Z a-z 0-9 . _ : -, not starting with '.' nor "
+                 "holding '..'")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS keys (
@@ -85,6 +94,19 @@ def budget_of(text: str | None) -> TenantBudget:
     return TenantBudget() if text is None else TenantBudget(**json.loads(text))
 
 
+def _pools(text: str) -> tuple[str, ...]:
+    """A key's pools as stored (a JSON list of names); ValueError for anything else."""
+    pools = json.loads(text)
+    if not isinstance(pools, list) or not all(isinstance(pool, str) for pool in pools):
+        raise ValueError("pools: not a list of names")
+    return tuple(pools)
+
+
+def _instant(value: object) -> float | None:
+    """A stored time (seconds since the epoch), None for NULL or anything not a number."""
+    return float(value) if isinstance(value, int | float) else None
+
+
 @dataclass(frozen=True, slots=True)
 class StoredKey:
     """A key made at run time, as listed (never its secret or digest)."""
@@ -95,6 +117,21 @@ class StoredKey:
     created: float
     revoked: float | None
     budget: TenantBudget = field(default_factory=TenantBudget)
+    #: its row does not make a valid key (written by hand, or by another version): listed,
+    #: with no pools, limits or budget, so that it can be seen and revoked; never in force
+    invalid: bool = False
+
+
+def listed_key(row: Sequence[Any]) -> StoredKey:
+    """One `(name, pools, limits, created, revoked, budget)` row as listed; a row that does
+    not make a valid key is listed as `invalid` (both stores read their rows so)."""
+    name, pools, limits, created, revoked, budget = row
+    when = _instant(created) or 0.0
+    try:
+        return StoredKey(str(name), _pools(pools), TenantLimits(**json.loads(limits)), when,
+                         _instant(revoked), budget_of(budget))
+    except (ConfigError, ValueError, TypeError):
+        return StoredKey(str(name), (), TenantLimits(), when, _instant(revoked), invalid=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +167,12 @@ class SqliteStore:
 
     def __init__(self, path: str) -> None:
         folder = os.path.dirname(path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
+        if folder:  # a folder made here is its owner's alone (existing ones are left as are)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        # the file is made 0600 before SQLite opens it (not under a umask: that is the whole
+        # process's, threads included): SQLite gives its -wal and -shm files the database's
+        # permissions, so the digests and usage are never readable by other users
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
         self.path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT, check_same_thread=False,
@@ -157,6 +198,8 @@ class SqliteStore:
                    budget: TenantBudget | None = None) -> tuple[str, TenantKeySettings]:
         """A new key `name`: its secret (returned once, never stored) and its settings.
         `StoreError` when the name is taken or invalid."""
+        if not KEY_NAME.fullmatch(name):
+            raise StoreError(f"a key's name must be {KEY_NAME_RULE}")
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         digest = hashlib.sha256(secret.encode()).hexdigest()
         try:
@@ -217,12 +260,12 @@ class SqliteStore:
         return keys, bad
 
     def list_keys(self) -> list[StoredKey]:
+        """Every key, revoked ones included; a row that does not make a valid key is listed
+        as `invalid` (the guard `active_keys` has): one bad row never hides the others."""
         with self._locked() as db:
             rows = db.execute("SELECT name, pools, limits, created, revoked, budget FROM keys "
                               "ORDER BY name").fetchall()
-        return [StoredKey(name, tuple(json.loads(pools)), TenantLimits(**json.loads(limits)),
-                          created, revoked, budget_of(budget))
-                for name, pools, limits, created, revoked, budget in rows]
+        return [listed_key(row) for row in rows]
 
     # --- usage ----------------------------------------------------------------------------
 

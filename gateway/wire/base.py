@@ -76,6 +76,10 @@ class RelayOutcome:
     usage: Usage | None = None
     #: drop the usage-only chunk: the gateway asked for it, the client did not
     strip_usage: bool = False
+    #: the upstream events relayed to the client, the buffered prefix's included: the output
+    #: a key is charged, one token per event, when the stream reported no usage (the client
+    #: left before it, or the backend never reports one in a stream)
+    events: int = 0
 
 
 #: (events, request id, outcome) -> the client's bytes for them; sets `outcome.end` when the

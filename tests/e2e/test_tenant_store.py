@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -168,6 +169,61 @@ def keys_command(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]
     return subprocess.run([*command(), "keys", "--store", store, *args], cwd=tmp_path,
                           env=keyless_env(), capture_output=True, text=True, timeout=WAIT,
                           check=False)
+
+
+def test_a_key_name_outside_the_safe_set_is_a_400_naming_the_field_and_409_is_for_taken(
+    loop_thread: LoopThread, tmp_path: Path
+) -> None:
+    """Every key the admin API makes can be revoked and read by its path: a name with `/`
+    (or `%`, a space, a leading `.`, `..`) is refused as a bad request naming `name`, and
+    only a name already taken is a conflict. A name of the safe set is revoked by its path."""
+    store = f"sqlite:///{tmp_path}/tenants.sqlite"
+    pools = (PoolSettings("alpha", (BackendSettings("s", "sim", sim=FAST),)),)
+    gateway = GatewayFactory(loop_thread)(Settings(pools, server=ServerSettings(
+        admin_keys=(ADMIN,), store=store)))
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    with httpx.Client(base_url=gateway.root, timeout=10.0, trust_env=False) as http:
+        for bad in ("team/a", "a%2Fb", "a b", ".hidden", "..", "a..b", "x" * 201):
+            refused = http.post("/admin/keys", headers=admin, json={"name": bad})
+            assert refused.status_code == 400, (bad, refused.text)
+            error = refused.json()["error"]
+            assert error["param"] == "name" and error["type"] == "invalid_request_error"
+        assert http.get("/admin/keys", headers=admin).json()["data"] == []  # none was made
+        made = http.post("/admin/keys", headers=admin, json={"name": "team_a-1.b:c"})
+        assert made.status_code == 201, made.text
+        taken = http.post("/admin/keys", headers=admin, json={"name": "team_a-1.b:c"})
+        assert taken.status_code == 409
+        gone = http.delete("/admin/keys/team_a-1.b:c", headers=admin)
+        assert gone.status_code == 200 and gone.json()["revoked"] is True
+
+
+def test_an_unreadable_store_row_is_listed_as_invalid_beside_the_others(
+    loop_thread: LoopThread, tmp_path: Path
+) -> None:
+    """A row written by hand (or by another version) whose limits are not a key's: the admin
+    list and `hedge-gateway keys list` still answer, show it as invalid and list the good
+    key beside it; the good key still works and the bad row is never in force."""
+    store = f"sqlite:///{tmp_path}/tenants.sqlite"
+    pools = (PoolSettings("alpha", (BackendSettings("s", "sim", sim=FAST),)),)
+    gateway = GatewayFactory(loop_thread)(Settings(pools, server=ServerSettings(
+        admin_keys=(ADMIN,), store=store)))
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    with httpx.Client(base_url=gateway.root, timeout=10.0, trust_env=False) as http:
+        good = http.post("/admin/keys", headers=admin, json={"name": "team-a"})
+        assert good.status_code == 201
+        with contextlib.closing(sqlite3.connect(tmp_path / "tenants.sqlite")) as db, db:
+            db.execute("INSERT INTO keys (name, key_sha256, pools, limits, created) "
+                       "VALUES ('broken', 'ab', 'not json', '{\"in_flight\": -3}', 1.0)")
+        listed = http.get("/admin/keys", headers=admin)
+        assert listed.status_code == 200, listed.text
+        rows = {row["name"]: row for row in listed.json()["data"]}
+        assert rows["broken"]["invalid"] is True and "invalid" not in rows["team-a"]
+        assert chat_status(gateway.root, good.json()["key"]) == 200
+    shown = keys_command(tmp_path, "list")
+    assert shown.returncode == 0, shown.stderr
+    assert "Traceback" not in shown.stderr
+    lines = dict(line.split("\t")[:2] for line in shown.stdout.splitlines())
+    assert lines == {"broken": "invalid", "team-a": "active"}
 
 
 @pytest.mark.timeout(90)

@@ -39,20 +39,32 @@ from gateway.settings import (
 )
 from gateway.settings.load import load_settings
 from gateway.settings.tenants import TenantHedging, TenantKeySettings, TenantLimits
+from tests.e2e.test_stored_responses import stored_upstream
 from tests.harness import (
+    DONE,
+    SSE_HEADERS,
     Gate,
+    Head,
     LoopThread,
     RecordedRequest,
     Script,
+    Send,
+    Step,
     UpstreamFactory,
+    Wait,
     chat_completion_obj,
+    finish_chunk,
     json_script,
+    role_chunk,
     stream_script,
+    token_chunk,
+    usage_chunk,
 )
 from tests.harness.limits_kit import (
     MESSAGES,
     Canary,
     GatewayFactory,
+    data_lines,
     holding,
     verbose_logs,
     wait_for,
@@ -332,6 +344,163 @@ def test_output_tokens_are_charged_from_the_usage_once_the_stream_has_ended(
             client.chat.completions.create(model="alpha", messages=MESSAGES)
     assert "output tokens" in over.value.message
     assert over.value.response.headers["x-ratelimit-remaining-output-tokens"] == "0"
+
+
+def output_limited(upstream_url: str) -> Settings:
+    """A key of ten output tokens a minute on one scripted upstream, with nothing hedged."""
+    pool = PoolSettings("alpha", (BackendSettings("u", "openai", "m", upstream_url),),
+                        hedging=NO_HEDGES)
+    return keyed(TenantKeySettings("team-a", key=TEAM_A,
+                                   limits=TenantLimits(output_tokens_per_minute=10)),
+                 pools=(pool,))
+
+
+def test_a_stream_without_usage_is_charged_the_output_it_relayed(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """A backend that reports no usage in a stream (as llama-cpp-python): the thirty tokens
+    the client was sent are charged all the same, so the next request is refused for output
+    tokens, and the key's usage counts them."""
+    (upstream,) = scripted_upstream(1, responder=lambda _request: stream_script(
+        [f"tok{i} " for i in range(30)]))
+    gateway = GatewayFactory(loop_thread)(output_limited(upstream.base_url))
+    with openai_client(gateway.root, TEAM_A) as client:
+        chunks = list(client.chat.completions.create(model="alpha", messages=MESSAGES,
+                                                     stream=True))
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 30
+        with pytest.raises(openai.RateLimitError) as over:
+            client.chat.completions.create(model="alpha", messages=MESSAGES)
+    assert "output tokens" in over.value.message
+    counted = gateway.app.state.tenant_gate
+    usage = {**counted.usage, **counted.sending}["team-a"]
+    assert usage[2] >= 30  # requests, input, output, spend: the thirty relayed tokens
+    assert usage[1] > 0  # the admission's estimate of the input
+
+
+def test_a_client_that_leaves_a_stream_before_its_usage_is_charged_what_it_read(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """The upstream would report its usage at the end; the client reads twelve tokens and
+    leaves before it. The tokens relayed are charged: the next request is refused for
+    output tokens (leaving early does not skip the key's output limit)."""
+    gate = Gate()
+    steps: list[Step] = [Head(), Send(role_chunk())]
+    steps += [Send(token_chunk(f"tok{i} ")) for i in range(12)]
+    steps += [Wait(gate), Send(finish_chunk()), Send(usage_chunk(5, 500)), Send(DONE)]
+    (upstream,) = scripted_upstream(1, responder=lambda _request: Script(
+        headers=SSE_HEADERS, steps=steps))
+    gateway = GatewayFactory(loop_thread)(output_limited(upstream.base_url))
+    body = {"model": "alpha", "messages": MESSAGES, "stream": True}
+    auth = {"authorization": f"Bearer {TEAM_A}"}
+    try:
+        with httpx.Client(base_url=gateway.root, timeout=10.0) as raw:
+            with raw.stream("POST", "/v1/chat/completions", json=body, headers=auth) as held:
+                lines = held.iter_lines()  # kept: a dropped iterator closes the connection
+                assert "tok11" in data_lines(lines, "tok11")[-1]  # then it leaves
+            (first,) = upstream.requests[:1]
+            assert upstream.wait_closed(first)  # the client left: the request ends
+            assert wait_for(lambda: gateway.app.state.tenant_gate.tenants.find(TEAM_A)
+                            .limits.in_flight == 0)
+            refused = raw.post("/v1/chat/completions", headers=auth,
+                               json={"model": "alpha", "messages": MESSAGES})
+        assert refused.status_code == 429, refused.text
+        assert "output tokens" in refused.json()["error"]["message"]
+    finally:
+        gate.open()
+
+
+def test_a_request_the_gateway_refuses_before_any_upstream_takes_nothing_of_the_key(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Two requests a minute, a pool of an Anthropic backend the chat route reaches by
+    translation: a chat request that cannot be translated (400) and an embeddings request no
+    backend serves (404) are refused before any upstream sees them, so the key keeps both
+    requests of its minute, its headers say so, and no usage is counted for it."""
+    (upstream,) = scripted_upstream(1, responder=lambda _request: json_script({}))
+    pool = PoolSettings("claude", (BackendSettings("c", "anthropic", "claude-x",
+                                                   upstream.base_url, api_key="x"),),
+                        hedging=NO_HEDGES, translate=True)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(requests_per_minute=2)),
+        pools=(pool,)))
+    remaining = []
+    with openai_client(gateway.root, TEAM_A) as client:
+        for _ in range(3):
+            with pytest.raises(openai.BadRequestError) as untranslatable:
+                client.chat.completions.create(model="claude", messages=MESSAGES,
+                                               logprobs=True)
+            remaining.append(
+                untranslatable.value.response.headers["x-ratelimit-remaining-requests"])
+        with pytest.raises(openai.APIStatusError) as unserved:
+            client.embeddings.create(model="claude", input="hi")
+        assert unserved.value.status_code in (400, 404)
+        remaining.append(unserved.value.response.headers["x-ratelimit-remaining-requests"])
+    assert remaining == ["2", "2", "2", "2"]
+    assert upstream.requests == []  # refused by the gateway itself
+    counted = gateway.app.state.tenant_gate
+    assert "team-a" not in {**counted.usage, **counted.sending}
+
+
+def stored_pools(upstream_url: str) -> tuple[PoolSettings, ...]:
+    """Two pools on one upstream that holds a stored response (`stored_upstream`)."""
+    return tuple(PoolSettings(name, (BackendSettings("u", "openai", "m", upstream_url),),
+                              hedging=NO_HEDGES) for name in ("alpha", "beta"))
+
+
+def test_stored_response_operations_are_requests_of_the_key_within_its_limits(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Three requests a minute: creating a response, reading it and listing its input items
+    take them (each answer states the key's quota, and each is counted in its usage); the
+    cancel after them is refused with 429 and reaches no backend."""
+    (upstream,) = scripted_upstream(1, responder=stored_upstream)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(requests_per_minute=3)),
+        pools=stored_pools(upstream.base_url)))
+    remaining = []
+    with openai_client(gateway.root, TEAM_A) as client:
+        made = client.responses.with_raw_response.create(model="alpha", input="hi")
+        remaining.append(made.headers["x-ratelimit-remaining-requests"])
+        made_id = made.parse().id
+        read = client.responses.with_raw_response.retrieve(made_id)
+        remaining.append(read.headers["x-ratelimit-remaining-requests"])
+        listed = client.responses.input_items.with_raw_response.list(made_id)
+        remaining.append(listed.headers["x-ratelimit-remaining-requests"])
+        with pytest.raises(openai.RateLimitError) as over:
+            client.responses.cancel(made_id)
+    assert remaining == ["2", "1", "0"]
+    assert "requests" in over.value.message
+    assert [r.method for r in upstream.requests] == ["POST", "GET", "GET"]
+    counted = gateway.app.state.tenant_gate
+    assert wait_for(lambda: {**counted.usage, **counted.sending}.get("team-a", [0])[0] == 3)
+
+
+def test_a_stored_response_in_a_pool_its_key_may_no_longer_use_is_not_found(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """A key makes a response in `beta`; a reload narrows it to `alpha`. Reading, cancelling
+    or deleting that response is answered as for a response that does not exist, and no
+    backend is asked."""
+    (upstream,) = scripted_upstream(1, responder=stored_upstream)
+    gateway = GatewayFactory(loop_thread)(keyed(
+        TenantKeySettings("team-a", key=TEAM_A, pools=("alpha", "beta")),
+        pools=stored_pools(upstream.base_url)))
+    with openai_client(gateway.root, TEAM_A) as client:
+        made = client.responses.create(model="beta", input="hi")
+        gate = gateway.app.state.tenant_gate
+
+        async def narrow() -> None:  # what a reload of `keys:` does
+            gate.replace([TenantKeySettings("team-a", key=TEAM_A, pools=("alpha",))])
+
+        loop_thread.run(narrow())
+        for attempt in (lambda: client.responses.retrieve(made.id),
+                        lambda: client.responses.cancel(made.id),
+                        lambda: client.responses.input_items.list(made.id),
+                        lambda: client.responses.delete(made.id)):
+            with pytest.raises(openai.NotFoundError) as caught:
+                attempt()
+            assert caught.value.code == "response_not_found"
+    assert [r.method for r in upstream.requests] == ["POST"]
 
 
 @pytest.fixture

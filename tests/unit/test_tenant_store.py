@@ -5,6 +5,8 @@ them, usage added in batches, a key kept only as its digest."""
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,41 @@ def test_keys_made_and_revoked_are_seen_by_another_process_and_the_version_moves
         one.close()
         other.close()
     assert secret.encode() not in Path(path).read_bytes()  # only its digest is kept
+
+
+def test_a_name_outside_the_safe_set_is_refused_before_anything_is_written(
+    tmp_path: Path
+) -> None:
+    """`hedge-gateway keys create` goes to the store directly: a name its admin path could not
+    reach (`/`, a leading `.`) is refused there too, and nothing is written."""
+    store = SqliteStore(str(tmp_path / "tenants.sqlite"))
+    try:
+        for bad in ("team/a", ".a", "a..b", "a b", ""):
+            with pytest.raises(StoreError, match="must be 1-200 characters"):
+                store.create_key(bad)
+        assert store.list_keys() == []
+    finally:
+        store.close()
+
+
+def test_the_store_and_its_folder_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    """Under the usual umask (022) the folder made is 0700 and the database with its -wal and
+    -shm files 0600: no other user reads the keys' digests or usage."""
+    path = tmp_path / "state" / "hedge-gateway" / "tenants.sqlite"
+    old = os.umask(0o022)
+    try:
+        store = SqliteStore(str(path))
+        try:
+            store.create_key("team-a")
+            store.add_usage([UsageRow("team-a", "2026-12-07", 1, 2, 3)])
+            files = [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+            assert all(file.exists() for file in files)
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+            assert [stat.S_IMODE(file.stat().st_mode) for file in files] == [0o600] * 3
+        finally:
+            store.close()
+    finally:
+        os.umask(old)
 
 
 def test_usage_batches_add_up_per_key_and_day(tmp_path: Path) -> None:

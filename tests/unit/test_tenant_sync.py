@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,56 @@ def test_a_batch_written_but_not_read_back_still_counts_against_the_budget(
         await sync.stop()
 
     asyncio.run(scenario())
+
+
+def test_overlapping_flushes_lose_no_batch_when_a_write_fails(tmp_path: Path) -> None:
+    """The loop's flush is writing batch A when an admin's usage read flushes batch B; A's
+    write fails. A is kept for the next batch and B is written once: the store ends with
+    both requests, never one lost or one counted twice."""
+    the_gate = gate()
+    sync = TenantSync(the_gate, f"sqlite:///{tmp_path}/t.sqlite")
+    release = threading.Event()
+    writes: list[int] = []
+
+    async def scenario() -> None:
+        await sync.start()
+        assert sync.store is not None
+        real_add = sync.store.add_usage
+
+        def add_usage(rows: list[UsageRow]) -> None:
+            writes.append(sum(row.requests for row in rows))
+            if len(writes) == 1:  # batch A: held, then the disk fails
+                release.wait(5.0)
+                raise sqlite3.OperationalError("disk I/O error")
+            real_add(rows)
+
+        sync.store.add_usage = add_usage  # type: ignore[method-assign,assignment]
+        the_gate.usage["team-a"] = [1, 10, 5, 0]
+        first = asyncio.create_task(sync.flush())
+        while not writes:  # A is being written
+            await asyncio.sleep(0.001)
+        the_gate.usage["team-a"] = [1, 10, 5, 0]  # batch B, counted meanwhile
+        second = asyncio.create_task(sync.flush())
+        await asyncio.sleep(0.05)  # B's flush runs as far as it may
+        release.set()
+        await asyncio.gather(first, second)
+        await sync.flush()  # whatever was kept
+        assert sync.store.usage("team-a") == [UsageRow("team-a", "1970-01-02", 2, 20, 10)]
+        assert the_gate.usage == {} and the_gate.sending == {} and the_gate.unread == {}
+        await sync.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_batch_put_back_is_the_one_given_not_the_one_being_written() -> None:
+    """Two batches taken (A, then B while A was still out): A's failure puts A back, leaves
+    B being written, and takes A's spend out of what was counted as written."""
+    the_gate = gate()
+    the_gate.usage["team-a"] = [1, 10, 5, 7]
+    batch_a = the_gate.take_usage()
+    the_gate.usage["team-a"] = [2, 20, 10, 11]
+    batch_b = the_gate.take_usage()
+    assert the_gate.unread == {"team-a": 7}  # A taken for written
+    the_gate.keep_unsent(batch_a)
+    assert the_gate.usage == {"team-a": [1, 10, 5, 7]}
+    assert the_gate.sending is batch_b and the_gate.unread == {}

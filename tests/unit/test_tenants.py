@@ -97,6 +97,20 @@ def test_in_flight_counts_until_the_request_settles() -> None:
     admitted(key.admit(5.0, 1))
 
 
+def test_a_refund_gives_back_everything_the_admission_took() -> None:
+    """A request the gateway refused before any upstream: its request, its input estimate
+    and its slot go back, never above the bucket's capacity."""
+    key = limits(requests_per_minute=1, input_tokens_per_minute=100, in_flight=1)
+    before = admitted(key.admit(0.0, 40))
+    assert [q.remaining for q in before] == [0, 60]
+    key.refund(0.0, 40)
+    assert [q.remaining for q in key.quotas()] == [1, 100]
+    assert key.in_flight == 0
+    admitted(key.admit(0.0, 40))  # the minute's one request is still there
+    key.refund(59.0, 40)  # refilled meanwhile: capped at the capacity
+    assert [q.remaining for q in key.quotas()] == [1, 100]
+
+
 def test_the_longest_wait_is_the_one_advised() -> None:
     key = limits(requests_per_minute=1, output_tokens_per_minute=6)
     admitted(key.admit(0.0, 1))
