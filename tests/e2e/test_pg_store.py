@@ -21,6 +21,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import openai
+import psycopg
 import pytest
 
 from tests.e2e.test_cli import command, keyless_env
@@ -178,3 +179,47 @@ def test_the_store_stopped_mid_load_fails_closed_in_the_routes_own_shape(
         cluster.start()
         eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
                    "every replica serves again once the store is back")
+
+
+@pytest.mark.timeout(120)
+def test_the_postgres_store_keeps_the_embedded_stores_contract(cluster: PgCluster) -> None:
+    """The interface the sync and the admin API use, on a real server: names held to the
+    same rule, a taken name refused, a hand-written bad row listed as invalid and never in
+    force, batches adding up; a stopped server is `StoreUnavailable` (never a driver error),
+    and the next call after it is back connects again."""
+    from gateway.tenants.pgstore import PostgresStore
+    from gateway.tenants.store import StoreError, StoreUnavailable, UsageRow
+
+    store = PostgresStore(cluster.url.replace("postgres@", "postgres:pw-s3cret@"))
+    try:
+        assert "s3cret" not in store.path and str(cluster.port) in store.path
+        version = store.keys_version()
+        _secret, key = store.create_key("team-a", ("alpha",))
+        assert store.keys_version() == version + 1
+        with pytest.raises(StoreError, match="exists already"):
+            store.create_key("team-a")
+        with pytest.raises(StoreError, match="name must be"):
+            store.create_key("../etc")
+        with psycopg.connect(cluster.url, autocommit=True) as raw:
+            raw.execute("INSERT INTO hg_keys (name, key_sha256, pools, limits, created) "
+                        "VALUES ('bad', 'x', '{}', '{}', 0)")
+        keys, bad = store.active_keys()
+        assert [k.name for k in keys] == ["team-a"] and bad == ["bad"]
+        assert keys[0].key_sha256 == key.key_sha256
+        assert [(k.name, k.invalid) for k in store.list_keys()] == [("bad", True),
+                                                                     ("team-a", False)]
+        store.add_usage([UsageRow("team-a", "2026-12-07", 1, 2, 3, 4)])
+        store.add_usage([UsageRow("team-a", "2026-12-07", 1, 2, 3, 4)])
+        assert store.usage("team-a") == [UsageRow("team-a", "2026-12-07", 2, 4, 6, 8)]
+        assert store.spend_since("2026-12-01") == [("team-a", "2026-12-07", 8)]
+        cluster.stop()
+        with pytest.raises(StoreUnavailable):
+            store.keys_version()
+        with pytest.raises(StoreUnavailable):
+            store.add_usage([UsageRow("team-a", "2026-12-07", 1, 0, 0, 0)])
+        cluster.start()
+        store.revoke("team-a")
+        assert store.active_keys() == ([], ["bad"])
+        assert store.usage("team-a")[0].requests == 2  # the failed batch wrote nothing
+    finally:
+        store.close()
