@@ -5,7 +5,9 @@ missing extra is; the embedded default never needs the driver."""
 
 from __future__ import annotations
 
+import argparse
 import io
+import socket
 import sys
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from gateway.settings.load import check_config
 from gateway.settings.model import ServerSettings
 from gateway.settings.parse import Invalid
 from gateway.settings.tenants import store_url
+from gateway.tenants.command import run
 from providers.registry import missing_extras
 
 CONFIG = """
@@ -54,3 +57,17 @@ def test_check_config_names_the_postgres_extra_when_its_driver_is_missing(
     assert "s3cret" not in err
     status, err = _check(tmp_path, f"sqlite:///{tmp_path}/t.sqlite")
     assert status == 0, err  # the embedded store never needs it
+
+
+def test_keys_on_an_unreachable_postgres_store_says_so_without_a_traceback() -> None:
+    """`hedge-gateway keys --store postgresql://...` with nothing listening: exit 1 and one
+    line naming the failure (never the password), within the connect timeout."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ns = argparse.Namespace(store=f"postgresql://gw:s3cret@127.0.0.1:{port}/hedge", config=None,
+                            action="list")
+    out, err = io.StringIO(), io.StringIO()
+    assert run(ns, out, err) == 1
+    assert "cannot be reached" in err.getvalue() and "s3cret" not in err.getvalue()
+    assert "Traceback" not in err.getvalue() and out.getvalue() == ""
