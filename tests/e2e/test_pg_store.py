@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,12 +143,29 @@ def test_the_store_stopped_mid_load_fails_open_and_loses_no_spend(
         eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
                    "every replica has the key")
         eventually(lambda: usage_row(cluster, "team-a")[0] == REPLICAS, "the first batches")
-        cluster.stop()
-        statuses = [chat_status(root, secret) for root in roots for _ in range(4)]
-        assert statuses == [200] * (REPLICAS * 4)
-        assert chat_status(roots[0], "hg-not-a-key") == 401  # open to known keys only
+        statuses: list[int] = []
+        done = threading.Event()
+
+        def load() -> None:
+            """Requests round the replicas, one at a time, until told to stop."""
+            while not done.is_set():
+                statuses.append(chat_status(roots[len(statuses) % REPLICAS], secret))
+
+        loader = threading.Thread(target=load, name="pg-load", daemon=True)
+        loader.start()
+        try:
+            eventually(lambda: len(statuses) >= 6, "load running")
+            cluster.stop()  # mid-load
+            stopped_at = len(statuses)
+            eventually(lambda: len(statuses) >= stopped_at + 12, "load while the store is down")
+            assert chat_status(roots[0], "hg-not-a-key") == 401  # open to known keys only
+        finally:
+            done.set()
+            loader.join(WAIT)
+        assert statuses == [200] * len(statuses)
         cluster.start()
-        eventually(lambda: usage_row(cluster, "team-a")[0] == REPLICAS * 5,
+        total = REPLICAS + len(statuses)
+        eventually(lambda: usage_row(cluster, "team-a")[0] == total,
                    "the usage kept while the store was down, written once it is back")
 
 
