@@ -98,7 +98,7 @@ class ContinuationCounts:
     #: continuations that gave the client its next token, per backend
     won: Counter[str] = field(default_factory=Counter)
     #: continuations not started, per reason (max_continuations, not_text, no_backend,
-    #: budget, disabled)
+    #: budget, disabled, too_long, max_tokens)
     refused: Counter[str] = field(default_factory=Counter)
     #: streams that broke after commit, per backend that broke: continued, or ended with the
     #: in-band error

@@ -22,8 +22,9 @@ summary carries them to the stats and the log line.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
+from types import MappingProxyType
 
 from gateway.clock import Clock
 from gateway.errors import GatewayError
@@ -35,8 +36,14 @@ from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
 from gateway.hedge.relay import Continued
 from gateway.hedge.runner import AttemptTrace, UpstreamRequest, attempt_runner, race_over
-from gateway.wire.resume import Splice, continuation_body, relayed_answer
-from gateway.wire.sse import SSEEvent
+from gateway.wire.resume import (
+    Splice,
+    continuation_body,
+    ended_at_limit,
+    limit_reached,
+    relayed_answer,
+)
+from gateway.wire.sse import SSEBatch, SSEEvent
 
 #: the routes whose streams can be continued, by their wire protocol's name
 CONTINUED_APIS = frozenset({"chat", "messages", "responses"})
@@ -78,6 +85,9 @@ class Continuations:
     def stall_won(self, backend: str) -> None:
         self.counts.won[backend] += 1
 
+    def refused(self, reason: str, backend: str) -> None:
+        self._refuse(reason, backend, False)
+
     def ended(self, backend: str, longest_gap: float) -> None:
         gaps = self.pool.gaps.get(backend)
         if gaps is None and backend in self.pool.providers:
@@ -103,6 +113,13 @@ class Continuations:
         if answer is None:
             self._refuse("not_text", backend, stall)
             return None
+        if limit_reached(self.req.body, answer):  # nothing to continue
+            ending = None if stall else ended_at_limit(answer)
+            if ending is None:  # a stall is waited out; a Responses break is the error
+                self._refuse("max_tokens", backend, stall)
+                return None
+            self.counts.refused["max_tokens"] += 1  # the answer ends, at its limit
+            return Continued(Prefix(_Ended(), _no_batches(), ending), Splice(answer), "")
         while True:
             if sum(self.counts.started.values()) >= settings.max_continuations:
                 self._refuse("max_continuations", backend, stall)
@@ -174,6 +191,25 @@ class Continuations:
         for leg, prefix in self._yielded:
             if not leg.taken:
                 leg.output = output_sent(prefix.buffered)
+
+
+class _Ended:
+    """The upstream of an answer that ended at its output limit: no backend, nothing to
+    close (its `Continued` has the backend name "", which no stall delay or gap knows)."""
+
+    headers: Mapping[str, str] = MappingProxyType({})
+
+    def batches(self) -> AsyncIterator[SSEBatch]:
+        return _no_batches()
+
+    async def aclose(self) -> None:
+        """Nothing was opened."""
+
+
+async def _no_batches() -> AsyncIterator[SSEBatch]:
+    """No read after the end events."""
+    return
+    yield
 
 
 #: where a continuation's attempts are numbered in the request's trace: past every attempt

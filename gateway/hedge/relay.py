@@ -34,7 +34,7 @@ from typing import Literal, Protocol
 
 from gateway.errors import UpstreamError
 from gateway.hedge.attempt import Prefix
-from gateway.wire.base import Kind, RelayOutcome, Rewrite, StreamEnd, WireProtocol
+from gateway.wire.base import EncodeEvents, Kind, RelayOutcome, Rewrite, StreamEnd, WireProtocol
 from gateway.wire.resume import Splice
 from gateway.wire.sse import SSEBatch, SSEEvent
 
@@ -71,6 +71,10 @@ class Resume(Protocol):
     def took(self, continued: Continued) -> None:
         """The relay took `continued` over (its spend counts what the client read from it;
         one it did not take is charged what it had sent when closed)."""
+
+    def refused(self, reason: str, backend: str) -> None:
+        """The stream from `backend` broke and the relay could not ask for a continuation
+        (`reason`: `too_long`, it relayed more than it keeps)."""
 
 
 log = logging.getLogger("hedge_gateway.relay")
@@ -140,6 +144,12 @@ class _Deadlines:
         self._handle = asyncio.get_running_loop().call_later(delay, self._fire)
 
     def _fire(self) -> None:
+        if self._cancelled:
+            # `interrupt` cancelled the read in this turn already: a second cancel would stay
+            # pending after `took_back` (the stream would end with no final event), and the
+            # winner must not be taken for an idle break; `rearm` arms the timer again
+            self._handle = None
+            return
         now = self.clock()
         if now >= self.max_at:
             self.expired = "too_long"
@@ -221,7 +231,8 @@ async def relay(
     comes for the backend's stall delay, a continuation starts beside the open stream: the
     first of the two to yield wins and the other is cancelled and closed. For both the relay
     keeps a reference to each read it relayed (one list append per read, nothing per event),
-    up to `MAX_KEPT_READS` (past that, the stream is not continued), and the stream's longest
+    up to `MAX_KEPT_BYTES` relayed (past that, the stream is not continued: a break is
+    counted as refused, `too_long`), and the stream's longest
     gap (one subtraction per read); the protocol's `classify` finds an error event in the
     rare read that has one."""
     encoder = protocol.encoder_for(rewrite)
@@ -229,13 +240,24 @@ async def relay(
     error_event = protocol.error_event
     deadlines: _Deadlines | None = None
     kept: list[SSEBatch] | None = None if resume is None else [SSEBatch(list(prefix.buffered))]
+    #: what `kept` holds, in relayed bytes (and `KEPT_READ_COST` per read); and whether it
+    #: passed `MAX_KEPT_BYTES` (then a break is counted as refused: `too_long`)
+    kept_bytes, over = 0, False
     splice: Splice | None = None
     #: the continuation started beside a stalled stream, until one of the two yields
     rival: asyncio.Task[Continued | None] | None = None
     longest, stalled = 0.0, False
+    #: a break seen in a prefix (an error event read with the first token): the loop
+    #: continues it before reading on
+    pending: str | None = None
     try:
         outcome.events = len(prefix.buffered)
-        yield encode(prefix.buffered, request_id, outcome)
+        out = encode(prefix.buffered, request_id, outcome)
+        if kept is not None and outcome.end == StreamEnd.UPSTREAM_ERROR:
+            out, before = _cut_at_error(prefix.buffered, encode, request_id, outcome, protocol)
+            kept, pending = [SSEBatch(before)], "upstream reported an error"
+            outcome.events = len(before)
+        yield out
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
             batches = prefix.batches.__aiter__()
@@ -248,36 +270,38 @@ async def relay(
                         return
                     stalled = True
                     rival = asyncio.ensure_future(
-                        resume([e for b in kept for e in b.events], backend, True))
+                        resume(_relayed(kept), backend, True))
                     rival.add_done_callback(
                         lambda task: watch.interrupt() if _yielded(task) else None)
 
                 deadlines.on_stall = on_stall
                 deadlines.set_stall(resume.stall_delay(backend))
             while True:
-                broke: str | None = None
+                broke, pending = pending, None
                 taken: Continued | None = None
-                deadlines.reading = True
-                try:
-                    batch: SSEBatch | None = await batches.__anext__()
-                except StopAsyncIteration:
-                    batch = None
-                except asyncio.CancelledError:
-                    if not deadlines.took_back():
-                        raise
-                    if deadlines.expired == "continued" and rival is not None:
-                        taken, rival = rival.result(), None
+                batch: SSEBatch | None = None
+                if broke is None:
+                    deadlines.reading = True
+                    try:
+                        batch = await batches.__anext__()
+                    except StopAsyncIteration:
                         batch = None
-                    elif kept is None or deadlines.expired != "idle":
-                        break
-                    else:
-                        batch, broke = None, "idle"
-                except UpstreamError as exc:
-                    if kept is None:
-                        raise
-                    batch, broke = None, f"upstream failed mid-stream: {exc.reason}"
-                finally:  # no yield may happen while `reading` is set
-                    deadlines.reading = False
+                    except asyncio.CancelledError:
+                        if not deadlines.took_back():
+                            raise
+                        if deadlines.expired == "continued" and rival is not None:
+                            taken, rival = rival.result(), None
+                            batch = None
+                        elif kept is None or deadlines.expired != "idle":
+                            break
+                        else:
+                            batch, broke = None, "idle"
+                    except UpstreamError as exc:
+                        if kept is None:
+                            raise
+                        batch, broke = None, f"upstream failed mid-stream: {exc.reason}"
+                    finally:  # no yield may happen while `reading` is set
+                        deadlines.reading = False
                 if batch is not None:
                     if rival is not None:  # the stalled stream came back first
                         await _drop(rival)
@@ -299,15 +323,15 @@ async def relay(
                     ended: StreamEnd = outcome.end  # (the encoder may have set it)
                     if kept is not None and ended == StreamEnd.UPSTREAM_ERROR:
                         # an error event: what came before it is relayed, the rest continued
-                        outcome.end = StreamEnd.CLIENT_GONE
-                        before = _before_error(batch.events, protocol.classify)
-                        out = encode(before, request_id, outcome)
+                        out, before = _cut_at_error(batch.events, encode, request_id,
+                                                    outcome, protocol)
                         batch, broke = SSEBatch(before), "upstream reported an error"
                     if kept is not None:
-                        if len(kept) < MAX_KEPT_READS:
+                        kept_bytes += len(out) + KEPT_READ_COST
+                        if kept_bytes <= MAX_KEPT_BYTES:
                             kept.append(batch)
-                        else:
-                            kept = None  # too long to continue: breaks end as they did
+                        else:  # too long to continue: breaks end as they did, counted
+                            kept, over = None, True
                             deadlines.stall = math.inf
                     yield out
                     if broke is None:
@@ -325,7 +349,7 @@ async def relay(
                     if rival is not None:  # a continuation is on its way already
                         taken, rival = await rival, None
                     else:
-                        taken = await resume([e for b in kept for e in b.events], backend)
+                        taken = await resume(_relayed(kept), backend)
                     if taken is None:
                         outcome.end = StreamEnd.FAILED if broke else StreamEnd.TRUNCATED
                         yield error_event(*_break_error(broke, idle), request_id)
@@ -338,12 +362,17 @@ async def relay(
                 prefix, splice, backend = taken.prefix, taken.splice, taken.backend
                 batches = prefix.batches.__aiter__()
                 events = splice.events(prefix.buffered)
+                out = encode(events, request_id, outcome)
+                first_end: StreamEnd = outcome.end  # (the encoder may have set it)
+                if first_end == StreamEnd.UPSTREAM_ERROR:  # the continuation broke at once
+                    out, events = _cut_at_error(events, encode, request_id, outcome, protocol)
+                    pending = "upstream reported an error"
                 kept.append(SSEBatch(events))
                 outcome.events += len(events)
                 longest, stalled = 0.0, False
                 deadlines.rearm()
                 deadlines.set_stall(resume.stall_delay(backend))
-                yield encode(events, request_id, outcome)
+                yield out
                 if outcome.end != StreamEnd.CLIENT_GONE:
                     break
             if outcome.end != StreamEnd.CLIENT_GONE:
@@ -371,6 +400,8 @@ async def relay(
             f"upstream failed mid-stream: {exc.reason}", "upstream_failed", request_id
         )
     finally:
+        if over and resume is not None and outcome.end in _BROKEN:
+            resume.refused("too_long", backend)
         if deadlines is not None:
             deadlines.close()
         if rival is not None:
@@ -399,8 +430,31 @@ async def _drop(task: asyncio.Task[Continued | None]) -> None:
         await continued.prefix.aclose()
 
 
-#: reads of one stream the relay keeps to continue it (`relay`'s `resume`)
-MAX_KEPT_READS = 1 << 16
+#: what the relay keeps of one stream to continue it (`relay`'s `resume`): the bytes the
+#: client was sent (1 MiB), each read counted `KEPT_READ_COST` more (the reference kept),
+#: so neither big reads nor many empty ones grow it past the bound
+MAX_KEPT_BYTES = 1 << 20
+KEPT_READ_COST = 64
+
+#: how a stream that broke ends (not a client gone, nor the max_stream deadline)
+_BROKEN = frozenset({StreamEnd.FAILED, StreamEnd.TRUNCATED, StreamEnd.UPSTREAM_ERROR})
+
+
+def _relayed(kept: list[SSEBatch]) -> list[SSEEvent]:
+    """The events of the kept reads, decoded into this list alone (a kept plain read stays
+    bytes: its events are not cached on it)."""
+    return [e for b in kept for e in b.decoded()]
+
+
+def _cut_at_error(events: list[SSEEvent], encode: EncodeEvents, request_id: str,
+                  outcome: RelayOutcome, protocol: WireProtocol
+                  ) -> tuple[bytes, list[SSEEvent]]:
+    """A read of a stream that will be continued, which held an error event: the client's
+    bytes of the events before it (the stream goes on), and those events (rare: a read
+    with an error event; encoded again without it)."""
+    outcome.end = StreamEnd.CLIENT_GONE
+    before = _before_error(events, protocol.classify)
+    return encode(before, request_id, outcome), before
 
 
 def _before_error(events: list[SSEEvent], classify: Callable[[SSEEvent], Kind]

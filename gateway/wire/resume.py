@@ -230,6 +230,39 @@ def continuation_body(body: Mapping[str, Any], relayed: Relayed, style: Style
     return out, dropped
 
 
+def limit_reached(body: Mapping[str, Any], relayed: Relayed) -> bool:
+    """Whether the text relayed already holds the request's output limit (`max_tokens`...):
+    then there is nothing to continue (a continuation asked for one more token would go past
+    the limit the client set)."""
+    for key in _LIMITS.get(relayed.api, ()):
+        limit = body.get(key)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit <= relayed.tokens:
+            return True
+    return False
+
+
+def ended_at_limit(relayed: Relayed) -> list[SSEEvent] | None:
+    """The end of an answer that reached its output limit, as a continuation of it would
+    send it (to go through its `Splice`): finish reason `length` (chat), stop reason
+    `max_tokens` (Messages). None for the Responses API, whose end holds the whole response
+    object (such a break ends with the route's in-band error)."""
+    if relayed.api == "chat":
+        return [SSEEvent(_dumps({"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]})),
+            SSEEvent(b"[DONE]")]
+    if relayed.api != "messages":
+        return None
+    out: list[tuple[str, dict[str, Any]]] = []
+    if relayed.open_index is not None:  # the open text block is closed
+        out += [("content_block_start", {"index": 0, "content_block": {"type": "text",
+                                                                       "text": ""}}),
+                ("content_block_stop", {"index": 0})]
+    out += [("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                               "usage": {"output_tokens": 0}}),
+            ("message_stop", {})]
+    return [SSEEvent(_dumps({"type": kind, **obj}), kind.encode()) for kind, obj in out]
+
+
 def _dumps(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -286,8 +319,11 @@ class Splice:
                             for c in choices)
             texts = [c for c in choices if isinstance(c, dict)
                      and isinstance(c.get("delta"), dict) and c["delta"].get("content")]
-            if not texts and not finishing and obj.get("error") is None:
+            usage_chunk = not choices and isinstance(obj.get("usage"), dict)
+            if not texts and not finishing and not usage_chunk and obj.get("error") is None:
                 return None  # the role chunk, empty deltas: the client has them
+            # (a usage chunk is kept: a break after the last text delta leaves only the
+            # finish and usage chunks to the continuation, and the client asked for usage)
         obj.update(self.relayed.head)
         for choice in choices if isinstance(choices, list) else ():
             delta = choice.get("delta") if isinstance(choice, dict) else None
@@ -323,9 +359,13 @@ class Splice:
                 and isinstance(delta.get("text"), str) and delta["text"]:
             delta["text"] = self._first_text(delta["text"])
         usage = obj.get("usage")
-        if kind == "message_delta" and isinstance(usage, dict) \
-                and isinstance(usage.get("output_tokens"), int):
-            usage["output_tokens"] += relayed.tokens
+        if kind == "message_delta" and isinstance(usage, dict):
+            # the input is the original message_start's: the continuation's (which read the
+            # relayed text as input) would overwrite it in the client's accumulated usage
+            for key in _MESSAGES_INPUT:
+                usage.pop(key, None)
+            if isinstance(usage.get("output_tokens"), int):
+                usage["output_tokens"] += relayed.tokens
         return obj
 
 
@@ -380,6 +420,11 @@ class Splice:
         for part in item.get("content") or ():
             if isinstance(part, dict) and part.get("type") == "output_text":
                 part["text"] = whole
+
+
+#: Messages usage fields of the input, left out of a continuation's `message_delta`
+_MESSAGES_INPUT = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+                   "cache_creation")
 
 
 def _count(usage: dict[str, Any], input_key: str, output_key: str, tokens: int) -> None:

@@ -53,6 +53,14 @@ class SSEBatch:
             ] if raw else []
         return events
 
+    def decoded(self) -> list[SSEEvent]:
+        """`events` without keeping them on the batch (a caller that needs them once, such
+        as a continuation's look at what was relayed, leaves a plain read as its bytes)."""
+        if self._events is not None:
+            return self._events
+        raw = self.raw
+        return [SSEEvent(part[6:]) for part in raw[:-2].split(b"\n\n")] if raw else []
+
     def __repr__(self) -> str:
         return f"SSEBatch(events={self._events!r}, raw={self.raw!r})"
 

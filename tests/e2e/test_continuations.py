@@ -38,10 +38,37 @@ from gateway.stats.requestlog import LOGGER_NAME
 from gateway.stats.tracing import Tracing
 from providers.sim.server import create_sim_app
 from tests.e2e.test_route_matrix import STREAM_ENDS
-from tests.harness import AsgiServerFactory, RunningServer
+from tests.harness import (
+    AsgiServerFactory,
+    Close,
+    Head,
+    RunningServer,
+    Script,
+    Send,
+    UpstreamFactory,
+)
 from tests.harness.asgi import with_request_headers
-from tests.harness.bodies import smallest_body
+from tests.harness.bodies import (
+    DONE,
+    SSE_HEADERS,
+    error_obj,
+    finish_chunk,
+    role_chunk,
+    smallest_body,
+    sse,
+    stream_script,
+    token_chunk,
+    usage_chunk,
+)
+from tests.harness.builders import InOrder
 from tests.harness.limits_kit import wait_for
+from tests.harness.protocol_wire import (
+    message_start,
+    messages_script,
+    named,
+    text_block_start,
+    text_delta,
+)
 
 POOL = "pool"
 TOKENS = 30
@@ -452,3 +479,160 @@ def test_a_continued_answer_costs_both_backends_and_counts_once_for_its_key(
         again = list(client.chat.completions.create(model=POOL, messages=QUESTION,
                                                     stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in again if c.choices) == WHOLE
+
+
+def scripted_gateway(asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory,
+                     *scripts: Script, count: int = 2) -> tuple[InOrder, RunningServer]:
+    """`count` scripted OpenAI-compatible backends that continue by prefill (the n-th
+    request to arrive anywhere gets the n-th script); no hedge before 5 s."""
+    order = InOrder(*scripts)
+    upstreams = scripted_upstream(count, responder=order)
+    backends = tuple(BackendSettings(name=f"o{i}", provider="openai", base_url=u.base_url,
+                                     model="m", group=f"g{i}", continuation="prefill")
+                     for i, u in enumerate(upstreams))
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, translate=False,
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0)))
+    return order, asgi_server(create_app(Settings(pools=(pool,)), seed=2))
+
+
+def test_a_break_after_the_last_text_keeps_the_continuations_usage(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """The stream breaks after its last text delta: the continuation sends only its finish
+    and usage chunks, and the client (include_usage) still reads the answer's usage."""
+    cut = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(role_chunk() + token_chunk("Hello")), Send(token_chunk(" world")),
+        Close()])
+    rest = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(role_chunk()), Send(finish_chunk("stop")),
+        Send(usage_chunk(prompt_tokens=12, completion_tokens=0)), Send(DONE)])
+    order, gw = scripted_gateway(asgi_server, scripted_upstream, cut, rest)
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=QUESTION, stream=True,
+            stream_options={"include_usage": True}))
+    assert len(order.arrivals) == 2
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello world"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (10, 2, 12)
+
+
+def test_an_error_event_read_with_the_first_token_is_continued(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """The first token and an error event arrive in one read (the race's prefix): the
+    error is a break like any other, continued and counted, and the client reads one
+    answer with no error in it."""
+    broken = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(role_chunk() + token_chunk("Hello") + sse(error_obj("overloaded")))])
+    order, gw = scripted_gateway(asgi_server, scripted_upstream, broken,
+                                 stream_script([" world"]))
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=QUESTION, stream=True))
+    assert len(order.arrivals) == 2
+    prefill = order.arrivals[1].body["messages"][-1]
+    assert prefill == {"role": "assistant", "content": "Hello"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert (counted["breaks_continued"], counted["won"], counted["breaks_ended"]) == (1, 1, 0)
+
+
+def test_an_error_event_in_a_continuations_first_read_is_continued_again(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """A continuation whose first read holds its first token and an error event breaks like
+    any stream: its text is kept and the next backend goes on from both."""
+    cut = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(role_chunk() + token_chunk("Hello")), Close()])
+    broken = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(role_chunk() + token_chunk(" world") + sse(error_obj("overloaded")))])
+    order, gw = scripted_gateway(asgi_server, scripted_upstream, cut, broken,
+                                 stream_script(["!"]), count=3)
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=QUESTION, stream=True))
+    assert len(order.arrivals) == 3
+    assert order.arrivals[2].body["messages"][-1] == {"role": "assistant",
+                                                      "content": "Hello world"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world!"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_break_at_the_clients_max_tokens_ends_with_finish_reason_length(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """The stream breaks once it relayed the client's max_tokens: no continuation goes past
+    the limit (none is sent at all), and the answer ends as the limit ends it."""
+    cut = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(role_chunk() + token_chunk("Hello")), Send(token_chunk(" world")),
+        Close()])
+    order, gw = scripted_gateway(asgi_server, scripted_upstream, cut,
+                                 stream_script([" again"]))
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(
+            model=POOL, messages=QUESTION, stream=True, max_tokens=2))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world"
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert len({c.id for c in chunks}) == 1
+    assert len(order.arrivals) == 1
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    counted = stats(gw)["pools"][POOL]["lifetime"]["continuations"]
+    assert counted["started"] == 0 and counted["refused"] == {"max_tokens": 1}
+
+
+def anthropic_gateway(asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory,
+                      *scripts: Script) -> tuple[InOrder, RunningServer]:
+    """Two scripted Anthropic backends (prefill), the n-th request gets the n-th script."""
+    order = InOrder(*scripts)
+    upstreams = scripted_upstream(2, responder=order)
+    backends = tuple(BackendSettings(name=f"a{i}", provider="anthropic", base_url=u.root_url,
+                                     model="m", group=f"g{i}")
+                     for i, u in enumerate(upstreams))
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0, translate=False,
+                        hedging=HedgingSettings(delay=DelaySettings(mode="fixed", value=5.0)))
+    return order, asgi_server(create_app(Settings(pools=(pool,)), seed=2))
+
+
+def test_a_continued_message_keeps_its_original_input_usage(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """Anthropic's SDK takes message_delta's input fields over message_start's: the
+    continuation's (which read the relayed text as input) must not reach it."""
+    cut = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(message_start()), Send(text_block_start()), Send(text_delta("Hello")),
+        Close()])
+    rest = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(message_start("msg_2")), Send(text_block_start()),
+        Send(text_delta(" world")), Send(named("content_block_stop", {"index": 0})),
+        Send(named("message_delta", {
+            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+            "usage": {"input_tokens": 40, "cache_read_input_tokens": 30,
+                      "output_tokens": 1}})),
+        Send(named("message_stop"))])
+    order, gw = anthropic_gateway(asgi_server, scripted_upstream, cut, rest)
+    with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as client, \
+            client.messages.stream(model=POOL, max_tokens=100, messages=QUESTION) as stream:
+        message = stream.get_final_message()
+    assert len(order.arrivals) == 2
+    assert [getattr(b, "text", None) for b in message.content] == ["Hello world"]
+    assert message.id == "msg_1" and message.stop_reason == "end_turn"
+    assert message.usage.input_tokens == 3 and not message.usage.cache_read_input_tokens
+    assert message.usage.output_tokens == 2
+
+
+def test_a_message_broken_at_its_max_tokens_stops_there(
+        asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory) -> None:
+    """Messages: a break once max_tokens was relayed is no continuation; the open block is
+    closed and the message stops with `max_tokens`."""
+    cut = Script(headers=SSE_HEADERS, steps=[
+        Head(), Send(message_start()), Send(text_block_start()), Send(text_delta("Hello")),
+        Send(text_delta(" world")), Close()])
+    order, gw = anthropic_gateway(asgi_server, scripted_upstream, cut,
+                                  messages_script([" again"]))
+    with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as client, \
+            client.messages.stream(model=POOL, max_tokens=2, messages=QUESTION) as stream:
+        message = stream.get_final_message()
+    assert len(order.arrivals) == 1
+    assert [getattr(b, "text", None) for b in message.content] == ["Hello world"]
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 2

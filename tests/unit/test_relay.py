@@ -5,10 +5,11 @@ a fixed clock: no deadline can pass)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 from gateway.hedge.attempt import Prefix
-from gateway.hedge.relay import relay
+from gateway.hedge.relay import _Deadlines, relay
 from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.chat import CHAT, DONE
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent
@@ -106,3 +107,36 @@ async def test_a_closed_prefix_closes_again_at_once_without_a_turn_of_the_loop()
         again.close()
         raise AssertionError("the second close suspended (it ran through a task again)")
     assert upstream.closed == 1
+
+
+async def test_a_deadline_in_the_turn_of_an_interrupt_cancels_the_read_once() -> None:
+    """A continuation wins the stall race (`interrupt`) and the idle deadline fires in the
+    same turn: the read is cancelled once, so the relay takes the cancellation back whole
+    and takes the winner (a second cancel left one pending: the relay re-raised and the
+    stream ended with no final event)."""
+    now = [0.0]
+    took: list[bool] = []
+    reading = asyncio.Event()
+    made: list[_Deadlines] = []
+
+    async def reader() -> None:
+        deadlines = _Deadlines(idle=1.0, max_stream_deadline=1e9, clock=lambda: now[0])
+        made.append(deadlines)
+        deadlines.reading = True
+        reading.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            took.append(deadlines.took_back())
+            took.append(deadlines.expired == "continued")
+        finally:
+            deadlines.close()
+
+    task = asyncio.ensure_future(reader())
+    await reading.wait()
+    deadlines = made[0]
+    now[0] = 5.0  # the idle deadline has passed
+    deadlines.interrupt()
+    deadlines._fire()
+    await task
+    assert took == [True, True]  # ours alone (the relay goes on), and the winner's

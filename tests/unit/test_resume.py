@@ -4,9 +4,16 @@ request that continues it, and how the continuation's events join the relayed on
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
-from gateway.wire.resume import Splice, continuation_body, relayed_answer
+from gateway.wire.resume import (
+    Splice,
+    continuation_body,
+    ended_at_limit,
+    limit_reached,
+    relayed_answer,
+)
 from gateway.wire.sse import SSEEvent
 
 
@@ -123,3 +130,64 @@ def test_the_responses_api_continues_one_open_message_item_only() -> None:
     assert relayed_answer("responses", [created, call]) is None
     done = named("response.output_text.done", sequence_number=4, item_id="msg_1", text="x")
     assert relayed_answer("responses", [created, message, part, delta, done]) is None
+
+
+def test_a_chat_usage_chunk_before_any_continued_text_is_kept() -> None:
+    """A break after the last text delta: the continuation sends only its finish and usage
+    chunks, and the usage chunk (include_usage) reaches the client, counted as one answer."""
+    answer = relayed_answer("chat", RELAYED_CHAT)
+    assert answer is not None
+    out = Splice(answer).events([
+        chat({"role": "assistant", "content": ""}, id="c2"),
+        chat({}, "stop", id="c2"),
+        SSEEvent(json.dumps({"id": "c2", "choices": [], "usage": {
+            "prompt_tokens": 12, "completion_tokens": 0, "total_tokens": 12}}).encode()),
+        SSEEvent(b"[DONE]"),
+    ])
+    objs = [json.loads(e.data) for e in out[:-1]]
+    assert [o["choices"] for o in objs][1] == []
+    assert objs[0]["choices"][0]["finish_reason"] == "stop"
+    assert objs[1]["id"] == "c1" and objs[1]["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+    assert out[-1].data == b"[DONE]"
+
+
+def test_a_messages_continuation_keeps_the_original_input_usage() -> None:
+    """The continuation's message_delta carries its own (cumulative) input usage; the
+    answer's input is the original message_start's, so those fields are left out."""
+    answer = relayed_answer("messages", MESSAGES_RELAYED)
+    assert answer is not None
+    out = Splice(answer).events([
+        named("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+        named("content_block_delta", index=0, delta={"type": "text_delta", "text": "x"}),
+        named("message_delta", delta={"stop_reason": "end_turn"}, usage={
+            "input_tokens": 101, "cache_read_input_tokens": 7,
+            "cache_creation_input_tokens": 3, "output_tokens": 4}),
+    ])
+    assert json.loads(out[-1].data)["usage"] == {"output_tokens": 5}
+
+
+def test_an_answer_at_its_output_limit_is_not_continued_but_ends_at_the_limit() -> None:
+    """The relayed text holds max_tokens already: no continuation (it would be asked for
+    one token more than the client allowed); the answer ends as a limit ends it."""
+    chat_answer = relayed_answer("chat", RELAYED_CHAT)
+    assert chat_answer is not None and chat_answer.tokens == 2
+    assert limit_reached({"max_tokens": 2}, chat_answer)
+    assert limit_reached({"max_completion_tokens": 1}, chat_answer)
+    assert not limit_reached({"max_tokens": 3}, chat_answer)
+    ending = ended_at_limit(chat_answer)
+    assert ending is not None
+    out = Splice(chat_answer).events(ending)
+    last = json.loads(out[0].data)
+    assert last["id"] == "c1" and last["choices"][0]["finish_reason"] == "length"
+    assert out[-1].data == b"[DONE]"
+
+    answer = relayed_answer("messages", MESSAGES_RELAYED)
+    assert answer is not None and limit_reached({"max_tokens": 1}, answer)
+    ending = ended_at_limit(answer)
+    assert ending is not None
+    objs = [json.loads(e.data) for e in Splice(answer).events(ending)]
+    assert [o["type"] for o in objs] == ["content_block_stop", "message_delta", "message_stop"]
+    assert objs[0]["index"] == 0 and objs[1]["delta"]["stop_reason"] == "max_tokens"
+    assert objs[1]["usage"] == {"output_tokens": 1}
+    assert ended_at_limit(replace(answer, api="responses")) is None

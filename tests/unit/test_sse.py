@@ -7,6 +7,7 @@ import random
 import pytest
 
 from gateway.wire.sse import (
+    SSEBatch,
     SSEDecoder,
     SSEEvent,
     SSEProtocolError,
@@ -342,3 +343,12 @@ def test_plain_events_predicate() -> None:
     assert not is_plain_events(b"data: x\ndata: y\n\n")
     assert not is_plain_events(b"data: x\r\n\r\n")
     assert not is_plain_events(b"\ndata: x\n\n")
+
+
+def test_decoded_events_of_a_plain_read_are_not_kept_on_it() -> None:
+    """A kept plain read decoded for a continuation's look stays its bytes alone."""
+    batch = SSEBatch(None, b"data: a\n\ndata: b\n\n")
+    assert [e.data for e in batch.decoded()] == [b"a", b"b"]
+    assert repr(batch).startswith("SSEBatch(events=None,")
+    assert [e.data for e in batch.events] == [b"a", b"b"]  # (which `events` does keep)
+    assert batch.decoded() is batch.events

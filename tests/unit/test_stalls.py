@@ -16,7 +16,7 @@ from gateway.hedge.attempt import Prefix
 from gateway.hedge.continuation import may_continue
 from gateway.hedge.gaps import MIN_SAMPLES, GapSketch
 from gateway.hedge.pool import PoolRuntime
-from gateway.hedge.relay import Continued, relay
+from gateway.hedge.relay import MAX_KEPT_BYTES, Continued, relay
 from gateway.settings import BackendSettings, HedgingSettings, PoolSettings, StallSettings
 from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.chat import CHAT
@@ -80,6 +80,7 @@ class Resumer:
         self.asked: list[tuple[float, bool]] = []
         self.cancelled = False
         self.won: list[str] = []
+        self.refusals: list[tuple[str, str]] = []
 
     async def __call__(self, relayed: list[SSEEvent], backend: str, stall: bool = False
                        ) -> Continued | None:
@@ -105,6 +106,9 @@ class Resumer:
 
     def took(self, continued: Continued) -> None:
         """Nothing charged here."""
+
+    def refused(self, reason: str, backend: str) -> None:
+        self.refusals.append((reason, backend))
 
 
 async def run_relay(stalled: Upstream, resumer: Resumer) -> tuple[str, RelayOutcome]:
@@ -235,3 +239,33 @@ def test_a_request_may_be_continued_only_where_a_continuation_could_go() -> None
     assert not may_continue(pool("prefill", "prefill",
                                  stall=StallSettings(max_continuations=0)),
                             "chat", True, False, None)
+
+
+def test_a_break_past_the_kept_bytes_is_not_continued_and_is_counted() -> None:
+    """The relay keeps at most `MAX_KEPT_BYTES` of what it relayed: a stream that broke past
+    that is not continued (the client gets the in-band error of before) and the refusal is
+    counted, `too_long`; a break before it is continued."""
+    big = "x" * (MAX_KEPT_BYTES // 3)
+
+    def breaking(reads: int) -> Upstream:
+        class Breaking(Upstream):
+            async def _gen(self) -> AsyncIterator[SSEBatch]:
+                for _ in range(reads):
+                    yield SSEBatch([chunk(big)])
+                raise UpstreamDisconnected("reset")
+        return Breaking([])
+
+    async def main(loop: VirtualLoop) -> None:
+        done = [(0.0, chunk(None, "stop")), (0.0, SSEEvent(b"[DONE]"))]
+        resumer = Resumer(0.0, Upstream(done))
+        raw, outcome = await run_relay(breaking(2), resumer)
+        assert outcome.end is StreamEnd.DONE and [s for _, s in resumer.asked] == [False]
+        assert resumer.refusals == []
+
+        resumer = Resumer(0.0, Upstream(done))
+        raw, outcome = await run_relay(breaking(4), resumer)
+        assert resumer.asked == [] and resumer.refusals == [("too_long", "a")]
+        assert outcome.end is StreamEnd.FAILED and "upstream_failed" in raw
+        assert texts(raw) == "tok0 " + big * 4
+
+    run_virtual(main)
