@@ -349,7 +349,8 @@ def create_app(
     # without them opens no file and asks no key. With it, a key is always asked (revoking
     # the last key must not open the gateway to anyone)
     keyed = bool(settings.keys or settings.server.admin_keys or settings.server.store)
-    gate = TenantGate(api_keys, settings.keys, clock, required=keyed)
+    gate = TenantGate(api_keys, settings.keys, clock, required=keyed,
+                      fail_closed=settings.server.store_down == "closed")
     sync = TenantSync(gate, settings.server.store, workers) if keyed else None
 
     @asynccontextmanager

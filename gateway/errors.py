@@ -22,7 +22,8 @@ Two trees, in this one file, and each class carries its facts as class attribute
     ├── UpstreamStatusError (`of(status)`)    ├── PayloadTooLarge, RequestTimeout
     │   ├── UpstreamRejectedRequest           ├── HeadersTooLarge
     │   │   └── UpstreamRejectedHere          │
-    │   ├── UpstreamAuthFailed                ├── Overloaded ── TooManyConnections, Draining
+    │   ├── UpstreamAuthFailed                ├── Overloaded ── TooManyConnections, Draining,
+    │   │                                     │                 StoreDown
     │   ├── UpstreamNotFound                  ├── AllAttemptsFailed
     │   ├── UpstreamRateLimited               ├── UpstreamPushback
     │   ├── UpstreamUnavailable               │   └── UpstreamRateLimitedEverywhere
@@ -442,6 +443,18 @@ class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "overloaded"
+
+
+class StoreDown(Overloaded):
+    """The tenant store cannot be read and `server.store_down` is `closed`: a named key's
+    request is refused (503, retry after a second: the store is polled twice a second) rather
+    than served on keys and spend that may be stale. Logged as `store_down`."""
+
+    reason = "store_down"
+    code = "store_unavailable"
+
+    def __init__(self) -> None:
+        super().__init__("the key store is unavailable", retry_after=1.0)
 
 
 class Draining(Overloaded):

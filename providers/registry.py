@@ -21,6 +21,7 @@ from typing import Protocol
 
 from gateway.settings import BackendSettings, Settings, Timeouts
 from gateway.settings.model import TlsSettings
+from gateway.tenants.stores import missing_store_extra
 from providers.base import Provider
 from providers.http import UpstreamClient
 from providers.sim import SimProvider
@@ -77,9 +78,11 @@ def _adapter(provider: str) -> object:
 
 
 def missing_extras(settings: Settings) -> list[str]:
-    """One error line per backend whose provider's extra is not installed, with its key path;
-    empty when every provider the configuration names can be built."""
-    errors: list[str] = []
+    """One error line per backend whose provider's extra is not installed, with its key path,
+    and one for a PostgreSQL `server.store` without its driver; empty when every part the
+    configuration names can be built."""
+    store = missing_store_extra(settings.server.store)
+    errors: list[str] = [] if store is None else [store]
     for p, pool in enumerate(settings.pools):
         for b, backend in enumerate(pool.backends):
             try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -30,8 +30,11 @@ from gateway.hedge.generation import Live
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantBudget, TenantLimits
 from gateway.tenants.spend import DECIMALS
-from gateway.tenants.store import KEY_NAME, KEY_NAME_RULE, SqliteStore, StoreError
+from gateway.tenants.store import KEY_NAME, KEY_NAME_RULE, StoreError
 from gateway.wire.validate import parse_body
+
+if TYPE_CHECKING:
+    from gateway.tenants.stores import TenantStore
 
 #: the largest body an admin request may send
 MAX_ADMIN_BODY = 64 * 1024
@@ -42,7 +45,7 @@ def build_admin_router(admin: KeyRing, sync: TenantSync | None, live: Live) -> A
     are not there either)."""
     router = APIRouter()
 
-    def store_for(request: Request) -> SqliteStore:
+    def store_for(request: Request) -> TenantStore:
         """The store, once the request shows an admin key; 404 without an admin API."""
         if not admin.digests or sync is None or sync.store is None:
             raise RouteNotFound("no such route")

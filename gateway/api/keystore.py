@@ -23,11 +23,16 @@ import dataclasses
 import datetime
 import logging
 import sqlite3
+from typing import TYPE_CHECKING
 
 from gateway.api.tenancy import TenantGate
 from gateway.server.workers import worker_limits
 from gateway.tenants.spend import period_spend
-from gateway.tenants.store import SqliteStore, UsageRow, path_of
+from gateway.tenants.store import UsageRow, path_of
+from gateway.tenants.stores import is_shared, open_store
+
+if TYPE_CHECKING:
+    from gateway.tenants.stores import TenantStore
 
 #: how often each process looks for keys made or revoked elsewhere (seconds): a revocation
 #: reaches every worker within this and a poll's time
@@ -45,8 +50,10 @@ class TenantSync:
         #: under `serve --workers N` each worker holds its share of a stored key's limits,
         #: as of a configured key's (`gateway.server.workers.worker_limits`)
         self.workers = workers
-        self.path = path_of(url)
-        self.store: SqliteStore | None = None
+        self.url = url
+        #: the store as log lines name it: the file, or the server (never its password)
+        self.path = "postgresql" if is_shared(url) else path_of(url)
+        self.store: TenantStore | None = None
         self.version = -1
         self._failing = False
         #: one flush at a time (the loop's, an admin's usage read, the last at shutdown):
@@ -55,7 +62,8 @@ class TenantSync:
 
     async def start(self) -> None:
         """Open the store and load its keys and their spend (before the gateway serves)."""
-        self.store = await asyncio.to_thread(SqliteStore, self.path)
+        self.store = await asyncio.to_thread(open_store, self.url)
+        self.path = self.store.path
         await self.poll()
         await self.read_spend()
 
@@ -145,12 +153,14 @@ class TenantSync:
             self.store = None
 
     def _failed(self, what: str, exc: BaseException) -> None:
+        self.gate.store_down = True
         if not self._failing:
             LOGGER.error("tenant store %s: cannot %s it (%s); keys stay as last read, usage "
                          "is kept for the next batch", self.path, what, type(exc).__name__)
         self._failing = True
 
     def _recovered(self) -> None:
+        self.gate.store_down = False
         if self._failing:
             LOGGER.warning("tenant store %s: working again", self.path)
         self._failing = False

@@ -21,7 +21,13 @@ from starlette.types import Receive, Scope, Send
 from gateway.api.end import SUMMARY_KEY
 from gateway.api.keys import KeyRing
 from gateway.clock import Clock
-from gateway.errors import BudgetExceeded, KeyRateLimited, ModelNotFound, Unauthorized
+from gateway.errors import (
+    BudgetExceeded,
+    KeyRateLimited,
+    ModelNotFound,
+    StoreDown,
+    Unauthorized,
+)
 from gateway.hedge.deadline import OBJECTIVE_HEADER, KeyShare, header_objective, objective
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
@@ -54,12 +60,17 @@ class TenantGate:
     (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
     seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
 
-    __slots__ = ("clock", "configured", "required", "ring", "sending", "spent", "stored",
-                 "tenants", "unread", "usage", "wall")
+    __slots__ = ("clock", "configured", "fail_closed", "required", "ring", "sending", "spent",
+                 "store_down", "stored", "tenants", "unread", "usage", "wall")
 
     def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
-                 wall: Callable[[], float] = time.time, *, required: bool = False) -> None:
+                 wall: Callable[[], float] = time.time, *, required: bool = False,
+                 fail_closed: bool = False) -> None:
         self.ring = ring
+        #: `server.store_down: closed`: while the store cannot be read (`store_down`, set by
+        #: `TenantSync`), a named key's request is refused with 503
+        self.fail_closed = fail_closed
+        self.store_down = False
         #: a key is asked even while none is known: a gateway with a store of keys, whose
         #: last key revoked must not leave it open to anyone
         self.required = required
@@ -199,6 +210,8 @@ class TenantGate:
         limits = tenant.limits
         estimated = estimate_tokens(body_bytes)
         headers: list[tuple[bytes, bytes]] | None = None
+        if self.store_down and self.fail_closed:
+            raise StoreDown()
         self.check_budget(tenant)  # before the limits: a refused request takes nothing
         if limits is not None:
             verdict = limits.admit(self.clock(), estimated)

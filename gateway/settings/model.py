@@ -570,8 +570,13 @@ class ServerSettings(Checked):
         "empty: no admin API"))
     store: str | None = field(default=None, metadata=scalar(
         cv.optional(store_url), "where keys made at run time and each key's usage live: "
-        "sqlite:///path; null: the embedded file (docs/tenants.md), opened only when keys: "
+        "sqlite:///path, or postgresql://user@host:port/db for a store shared by replicas (the "
+        "`postgres` extra); null: the embedded file (docs/tenants.md), opened only when keys: "
         "or admin_keys is set"))
+    store_down: str = field(default="open", metadata=scalar(
+        cv.choice(("open", "closed")), "while the store cannot be read: open, the keys last "
+        "read go on working and usage is kept for the store's return; closed, a request of a "
+        "named key gets 503 (retry after a second) until the store answers again"))
     max_body_bytes: int = field(default=4 * MiB, metadata=scalar(
         cv.size, "larger request bodies get 413", key="max_body"))
     max_header_bytes: int = field(default=16 * 1024, metadata=scalar(

@@ -42,19 +42,24 @@ pool_names = cv.Parser(_pool_names, {"type": "array", "items": {"type": "string"
 
 
 def _store_url(value: object) -> str:
-    """Where keys made at run time and usage live: `sqlite:///absolute/path`. The shared
-    stores for replicas are not in this version: named so, never taken for a file."""
+    """Where keys made at run time and usage live: `sqlite:///absolute/path`, or a PostgreSQL
+    server shared by replicas (`postgresql://user@host:port/db`). Redis is not a store in this
+    version: named so, never taken for a file."""
     text = cv.nonempty_text(value).strip()
-    if text.startswith(("redis://", "rediss://", "postgresql://", "postgres://")):
-        raise cv.Invalid("a shared store (Redis, PostgreSQL) is not supported by this version; "
-                         "use sqlite:///path or null")
+    if text.startswith(("redis://", "rediss://")):
+        raise cv.Invalid("a Redis store is not supported by this version; use "
+                         "postgresql://host/db for replicas, sqlite:///path or null")
+    if text.startswith(("postgresql://", "postgres://")) and len(text) > len("postgres://"):
+        return text
     if not text.startswith("sqlite:///") or len(text) == len("sqlite:///"):
-        raise cv.Invalid("must be sqlite:///relative/path or sqlite:////absolute/path")
+        raise cv.Invalid("must be sqlite:///relative/path, sqlite:////absolute/path or "
+                         "postgresql://host/db")
     return text
 
 
 #: `server.store`: a store URL
-store_url = cv.Parser(_store_url, {"type": "string", "pattern": "^sqlite:///"}, "store URL")
+store_url = cv.Parser(_store_url, {"type": "string",
+                                   "pattern": "^(sqlite:///|postgres(ql)?://)"}, "store URL")
 
 
 @dataclass(frozen=True, slots=True)

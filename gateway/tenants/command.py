@@ -2,8 +2,9 @@
 
 Works on the store's file directly (no gateway needs to run): the running gateways' workers see
 a key made or revoked here within their next poll (well under a second), and usage as each
-process last wrote it (once a second). The store is `--store URL`, else the `server.store` of
-`--config FILE`, else the embedded default file.
+process last wrote it (once a second). The store is `--store URL` (a file, or a
+shared PostgreSQL server), else the `server.store` of `--config FILE`, else the embedded default
+file.
 """
 
 from __future__ import annotations
@@ -16,32 +17,42 @@ from typing import TextIO
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantBudget, TenantLimits, store_url
 from gateway.tenants.spend import cost_text
-from gateway.tenants.store import SqliteStore, StoreError, path_of
+from gateway.tenants.store import StoreError, StoreUnavailable
+from gateway.tenants.stores import missing_store_extra, open_store
 
 LIMIT_FLAGS = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute",
                "in_flight")
 
 
-def store_path(ns: argparse.Namespace) -> str:
-    """The file the command works on (see the module docstring)."""
+def store_path(ns: argparse.Namespace) -> str | None:
+    """The store URL the command works on (see the module docstring); None: the default
+    file."""
     if ns.store is not None:
-        return path_of(store_url(ns.store))
+        return store_url(ns.store)
     if ns.config is not None:
         from gateway.settings.load import load_settings
 
-        return path_of(load_settings(ns.config).server.store)
-    return path_of(None)
+        return load_settings(ns.config).server.store
+    return None
 
 
 def run(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """The `keys` command: 0 done, 1 refused (a name taken, an unknown key), 2 unusable
     arguments or configuration."""
     try:
-        path = store_path(ns)
+        url = store_path(ns)
     except ConfigError as exc:
         print(f"hedge-gateway keys: {exc}", file=err)
         return 2
-    store = SqliteStore(path)
+    missing = missing_store_extra(url)
+    if missing is not None:
+        print(f"hedge-gateway keys: {missing}", file=err)
+        return 2
+    try:
+        store = open_store(url)
+    except StoreUnavailable as exc:
+        print(f"hedge-gateway keys: the PostgreSQL store cannot be reached ({exc})", file=err)
+        return 1
     try:
         if ns.action == "create":
             limits = TenantLimits(**{flag: getattr(ns, flag) for flag in LIMIT_FLAGS})
@@ -70,7 +81,7 @@ def run(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             for row in store.usage(ns.name):
                 print(f"{row.name}\t{row.day}\t{row.requests}\t{row.input_tokens}\t"
                       f"{row.output_tokens}\t{cost_text(row.spend_usd)}", file=out)
-    except (StoreError, ConfigError) as exc:
+    except (StoreError, StoreUnavailable, ConfigError) as exc:
         print(f"hedge-gateway keys {ns.action}: {exc}", file=err)
         return 1
     finally:

@@ -89,7 +89,7 @@ def _add_spend_column(db: sqlite3.Connection) -> None:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
 
-def _budget(text: str | None) -> TenantBudget:
+def budget_of(text: str | None) -> TenantBudget:
     """A key's budget as stored (JSON; NULL for a key made before budgets: none)."""
     return TenantBudget() if text is None else TenantBudget(**json.loads(text))
 
@@ -122,6 +122,18 @@ class StoredKey:
     invalid: bool = False
 
 
+def listed_key(row: Sequence[Any]) -> StoredKey:
+    """One `(name, pools, limits, created, revoked, budget)` row as listed; a row that does
+    not make a valid key is listed as `invalid` (both stores read their rows so)."""
+    name, pools, limits, created, revoked, budget = row
+    when = _instant(created) or 0.0
+    try:
+        return StoredKey(str(name), _pools(pools), TenantLimits(**json.loads(limits)), when,
+                         _instant(revoked), budget_of(budget))
+    except (ConfigError, ValueError, TypeError):
+        return StoredKey(str(name), (), TenantLimits(), when, _instant(revoked), invalid=True)
+
+
 @dataclass(frozen=True, slots=True)
 class UsageRow:
     """One key's usage on one UTC day."""
@@ -142,6 +154,11 @@ class UsageRow:
 
 class StoreError(Exception):
     """The store refused an operation (a name taken, an unknown key): said to the caller."""
+
+
+class StoreUnavailable(OSError):
+    """A shared store could not be reached or did not answer in time (its message names the
+    driver's error class, never the URL): handled as an unreadable file is."""
 
 
 class SqliteStore:
@@ -237,7 +254,7 @@ class SqliteStore:
                 keys.append(TenantKeySettings(name=name, key_sha256=digest,
                                               pools=tuple(json.loads(pools)),
                                               limits=TenantLimits(**json.loads(limits)),
-                                              budget=_budget(budget)))
+                                              budget=budget_of(budget)))
             except (ConfigError, ValueError, TypeError):
                 bad.append(str(name))
         return keys, bad
@@ -248,17 +265,7 @@ class SqliteStore:
         with self._locked() as db:
             rows = db.execute("SELECT name, pools, limits, created, revoked, budget FROM keys "
                               "ORDER BY name").fetchall()
-        listed = []
-        for name, pools, limits, created, revoked, budget in rows:
-            when = _instant(created) or 0.0
-            try:
-                listed.append(StoredKey(str(name), _pools(pools),
-                                        TenantLimits(**json.loads(limits)), when,
-                                        _instant(revoked), _budget(budget)))
-            except (ConfigError, ValueError, TypeError):
-                listed.append(StoredKey(str(name), (), TenantLimits(), when, _instant(revoked),
-                                        invalid=True))
-        return listed
+        return [listed_key(row) for row in rows]
 
     # --- usage ----------------------------------------------------------------------------
 

@@ -81,10 +81,11 @@ def test_every_pin_is_exact_and_carries_a_hash() -> None:
                 or PIN.match(stripped)), line
 
 
-def test_the_all_extra_is_every_provider_extra() -> None:
+def test_the_all_extra_is_every_provider_extra_and_the_shared_stores_driver() -> None:
     extras = project()["optional-dependencies"]
     assert isinstance(extras, dict)
-    assert sorted(extras["all"]) == sorted([*extras["bedrock"], *extras["vertex"]])
+    assert sorted(extras["all"]) == sorted([*extras["bedrock"], *extras["vertex"],
+                                            *extras["postgres"]])
 
 
 def test_the_container_image_installs_from_the_lock_with_hashes() -> None:

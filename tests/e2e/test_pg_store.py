@@ -1,0 +1,243 @@
+"""Three `hedge-gateway serve` replicas on one PostgreSQL store (`server.store:
+postgresql://...`), a throwaway cluster (`tests.harness.postgres`):
+
+- a key made on one replica (its `/admin/keys`) is let in by all three, and once revoked on
+  another is refused by all three;
+- usage (spend included) written by all three adds up in `hedge-gateway keys usage`;
+- the store stopped mid-load, `server.store_down: open`: the replicas keep serving the keys
+  they last read, keep the usage, and write it once the store is back, so no spend is lost;
+  `closed`: a named key's request gets 503 in the route's own shape (OpenAI's, Anthropic's)
+  with a retry after a second, until the store answers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import psycopg
+import pytest
+
+from tests.e2e.test_cli import command, keyless_env
+from tests.e2e.test_tenant_store import WAIT, chat_status, eventually, serving
+from tests.harness.limits_kit import MESSAGES
+from tests.harness.postgres import PgCluster, pg_cluster
+
+ADMIN = "admin-key-0123456789abcdefghijklmnopqrstu"
+CONFIG = """
+server: {{host: 127.0.0.1, port: {port}, shutdown_grace: 2s, store: "URL",
+          admin_keys: ["ADMIN"], store_down: DOWN}}
+pools:
+  - name: alpha
+    hedging: {{enabled: false}}
+    backends:
+      - {{name: s, provider: sim, sim: {{ttft_median: 0, straggler_probability: 0, tokens: 4,
+          inter_token: 0}}, price: {{input: 0, output: 1000000}}}}
+"""
+REPLICAS = 3
+
+
+@pytest.fixture
+def cluster() -> Iterator[PgCluster]:
+    with pg_cluster() as running:
+        yield running
+
+
+@contextlib.contextmanager
+def replicas(tmp_path: Path, cluster: PgCluster, store_down: str = "open"
+             ) -> Iterator[list[str]]:
+    """Three gateways on the cluster, each from a folder of its own: their roots."""
+    text = CONFIG.replace("URL", cluster.url).replace("ADMIN", ADMIN).replace("DOWN",
+                                                                              store_down)
+    with contextlib.ExitStack() as stack:
+        roots = []
+        for n in range(REPLICAS):
+            folder = tmp_path / f"replica{n}"
+            folder.mkdir()
+            roots.append(stack.enter_context(serving(folder, config_text=text))[1])
+        yield roots
+
+
+def keys_command(cluster: PgCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*command(), "keys", "--store", cluster.url, *args],
+                          env=keyless_env(), capture_output=True, text=True, timeout=WAIT,
+                          check=False)
+
+
+def usage_row(cluster: PgCluster, name: str) -> tuple[int, int, str]:
+    """(requests, output tokens, spend) of `name` today, as `keys usage` prints them."""
+    done = keys_command(cluster, "usage", name)
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()[1:]
+    if not rows:
+        return 0, 0, "0"
+    _name, _day, requests, _input, output, spend = rows[0].split("\t")
+    return int(requests), int(output), spend
+
+
+def make_key(root: str, name: str) -> str:
+    made = httpx.post(root + "/admin/keys", timeout=10.0, trust_env=False,
+                      headers={"authorization": f"Bearer {ADMIN}"}, json={"name": name})
+    assert made.status_code == 201, made.text
+    secret: str = made.json()["key"]
+    return secret
+
+
+@pytest.mark.timeout(180)
+def test_a_key_made_on_one_replica_is_let_in_by_all_and_revoked_on_another_refused_by_all(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    with replicas(tmp_path, cluster) as roots:
+        secret = make_key(roots[0], "team-a")
+        assert chat_status(roots[0], secret) == 200  # the making replica adopts it at once
+        # every replica polls the store twice a second
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica lets the new key in", timeout=5.0)
+        revoked = httpx.delete(roots[1] + "/admin/keys/team-a", timeout=10.0, trust_env=False,
+                               headers={"authorization": f"Bearer {ADMIN}"})
+        assert revoked.status_code == 200, revoked.text
+        assert chat_status(roots[1], secret) == 401
+        eventually(lambda: all(chat_status(root, secret) == 401 for root in roots),
+                   "every replica refuses the revoked key", timeout=5.0)
+        assert [chat_status(root, secret) for root in roots for _ in range(10)] == [401] * 30
+    listed = keys_command(cluster, "list")
+    assert listed.returncode == 0 and "team-a\trevoked" in listed.stdout
+    assert secret not in listed.stdout
+
+
+@pytest.mark.timeout(180)
+def test_spend_written_by_three_replicas_adds_up(tmp_path: Path, cluster: PgCluster) -> None:
+    made = keys_command(cluster, "create", "team-a")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    per_replica = (3, 5, 7)
+    with replicas(tmp_path, cluster) as roots:
+        for root, count in zip(roots, per_replica, strict=True):
+            with openai.OpenAI(base_url=root + "/v1", api_key=secret, max_retries=0) as client:
+                for _ in range(count):
+                    assert client.chat.completions.create(model="alpha",
+                                                          messages=MESSAGES).choices
+        total = sum(per_replica)
+        # each replica writes its batch once a second: all three batches reach the store
+        eventually(lambda: usage_row(cluster, "team-a")[0] == total,
+                   "all three replicas' usage in the store")
+    assert usage_row(cluster, "team-a") == (total, total * 4, f"{total * 4:.6f}")
+
+
+@pytest.mark.timeout(180)
+def test_the_store_stopped_mid_load_fails_open_and_loses_no_spend(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    """The store goes down between requests: each replica keeps the keys it last read
+    (fail open: the store's outage never reaches a client as an error) and keeps its usage,
+    written when the store is back."""
+    made = keys_command(cluster, "create", "team-a")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster) as roots:
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica has the key")
+        eventually(lambda: usage_row(cluster, "team-a")[0] == REPLICAS, "the first batches")
+        statuses: list[int] = []
+        done = threading.Event()
+
+        def load() -> None:
+            """Requests round the replicas, one at a time, until told to stop."""
+            while not done.is_set():
+                statuses.append(chat_status(roots[len(statuses) % REPLICAS], secret))
+
+        loader = threading.Thread(target=load, name="pg-load", daemon=True)
+        loader.start()
+        try:
+            eventually(lambda: len(statuses) >= 6, "load running")
+            cluster.stop()  # mid-load
+            stopped_at = len(statuses)
+            eventually(lambda: len(statuses) >= stopped_at + 12, "load while the store is down")
+            assert chat_status(roots[0], "hg-not-a-key") == 401  # open to known keys only
+        finally:
+            done.set()
+            loader.join(WAIT)
+        assert statuses == [200] * len(statuses)
+        cluster.start()
+        total = REPLICAS + len(statuses)
+        eventually(lambda: usage_row(cluster, "team-a")[0] == total,
+                   "the usage kept while the store was down, written once it is back")
+
+
+@pytest.mark.timeout(180)
+def test_the_store_stopped_mid_load_fails_closed_in_the_routes_own_shape(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    made = keys_command(cluster, "create", "team-a")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster, store_down="closed") as roots:
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica has the key")
+        cluster.stop()
+        eventually(lambda: all(chat_status(root, secret) == 503 for root in roots),
+                   "every replica refuses while the store is down")
+        with (openai.OpenAI(base_url=roots[0] + "/v1", api_key=secret, max_retries=0) as oa,
+              pytest.raises(openai.APIStatusError) as raised):
+            oa.chat.completions.create(model="alpha", messages=MESSAGES)
+        assert raised.value.status_code == 503
+        assert raised.value.response.headers["retry-after"] == "1"
+        assert raised.value.response.json()["error"]["code"] == "store_unavailable"
+        with (anthropic.Anthropic(base_url=roots[1], api_key=secret, max_retries=0) as an,
+              pytest.raises(anthropic.APIStatusError) as refused):
+            an.messages.create(model="alpha", max_tokens=16,
+                               messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.status_code == 503
+        assert refused.value.response.json()["type"] == "error"
+        assert refused.value.response.json()["error"]["type"] == "overloaded_error"
+        cluster.start()
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica serves again once the store is back")
+
+
+@pytest.mark.timeout(120)
+def test_the_postgres_store_keeps_the_embedded_stores_contract(cluster: PgCluster) -> None:
+    """The interface the sync and the admin API use, on a real server: names held to the
+    same rule, a taken name refused, a hand-written bad row listed as invalid and never in
+    force, batches adding up; a stopped server is `StoreUnavailable` (never a driver error),
+    and the next call after it is back connects again."""
+    from gateway.tenants.pgstore import PostgresStore
+    from gateway.tenants.store import StoreError, StoreUnavailable, UsageRow
+
+    store = PostgresStore(cluster.url.replace("postgres@", "postgres:pw-s3cret@"))
+    try:
+        assert "s3cret" not in store.path and str(cluster.port) in store.path
+        version = store.keys_version()
+        _secret, key = store.create_key("team-a", ("alpha",))
+        assert store.keys_version() == version + 1
+        with pytest.raises(StoreError, match="exists already"):
+            store.create_key("team-a")
+        with pytest.raises(StoreError, match="name must be"):
+            store.create_key("../etc")
+        with psycopg.connect(cluster.url, autocommit=True) as raw:
+            raw.execute("INSERT INTO hg_keys (name, key_sha256, pools, limits, created) "
+                        "VALUES ('bad', 'x', '{}', '{}', 0)")
+        keys, bad = store.active_keys()
+        assert [k.name for k in keys] == ["team-a"] and bad == ["bad"]
+        assert keys[0].key_sha256 == key.key_sha256
+        assert [(k.name, k.invalid) for k in store.list_keys()] == [("bad", True),
+                                                                     ("team-a", False)]
+        store.add_usage([UsageRow("team-a", "2026-12-07", 1, 2, 3, 4)])
+        store.add_usage([UsageRow("team-a", "2026-12-07", 1, 2, 3, 4)])
+        assert store.usage("team-a") == [UsageRow("team-a", "2026-12-07", 2, 4, 6, 8)]
+        assert store.spend_since("2026-12-01") == [("team-a", "2026-12-07", 8)]
+        cluster.stop()
+        with pytest.raises(StoreUnavailable):
+            store.keys_version()
+        with pytest.raises(StoreUnavailable):
+            store.add_usage([UsageRow("team-a", "2026-12-07", 1, 0, 0, 0)])
+        cluster.start()
+        store.revoke("team-a")
+        assert store.active_keys() == ([], ["bad"])
+        assert store.usage("team-a")[0].requests == 2  # the failed batch wrote nothing
+    finally:
+        store.close()
