@@ -190,3 +190,21 @@ def test_a_whole_answer_stalled_after_ten_tokens_is_raced_by_a_continuation(
     closed = [httpx.get(sim.url("/sim/stats"), timeout=5.0).json()["streams_closed_early"]
               for sim in sims]
     assert sorted(closed) == [0, 1]
+
+
+def test_a_client_that_leaves_a_whole_answer_being_relayed_ends_it(
+        asgi_server: AsgiServerFactory) -> None:
+    """A client that gives up while its whole answer is still being read (stalled for 30 s
+    after ten tokens, a stall delay of 20 s): the gateway ends the relay and closes the
+    stalled upstream at once (not at the stall's end), and gives back every slot (the
+    automatic leak check)."""
+    sims, gw = gateway(asgi_server, "", stall=StallSettings(min=20.0, max=30.0),
+                       faults={"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"})
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0, timeout=1.0) as client, \
+            pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model=POOL, messages=QUESTION)
+    assert wait_for(lambda: stats(gw)["pools"][POOL]["lifetime"]["requests"] == 1)
+    closed = [httpx.get(sim.url("/sim/stats"), timeout=5.0).json()["streams_closed_early"]
+              for sim in sims]
+    assert sorted(closed) == [0, 1]
+    assert continued(gw)["started"] == 0
