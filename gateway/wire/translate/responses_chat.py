@@ -26,7 +26,7 @@ from gateway.wire.usage import Usage, usage_of
 #: (docs/translation.md lists them; a test holds the two equal)
 DROPPED_RESPONSES = frozenset({
     "metadata", "include", "truncation", "service_tier", "safety_identifier",
-    "prompt_cache_key", "max_tool_calls", "stream_options", "user",
+    "prompt_cache_key", "max_tool_calls", "stream_options", "user", "client_metadata",
 })
 #: Responses fields the translation to Chat reads (carried, or refused by their value)
 CARRIED_RESPONSES = frozenset({
