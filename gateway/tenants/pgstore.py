@@ -39,7 +39,7 @@ from gateway.tenants.store import (
     StoreError,
     StoreUnavailable,
     UsageRow,
-    budget_of,
+    active_of,
     listed_key,
 )
 
@@ -160,16 +160,7 @@ class PostgresStore:
         with self._locked() as db:
             rows = db.execute("SELECT name, key_sha256, pools, limits, budget FROM hg_keys "
                               "WHERE revoked IS NULL ORDER BY name").fetchall()
-        keys, bad = [], []
-        for name, digest, pools, limits, budget in rows:
-            try:
-                keys.append(TenantKeySettings(name=name, key_sha256=digest,
-                                              pools=tuple(json.loads(pools)),
-                                              limits=TenantLimits(**json.loads(limits)),
-                                              budget=budget_of(budget)))
-            except (ConfigError, ValueError, TypeError):
-                bad.append(str(name))
-        return keys, bad
+        return active_of(rows)
 
     def list_keys(self) -> list[StoredKey]:
         with self._locked() as db:

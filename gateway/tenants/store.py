@@ -122,6 +122,22 @@ class StoredKey:
     invalid: bool = False
 
 
+def active_of(rows: Iterable[Sequence[Any]]) -> tuple[list[TenantKeySettings], list[str]]:
+    """Rows of (name, digest, pools, limits, budget) as key settings, and the names of those
+    that make no valid key: one reader for every store, so a bad row is skipped alike."""
+    keys: list[TenantKeySettings] = []
+    bad: list[str] = []
+    for name, digest, pools, limits, budget in rows:
+        try:
+            keys.append(TenantKeySettings(name=name, key_sha256=digest,
+                                          pools=tuple(json.loads(pools)),
+                                          limits=TenantLimits(**json.loads(limits)),
+                                          budget=budget_of(budget)))
+        except (ConfigError, ValueError, TypeError):
+            bad.append(str(name))
+    return keys, bad
+
+
 def listed_key(row: Sequence[Any]) -> StoredKey:
     """One `(name, pools, limits, created, revoked, budget)` row as listed; a row that does
     not make a valid key is listed as `invalid` (both stores read their rows so)."""
@@ -248,16 +264,7 @@ class SqliteStore:
         with self._locked() as db:
             rows = db.execute("SELECT name, key_sha256, pools, limits, budget FROM keys WHERE "
                               "revoked IS NULL ORDER BY name").fetchall()
-        keys, bad = [], []
-        for name, digest, pools, limits, budget in rows:
-            try:
-                keys.append(TenantKeySettings(name=name, key_sha256=digest,
-                                              pools=tuple(json.loads(pools)),
-                                              limits=TenantLimits(**json.loads(limits)),
-                                              budget=budget_of(budget)))
-            except (ConfigError, ValueError, TypeError):
-                bad.append(str(name))
-        return keys, bad
+        return active_of(rows)
 
     def list_keys(self) -> list[StoredKey]:
         """Every key, revoked ones included; a row that does not make a valid key is listed
