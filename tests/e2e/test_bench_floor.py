@@ -50,7 +50,9 @@ def test_overhead_prints_a_row_per_feature_off_and_nginx_with_the_ratios(
     assert over == GATEWAYS
     comparison = workload["comparison"]
     if comparison["nginx_cpu_ms_per_request"]:  # 12 requests may take nginx under a tick
-        assert all(comparison[f"{mode}_cpu_ms_per_request_over_nginx"] > 0 for mode in GATEWAYS)
+        # every gateway mode is put over nginx's figure; its size is the benchmark's to show
+        # (12 requests may take a gateway mode under a tick of the CPU clock too)
+        assert all(comparison[f"{mode}_cpu_ms_per_request_over_nginx"] >= 0 for mode in GATEWAYS)
     assert {t["target"] for t in workload["targets"]} >= {
         "gateway CPU per request at c=50 <= 5 x nginx's",
         "added median TTFT at c=1 <= 2 x nginx's"}
