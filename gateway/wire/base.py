@@ -145,6 +145,11 @@ class StreamTranslator(Protocol):
 
     def feed(self, event: SSEEvent) -> bytes: ...
 
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        """`feed` over a read's events, joined (a machine may splice its usual event
+        without a call per event)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Translation:
@@ -184,12 +189,11 @@ class Translation:
         (a Chat backend's, `SSEBatch.raw`) is fed without building its events."""
         machine = self.machine(created)
         machine.include_usage = include_usage
-        feed = machine.feed
+        feed_all = machine.feed_all
 
         def events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
             try:
-                # one event per read is the usual case: no list, no join
-                out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
+                out = feed_all(batch)
             except (TypeError, AttributeError, KeyError, IndexError, ValueError):
                 outcome.end = StreamEnd.UPSTREAM_ERROR
                 return error_event("upstream sent an event its API never has",
@@ -228,8 +232,12 @@ def translation_for(table: Translations, client: Endpoint, serves: frozenset[str
 
 
 def json_bytes(obj: object) -> bytes:
-    """Compact JSON, as the error events are written."""
-    return json.dumps(obj, separators=(",", ":")).encode()
+    """Compact JSON, as the error events are written (`json.dumps` with separators builds
+    an encoder per call; this one is built once and holds no state between calls)."""
+    return _compact(obj).encode()
+
+
+_compact = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def nonempty(value: object) -> bool:

@@ -45,12 +45,16 @@ _CHAT_DELTA = re.compile(
 _MARK = "\x00mark\x00"
 _MARK_JSON = json_bytes(_MARK)
 _chat_delta = _CHAT_DELTA.match
-
-
-def _around(obj: object) -> tuple[bytes, bytes]:
-    """`obj`'s bytes before and after its one `_MARK` string: a delta's text goes between."""
-    before, _, after = _data(obj).rpartition(_MARK_JSON)
-    return before, after
+#: Messages' scaffolding as servers write it, told apart without a parse: the keep-alive
+#: and a block's end (nothing in Chat), the stream's end, and a text block's empty start
+_PING = b'{"type":"ping"}'
+_MESSAGE_STOP = b'{"type":"message_stop"}'
+_block_stop = re.compile(rb'\{"type":"content_block_stop","index":\d{1,6}\}').fullmatch
+_text_start = re.compile(rb'\{"type":"content_block_start","index":(\d{1,6}),'
+                         rb'"content_block":\{"type":"text","text":""\}\}').fullmatch
+#: a Chat chunk's choice after its delta, with no finish reason
+_NO_FINISH = b',"finish_reason":null,"logprobs":null}]}\n\n'
+_ROLE = b'{"role":"assistant","content":""}'
 
 
 def _payload(event: SSEEvent) -> dict[str, Any] | None:
@@ -82,6 +86,8 @@ class MessagesToChat:
     `created`: the chunks' `created` (Messages has no such field)."""
 
     __slots__ = (
+        "_current",
+        "_head",
         "_messages_usage",
         "_spliced",
         "calls",
@@ -108,14 +114,31 @@ class MessagesToChat:
         self.ended = self.failed = False
         self._messages_usage: dict[str, Any] = {}
         #: per content block index (its digits, as the events write it): the delta type it
-        #: takes, and the chunk's bytes around such a delta's text (`feed`)
-        self._spliced: dict[bytes, tuple[bytes, bytes, bytes]] = {}
+        #: takes, the chunk's bytes around such a delta's text (`feed`), and such a delta's
+        #: payload up to its text (`feed_all`)
+        self._spliced: dict[bytes, tuple[bytes, bytes, bytes, bytes]] = {}
+        #: the block of the last delta spliced (`feed_all` tries it first): most deltas in a
+        #: row are one block's
+        self._current: tuple[bytes, bytes, bytes, bytes] | None = None
+        #: every chunk's bytes up to its `choices` (`_opening`), made once per id and model
+        self._head: bytes | None = None
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return _data({"id": self.id, "object": "chat.completion.chunk",
-                      "created": self.created, "model": self.model,
-                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                   "logprobs": None}]})
+    def _opening(self) -> bytes:
+        """`data: ` and a chunk's JSON up to its `choices`' value: the same in every chunk of
+        the stream, so written once (the id and the model are known at `message_start`)."""
+        head = self._head
+        if head is None:
+            head = self._head = (
+                b'data: {"id":' + json_bytes(self.id)
+                + b',"object":"chat.completion.chunk","created":' + json_bytes(self.created)
+                + b',"model":' + json_bytes(self.model) + b',"choices":')
+        return head
+
+    def _chunk(self, delta: dict[str, Any] | bytes, finish: str | None = None) -> bytes:
+        """The chunk `_data` writes for this choice (`delta` as a dict, or its JSON)."""
+        return (self._opening() + b'[{"index":0,"delta":'
+                + (delta if isinstance(delta, bytes) else json_bytes(delta))
+                + b',"finish_reason":' + json_bytes(finish) + b',"logprobs":null}]}\n\n')
 
     def _take_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):
@@ -124,10 +147,33 @@ class MessagesToChat:
 
     def _splice(self, index: int, kind: bytes, delta: dict[str, Any]) -> None:
         """Build once the chunk a `kind` delta of block `index` becomes (its text marked)."""
-        self._spliced[str(index).encode()] = (kind, *_around({
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "choices": [{"index": 0, "delta": delta,
-                                              "finish_reason": None, "logprobs": None}]}))
+        digits = str(index).encode()
+        self._current = None  # it may have been this index's former block
+        before, _, after = json_bytes(delta).rpartition(_MARK_JSON)
+        self._spliced[digits] = (
+            kind, self._opening() + b'[{"index":0,"delta":' + before, after + _NO_FINISH,
+            b'{"type":"content_block_delta","index":' + digits + b',"delta":{"type":"'
+            + kind + (b'","text":' if kind == b"text_delta" else b'","partial_json":'))
+
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        """The Chat bytes for a read's events: `feed`'s, each usual delta of the block the
+        last one was of cut from its payload by one comparison and two slices (no regex, no
+        call: the per-event cost), every other event fed."""
+        parts: list[bytes] = []
+        current = None if self.ended else self._current
+        for event in events:
+            data = event.data
+            if current is not None and data.startswith(current[3]) and data.endswith(b"}}"):
+                text = data[len(current[3]):-2]
+                # exactly one JSON string: quoted at both ends, no quote between and no
+                # escape (an escaped text takes the regex's way: `feed`)
+                if len(text) > 1 and text[0] == 34 and text[-1] == 34 \
+                        and text.count(34) == 2 and text.find(92) < 0:
+                    parts.append(current[1] + text + current[2])
+                    continue
+            parts.append(self.feed(event))
+            current = None if self.ended else self._current
+        return b"".join(parts)
 
     def feed(self, event: SSEEvent) -> bytes:
         """The Chat bytes for one Messages event (often none). A text or arguments delta of
@@ -138,7 +184,18 @@ class MessagesToChat:
             index, kind, text = found.group(1, 2, 3)
             around = self._spliced.get(index)
             if around is not None and around[0] == kind and not self.ended:
+                self._current = around
                 return around[1] + text + around[2]
+        data = event.data
+        # the usual scaffolding, by its exact bytes (what the parse below makes of them)
+        if data == _PING or _block_stop(data) is not None:
+            return b""
+        if data == _MESSAGE_STOP:
+            return b"" if self.ended else self._stop()
+        if (start := _text_start(data)) is not None:
+            if not self.ended:
+                self._splice(int(start.group(1)), b"text_delta", {"content": _MARK})
+            return b""
         obj = _payload(event)
         kind = obj.get("type") if obj is not None else None
         if kind is None and event.event is not None:
@@ -152,8 +209,9 @@ class MessagesToChat:
         if kind == "message_start":
             message = obj.get("message") or {}
             self.id, self.model = message.get("id"), message.get("model")
+            self._head = None
             self._take_usage(message.get("usage"))
-            return self._chunk({"role": "assistant", "content": ""})
+            return self._chunk(_ROLE)
         if kind == "message_delta":
             self._take_usage(obj.get("usage"))
             stop = (obj.get("delta") or {}).get("stop_reason")
@@ -162,17 +220,20 @@ class MessagesToChat:
             return self._chunk({}, finish_of(stop, json_only=bool(self.json_blocks)
                                              and not self.calls))
         if kind == "message_stop":
-            self.ended = True
-            tail = b""
-            if self.include_usage:
-                tail = _data({"id": self.id, "object": "chat.completion.chunk",
-                              "created": self.created, "model": self.model, "choices": [],
-                              "usage": chat_usage(self._messages_usage)})
-            return tail + b"data: [DONE]\n\n"
+            return self._stop()
         if kind == "error":
             self.ended = self.failed = True
             return _data(messages_error_to_chat(obj))
         return b""  # ping, content_block_stop, an event this API version does not know
+
+    def _stop(self) -> bytes:
+        """`message_stop`: the usage chunk (when asked for) and `[DONE]`; the stream is over."""
+        self.ended = True
+        tail = b""
+        if self.include_usage:
+            tail = (self._opening() + b'[],"usage":' + json_bytes(chat_usage(self._messages_usage))
+                    + b"}\n\n")
+        return tail + b"data: [DONE]\n\n"
 
     def _start(self, obj: dict[str, Any]) -> bytes:
         block = obj.get("content_block") or {}
@@ -318,6 +379,10 @@ class ChatToMessages:
             "type": "message_delta", "delta": {"stop_reason": self.stop or "end_turn",
                                                "stop_sequence": None},
             "usage": usage}) + _named("message_stop", {"type": "message_stop"})
+
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        """The Messages bytes for a read's chunks, `feed` for each."""
+        return b"".join([self.feed(event) for event in events])
 
     def feed(self, event: SSEEvent) -> bytes:
         """The Messages bytes for one Chat chunk (often a few events, sometimes none). A text

@@ -59,6 +59,9 @@ class ThroughChat:
     def failed(self) -> bool:
         return self.second.failed
 
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        return b"".join([self.feed(event) for event in events])
+
     def feed(self, event: SSEEvent) -> bytes:
         chunks = self.first.feed(event)
         if not chunks:
