@@ -779,3 +779,22 @@ def test_a_chunk_built_from_the_stream_s_opening_is_the_dict_s_json(ident: objec
             {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
     assert machine.feed(SSEEvent(b'{"type":"message_stop"}')) == data(
         {**head, "choices": [], "usage": chat_usage({"input_tokens": 2})}) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_chat_stream_fed_by_read_is_the_parsed_one_byte_for_byte(seed: int) -> None:
+    """`ChatToMessages.feed_all` (a text chunk that differs from the last only in its text cut
+    by its bytes, the answer's first text opening its block without a parse) writes exactly
+    what parsing every chunk writes, over streams of text, reasoning and parallel calls cut
+    into random reads."""
+    rng = random.Random(seed)
+    events = events_of(chat_answer_to_stream(random_chat_answer(rng), rng))
+    fast, slow = ChatToMessages(), ChatToMessages()
+    got, at = [], 0
+    while at < len(events):
+        size = rng.randint(1, 8)
+        got.append(fast.feed_all(events[at:at + size]))
+        at += size
+    expected = [slow.feed(e if e.data == b"[DONE]" else _spaced(e)) for e in events]
+    assert b"".join(got) == b"".join(expected)
+    assert fast.ended and slow.ended and fast.usage == slow.usage

@@ -52,6 +52,8 @@ _MESSAGE_STOP = b'{"type":"message_stop"}'
 _block_stop = re.compile(rb'\{"type":"content_block_stop","index":\d{1,6}\}').fullmatch
 _text_start = re.compile(rb'\{"type":"content_block_start","index":(\d{1,6}),'
                          rb'"content_block":\{"type":"text","text":""\}\}').fullmatch
+#: `message_stop` as `_named` writes it
+_MESSAGE_STOP_EVENT = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 #: a Chat chunk's choice after its delta, with no finish reason
 _NO_FINISH = b',"finish_reason":null,"logprobs":null}]}\n\n'
 _ROLE = b'{"role":"assistant","content":""}'
@@ -161,18 +163,23 @@ class MessagesToChat:
         call: the per-event cost), every other event fed."""
         parts: list[bytes] = []
         current = None if self.ended else self._current
+        opening = before = after = b""
+        if current is not None:
+            _, before, after, opening = current
         for event in events:
             data = event.data
-            if current is not None and data.startswith(current[3]) and data.endswith(b"}}"):
-                text = data[len(current[3]):-2]
+            if current is not None and data.startswith(opening) and data.endswith(b"}}"):
+                text = data[len(opening):-2]
                 # exactly one JSON string: quoted at both ends, no quote between and no
                 # escape (an escaped text takes the regex's way: `feed`)
-                if len(text) > 1 and text[0] == 34 and text[-1] == 34 \
-                        and text.count(34) == 2 and text.find(92) < 0:
-                    parts.append(current[1] + text + current[2])
+                if text.count(34) == 2 and text[0] == 34 and text[-1] == 34 \
+                        and text.find(92) < 0:
+                    parts.append(before + text + after)
                     continue
             parts.append(self.feed(event))
             current = None if self.ended else self._current
+            if current is not None:
+                _, before, after, opening = current
         return b"".join(parts)
 
     def feed(self, event: SSEEvent) -> bytes:
@@ -287,6 +294,7 @@ class ChatToMessages:
     __slots__ = (
         "_chat_usage",
         "_spliced",
+        "_usual",
         "ended",
         "failed",
         "include_usage",
@@ -315,6 +323,10 @@ class ChatToMessages:
         self._chat_usage: dict[str, Any] | None = None
         #: per block index: the `content_block_delta` bytes around a delta's text (`feed`)
         self._spliced: dict[int, tuple[bytes, bytes]] = {}
+        #: while a text block is open: the last text chunk's bytes before and after its
+        #: text, and the delta event's around it (`feed_all`: the next chunks of the stream
+        #: differ only in their text)
+        self._usual: tuple[bytes, bytes, bytes, bytes] | None = None
 
     def _splice(self, index: int, delta: dict[str, Any]) -> tuple[bytes, bytes]:
         around = self._spliced[index] = _around_named("content_block_delta", {
@@ -329,11 +341,14 @@ class ChatToMessages:
             "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
 
     def _close(self) -> bytes:
+        self._usual = None
         if self.open is None:
             return b""
         index = self.open[1]
         self.open = None
-        return _named("content_block_stop", {"type": "content_block_stop", "index": index})
+        # (`_named`'s bytes for the event, written without an encoder: one a block)
+        return (b'event: content_block_stop\ndata: {"type":"content_block_stop","index":'
+                + str(index).encode() + b"}\n\n")
 
     def _block(self, kind: str, block: dict[str, Any]) -> bytes:
         """Close the open block and open a new one of `kind`."""
@@ -378,11 +393,34 @@ class ChatToMessages:
         return self._close() + _named("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": self.stop or "end_turn",
                                                "stop_sequence": None},
-            "usage": usage}) + _named("message_stop", {"type": "message_stop"})
+            "usage": usage}) + _MESSAGE_STOP_EVENT
 
     def feed_all(self, events: list[SSEEvent]) -> bytes:
-        """The Messages bytes for a read's chunks, `feed` for each."""
-        return b"".join([self.feed(event) for event in events])
+        """The Messages bytes for a read's chunks: `feed`'s, a text chunk that differs from
+        the last one spliced only in its text cut by two comparisons and a slice (no find,
+        no regex: the per-event cost), every other chunk fed."""
+        parts: list[bytes] = []
+        usual = self._usual
+        opening = closing = before = after = b""
+        if usual is not None:
+            opening, closing, before, after = usual
+        end = -len(closing)
+        for event in events:
+            data = event.data
+            if usual is not None and data.startswith(opening) and data.endswith(closing):
+                text = data[len(opening):end]
+                # exactly one JSON string, as `_CHAT_DELTA` reads one: quoted at both ends,
+                # no quote between and no escape (else `feed`'s regex decides)
+                if text.count(34) == 2 and text[0] == 34 and text[-1] == 34 \
+                        and text.find(92) < 0:
+                    parts.append(before + text + after)
+                    continue
+            parts.append(self.feed(event))
+            usual = None if self.ended else self._usual
+            if usual is not None:
+                opening, closing, before, after = usual
+                end = -len(closing)
+        return b"".join(parts)
 
     def feed(self, event: SSEEvent) -> bytes:
         """The Messages bytes for one Chat chunk (often a few events, sometimes none). A text
@@ -393,17 +431,24 @@ class ChatToMessages:
             return b""
         data = event.data
         current = self.open
-        if current is not None and (at := data.find(b'"choices":[{"index":0,"delta":{')) > 0:
+        if (current is not None or self.started) \
+                and (at := data.find(b'"choices":[{"index":0,"delta":{')) > 0:
             found = _chat_delta(data, at)
             # a usage object in the same chunk (after its choices, as every server writes it)
             # is read the long way
             if found is not None and data.find(b'"usage":{', found.end()) < 0:
                 text, call, arguments = found.group(1, 2, 3)
-                kind, index = current
-                if text is not None and kind == "text":
+                kind, index = current if current is not None else ("", -1)
+                if text is not None and (
+                        kind == "text" or (current is None and text != b'""')):
+                    out = b""
+                    if current is None:  # the answer's first text opens its block
+                        out = self._block("text", {"type": "text", "text": ""})
+                        index = self.next_index - 1
                     around = self._spliced.get(index) or self._splice(
                         index, {"type": "text_delta", "text": _MARK})
-                    return around[0] + text + around[1]
+                    self._usual = (data[:found.start(1)], data[found.end(1):], *around)
+                    return out + around[0] + text + around[1]
                 if call is not None and kind == "tool" and \
                         self.tools.get(int(call)) == index and arguments != b'""':
                     around = self._spliced.get(index) or self._splice(
@@ -416,6 +461,7 @@ class ChatToMessages:
             return b""
         if obj.get("error") is not None or event.event == b"error":
             self.ended = self.failed = True
+            self._usual = None
             return _named("error", chat_error_to_messages(obj))
         out = b"" if self.started else self._begin(obj)
         if isinstance(obj.get("usage"), dict):
