@@ -53,8 +53,8 @@ class UpstreamRequest:
     path: str | None = None
     query: tuple[tuple[str, str], ...] = ()
     forward_headers: Mapping[str, str] = field(default_factory=dict)
-    #: per backend reached by translation: its translation and the body it is sent
-    #: (`gateway.hedge.plan.routing`); empty for the usual request
+    #: per backend reached by translation: its translation and the body it is sent, made
+    #: when first read (`gateway.hedge.plan.routing`); empty for the usual request
     translated: Mapping[str, tuple[Translation, Mapping[str, Any]]] = field(
         default_factory=dict)
 
@@ -88,9 +88,9 @@ def attempt_runner(
                 return True
             return False
 
-        routed = translated.get(backend) if translated else None
-        if routed is not None:
-            return await run_translated(backend, record, is_lost, *routed)
+        if translated and backend in translated:
+            # (made now if the race's pick did not make it: only an attempt here pays it)
+            return await run_translated(backend, record, is_lost, *translated[backend])
         call = UpstreamCall(
             endpoint=req.endpoint,
             body={**body, "model": models[backend]} if req.path is None else body,

@@ -91,8 +91,11 @@ def test_apis_narrow_a_backend_and_translate_false_keeps_today_s_rule() -> None:
     with pytest.raises(Untranslatable) as caught:
         routing(pool_of(), request("responses", input="hi"))
     assert caught.value.param == "store"
+    # a Chat backend that speaks the Responses API too: nothing is translated before the
+    # race, and the race passes over the Messages backend, whose translation refuses it
     wide = routing(pool_of(chat_apis=None), request("responses", input="hi"))
-    assert wide.excluded == {"msgs"} and not wide.translated
+    assert wide.excluded == frozenset() and not wide.translated.admits("msgs")
+    assert wide.translated.admits("chat")
     with pytest.raises(RouteNotServed):
         routing(pool_of(), request("embeddings", input="hi"))
     kept = routing(pool_of(translate=False), request("chat/completions"))
@@ -103,7 +106,7 @@ def test_a_field_one_api_cannot_carry_keeps_the_request_on_its_own_api() -> None
     """`n: 2` cannot go to Messages: the Chat backend alone serves it; with no Chat backend,
     the refusal is the answer, naming the field."""
     mixed = routing(pool_of(), request("chat/completions", n=2))
-    assert mixed.excluded == {"msgs"} and not mixed.translated
+    assert mixed.excluded == frozenset() and not mixed.translated.admits("msgs")
     only_messages = pool_of(providers={"chat": Serving("embeddings"), "msgs": PROVIDERS["msgs"]})
     with pytest.raises(Untranslatable) as caught:
         routing(only_messages, request("chat/completions", n=2))
@@ -114,7 +117,7 @@ def test_an_unknown_field_keeps_the_request_on_its_own_api() -> None:
     """`min_p` (a Chat server's extension) has no place in Messages: the Chat backend alone
     serves the request; with no Chat backend, the refusal names the field."""
     mixed = routing(pool_of(), request("chat/completions", min_p=0.1))
-    assert mixed.excluded == {"msgs"} and not mixed.translated
+    assert mixed.excluded == frozenset() and not mixed.translated.admits("msgs")
     only_messages = pool_of(providers={"chat": Serving("embeddings"), "msgs": PROVIDERS["msgs"]})
     with pytest.raises(Untranslatable) as caught:
         routing(only_messages, request("chat/completions", min_p=0.1))
@@ -251,3 +254,32 @@ def test_the_docs_list_every_dropped_field() -> None:
         listed = section.split("**Dropped**")[1]
         missing = [name for name in dropped if f"`{name}`" not in listed]
         assert not missing, (title, missing)
+
+
+def test_a_mixed_pool_s_routing_translates_only_for_a_backend_picked() -> None:
+    """With a backend of the request's own API in the pool, routing translates nothing;
+    asking whether the other API's backend admits the request translates it, once, and
+    the attempt there is sent that body."""
+    made: list[str] = []
+    key: tuple[Endpoint, Endpoint] = ("chat/completions", "messages")
+    original = TRANSLATIONS[key]
+
+    def request_of(body: Any) -> dict[str, Any]:
+        made.append("chat->messages")
+        return original.request(body)
+
+    table = {**TRANSLATIONS, key: dataclasses.replace(original, request=request_of)}
+    backends = (
+        BackendSettings(name="chat", provider="openai", base_url="http://127.0.0.1:9/v1",
+                        apis=("chat",)),
+        BackendSettings(name="msgs", provider="anthropic", base_url="http://127.0.0.1:9"))
+    pool = PoolRuntime.build(PoolSettings(name="pool", backends=backends), PROVIDERS,
+                             global_hedging=True, now=0.0, rng=random.Random(1),
+                             translations=table)
+    routed = routing(pool, request("chat/completions"))
+    assert made == [] and routed.excluded == frozenset() and "msgs" in routed.translated
+    assert routed.translated.admits("chat") and made == []
+    assert routed.translated.admits("msgs") and made == ["chat->messages"]
+    translation, body = routed.translated["msgs"]
+    assert translation.name == "chat->messages" and made == ["chat->messages"]
+    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
