@@ -19,9 +19,9 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.api.admission import Admission
 from gateway.api.answer import error_response, note_refusal
 from gateway.api.keys import backoff
-from gateway.api.proxy import Admission
 from gateway.api.refusals import REQUEST_ID_KEY
 from gateway.api.tenancy import quota_headers
 from gateway.errors import (
