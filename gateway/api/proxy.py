@@ -174,7 +174,7 @@ class Proxy:
                 )
             # a stream runs the end itself, as it closes (`on_close`, exactly once, whatever
             # ends it): the answer adds no second call to the streamed request's path
-            return Answer(self._streaming_response(pool, req, result, summary, headers, end,
+            return Answer(self._streaming_response(pool, req, result, headers, end,
                                                    strip_usage, rewrite))
         except GatewayError as exc:  # answered in the route's shape, then the end runs
             summary.attach(race.attempts, race.suppressed, None)
@@ -357,7 +357,6 @@ class Proxy:
         pool: PoolRuntime,
         req: LogicalRequest,
         result: RaceResult,
-        summary: RequestSummary,
         headers: dict[str, str],
         end: RequestEnd,
         strip_usage: bool,
@@ -380,11 +379,6 @@ class Proxy:
             backend=result.winner.backend,
         )
 
-        async def finish(early_end: StreamEnd | None) -> None:
-            summary.relay_end = early_end or outcome.end
-            summary.usage, summary.relayed = outcome.usage, outcome.events
-            await end()
-
         # the final events of a shutdown and of a bug of ours, built only for a stream that
         # ends that way (each is JSON to encode, on the way to the first byte)
         error_event, request_id = protocol.error_event, req.request_id
@@ -403,7 +397,7 @@ class Proxy:
             drain=self.drain,
             grace=self.server.shutdown_grace,
             shutdown_event=shutdown_event,
-            on_close=finish,
+            on_close=functools.partial(end.after_stream, outcome),
             on_exhausted=end.release_winner,
             clock=self.clock,
             client_gone=end.watcher,
