@@ -163,7 +163,8 @@ class Proxy:
                 if rewrite is not None:
                     body = rewrite[1](body)
                 if winner.translation is not None:
-                    body = winner.translation.answer(body, int(time.time()))
+                    body = winner.translation.answer(
+                        body, int(time.time()), winner.parsed if rewrite is None else None)
                 if req.metered:
                     summary.usage = body_usage(body)
                 cost = summary_cost(summary, pool.prices)

@@ -76,7 +76,9 @@ def attempt_runner(
     # (kept as serialized, `{...}`, and joined past its brace: each slice or `+` of it
     # was one more copy of the whole body)
     rest = memoryview(b"")
-    if req.path is None and any(_sends_content(p) for p in pool.providers.values()):
+    # (a backend reached by translation is sent its own body: none of this)
+    if req.path is None and any(_sends_content(p) for name, p in pool.providers.items()
+                                if not (translated and name in translated)):
         rest = memoryview(json.dumps({k: v for k, v in body.items() if k != "model"},
                                      separators=(",", ":")).encode())[1:]
     comma = b"" if bytes(rest[:1]) == b"}" else b","

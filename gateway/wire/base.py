@@ -151,6 +151,14 @@ class StreamTranslator(Protocol):
         ...
 
 
+class AnswerTranslation(Protocol):
+    """A whole backend answer written in the client's API (`Translation.answer`)."""
+
+    def __call__(self, data: bytes, created: int, parsed: object = None) -> bytes:
+        """`data` in the client's API; `parsed`: `data` parsed already (None: parse it)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Translation:
     """A client route answered by a backend route of another API; the table of them is
@@ -165,7 +173,8 @@ class Translation:
     #: the client's request body -> the backend's (Untranslatable: a 400 naming the field)
     request: Callable[[Mapping[str, Any]], dict[str, Any]]
     #: a whole backend answer -> the client's, given `created` (seconds since the epoch)
-    answer: Callable[[bytes, int], bytes]
+    #: and, when the race parsed it already, the answer parsed (`Prefix.parsed`)
+    answer: AnswerTranslation
     #: a fresh state machine for one stream, given `created`
     machine: Callable[[int], StreamTranslator]
     #: the prefixes of the client's forwarded headers that only its own API reads
