@@ -14,6 +14,7 @@ import pytest
 from gateway.api.request import LogicalRequest
 from gateway.errors import AllAttemptsFailed, RouteNotServed, Untranslatable
 from gateway.hedge.attempt import AttemptRecord
+from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.routing import routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner
@@ -283,3 +284,27 @@ def test_a_mixed_pool_s_routing_translates_only_for_a_backend_picked() -> None:
     translation, body = routed.translated["msgs"]
     assert translation.name == "chat->messages" and made == ["chat->messages"]
     assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+
+def test_the_race_passes_over_a_backend_that_does_not_admit_the_request() -> None:
+    """Whichever backend the pick prefers, one that does not admit the request (its
+    translation refuses it) is asked once and passed over; the other is chosen, for the
+    primary and for an extra attempt alike (of the two cases, one has the preferred backend
+    refuse)."""
+    passed_over = 0
+    for speaks in ("chat", "msgs"):
+        pool = pool_of()
+        asked: list[str] = []
+
+        def admits(backend: str, speaks: str = speaks, asked: list[str] = asked) -> bool:
+            asked.append(backend)
+            return backend == speaks
+
+        placement = Placement(pool, RaceOptions(60.0, pool.delays, True, admits=admits))
+        assert placement.primary(0.0) == speaks
+        assert asked[-1] == speaks and asked.count(speaks) == 1 and len(asked) <= 2
+        if len(asked) == 2:
+            passed_over += 1
+            assert asked[0] in placement.judged
+        assert placement.extra(0.0, [], [], hedge=False) == speaks
+    assert passed_over == 1
