@@ -155,7 +155,8 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                                   delay_window=workload.delay_window,
                                   max_concurrent_requests=workload.max_concurrent_requests,
                                   variant=variants.VARIANTS.get(mode),
-                                  continuation=rows.CONTINUATION_MODES.get(mode)))
+                                  continuation=rows.CONTINUATION_MODES.get(mode),
+                                  stall_min=workload.stall_min))
     server = mode if mode in ctx.plan.servers else servers.OWN
     argv, env = servers.server_command(server, path, port, workers=ctx.plan.workers)
     cwd = None

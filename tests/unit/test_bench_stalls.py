@@ -3,12 +3,16 @@ longest gap per stream the load client measures."""
 
 from __future__ import annotations
 
+import math
+
 import yaml
 
 from gateway.bench.load import StreamScan
 from gateway.bench.run import BenchPlan, plan_modes
 from gateway.bench.subject import gateway_config
 from gateway.bench.workloads import WORKLOADS
+from gateway.settings import StallSettings
+from gateway.settings.load import parse_settings
 
 STALLS = next(w for w in WORKLOADS if w.name == "stalls")
 
@@ -28,6 +32,31 @@ def test_continuation_modes_make_backends_that_continue() -> None:
         assert {b["continuation"] for b in pool["backends"]} == {"prefill"}
     plain = yaml.safe_load(gateway_config(1, [2, 3], True))["pools"][0]
     assert "hedging" not in plain and all("continuation" not in b for b in plain["backends"])
+
+
+def test_the_stalls_gateways_get_the_workloads_stall_delay_floor() -> None:
+    """The continuation modes' gateways are started with the workload's `hedging.stall.min`
+    (and the configuration loads: the floor is the one the gateway runs with)."""
+    assert STALLS.stall_min is not None
+    for on in (True, False):
+        text = gateway_config(1, [2, 3], True, continuation=on, stall_min=STALLS.stall_min)
+        settings = parse_settings(yaml.safe_load(text), {})
+        stall = settings.pools[0].hedging.stall
+        assert (stall.enabled, stall.min) == (on, STALLS.stall_min)
+
+
+def test_the_stalls_goal_on_total_time_is_reachable_with_its_stall_delay_floor() -> None:
+    """A stalled stream ends at least the stall delay (never under its floor) plus a
+    continuation's first token later than its unstalled self, and 3 % of the streams stall,
+    so at the default sample the total-time p99 is a stalled stream's: the floor plus the
+    simulators' TTFT p99 must fit in the goal's 25 % of a stream, with room to spare for
+    the gateway and the machine (here a fifth of it)."""
+    profile = STALLS.profile
+    stream = profile.ttft_median + (profile.tokens - 1) * profile.inter_token
+    ttft_p99 = profile.ttft_median * math.exp(profile.ttft_sigma * 2.326)
+    floor = StallSettings().min if STALLS.stall_min is None else STALLS.stall_min
+    assert profile.stall_probability > 0.01  # more than 1 % stall: the p99 is a stalled one
+    assert floor + ttft_p99 <= 0.8 * (0.25 * stream)
 
 
 def test_the_load_client_measures_each_streams_longest_gap() -> None:
