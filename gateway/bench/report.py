@@ -181,7 +181,7 @@ def format_workload(result: Mapping[str, Any]) -> str:
                          f"{counted.get('started')}, won {counted.get('won')}, stalls "
                          f"{counted.get('stalls')}, breaks continued "
                          f"{counted.get('breaks_continued')}, ended "
-                         f"{counted.get('breaks_ended')}; input tokens resent "
+                         f"{counted.get('breaks_ended')}{_refused(counted)}; input tokens resent "
                          f"{counted.get('input_tokens')} of the workload's "
                          f"{counted.get('workload_tokens')}")
         elif gap is not None and gap["p99"] is not None and row["mode"] == "direct" \
@@ -301,3 +301,11 @@ def format_spread(name: str, spread: Mapping[str, Any]) -> str:
         lines.append(f"   p99 on / off  {cut['min']:.2f} / {cut['median']:.2f} / "
                      f"{cut['max']:.2f}")
     return "\n".join(lines) + "\n"
+
+
+def _refused(counted: Mapping[str, Any]) -> str:
+    """A row's refused continuations by reason (`rows.continuations`), or nothing."""
+    refused = {k.removeprefix("refused."): v for k, v in counted.items()
+               if k.startswith("refused.") and v}
+    return "" if not refused else ", refused " + ", ".join(
+        f"{reason} {n}" for reason, n in sorted(refused.items()))

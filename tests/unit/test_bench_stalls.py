@@ -4,10 +4,13 @@ longest gap per stream the load client measures."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import yaml
 
 from gateway.bench.load import StreamScan
+from gateway.bench.report import format_workload
+from gateway.bench.rows import continuations
 from gateway.bench.run import BenchPlan, plan_modes
 from gateway.bench.subject import gateway_config
 from gateway.bench.workloads import WORKLOADS
@@ -72,3 +75,30 @@ def test_the_load_client_measures_each_streams_longest_gap() -> None:
     sample = scan.sample(0)
     assert sample.ok and sample.ttft == 0.1
     assert sample.longest_gap is not None and abs(sample.longest_gap - 5.1) < 1e-9
+
+
+def _stats(started: int, refused: dict[str, int]) -> dict[str, Any]:
+    return {"pools": {"bench": {"lifetime": {
+        "continuations": {"started": started, "won": started, "stalls": 20,
+                          "breaks_continued": 0, "breaks_ended": 0, "input_tokens": 9,
+                          "refused": refused},
+        "tokens": {"input": 10, "output": 100}}}}}
+
+
+def test_a_rows_refused_continuations_are_read_and_printed_by_reason() -> None:
+    """A stall not continued is waited out: why (the budget, the bound...) is in the row,
+    the warm-up's refusals left out, and the printed line says it."""
+    counted = continuations(_stats(4, {"budget": 17, "no_backend": 0}),
+                            _stats(0, {"budget": 1}), "bench")
+    assert counted is not None
+    assert (counted["started"], counted["refused.budget"], counted["refused.no_backend"]) \
+        == (4, 16, 0)
+    row = {"mode": "no-faults", "ok": 1, "errors": 0, "requests": 1,
+           "ttft_ms": {q: 1.0 for q in ("p50", "p90", "p99", "p99.9")},
+           "total_ms": {"p50": 1.0, "p99": 1.0}, "upstream": {"extra_pct": 0.0},
+           "requests_per_s": 1.0, "longest_gap_ms": {"p50": 1.0, "p99": 2.0},
+           "continuations": counted}
+    text = format_workload({"name": "stalls", "description": "", "requests": 1,
+                            "concurrency": 1, "seed": 1, "modes": [row], "comparison": {},
+                            "targets": []})
+    assert "ended 0, refused budget 16; input tokens resent" in text
