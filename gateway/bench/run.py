@@ -60,6 +60,7 @@ from gateway.bench.procs import (
     pin_tree,
     wait_ready,
 )
+from gateway.bench.rows import CONTINUATION_MODES
 from gateway.bench.subject import (
     POOL,
     baseline_env,
@@ -70,7 +71,7 @@ from gateway.bench.subject import (
 )
 from gateway.bench.upstream import profile_to_json, request_ttft
 from gateway.bench.workloads import Workload
-from gateway.settings import BudgetSettings
+from gateway.settings import BudgetSettings, StallSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +319,9 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
         + speed.targets(workload.name, rows, comparison)
         + (share_targets(workload.name, rows, comparison) if workload.single_hedge else []),
     }
+    if any(mode in CONTINUATION_MODES for mode in modes):  # the stall delay's floor
+        result["stall_min_s"] = StallSettings().min if workload.stall_min is None \
+            else workload.stall_min
     if workload.outage_extra > 0 and "hedging-on" in rows:
         result["outage_phases"] = report.outage_phases(rows["hedging-on"], requests,
                                                        workload.outage_span)

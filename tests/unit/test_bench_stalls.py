@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from gateway.bench.load import StreamScan
-from gateway.bench.report import format_workload
+from gateway.bench.report import format_workload, stall_goals
 from gateway.bench.rows import continuations
 from gateway.bench.run import BenchPlan, plan_modes
 from gateway.bench.subject import gateway_config
@@ -102,3 +102,29 @@ def test_a_rows_refused_continuations_are_read_and_printed_by_reason() -> None:
                             "concurrency": 1, "seed": 1, "modes": [row], "comparison": {},
                             "targets": []})
     assert "ended 0, refused budget 16; input tokens resent" in text
+
+
+def _goal_row(total_p99: float, gap_p99: float, ok: int = 600) -> dict[str, Any]:
+    """A row as the bench writes it, with what the goals read (two backends' TTFT p99)."""
+    backends = {name: {"lifetime": {"ttft_ms": {"p99": p99}}}
+                for name, p99 in (("sim-a", 244.0), ("sim-b", 259.0))}
+    return {"ok": ok, "requests": 600, "total_ms": {"p99": total_p99},
+            "longest_gap_ms": {"p99": gap_p99},
+            "hedge_stats": {"pools": {"bench": {"backends": backends}}},
+            "continuations": {"input_tokens": 4131, "workload_tokens": 124273}}
+
+
+def test_the_stalls_goals_are_read_off_the_rows_each_with_its_bound() -> None:
+    """Total p99 against 1.25 x the no-faults row, the longest gap against the stall floor
+    plus the slower backend's TTFT p99, the resent input against 6 %: each says met or not."""
+    calm = _goal_row(4305.0, 97.0)
+    met = stall_goals(calm, _goal_row(4872.0, 653.0), 0.5)
+    assert met == ("complete 600/600 met; total p99 x1.132 <= 1.25 met; longest gap p99 653 "
+                   "<= stall floor 500 + TTFT p99 259 = 759 ms met; input resent 3.3 % <= "
+                   "6 % met")
+    missed = stall_goals(calm, _goal_row(5633.0, 1228.0, ok=599), 0.5)
+    assert missed is not None and missed.count("NOT MET") == 3
+    assert stall_goals(calm, {"ok": 600}, 0.5) is None  # a row without its numbers
+    paused = {**calm, "continuations": {**calm["continuations"], "stalls": 20}}
+    said = stall_goals(paused, _goal_row(4872.0, 653.0), 0.5)
+    assert said is not None and said.endswith("(no-faults row: 20 stalls, a pause of the machine)")
