@@ -147,7 +147,8 @@ class Proxy:
             end.prefix = winner = result.prefix
             rewrite = None
             if req.on_commit is not None and winner.translation is None:
-                rewrite = req.on_commit(result.winner.backend, winner.buffered)
+                rewrite = req.on_commit(result.winner.backend, winner.buffered,
+                                        req.stream or whole)
             headers = {
                 **winner.stream.headers,  # allowlisted upstream headers; ours take precedence
                 "x-request-id": req.request_id,
@@ -158,7 +159,8 @@ class Proxy:
                 headers["x-hedge-translated"] = summary.translated = winner.translation.name
             summary.status = 200
             if whole:  # read upstream as a stream so that it could be continued
-                return await self._whole_answer(pool, req, result, summary, headers, end)
+                return await self._whole_answer(pool, req, result, summary, headers, end,
+                                                rewrite)
             if not req.stream:
                 body = winner.buffered[0].data
                 if rewrite is not None:
@@ -302,19 +304,22 @@ class Proxy:
     async def _whole_answer(
         self, pool: PoolRuntime, req: LogicalRequest, result: RaceResult,
         summary: RequestSummary, headers: dict[str, str], end: RequestEnd,
+        rewrite: Rewrite | None = None,
     ) -> Answer:
         """A non-streaming request whose upstream was read as a stream: relayed (a break or
         a stall continued, as a stream's is) into memory, then answered whole in its API's
         shape (`gateway.wire.whole`); an answer that broke and was not continued is the
         route's 502 (`AnswerBroken`). The client leaving ends the relay (499). Bounded: by
-        the stream deadlines of the relay and by `MAX_WHOLE_BYTES`."""
+        the stream deadlines of the relay and by `MAX_WHOLE_BYTES`. `rewrite`: the route's
+        rewrite of the events it names (the Responses API's response id made the client's),
+        applied as the relay encodes them, so the whole answer carries it too."""
         outcome = RelayOutcome()
         timeouts = pool.settings.timeouts
         body = relay(
             result.prefix, request_id=req.request_id, idle=timeouts.idle,
             max_stream_deadline=self.clock() + timeouts.max_stream, clock=self.clock,
-            outcome=outcome, protocol=req.protocol, resume=end.continuations,
-            backend=result.winner.backend,
+            outcome=outcome, protocol=req.protocol, rewrite=rewrite,
+            resume=end.continuations, backend=result.winner.backend,
         )
         reading = asyncio.ensure_future(_read_whole(body))
         watcher = end.watcher

@@ -40,9 +40,11 @@ class LogicalRequest:
     path: str | None = None
     query: tuple[tuple[str, str], ...] = ()
     forward_headers: Mapping[str, str] = field(default_factory=dict)
-    #: called once at commit with the winner's backend and buffered events; what it returns
-    #: rewrites the named events it lists and a whole body (the Responses API's response id)
-    on_commit: Callable[[str, list[SSEEvent]], Rewrite | None] | None = None
+    #: called once at commit with the winner's backend, its buffered events and whether its
+    #: upstream answered as a stream (a streamed request, or a whole one read as a stream:
+    #: `gateway.wire.whole`); what it returns rewrites the named events it lists and a whole
+    #: body (the Responses API's response id)
+    on_commit: Callable[[str, list[SSEEvent], bool], Rewrite | None] | None = None
     #: False for a read of stored state (a stored response, its cancel): its body repeats a
     #: past generation's usage and its quick answer is no time to first token, so it counts
     #: no tokens and feeds neither the TTFT quantiles nor the hedge-delay trackers

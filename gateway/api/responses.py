@@ -102,14 +102,15 @@ def build_responses_router(
         pool = live.current.pools.get(ref.pool)
         return ref if pool is not None and ref.backend in pool.providers else None
 
-    def minting(pool: str, stream: bool, binding: bytes, previous: tuple[str, str] | None
-                ) -> Callable[[str, list[SSEEvent]], Rewrite | None]:
+    def minting(pool: str, binding: bytes, previous: tuple[str, str] | None
+                ) -> Callable[[str, list[SSEEvent], bool], Rewrite | None]:
         """At commit: the rewrite of the upstream's response id into the client's id, and of
-        the previous response's upstream id back into the one the client sent."""
-        def on_commit(backend: str, events: list[SSEEvent]) -> Rewrite:
+        the previous response's upstream id back into the one the client sent. `streamed`:
+        the upstream answered as a stream (a non-streaming request may be read as one)."""
+        def on_commit(backend: str, events: list[SSEEvent], streamed: bool) -> Rewrite:
             mint = MintFor(ids, pool, backend, binding)
             pairs = [previous] if previous is not None else []
-            upstream_id = response_id_of(events, stream=stream)
+            upstream_id = response_id_of(events, stream=streamed)
             minted = None if upstream_id is None else mint(upstream_id)
             if upstream_id is not None and minted is not None:
                 pairs.insert(0, (upstream_id, minted))
@@ -144,7 +145,7 @@ def build_responses_router(
         req = LogicalRequest(
             rid, entry.endpoint, body, stream, headers,
             protocol=entry.protocol, stateful=responses_stateful(body), pinned=pinned,
-            on_commit=minting(pool.settings.name, stream, binding, translated),
+            on_commit=minting(pool.settings.name, binding, translated),
             route=entry.path, model=logged_model, body_bytes=size,
             key=None if tenant is None else tenant.name,
             hedging=tenant is None or tenant.settings.hedging.enabled,
@@ -178,7 +179,7 @@ def build_responses_router(
             request_id_of(request), "responses/item", {}, False, headers_of(request),
             protocol=entry.protocol, single=entry.single, pinned=ref.backend, method=entry.method,
             path=f"responses/{quote(ref.upstream_id, safe='')}{suffix}", query=query,
-            on_commit=lambda _backend, _events: rewrite, metered=False, route=entry.path,
+            on_commit=lambda _backend, _events, _streamed: rewrite, metered=False, route=entry.path,
             key=None if tenant is None else tenant.name,
         )
         if tenant is not None:  # no body: no input estimate

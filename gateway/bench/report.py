@@ -181,7 +181,7 @@ def format_workload(result: Mapping[str, Any]) -> str:
                          f"{counted.get('started')}, won {counted.get('won')}, stalls "
                          f"{counted.get('stalls')}, breaks continued "
                          f"{counted.get('breaks_continued')}, ended "
-                         f"{counted.get('breaks_ended')}; input tokens resent "
+                         f"{counted.get('breaks_ended')}{_refused(counted)}; input tokens resent "
                          f"{counted.get('input_tokens')} of the workload's "
                          f"{counted.get('workload_tokens')}")
         elif gap is not None and gap["p99"] is not None and row["mode"] == "direct" \
@@ -197,6 +197,9 @@ def format_workload(result: Mapping[str, Any]) -> str:
                      f"{cont['ok']}/{cont['requests']}; extra attempts "
                      f"{_cell(cont['upstream']['extra_pct'])} % (no-faults "
                      f"{_cell(calm['upstream']['extra_pct'])} %)")
+        goals = stall_goals(calm, cont, result.get("stall_min_s"))
+        if goals is not None:
+            lines.append(f"   goals: {goals}")
     for row in result["modes"]:
         procs = row.get("processes") or {}
         ours = ", ".join(f"{name} {p['cpu_s']:.2f}" for name, p in procs.items()
@@ -301,3 +304,45 @@ def format_spread(name: str, spread: Mapping[str, Any]) -> str:
         lines.append(f"   p99 on / off  {cut['min']:.2f} / {cut['median']:.2f} / "
                      f"{cut['max']:.2f}")
     return "\n".join(lines) + "\n"
+
+
+def _refused(counted: Mapping[str, Any]) -> str:
+    """A row's refused continuations by reason (`rows.continuations`), or nothing."""
+    refused = {k.removeprefix("refused."): v for k, v in counted.items()
+               if k.startswith("refused.") and v}
+    return "" if not refused else ", refused " + ", ".join(
+        f"{reason} {n}" for reason, n in sorted(refused.items()))
+
+
+def stall_goals(calm: Mapping[str, Any], cont: Mapping[str, Any], stall_min: object
+                ) -> str | None:
+    """The `stalls` workload's goals read off its rows, each with its bound: every answer
+    complete, the continuation-on total p99 at most 1.25 x the no-faults one, its longest
+    gap p99 at most the stall delay (its floor, `stall_min`: the learnt delay of these
+    streams is under it) plus the slower backend's TTFT p99 at the gateway, and the input
+    the continuations resent at most 6 % of the workload's tokens. None without the
+    numbers (a row that failed to run)."""
+    try:
+        ratio = cont["total_ms"]["p99"] / calm["total_ms"]["p99"]
+        gap = float(cont["longest_gap_ms"]["p99"])
+        floor = 1000.0 * float(stall_min)  # type: ignore[arg-type]
+        backends = cont["hedge_stats"]["pools"]["bench"]["backends"].values()
+        ttft = max(float(b["lifetime"]["ttft_ms"]["p99"]) for b in backends)
+        counted = cont["continuations"]
+        extra = 100.0 * counted["input_tokens"] / counted["workload_tokens"]
+    except (TypeError, KeyError, ValueError, ZeroDivisionError, AttributeError):
+        return None
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT MET"
+
+    complete = cont["ok"] == cont["requests"]
+    # the no-faults simulators never stall: a stall declared there is a pause of the
+    # machine, which moved the yardstick
+    paused = (calm.get("continuations") or {}).get("stalls")
+    caveat = f" (no-faults row: {paused} stalls, a pause of the machine)" if paused else ""
+    return (f"complete {cont['ok']}/{cont['requests']} {verdict(complete)}; total p99 "
+            f"x{ratio:.3f} <= 1.25 {verdict(ratio <= 1.25)}; longest gap p99 {gap:.0f} <= "
+            f"stall floor {floor:.0f} + TTFT p99 {ttft:.0f} = {floor + ttft:.0f} ms "
+            f"{verdict(gap <= floor + ttft)}; input resent {extra:.1f} % <= 6 % "
+            f"{verdict(extra <= 6.0)}{caveat}")

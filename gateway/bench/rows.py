@@ -123,8 +123,13 @@ def continuations(stats: object, before: object, pool: str) -> dict[str, int] | 
     def read(doc: object) -> dict[str, int] | None:
         try:
             life = doc["pools"][pool]["lifetime"]  # type: ignore[index]
-            counts = {k: int(v) for k, v in life["continuations"].items()
-                      if isinstance(v, int)}
+            counted = life["continuations"]
+            counts = {k: int(v) for k, v in counted.items() if isinstance(v, int)}
+            # why a stall or a break was not continued (a stall refused waits it out)
+            refused = counted.get("refused")
+            if isinstance(refused, Mapping):
+                counts.update({f"refused.{k}": int(v) for k, v in refused.items()
+                               if isinstance(v, int)})
             # the workload's own tokens, as the winners reported them: the yardstick of
             # what the continuations resent
             counts["workload_tokens"] = int(life["tokens"]["input"]) \

@@ -60,6 +60,7 @@ from gateway.bench.procs import (
     pin_tree,
     wait_ready,
 )
+from gateway.bench.rows import CONTINUATION_MODES
 from gateway.bench.subject import (
     POOL,
     baseline_env,
@@ -70,7 +71,7 @@ from gateway.bench.subject import (
 )
 from gateway.bench.upstream import profile_to_json, request_ttft
 from gateway.bench.workloads import Workload
-from gateway.settings import BudgetSettings
+from gateway.settings import BudgetSettings, StallSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +156,8 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
                                   delay_window=workload.delay_window,
                                   max_concurrent_requests=workload.max_concurrent_requests,
                                   variant=variants.VARIANTS.get(mode),
-                                  continuation=rows.CONTINUATION_MODES.get(mode)))
+                                  continuation=rows.CONTINUATION_MODES.get(mode),
+                                  stall_min=workload.stall_min))
     server = mode if mode in ctx.plan.servers else servers.OWN
     argv, env = servers.server_command(server, path, port, workers=ctx.plan.workers)
     cwd = None
@@ -317,6 +319,9 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
         + speed.targets(workload.name, rows, comparison)
         + (share_targets(workload.name, rows, comparison) if workload.single_hedge else []),
     }
+    if any(mode in CONTINUATION_MODES for mode in modes):  # the stall delay's floor
+        result["stall_min_s"] = StallSettings().min if workload.stall_min is None \
+            else workload.stall_min
     if workload.outage_extra > 0 and "hedging-on" in rows:
         result["outage_phases"] = report.outage_phases(rows["hedging-on"], requests,
                                                        workload.outage_span)

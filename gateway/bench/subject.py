@@ -23,11 +23,13 @@ POOL = "bench"
 def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
                    delay_window: float | None = None,
                    max_concurrent_requests: int | None = None,
-                   variant: Variant | None = None, continuation: bool | None = None) -> str:
+                   variant: Variant | None = None, continuation: bool | None = None,
+                   stall_min: float | None = None) -> str:
     """The generated configuration of a gateway mode; `variant` (`bench --features`) merged
     in last: its overrides of the document and of the pool. `continuation` (the `stalls`
     workload's modes): the backends continue by prefill (the simulator continues a final
-    assistant message), and the pool's `hedging.stall` is on or off; None: the defaults."""
+    assistant message), and the pool's `hedging.stall` is on or off, its `min` `stall_min`
+    seconds when given (the workload's); None: the defaults."""
     backends = [
         {"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
          "base_url": f"http://127.0.0.1:{p}/v1", "group": f"zone-{chr(97 + k)}"}
@@ -42,7 +44,10 @@ def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
     if continuation is not None:
         for backend in backends:
             backend["continuation"] = "prefill"
-        pool["hedging"] = {**pool.get("hedging", {}), "stall": {"enabled": continuation}}
+        stall: dict[str, Any] = {"enabled": continuation}
+        if stall_min is not None:
+            stall["min"] = f"{round(stall_min * 1000)}ms"
+        pool["hedging"] = {**pool.get("hedging", {}), "stall": stall}
     config: dict[str, Any] = {"server": server, "hedging": {"enabled": hedging},
                               "pools": [pool]}
     if variant is not None:

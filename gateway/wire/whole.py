@@ -6,7 +6,10 @@ upstream with the API's own stream flag (and usage asked for), relayed as any st
 (breaks and stalls continued, the continuation's events spliced in), and the relayed events
 are assembled here into the one body the client asked for: one id, the text of every piece,
 one finish reason, the usage the stream reported (a continued answer's, as the splice counts
-it).
+it). The Responses API's stream ends with the whole response object (`response.completed`,
+or `response.incomplete` at the output limit), which is the body a non-streaming request is
+answered with; of a continued answer it is the one the splice rewrote (the relayed response
+and item ids, the whole text, the usage counted once).
 
 `whole_answer` returns None when the events are not one complete answer (an error event, no
 end event, a shape it does not know): the caller answers with an error, never a cut body.
@@ -20,14 +23,15 @@ from typing import Any
 from gateway.wire.sse import SSEEvent
 
 #: the routes (upstream endpoints) whose non-streaming requests may be read as streams
-WHOLE_ENDPOINTS = frozenset({"chat/completions", "messages"})
+WHOLE_ENDPOINTS = frozenset({"chat/completions", "messages", "responses"})
 
 
 def streamed_body(endpoint: str, body: dict[str, Any] | Any) -> dict[str, Any] | None:
     """The body a non-streaming request to `endpoint` is sent upstream as a stream, or None
     when it is not to be: another route (legacy completions, embeddings), or an answer that
     could hold what the assembler does not rebuild (several choices, log probabilities).
-    Chat also asks for usage (the whole answer carries it)."""
+    Chat also asks for usage (the whole answer carries it); the other two APIs' streams
+    always report it."""
     if endpoint not in WHOLE_ENDPOINTS:
         return None
     if endpoint == "chat/completions":
@@ -39,12 +43,15 @@ def streamed_body(endpoint: str, body: dict[str, Any] | Any) -> dict[str, Any] |
 
 
 def whole_answer(api: str, events: list[SSEEvent]) -> dict[str, Any] | None:
-    """The whole answer of `api` (`chat` or `messages`) built from its relayed stream."""
+    """The whole answer of `api` (`chat`, `messages` or `responses`) built from its relayed
+    stream."""
     try:
         if api == "chat":
             return _chat(events)
         if api == "messages":
             return _messages(events)
+        if api == "responses":
+            return _responses(events)
     except (ValueError, TypeError, KeyError, AttributeError, IndexError):
         return None  # a shape this code does not know: not an answer to send
     return None
@@ -160,6 +167,25 @@ def _messages(events: list[SSEEvent]) -> dict[str, Any] | None:
         content.append(block)
     message["content"] = content
     return message
+
+
+#: the Responses API's events that end an answer with the whole response object in them
+_RESPONSES_FINAL = frozenset({"response.completed", "response.incomplete"})
+
+
+def _responses(events: list[SSEEvent]) -> dict[str, Any] | None:
+    """The response object of the stream's end event, or None when the stream reported an
+    error (`error`, `response.failed`) or has no such end: never a response in progress."""
+    for event in events:
+        obj = json.loads(event.data)
+        kind = obj.get("type")
+        if kind in ("error", "response.failed"):
+            return None
+        if kind in _RESPONSES_FINAL:
+            response = obj["response"]
+            return response if isinstance(response, dict) \
+                and response.get("object", "response") == "response" else None
+    return None
 
 
 #: the most bytes a whole answer read as a stream may take (the bound a non-streaming body

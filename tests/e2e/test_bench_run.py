@@ -119,6 +119,33 @@ def test_a_slow_share_workload_runs_off_and_on_and_reports_the_single_hedge_boun
 
 
 @pytest.mark.timeout(120)
+def test_a_tiny_stalls_workload_runs_its_gateways_with_its_floor_and_prints_the_goals(
+        tmp_path: Path) -> None:
+    """The `stalls` workload's shape in small (streams that stall and break, the four modes,
+    a stall floor of its own): the continuation modes' gateways are started with the
+    workload's `hedging.stall.min`, the stalls are continued, and the printed table ends with
+    the goals read off the rows."""
+    from gateway.bench.report import format_workload
+
+    stalls = Workload(
+        "tiny-stalls", "streams that stall and break, in small",
+        SimProfile(ttft_median=0.01, ttft_sigma=0.0, straggler_probability=0.0, tokens=20,
+                   inter_token=0.005, usage=False, stall_probability=0.3, stall_length=2.0,
+                   break_probability=0.1),
+        requests=20, concurrency=4, quick_requests=20,
+        modes=("direct", "no-faults", "continuation-off", "continuation-on"), stall_min=0.2)
+    report = bench.run_bench(bench.BenchPlan(workloads=(stalls,), seed=3))
+    (workload,) = report["workloads"]
+    assert [row["mode"] for row in workload["modes"]] == list(stalls.modes or ())
+    assert workload["stall_min_s"] == 0.2
+    by_mode = {row["mode"]: row for row in workload["modes"]}
+    assert by_mode["continuation-on"]["continuations"]["started"] >= 1
+    assert by_mode["continuation-off"]["continuations"]["started"] == 0
+    goals = [line for line in format_workload(workload).splitlines() if "goals:" in line]
+    assert len(goals) == 1 and "stall floor 200 +" in goals[0]
+
+
+@pytest.mark.timeout(120)
 def test_tiny_soak_runs_both_gateways_through_the_faults(tmp_path: Path) -> None:
     """A few seconds of the soak: every child really starts, sim-a is really killed and
     restarted, and every request is accounted as ok or an explicit error (none silent, none

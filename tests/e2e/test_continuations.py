@@ -258,26 +258,45 @@ def test_a_tool_call_broken_mid_arguments_is_not_continued(
 
 
 CONTINUED_ENDPOINTS = frozenset({"chat/completions", "messages"})
-STREAMED_ROUTES = [pytest.param(r, id=f"{r.method} {r.path}")
-                   for r in INFERENCE_ROUTES if r.streams and not r.stored]
+#: what each route's request adds to its smallest body in the stall x API matrices: nothing,
+#: and for the Responses API also `store: false` (a request that stores its response is not
+#: continued; one that does not is)
+VARIANTS: dict[str, tuple[dict[str, Any], ...]] = {"responses": ({}, {"store": False})}
+#: the route table's routes that generate answers (they stream), with each variant's body
+MATRIX = [pytest.param(r, extra, id=" ".join([r.method, r.path,
+                                              *(f"{k}={v}" for k, v in extra.items())]))
+          for r in INFERENCE_ROUTES if r.streams and not r.stored
+          for extra in VARIANTS.get(r.endpoint, ({},))]
 
 
-@pytest.mark.parametrize("route", STREAMED_ROUTES)
-def test_every_streamed_route_continues_or_says_it_was_cut(
-        asgi_server: AsgiServerFactory, route: InferenceRoute) -> None:
-    """The route table, streamed, each stream reset after 4 tokens: chat and Messages read
-    as the whole answer ending once; every other route (legacy completions; the Responses
-    API's smallest body, which stores its response) ends with its in-band error after the 4
-    tokens, never cleanly."""
-    _, gw = gateway(asgi_server, "reset", faults={"x-sim-break-at": "4"})
-    body = smallest_body(route, POOL, stream=True)
+def continues(route: InferenceRoute, extra: dict[str, Any]) -> bool:
+    """Whether a break of `route`'s answer with `extra` in its body is continued."""
+    return route.endpoint in CONTINUED_ENDPOINTS or (route.endpoint == "responses"
+                                                      and extra.get("store") is False)
+
+
+def matrix_body(route: InferenceRoute, extra: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """The smallest body of `route` with `extra`, long enough for every token."""
+    body = smallest_body(route, POOL, stream=stream)
     assert body is not None
     if "max_tokens" in body:
         body["max_tokens"] = 100
-    raw = httpx.post(gw.url(route.path), json=body, timeout=10.0).text
+    return {**body, **extra}
+
+
+@pytest.mark.parametrize("route,extra", MATRIX)
+def test_every_streamed_route_continues_or_says_it_was_cut(
+        asgi_server: AsgiServerFactory, route: InferenceRoute, extra: dict[str, Any]) -> None:
+    """The route table, streamed, each stream reset after 4 tokens: chat, Messages and the
+    Responses API with `store: false` read as the whole answer ending once; every other
+    route (legacy completions; the Responses API's smallest body, which stores its
+    response) ends with its in-band error after the 4 tokens, never cleanly."""
+    _, gw = gateway(asgi_server, "reset", faults={"x-sim-break-at": "4"})
+    raw = httpx.post(gw.url(route.path), json=matrix_body(route, extra, True),
+                     timeout=10.0).text
     tokens = re.findall(r"tok\d+ ", raw.split("response.output_text.done")[0])
     end = STREAM_ENDS[route.endpoint]
-    if route.endpoint in CONTINUED_ENDPOINTS:
+    if continues(route, extra):
         assert tokens == [f"tok{i} " for i in range(TOKENS)]
         assert raw.count(end) == 1
     else:

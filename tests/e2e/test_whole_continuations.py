@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from typing import Any
 
 import anthropic
@@ -16,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.api.inference import InferenceRoute
+from gateway.api.stored import PREFIX as RESPONSE_ID_PREFIX
 from gateway.app import create_app
 from gateway.settings import (
     BackendSettings,
@@ -29,15 +32,20 @@ from gateway.stats.requestlog import LOGGER_NAME
 from providers.sim.server import create_sim_app
 from tests.e2e.test_continuations import (
     KINDS,
+    MATRIX,
     POOL,
     PRICES,
     PROFILE,
     QUESTION,
+    STALLED_BODIES,
     TOKENS,
     WHOLE,
+    continues,
     gateway,
+    matrix_body,
     stats,
 )
+from tests.e2e.test_route_matrix import WHOLE_ANSWERS
 from tests.harness import AsgiServerFactory
 from tests.harness.asgi import with_request_headers
 from tests.harness.limits_kit import wait_for
@@ -93,6 +101,51 @@ def test_a_whole_messages_answer_broken_after_ten_tokens_is_continued(
     assert counted["started"] == 1 and counted["breaks_continued"] == 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_whole_responses_answer_broken_after_ten_tokens_is_continued(
+        asgi_server: AsgiServerFactory, kind: str) -> None:
+    """`client.responses.create` without `stream` (`store: false`: nothing stored to fork):
+    one response, completed, whose one message item holds the first ten tokens and then the
+    continuation's in one text part; the id is the gateway's (minted for the client, not the
+    upstream's); the usage counts every output token once; the break was continued."""
+    _, gw = gateway(asgi_server, kind)
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        response = client.responses.create(model=POOL, input="hello there", store=False)
+    assert response.object == "response" and response.status == "completed"
+    assert response.id.startswith(RESPONSE_ID_PREFIX) and not response.id.startswith("resp_sim_")
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant"
+    assert [part.type for part in item.content] == ["output_text"]
+    assert response.output_text == WHOLE
+    usage = response.usage
+    assert usage is not None and usage.output_tokens == TOKENS and usage.input_tokens > 0
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    counted = continued(gw)
+    assert counted["started"] == 1 and counted["won"] == 1
+    assert counted["breaks_continued"] == 1 and counted["breaks_ended"] == 0
+
+
+@pytest.mark.parametrize("route,extra", MATRIX)
+def test_every_route_answered_whole_continues_or_is_answered_whole_upstream(
+        asgi_server: AsgiServerFactory, route: InferenceRoute, extra: dict[str, Any]) -> None:
+    """The route table, not streamed, each upstream stream reset after 4 tokens: chat,
+    Messages and the Responses API with `store: false` are read upstream as a stream and
+    continued (one continuation, the break continued); the others (legacy completions, a
+    Responses request that stores its response) are read as one body, which the
+    simulator's faults never cut. Either way the client reads every token once, in its
+    route's whole answer."""
+    _, gw = gateway(asgi_server, "reset", faults={"x-sim-break-at": "4"})
+    answer = httpx.post(gw.url(route.path), json=matrix_body(route, extra, False),
+                        timeout=10.0)
+    assert answer.status_code == 200, answer.text
+    field, value = WHOLE_ANSWERS[(route.endpoint, "")]
+    assert answer.json()[field] == value
+    assert re.findall(r"tok\d+ ", answer.text) == [f"tok{i} " for i in range(TOKENS)]
+    counted = continued(gw)
+    assert counted["breaks_continued"] == counted["started"] == int(continues(route, extra))
+    assert counted["breaks_ended"] == 0
+
+
 def _without_ids(answer: dict[str, Any]) -> dict[str, Any]:
     """An answer less what differs between any two requests (its id, its timestamp)."""
     return {k: v for k, v in answer.items() if k not in ("id", "created")}
@@ -102,18 +155,29 @@ def test_an_unbroken_whole_answer_is_the_same_read_as_a_stream_or_as_a_body(
         asgi_server: AsgiServerFactory) -> None:
     """What the client reads for an unbroken request is the same answer, field for field,
     whether the gateway read it upstream as a stream (continuations on) or as a body
-    (continuations off): chat and Messages."""
-    answers: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    (continuations off): chat, Messages and the Responses API."""
+    answers: list[tuple[dict[str, Any], ...]] = []
     for stall in (StallSettings(), StallSettings(enabled=False)):
         _, gw = gateway(asgi_server, "reset", stall=stall, faults=NO_FAULT)
         with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
             chat = client.chat.completions.create(model=POOL, messages=QUESTION)
+            response = client.responses.create(model=POOL, input="hello there", store=False)
         with anthropic.Anthropic(base_url=gw.base_url, api_key="x", max_retries=0) as anth:
             message = anth.messages.create(model=POOL, max_tokens=100, messages=QUESTION)
-        answers.append((_without_ids(chat.model_dump()), _without_ids(message.model_dump())))
+        answers.append((_without_ids(chat.model_dump()), _without_ids(message.model_dump()),
+                        _response_without_ids(response.model_dump())))
     streamed, whole = answers
     assert streamed == whole
     assert streamed[0]["choices"][0]["message"]["content"] == WHOLE
+    assert streamed[2]["output"][0]["content"][0]["text"] == WHOLE
+
+
+def _response_without_ids(answer: dict[str, Any]) -> dict[str, Any]:
+    """A response less what differs between any two requests (its id, its time, its output
+    items' ids)."""
+    out = {k: v for k, v in answer.items() if k not in ("id", "created_at")}
+    out["output"] = [{k: v for k, v in item.items() if k != "id"} for item in out["output"]]
+    return out
 
 
 def test_a_whole_answer_that_breaks_and_cannot_be_continued_is_a_502(
@@ -190,6 +254,21 @@ def test_a_whole_answer_stalled_after_ten_tokens_is_raced_by_a_continuation(
     closed = [httpx.get(sim.url("/sim/stats"), timeout=5.0).json()["streams_closed_early"]
               for sim in sims]
     assert sorted(closed) == [0, 1]
+
+
+@pytest.mark.parametrize("path,body", STALLED_BODIES)
+def test_a_whole_answers_stall_is_raced_on_every_api(
+        asgi_server: AsgiServerFactory, path: str, body: dict[str, Any]) -> None:
+    """The stall race on each API, not streamed (the Responses API with `store: false`):
+    the whole answer holds every token once and in order, long before the 30 s stall
+    would have ended (the client's timeout is 10 s); the stall was raced and won."""
+    _, gw = gateway(asgi_server, "", stall=StallSettings(min=0.2, max=1.0),
+                    faults={"x-sim-stall-at": "10", "x-sim-stall-ms": "30000"})
+    answer = httpx.post(gw.url(path), json={"model": POOL, **body}, timeout=10.0)
+    assert answer.status_code == 200, answer.text
+    assert re.findall(r"tok\d+ ", answer.text) == [f"tok{i} " for i in range(TOKENS)]
+    counted = continued(gw)
+    assert (counted["stalls"], counted["won"]) == (1, 1)
 
 
 def test_a_client_that_leaves_a_whole_answer_being_relayed_ends_it(

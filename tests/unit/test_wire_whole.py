@@ -104,5 +104,54 @@ def test_what_is_read_as_a_stream() -> None:
     assert streamed_body("messages", body) == {**body, "stream": True}
     assert streamed_body("chat/completions", {**body, "n": 2}) is None
     assert streamed_body("chat/completions", {**body, "logprobs": True}) is None
-    for other in ("responses", "completions", "embeddings"):
+    assert streamed_body("responses", {"model": "m", "input": "hi"}) == {
+        "model": "m", "input": "hi", "stream": True}
+    for other in ("completions", "embeddings"):
         assert streamed_body(other, body) is None
+
+
+RESPONSE = {"id": "resp_1", "object": "response", "created_at": 7, "status": "completed",
+            "model": "m", "output": [{"id": "msg_1", "type": "message", "role": "assistant",
+                                      "status": "completed", "content": [
+                                          {"type": "output_text", "text": "a b",
+                                           "annotations": []}]}],
+            "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}}
+
+
+def responses_stream(end: str = "response.completed") -> list[SSEEvent]:
+    """A Responses stream of "a b", ending with `end` and the whole response."""
+    open_response = {**RESPONSE, "status": "in_progress", "output": [], "usage": None}
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "in_progress",
+            "content": []}
+    return [named({"type": "response.created", "response": open_response}),
+            named({"type": "response.in_progress", "response": open_response}),
+            named({"type": "response.output_item.added", "output_index": 0, "item": item}),
+            named({"type": "response.content_part.added", "item_id": "msg_1",
+                   "output_index": 0, "content_index": 0,
+                   "part": {"type": "output_text", "text": "", "annotations": []}}),
+            named({"type": "response.output_text.delta", "item_id": "msg_1",
+                   "output_index": 0, "content_index": 0, "delta": "a "}),
+            named({"type": "response.output_text.delta", "item_id": "msg_1",
+                   "output_index": 0, "content_index": 0, "delta": "b"}),
+            named({"type": "response.output_text.done", "item_id": "msg_1",
+                   "output_index": 0, "content_index": 0, "text": "a b"}),
+            named({"type": end, "response": {
+                **RESPONSE, "status": end.removeprefix("response.")}})]
+
+
+def test_a_responses_stream_becomes_the_response_it_ends_with() -> None:
+    """The Responses API's end event holds the whole response: that is the answer, at its
+    output limit (`incomplete`) too."""
+    assert whole_answer("responses", responses_stream()) == RESPONSE
+    incomplete = whole_answer("responses", responses_stream("response.incomplete"))
+    assert incomplete == {**RESPONSE, "status": "incomplete"}
+
+
+def test_a_responses_stream_that_failed_or_has_no_end_is_no_answer() -> None:
+    events = responses_stream()
+    assert whole_answer("responses", events[:-1]) is None
+    assert whole_answer("responses", responses_stream("response.failed")) is None
+    error = named({"type": "error", "code": "server_error", "message": "x"})
+    assert whole_answer("responses", [*events[:5], error, events[-1]]) is None
+    assert whole_answer("responses", [*events[:-1], named(
+        {"type": "response.completed", "response": ["not", "a", "response"]})]) is None
