@@ -11,6 +11,12 @@ held to; while a key has a budget, the spend is also read at every poll, so anot
 batch is seen within a poll of its writing. All run in worker threads: the event loop never
 waits on the file.
 
+Where the keys' per-minute limits are shared with other processes (`TenantGate.leasing`: a
+PostgreSQL store, or the workers of one `serve` on one file), `lease_forever` settles every
+key's slices (`gateway.tenants.lease`) in one transaction per round: every `LEASE_INTERVAL`,
+and at once when a request took a slice below its low mark or borrowed (`TenantGate.wake`),
+so a slice is refilled before it runs out and no request waits on the store.
+
 A store that cannot be read keeps the keys last read (a revocation waits for it) and is
 logged once per failure streak; a batch that cannot be written is kept and added to the next
 (bounded: four counters per key). At shutdown the last batch is written.
@@ -19,6 +25,7 @@ logged once per failure streak; a batch that cannot be written is kept and added
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -39,6 +46,9 @@ if TYPE_CHECKING:
 POLL_INTERVAL = 0.5
 #: how often usage is written (seconds): a killed process loses at most this much of it
 FLUSH_INTERVAL = 1.0
+#: how often the slices of the shared limits are settled when no request asks sooner (seconds):
+#: idle slices go back, debts are paid
+LEASE_INTERVAL = 0.25
 LOGGER = logging.getLogger("hedge_gateway.store")
 
 
@@ -59,6 +69,9 @@ class TenantSync:
         #: one flush at a time (the loop's, an admin's usage read, the last at shutdown):
         #: a batch taken while another is being written would otherwise race its outcome
         self._flushing = asyncio.Lock()
+        #: a round of leases is wanted now (`TenantGate.wake`)
+        self._lease_wanted = asyncio.Event()
+        gate.wake = self._lease_wanted.set
 
     async def start(self) -> None:
         """Open the store and load its keys and their spend (before the gateway serves)."""
@@ -79,9 +92,9 @@ class TenantSync:
                 for name in bad:
                     LOGGER.error("store key %r is not a valid key; skipped", name)
                 if self.workers > 1:
-                    keys = [dataclasses.replace(key, limits=worker_limits(key.limits,
-                                                                          self.workers))
-                            for key in keys]
+                    leased = self.gate.leasing is not None
+                    keys = [dataclasses.replace(key, limits=worker_limits(
+                        key.limits, self.workers, leased=leased)) for key in keys]
                 for name in self.gate.adopt_stored(keys):
                     LOGGER.warning("store key %r is also in the configuration's keys: the "
                                    "configuration's is used", name)
@@ -145,6 +158,42 @@ class TenantSync:
             elif self.gate.budgeted():
                 await self.read_spend()
 
+    async def lease_forever(self) -> None:
+        """Settle the keys' slices until cancelled: at once when asked, else every
+        `LEASE_INTERVAL`."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lease_wanted.wait(), LEASE_INTERVAL)
+            self._lease_wanted.clear()
+            await self.lease_round()
+
+    async def lease_round(self) -> None:
+        """One batch: every slice that owes, holds too much or wants more, settled in one
+        transaction; on failure each gets back what it sent (`Slice.failed`) and, under
+        `server.store_down: open`, the processes hold the whole limits until the store
+        answers again."""
+        store, leasing = self.store, self.gate.leasing
+        if store is None or leasing is None:
+            return
+        now = self.gate.clock()
+        pairs = [pair for tenant in self.gate.tenants.by_digest.values()
+                 if tenant.limits is not None and tenant.limits.lease is not None
+                 for pair in tenant.limits.lease.asks(now)]
+        if not pairs:
+            return
+        asks = [ask for _, ask in pairs]
+        try:
+            grants = await asyncio.to_thread(store.lease, asks)
+        except (sqlite3.Error, OSError) as exc:
+            for piece, ask in pairs:
+                piece.failed(ask)
+            self._failed("lease from", exc)
+            return
+        now = self.gate.clock()
+        for (piece, _), grant in zip(pairs, grants, strict=True):
+            piece.settled(grant, now)
+        self._recovered()
+
     async def stop(self) -> None:
         """The last batch, then the file closed."""
         await self.flush()
@@ -154,6 +203,8 @@ class TenantSync:
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.gate.store_down = True
+        if self.gate.leasing is not None:
+            self.gate.leasing.up = False
         if not self._failing:
             LOGGER.error("tenant store %s: cannot %s it (%s); keys stay as last read, usage "
                          "is kept for the next batch", self.path, what, type(exc).__name__)
@@ -161,6 +212,8 @@ class TenantSync:
 
     def _recovered(self) -> None:
         self.gate.store_down = False
+        if self.gate.leasing is not None:
+            self.gate.leasing.up = True
         if self._failing:
             LOGGER.warning("tenant store %s: working again", self.path)
         self._failing = False

@@ -33,6 +33,7 @@ from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
 from gateway.stats import RequestSummary
 from gateway.tenants.headers import ratelimit_headers
+from gateway.tenants.lease import Leasing
 from gateway.tenants.limits import Refusal
 from gateway.tenants.registry import Tenant, Tenants
 from gateway.tenants.spend import MICRO, PeriodSpend, over_budget
@@ -60,13 +61,18 @@ class TenantGate:
     (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
     seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
 
-    __slots__ = ("clock", "configured", "fail_closed", "required", "ring", "sending", "spent",
-                 "store_down", "stored", "tenants", "unread", "usage", "wall")
+    __slots__ = ("clock", "configured", "fail_closed", "leasing", "required", "ring", "sending",
+                 "spent", "store_down", "stored", "tenants", "unread", "usage", "wake", "wall")
 
     def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
                  wall: Callable[[], float] = time.time, *, required: bool = False,
-                 fail_closed: bool = False) -> None:
+                 fail_closed: bool = False, leasing: Leasing | None = None) -> None:
         self.ring = ring
+        #: the keys' per-minute limits are shared with other processes through the store
+        #: (`gateway.tenants.lease`); None: each process holds them whole
+        self.leasing = leasing
+        #: asks for a round of leases now (`TenantSync` sets it): a key's slice ran low
+        self.wake: Callable[[], None] = _nothing
         #: `server.store_down: closed`: while the store cannot be read (`store_down`, set by
         #: `TenantSync`), a named key's request is refused with 503
         self.fail_closed = fail_closed
@@ -79,7 +85,7 @@ class TenantGate:
         #: the file's `keys:` and the store's keys made at run time (`TenantSync`)
         self.configured: tuple[TenantKeySettings, ...] = tuple(keys)
         self.stored: tuple[TenantKeySettings, ...] = ()
-        self.tenants = Tenants(self.configured, clock())
+        self.tenants = Tenants(self.configured, clock(), leasing=leasing)
         #: each named key's usage since the last batch went to the store: [requests, input
         #: tokens, output tokens, spend in micro-dollars], one entry per key (bounded by the
         #: keys)
@@ -121,7 +127,8 @@ class TenantGate:
         return clashing
 
     def _rebuild(self) -> None:
-        self.tenants = Tenants(self.configured + self.stored, self.clock(), self.tenants)
+        self.tenants = Tenants(self.configured + self.stored, self.clock(), self.tenants,
+                               self.leasing)
 
     def take_usage(self) -> dict[str, list[int]]:
         """The usage counted since the last call, handed over whole (to be written); it
@@ -221,6 +228,8 @@ class TenantGate:
                                                     wall=self.wall())
                 raise refused
             headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall())
+            if limits.lease is not None and limits.lease.wanted:
+                self.wake()  # prefetch: the next request must not find the slice empty
         state = request.scope.setdefault("state", {})
         settled = False
 
@@ -245,6 +254,8 @@ class TenantGate:
                 counts[3] += round(cost * MICRO)
             if limits is not None:
                 limits.settle(self.clock(), estimated, input_tokens, output_tokens)
+                if limits.lease is not None and limits.lease.wanted:
+                    self.wake()
 
         try:  # no await between the admission and here: the slot cannot leak
             response = await handle()  # the answer, errors included (`gateway.api.answer`)
@@ -262,6 +273,10 @@ class TenantGate:
         if headers is not None:
             answer_headers(response.raw_headers, headers)
         return Settled(response, settle)
+
+
+def _nothing() -> None:
+    """No round of leases to ask for (no store shares the limits)."""
 
 
 def sent_upstream(summary: object) -> bool:

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import replace
 
 from gateway.settings import Settings
-from gateway.settings.tenants import TenantLimits
+from gateway.settings.tenants import TenantLimits, shares_limits
 
 #: a worker that dies is replaced at once, but at most this many times per `RESTART_WINDOW`
 #: across the server: a worker that cannot stay up (a crash at start, a bad host) must not
@@ -51,20 +51,25 @@ def worker_settings(settings: Settings, workers: int) -> Settings:
             burst_input_tokens=math.ceil(pool.hedging.budget.burst_input_tokens / workers))))
         for pool in settings.pools
     )
+    leased = shares_limits(settings.server.store)
     return replace(settings, pools=pools, keys=tuple(
-        replace(key, limits=worker_limits(key.limits, workers)) for key in settings.keys))
+        replace(key, limits=worker_limits(key.limits, workers, leased=leased))
+        for key in settings.keys))
 
 
-def worker_limits(limits: TenantLimits, workers: int) -> TenantLimits:
+def worker_limits(limits: TenantLimits, workers: int, *, leased: bool = False) -> TenantLimits:
     """One worker's share of a client key's limits: each `ceil(limit / workers)`. Each
     worker keeps the key's buckets in its own memory (no round trip on the request path), so
     the server admits at most the configured limit plus less than one per worker from rounding
-    up; a client whose connections land unevenly on the workers is refused somewhat earlier
-    than the limit (docs/tenants.md)."""
+    up. `leased`: the per-minute limits are held whole, the workers leasing slices of them
+    from the store (`gateway.tenants.lease`), so a client whose connections all land on one
+    worker still has the whole limit; only the count in flight is split (docs/tenants.md)."""
 
     def share(limit: int | None) -> int | None:
         return None if limit is None else math.ceil(limit / workers)
 
+    if leased:
+        return replace(limits, in_flight=share(limits.in_flight))
     return TenantLimits(share(limits.requests_per_minute), share(limits.input_tokens_per_minute),
                         share(limits.output_tokens_per_minute), share(limits.in_flight))
 

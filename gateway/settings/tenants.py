@@ -41,6 +41,13 @@ def _pool_names(value: object) -> tuple[str, ...]:
 pool_names = cv.Parser(_pool_names, {"type": "array", "items": {"type": "string"}})
 
 
+def shares_limits(store: str | None) -> bool:
+    """Whether processes share each key's per-minute limits through the store (leases,
+    `gateway.tenants.lease`): replicas (and their workers) on a PostgreSQL store. On a file,
+    the workers of one `serve` split each limit (`gateway.server.workers.worker_limits`)."""
+    return store is not None and store.startswith(("postgresql://", "postgres://"))
+
+
 def _store_url(value: object) -> str:
     """Where keys made at run time and usage live: `sqlite:///absolute/path`, or a PostgreSQL
     server shared by replicas (`postgresql://user@host:port/db`). Redis is not a store in this
