@@ -8,7 +8,7 @@ postgresql://...`), a throwaway cluster (`tests.harness.postgres`):
   spread over them until every one refuses admits what one bucket would (within 5 %), not
   three times that;
 - the store stopped mid-load, `server.store_down: open`: the replicas keep serving the keys
-  they last read, keep the usage, and write it once the store is back, so no spend is lost;
+  they last read (a key's limit: each replica's whole limit, until the store is back), keep the usage, and write it once the store is back, so no spend is lost;
   `closed`: a named key's request gets 503 in the route's own shape (OpenAI's, Anthropic's)
   with a retry after a second, until the store answers again.
 """
@@ -190,6 +190,27 @@ def test_three_replicas_hold_one_output_tokens_per_minute_limit_within_five_perc
     tokens = admitted * 4
     one_bucket = 400 + 400 / 60 * took
     assert 400 * 0.95 <= tokens <= one_bucket * 1.05 + REPLICAS * 4, (tokens, took)
+
+
+@pytest.mark.timeout(180)
+def test_a_held_limit_fails_open_to_each_replicas_whole_limit_while_the_store_is_down(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    """30 requests a minute, drained by the three together; the store stopped
+    (`store_down: open`): once a replica's round has failed, it admits from its own whole
+    bucket again (it had taken about a third of it), so the key is served, not refused for
+    want of a slice; back on the store, the slices again."""
+    made = keys_command(cluster, "create", "team-a", "--requests-per-minute", "30")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster) as roots:
+        admitted, took = drain_round_robin(roots, secret, "requests")
+        assert admitted <= (30 + 30 / 60 * took) * 1.05, (admitted, took)
+        cluster.stop()
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica admits from its own bucket while the store is down")
+        cluster.start()
+        eventually(lambda: all(chat_status(root, secret) == 429 for root in roots),
+                   "once the store is back, the shared bucket (drained) refuses again")
 
 
 @pytest.mark.timeout(180)
