@@ -8,7 +8,8 @@ postgresql://...`), a throwaway cluster (`tests.harness.postgres`):
   spread over them until every one refuses admits what one bucket would (within 5 %), not
   three times that;
 - the store stopped mid-load, `server.store_down: open`: the replicas keep serving the keys
-  they last read (a key's limit: each replica's whole limit, until the store is back), keep the usage, and write it once the store is back, so no spend is lost;
+  they last read (a key's limit: each replica's whole limit, until the store is back), keep
+  the usage, and write it once the store is back, so no spend is lost;
   `closed`: a named key's request gets 503 in the route's own shape (OpenAI's, Anthropic's)
   with a retry after a second, until the store answers again.
 """
