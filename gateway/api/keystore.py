@@ -49,6 +49,9 @@ FLUSH_INTERVAL = 1.0
 #: how often the slices of the shared limits are settled when no request asks sooner (seconds):
 #: idle slices go back, debts are paid
 LEASE_INTERVAL = 0.25
+#: rounds asked for by requests are at least this far apart (seconds): a flood of requests
+#: makes a round each this often, not a transaction each
+LEASE_GAP = 0.02
 LOGGER = logging.getLogger("hedge_gateway.store")
 
 
@@ -166,6 +169,7 @@ class TenantSync:
                 await asyncio.wait_for(self._lease_wanted.wait(), LEASE_INTERVAL)
             self._lease_wanted.clear()
             await self.lease_round()
+            await asyncio.sleep(LEASE_GAP)
 
     async def lease_round(self) -> None:
         """One batch: every slice that owes, holds too much or wants more, settled in one
