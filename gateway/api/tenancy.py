@@ -61,8 +61,9 @@ class TenantGate:
     (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
     seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
 
-    __slots__ = ("clock", "configured", "fail_closed", "leasing", "required", "ring", "sending",
-                 "spent", "store_down", "stored", "tenants", "unread", "usage", "wake", "wall")
+    __slots__ = ("budgets", "clock", "configured", "fail_closed", "leasing", "required", "ring",
+                 "sending", "spent", "store_down", "stored", "tenants", "unread", "usage", "wake",
+                 "wall")
 
     def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
                  wall: Callable[[], float] = time.time, *, required: bool = False,
@@ -86,6 +87,8 @@ class TenantGate:
         self.configured: tuple[TenantKeySettings, ...] = tuple(keys)
         self.stored: tuple[TenantKeySettings, ...] = ()
         self.tenants = Tenants(self.configured, clock(), leasing=leasing)
+        #: whether any key in force has a budget (`budgeted`), found once per change of keys
+        self.budgets = _any_budget(self.tenants)
         #: each named key's usage since the last batch went to the store: [requests, input
         #: tokens, output tokens, spend in micro-dollars], one entry per key (bounded by the
         #: keys)
@@ -129,6 +132,7 @@ class TenantGate:
     def _rebuild(self) -> None:
         self.tenants = Tenants(self.configured + self.stored, self.clock(), self.tenants,
                                self.leasing)
+        self.budgets = _any_budget(self.tenants)
 
     def take_usage(self) -> dict[str, list[int]]:
         """The usage counted since the last call, handed over whole (to be written); it
@@ -173,8 +177,9 @@ class TenantGate:
                     kept[index] += count
 
     def budgeted(self) -> bool:
-        """Whether any key in force has a budget (its spend is then read at every poll)."""
-        return any(t.settings.budget.usd is not None for t in self.tenants.by_digest.values())
+        """Whether any key in force has a budget (its spend is then read at every poll):
+        known since the keys last changed, not looked for among them at every poll."""
+        return self.budgets
 
     def check_budget(self, tenant: Tenant) -> None:
         """`BudgetExceeded` for a key that has spent its budget of the period: the store's
@@ -273,6 +278,11 @@ class TenantGate:
         if headers is not None:
             answer_headers(response.raw_headers, headers)
         return Settled(response, settle)
+
+
+def _any_budget(tenants: Tenants) -> bool:
+    """Whether any of `tenants` has a budget."""
+    return any(t.settings.budget.usd is not None for t in tenants.by_digest.values())
 
 
 def _nothing() -> None:
