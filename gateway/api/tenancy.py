@@ -32,7 +32,7 @@ from gateway.hedge.deadline import OBJECTIVE_HEADER, KeyShare, header_objective,
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
 from gateway.stats import RequestSummary
-from gateway.tenants.headers import ratelimit_headers
+from gateway.tenants.headers import Instants, ratelimit_headers
 from gateway.tenants.lease import Leasing
 from gateway.tenants.limits import Refusal
 from gateway.tenants.registry import Tenant, Tenants
@@ -61,9 +61,9 @@ class TenantGate:
     (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
     seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
 
-    __slots__ = ("budgets", "clock", "configured", "fail_closed", "leasing", "required", "ring",
-                 "sending", "spent", "store_down", "stored", "tenants", "unread", "usage", "wake",
-                 "wall")
+    __slots__ = ("budgets", "clock", "configured", "fail_closed", "instants", "leasing",
+                 "required", "ring", "sending", "spent", "store_down", "stored", "tenants",
+                 "unread", "usage", "wake", "wall")
 
     def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
                  wall: Callable[[], float] = time.time, *, required: bool = False,
@@ -72,6 +72,8 @@ class TenantGate:
         #: the keys' per-minute limits are shared with other processes through the store
         #: (`gateway.tenants.lease`); None: each process holds them whole
         self.leasing = leasing
+        #: Anthropic's reset instants written this second (`ratelimit_headers`)
+        self.instants = Instants()
         #: asks for a round of leases now (`TenantSync` sets it): a key's slice ran low
         self.wake: Callable[[], None] = _nothing
         #: `server.store_down: closed`: while the store cannot be read (`store_down`, set by
@@ -230,9 +232,10 @@ class TenantGate:
             if isinstance(verdict, Refusal):
                 refused = KeyRateLimited(tenant.name, verdict.kind, verdict.retry_after)
                 refused.headers = ratelimit_headers(verdict.quotas, anthropic=anthropic,
-                                                    wall=self.wall())
+                                                    wall=self.wall(), instants=self.instants)
                 raise refused
-            headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall())
+            headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall(),
+                                        instants=self.instants)
             if limits.lease is not None and limits.lease.wanted:
                 self.wake()  # prefetch: the next request must not find the slice empty
         state = request.scope.setdefault("state", {})
@@ -272,7 +275,7 @@ class TenantGate:
             if limits is not None:
                 limits.refund(self.clock(), estimated)
                 headers = ratelimit_headers(limits.quotas(), anthropic=anthropic,
-                                            wall=self.wall())
+                                            wall=self.wall(), instants=self.instants)
                 answer_headers(response.raw_headers, headers)
             return response
         if headers is not None:

@@ -42,9 +42,10 @@ IN_FLIGHT_RETRY = 1.0
 class Bucket:
     """A bucket of `capacity` refilled at `capacity / 60` a second; starts full."""
 
-    __slots__ = ("at", "capacity", "level", "rate")
+    __slots__ = ("at", "capacity", "level", "limit", "rate")
 
     def __init__(self, capacity: int, now: float) -> None:
+        self.limit = capacity
         self.capacity = float(capacity)
         self.rate = capacity / PERIOD
         self.level = float(capacity)
@@ -54,18 +55,6 @@ class Bucket:
         if now > self.at:
             self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
             self.at = now
-
-    def wait_for(self, amount: float) -> float:
-        """Seconds until `amount` can be taken (an amount past the capacity: until full)."""
-        needed = min(amount, self.capacity) - self.level
-        return 0.0 if needed <= 0 else needed / self.rate
-
-    def reset_in(self) -> float:
-        """Seconds until the bucket is full again."""
-        return max(0.0, (self.capacity - self.level) / self.rate)
-
-    def remaining(self) -> int:
-        return max(0, math.floor(self.level))
 
 
 class Quota(NamedTuple):
@@ -118,11 +107,20 @@ class KeyLimits:
         or the refusal that takes nothing. Every limit is checked before any is taken."""
         longest = 0.0
         why: Kind = "requests"
+        requests, output = self.requests, self.output
         for kind, bucket in self.buckets:
-            bucket.refill(now)
-            wait = bucket.wait_for(self._takes(bucket, input_tokens))
-            if wait > longest:
-                longest, why = wait, kind
+            # `Bucket.refill` and `_takes` written out, then the wait until the bucket holds
+            # the need (past its capacity: until it is full): every request of a key with
+            # limits runs this, and a method call is a Python frame each
+            if now > bucket.at:
+                level = bucket.level + (now - bucket.at) * bucket.rate
+                bucket.level = level if level < bucket.capacity else bucket.capacity
+                bucket.at = now
+            need = 1.0 if bucket is requests else 1e-9 if bucket is output \
+                else float(input_tokens)
+            missing = (need if need < bucket.capacity else bucket.capacity) - bucket.level
+            if missing > 0 and missing / bucket.rate > longest:
+                longest, why = missing / bucket.rate, kind
         lease = self.lease
         if lease is not None and lease.leasing.up:
             shared = lease.refusal(now, input_tokens)
@@ -133,9 +131,10 @@ class KeyLimits:
             longest, why = IN_FLIGHT_RETRY, "in_flight"
         if longest > 0:  # the request passes only once every limit lets it
             return Refusal(why, longest, self.quotas())
-        for _, bucket in self.buckets:
-            if bucket is not self.output:
-                bucket.level -= self._takes(bucket, input_tokens)
+        if requests is not None:
+            requests.level -= 1.0
+        if self.input is not None:
+            self.input.level -= input_tokens
         if lease is not None and lease.leasing.up:
             lease.admit(input_tokens)
         self.in_flight += 1
@@ -176,8 +175,14 @@ class KeyLimits:
         lease = self.lease
         if lease is not None and lease.leasing.up:
             return tuple(self._shared_quota(kind, bucket, lease) for kind, bucket in self.buckets)
-        return tuple(Quota(kind, int(bucket.capacity), bucket.remaining(), bucket.reset_in())
-                     for kind, bucket in self.buckets)
+        # every request states them: built without a Python frame per quota (a NamedTuple's
+        # own constructor is one) or per bucket method
+        new = tuple.__new__
+        return tuple([new(Quota, (kind, bucket.limit,
+                                  math.floor(bucket.level) if bucket.level > 0 else 0,
+                                  (bucket.capacity - bucket.level) / bucket.rate
+                                  if bucket.level < bucket.capacity else 0.0))
+                      for kind, bucket in self.buckets])
 
     @staticmethod
     def _shared_quota(kind: Kind, bucket: Bucket, lease: KeyLease) -> Quota:
