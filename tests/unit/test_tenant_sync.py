@@ -237,3 +237,17 @@ def test_a_round_of_leases_settles_every_slice_and_a_failed_one_fails_open(
         await sync.stop()
 
     asyncio.run(scenario())
+
+
+def test_whether_any_key_has_a_budget_follows_every_change_of_keys() -> None:
+    """Found once per change of keys (the file's, the store's), not at every poll."""
+    the_gate = gate()
+    assert not the_gate.budgeted()
+    budgeted = TenantKeySettings(name="team-a", key="team-a-secret-0123456789abcdef",
+                                 budget=TenantBudget(usd=1.0))
+    the_gate.adopt_stored([budgeted])
+    assert the_gate.budgeted()
+    the_gate.adopt_stored([])
+    assert not the_gate.budgeted()
+    the_gate.replace([budgeted])
+    assert the_gate.budgeted()

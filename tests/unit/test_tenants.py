@@ -17,7 +17,7 @@ from gateway.settings.tenants import (
     TenantKeySettings,
     TenantLimits,
 )
-from gateway.tenants.headers import duration_text, instant_text, ratelimit_headers
+from gateway.tenants.headers import Instants, duration_text, instant_text, ratelimit_headers
 from gateway.tenants.limits import IN_FLIGHT_RETRY, KeyLimits, Quota, Refusal
 from gateway.tenants.registry import Tenants
 
@@ -157,6 +157,14 @@ def test_openai_and_anthropic_header_families() -> None:
     assert anthropic[b"anthropic-ratelimit-input-tokens-limit"] == b"1000"
     assert anthropic[b"anthropic-ratelimit-output-tokens-reset"] == b"1970-01-01T00:03:10Z"
     assert len(anthropic) == 9
+    instants = Instants()  # a gate's: the same headers, each instant written once a second
+    assert dict(ratelimit_headers(quotas, anthropic=True, wall=100.0,
+                                  instants=instants)) == anthropic
+    assert sorted(instants.texts) == [106, 190]
+    for second in range(2 * Instants.SIZE):  # bounded however long it serves
+        instants.text(float(second))
+    assert len(instants.texts) <= Instants.SIZE
+    assert instants.text(5.0) == instant_text(5.0).encode()
 
 
 # --- registry and settings ------------------------------------------------------------------
