@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from gateway.api.tenancy import TenantGate
 from gateway.server.workers import worker_limits
+from gateway.tenants.lease import Grant
 from gateway.tenants.spend import period_spend
 from gateway.tenants.store import UsageRow, path_of
 from gateway.tenants.stores import is_shared, open_store
@@ -186,13 +187,16 @@ class TenantSync:
         if not pairs:
             return
         asks = [ask for _, ask in pairs]
+        grants: list[Grant] | None = None
         try:
             grants = await asyncio.to_thread(store.lease, asks)
         except (sqlite3.Error, OSError) as exc:
-            for piece, ask in pairs:
-                piece.failed(ask)
             self._failed("lease from", exc)
             return
+        finally:
+            if grants is None:  # failed, or cancelled: no slice is left waiting for ever
+                for piece, ask in pairs:
+                    piece.failed(ask)
         now = self.gate.clock()
         for (piece, _), grant in zip(pairs, grants, strict=True):
             piece.settled(grant, now)
