@@ -353,7 +353,8 @@ def create_app(
     keyed = bool(settings.keys or settings.server.admin_keys or settings.server.store)
     gate = TenantGate(api_keys, settings.keys, clock, required=keyed,
                       fail_closed=settings.server.store_down == "closed",
-                      leasing=Leasing() if keyed and shares_limits(settings.server.store)
+                      leasing=Leasing() if keyed and shares_limits(settings.server.store,
+                                                                   workers)
                       else None)
     sync = TenantSync(gate, settings.server.store, workers) if keyed else None
 

@@ -61,7 +61,7 @@ class TenantSync:
 
     def __init__(self, gate: TenantGate, url: str | None, workers: int = 1) -> None:
         self.gate = gate
-        #: under `serve --workers N` each worker holds its share of a stored key's limits,
+        #: under `serve --workers N` each worker holds its part of a stored key's limits,
         #: as of a configured key's (`gateway.server.workers.worker_limits`)
         self.workers = workers
         self.url = url
@@ -96,9 +96,9 @@ class TenantSync:
                 for name in bad:
                     LOGGER.error("store key %r is not a valid key; skipped", name)
                 if self.workers > 1:
-                    leased = self.gate.leasing is not None
-                    keys = [dataclasses.replace(key, limits=worker_limits(
-                        key.limits, self.workers, leased=leased)) for key in keys]
+                    keys = [dataclasses.replace(key, limits=worker_limits(key.limits,
+                                                                          self.workers))
+                            for key in keys]
                 for name in self.gate.adopt_stored(keys):
                     LOGGER.warning("store key %r is also in the configuration's keys: the "
                                    "configuration's is used", name)

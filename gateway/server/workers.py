@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import replace
 
 from gateway.settings import Settings
-from gateway.settings.tenants import TenantLimits, shares_limits
+from gateway.settings.tenants import TenantLimits
 
 #: a worker that dies is replaced at once, but at most this many times per `RESTART_WINDOW`
 #: across the server: a worker that cannot stay up (a crash at start, a bad host) must not
@@ -51,27 +51,20 @@ def worker_settings(settings: Settings, workers: int) -> Settings:
             burst_input_tokens=math.ceil(pool.hedging.budget.burst_input_tokens / workers))))
         for pool in settings.pools
     )
-    leased = shares_limits(settings.server.store)
     return replace(settings, pools=pools, keys=tuple(
-        replace(key, limits=worker_limits(key.limits, workers, leased=leased))
-        for key in settings.keys))
+        replace(key, limits=worker_limits(key.limits, workers)) for key in settings.keys))
 
 
-def worker_limits(limits: TenantLimits, workers: int, *, leased: bool = False) -> TenantLimits:
-    """One worker's share of a client key's limits: each `ceil(limit / workers)`. Each
-    worker keeps the key's buckets in its own memory (no round trip on the request path), so
-    the server admits at most the configured limit plus less than one per worker from rounding
-    up. `leased`: the per-minute limits are held whole, the workers leasing slices of them
-    from the store (`gateway.tenants.lease`), so a client whose connections all land on one
-    worker still has the whole limit; only the count in flight is split (docs/tenants.md)."""
-
-    def share(limit: int | None) -> int | None:
-        return None if limit is None else math.ceil(limit / workers)
-
-    if leased:
-        return replace(limits, in_flight=share(limits.in_flight))
-    return TenantLimits(share(limits.requests_per_minute), share(limits.input_tokens_per_minute),
-                        share(limits.output_tokens_per_minute), share(limits.in_flight))
+def worker_limits(limits: TenantLimits, workers: int) -> TenantLimits:
+    """One worker's part of a client key's limits: the per-minute limits whole, since the
+    workers lease slices of each from the store they share (`gateway.tenants.lease`), so a
+    client whose connections all land on one worker still has the whole limit; the count in
+    flight, which no lease holds, split: `ceil(in_flight / workers)` each, so the server runs
+    at most the configured count plus less than one per worker from rounding up
+    (docs/tenants.md)."""
+    if limits.in_flight is None:
+        return limits
+    return replace(limits, in_flight=math.ceil(limits.in_flight / workers))
 
 
 class RestartLimiter:

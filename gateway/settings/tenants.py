@@ -41,11 +41,13 @@ def _pool_names(value: object) -> tuple[str, ...]:
 pool_names = cv.Parser(_pool_names, {"type": "array", "items": {"type": "string"}})
 
 
-def shares_limits(store: str | None) -> bool:
+def shares_limits(store: str | None, workers: int = 1) -> bool:
     """Whether processes share each key's per-minute limits through the store (leases,
-    `gateway.tenants.lease`): replicas (and their workers) on a PostgreSQL store. On a file,
-    the workers of one `serve` split each limit (`gateway.server.workers.worker_limits`)."""
-    return store is not None and store.startswith(("postgresql://", "postgres://"))
+    `gateway.tenants.lease`): replicas (and their workers) on a PostgreSQL store, and the
+    workers of one `serve --workers N` on one file. A lone process on a file holds them
+    whole, as it always has."""
+    return workers > 1 or (store is not None
+                           and store.startswith(("postgresql://", "postgres://")))
 
 
 def _store_url(value: object) -> str:

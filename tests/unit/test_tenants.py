@@ -229,12 +229,16 @@ def test_the_registry_finds_a_key_by_its_digest_and_a_reload_keeps_its_state() -
     assert Tenants([key_settings()], 0.0).find(SECRET).limits is None  # type: ignore[union-attr]
 
 
-def test_each_worker_holds_its_share_of_a_keys_limits_rounded_up() -> None:
+def test_each_worker_leases_the_whole_per_minute_limits_and_holds_its_share_in_flight(
+) -> None:
+    """The workers of one `serve` lease slices of each per-minute limit from the file they
+    share (`gateway.tenants.lease`), so each holds the limit whole; in flight, which no lease
+    holds, is split, rounded up."""
     settings = settings_with(key_settings(limits=TenantLimits(
-        requests_per_minute=100, input_tokens_per_minute=1001, in_flight=1)))
+        requests_per_minute=100, input_tokens_per_minute=1001, in_flight=5)))
     (key,) = worker_settings(settings, 4).keys
-    assert key.limits == TenantLimits(requests_per_minute=25, input_tokens_per_minute=251,
-                                      in_flight=1)
+    assert key.limits == TenantLimits(requests_per_minute=100, input_tokens_per_minute=1001,
+                                      in_flight=2)
 
 
 def test_rules_not_enforced_yet_are_warned_about_never_taken_silently() -> None:
