@@ -172,18 +172,19 @@ class TenantSync:
             await self.lease_round()
             await asyncio.sleep(LEASE_GAP)
 
-    async def lease_round(self) -> None:
+    async def lease_round(self, *, last: bool = False) -> None:
         """One batch: every slice that owes, holds too much or wants more, settled in one
         transaction; on failure each gets back what it sent (`Slice.failed`) and, under
         `server.store_down: open`, the processes hold the whole limits until the store
-        answers again."""
+        answers again. `last`: the batch of a process stopping, which gives every slice
+        back (what it holds unused is then the other processes' at once)."""
         store, leasing = self.store, self.gate.leasing
         if store is None or leasing is None:
             return
         now = self.gate.clock()
         pairs = [pair for tenant in self.gate.tenants.by_digest.values()
                  if tenant.limits is not None and tenant.limits.lease is not None
-                 for pair in tenant.limits.lease.asks(now)]
+                 for pair in tenant.limits.lease.asks(now, last=last)]
         if not pairs:
             return
         asks = [ask for _, ask in pairs]
@@ -203,8 +204,10 @@ class TenantSync:
         self._recovered()
 
     async def stop(self) -> None:
-        """The last batch, then the file closed."""
+        """The last batch of usage and of leases (the slices given back), then the store
+        closed."""
         await self.flush()
+        await self.lease_round(last=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
             self.store = None

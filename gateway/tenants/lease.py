@@ -175,6 +175,15 @@ class Slice:
         self.pending = True
         return Ask(name, self.kind, self.capacity, sent, want, self.unit)
 
+    def release(self, name: str) -> Ask | None:
+        """This slice's part of a last batch: all it holds given back, all it owes paid
+        (a process stopping); None when it holds and owes nothing."""
+        if self.pending or self.held == 0:
+            return None
+        sent, self.held = self.held, 0.0
+        self.pending = True
+        return Ask(name, self.kind, self.capacity, sent, 0.0, self.unit)
+
     def settled(self, grant: Grant, now: float) -> None:
         """The store's answer to this slice's ask."""
         self.held += grant.granted
@@ -259,12 +268,13 @@ class KeyLease:
                 return max(0.0, piece.held) + max(0.0, piece.bucket_at(now))
         return None
 
-    def asks(self, now: float) -> list[tuple[Slice, Ask]]:
-        """This key's part of a batch at `now`."""
+    def asks(self, now: float, *, last: bool = False) -> list[tuple[Slice, Ask]]:
+        """This key's part of a batch at `now`; `last`: of the last batch, which gives every
+        slice back (`Slice.release`)."""
         self.wanted = False
         found = []
         for piece in self.slices:
-            ask = piece.ask(self.name, now)
+            ask = piece.release(self.name) if last else piece.ask(self.name, now)
             if ask is not None:
                 found.append((piece, ask))
         return found

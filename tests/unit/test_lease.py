@@ -212,3 +212,23 @@ def test_a_failed_round_gives_the_slice_back_what_it_sent() -> None:
     piece.failed(sent)
     assert piece.held == -1.0 and not piece.pending  # still owed, asked again next round
     assert limits.lease.asks(0.02)[0][1].sent == -1.0
+
+
+def test_the_last_batch_gives_every_slice_back_and_pays_every_debt() -> None:
+    leasing, store = Leasing(), Store()
+    limits = process(TenantLimits(requests_per_minute=60, output_tokens_per_minute=100),
+                     leasing)
+    assert limits.lease is not None
+    limits.admit(0.0, 0)
+    round_of(store, limits, 0.01)
+    limits.settle(0.02, 0, 0, 30)  # output owed beyond what its slice held
+    pairs = limits.lease.asks(0.03, last=True)
+    assert sorted(ask.kind for _, ask in pairs) == ["output_tokens", "requests"]
+    for (piece, _), grant in zip(pairs, store.lease([ask for _, ask in pairs], 0.03),
+                                 strict=True):
+        piece.settled(grant, 0.03)
+    assert all(piece.held == 0 for piece in limits.lease.slices)
+    requests, _ = store.rows[("team-a", "requests")]
+    output, _ = store.rows[("team-a", "output_tokens")]
+    assert requests == pytest.approx(60 - 1 + 0.03, abs=0.01)  # one admitted, refilled since
+    assert output == pytest.approx(100 - 30)  # first drawn now: full, less the debt

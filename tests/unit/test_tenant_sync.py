@@ -251,3 +251,31 @@ def test_whether_any_key_has_a_budget_follows_every_change_of_keys() -> None:
     assert not the_gate.budgeted()
     the_gate.replace([budgeted])
     assert the_gate.budgeted()
+
+
+def test_a_process_stopping_gives_its_slices_back(tmp_path: Path) -> None:
+    """What a process holds unused of a shared limit goes back to the bucket in its last
+    batch: only what it admitted stays taken."""
+    path = tmp_path / "t.sqlite"
+    the_gate = TenantGate(KeyRing(), (), clock=lambda: 0.0, wall=lambda: 86_400.0,
+                          required=True, leasing=Leasing())
+    sync = TenantSync(the_gate, f"sqlite:///{path}")
+
+    async def scenario() -> None:
+        await sync.start()
+        assert sync.store is not None
+        secret, _ = sync.store.create_key("team-a", limits=TenantLimits(requests_per_minute=60))
+        await sync.poll()
+        tenant = the_gate.tenants.find(secret)
+        assert tenant is not None and tenant.limits is not None
+        lease = tenant.limits.lease
+        assert lease is not None and lease.requests is not None
+        assert not isinstance(tenant.limits.admit(0.0, 0), Refusal)
+        await sync.lease_round()
+        assert lease.requests.held > 0  # a slice beyond the one request admitted
+        await sync.stop()
+
+    asyncio.run(scenario())
+    with sqlite3.connect(path) as db:
+        (level,) = db.execute("SELECT level FROM buckets WHERE name = 'team-a'").fetchone()
+    assert 59.0 <= level < 59.5  # 60 less the one admitted (plus a moment's refill)
