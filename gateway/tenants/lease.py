@@ -155,9 +155,9 @@ class Slice:
         if self.pending:
             return None
         if self.used == 0 and not self.borrowed:  # idle since the last ask
-            if self.held == 0 or now - self.asked_at < IDLE:
+            if self.held == 0 or (self.held > 0 and now - self.asked_at < IDLE):
                 return None
-            sent, target = self.held, 0.0  # its slice back, debt paid
+            sent, target = self.held, 0.0  # its slice back once idle; a debt paid at once
         else:
             elapsed = max(MIN_ROUND, now - self.asked_at)
             target = max(self.used / elapsed * LOOKAHEAD, self.unit)

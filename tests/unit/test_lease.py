@@ -212,6 +212,9 @@ def test_a_failed_round_gives_the_slice_back_what_it_sent() -> None:
     piece.failed(sent)
     assert piece.held == -1.0 and not piece.pending  # still owed, asked again next round
     assert limits.lease.asks(0.02)[0][1].sent == -1.0
+    piece.failed(sent)
+    piece.borrowed = False  # however it came to owe, a debt is paid at the next round
+    assert limits.lease.asks(0.03)[0][1].sent == -1.0
 
 
 def test_the_last_batch_gives_every_slice_back_and_pays_every_debt() -> None:
