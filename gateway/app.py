@@ -49,11 +49,13 @@ from gateway.settings import (
 )
 from gateway.settings.load import weak_secrets
 from gateway.settings.origin import CONFIG_ENV, ConfigOrigin
+from gateway.settings.tenants import shares_limits
 from gateway.stats import Stats
 from gateway.stats.prometheus import Metrics
 from gateway.stats.series import Series
 from gateway.stats.shared import Peers, StatsSource
 from gateway.stats.tracing import Tracing, build_tracing
+from gateway.tenants.lease import Leasing
 from gateway.wire.translate.routes import TRANSLATIONS
 from providers.base import CarriesCredentials, Provider
 from providers.http import UpstreamClient
@@ -350,7 +352,10 @@ def create_app(
     # the last key must not open the gateway to anyone)
     keyed = bool(settings.keys or settings.server.admin_keys or settings.server.store)
     gate = TenantGate(api_keys, settings.keys, clock, required=keyed,
-                      fail_closed=settings.server.store_down == "closed")
+                      fail_closed=settings.server.store_down == "closed",
+                      leasing=Leasing() if keyed and shares_limits(settings.server.store,
+                                                                   workers)
+                      else None)
     sync = TenantSync(gate, settings.server.store, workers) if keyed else None
 
     @asynccontextmanager
@@ -366,6 +371,9 @@ def create_app(
             if sync is not None:  # the keys made at run time, before the first request
                 await sync.start()
                 tasks.append(asyncio.create_task(sync.run(), name="tenant-store-sync"))
+                if gate.leasing is not None:
+                    tasks.append(asyncio.create_task(sync.lease_forever(),
+                                                     name="tenant-store-leases"))
             await sample_now(series, source.series_reading_async)  # before serving: the baseline
             tasks.append(asyncio.create_task(
                 run_sampler(series, source.series_reading_async, clock), name="series-sampler"))

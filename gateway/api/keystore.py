@@ -11,6 +11,12 @@ held to; while a key has a budget, the spend is also read at every poll, so anot
 batch is seen within a poll of its writing. All run in worker threads: the event loop never
 waits on the file.
 
+Where the keys' per-minute limits are shared with other processes (`TenantGate.leasing`: a
+PostgreSQL store, or the workers of one `serve` on one file), `lease_forever` settles every
+key's slices (`gateway.tenants.lease`) in one transaction per round: every `LEASE_INTERVAL`,
+and at once when a request took a slice below its low mark or borrowed (`TenantGate.wake`),
+so a slice is refilled before it runs out and no request waits on the store.
+
 A store that cannot be read keeps the keys last read (a revocation waits for it) and is
 logged once per failure streak; a batch that cannot be written is kept and added to the next
 (bounded: four counters per key). At shutdown the last batch is written.
@@ -19,6 +25,7 @@ logged once per failure streak; a batch that cannot be written is kept and added
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -27,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from gateway.api.tenancy import TenantGate
 from gateway.server.workers import worker_limits
+from gateway.tenants.lease import Grant
 from gateway.tenants.spend import period_spend
 from gateway.tenants.store import UsageRow, path_of
 from gateway.tenants.stores import is_shared, open_store
@@ -39,6 +47,12 @@ if TYPE_CHECKING:
 POLL_INTERVAL = 0.5
 #: how often usage is written (seconds): a killed process loses at most this much of it
 FLUSH_INTERVAL = 1.0
+#: how often the slices of the shared limits are settled when no request asks sooner (seconds):
+#: idle slices go back, debts are paid
+LEASE_INTERVAL = 0.25
+#: rounds asked for by requests are at least this far apart (seconds): a flood of requests
+#: makes a round each this often, not a transaction each
+LEASE_GAP = 0.02
 LOGGER = logging.getLogger("hedge_gateway.store")
 
 
@@ -47,7 +61,7 @@ class TenantSync:
 
     def __init__(self, gate: TenantGate, url: str | None, workers: int = 1) -> None:
         self.gate = gate
-        #: under `serve --workers N` each worker holds its share of a stored key's limits,
+        #: under `serve --workers N` each worker holds its part of a stored key's limits,
         #: as of a configured key's (`gateway.server.workers.worker_limits`)
         self.workers = workers
         self.url = url
@@ -59,6 +73,9 @@ class TenantSync:
         #: one flush at a time (the loop's, an admin's usage read, the last at shutdown):
         #: a batch taken while another is being written would otherwise race its outcome
         self._flushing = asyncio.Lock()
+        #: a round of leases is wanted now (`TenantGate.wake`)
+        self._lease_wanted = asyncio.Event()
+        gate.wake = self._lease_wanted.set
 
     async def start(self) -> None:
         """Open the store and load its keys and their spend (before the gateway serves)."""
@@ -145,15 +162,60 @@ class TenantSync:
             elif self.gate.budgeted():
                 await self.read_spend()
 
+    async def lease_forever(self) -> None:
+        """Settle the keys' slices until cancelled: at once when asked, else every
+        `LEASE_INTERVAL`."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lease_wanted.wait(), LEASE_INTERVAL)
+            self._lease_wanted.clear()
+            await self.lease_round()
+            await asyncio.sleep(LEASE_GAP)
+
+    async def lease_round(self, *, last: bool = False) -> None:
+        """One batch: every slice that owes, holds too much or wants more, settled in one
+        transaction; on failure each gets back what it sent (`Slice.failed`) and, under
+        `server.store_down: open`, the processes hold the whole limits until the store
+        answers again. `last`: the batch of a process stopping, which gives every slice
+        back (what it holds unused is then the other processes' at once)."""
+        store, leasing = self.store, self.gate.leasing
+        if store is None or leasing is None:
+            return
+        now = self.gate.clock()
+        pairs = [pair for tenant in self.gate.tenants.by_digest.values()
+                 if tenant.limits is not None and tenant.limits.lease is not None
+                 for pair in tenant.limits.lease.asks(now, last=last)]
+        if not pairs:
+            return
+        asks = [ask for _, ask in pairs]
+        grants: list[Grant] | None = None
+        try:
+            grants = await asyncio.to_thread(store.lease, asks)
+        except (sqlite3.Error, OSError) as exc:
+            self._failed("lease from", exc)
+            return
+        finally:
+            if grants is None:  # failed, or cancelled: no slice is left waiting for ever
+                for piece, ask in pairs:
+                    piece.failed(ask)
+        now = self.gate.clock()
+        for (piece, _), grant in zip(pairs, grants, strict=True):
+            piece.settled(grant, now)
+        self._recovered()
+
     async def stop(self) -> None:
-        """The last batch, then the file closed."""
+        """The last batch of usage and of leases (the slices given back), then the store
+        closed."""
         await self.flush()
+        await self.lease_round(last=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
             self.store = None
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.gate.store_down = True
+        if self.gate.leasing is not None:
+            self.gate.leasing.up = False
         if not self._failing:
             LOGGER.error("tenant store %s: cannot %s it (%s); keys stay as last read, usage "
                          "is kept for the next batch", self.path, what, type(exc).__name__)
@@ -161,6 +223,8 @@ class TenantSync:
 
     def _recovered(self) -> None:
         self.gate.store_down = False
+        if self.gate.leasing is not None:
+            self.gate.leasing.up = True
         if self._failing:
             LOGGER.warning("tenant store %s: working again", self.path)
         self._failing = False

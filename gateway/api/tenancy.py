@@ -32,7 +32,8 @@ from gateway.hedge.deadline import OBJECTIVE_HEADER, KeyShare, request_objective
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
 from gateway.stats import RequestSummary
-from gateway.tenants.headers import ratelimit_headers
+from gateway.tenants.headers import Instants, ratelimit_headers
+from gateway.tenants.lease import Leasing
 from gateway.tenants.limits import Refusal
 from gateway.tenants.registry import Tenant, Tenants
 from gateway.tenants.spend import MICRO, PeriodSpend, over_budget
@@ -60,13 +61,21 @@ class TenantGate:
     (`keys:`), both replaced whole by a reload. `clock`: the limits' clock (monotonic
     seconds); `wall`: the time of day, for Anthropic's RFC 3339 resets."""
 
-    __slots__ = ("clock", "configured", "fail_closed", "required", "ring", "sending", "spent",
-                 "store_down", "stored", "tenants", "unread", "usage", "wall")
+    __slots__ = ("budgets", "clock", "configured", "fail_closed", "instants", "leasing",
+                 "required", "ring", "sending", "spent", "store_down", "stored", "tenants",
+                 "unread", "usage", "wake", "wall")
 
     def __init__(self, ring: KeyRing, keys: Iterable[TenantKeySettings], clock: Clock,
                  wall: Callable[[], float] = time.time, *, required: bool = False,
-                 fail_closed: bool = False) -> None:
+                 fail_closed: bool = False, leasing: Leasing | None = None) -> None:
         self.ring = ring
+        #: the keys' per-minute limits are shared with other processes through the store
+        #: (`gateway.tenants.lease`); None: each process holds them whole
+        self.leasing = leasing
+        #: Anthropic's reset instants written this second (`ratelimit_headers`)
+        self.instants = Instants()
+        #: asks for a round of leases now (`TenantSync` sets it): a key's slice ran low
+        self.wake: Callable[[], None] = _nothing
         #: `server.store_down: closed`: while the store cannot be read (`store_down`, set by
         #: `TenantSync`), a named key's request is refused with 503
         self.fail_closed = fail_closed
@@ -79,7 +88,9 @@ class TenantGate:
         #: the file's `keys:` and the store's keys made at run time (`TenantSync`)
         self.configured: tuple[TenantKeySettings, ...] = tuple(keys)
         self.stored: tuple[TenantKeySettings, ...] = ()
-        self.tenants = Tenants(self.configured, clock())
+        self.tenants = Tenants(self.configured, clock(), leasing=leasing)
+        #: whether any key in force has a budget (`budgeted`), found once per change of keys
+        self.budgets = _any_budget(self.tenants)
         #: each named key's usage since the last batch went to the store: [requests, input
         #: tokens, output tokens, spend in micro-dollars], one entry per key (bounded by the
         #: keys)
@@ -121,7 +132,9 @@ class TenantGate:
         return clashing
 
     def _rebuild(self) -> None:
-        self.tenants = Tenants(self.configured + self.stored, self.clock(), self.tenants)
+        self.tenants = Tenants(self.configured + self.stored, self.clock(), self.tenants,
+                               self.leasing)
+        self.budgets = _any_budget(self.tenants)
 
     def take_usage(self) -> dict[str, list[int]]:
         """The usage counted since the last call, handed over whole (to be written); it
@@ -166,8 +179,9 @@ class TenantGate:
                     kept[index] += count
 
     def budgeted(self) -> bool:
-        """Whether any key in force has a budget (its spend is then read at every poll)."""
-        return any(t.settings.budget.usd is not None for t in self.tenants.by_digest.values())
+        """Whether any key in force has a budget (its spend is then read at every poll):
+        known since the keys last changed, not looked for among them at every poll."""
+        return self.budgets
 
     def check_budget(self, tenant: Tenant) -> None:
         """`BudgetExceeded` for a key that has spent its budget of the period: the store's
@@ -218,9 +232,12 @@ class TenantGate:
             if isinstance(verdict, Refusal):
                 refused = KeyRateLimited(tenant.name, verdict.kind, verdict.retry_after)
                 refused.headers = ratelimit_headers(verdict.quotas, anthropic=anthropic,
-                                                    wall=self.wall())
+                                                    wall=self.wall(), instants=self.instants)
                 raise refused
-            headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall())
+            headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall(),
+                                        instants=self.instants)
+            if limits.lease is not None and limits.lease.wanted:
+                self.wake()  # prefetch: the next request must not find the slice empty
         state = request.scope.setdefault("state", {})
         settled = False
 
@@ -245,6 +262,8 @@ class TenantGate:
                 counts[3] += round(cost * MICRO)
             if limits is not None:
                 limits.settle(self.clock(), estimated, input_tokens, output_tokens)
+                if limits.lease is not None and limits.lease.wanted:
+                    self.wake()
 
         try:  # no await between the admission and here: the slot cannot leak
             response = await handle()  # the answer, errors included (`gateway.api.answer`)
@@ -256,12 +275,21 @@ class TenantGate:
             if limits is not None:
                 limits.refund(self.clock(), estimated)
                 headers = ratelimit_headers(limits.quotas(), anthropic=anthropic,
-                                            wall=self.wall())
+                                            wall=self.wall(), instants=self.instants)
                 answer_headers(response.raw_headers, headers)
             return response
         if headers is not None:
             answer_headers(response.raw_headers, headers)
         return Settled(response, settle)
+
+
+def _any_budget(tenants: Tenants) -> bool:
+    """Whether any of `tenants` has a budget."""
+    return any(t.settings.budget.usd is not None for t in tenants.by_digest.values())
+
+
+def _nothing() -> None:
+    """No round of leases to ask for (no store shares the limits)."""
 
 
 def sent_upstream(summary: object) -> bool:

@@ -56,17 +56,15 @@ def worker_settings(settings: Settings, workers: int) -> Settings:
 
 
 def worker_limits(limits: TenantLimits, workers: int) -> TenantLimits:
-    """One worker's share of a client key's limits: each `ceil(limit / workers)`. Each
-    worker keeps the key's buckets in its own memory (no round trip on the request path), so
-    the server admits at most the configured limit plus less than one per worker from rounding
-    up; a client whose connections land unevenly on the workers is refused somewhat earlier
-    than the limit (docs/tenants.md)."""
-
-    def share(limit: int | None) -> int | None:
-        return None if limit is None else math.ceil(limit / workers)
-
-    return TenantLimits(share(limits.requests_per_minute), share(limits.input_tokens_per_minute),
-                        share(limits.output_tokens_per_minute), share(limits.in_flight))
+    """One worker's part of a client key's limits: the per-minute limits whole, since the
+    workers lease slices of each from the store they share (`gateway.tenants.lease`), so a
+    client whose connections all land on one worker still has the whole limit; the count in
+    flight, which no lease holds, split: `ceil(in_flight / workers)` each, so the server runs
+    at most the configured count plus less than one per worker from rounding up
+    (docs/tenants.md)."""
+    if limits.in_flight is None:
+        return limits
+    return replace(limits, in_flight=math.ceil(limits.in_flight / workers))
 
 
 class RestartLimiter:

@@ -41,6 +41,15 @@ def _pool_names(value: object) -> tuple[str, ...]:
 pool_names = cv.Parser(_pool_names, {"type": "array", "items": {"type": "string"}})
 
 
+def shares_limits(store: str | None, workers: int = 1) -> bool:
+    """Whether processes share each key's per-minute limits through the store (leases,
+    `gateway.tenants.lease`): replicas (and their workers) on a PostgreSQL store, and the
+    workers of one `serve --workers N` on one file. A lone process on a file holds them
+    whole, as it always has."""
+    return workers > 1 or (store is not None
+                           and store.startswith(("postgresql://", "postgres://")))
+
+
 def _store_url(value: object) -> str:
     """Where keys made at run time and usage live: `sqlite:///absolute/path`, or a PostgreSQL
     server shared by replicas (`postgresql://user@host:port/db`). Redis is not a store in this

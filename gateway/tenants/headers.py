@@ -29,6 +29,8 @@ _ANTHROPIC = {kind: (f"anthropic-ratelimit-{name}-limit".encode(),
 
 def duration_text(seconds: float) -> str:
     """A reset as OpenAI writes it: `250ms` under a second, else `1s`, `1.5s`, `6m0s`."""
+    if seconds < 0.0005:  # a bucket full, or all but full: most answers
+        return "0ms"
     if seconds < 1:
         return f"{max(0, round(seconds * 1000))}ms"
     minutes, rest = divmod(round(seconds, 3), 60)
@@ -41,15 +43,43 @@ def instant_text(wall: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(round(wall)))
 
 
-def ratelimit_headers(quotas: Iterable[Quota], *, anthropic: bool,
-                      wall: float) -> list[tuple[bytes, bytes]]:
+class Instants:
+    """RFC 3339 instants already written, by the second (`instant_text` formats a whole
+    date: a key's requests within one second share its resets' texts). Bounded: emptied
+    past `SIZE` seconds held."""
+
+    SIZE = 64
+    __slots__ = ("texts",)
+
+    def __init__(self) -> None:
+        self.texts: dict[int, bytes] = {}
+
+    def text(self, wall: float) -> bytes:
+        second = round(wall)
+        found = self.texts.get(second)
+        if found is None:
+            if len(self.texts) >= self.SIZE:
+                self.texts.clear()
+            found = self.texts[second] = instant_text(second).encode()
+        return found
+
+
+def ratelimit_headers(quotas: Iterable[Quota], *, anthropic: bool, wall: float,
+                      instants: Instants | None = None) -> list[tuple[bytes, bytes]]:
     """The headers stating `quotas` in the family of the route (`anthropic`: /v1/messages),
-    `wall` the time of day (seconds since the epoch) the resets count from."""
+    `wall` the time of day (seconds since the epoch) the resets count from; `instants`: the
+    texts of Anthropic's resets already written (else each is written anew)."""
     headers: list[tuple[bytes, bytes]] = []
-    names = _ANTHROPIC if anthropic else _OPENAI
+    if anthropic:
+        for kind, limit, remaining, reset in quotas:
+            limit_name, remaining_name, reset_name = _ANTHROPIC[kind]
+            reset_text = instant_text(wall + reset).encode() if instants is None \
+                else instants.text(wall + reset)
+            headers += ((limit_name, b"%d" % limit), (remaining_name, b"%d" % remaining),
+                        (reset_name, reset_text))
+        return headers
     for kind, limit, remaining, reset in quotas:
-        limit_name, remaining_name, reset_name = names[kind]
-        reset_text = instant_text(wall + reset) if anthropic else duration_text(reset)
+        limit_name, remaining_name, reset_name = _OPENAI[kind]
         headers += ((limit_name, b"%d" % limit), (remaining_name, b"%d" % remaining),
-                    (reset_name, reset_text.encode()))
+                    (reset_name, duration_text(reset).encode()))
     return headers

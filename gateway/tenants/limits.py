@@ -17,15 +17,21 @@ kind of limit, an in-flight count), whatever its traffic: memory per key is boun
 
 A request larger than a bucket holds (more input tokens than the limit) is admitted only from
 a full bucket, so it is slow but never refused for ever.
+
+Where several processes hold one key (replicas on one PostgreSQL store, the workers of one
+`serve`), the buckets are also held in the store and each process leases slices of them
+(`lease`, `gateway.tenants.lease`): a request then passes only when both its process's own
+buckets and its slices let it, so the processes together admit what one bucket would.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 from gateway.settings.tenants import TenantLimits
+from gateway.tenants.lease import PERIOD, KeyLease, LeaseKind
 
 #: the kinds of limit, as the headers and the refusals name them
 Kind = Literal["requests", "input_tokens", "output_tokens", "in_flight"]
@@ -36,11 +42,12 @@ IN_FLIGHT_RETRY = 1.0
 class Bucket:
     """A bucket of `capacity` refilled at `capacity / 60` a second; starts full."""
 
-    __slots__ = ("at", "capacity", "level", "rate")
+    __slots__ = ("at", "capacity", "level", "limit", "rate")
 
     def __init__(self, capacity: int, now: float) -> None:
+        self.limit = capacity
         self.capacity = float(capacity)
-        self.rate = capacity / 60.0
+        self.rate = capacity / PERIOD
         self.level = float(capacity)
         self.at = now
 
@@ -48,18 +55,6 @@ class Bucket:
         if now > self.at:
             self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
             self.at = now
-
-    def wait_for(self, amount: float) -> float:
-        """Seconds until `amount` can be taken (an amount past the capacity: until full)."""
-        needed = min(amount, self.capacity) - self.level
-        return 0.0 if needed <= 0 else needed / self.rate
-
-    def reset_in(self) -> float:
-        """Seconds until the bucket is full again."""
-        return max(0.0, (self.capacity - self.level) / self.rate)
-
-    def remaining(self) -> int:
-        return max(0, math.floor(self.level))
 
 
 class Quota(NamedTuple):
@@ -85,9 +80,10 @@ class Refusal:
 class KeyLimits:
     """The live state of one key's limits (see the module docstring)."""
 
-    __slots__ = ("buckets", "in_flight", "inflight_limit", "input", "output", "requests")
+    __slots__ = ("buckets", "in_flight", "inflight_limit", "input", "lease", "output",
+                 "requests")
 
-    def __init__(self, limits: TenantLimits, now: float) -> None:
+    def __init__(self, limits: TenantLimits, now: float, lease: KeyLease | None = None) -> None:
         def bucket(capacity: int | None) -> Bucket | None:
             return None if capacity is None else Bucket(capacity, now)
 
@@ -102,25 +98,45 @@ class KeyLimits:
             ("output_tokens", self.output))
         self.buckets: tuple[tuple[Kind, Bucket], ...] = tuple(
             (kind, bucket) for kind, bucket in kinds if bucket is not None)
+        #: the key's slices of the buckets shared with other processes; None: this process
+        #: holds the whole limit
+        self.lease = lease
 
     def admit(self, now: float, input_tokens: int) -> Refusal | tuple[Quota, ...]:
         """Take one request of `input_tokens` (estimated) at `now`: the quotas left after it,
         or the refusal that takes nothing. Every limit is checked before any is taken."""
         longest = 0.0
         why: Kind = "requests"
+        requests, output = self.requests, self.output
         for kind, bucket in self.buckets:
-            bucket.refill(now)
-            wait = bucket.wait_for(self._takes(bucket, input_tokens))
-            if wait > longest:
-                longest, why = wait, kind
+            # `Bucket.refill` and `_takes` written out, then the wait until the bucket holds
+            # the need (past its capacity: until it is full): every request of a key with
+            # limits runs this, and a method call is a Python frame each
+            if now > bucket.at:
+                level = bucket.level + (now - bucket.at) * bucket.rate
+                bucket.level = level if level < bucket.capacity else bucket.capacity
+                bucket.at = now
+            need = 1.0 if bucket is requests else 1e-9 if bucket is output \
+                else float(input_tokens)
+            missing = (need if need < bucket.capacity else bucket.capacity) - bucket.level
+            if missing > 0 and missing / bucket.rate > longest:
+                longest, why = missing / bucket.rate, kind
+        lease = self.lease
+        if lease is not None and lease.leasing.up:
+            shared = lease.refusal(now, input_tokens)
+            if shared is not None and shared[1] > longest:
+                longest, why = shared[1], shared[0]
         if self.inflight_limit is not None and self.in_flight >= self.inflight_limit \
                 and longest < IN_FLIGHT_RETRY:
             longest, why = IN_FLIGHT_RETRY, "in_flight"
         if longest > 0:  # the request passes only once every limit lets it
             return Refusal(why, longest, self.quotas())
-        for _, bucket in self.buckets:
-            if bucket is not self.output:
-                bucket.level -= self._takes(bucket, input_tokens)
+        if requests is not None:
+            requests.level -= 1.0
+        if self.input is not None:
+            self.input.level -= input_tokens
+        if lease is not None and lease.leasing.up:
+            lease.admit(input_tokens)
         self.in_flight += 1
         return self.quotas()
 
@@ -129,6 +145,8 @@ class KeyLimits:
         """The end of an admitted request: its slot back, its input corrected from the
         estimate to the upstream's count, its output taken (either None: not reported)."""
         self.in_flight = max(0, self.in_flight - 1)
+        if self.lease is not None:
+            self.lease.settle(estimated_input, input_tokens, output_tokens)
         if self.input is not None and input_tokens is not None:
             self.input.refill(now)
             self.input.level = min(self.input.capacity,
@@ -143,6 +161,8 @@ class KeyLimits:
         everything its admission took goes back, its slot included, so a refused request
         takes nothing."""
         self.in_flight = max(0, self.in_flight - 1)
+        if self.lease is not None and self.lease.leasing.up:
+            self.lease.refund(estimated_input)
         for _, bucket in self.buckets:
             if bucket is not self.output:
                 bucket.refill(now)
@@ -150,9 +170,29 @@ class KeyLimits:
                                    bucket.level + self._takes(bucket, estimated_input))
 
     def quotas(self) -> tuple[Quota, ...]:
-        """The per-minute limits as of their last refill."""
-        return tuple(Quota(kind, int(bucket.capacity), bucket.remaining(), bucket.reset_in())
-                     for kind, bucket in self.buckets)
+        """The per-minute limits as of their last refill; under a lease, what is left across
+        the processes as this one last saw it, when that is less."""
+        lease = self.lease
+        if lease is not None and lease.leasing.up:
+            return tuple(self._shared_quota(kind, bucket, lease) for kind, bucket in self.buckets)
+        # every request states them: built without a Python frame per quota (a NamedTuple's
+        # own constructor is one) or per bucket method
+        new = tuple.__new__
+        return tuple([new(Quota, (kind, bucket.limit,
+                                  math.floor(bucket.level) if bucket.level > 0 else 0,
+                                  (bucket.capacity - bucket.level) / bucket.rate
+                                  if bucket.level < bucket.capacity else 0.0))
+                      for kind, bucket in self.buckets])
+
+    @staticmethod
+    def _shared_quota(kind: Kind, bucket: Bucket, lease: KeyLease) -> Quota:
+        """One limit's quota under a lease (`quotas`)."""
+        level = bucket.level
+        shared = lease.remaining(cast(LeaseKind, kind), bucket.at)
+        if shared is not None:
+            level = min(level, shared)
+        reset = max(0.0, (bucket.capacity - level) / bucket.rate)
+        return Quota(kind, int(bucket.capacity), max(0, math.floor(level)), reset)
 
     def _takes(self, bucket: Bucket, input_tokens: int) -> float:
         """What a request needs of `bucket` at admission; output: not to be in debt, which

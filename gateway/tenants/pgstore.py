@@ -31,6 +31,7 @@ import psycopg
 
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
+from gateway.tenants.lease import Ask, Grant, draw
 from gateway.tenants.store import (
     KEY_NAME,
     KEY_NAME_RULE,
@@ -57,6 +58,8 @@ _SCHEMA = (
     "spend_micro_usd BIGINT NOT NULL DEFAULT 0, PRIMARY KEY (name, day))",
     "CREATE TABLE IF NOT EXISTS hg_meta (name TEXT PRIMARY KEY, value BIGINT NOT NULL)",
     "INSERT INTO hg_meta (name, value) VALUES ('keys_version', 0) ON CONFLICT DO NOTHING",
+    "CREATE TABLE IF NOT EXISTS hg_buckets (name TEXT NOT NULL, kind TEXT NOT NULL, level "
+    "DOUBLE PRECISION NOT NULL, at DOUBLE PRECISION NOT NULL, PRIMARY KEY (name, kind))",
 )
 #: serialises the schema's creation across processes starting together
 _SCHEMA_LOCK = 0x68656467
@@ -201,3 +204,31 @@ class PostgresStore:
             rows = db.execute("SELECT name, day, spend_micro_usd FROM hg_usage WHERE day >= %s "
                               "AND spend_micro_usd > 0", (first_day,)).fetchall()
         return [(str(name), str(day), int(spent)) for name, day, spent in rows]
+
+    # --- the per-minute limits shared by replicas -------------------------------------
+
+    def lease(self, asks: Sequence[Ask]) -> list[Grant]:
+        """As `SqliteStore.lease`, by the server's clock (one clock for every replica,
+        whatever theirs say). Each bucket's row is locked for the transaction, taken in the
+        order of (name, kind) so two replicas' batches never deadlock."""
+        if not asks:
+            return []
+        order = sorted(range(len(asks)), key=lambda i: (asks[i].name, asks[i].kind))
+        grants: list[Grant | None] = [None] * len(asks)
+        with self._locked() as db, db.transaction(), db.cursor() as cursor:
+            row = cursor.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()
+            now = float(row[0]) if row else time.time()
+            for index in order:
+                ask = asks[index]
+                cursor.execute("INSERT INTO hg_buckets (name, kind, level, at) VALUES "
+                               "(%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                               (ask.name, ask.kind, ask.capacity, now))
+                level, at = cursor.execute(
+                    "SELECT level, at FROM hg_buckets WHERE name = %s AND kind = %s FOR UPDATE",
+                    (ask.name, ask.kind)).fetchone() or (None, None)
+                grant = draw(None if level is None else float(level),
+                             None if at is None else float(at), ask, now)
+                cursor.execute("UPDATE hg_buckets SET level = %s, at = %s WHERE name = %s AND "
+                               "kind = %s", (grant.level, now, ask.name, ask.kind))
+                grants[index] = grant
+        return [grant for grant in grants if grant is not None]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gateway.hedge.deadline import KeyShare
 from gateway.settings.tenants import TenantKeySettings
+from gateway.tenants.lease import KeyLease, Leasing
 from gateway.tenants.limits import KeyLimits
 
 
@@ -37,6 +38,17 @@ class Tenant:
         return self.pools is None or pool in self.pools
 
 
+def _lease(key: TenantKeySettings, leasing: Leasing | None, now: float) -> KeyLease | None:
+    """The slices of `key`'s per-minute limits, when they are shared and it has any."""
+    limits = key.limits
+    if leasing is None or (limits.requests_per_minute is None
+                           and limits.input_tokens_per_minute is None
+                           and limits.output_tokens_per_minute is None):
+        return None
+    return KeyLease(key.name, leasing, now, limits.requests_per_minute,
+                    limits.input_tokens_per_minute, limits.output_tokens_per_minute)
+
+
 def digest_of(supplied: str) -> str:
     """The hex SHA-256 of a key as sent (latin-1, as HTTP headers carry it)."""
     return hashlib.sha256(supplied.encode("latin-1", "replace")).hexdigest()
@@ -48,7 +60,9 @@ class Tenants:
     __slots__ = ("by_digest",)
 
     def __init__(self, keys: Iterable[TenantKeySettings], now: float,
-                 previous: Tenants | None = None) -> None:
+                 previous: Tenants | None = None, leasing: Leasing | None = None) -> None:
+        """`leasing`: the key's per-minute limits are shared with other processes through the
+        store (`gateway.tenants.lease`); None: this process holds them whole."""
         before = previous.by_digest if previous is not None else {}
         self.by_digest: dict[str, Tenant] = {}
         for key in keys:
@@ -58,7 +72,8 @@ class Tenants:
                     and kept.settings.limits == key.limits:
                 limits = kept.limits
             else:
-                limits = KeyLimits(key.limits, now) if key.limits.any() else None
+                limits = KeyLimits(key.limits, now, _lease(key, leasing, now)) \
+                    if key.limits.any() else None
             pools = frozenset(key.pools) if key.pools else None
             same = kept is not None and kept.settings.name == key.name
             share = kept.share if kept is not None and same else KeyShare()

@@ -32,6 +32,7 @@ from typing import Any
 
 from gateway.settings.fields import ConfigError
 from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
+from gateway.tenants.lease import Ask, Grant, draw
 from gateway.tenants.spend import MICRO
 
 #: seconds a writer waits for another's transaction before it gives up
@@ -59,6 +60,9 @@ CREATE TABLE IF NOT EXISTS usage (
     spend_micro_usd INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (name, day));
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_version', 0);
+CREATE TABLE IF NOT EXISTS buckets (
+    name TEXT NOT NULL, kind TEXT NOT NULL, level REAL NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (name, kind));
 """
 
 
@@ -316,3 +320,31 @@ class SqliteStore:
             rows = db.execute("SELECT name, day, spend_micro_usd FROM usage WHERE day >= ? "
                               "AND spend_micro_usd > 0", (first_day,)).fetchall()
         return [(str(name), str(day), int(spent)) for name, day, spent in rows]
+
+    # --- the per-minute limits shared by processes ------------------------------------
+
+    def lease(self, asks: Sequence[Ask], *, now: float | None = None) -> list[Grant]:
+        """Settle one batch of slices against the keys' shared buckets
+        (`gateway.tenants.lease`), in one transaction: the grants, in the asks' order. The
+        clock is this machine's, which every process on the file shares."""
+        if not asks:
+            return []
+        when = time.time() if now is None else now
+        grants = []
+        with self._locked() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for ask in asks:
+                    row = db.execute("SELECT level, at FROM buckets WHERE name = ? AND kind = ?",
+                                     (ask.name, ask.kind)).fetchone()
+                    grant = draw(None, None, ask, when) if row is None else \
+                        draw(float(row[0]), float(row[1]), ask, when)
+                    db.execute("INSERT INTO buckets (name, kind, level, at) VALUES (?, ?, ?, ?) "
+                               "ON CONFLICT (name, kind) DO UPDATE SET level = excluded.level, "
+                               "at = excluded.at", (ask.name, ask.kind, grant.level, when))
+                    grants.append(grant)
+            except sqlite3.Error:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        return grants

@@ -4,8 +4,12 @@ postgresql://...`), a throwaway cluster (`tests.harness.postgres`):
 - a key made on one replica (its `/admin/keys`) is let in by all three, and once revoked on
   another is refused by all three;
 - usage (spend included) written by all three adds up in `hedge-gateway keys usage`;
+- one key's per-minute limit (requests; output tokens) held by the three together: traffic
+  spread over them until every one refuses admits what one bucket would (within 5 %), not
+  three times that;
 - the store stopped mid-load, `server.store_down: open`: the replicas keep serving the keys
-  they last read, keep the usage, and write it once the store is back, so no spend is lost;
+  they last read (a key's limit: each replica's whole limit, until the store is back), keep
+  the usage, and write it once the store is back, so no spend is lost;
   `closed`: a named key's request gets 503 in the route's own shape (OpenAI's, Anthropic's)
   with a retry after a second, until the store answers again.
 """
@@ -16,6 +20,7 @@ import contextlib
 import json
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,6 +133,85 @@ def test_spend_written_by_three_replicas_adds_up(tmp_path: Path, cluster: PgClus
         eventually(lambda: usage_row(cluster, "team-a")[0] == total,
                    "all three replicas' usage in the store")
     assert usage_row(cluster, "team-a") == (total, total * 4, f"{total * 4:.6f}")
+
+
+def drain_round_robin(roots: list[str], secret: str, kind: str) -> tuple[int, float]:
+    """Chat completions with the OpenAI SDK to the replicas in turn until a whole round of
+    them refused, each saying none of `kind` is left for the key (`x-ratelimit-remaining-`):
+    (requests admitted, seconds the traffic took). Bounded: 1,000 requests at most."""
+    clients = [openai.OpenAI(base_url=root + "/v1", api_key=secret, max_retries=0)
+               for root in roots]
+    admitted = 0
+    started = time.monotonic()
+    try:
+        for _ in range(1000 // len(roots)):
+            drained = 0
+            for client in clients:
+                try:
+                    reply = client.chat.completions.with_raw_response.create(
+                        model="alpha", messages=MESSAGES)
+                    admitted += 1
+                    assert reply.parse().choices
+                except openai.RateLimitError as refused:
+                    left = refused.response.headers[f"x-ratelimit-remaining-{kind}"]
+                    drained += left == "0"
+            if drained == len(clients):
+                return admitted, time.monotonic() - started
+    finally:
+        for client in clients:
+            client.close()
+    pytest.fail("the replicas never all refused the key")
+
+
+@pytest.mark.timeout(180)
+def test_three_replicas_hold_one_requests_per_minute_limit_within_five_percent(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    """60 requests a minute: one bucket admits 60 plus what refills (1 a second) while the
+    traffic runs; each replica holding the whole limit admitted three times that."""
+    made = keys_command(cluster, "create", "team-a", "--requests-per-minute", "60")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster) as roots:  # each has read the key before it serves
+        admitted, took = drain_round_robin(roots, secret, "requests")
+    one_bucket = 60 + 60 / 60 * took
+    assert 60 * 0.95 <= admitted <= one_bucket * 1.05, (admitted, took)
+
+
+@pytest.mark.timeout(180)
+def test_three_replicas_hold_one_output_tokens_per_minute_limit_within_five_percent(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    """400 output tokens a minute, 4 an answer, charged at each request's end: one bucket
+    admits a request while it is not in debt, so 100 answers plus the refill, plus at most
+    one answer per replica admitted on the level it last saw (docs/tenants.md)."""
+    made = keys_command(cluster, "create", "team-a", "--output-tokens-per-minute", "400")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster) as roots:
+        admitted, took = drain_round_robin(roots, secret, "output-tokens")
+    tokens = admitted * 4
+    one_bucket = 400 + 400 / 60 * took
+    assert 400 * 0.95 <= tokens <= one_bucket * 1.05 + REPLICAS * 4, (tokens, took)
+
+
+@pytest.mark.timeout(180)
+def test_a_held_limit_fails_open_to_each_replicas_whole_limit_while_the_store_is_down(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    """30 requests a minute, drained by the three together; the store stopped
+    (`store_down: open`): once a replica's round has failed, it admits from its own whole
+    bucket again (it had taken about a third of it), so the key is served, not refused for
+    want of a slice; back on the store, the slices again."""
+    made = keys_command(cluster, "create", "team-a", "--requests-per-minute", "30")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster) as roots:
+        admitted, took = drain_round_robin(roots, secret, "requests")
+        assert admitted <= (30 + 30 / 60 * took) * 1.05, (admitted, took)
+        cluster.stop()
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica admits from its own bucket while the store is down")
+        cluster.start()
+        eventually(lambda: all(chat_status(root, secret) == 429 for root in roots),
+                   "once the store is back, the shared bucket (drained) refuses again")
 
 
 @pytest.mark.timeout(180)

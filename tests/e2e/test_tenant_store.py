@@ -6,7 +6,10 @@
 - `hedge-gateway serve` stopped with SIGTERM and started again on the same file: a key made
   at run time still works and no usage was lost (`hedge-gateway keys usage` reads it);
 - `hedge-gateway serve --workers 2`: a key made with `hedge-gateway keys create` is let in by
-  both workers, and once `hedge-gateway keys revoke` has returned every worker refuses it.
+  both workers, and once `hedge-gateway keys revoke` has returned every worker refuses it;
+- `hedge-gateway serve --workers 3`: a key's per-minute limit held by the three together
+  (each leases slices of it from the file): a client on one connection, so one worker, has
+  the whole limit, and the three never admit more than one bucket would (within 5 %).
 """
 
 from __future__ import annotations
@@ -264,3 +267,31 @@ def test_a_key_revoked_by_the_command_is_refused_by_every_worker(tmp_path: Path)
         eventually(lambda: all(chat_status(root, secret) == 401 for _ in range(20)),
                    "every worker refuses the revoked key", timeout=5.0)
         assert [chat_status(root, secret) for _ in range(40)] == [401] * 40
+
+
+@pytest.mark.timeout(120)
+def test_three_workers_on_one_file_hold_one_per_minute_limit(tmp_path: Path) -> None:
+    """60 requests a minute. On one keep-alive connection (one worker, the kernel's
+    choice) the OpenAI SDK is admitted the key's whole limit, where a worker holding a third
+    of it refused it at 20; then requests on connections of their own, spread by the kernel
+    over the three: the total stays within 5 % of one bucket (60, plus what refilled, 1 a
+    second, while the traffic ran)."""
+    made = keys_command(tmp_path, "create", "team-a", "--requests-per-minute", "60")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with serving(tmp_path, "--workers", "3") as (_, root):
+        started = time.monotonic()
+        admitted = 0
+        with openai.OpenAI(base_url=root + "/v1", api_key=secret, max_retries=0) as client:
+            for _ in range(300):
+                try:
+                    client.chat.completions.create(model="alpha", messages=MESSAGES)
+                    admitted += 1
+                except openai.RateLimitError as refused:  # a round pending, or none left
+                    if refused.response.headers["x-ratelimit-remaining-requests"] == "0":
+                        break
+        one_connection = admitted
+        admitted += sum(chat_status(root, secret) == 200 for _ in range(60))
+        took = time.monotonic() - started
+    assert one_connection >= 60 * 0.95, one_connection
+    assert admitted <= (60 + took) * 1.05, (admitted, took)

@@ -51,6 +51,7 @@ PURE = (
     "gateway.server.extensions",
     "gateway.stats.loggable",
     "gateway.settings.hidden",
+    "gateway.tenants.lease",
     "gateway.tenants.limits",
     "gateway.tenants.headers",
     "gateway.tenants.registry",

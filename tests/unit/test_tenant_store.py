@@ -14,6 +14,7 @@ import pytest
 from gateway.api.keys import KeyRing
 from gateway.api.tenancy import TenantGate
 from gateway.settings.tenants import TenantKeySettings, TenantLimits
+from gateway.tenants.lease import Ask
 from gateway.tenants.store import SqliteStore, StoreError, UsageRow, default_path, path_of
 
 
@@ -115,3 +116,24 @@ def test_the_gate_takes_the_stores_keys_and_the_files_win_a_clash() -> None:
     assert gate.adopt_stored([]) == []  # revoked in the store
     assert gate.tenants.find("secret-of-team-c") is None
     assert gate.tenants.find("secret-of-team-a") is not None
+
+
+def test_slices_leased_by_two_processes_on_one_file_draw_from_one_bucket(
+        tmp_path: Path) -> None:
+    """The shared bucket of `gateway.tenants.lease` on the file: two connections (two
+    processes) draw from one level, refilled by the clock handed in, debts taken whatever it
+    holds."""
+    path = str(tmp_path / "t.sqlite")
+    first, second = SqliteStore(path), SqliteStore(path)
+    want = Ask("team-a", "requests", 60.0, 0.0, 100.0, 1.0)
+    (one,) = first.lease([want], now=0.0)
+    (two,) = second.lease([want], now=0.0)
+    assert one.granted == 15.0 and two.granted == pytest.approx(45.0 / 4)  # a quarter each
+    assert two.level == pytest.approx(60.0 - one.granted - two.granted)
+    owed = Ask("team-a", "requests", 60.0, -50.0, 0.0, 1.0)
+    (paid,) = first.lease([owed], now=10.0)  # refilled 10, then the debt taken
+    assert paid.granted == 0.0 and paid.level == pytest.approx(two.level + 10.0 - 50.0)
+    other = Ask("team-b", "input_tokens", 1000.0, 0.0, 10.0, 10.0)
+    assert [g.granted for g in second.lease([other, want], now=10.0)] == [10.0, 0.0]
+    first.close()
+    second.close()

@@ -17,7 +17,9 @@ from gateway.api.keys import KeyRing
 from gateway.api.keystore import TenantSync
 from gateway.api.tenancy import TenantGate
 from gateway.errors import BudgetExceeded
-from gateway.settings.tenants import TenantBudget, TenantKeySettings
+from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
+from gateway.tenants.lease import Leasing
+from gateway.tenants.limits import Refusal
 from gateway.tenants.store import UsageRow
 
 
@@ -201,3 +203,79 @@ def test_a_failed_batch_put_back_is_the_one_given_not_the_one_being_written() ->
     the_gate.keep_unsent(batch_a)
     assert the_gate.usage == {"team-a": [1, 10, 5, 7]}
     assert the_gate.sending is batch_b and the_gate.unread == {}
+
+
+def test_a_round_of_leases_settles_every_slice_and_a_failed_one_fails_open(
+        tmp_path: Path) -> None:
+    """`TenantSync.lease_round`: the slices of every key in one batch; the store failing,
+    each slice gets back what it sent and the leases are off (`store_down: open`: each
+    process holds its whole limit), on again at the next round that works."""
+    leasing = Leasing()
+    the_gate = TenantGate(KeyRing(), (), clock=lambda: 0.0, wall=lambda: 86_400.0,
+                          required=True, leasing=leasing)
+    sync = TenantSync(the_gate, f"sqlite:///{tmp_path}/t.sqlite")
+
+    async def scenario() -> None:
+        await sync.start()
+        assert sync.store is not None
+        secret, _ = sync.store.create_key("team-a", limits=TenantLimits(requests_per_minute=60))
+        await sync.poll()
+        tenant = the_gate.tenants.find(secret)
+        assert tenant is not None and tenant.limits is not None
+        lease = tenant.limits.lease
+        assert lease is not None and lease.requests is not None
+        assert not isinstance(tenant.limits.admit(0.0, 0), Refusal)  # borrowed
+        assert lease.wanted and lease.requests.held == -1.0
+        real = sync.store.lease
+        sync.store.lease = fail  # type: ignore[method-assign,assignment]
+        await sync.lease_round()
+        assert lease.requests.held == -1.0 and not leasing.up and the_gate.store_down
+        sync.store.lease = real  # type: ignore[method-assign]
+        await sync.lease_round()
+        assert leasing.up and not the_gate.store_down
+        assert lease.requests.held > 0  # the debt paid, a slice granted
+        await sync.stop()
+
+    asyncio.run(scenario())
+
+
+def test_whether_any_key_has_a_budget_follows_every_change_of_keys() -> None:
+    """Found once per change of keys (the file's, the store's), not at every poll."""
+    the_gate = gate()
+    assert not the_gate.budgeted()
+    budgeted = TenantKeySettings(name="team-a", key="team-a-secret-0123456789abcdef",
+                                 budget=TenantBudget(usd=1.0))
+    the_gate.adopt_stored([budgeted])
+    assert the_gate.budgeted()
+    the_gate.adopt_stored([])
+    assert not the_gate.budgeted()
+    the_gate.replace([budgeted])
+    assert the_gate.budgeted()
+
+
+def test_a_process_stopping_gives_its_slices_back(tmp_path: Path) -> None:
+    """What a process holds unused of a shared limit goes back to the bucket in its last
+    batch: only what it admitted stays taken."""
+    path = tmp_path / "t.sqlite"
+    the_gate = TenantGate(KeyRing(), (), clock=lambda: 0.0, wall=lambda: 86_400.0,
+                          required=True, leasing=Leasing())
+    sync = TenantSync(the_gate, f"sqlite:///{path}")
+
+    async def scenario() -> None:
+        await sync.start()
+        assert sync.store is not None
+        secret, _ = sync.store.create_key("team-a", limits=TenantLimits(requests_per_minute=60))
+        await sync.poll()
+        tenant = the_gate.tenants.find(secret)
+        assert tenant is not None and tenant.limits is not None
+        lease = tenant.limits.lease
+        assert lease is not None and lease.requests is not None
+        assert not isinstance(tenant.limits.admit(0.0, 0), Refusal)
+        await sync.lease_round()
+        assert lease.requests.held > 0  # a slice beyond the one request admitted
+        await sync.stop()
+
+    asyncio.run(scenario())
+    with sqlite3.connect(path) as db:
+        (level,) = db.execute("SELECT level FROM buckets WHERE name = 'team-a'").fetchone()
+    assert 59.0 <= level < 59.5  # 60 less the one admitted (plus a moment's refill)

@@ -17,7 +17,7 @@ from gateway.settings.tenants import (
     TenantKeySettings,
     TenantLimits,
 )
-from gateway.tenants.headers import duration_text, instant_text, ratelimit_headers
+from gateway.tenants.headers import Instants, duration_text, instant_text, ratelimit_headers
 from gateway.tenants.limits import IN_FLIGHT_RETRY, KeyLimits, Quota, Refusal
 from gateway.tenants.registry import Tenants
 
@@ -157,6 +157,14 @@ def test_openai_and_anthropic_header_families() -> None:
     assert anthropic[b"anthropic-ratelimit-input-tokens-limit"] == b"1000"
     assert anthropic[b"anthropic-ratelimit-output-tokens-reset"] == b"1970-01-01T00:03:10Z"
     assert len(anthropic) == 9
+    instants = Instants()  # a gate's: the same headers, each instant written once a second
+    assert dict(ratelimit_headers(quotas, anthropic=True, wall=100.0,
+                                  instants=instants)) == anthropic
+    assert sorted(instants.texts) == [106, 190]
+    for second in range(2 * Instants.SIZE):  # bounded however long it serves
+        instants.text(float(second))
+    assert len(instants.texts) <= Instants.SIZE
+    assert instants.text(5.0) == instant_text(5.0).encode()
 
 
 # --- registry and settings ------------------------------------------------------------------
@@ -221,12 +229,16 @@ def test_the_registry_finds_a_key_by_its_digest_and_a_reload_keeps_its_state() -
     assert Tenants([key_settings()], 0.0).find(SECRET).limits is None  # type: ignore[union-attr]
 
 
-def test_each_worker_holds_its_share_of_a_keys_limits_rounded_up() -> None:
+def test_each_worker_leases_the_whole_per_minute_limits_and_holds_its_share_in_flight(
+) -> None:
+    """The workers of one `serve` lease slices of each per-minute limit from the file they
+    share (`gateway.tenants.lease`), so each holds the limit whole; in flight, which no lease
+    holds, is split, rounded up."""
     settings = settings_with(key_settings(limits=TenantLimits(
-        requests_per_minute=100, input_tokens_per_minute=1001, in_flight=1)))
+        requests_per_minute=100, input_tokens_per_minute=1001, in_flight=5)))
     (key,) = worker_settings(settings, 4).keys
-    assert key.limits == TenantLimits(requests_per_minute=25, input_tokens_per_minute=251,
-                                      in_flight=1)
+    assert key.limits == TenantLimits(requests_per_minute=100, input_tokens_per_minute=1001,
+                                      in_flight=2)
 
 
 def test_rules_not_enforced_yet_are_warned_about_never_taken_silently() -> None:
