@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.drain import Drain
-from gateway.server.extensions import ABORT_EXTENSION
+from gateway.server.extensions import ABORT_EXTENSION, HOLD_HEAD_EXTENSION
 from gateway.wire.base import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
@@ -93,6 +93,10 @@ class SSEResponse(Response):
         #: the client disconnects; without one the response watches the client itself
         self.client_gone = client_gone
         self._lock = asyncio.Lock()
+        #: the response head, until it goes out with the first message after it (under a
+        #: server that can hold it: `HOLD_HEAD_EXTENSION`), and the server's hold hook
+        self._head: Message | None = None
+        self._hold: Callable[[], object] | None = None
         #: sends started so far, and whether one is in progress (the pump's only bookkeeping)
         self._sends = 0
         self._in_send = False
@@ -115,8 +119,13 @@ class SSEResponse(Response):
         forget_drain: Callable[[], None] | None = None
         ticker = _Ticker()
         try:
-            await self._send(send, {"type": "http.response.start", "status": 200,
-                                    "headers": self.raw_headers})
+            head: Message = {"type": "http.response.start", "status": 200,
+                             "headers": self.raw_headers}
+            self._hold = _hold_of(scope)
+            if self._hold is None:
+                await self._send(send, head)
+            else:  # it goes out with the first piece of the body, in one write
+                self._head = head
             async with anyio.create_task_group() as tg:
                 watching = self._watch(receive, tg)
                 ticker.arm(self._period(), lambda: self._tick(send, tg.cancel_scope))
@@ -142,6 +151,8 @@ class SSEResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await ticker.stop()
+                if self._head is not None:  # nothing was sent: the head alone, as before
+                    await self._send_head(send, hold=False)
             if forget_drain is not None:
                 forget_drain()
             if not ended and self.end is None and not _being_cancelled():
@@ -170,6 +181,8 @@ class SSEResponse(Response):
         async with self._lock:
             if self._completed:  # a racing final message (shutdown vs. normal end)
                 return
+            if self._head is not None:  # before the first piece of the body (rare)
+                await self._send_head(send)
             self._sends += 1
             self._in_send = True
             await send(message)
@@ -177,7 +190,27 @@ class SSEResponse(Response):
             if not message.get("more_body", False) and message["type"] == "http.response.body":
                 self._completed = True
 
+    async def _send_head(self, send: Send, *, hold: bool = True) -> None:
+        """The held-back head, once; with `hold`, the server keeps it for the next write (the
+        message that follows at once), so both leave in one send."""
+        head, self._head = self._head, None
+        if head is None:
+            return
+        if hold and self._hold is not None:
+            self._hold()
+        await send(head)
+
     async def _pump(self, send: Send) -> None:
+        if self._head is not None:
+            # the first piece: the head leaves with it (the relay hands it over without
+            # waiting on its upstream: its first token is in hand)
+            async for chunk in self.body_iterator:
+                await self._send_head(send)
+                self._sends += 1
+                self._in_send = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self._in_send = False
+                break
         async for chunk in self.body_iterator:
             self._sends += 1
             self._in_send = True
@@ -267,6 +300,14 @@ def _being_cancelled() -> bool:
     """Whether this task is being cancelled from outside (the server shutting down)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _hold_of(scope: Scope) -> Callable[[], object] | None:
+    """The server's hook that holds the response head for the next write, if it offers one
+    (`gateway.server.connection`)."""
+    extensions = scope.get("extensions") or {}
+    hook = (extensions.get(HOLD_HEAD_EXTENSION) or {}).get("hold")
+    return hook if callable(hook) else None
 
 
 def _abort_of(scope: Scope) -> Callable[[], object] | None:
