@@ -69,7 +69,8 @@ def serve_one(body: AsyncIterator[bytes], *, crash_after_head: bool = False) -> 
             try:
                 await SSEResponse(body, headers={}, keepalive=15.0, stuck_client=30.0,
                                   drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
-                                  on_close=on_close, clock=loop.time)(scope, receive, send)
+                                  on_close=on_close, clock=loop.time,
+                                  first_ready=True)(scope, receive, send)
             finally:
                 done.set_result(None)
 
