@@ -7,7 +7,7 @@ token; the hold is the server's, asked for by the response (`HOLD_HEAD_EXTENSION
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from uvicorn.server import ServerState
@@ -54,7 +54,8 @@ class RecordingTransport(asyncio.Transport):
             name, default)
 
 
-def serve_one(body: AsyncIterator[bytes], *, crash_after_head: bool = False) -> list[bytes]:
+def serve_one(body: AsyncIterator[bytes],
+              on_first_sent: Callable[[], None] | None = None) -> list[bytes]:
     """One request through the protocol; the app answers with an `SSEResponse` of `body`.
     The transport's writes, in order."""
 
@@ -70,7 +71,8 @@ def serve_one(body: AsyncIterator[bytes], *, crash_after_head: bool = False) -> 
                 await SSEResponse(body, headers={}, keepalive=15.0, stuck_client=30.0,
                                   drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                                   on_close=on_close, clock=loop.time,
-                                  first_ready=True)(scope, receive, send)
+                                  first_ready=True, on_first_sent=on_first_sent,
+                                  )(scope, receive, send)
             finally:
                 done.set_result(None)
 
@@ -119,3 +121,19 @@ def test_a_stream_without_events_still_sends_its_head_and_its_end() -> None:
     assert joined.startswith(b"HTTP/1.1 200 OK\r\n")
     assert joined.endswith(b"0\r\n\r\n")
 
+
+
+def test_the_first_sent_hook_runs_once_the_first_event_is_out_before_the_second() -> None:
+    """What waits for the first bytes (the race's learning) runs after they left, and before
+    the response asks its body for more."""
+    seen: list[str] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        seen.append("first taken")
+        yield FIRST
+        seen.append("second taken")
+        yield SECOND
+
+    writes = serve_one(body(), on_first_sent=lambda: seen.append("hook"))
+    assert seen == ["first taken", "hook", "second taken"]
+    assert FIRST in writes[0]
