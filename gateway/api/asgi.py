@@ -39,6 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.answer import REFUSAL_KEY
 from gateway.api.browser import BrowserGuard
+from gateway.api.end import LINE_KEY
 from gateway.api.keys import KeyRing, credential, is_ops_path
 from gateway.api.refusals import write_refusal_line
 from gateway.errors import ForbiddenOrigin, GatewayError, InternalError, Unauthorized
@@ -118,7 +119,9 @@ class GatewayAPI(FastAPI):
         try:
             await self._http(scope, receive, send)
         finally:  # answered (or given up): a refused request's one log line, if it needs one
-            write_refusal_line(scope)
+            state = scope.get("state")
+            if state is None or not state.get(LINE_KEY):  # else the proxy's end wrote it
+                write_refusal_line(scope)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._browser is not None:  # before any route: see `gateway.api.browser`

@@ -10,19 +10,19 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
-from gateway.api.common import check_json_type, read_body, request_id_of
+from gateway.api.common import receive
 from gateway.api.inference import InferenceRoute, route
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
-from gateway.api.tenancy import TenantGate, check_pool, deadline_of, supplied_key
+from gateway.api.tenancy import TenantGate, key_terms, supplied_key
 from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
 )
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
-from gateway.wire.validate import check_body, parse_body
+from gateway.wire.validate import validated
 
 
 def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
@@ -39,15 +39,16 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
     limit = settings.server.max_body_bytes
 
     async def proxied(request: Request, entry: InferenceRoute) -> Response:
-        tenant = gate.identify(request) if gate.active else None
-        rid = request_id_of(request)
-        check_json_type(request)
-        raw = await read_body(request, limit, proxy.admission)
-        body, size = parse_body(raw), len(raw)
+        # one call for the request's checks (key, id, content type, body), one for the body's
+        # (parsed, then its shape): each file of the walk entered once
+        tenant, rid, raw = await receive(request, gate, limit, proxy.admission)
+        checked, size = validated(raw, needs_prompt=entry.prompt), len(raw)
         del raw  # the parsed body is what goes on: the bytes would be held to the end
+        body, model, stream = checked.body, checked.model, checked.stream
         generation = live.current
         logged_model = note_model(request.scope, body, generation.hidden)
-        model, stream = check_body(body, needs_prompt=entry.prompt)
+        if checked.refused is not None:
+            raise checked.refused
         if entry.endpoint == "embeddings" and stream:
             raise InvalidRequest("embeddings cannot be streamed", param="stream")
         pool = generation.pools.get(model)
@@ -56,9 +57,8 @@ def build_router(settings: Settings, live: Live, proxy: Proxy, fast: FastRoutes,
                 "the model does not exist in this gateway; GET /v1/models lists them",
                 param="model",
             )
-        check_pool(tenant, model)
         headers = {k.lower(): v for k, v in request.headers.items()}
-        deadline = deadline_of(tenant, headers)
+        deadline = key_terms(tenant, model, headers)
         req = LogicalRequest(rid, entry.endpoint, body, stream, headers, entry.protocol,
                              route=entry.path, model=logged_model, body_bytes=size,
                              key=None if tenant is None else tenant.name,

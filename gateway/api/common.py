@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,11 +20,11 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.api.admission import Admission
 from gateway.api.answer import error_response, note_refusal
 from gateway.api.keys import backoff
-from gateway.api.proxy import Admission
 from gateway.api.refusals import REQUEST_ID_KEY
-from gateway.api.tenancy import quota_headers
+from gateway.api.tenancy import TenantGate, quota_headers
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -35,12 +36,36 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.server.extensions import FAILED_KEYS_EXTENSION, FailedKeys
+from gateway.tenants.registry import Tenant
 from gateway.wire.base import WireProtocol
 from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
 from gateway.wire.paths import errors_of
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class Received(NamedTuple):
+    """What an inference route's checks of a request found (`receive`)."""
+
+    #: the named key it presents; None: a key of `server.api_keys`, or no key configured
+    tenant: Tenant | None
+    request_id: str
+    #: the body's bytes, within the route's bound
+    raw: bytes
+
+
+async def receive(request: Request, gate: TenantGate, limit: int, admission: Admission, *,
+                  x_api_key: bool = False) -> Received:
+    """An inference route's checks of the request, in their order, in one call: the key
+    (`gate`; before any of the body is read, so a request without a valid key never has it
+    read), the request id, the content type, the body within `limit` (its bytes counted by
+    `admission` as they arrive). Each refusal is raised in the order the checks are made."""
+    tenant = gate.identify(request, x_api_key=x_api_key)
+    rid = request_id_of(request)
+    check_json_type(request)
+    raw = await read_body(request, limit, admission)
+    return Received(tenant, rid, raw)
 
 
 def request_id_of(request: Request) -> str:

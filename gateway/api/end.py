@@ -26,6 +26,7 @@ from gateway.hedge.race import Race
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
 from gateway.stats.spend import summary_cost
+from gateway.wire.base import RelayOutcome, StreamEnd
 
 if TYPE_CHECKING:
     from gateway.stats.tracing import RequestTrace
@@ -83,6 +84,17 @@ class RequestEnd:
         then be at its bound with two conversations there, and the turn would spill to a
         backend that must prefill its whole history. Idempotent (`Race.release_winner`)."""
         self._race.release_winner()
+
+    async def after_stream(self, outcome: RelayOutcome, early_end: StreamEnd | None) -> None:
+        """The end of a streamed answer, run by its stream as it closes (`on_close`, once):
+        what the relay saw (`outcome`; `early_end`: how the stream ended, when it ended
+        before the relay did) goes to the summary, then the request ends. Here rather than
+        a closure of the proxy's, so the stream's close steps into this file, not back into
+        the proxy."""
+        summary = self._summary
+        summary.relay_end = early_end or outcome.end
+        summary.usage, summary.relayed = outcome.usage, outcome.events
+        await self()
 
     async def __call__(self) -> None:
         if self._done:

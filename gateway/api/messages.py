@@ -13,16 +13,16 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
-from gateway.api.common import check_json_type, read_body, request_id_of
+from gateway.api.common import receive
 from gateway.api.inference import InferenceRoute, route
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
-from gateway.api.tenancy import TenantGate, check_pool, deadline_of
+from gateway.api.tenancy import TenantGate, key_terms
 from gateway.errors import ModelNotFound
 from gateway.hedge.generation import Live
 from gateway.settings import Settings
-from gateway.wire.validate import check_body, parse_body
+from gateway.wire.validate import validated
 
 #: client headers passed upstream on /v1/messages (the beta features it asks for)
 _MESSAGES_FORWARD = ("anthropic-beta",)
@@ -37,25 +37,25 @@ def build_messages_router(settings: Settings, live: Live, proxy: Proxy, fast: Fa
     limit = settings.server.max_body_bytes
 
     async def inference(request: Request, entry: InferenceRoute) -> Response:
-        tenant = gate.identify(request, x_api_key=True) if gate.active else None
-        check_json_type(request)
-        raw = await read_body(request, limit, proxy.admission)
-        body, size = parse_body(raw), len(raw)
+        # one call for the request's checks, one for the body's (as the chat route)
+        tenant, rid, raw = await receive(request, gate, limit, proxy.admission, x_api_key=True)
+        checked, size = validated(raw, needs_prompt=entry.prompt), len(raw)
         del raw  # the parsed body is what goes on: the bytes would be held to the end
+        body, model, stream = checked.body, checked.model, checked.stream
         logged_model = note_model(request.scope, body, live.current.hidden)
-        model, stream = check_body(body, needs_prompt=entry.prompt)
+        if checked.refused is not None:
+            raise checked.refused
         pool = live.current.pools.get(model)
         if pool is None:
             raise ModelNotFound(
                 "the model does not exist in this gateway; GET /v1/models lists them",
                 param="model",
             )
-        check_pool(tenant, model)
         headers = {k.lower(): v for k, v in request.headers.items()}
+        deadline = key_terms(tenant, model, headers)
         forward = {k: headers[k] for k in _MESSAGES_FORWARD if k in headers}
-        deadline = deadline_of(tenant, headers)
         forward.update(deadline.forward)
-        req = LogicalRequest(request_id_of(request), entry.endpoint, body, stream, headers,
+        req = LogicalRequest(rid, entry.endpoint, body, stream, headers,
                              protocol=entry.protocol,
                              single=entry.single,
                              forward_headers=forward, route=entry.path, model=logged_model,

@@ -1,8 +1,10 @@
 """One logical request from validated body to response: admission, plan, race, relay,
 bookkeeping.
 
-This is the shell around the race. It admits the request, has its plan taken once
-(`gateway.hedge.plan`: may it be hedged, its deadline, its backends and their order), hands the
+This is the shell around the race. It finds the backends the request may use
+(`gateway.hedge.routing`: a route none serves is refused before admission), admits the request,
+has its plan taken once (`gateway.hedge.plan`: may it be hedged, its deadline, its backends'
+order), hands the
 race that plan and the attempts' runner (`gateway.hedge.runner`), runs it while watching for the
 client's disconnect, and returns its answer as a value (`gateway.api.answer.Answer`): a
 streaming response that relays the winner, a JSON body, or an error in the route's shape (the
@@ -27,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
+from gateway.api.admission import Admission
 from gateway.api.answer import Answer, error_response, note_refusal
 from gateway.api.end import LINE_KEY, SUMMARY_KEY, RequestEnd, report_bug
 from gateway.api.request import LogicalRequest
@@ -41,11 +44,11 @@ from gateway.errors import (
     Overloaded,
 )
 from gateway.hedge.continuation import Continuations, may_continue
-from gateway.hedge.plan import Routing, Translated, routing
 from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race, RaceResult
 from gateway.hedge.relay import relay
+from gateway.hedge.routing import Routing, Translated, routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
@@ -66,54 +69,6 @@ from gateway.wire.whole import MAX_WHOLE_BYTES, streamed_body, whole_answer
 
 if TYPE_CHECKING:  # tracing imports OpenTelemetry only when it is configured
     from gateway.stats.tracing import Tracing
-
-
-class Admission:
-    """The process-wide caps on concurrent logical requests and on the request-body bytes
-    they hold. A request holds several times its body while it is in flight (the parsed
-    body, the serialized copy sent upstream, the copy each attempt sends), so counting
-    requests alone let a few hundred large ones take the process's memory; the bytes are
-    counted as received, and the first request is always admitted, however large."""
-
-    def __init__(self, limit: int, max_bytes: int | None = None) -> None:
-        self.limit = limit
-        self.active = 0
-        #: None: no bound on bytes
-        self.max_bytes = max_bytes
-        self.active_bytes = 0
-        #: bytes of bodies still arriving (`reserve`): held as much as an admitted body's
-        self.receiving_bytes = 0
-
-    def reserve(self, size: int, own: int = 0) -> None:
-        """`size` more bytes of a body still arriving, whose request reserved `own` so far:
-        Overloaded when they would pass `max_bytes` while other requests hold bytes (a lone
-        request is always let through, as `enter` lets the first in). Called before the
-        bytes are read (the declared length) or as each piece arrives, so uploads cannot
-        pile up unbounded behind the check; `unreserve` gives them back once read."""
-        if self.max_bytes is not None:
-            others = self.active_bytes + self.receiving_bytes - own
-            if others > 0 and others + own + size > self.max_bytes:
-                raise Overloaded("the gateway holds too many request bytes in flight",
-                                 retry_after=1.0)
-        self.receiving_bytes += size
-
-    def unreserve(self, size: int) -> None:
-        self.receiving_bytes -= size
-
-    def enter(self, size: int = 0) -> None:
-        # retryable (no `x-should-retry: false`): SDKs come back after the pause
-        if self.active >= self.limit:
-            raise Overloaded("the gateway is at its concurrency limit", retry_after=1.0)
-        if self.max_bytes is not None and (self.active or self.receiving_bytes) and \
-                self.active_bytes + self.receiving_bytes + size > self.max_bytes:
-            raise Overloaded("the gateway holds too many request bytes in flight",
-                             retry_after=1.0)
-        self.active += 1
-        self.active_bytes += size
-
-    def leave(self, size: int = 0) -> None:
-        self.active -= 1
-        self.active_bytes -= size
 
 
 class Proxy:
@@ -219,7 +174,7 @@ class Proxy:
                 )
             # a stream runs the end itself, as it closes (`on_close`, exactly once, whatever
             # ends it): the answer adds no second call to the streamed request's path
-            return Answer(self._streaming_response(pool, req, result, summary, headers, end,
+            return Answer(self._streaming_response(pool, req, result, headers, end,
                                                    strip_usage, rewrite, learn=race.learn))
         except GatewayError as exc:  # answered in the route's shape, then the end runs
             summary.attach(race.attempts, race.suppressed, None)
@@ -404,7 +359,6 @@ class Proxy:
         pool: PoolRuntime,
         req: LogicalRequest,
         result: RaceResult,
-        summary: RequestSummary,
         headers: dict[str, str],
         end: RequestEnd,
         strip_usage: bool,
@@ -428,11 +382,6 @@ class Proxy:
             backend=result.winner.backend,
         )
 
-        async def finish(early_end: StreamEnd | None) -> None:
-            summary.relay_end = early_end or outcome.end
-            summary.usage, summary.relayed = outcome.usage, outcome.events
-            await end()
-
         # the final events of a shutdown and of a bug of ours, built only for a stream that
         # ends that way (each is JSON to encode, on the way to the first byte)
         error_event, request_id = protocol.error_event, req.request_id
@@ -451,7 +400,7 @@ class Proxy:
             drain=self.drain,
             grace=self.server.shutdown_grace,
             shutdown_event=shutdown_event,
-            on_close=finish,
+            on_close=functools.partial(end.after_stream, outcome),
             on_exhausted=end.release_winner,
             clock=self.clock,
             client_gone=end.watcher,

@@ -2,9 +2,9 @@
 
 What a route hands the proxy (`LogicalRequest`: the body, the route's wire rules, the upstream
 call details, the commit hook); the proxy (`gateway.api.proxy`) admits it. The decisions made
-from it and the pool alone before any attempt (may it be hedged, which backends may serve it,
-its conversation key and backend order, its deadline) are its plan, taken once in
-`gateway.hedge.plan`.
+from it and the pool alone before any attempt are taken once each: which backends may serve it
+(`gateway.hedge.routing`, before admission), and its plan (may it be hedged, its conversation
+key and backend order, its deadline: `gateway.hedge.plan`, after).
 """
 
 from __future__ import annotations

@@ -19,11 +19,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.asgi import FastRoutes
-from gateway.api.common import (
-    check_json_type,
-    read_body,
-    request_id_of,
-)
+from gateway.api.common import receive, request_id_of
 from gateway.api.inference import InferenceRoute, route
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
@@ -37,7 +33,7 @@ from gateway.api.stored import (
     StoredRef,
     generate_secret,
 )
-from gateway.api.tenancy import TenantGate, check_pool, deadline_of
+from gateway.api.tenancy import TenantGate, key_terms
 from gateway.errors import ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime
@@ -45,7 +41,7 @@ from gateway.settings import Settings
 from gateway.wire.base import Rewrite
 from gateway.wire.responses import response_id_of
 from gateway.wire.sse import SSEEvent
-from gateway.wire.validate import check_body, parse_body
+from gateway.wire.validate import validated
 
 _RESPONSE_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_ID_CHARS}}}")
 #: client query parameters of `GET /v1/responses/{id}/input_items` passed upstream
@@ -79,12 +75,6 @@ def build_responses_router(
     ids = ResponseIds(settings.server.response_id_secret or generate_secret())
     router = APIRouter()
     limit = settings.server.max_body_bytes
-
-    async def read_json(request: Request) -> tuple[dict[str, Any], int]:
-        """The body, parsed, and its size in bytes (the estimate of its input tokens)."""
-        check_json_type(request)
-        raw = await read_body(request, limit, proxy.admission)
-        return parse_body(raw), len(raw)
 
     def pool_of(model: str) -> PoolRuntime:
         pool = live.current.pools.get(model)
@@ -129,12 +119,18 @@ def build_responses_router(
         return on_commit
 
     async def inference(request: Request, entry: InferenceRoute) -> Response:
-        tenant = gate.identify(request) if gate.active else None
-        body, size = await read_json(request)
+        # one call for the request's checks, one for the body's (as the chat route); the
+        # body's size in bytes is the estimate of its input tokens
+        tenant, rid, raw = await receive(request, gate, limit, proxy.admission)
+        checked, size = validated(raw, needs_prompt=entry.prompt), len(raw)
+        del raw  # the parsed body is what goes on: the bytes would be held to the end
+        body, model, stream = checked.body, checked.model, checked.stream
         logged_model = note_model(request.scope, body, live.current.hidden)
-        model, stream = check_body(body, needs_prompt=entry.prompt)
+        if checked.refused is not None:
+            raise checked.refused
         pool = pool_of(model)
-        check_pool(tenant, model)
+        headers = headers_of(request)
+        deadline = key_terms(tenant, model, headers)
         pinned = translated = None
         binding = binding_of(request)
         previous = body.get("previous_response_id")
@@ -145,10 +141,8 @@ def build_responses_router(
                                        "to this gateway", param="previous_response_id")
             pinned, translated = ref.backend, (ref.upstream_id, str(previous))
             body = {**body, "previous_response_id": ref.upstream_id}
-        headers = headers_of(request)
-        deadline = deadline_of(tenant, headers)
         req = LogicalRequest(
-            request_id_of(request), entry.endpoint, body, stream, headers,
+            rid, entry.endpoint, body, stream, headers,
             protocol=entry.protocol, stateful=responses_stateful(body), pinned=pinned,
             on_commit=minting(pool.settings.name, stream, binding, translated),
             route=entry.path, model=logged_model, body_bytes=size,

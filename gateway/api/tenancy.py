@@ -28,7 +28,7 @@ from gateway.errors import (
     StoreDown,
     Unauthorized,
 )
-from gateway.hedge.deadline import OBJECTIVE_HEADER, KeyShare, header_objective, objective
+from gateway.hedge.deadline import OBJECTIVE_HEADER, KeyShare, request_objective
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
 from gateway.stats import RequestSummary
@@ -349,11 +349,19 @@ class Deadline(NamedTuple):
     forward: dict[str, str]
 
 
+def key_terms(tenant: Tenant | None, pool: str, headers: Mapping[str, str]) -> Deadline:
+    """What the request's key says once the body has named its pool: refused as an unknown
+    model when the key may not use it (`check_pool`), else the request's objective
+    (`deadline_of`). One call for the route, after its body's checks."""
+    check_pool(tenant, pool)
+    return deadline_of(tenant, headers)
+
+
 def deadline_of(tenant: Tenant | None, headers: Mapping[str, str]) -> Deadline:
     """The request's objective: the tighter of its key's `ttft_objective` and its
     `x-slo-ttft-ms` header (a malformed header is ignored: `header_objective`)."""
     key = None if tenant is None else tenant.settings.ttft_objective
-    seconds = objective(key, header_objective(headers.get(OBJECTIVE_HEADER)))
+    seconds = request_objective(key, headers.get(OBJECTIVE_HEADER))
     forward = {} if seconds is None else {OBJECTIVE_HEADER: str(max(1, round(seconds * 1000)))}
     if tenant is None:
         return Deadline(seconds, None, None, forward)

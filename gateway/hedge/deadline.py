@@ -54,6 +54,12 @@ def objective(key: float | None, header: float | None) -> float | None:
     return min(key, header)
 
 
+def request_objective(key: float | None, raw: str | None) -> float | None:
+    """The request's objective from its key's (`key`, seconds) and its raw `x-slo-ttft-ms`
+    header (`header_objective`, then `objective`): one call for the route's read of it."""
+    return objective(key, header_objective(raw))
+
+
 def deadline_delay(*, normal: float, objective: float, primary_tail: float | None,
                    second_ttft: float | None) -> float | None:
     """When (seconds after the primary's start) the hedge of a request with `objective` goes,

@@ -4,11 +4,11 @@ its attempts read.
 
 The API layer hands the request's facts (`RequestFacts`: a structural view of what the route
 read, never the route's own type) and the pool; the race is handed the plan as data
-(`Plan.options`) and reads no request again. Two steps, because one rule is a refusal before
-the request is admitted: `routing` (a route no backend serves is a 404, counted as a
-refusal; a request no backend's API can carry is a 400), with the backends it reaches by
-translation and what each is sent; the rest is `plan`, read once the request holds its
-admission slot.
+(`Plan.options`) and reads no request again. The plan is taken once the request holds its
+admission slot (it notes the turn of the request's conversation, which a refused request must
+not); which backends it may use is decided before that, by `gateway.hedge.routing`, since a
+route no backend serves is refused without a slot. Two files for the two steps, so that the
+proxy enters each once.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.errors import RouteNotServed, Untranslatable
 from gateway.hedge.affinity import AffinityRoute, route_for
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.deadline import KeyShare
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.sizing import RequestSize
-from gateway.wire.base import Translation, translation_for
 from gateway.wire.paths import Endpoint
 
 
@@ -83,7 +81,7 @@ class Plan:
 def plan(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str], start: float
          ) -> Plan:
     """The plan of an admitted request started at `start`, over the backends it may use (the
-    pool's, less `excluded`: see `excluded_backends`)."""
+    pool's, less `excluded`: see `gateway.hedge.routing`)."""
     refusal = None if req.single else hedge_refusal(pool, req)
     at = deadline(pool, req, start)
     route = affinity_route(pool, req, excluded)
@@ -145,71 +143,6 @@ def hedge_refusal(pool: PoolRuntime, req: RequestFacts) -> SuppressReason | None
     return None
 
 
-#: per backend reached by translation: its translation and the body it is sent
-Translated = Mapping[str, tuple[Translation, Mapping[str, Any]]]
-
-
-@dataclass(frozen=True, slots=True)
-class Routing:
-    """Which of the pool's backends a request may use, and how it reaches each."""
-
-    #: the backends it may not use (see `routing`)
-    excluded: frozenset[str]
-    #: the backends it reaches only by translation (empty: none, the usual case)
-    translated: Translated
-
-
-def routing(pool: PoolRuntime, req: RequestFacts) -> Routing:
-    """The pool's backends this request may not use: those that serve neither its route nor
-    (when the pool translates) a route a translation reaches, and all but the pinned one.
-    Each backend reached by translation is sent the request translated, once per API.
-
-    RouteNotServed (404) when no backend is left. A request a translation refuses
-    (`Untranslatable`: a field that changes the answer has no place in the backend's API)
-    goes to the backends that speak its own API; with none, the refusal is the answer (400
-    naming the field)."""
-    excluded: set[str] = set()
-    via: dict[str, Translation] = {}
-    translate, table = pool.settings.translate and bool(pool.translations), pool.translations
-    for b in pool.settings.backends:
-        serves = pool.serves_of(b.name)
-        if req.pinned not in (None, b.name):
-            excluded.add(b.name)
-        elif req.endpoint not in serves:
-            found = translation_for(table, req.endpoint, serves) if translate else None
-            if found is None:
-                excluded.add(b.name)
-            else:
-                via[b.name] = found
-    if len(excluded) == len(pool.settings.backends):
-        raise RouteNotServed(
-            f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
-        )
-    if not via:
-        return Routing(frozenset(excluded), {})
-    bodies: dict[str, Mapping[str, Any]] = {}
-    refused: Untranslatable | None = None
-    for translation in {t.name: t for t in via.values()}.values():
-        try:
-            bodies[translation.name] = translation.request(req.body)
-        except Untranslatable as exc:
-            refused = exc
-    translated = {}
-    for name, translation in via.items():
-        if translation.name in bodies:
-            translated[name] = (translation, bodies[translation.name])
-        else:
-            excluded.add(name)
-    if refused is not None and len(excluded) == len(pool.settings.backends):
-        raise refused
-    return Routing(frozenset(excluded), translated)
-
-
-def excluded_backends(pool: PoolRuntime, req: RequestFacts) -> frozenset[str]:
-    """The backends `req` may not use (`routing`'s)."""
-    return routing(pool, req).excluded
-
-
 def affinity_applies(pool: PoolRuntime, req: RequestFacts) -> bool:
     """Affinity is on for the pool and the request may go to more than one backend."""
     return pool.settings.affinity.enabled and req.pinned is None and not req.single
@@ -218,7 +151,7 @@ def affinity_applies(pool: PoolRuntime, req: RequestFacts) -> bool:
 def affinity_route(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str]
                    ) -> AffinityRoute | None:
     """The request's conversation key and order over the backends it may use (the pool's, less
-    `excluded_backends`), or None: affinity does not apply (`affinity_applies`), or the
+    `gateway.hedge.routing`), or None: affinity does not apply (`affinity_applies`), or the
     request has no key.
 
     Why not over the whole pool: the first of the order is the conversation's home, which the

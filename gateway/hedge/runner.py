@@ -54,7 +54,7 @@ class UpstreamRequest:
     query: tuple[tuple[str, str], ...] = ()
     forward_headers: Mapping[str, str] = field(default_factory=dict)
     #: per backend reached by translation: its translation and the body it is sent
-    #: (`gateway.hedge.plan.routing`); empty for the usual request
+    #: (`gateway.hedge.routing`); empty for the usual request
     translated: Mapping[str, tuple[Translation, Mapping[str, Any]]] = field(
         default_factory=dict)
 

@@ -21,6 +21,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import ForbiddenField, InvalidJSON, InvalidRequest
@@ -244,6 +245,31 @@ def scan_work(body: Mapping[str, Any]) -> int:
     with contextlib.suppress(InvalidRequest):
         _scan_nested(body, tally)
     return tally[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Validated:
+    """A body parsed, and what its shape's checks found (`validated`)."""
+
+    body: dict[str, Any]
+    #: the body's model and whether it streams (empty and False when `refused`)
+    model: str
+    stream: bool
+    #: the shape's refusal, handed back rather than raised: the route notes the body's model
+    #: for the request's log line first, then raises it (a body that does not parse has no
+    #: model to note, and that refusal is raised here)
+    refused: InvalidRequest | None
+
+
+def validated(raw: bytes, *, needs_prompt: str | None) -> Validated:
+    """The body's checks in one call: parsed (`parse_body`: raises its refusal), then its
+    shape checked (`check_body`: its refusal handed back as `Validated.refused`)."""
+    body = parse_body(raw)
+    try:
+        model, stream = check_body(body, needs_prompt=needs_prompt)
+    except InvalidRequest as exc:
+        return Validated(body, "", False, exc)
+    return Validated(body, model, stream, None)
 
 
 def check_body(body: Mapping[str, Any], *, needs_prompt: str | None) -> tuple[str, bool]:

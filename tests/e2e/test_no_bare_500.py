@@ -165,15 +165,14 @@ def _streamed(route: InferenceRoute, stream: bool) -> bool:
     return stream
 
 
-#: the modules whose routes read and check a body (their names, as imported there)
-_ROUTERS = ("gateway.api.chat", "gateway.api.responses", "gateway.api.messages")
-
 STEPS = (
-    Step("body read", _patch(*((m, "read_body", _araise) for m in _ROUTERS)),
+    # every route reads its body through `gateway.api.common.receive`, and parses and checks it
+    # through `gateway.wire.validate.validated`: the steps are patched where those call them
+    Step("body read", _patch(("gateway.api.common", "read_body", _araise)),
          applies=_bodied),
-    Step("body parse", _patch(*((m, "parse_body", _raise) for m in _ROUTERS)),
+    Step("body parse", _patch(("gateway.wire.validate", "parse_body", _raise)),
          applies=_bodied),
-    Step("validation", _patch(*((m, "check_body", _raise) for m in _ROUTERS)),
+    Step("validation", _patch(("gateway.wire.validate", "check_body", _raise)),
          applies=_bodied),
     Step("response id", _patch(("gateway.api.stored.ResponseIds", "read", _raise)),
          applies=_stored),

@@ -12,9 +12,10 @@ from typing import Any, cast
 
 import pytest
 
+from gateway.api.admission import Admission
 from gateway.api.answer import Answer
 from gateway.api.end import RequestEnd
-from gateway.api.proxy import Admission, Proxy
+from gateway.api.proxy import Proxy
 from gateway.drain import Drain
 from gateway.errors import InternalError, Overloaded, UpstreamClientError
 from gateway.hedge.race import Race

@@ -15,9 +15,10 @@ from gateway.errors import UpstreamConnectError
 from gateway.hedge.affinity import AffinityRoute, rendezvous_order
 from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.hedge.placement import Placement, RaceOptions
-from gateway.hedge.plan import affinity_route, excluded_backends
+from gateway.hedge.plan import affinity_route
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race
+from gateway.hedge.routing import excluded_backends
 from gateway.wire.chat import CHAT
 from gateway.wire.sse import SSEBatch, SSEEvent
 from tests.harness.builders import gateway_settings

@@ -14,8 +14,8 @@ import pytest
 from gateway.api.request import LogicalRequest
 from gateway.errors import AllAttemptsFailed, RouteNotServed, Untranslatable
 from gateway.hedge.attempt import AttemptRecord
-from gateway.hedge.plan import routing
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.routing import routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner
 from gateway.settings import BackendSettings, PoolSettings, load_settings
 from gateway.settings.fields import ConfigError
