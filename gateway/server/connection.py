@@ -145,25 +145,27 @@ class _CloseHook(asyncio.Transport):
         super().__init__()
         self._transport = transport
         self._on_close = on_close
-        #: the next write is to be held (`hold`), and the bytes held until the one after it
-        self._hold = False
+        #: the response head held for the write after it (`hold`)
         self._held: bytes | None = None
 
     def hold(self) -> None:
         """Hold the next write (the response head) until the one after it (its first body
         piece): both leave in one send. Only a response that has that piece in hand asks,
-        so nothing waits behind the head; a close still sends what is held first."""
-        self._hold = True
+        so nothing waits behind the head; a close still sends what is held first. The two
+        writes go through writers set on the instance for them alone, so every other write
+        of the response pays nothing for the hold."""
+        self.write = self._write_held  # type: ignore[method-assign]
+
+    def _write_held(self, data: bytes | bytearray | memoryview) -> None:
+        self._held = bytes(data)
+        self.write = self._write_with_held  # type: ignore[method-assign]
+
+    def _write_with_held(self, data: bytes | bytearray | memoryview) -> None:
+        del self.write  # the plain `write` again
+        held, self._held = self._held, None
+        self._transport.write(data if held is None else held + data)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self._hold:
-            self._hold = False
-            self._held = bytes(data)
-            return
-        held = self._held
-        if held is not None:
-            self._held = None
-            data = held + data
         self._transport.write(data)
 
     def is_closing(self) -> bool:
@@ -174,6 +176,7 @@ class _CloseHook(asyncio.Transport):
         if held is not None:  # a head whose body never came: it goes out, as it would have
             self._held = None
             self._transport.write(held)
+        self.__dict__.pop("write", None)  # a hold never completed: the plain `write` again
         self._on_close()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:

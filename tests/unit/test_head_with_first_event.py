@@ -14,7 +14,12 @@ from uvicorn.server import ServerState
 
 from gateway.api.stream import SSEResponse
 from gateway.drain import Drain
-from gateway.server.connection import ConnectionLimits, GatewayConfig, GatewayHttpProtocol
+from gateway.server.connection import (
+    ConnectionLimits,
+    GatewayConfig,
+    GatewayHttpProtocol,
+    _CloseHook,
+)
 
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}"
 FIRST, SECOND = b"data: first\n\n", b"data: second\n\n"
@@ -137,3 +142,25 @@ def test_the_first_sent_hook_runs_once_the_first_event_is_out_before_the_second(
     writes = serve_one(body(), on_first_sent=lambda: seen.append("hook"))
     assert seen == ["first taken", "hook", "second taken"]
     assert FIRST in writes[0]
+
+
+def test_a_held_head_joins_the_next_write_only_and_a_close_still_sends_it() -> None:
+    """The hold covers two writes: the head, then the piece it goes out with; every later
+    write is the plain one, and a close sends a head whose piece never came."""
+    transport = RecordingTransport()
+    closed: list[bool] = []
+    hook = _CloseHook(transport, lambda: closed.append(True))
+    hook.hold()
+    hook.write(b"head")
+    assert transport.writes == []
+    hook.write(b"first")
+    hook.write(b"second")
+    assert transport.writes == [b"headfirst", b"second"]
+
+    transport = RecordingTransport()
+    hook = _CloseHook(transport, lambda: closed.append(True))
+    hook.hold()
+    hook.write(b"head")
+    hook.close()
+    hook.write(b"late")
+    assert transport.writes == [b"head", b"late"] and closed == [True]
