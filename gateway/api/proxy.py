@@ -163,7 +163,8 @@ class Proxy:
                 if rewrite is not None:
                     body = rewrite[1](body)
                 if winner.translation is not None:
-                    body = winner.translation.answer(body, int(time.time()))
+                    body = winner.translation.answer(
+                        body, int(time.time()), winner.parsed if rewrite is None else None)
                 if req.metered:
                     summary.usage = body_usage(body)
                 cost = summary_cost(summary, pool.prices)
@@ -217,7 +218,8 @@ class Proxy:
         gateway asked for is to be dropped from the stream, and whether a non-streaming
         request is read upstream as a stream (so that a break or a stall can be continued)
         and answered whole."""
-        plan = make_plan(pool, req, routes.excluded, summary.started)
+        plan = make_plan(pool, req, routes.excluded, summary.started,
+                         routes.translated.admits if routes.translated else None)
         summary.size = plan.size
         upstream_body, strip_usage = ask_for_usage(req.endpoint, req.stream, req.body)
         # continuations speak the client's API: never to a backend reached by translation

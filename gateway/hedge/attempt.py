@@ -145,6 +145,9 @@ class Prefix:
     #: the attempt's backend speaks another API than the client: how its answer is written
     #: in the client's (None: it is relayed as it is)
     translation: Translation | None = None
+    #: a whole answer as the runner parsed it to judge it (None: a stream), so that its
+    #: translation does not parse it again
+    parsed: object = None
     #: a close has run to its end: closing again does nothing
     closed: bool = False
 
@@ -263,7 +266,7 @@ async def open_whole_response(
                 raise UpstreamProtocolError("response body is not a JSON object")
             if classify_body(payload) is Kind.ERROR:
                 raise UpstreamInBandError("error in the response body")
-            return Prefix(stream, batches, [event])
+            return Prefix(stream, batches, [event], parsed=payload)
         raise UpstreamNoToken("empty response")
     except BaseException:
         await close_quietly(stream, batches)

@@ -58,6 +58,10 @@ class RaceOptions:
     share: KeyShare | None = None
     #: the key's own budget ratio, its share's deposit per request (None: the pool's)
     share_ratio: float | None = None
+    #: whether an attempt may go to a backend, asked of each backend picked (None: every
+    #: one not excluded may): a backend reached by translation is translated for then, and
+    #: one whose translation refuses the request is passed over (`gateway.hedge.plan`)
+    admits: Callable[[str], bool] | None = None
     #: False: the race deposits nothing in the budget (a continuation's: its request did)
     deposit: bool = True
 
@@ -169,7 +173,21 @@ class Placement:
         ttft: Callable[[str], float | None],
     ) -> str | None:
         """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
-        never a backend this request may not use (`RaceOptions.excluded`)."""
+        never a backend this request may not use (`RaceOptions.excluded`), nor one that does
+        not admit it (`RaceOptions.admits`: then left out like a backend that rejected the
+        body, and the choice made again)."""
+        chosen = self._pick(now, first=first, exclude=exclude, avoid_groups=avoid_groups,
+                            ttft=ttft)
+        admits = self.options.admits
+        while chosen is not None and admits is not None and not admits(chosen):
+            self.judged.add(chosen)
+            chosen = self._pick(now, first=first, exclude={*exclude, *self.judged},
+                                avoid_groups=avoid_groups, ttft=ttft)
+        return chosen
+
+    def _pick(self, now: float, *, first: bool, exclude: Collection[str],
+              avoid_groups: Collection[str], ttft: Callable[[str], float | None]
+              ) -> str | None:
         outside = self.options.excluded
         self.panic = self.panic or self.pool.balancer.panic(now, outside=outside)
         route = self.options.affinity

@@ -14,7 +14,7 @@ proxy enters each once.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,10 +78,10 @@ class Plan:
     affinity_miss: bool
 
 
-def plan(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str], start: float
-         ) -> Plan:
+def plan(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str], start: float,
+         admits: Callable[[str], bool] | None = None) -> Plan:
     """The plan of an admitted request started at `start`, over the backends it may use (the
-    pool's, less `excluded`: see `gateway.hedge.routing`)."""
+    pool's, less `excluded`: see `gateway.hedge.routing`; `admits`: `RaceOptions.admits`)."""
     refusal = None if req.single else hedge_refusal(pool, req)
     at = deadline(pool, req, start)
     route = affinity_route(pool, req, excluded)
@@ -100,6 +100,7 @@ def plan(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str], start: 
         objective=req.objective,
         share=req.share,
         share_ratio=req.share_ratio,
+        admits=admits,
     )
     return Plan(options, size, route is None and affinity_applies(pool, req))
 

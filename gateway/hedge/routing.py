@@ -8,7 +8,7 @@ enters each of the two once: this file before admission, the plan's after it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +17,66 @@ from gateway.hedge.plan import RequestFacts
 from gateway.hedge.pool import PoolRuntime
 from gateway.wire.base import Translation, translation_for
 
-#: per backend reached by translation: its translation and the body it is sent
-Translated = Mapping[str, tuple[Translation, Mapping[str, Any]]]
+
+class Translated(Mapping[str, tuple[Translation, Mapping[str, Any]]]):
+    """Per backend a request reaches only by translation: its translation and the body it is
+    sent, that body made when an attempt first goes to such a backend (`admits`), once per
+    translation and request. A request a native backend answers translates nothing.
+
+    Reading a backend's entry makes its body; one its translation refuses raises the
+    refusal (`Untranslatable`)."""
+
+    __slots__ = ("_body", "_made", "_via")
+
+    def __init__(self, via: Mapping[str, Translation], body: Mapping[str, Any]) -> None:
+        self._via = via
+        self._body = body
+        #: translation name -> the body it made, or its refusal
+        self._made: dict[str, Mapping[str, Any] | Untranslatable] = {}
+
+    def without(self, backends: Collection[str]) -> Translated:
+        """The same request's translations less `backends`, the bodies made kept."""
+        kept = Translated({b: t for b, t in self._via.items() if b not in backends}, self._body)
+        kept._made = self._made
+        return kept
+
+    def made(self, translation: Translation) -> Mapping[str, Any] | Untranslatable:
+        """The body `translation` makes of the request's, or its refusal (made once)."""
+        made = self._made.get(translation.name)
+        if made is None:
+            try:
+                made = translation.request(self._body)
+            except Untranslatable as exc:
+                made = exc
+            self._made[translation.name] = made
+        return made
+
+    def admits(self, backend: str) -> bool:
+        """Whether an attempt may go to `backend`: it speaks the request's API, or its
+        translation carries the request (translated now, on the first attempt there)."""
+        translation = self._via.get(backend)
+        return translation is None or not isinstance(self.made(translation), Untranslatable)
+
+    def __getitem__(self, backend: str) -> tuple[Translation, Mapping[str, Any]]:
+        translation = self._via[backend]
+        made = self.made(translation)
+        if isinstance(made, Untranslatable):
+            raise made
+        return translation, made
+
+    def __contains__(self, backend: object) -> bool:
+        """Whether `backend` is reached by translation (nothing is translated to say so)."""
+        return backend in self._via
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._via)
+
+    def __len__(self) -> int:
+        return len(self._via)
+
+
+#: a request that reaches no backend by translation (the usual case)
+NOT_TRANSLATED = Translated({}, {})
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +85,8 @@ class Routing:
 
     #: the backends it may not use (see `routing`)
     excluded: frozenset[str]
-    #: the backends it reaches only by translation (empty: none, the usual case)
+    #: the backends it reaches only by translation (empty: none, the usual case), each
+    #: translation's body made when an attempt needs it
     translated: Translated
 
 
@@ -39,7 +98,13 @@ def routing(pool: PoolRuntime, req: RequestFacts) -> Routing:
     RouteNotServed (404) when no backend is left. A request a translation refuses
     (`Untranslatable`: a field that changes the answer has no place in the backend's API)
     goes to the backends that speak its own API; with none, the refusal is the answer (400
-    naming the field)."""
+    naming the field).
+
+    When some backend speaks the request's API, nothing is translated here: the race asks
+    `Translated.admits` of each backend it picks, so a translation is made only for an
+    attempt that goes to a backend of another API (and a backend whose translation refuses
+    the request is passed over, never attempted). With none, every translation is made here,
+    so that a request none can carry is refused before a race."""
     excluded: set[str] = set()
     via: dict[str, Translation] = {}
     translate, table = pool.settings.translate and bool(pool.translations), pool.translations
@@ -58,23 +123,20 @@ def routing(pool: PoolRuntime, req: RequestFacts) -> Routing:
             f"model {pool.settings.name!r} has no backend serving /v1/{req.endpoint}"
         )
     if not via:
-        return Routing(frozenset(excluded), {})
-    bodies: dict[str, Mapping[str, Any]] = {}
+        return Routing(frozenset(excluded), NOT_TRANSLATED)
+    translated = Translated(via, req.body)
+    if len(excluded) + len(via) < len(pool.settings.backends):
+        return Routing(frozenset(excluded), translated)  # a native backend: made lazily
     refused: Untranslatable | None = None
-    for translation in {t.name: t for t in via.values()}.values():
-        try:
-            bodies[translation.name] = translation.request(req.body)
-        except Untranslatable as exc:
-            refused = exc
-    translated = {}
     for name, translation in via.items():
-        if translation.name in bodies:
-            translated[name] = (translation, bodies[translation.name])
-        else:
+        made = translated.made(translation)
+        if isinstance(made, Untranslatable):
+            refused = made
             excluded.add(name)
     if refused is not None and len(excluded) == len(pool.settings.backends):
         raise refused
-    return Routing(frozenset(excluded), translated)
+    return Routing(frozenset(excluded),
+                   translated if refused is None else translated.without(excluded))
 
 
 def excluded_backends(pool: PoolRuntime, req: RequestFacts) -> frozenset[str]:

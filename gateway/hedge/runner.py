@@ -53,8 +53,8 @@ class UpstreamRequest:
     path: str | None = None
     query: tuple[tuple[str, str], ...] = ()
     forward_headers: Mapping[str, str] = field(default_factory=dict)
-    #: per backend reached by translation: its translation and the body it is sent
-    #: (`gateway.hedge.routing`); empty for the usual request
+    #: per backend reached by translation: its translation and the body it is sent, made
+    #: when first read (`gateway.hedge.routing`); empty for the usual request
     translated: Mapping[str, tuple[Translation, Mapping[str, Any]]] = field(
         default_factory=dict)
 
@@ -76,7 +76,9 @@ def attempt_runner(
     # (kept as serialized, `{...}`, and joined past its brace: each slice or `+` of it
     # was one more copy of the whole body)
     rest = memoryview(b"")
-    if req.path is None and any(_sends_content(p) for p in pool.providers.values()):
+    # (a backend reached by translation is sent its own body: none of this)
+    if req.path is None and any(_sends_content(p) for name, p in pool.providers.items()
+                                if not (translated and name in translated)):
         rest = memoryview(json.dumps({k: v for k, v in body.items() if k != "model"},
                                      separators=(",", ":")).encode())[1:]
     comma = b"" if bytes(rest[:1]) == b"}" else b","
@@ -88,9 +90,9 @@ def attempt_runner(
                 return True
             return False
 
-        routed = translated.get(backend) if translated else None
-        if routed is not None:
-            return await run_translated(backend, record, is_lost, *routed)
+        if translated and backend in translated:
+            # (made now if the race's pick did not make it: only an attempt here pays it)
+            return await run_translated(backend, record, is_lost, *translated[backend])
         call = UpstreamCall(
             endpoint=req.endpoint,
             body={**body, "model": models[backend]} if req.path is None else body,

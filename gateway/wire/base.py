@@ -145,6 +145,19 @@ class StreamTranslator(Protocol):
 
     def feed(self, event: SSEEvent) -> bytes: ...
 
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        """`feed` over a read's events, joined (a machine may splice its usual event
+        without a call per event)."""
+        ...
+
+
+class AnswerTranslation(Protocol):
+    """A whole backend answer written in the client's API (`Translation.answer`)."""
+
+    def __call__(self, data: bytes, created: int, parsed: object = None) -> bytes:
+        """`data` in the client's API; `parsed`: `data` parsed already (None: parse it)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Translation:
@@ -160,7 +173,8 @@ class Translation:
     #: the client's request body -> the backend's (Untranslatable: a 400 naming the field)
     request: Callable[[Mapping[str, Any]], dict[str, Any]]
     #: a whole backend answer -> the client's, given `created` (seconds since the epoch)
-    answer: Callable[[bytes, int], bytes]
+    #: and, when the race parsed it already, the answer parsed (`Prefix.parsed`)
+    answer: AnswerTranslation
     #: a fresh state machine for one stream, given `created`
     machine: Callable[[int], StreamTranslator]
     #: the prefixes of the client's forwarded headers that only its own API reads
@@ -184,12 +198,11 @@ class Translation:
         (a Chat backend's, `SSEBatch.raw`) is fed without building its events."""
         machine = self.machine(created)
         machine.include_usage = include_usage
-        feed = machine.feed
+        feed_all = machine.feed_all
 
         def events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
             try:
-                # one event per read is the usual case: no list, no join
-                out = feed(batch[0]) if len(batch) == 1 else b"".join([feed(e) for e in batch])
+                out = feed_all(batch)
             except (TypeError, AttributeError, KeyError, IndexError, ValueError):
                 outcome.end = StreamEnd.UPSTREAM_ERROR
                 return error_event("upstream sent an event its API never has",
@@ -228,8 +241,12 @@ def translation_for(table: Translations, client: Endpoint, serves: frozenset[str
 
 
 def json_bytes(obj: object) -> bytes:
-    """Compact JSON, as the error events are written."""
-    return json.dumps(obj, separators=(",", ":")).encode()
+    """Compact JSON, as the error events are written (`json.dumps` with separators builds
+    an encoder per call; this one is built once and holds no state between calls)."""
+    return _compact(obj).encode()
+
+
+_compact = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def nonempty(value: object) -> bool:

@@ -7,6 +7,7 @@ The stream ends at `message_stop`; events are named and repeat the name as the p
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from gateway.errors import GatewayError, UpstreamClientError
@@ -32,11 +33,29 @@ MESSAGES_TOOL_BLOCKS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"}
 MESSAGES_END = "message_stop"
 
 
+#: the usual delta as servers write it, its text a JSON string without escapes or control
+#: characters (exactly what the parse accepts of such a string): told by its bytes
+_usual_delta = re.compile(
+    rb'\{"type":"content_block_delta","index":\d{1,6},"delta":\{"type":"(?:text_delta",'
+    rb'"text"|input_json_delta","partial_json"|thinking_delta","thinking"):"([^"\\\x00-\x1f]*)"'
+    rb'\}\}').fullmatch
+#: the keep-alive and a text block's empty start, as servers write them: no output
+_PING = b'{"type":"ping"}'
+_empty_text_start = re.compile(rb'\{"type":"content_block_start","index":\d{1,6},'
+                               rb'"content_block":\{"type":"text","text":""\}\}').fullmatch
+
+
 def classify_messages(event: SSEEvent) -> Kind:
     """One Messages stream event: TOKEN (a non-empty text/thinking/input_json delta, a tool
     or redacted thinking block start), ERROR (`error`), DONE (`message_stop`), else OTHER
     (`message_start`, `ping`, an empty text block start, `signature_delta`, `message_delta`,
-    malformed)."""
+    malformed). The usual delta, the keep-alive and an empty text start are told by their
+    bytes (what the parse would make of them: the payload's type decides), the rest parsed."""
+    data = event.data
+    if (usual := _usual_delta(data)) is not None:
+        return Kind.TOKEN if usual.group(1) else Kind.OTHER
+    if data == _PING or _empty_text_start(data) is not None:
+        return Kind.OTHER
     kind, obj = typed_payload(event)
     if kind == "error":
         return Kind.ERROR

@@ -77,6 +77,34 @@ def is_plain_events(chunk: bytes) -> bool:
     return chunk.count(b"\n") == 2 * (chunk.count(b"\n\ndata: ") + 1)
 
 
+def named_events(chunk: bytes) -> list[SSEEvent] | None:
+    """The events of `chunk` when it is exactly N >= 1 events `event: NAME\ndata: X\n\n` (each
+    one line of each field, LF only, no comment), as the decoder would make them; else None.
+
+    Why it is exact: the chunk's LFs number 3 N where N is its `\ndata: ` count, N - 1 of
+    them open a following `event: ` line after a blank line, and it opens with `event: ` and
+    ends with a blank line, so every LF is one of those (an event's one `data:` line, its
+    blank line, the next event's line): no other line (a comment, an `id:`, a second `data:`
+    line, an extra blank line) fits in. The per-event work is one `find` and two slices,
+    where the decoder ran its line loop three times an event."""
+    if not chunk.startswith(b"event: ") or not chunk.endswith(b"\n\n") or 13 in chunk:
+        return None
+    count = chunk.count(b"\ndata: ")
+    if not count or chunk.count(b"\n") != 3 * count \
+            or chunk.count(b"\n\nevent: ") != count - 1:
+        return None
+    parts = chunk[:-2].split(b"\n\n")
+    if len(parts) != count:
+        return None
+    events = []
+    for part in parts:
+        at = part.find(b"\ndata: ")
+        if at <= 7 or not part.startswith(b"event: "):  # (an empty name: the decoder's way)
+            return None
+        events.append(SSEEvent(part[at + 7:], part[7:at]))
+    return events
+
+
 class SSEProtocolError(ValueError):
     """The upstream byte stream cannot be a sane SSE stream (today: a line over `max_line`)."""
 
@@ -142,6 +170,15 @@ class SSEDecoder:
         so it is handed on as its bytes, with its events decoded only on demand."""
         if self.at_boundary() and is_plain_events(chunk):
             return SSEBatch(None, chunk)
+        if chunk.startswith(b"event: ") and len(chunk) <= self._max_line and not (
+                self._parts or self._data or self._cr_pending or self._event is not None):
+            # a named server's usual read (Messages, the Responses API): whole events cut
+            # by a few C scans, not line by line; a first read opening with `event: ` has no
+            # BOM to strip
+            events = named_events(chunk)
+            if events is not None:
+                self._first_line = False
+                return SSEBatch(events)
         events = self.feed(chunk)
         return SSEBatch(events) if events else None
 

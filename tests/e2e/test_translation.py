@@ -17,6 +17,7 @@ added there is tried here, streamed and whole, with the route matrix's own answe
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ import httpx
 import openai
 import pytest
 
+import gateway.app as gateway_app
 from gateway.api.inference import INFERENCE_ROUTES, InferenceRoute
 from gateway.app import create_app
 from gateway.settings import (
@@ -35,6 +37,7 @@ from gateway.settings import (
     PoolSettings,
     Settings,
 )
+from gateway.wire.paths import Endpoint
 from gateway.wire.translate.routes import TRANSLATIONS
 from providers.sim.server import create_sim_app
 from tests.e2e.test_route_matrix import check_answer
@@ -48,6 +51,7 @@ from tests.e2e.test_sim_tools import (
     claude,
     gpt,
     slow_primary,
+    stats,
 )
 from tests.harness import AsgiServerFactory, RunningServer, UpstreamFactory
 from tests.harness.bodies import chat_completion_obj, json_script, smallest_body
@@ -273,6 +277,71 @@ def test_a_field_no_backend_can_carry_is_refused_naming_it(
     assert isinstance(error, dict) and error["param"] == "n"
     assert error["code"] == "untranslatable_field"
     assert caught.value.response.headers["x-should-retry"] == "false"
+
+
+class CountedTranslations:
+    """The route table with `chat->messages`'s request translation counted (each call)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        key: tuple[Endpoint, Endpoint] = ("chat/completions", "messages")
+        translation = TRANSLATIONS[key]
+
+        def request(body: Any) -> dict[str, Any]:
+            self.calls += 1
+            return translation.request(body)
+
+        self.table = {**TRANSLATIONS, key: dataclasses.replace(translation, request=request)}
+
+
+def test_a_request_its_own_api_s_backend_answers_is_never_translated(
+    asgi_server: AsgiServerFactory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a mixed pool, a chat request whose race the Chat backend wins alone (its first
+    token before any hedge: the Messages backend is the slow one) pays no translation: the
+    body is translated only for an attempt sent to the Messages backend, once."""
+    counted = CountedTranslations()
+    monkeypatch.setattr(gateway_app, "TRANSLATIONS", counted.table)
+    sims, gateway = mixed_pool(asgi_server, slow="messages")
+    native = translated = 0
+    for key in range(12):
+        before, heard = counted.calls, Heard()
+        with gpt(gateway, heard) as client:
+            client.chat.completions.create(
+                model=POOL, messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"x-session-id": f"lazy-{key}"})
+        if heard.headers["x-hedge-attempts"] == "1":  # the Chat primary won alone
+            assert heard.headers["x-hedge-backend"] == "chat"
+            assert counted.calls == before
+            native += 1
+        else:  # the slow Messages backend was the primary: translated for it, once
+            assert counted.calls == before + 1
+            translated += 1
+        if native and translated:
+            break
+    assert native, "the Chat backend was never the primary"
+    del sims
+
+
+def test_a_request_the_other_api_cannot_carry_is_never_sent_there(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    """`min_p` (a Chat server's extension) in a mixed pool: when the race picks the
+    Messages backend (its translation refuses the request), it passes it over for the Chat
+    one, however slow that is: no attempt and no hedge goes to the Messages backend."""
+    sims, gateway = mixed_pool(asgi_server, slow="chat")
+    before = stats(sims[1])["requests"]
+    for key in range(3):
+        heard = Heard()
+        with gpt(gateway, heard) as client:
+            answer = client.chat.completions.create(
+                model=POOL, messages=[{"role": "user", "content": "hi"}],
+                extra_body={"min_p": 0.1}, extra_headers={"x-session-id": f"refused-{key}"})
+        assert heard.headers["x-hedge-backend"] == "chat"
+        assert heard.headers["x-hedge-attempts"] == "1"
+        assert "x-hedge-translated" not in heard.headers
+        assert answer.choices
+    assert stats(sims[1])["requests"] == before
 
 
 def test_translate_false_keeps_each_request_on_its_own_api(

@@ -14,6 +14,7 @@ from gateway.wire.sse import (
     encode_comment,
     encode_event,
     is_plain_events,
+    named_events,
 )
 
 E = SSEEvent
@@ -352,3 +353,61 @@ def test_decoded_events_of_a_plain_read_are_not_kept_on_it() -> None:
     assert repr(batch).startswith("SSEBatch(events=None,")
     assert [e.data for e in batch.events] == [b"a", b"b"]  # (which `events` does keep)
     assert batch.decoded() is batch.events
+
+
+# --- whole named events: a Messages server's usual read, cut without the line loop ----------
+
+#: the pieces a fuzzed read is built of: the named framing and everything that may break it
+_PIECES = (b"event: ", b"data: ", b"\n", b"\n\n", b"\r", b":", b"x", b"content_block_delta",
+           b'{"a":1}', b" ", b"event:", b"data:", b"id: 1", b"\xef\xbb\xbf")
+
+
+def _named(name: bytes, data: bytes) -> bytes:
+    return b"event: " + name + b"\ndata: " + data + b"\n\n"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_read_of_named_events_is_cut_as_the_decoder_reads_it(seed: int) -> None:
+    """`feed_batch` on a fresh decoder and after a whole read gives the events `feed` gives,
+    for reads of named events in the usual framing and for reads that break it anywhere
+    (another field, a comment, a second data line, CR, an extra blank line, no space)."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        if rng.random() < 0.5:
+            chunk = b"".join(_named(rng.choice([b"ping", b"content_block_delta", b"a b"]),
+                                    rng.choice([b"{}", b'{"t":"x y"}', b"", b" lead"]))
+                             for _ in range(rng.randint(1, 5)))
+            if rng.random() < 0.5:  # one piece somewhere in it
+                at = rng.randrange(len(chunk) + 1)
+                chunk = chunk[:at] + rng.choice(_PIECES) + chunk[at:]
+        else:
+            chunk = b"event: " + b"".join(rng.choice(_PIECES) for _ in range(rng.randint(1, 12)))
+        for warm in (None, b"data: warm\n\n", b"event: w\ndata: warm\n\n"):
+            fast, slow = SSEDecoder(), SSEDecoder()
+            if warm is not None:
+                assert fast.feed_batch(warm) is not None
+                slow.feed(warm)
+            batch = fast.feed_batch(chunk)
+            expected = slow.feed(chunk)
+            assert (batch.events if batch is not None else []) == expected, chunk
+            # the decoder's state after it is the same: the next read decodes alike
+            follow = b"data: next\n\n"
+            after = fast.feed_batch(follow)
+            assert (after.events if after is not None else []) == slow.feed(follow), chunk
+            assert fast.comments == slow.comments
+
+
+def test_a_first_read_of_named_events_is_cut_without_the_line_loop() -> None:
+    """The decoder's first read (no BOM: it opens with `event: `) of whole named events is
+    cut by `named_events`, and the read after it too; each event its name and its data."""
+    chunk = _named(b"message_start", b'{"type":"message_start"}') + _named(b"ping", b"{}")
+    assert named_events(chunk) == [E(b'{"type":"message_start"}', b"message_start"),
+                                   E(b"{}", b"ping")]
+    decoder = SSEDecoder()
+    batch = decoder.feed_batch(chunk)
+    assert batch is not None and batch.events == named_events(chunk)
+    assert decoder.at_boundary()
+    for broken in (chunk + b"data: x\n\n", b": c\n" + chunk, chunk.replace(b"\n\n", b"\n\n\n", 1),
+                   chunk.replace(b"data: ", b"data:", 1), b"event: \ndata: x\n\n",
+                   chunk.replace(b"\n", b"\r\n")):
+        assert named_events(broken) is None, broken

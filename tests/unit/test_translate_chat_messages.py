@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import Untranslatable
+from gateway.wire.messages import classify_messages
 from gateway.wire.sse import SSEDecoder, SSEEvent
 from gateway.wire.translate.chat_messages import (
     DEFAULT_MAX_TOKENS,
@@ -702,3 +703,98 @@ def test_the_spliced_deltas_are_the_parsed_ones_byte_for_byte() -> None:
              b'"logprobs":null,"finish_reason":null}],"usage":null}')
     other = b'{"id":"c","choices":[{"delta":{"content":"\\"q\\""},"index":0}]}'
     assert chat_fast.feed(SSEEvent(usual)) == chat_slow.feed(SSEEvent(other))
+
+
+def _spaced(event: SSEEvent) -> SSEEvent:
+    """The same event with its payload written spaced, as no fast path reads it: the parse's
+    way (the reference for the fast paths)."""
+    return SSEEvent(json.dumps(json.loads(event.data), separators=(", ", ": ")).encode(),
+                    event.event)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_messages_stream_fed_by_read_is_the_parsed_one_byte_for_byte(seed: int) -> None:
+    """`feed_all` (deltas cut from their bytes, scaffolding told by its bytes, chunks built
+    from a per-stream opening) writes exactly what parsing every event writes, for streams
+    of text, reasoning, parallel calls and the forced JSON tool, cut into random reads; and
+    a Messages client's classification of each event is the parse's too."""
+    rng = random.Random(seed)
+    answer = random_chat_answer(rng)
+    events = events_of(_translate(ChatToMessages(), chat_answer_to_stream(answer, rng)))
+    # the keep-alive, an empty text block's start and a block's stop as servers send them
+    events.insert(1, SSEEvent(b'{"type":"ping"}', b"ping"))
+    if rng.random() < 0.3:  # the forced JSON tool: its arguments are the answer's text
+        events = [SSEEvent(e.data.replace(b'"name":"get_weather"',
+                                          b'"name":"' + JSON_TOOL.encode() + b'"'), e.event)
+                  for e in events]
+    created = rng.choice([0, 1700000000])
+    fast = MessagesToChat(created, include_usage=rng.random() < 0.5)
+    slow = MessagesToChat(created, include_usage=fast.include_usage)
+    got, at = [], 0
+    while at < len(events):
+        size = rng.randint(1, 8)
+        got.append(fast.feed_all(events[at:at + size]))
+        at += size
+    expected = [slow.feed(_spaced(e)) for e in events]
+    assert b"".join(got) == b"".join(expected)
+    assert fast.ended and slow.ended and fast.usage == slow.usage
+    for event in events:
+        assert classify_messages(event) is classify_messages(_spaced(event)), event
+
+
+@pytest.mark.parametrize("text", ["", "x", "tok0 ", '"', "\\", "\n", "\t", "é🙂", "a\"b"])
+def test_the_usual_delta_s_fast_reads_are_the_parse_s(text: str) -> None:
+    """A delta whose text holds an escape, a quote or nothing: the fast paths (the
+    classification's and the translation's) read it as the parse does."""
+    for kind, field in (("text_delta", "text"), ("input_json_delta", "partial_json"),
+                        ("thinking_delta", "thinking")):
+        event = SSEEvent(json.dumps({"type": "content_block_delta", "index": 0, "delta": {
+            "type": kind, field: text}}, separators=(",", ":")).encode())
+        assert classify_messages(event) is classify_messages(_spaced(event))
+    start = SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
+                     b'{"type":"text","text":""}}')
+    delta = SSEEvent(json.dumps({"type": "content_block_delta", "index": 0, "delta": {
+        "type": "text_delta", "text": text}}, separators=(",", ":")).encode())
+    fast, slow = MessagesToChat(1, True), MessagesToChat(1, True)
+    assert fast.feed_all([start, delta, delta]) == b"".join(
+        [slow.feed(_spaced(start)), slow.feed(_spaced(delta)), slow.feed(_spaced(delta))])
+
+
+@pytest.mark.parametrize("ident", [None, "msg_1", 'q"\\é', 7])
+def test_a_chunk_built_from_the_stream_s_opening_is_the_dict_s_json(ident: object) -> None:
+    """Each chunk (a delta, a finish, the usage) is what compact JSON of the whole chunk
+    object writes, whatever the id and the model hold."""
+    machine = MessagesToChat(1700000000, include_usage=True)
+    machine.feed(SSEEvent(json.dumps({"type": "message_start", "message": {
+        "id": ident, "model": "claude-é", "usage": {"input_tokens": 2}}}).encode()))
+    head = {"id": ident, "object": "chat.completion.chunk", "created": 1700000000,
+            "model": "claude-é"}
+
+    def data(obj: object) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    for delta, finish in (({"content": "a"}, None), ({}, "stop"),
+                          ({"role": "assistant", "content": ""}, None)):
+        assert machine._chunk(delta, finish) == data({**head, "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+    assert machine.feed(SSEEvent(b'{"type":"message_stop"}')) == data(
+        {**head, "choices": [], "usage": chat_usage({"input_tokens": 2})}) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_chat_stream_fed_by_read_is_the_parsed_one_byte_for_byte(seed: int) -> None:
+    """`ChatToMessages.feed_all` (a text chunk that differs from the last only in its text cut
+    by its bytes, the answer's first text opening its block without a parse) writes exactly
+    what parsing every chunk writes, over streams of text, reasoning and parallel calls cut
+    into random reads."""
+    rng = random.Random(seed)
+    events = events_of(chat_answer_to_stream(random_chat_answer(rng), rng))
+    fast, slow = ChatToMessages(), ChatToMessages()
+    got, at = [], 0
+    while at < len(events):
+        size = rng.randint(1, 8)
+        got.append(fast.feed_all(events[at:at + size]))
+        at += size
+    expected = [slow.feed(e if e.data == b"[DONE]" else _spaced(e)) for e in events]
+    assert b"".join(got) == b"".join(expected)
+    assert fast.ended and slow.ended and fast.usage == slow.usage

@@ -14,6 +14,7 @@ import pytest
 from gateway.api.request import LogicalRequest
 from gateway.errors import AllAttemptsFailed, RouteNotServed, Untranslatable
 from gateway.hedge.attempt import AttemptRecord
+from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.routing import routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner
@@ -91,8 +92,11 @@ def test_apis_narrow_a_backend_and_translate_false_keeps_today_s_rule() -> None:
     with pytest.raises(Untranslatable) as caught:
         routing(pool_of(), request("responses", input="hi"))
     assert caught.value.param == "store"
+    # a Chat backend that speaks the Responses API too: nothing is translated before the
+    # race, and the race passes over the Messages backend, whose translation refuses it
     wide = routing(pool_of(chat_apis=None), request("responses", input="hi"))
-    assert wide.excluded == {"msgs"} and not wide.translated
+    assert wide.excluded == frozenset() and not wide.translated.admits("msgs")
+    assert wide.translated.admits("chat")
     with pytest.raises(RouteNotServed):
         routing(pool_of(), request("embeddings", input="hi"))
     kept = routing(pool_of(translate=False), request("chat/completions"))
@@ -103,7 +107,7 @@ def test_a_field_one_api_cannot_carry_keeps_the_request_on_its_own_api() -> None
     """`n: 2` cannot go to Messages: the Chat backend alone serves it; with no Chat backend,
     the refusal is the answer, naming the field."""
     mixed = routing(pool_of(), request("chat/completions", n=2))
-    assert mixed.excluded == {"msgs"} and not mixed.translated
+    assert mixed.excluded == frozenset() and not mixed.translated.admits("msgs")
     only_messages = pool_of(providers={"chat": Serving("embeddings"), "msgs": PROVIDERS["msgs"]})
     with pytest.raises(Untranslatable) as caught:
         routing(only_messages, request("chat/completions", n=2))
@@ -114,7 +118,7 @@ def test_an_unknown_field_keeps_the_request_on_its_own_api() -> None:
     """`min_p` (a Chat server's extension) has no place in Messages: the Chat backend alone
     serves the request; with no Chat backend, the refusal names the field."""
     mixed = routing(pool_of(), request("chat/completions", min_p=0.1))
-    assert mixed.excluded == {"msgs"} and not mixed.translated
+    assert mixed.excluded == frozenset() and not mixed.translated.admits("msgs")
     only_messages = pool_of(providers={"chat": Serving("embeddings"), "msgs": PROVIDERS["msgs"]})
     with pytest.raises(Untranslatable) as caught:
         routing(only_messages, request("chat/completions", min_p=0.1))
@@ -251,3 +255,56 @@ def test_the_docs_list_every_dropped_field() -> None:
         listed = section.split("**Dropped**")[1]
         missing = [name for name in dropped if f"`{name}`" not in listed]
         assert not missing, (title, missing)
+
+
+def test_a_mixed_pool_s_routing_translates_only_for_a_backend_picked() -> None:
+    """With a backend of the request's own API in the pool, routing translates nothing;
+    asking whether the other API's backend admits the request translates it, once, and
+    the attempt there is sent that body."""
+    made: list[str] = []
+    key: tuple[Endpoint, Endpoint] = ("chat/completions", "messages")
+    original = TRANSLATIONS[key]
+
+    def request_of(body: Any) -> dict[str, Any]:
+        made.append("chat->messages")
+        return original.request(body)
+
+    table = {**TRANSLATIONS, key: dataclasses.replace(original, request=request_of)}
+    backends = (
+        BackendSettings(name="chat", provider="openai", base_url="http://127.0.0.1:9/v1",
+                        apis=("chat",)),
+        BackendSettings(name="msgs", provider="anthropic", base_url="http://127.0.0.1:9"))
+    pool = PoolRuntime.build(PoolSettings(name="pool", backends=backends), PROVIDERS,
+                             global_hedging=True, now=0.0, rng=random.Random(1),
+                             translations=table)
+    routed = routing(pool, request("chat/completions"))
+    assert made == [] and routed.excluded == frozenset() and "msgs" in routed.translated
+    assert routed.translated.admits("chat") and made == []
+    assert routed.translated.admits("msgs") and made == ["chat->messages"]
+    translation, body = routed.translated["msgs"]
+    assert translation.name == "chat->messages" and made == ["chat->messages"]
+    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+
+def test_the_race_passes_over_a_backend_that_does_not_admit_the_request() -> None:
+    """Whichever backend the pick prefers, one that does not admit the request (its
+    translation refuses it) is asked once and passed over; the other is chosen, for the
+    primary and for an extra attempt alike (of the two cases, one has the preferred backend
+    refuse)."""
+    passed_over = 0
+    for speaks in ("chat", "msgs"):
+        pool = pool_of()
+        asked: list[str] = []
+
+        def admits(backend: str, speaks: str = speaks, asked: list[str] = asked) -> bool:
+            asked.append(backend)
+            return backend == speaks
+
+        placement = Placement(pool, RaceOptions(60.0, pool.delays, True, admits=admits))
+        assert placement.primary(0.0) == speaks
+        assert asked[-1] == speaks and asked.count(speaks) == 1 and len(asked) <= 2
+        if len(asked) == 2:
+            passed_over += 1
+            assert asked[0] in placement.judged
+        assert placement.extra(0.0, [], [], hedge=False) == speaks
+    assert passed_over == 1

@@ -45,12 +45,18 @@ _CHAT_DELTA = re.compile(
 _MARK = "\x00mark\x00"
 _MARK_JSON = json_bytes(_MARK)
 _chat_delta = _CHAT_DELTA.match
-
-
-def _around(obj: object) -> tuple[bytes, bytes]:
-    """`obj`'s bytes before and after its one `_MARK` string: a delta's text goes between."""
-    before, _, after = _data(obj).rpartition(_MARK_JSON)
-    return before, after
+#: Messages' scaffolding as servers write it, told apart without a parse: the keep-alive
+#: and a block's end (nothing in Chat), the stream's end, and a text block's empty start
+_PING = b'{"type":"ping"}'
+_MESSAGE_STOP = b'{"type":"message_stop"}'
+_block_stop = re.compile(rb'\{"type":"content_block_stop","index":\d{1,6}\}').fullmatch
+_text_start = re.compile(rb'\{"type":"content_block_start","index":(\d{1,6}),'
+                         rb'"content_block":\{"type":"text","text":""\}\}').fullmatch
+#: `message_stop` as `_named` writes it
+_MESSAGE_STOP_EVENT = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+#: a Chat chunk's choice after its delta, with no finish reason
+_NO_FINISH = b',"finish_reason":null,"logprobs":null}]}\n\n'
+_ROLE = b'{"role":"assistant","content":""}'
 
 
 def _payload(event: SSEEvent) -> dict[str, Any] | None:
@@ -82,6 +88,8 @@ class MessagesToChat:
     `created`: the chunks' `created` (Messages has no such field)."""
 
     __slots__ = (
+        "_current",
+        "_head",
         "_messages_usage",
         "_spliced",
         "calls",
@@ -108,14 +116,31 @@ class MessagesToChat:
         self.ended = self.failed = False
         self._messages_usage: dict[str, Any] = {}
         #: per content block index (its digits, as the events write it): the delta type it
-        #: takes, and the chunk's bytes around such a delta's text (`feed`)
-        self._spliced: dict[bytes, tuple[bytes, bytes, bytes]] = {}
+        #: takes, the chunk's bytes around such a delta's text (`feed`), and such a delta's
+        #: payload up to its text (`feed_all`)
+        self._spliced: dict[bytes, tuple[bytes, bytes, bytes, bytes]] = {}
+        #: the block of the last delta spliced (`feed_all` tries it first): most deltas in a
+        #: row are one block's
+        self._current: tuple[bytes, bytes, bytes, bytes] | None = None
+        #: every chunk's bytes up to its `choices` (`_opening`), made once per id and model
+        self._head: bytes | None = None
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return _data({"id": self.id, "object": "chat.completion.chunk",
-                      "created": self.created, "model": self.model,
-                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                   "logprobs": None}]})
+    def _opening(self) -> bytes:
+        """`data: ` and a chunk's JSON up to its `choices`' value: the same in every chunk of
+        the stream, so written once (the id and the model are known at `message_start`)."""
+        head = self._head
+        if head is None:
+            head = self._head = (
+                b'data: {"id":' + json_bytes(self.id)
+                + b',"object":"chat.completion.chunk","created":' + json_bytes(self.created)
+                + b',"model":' + json_bytes(self.model) + b',"choices":')
+        return head
+
+    def _chunk(self, delta: dict[str, Any] | bytes, finish: str | None = None) -> bytes:
+        """The chunk `_data` writes for this choice (`delta` as a dict, or its JSON)."""
+        return (self._opening() + b'[{"index":0,"delta":'
+                + (delta if isinstance(delta, bytes) else json_bytes(delta))
+                + b',"finish_reason":' + json_bytes(finish) + b',"logprobs":null}]}\n\n')
 
     def _take_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):
@@ -124,10 +149,38 @@ class MessagesToChat:
 
     def _splice(self, index: int, kind: bytes, delta: dict[str, Any]) -> None:
         """Build once the chunk a `kind` delta of block `index` becomes (its text marked)."""
-        self._spliced[str(index).encode()] = (kind, *_around({
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "choices": [{"index": 0, "delta": delta,
-                                              "finish_reason": None, "logprobs": None}]}))
+        digits = str(index).encode()
+        self._current = None  # it may have been this index's former block
+        before, _, after = json_bytes(delta).rpartition(_MARK_JSON)
+        self._spliced[digits] = (
+            kind, self._opening() + b'[{"index":0,"delta":' + before, after + _NO_FINISH,
+            b'{"type":"content_block_delta","index":' + digits + b',"delta":{"type":"'
+            + kind + (b'","text":' if kind == b"text_delta" else b'","partial_json":'))
+
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        """The Chat bytes for a read's events: `feed`'s, each usual delta of the block the
+        last one was of cut from its payload by one comparison and two slices (no regex, no
+        call: the per-event cost), every other event fed."""
+        parts: list[bytes] = []
+        current = None if self.ended else self._current
+        opening = before = after = b""
+        if current is not None:
+            _, before, after, opening = current
+        for event in events:
+            data = event.data
+            if current is not None and data.startswith(opening) and data.endswith(b"}}"):
+                text = data[len(opening):-2]
+                # exactly one JSON string: quoted at both ends, no quote between and no
+                # escape (an escaped text takes the regex's way: `feed`)
+                if text.count(34) == 2 and text[0] == 34 and text[-1] == 34 \
+                        and text.find(92) < 0:
+                    parts.append(before + text + after)
+                    continue
+            parts.append(self.feed(event))
+            current = None if self.ended else self._current
+            if current is not None:
+                _, before, after, opening = current
+        return b"".join(parts)
 
     def feed(self, event: SSEEvent) -> bytes:
         """The Chat bytes for one Messages event (often none). A text or arguments delta of
@@ -138,7 +191,18 @@ class MessagesToChat:
             index, kind, text = found.group(1, 2, 3)
             around = self._spliced.get(index)
             if around is not None and around[0] == kind and not self.ended:
+                self._current = around
                 return around[1] + text + around[2]
+        data = event.data
+        # the usual scaffolding, by its exact bytes (what the parse below makes of them)
+        if data == _PING or _block_stop(data) is not None:
+            return b""
+        if data == _MESSAGE_STOP:
+            return b"" if self.ended else self._stop()
+        if (start := _text_start(data)) is not None:
+            if not self.ended:
+                self._splice(int(start.group(1)), b"text_delta", {"content": _MARK})
+            return b""
         obj = _payload(event)
         kind = obj.get("type") if obj is not None else None
         if kind is None and event.event is not None:
@@ -152,8 +216,9 @@ class MessagesToChat:
         if kind == "message_start":
             message = obj.get("message") or {}
             self.id, self.model = message.get("id"), message.get("model")
+            self._head = None
             self._take_usage(message.get("usage"))
-            return self._chunk({"role": "assistant", "content": ""})
+            return self._chunk(_ROLE)
         if kind == "message_delta":
             self._take_usage(obj.get("usage"))
             stop = (obj.get("delta") or {}).get("stop_reason")
@@ -162,17 +227,20 @@ class MessagesToChat:
             return self._chunk({}, finish_of(stop, json_only=bool(self.json_blocks)
                                              and not self.calls))
         if kind == "message_stop":
-            self.ended = True
-            tail = b""
-            if self.include_usage:
-                tail = _data({"id": self.id, "object": "chat.completion.chunk",
-                              "created": self.created, "model": self.model, "choices": [],
-                              "usage": chat_usage(self._messages_usage)})
-            return tail + b"data: [DONE]\n\n"
+            return self._stop()
         if kind == "error":
             self.ended = self.failed = True
             return _data(messages_error_to_chat(obj))
         return b""  # ping, content_block_stop, an event this API version does not know
+
+    def _stop(self) -> bytes:
+        """`message_stop`: the usage chunk (when asked for) and `[DONE]`; the stream is over."""
+        self.ended = True
+        tail = b""
+        if self.include_usage:
+            tail = (self._opening() + b'[],"usage":' + json_bytes(chat_usage(self._messages_usage))
+                    + b"}\n\n")
+        return tail + b"data: [DONE]\n\n"
 
     def _start(self, obj: dict[str, Any]) -> bytes:
         block = obj.get("content_block") or {}
@@ -226,6 +294,7 @@ class ChatToMessages:
     __slots__ = (
         "_chat_usage",
         "_spliced",
+        "_usual",
         "ended",
         "failed",
         "include_usage",
@@ -254,6 +323,10 @@ class ChatToMessages:
         self._chat_usage: dict[str, Any] | None = None
         #: per block index: the `content_block_delta` bytes around a delta's text (`feed`)
         self._spliced: dict[int, tuple[bytes, bytes]] = {}
+        #: while a text block is open: the last text chunk's bytes before and after its
+        #: text, and the delta event's around it (`feed_all`: the next chunks of the stream
+        #: differ only in their text)
+        self._usual: tuple[bytes, bytes, bytes, bytes] | None = None
 
     def _splice(self, index: int, delta: dict[str, Any]) -> tuple[bytes, bytes]:
         around = self._spliced[index] = _around_named("content_block_delta", {
@@ -268,11 +341,14 @@ class ChatToMessages:
             "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
 
     def _close(self) -> bytes:
+        self._usual = None
         if self.open is None:
             return b""
         index = self.open[1]
         self.open = None
-        return _named("content_block_stop", {"type": "content_block_stop", "index": index})
+        # (`_named`'s bytes for the event, written without an encoder: one a block)
+        return (b'event: content_block_stop\ndata: {"type":"content_block_stop","index":'
+                + str(index).encode() + b"}\n\n")
 
     def _block(self, kind: str, block: dict[str, Any]) -> bytes:
         """Close the open block and open a new one of `kind`."""
@@ -317,7 +393,34 @@ class ChatToMessages:
         return self._close() + _named("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": self.stop or "end_turn",
                                                "stop_sequence": None},
-            "usage": usage}) + _named("message_stop", {"type": "message_stop"})
+            "usage": usage}) + _MESSAGE_STOP_EVENT
+
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        """The Messages bytes for a read's chunks: `feed`'s, a text chunk that differs from
+        the last one spliced only in its text cut by two comparisons and a slice (no find,
+        no regex: the per-event cost), every other chunk fed."""
+        parts: list[bytes] = []
+        usual = self._usual
+        opening = closing = before = after = b""
+        if usual is not None:
+            opening, closing, before, after = usual
+        end = -len(closing)
+        for event in events:
+            data = event.data
+            if usual is not None and data.startswith(opening) and data.endswith(closing):
+                text = data[len(opening):end]
+                # exactly one JSON string, as `_CHAT_DELTA` reads one: quoted at both ends,
+                # no quote between and no escape (else `feed`'s regex decides)
+                if text.count(34) == 2 and text[0] == 34 and text[-1] == 34 \
+                        and text.find(92) < 0:
+                    parts.append(before + text + after)
+                    continue
+            parts.append(self.feed(event))
+            usual = None if self.ended else self._usual
+            if usual is not None:
+                opening, closing, before, after = usual
+                end = -len(closing)
+        return b"".join(parts)
 
     def feed(self, event: SSEEvent) -> bytes:
         """The Messages bytes for one Chat chunk (often a few events, sometimes none). A text
@@ -328,17 +431,24 @@ class ChatToMessages:
             return b""
         data = event.data
         current = self.open
-        if current is not None and (at := data.find(b'"choices":[{"index":0,"delta":{')) > 0:
+        if (current is not None or self.started) \
+                and (at := data.find(b'"choices":[{"index":0,"delta":{')) > 0:
             found = _chat_delta(data, at)
             # a usage object in the same chunk (after its choices, as every server writes it)
             # is read the long way
             if found is not None and data.find(b'"usage":{', found.end()) < 0:
                 text, call, arguments = found.group(1, 2, 3)
-                kind, index = current
-                if text is not None and kind == "text":
+                kind, index = current if current is not None else ("", -1)
+                if text is not None and (
+                        kind == "text" or (current is None and text != b'""')):
+                    out = b""
+                    if current is None:  # the answer's first text opens its block
+                        out = self._block("text", {"type": "text", "text": ""})
+                        index = self.next_index - 1
                     around = self._spliced.get(index) or self._splice(
                         index, {"type": "text_delta", "text": _MARK})
-                    return around[0] + text + around[1]
+                    self._usual = (data[:found.start(1)], data[found.end(1):], *around)
+                    return out + around[0] + text + around[1]
                 if call is not None and kind == "tool" and \
                         self.tools.get(int(call)) == index and arguments != b'""':
                     around = self._spliced.get(index) or self._splice(
@@ -351,6 +461,7 @@ class ChatToMessages:
             return b""
         if obj.get("error") is not None or event.event == b"error":
             self.ended = self.failed = True
+            self._usual = None
             return _named("error", chat_error_to_messages(obj))
         out = b"" if self.started else self._begin(obj)
         if isinstance(obj.get("usage"), dict):

@@ -352,6 +352,10 @@ class ChatToResponses:
                                delta=arguments)
         return out
 
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        """The Responses bytes for a read's chunks, `feed` for each."""
+        return b"".join([self.feed(event) for event in events])
+
     def feed(self, event: SSEEvent) -> bytes:
         """The Responses bytes for one Chat chunk."""
         if self.ended:

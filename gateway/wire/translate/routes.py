@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.errors import AllAttemptsFailed
-from gateway.wire.base import Translation, json_bytes
+from gateway.wire.base import AnswerTranslation, Translation, json_bytes
 from gateway.wire.chat import CHAT
 from gateway.wire.messages import MESSAGES
 from gateway.wire.paths import Endpoint
@@ -59,6 +59,9 @@ class ThroughChat:
     def failed(self) -> bool:
         return self.second.failed
 
+    def feed_all(self, events: list[SSEEvent]) -> bytes:
+        return b"".join([self.feed(event) for event in events])
+
     def feed(self, event: SSEEvent) -> bytes:
         chunks = self.first.feed(event)
         if not chunks:
@@ -69,13 +72,14 @@ class ThroughChat:
 
 
 
-def _whole(translate: Callable[[dict[str, Any], int], dict[str, Any]]
-           ) -> Callable[[bytes, int], bytes]:
-    def answer(data: bytes, created: int) -> bytes:
+def _whole(translate: Callable[[dict[str, Any], int], dict[str, Any]]) -> AnswerTranslation:
+    def answer(data: bytes, created: int, parsed: object = None) -> bytes:
         """The client's answer; a backend answer of a shape its API never has (a string
-        where an object goes) is the backend's failure, a 502, not a bug of ours."""
+        where an object goes) is the backend's failure, a 502, not a bug of ours. `parsed`:
+        the answer as the race parsed it to judge it (not parsed twice)."""
         try:
-            return json_bytes(translate(json.loads(data), created))
+            body = parsed if isinstance(parsed, dict) else json.loads(data)
+            return json_bytes(translate(body, created))
         except (ValueError, TypeError, AttributeError, KeyError, IndexError,
                 RecursionError) as exc:
             raise AllAttemptsFailed([f"the backend's answer could not be translated "
