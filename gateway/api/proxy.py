@@ -48,8 +48,9 @@ from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race, RaceResult
 from gateway.hedge.relay import relay
-from gateway.hedge.routing import Routing, Translated, routing
+from gateway.hedge.routing import Routing, routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
+from gateway.hedge.translated import Translated
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the pure modules: decisions and wire rules, no I/O
 PURE = (
     "gateway.hedge.delay",
+    "gateway.hedge.translated",
     "gateway.hedge.budget",
     "gateway.hedge.deadline",
     "gateway.hedge.balancer",
@@ -73,6 +74,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "gateway.hedge.balancer",
      "gateway.hedge.headroom", "gateway.hedge.affinity", "gateway.hedge.prefill",
      "gateway.hedge.classes", "gateway.hedge.sizing", "gateway.hedge.gaps",
+     "gateway.hedge.translated",
      "gateway.server.workers",
      "gateway.api.stored", "gateway.tenants"),
     ("providers",),

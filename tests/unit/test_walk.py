@@ -52,6 +52,9 @@ HELPERS = {
     "gateway/hedge/latency.py": "the latency windows every recorder feeds",
     "gateway/hedge/prefill.py": "the size table (tokens of bytes, size classes)",
     "gateway/hedge/budget.py": "the hedge budget's counters",
+    # the request's translations, made when an attempt first needs one: a value the proxy,
+    # the placement and the runner read, as they read the pool's state
+    "gateway/hedge/translated.py": "the request's lazily made translations",
     # the shutdown's timers: a step registers its grace callback and forgets it as it ends
     "gateway/drain.py": "the shutdown's timer registry",
     # the wire rules of a protocol: the attempt reads events with its predicate, the relay
