@@ -38,8 +38,9 @@ class RaceOptions:
     hedging: bool
     #: when hedging was refused for this request, the reason counted once (`disabled`)
     refused_reason: SuppressReason | None = None
-    #: backends this request may not use: they do not serve its route, or the request is
-    #: pinned to the backend that holds its stored state
+    #: backends this request may not use: they do not serve its route, the request is
+    #: pinned to the backend that holds its stored state, or (added by `Placement.pick`)
+    #: their translation refuses the request
     excluded: frozenset[str] = frozenset()
     #: False: this request's attempt times are not latency samples (a read of stored state)
     learn: bool = True
@@ -174,15 +175,19 @@ class Placement:
     ) -> str | None:
         """`Balancer.pick`, noting whether the choice was made in panic mode (for stats), and
         never a backend this request may not use (`RaceOptions.excluded`), nor one that does
-        not admit it (`RaceOptions.admits`: then left out like a backend that rejected the
-        body, and the choice made again)."""
+        not admit it (`RaceOptions.admits`: then added to the request's `excluded`, as routing
+        would have left it out had it translated up front, and the choice made again).
+
+        A refusing backend is excluded, not judged: it is no member of this request's pool, so
+        its health must not keep the pool out of panic mode (the backends left may all be
+        unhealthy) and it must not count toward `max_attempts`."""
         chosen = self._pick(now, first=first, exclude=exclude, avoid_groups=avoid_groups,
                             ttft=ttft)
         admits = self.options.admits
         while chosen is not None and admits is not None and not admits(chosen):
-            self.judged.add(chosen)
-            chosen = self._pick(now, first=first, exclude={*exclude, *self.judged},
-                                avoid_groups=avoid_groups, ttft=ttft)
+            self.options.excluded = self.options.excluded | {chosen}
+            chosen = self._pick(now, first=first, exclude=exclude, avoid_groups=avoid_groups,
+                                ttft=ttft)
         return chosen
 
     def _pick(self, now: float, *, first: bool, exclude: Collection[str],

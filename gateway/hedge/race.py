@@ -409,6 +409,10 @@ class Race:
         running = self._tasks.values()
         backend = self.placement.extra(now, running, self.attempts, hedge=hedge)
         if backend is None:
+            # the choice may have excluded a backend whose translation refuses the request,
+            # lowering the bound: then it is the bound that stops this attempt (counted once)
+            if len(self.attempts) >= self.placement.max_attempts():
+                return SuppressReason.MAX_ATTEMPTS
             return SuppressReason.NO_BACKEND
         remaining = self.options.deadline - now
         if remaining < min_useful(self.options.delays[backend].median(now)):

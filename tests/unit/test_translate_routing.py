@@ -13,12 +13,20 @@ import pytest
 
 from gateway.api.request import LogicalRequest
 from gateway.errors import AllAttemptsFailed, RouteNotServed, Untranslatable
-from gateway.hedge.attempt import AttemptRecord
+from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.budget import SuppressReason
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.race import Race
 from gateway.hedge.routing import routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner
-from gateway.settings import BackendSettings, PoolSettings, load_settings
+from gateway.settings import (
+    BackendSettings,
+    DelaySettings,
+    HedgingSettings,
+    PoolSettings,
+    load_settings,
+)
 from gateway.settings.fields import ConfigError
 from gateway.settings.model import PROVIDER_APIS
 from gateway.wire.base import RelayOutcome, StreamEnd
@@ -36,6 +44,8 @@ from providers.bedrock import BedrockProvider
 from providers.openai import OpenAIProvider
 from providers.sim import SimProvider
 from providers.vertex import VertexProvider
+from tests.harness.virtualtime import VirtualLoop, run_virtual
+from tests.unit.test_race_affinity import token
 
 
 class Serving:
@@ -305,6 +315,57 @@ def test_the_race_passes_over_a_backend_that_does_not_admit_the_request() -> Non
         assert asked[-1] == speaks and asked.count(speaks) == 1 and len(asked) <= 2
         if len(asked) == 2:
             passed_over += 1
-            assert asked[0] in placement.judged
+            assert asked[0] in placement.options.excluded and not placement.judged
         assert placement.extra(0.0, [], [], hedge=False) == speaks
     assert passed_over == 1
+
+
+def test_a_backend_whose_translation_refuses_leaves_the_pool_to_panic_on_the_others() -> None:
+    """The only backend that can carry the request (n=2: no place in Messages) is paused,
+    the other API's backend healthy: the refusing backend is no member of this request's
+    pool, so its health does not keep the pool out of panic, and the paused backend serves
+    (as when routing excluded it up front), not NoBackendAvailable."""
+    pool = pool_of()
+    pool.balancer.pause("chat", 30.0, 0.0)
+    routes = routing(pool, request("chat/completions", n=2))
+    assert "msgs" in routes.translated and "msgs" not in routes.excluded  # made lazily
+    placement = Placement(pool, RaceOptions(60.0, pool.delays, True, excluded=routes.excluded,
+                                            admits=routes.translated.admits))
+    assert placement.primary(1.0) == "chat"
+    assert placement.panic and placement.options.excluded == {"msgs"}
+    assert not placement.judged and placement.max_attempts() == 1
+
+
+def test_hedges_a_refusing_translation_leaves_no_backend_for_are_suppressed_once() -> None:
+    """A slow primary on the one backend that carries the request: the hedge due finds the
+    other backend's translation refusing; that lowers the request's attempt bound, so the
+    hedge is suppressed once as `max_attempts` (no timer re-armed every delay to count
+    `no_backend`), as when routing excluded the backend up front."""
+    backends = (
+        BackendSettings(name="chat", provider="openai", base_url="http://127.0.0.1:9/v1",
+                        apis=("chat",)),
+        BackendSettings(name="msgs", provider="anthropic", base_url="http://127.0.0.1:9"))
+    settings = PoolSettings(name="pool", backends=backends, hedging=HedgingSettings(
+        delay=DelaySettings(initial=0.05, min=0.05)))
+
+    async def main(loop: VirtualLoop) -> tuple[list[str], list[SuppressReason]]:
+        pool = PoolRuntime.build(settings, PROVIDERS, global_hedging=True, now=loop.time(),
+                                 rng=random.Random(1), translations=TRANSLATIONS)
+        routes = routing(pool, request("chat/completions", n=2))
+
+        async def runner(backend: str, record: AttemptRecord) -> Prefix:
+            await asyncio.sleep(1.0)  # virtual: twenty hedge delays pass first
+            return token()
+
+        options = RaceOptions(loop.time() + 5.0, pool.delays, True, excluded=routes.excluded,
+                              admits=routes.translated.admits)
+        race = Race(pool, runner, options, loop.time)
+        try:
+            await race.run()
+        finally:
+            await race.aclose()
+        return [a.backend for a in race.attempts], list(race.suppressed)
+
+    attempts, suppressed = run_virtual(main)
+    assert attempts == ["chat"]
+    assert suppressed == [SuppressReason.MAX_ATTEMPTS]
