@@ -221,6 +221,13 @@ class Proxy:
         gateway asked for is to be dropped from the stream, and whether a non-streaming
         request is read upstream as a stream (so that a break or a stall can be continued)
         and answered whole."""
+        if not req.stream and routes.translated and may_continue(
+                pool, req.protocol.name, True, req.stateful, req.pinned,
+                routes.excluded | frozenset(routes.translated)):
+            # a whole answer could be continued from its native backends: a translation that
+            # refuses the request must not cost it the streamed read (a backend it refuses is
+            # never attempted anyway)
+            routes = routes.without_refusals()
         plan = make_plan(pool, req, routes.excluded, summary.started,
                          routes.translated.admits if routes.translated else None)
         summary.size = plan.size

@@ -27,6 +27,20 @@ class Routing:
     #: translation's body made when an attempt needs it
     translated: Translated
 
+    def without_refusals(self) -> Routing:
+        """The same routing less the backends whose translation refuses the request (made
+        now, once per translation): excluded, as routing does when it translates up front.
+        Asked only where a translation left in would change how the request is handled (a
+        non-streaming request that could be continued is read whole only when it reaches
+        no backend by translation), not on the hot path: a mixed pool's request is
+        otherwise translated lazily, for the attempts that go there."""
+        translated = self.translated
+        refusing = frozenset(b for b in translated if not translated.admits(b))
+        if not refusing:
+            return self
+        kept = translated.without(refusing)
+        return Routing(self.excluded | refusing, kept if kept else NOT_TRANSLATED)
+
 
 def routing(pool: PoolRuntime, req: RequestFacts) -> Routing:
     """The pool's backends this request may not use: those that serve neither its route nor

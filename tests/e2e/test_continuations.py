@@ -82,11 +82,13 @@ QUESTION: Any = [{"role": "user", "content": "hello there"}]
 def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings | None = None,
             faults: dict[str, str] | None = None, tracing: Tracing | None = None,
             style: Literal["prefill", "continue_final_message"] = "prefill",
+            translate: bool = False,
             ) -> tuple[list[RunningServer], RunningServer]:
     """Two loopback simulators that break every fresh answer before token 10 (`kind`; or
     do what `faults` say), behind an OpenAI-compatible and an Anthropic backend each,
     continuing by prefill; no hedge before 5 s, so the first backend is the only attempt
-    until it breaks."""
+    until it breaks. `translate`: the pool also reaches each API's backends from the
+    other's (off: each API to its own backends)."""
     faults = faults or {"x-sim-break-at": "10", "x-sim-break": kind}
     sims = [asgi_server(with_request_headers(create_sim_app(PROFILE, seed=i), faults))
             for i in range(2)]
@@ -99,7 +101,7 @@ def gateway(asgi_server: AsgiServerFactory, kind: str, *, stall: StallSettings |
                               stall=stall or StallSettings())
     # each API to its own backends: an answer reached by translation is not continued
     pool = PoolSettings(name=POOL, backends=tuple(backends), hedging=hedging, timeout=20.0,
-                        translate=False)
+                        translate=translate)
     return sims, asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=2,
                                                       tracing=tracing))
 

@@ -84,6 +84,22 @@ def test_a_whole_chat_answer_broken_after_ten_tokens_is_continued(
     assert counted["breaks_continued"] == 1 and counted["breaks_ended"] == 0
 
 
+def test_a_whole_answer_the_other_api_s_translation_refuses_is_still_continued(
+        asgi_server: AsgiServerFactory) -> None:
+    """A pool that translates: a non-streaming Chat request the Messages translation refuses
+    (`min_p` has no place there) reaches only the Chat backends, so it is read as a stream
+    as an untranslated one is, and its break continued, not lost to the refusing backends
+    it never goes to."""
+    _, gw = gateway(asgi_server, "reset", translate=True)
+    with openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0) as client:
+        completion = client.chat.completions.create(model=POOL, messages=QUESTION,
+                                                    extra_body={"min_p": 0.1})
+    (choice,) = completion.choices
+    assert choice.message.content == WHOLE and choice.finish_reason == "stop"
+    counted = continued(gw)
+    assert counted["started"] == 1 and counted["breaks_continued"] == 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_whole_messages_answer_broken_after_ten_tokens_is_continued(
         asgi_server: AsgiServerFactory, kind: str) -> None:
