@@ -15,7 +15,7 @@ Two trees, in this one file, and each class carries its facts as class attribute
 
     UpstreamError (one attempt)               GatewayError (the client's answer)
     ├── UpstreamConnectError                  ├── InvalidRequest ── ForbiddenField, InvalidJSON,
-    │                                         │                     Untranslatable
+    │                                         │                     Untranslatable ── Unreadable
     │   └── UpstreamConnectTimeout            ├── Unauthorized
     ├── GatewayPoolFull                       ├── ModelNotFound, RouteNotServed, RouteNotFound
     ├── UpstreamTimeout                       ├── ResponseNotFound, MethodNotAllowed
@@ -350,6 +350,21 @@ class Untranslatable(InvalidRequest):
     def __init__(self, field: str, why: str) -> None:
         super().__init__(f"{field}: {why}; no backend of this model speaks the API that "
                          "carries it", param=field)
+
+
+class Unreadable(Untranslatable):
+    """A value the body check lets through (it looks only at the top level) that a
+    translation to another API cannot read (`messages[0].content: 5`): refused like a field
+    that API cannot carry, naming it, before any attempt goes there (a translation made
+    mid-race must never fail any other way). Its code is a plain invalid request's: the
+    body is wrong whatever the pool's APIs."""
+
+    code = InvalidRequest.code
+
+    def __init__(self, field: str, exc: TypeError | AttributeError | ValueError | LookupError
+                 ) -> None:
+        InvalidRequest.__init__(self, f"{field}: a value of an unexpected type or shape "
+                                f"({type(exc).__name__})", param=field)
 
 
 class Unauthorized(GatewayError):

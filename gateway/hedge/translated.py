@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
-from gateway.errors import Untranslatable
+from gateway.errors import Unreadable, Untranslatable
 from gateway.wire.base import Translation
 
 
@@ -45,6 +45,11 @@ class Translated(Mapping[str, tuple[Translation, Mapping[str, Any]]]):
                 made = translation.request(self._body)
             except Untranslatable as exc:
                 made = exc
+            except (TypeError, AttributeError, ValueError, LookupError) as exc:
+                # a shape the body check let through that the translation did not name (it
+                # names the item of `messages`, `input` or `tools` it cannot read): refused,
+                # never raised into the race that asked
+                made = Unreadable("body", exc)
             self._made[translation.name] = made
         return made
 

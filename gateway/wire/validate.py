@@ -66,6 +66,29 @@ _MAX_STRINGS = 2 * MAX_BODY_VALUES + 2
 _TOO_DEEP = f"request body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
 
 POSITIVE_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of")
+#: fields every API that has them reads as a list, an object or text, and that a translation
+#: to another API iterates or looks into: a value of another type (`"messages": 5`) is
+#: refused here, naming the field, before the race, rather than left to fail inside a
+#: translation made when an attempt goes to a backend of another API. `null` passes (it is
+#: the field left out). One `isinstance` per field present; the items of `messages` and
+#: `tools` are checked to be objects (one `isinstance` each), nothing deeper.
+_LIST, _OBJECT, _TEXT = (list,), (dict,), (str,)
+FIELD_SHAPES: Mapping[str, tuple[tuple[type, ...], str]] = {
+    "messages": (_LIST, "an array of objects"),
+    "tools": (_LIST, "an array of objects"),
+    "input": (_TEXT + _LIST, "a string or an array"),
+    "prompt": (_TEXT + _LIST, "a string or an array"),
+    "system": (_TEXT + _LIST, "a string or an array"),
+    "stop": (_TEXT + _LIST, "a string or an array"),
+    "stop_sequences": (_LIST, "an array"),
+    "instructions": (_TEXT, "a string"),
+    "metadata": (_OBJECT, "an object"),
+    "reasoning": (_OBJECT, "an object"),
+    "text": (_OBJECT, "an object"),
+    "response_format": (_OBJECT, "an object"),
+}
+#: of those, the arrays whose every item must be an object
+_OBJECT_ITEMS = ("messages", "tools")
 
 
 def _reject_constant(name: str) -> Any:
@@ -296,4 +319,18 @@ def check_body(body: Mapping[str, Any], *, needs_prompt: str | None) -> tuple[st
             raise InvalidRequest(f"'{key}' must be a positive integer", param=key)
     if needs_prompt is not None and needs_prompt not in body:
         raise InvalidRequest(f"'{needs_prompt}' is required", param=needs_prompt)
+    _check_shapes(body)
     return model, stream
+
+
+def _check_shapes(body: Mapping[str, Any]) -> None:
+    """Refuse a field of `FIELD_SHAPES` of another type, or an item of `messages`/`tools`
+    that is not an object, naming it (`messages[2]`)."""
+    for key, (types, what) in FIELD_SHAPES.items():
+        value = body.get(key)
+        if value is not None and not isinstance(value, types):
+            raise InvalidRequest(f"'{key}' must be {what}", param=key)
+    for key in _OBJECT_ITEMS:
+        for i, item in enumerate(body.get(key) or ()):
+            if not isinstance(item, dict):
+                raise InvalidRequest(f"'{key}[{i}]' must be an object", param=f"{key}[{i}]")

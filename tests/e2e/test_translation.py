@@ -279,6 +279,30 @@ def test_a_field_no_backend_can_carry_is_refused_naming_it(
     assert caught.value.response.headers["x-should-retry"] == "false"
 
 
+@pytest.mark.parametrize("translated_only", [False, True], ids=["mixed", "messages-only"])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_body_a_translation_could_not_read_is_a_400_before_any_attempt(
+    asgi_server: AsgiServerFactory, translated_only: bool, stream: bool,
+) -> None:
+    """`"messages": 5` (a shape no API takes, which the Messages translation cannot read)
+    is refused by the gateway's body check, a 400 naming `messages` in Chat's shape, before
+    any backend is asked: never a translation failing inside routing or the race."""
+    sims, gateway = mixed_pool(asgi_server, slow="chat")
+    if translated_only:
+        pool = PoolSettings(name=POOL, timeout=20.0, backends=(
+            BackendSettings(name="messages", provider="anthropic", base_url=sims[1].base_url,
+                            model="m"),))
+        gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    before = [stats(sim)["requests"] for sim in sims]
+    with gpt(gateway) as client, pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=POOL, messages=[], stream=stream,
+                                       extra_body={"messages": 5})
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "messages"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert [stats(sim)["requests"] for sim in sims] == before
+
+
 class CountedTranslations:
     """The route table with `chat->messages`'s request translation counted (each call)."""
 

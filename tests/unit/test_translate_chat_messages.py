@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import Untranslatable
+from gateway.errors import Unreadable, Untranslatable
 from gateway.wire.messages import classify_messages
 from gateway.wire.sse import SSEDecoder, SSEEvent
 from gateway.wire.translate.chat_messages import (
@@ -798,3 +798,29 @@ def test_a_chat_stream_fed_by_read_is_the_parsed_one_byte_for_byte(seed: int) ->
     expected = [slow.feed(e if e.data == b"[DONE]" else _spaced(e)) for e in events]
     assert b"".join(got) == b"".join(expected)
     assert fast.ended and slow.ended and fast.usage == slow.usage
+
+
+@pytest.mark.parametrize(("translate", "extra", "field"), [
+    (chat_to_messages, {"messages": [{"role": "user", "content": 5}]}, "messages[0]"),
+    (chat_to_messages, {"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [5]}]}, "messages[1]"),
+    (chat_to_messages, {"tools": [{"type": "function", "function": "f"}]}, "tools[0]"),
+    (messages_to_chat, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "tool_result", "content": 5}]}]},
+     "messages[0]"),
+    (responses_to_chat, {"input": [{"role": "user", "content": 5}]}, "input[0]"),
+    (responses_to_chat, {"input": [{"type": "function_call_output", "output": 5}]},
+     "input[0]"),
+])
+def test_a_value_of_a_shape_the_translation_cannot_read_is_refused_naming_its_item(
+        translate: Any, extra: dict[str, Any], field: str) -> None:
+    """A value the body check lets through (it looks no deeper than the items of `messages`
+    and `tools` being objects) that a translation cannot read: refused naming the item
+    (`Unreadable`, a 400), never the translation's own TypeError or AttributeError."""
+    base: dict[str, Any] = {"model": "m", "store": False} if translate is responses_to_chat \
+        else {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body = {**base, **extra}
+    with pytest.raises(Unreadable) as caught:
+        translate(body)
+    assert caught.value.status == 400 and caught.value.param == field
+    assert caught.value.should_retry is False and isinstance(caught.value, Untranslatable)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gateway.api.request import LogicalRequest
-from gateway.errors import AllAttemptsFailed, RouteNotServed, Untranslatable
+from gateway.errors import AllAttemptsFailed, RouteNotServed, Unreadable, Untranslatable
 from gateway.hedge.attempt import AttemptRecord, Prefix
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.placement import Placement, RaceOptions
@@ -369,3 +369,37 @@ def test_hedges_a_refusing_translation_leaves_no_backend_for_are_suppressed_once
     attempts, suppressed = run_virtual(main)
     assert attempts == ["chat"]
     assert suppressed == [SuppressReason.MAX_ATTEMPTS]
+
+
+def test_a_translation_that_cannot_read_the_body_refuses_it_and_raises_nothing() -> None:
+    """A translation that fails on a shape nothing named (here: any TypeError) is a refusal
+    (`Unreadable`, a 400) like any other: the pick passes its backend over for the native
+    one, and nothing is raised into the race that asked."""
+    key: tuple[Endpoint, Endpoint] = ("chat/completions", "messages")
+    original = TRANSLATIONS[key]
+
+    def unreadable(body: Any) -> dict[str, Any]:
+        return dict(body["messages"][0]["content"])  # "hi": not a mapping (a TypeError)
+
+    table = {**TRANSLATIONS, key: dataclasses.replace(original, request=unreadable)}
+    backends = (
+        BackendSettings(name="chat", provider="openai", base_url="http://127.0.0.1:9/v1",
+                        apis=("chat",)),
+        BackendSettings(name="msgs", provider="anthropic", base_url="http://127.0.0.1:9"))
+    pool = PoolRuntime.build(PoolSettings(name="pool", backends=backends), PROVIDERS,
+                             global_hedging=True, now=0.0, rng=random.Random(1),
+                             translations=table)
+    pool.balancer.pause("chat", 30.0, 0.0)  # the pick goes to the translated backend first
+    routed = routing(pool, request("chat/completions"))
+    placement = Placement(pool, RaceOptions(60.0, pool.delays, True, excluded=routed.excluded,
+                                            admits=routed.translated.admits))
+    assert placement.primary(1.0) == "chat"
+    assert not routed.translated.admits("msgs")
+    with pytest.raises(Unreadable) as caught:
+        routed.translated["msgs"]
+    assert caught.value.status == 400 and caught.value.param == "body"
+    only = PoolRuntime.build(PoolSettings(name="pool", backends=backends[1:]), PROVIDERS,
+                             global_hedging=True, now=0.0, rng=random.Random(1),
+                             translations=table)
+    with pytest.raises(Unreadable):  # no native backend: refused before admission, a 400
+        routing(only, request("chat/completions"))

@@ -13,10 +13,12 @@ field's default changes nothing and is dropped (`n: 1`, `logprobs: false`,
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
-from gateway.errors import Untranslatable
+from gateway.errors import Unreadable, Untranslatable
+
+T = TypeVar("T")
 
 #: Messages requires `max_tokens`; a Chat request that sets none gets this many
 DEFAULT_MAX_TOKENS = 4096
@@ -53,6 +55,25 @@ _CHAT_DEFAULTS: Mapping[str, Any] = {
 }
 #: reasoning effort -> a thinking budget, and back by the nearest budget at or above
 EFFORT_BUDGETS: Mapping[str, int] = {"minimal": 1024, "low": 2048, "medium": 8192, "high": 24576}
+
+
+#: what reading a value of an unexpected shape raises (`5["role"]`, `None.get`, `len(3)`)
+UNREADABLE = (TypeError, AttributeError, ValueError, LookupError)
+
+
+def each_item(items: Iterable[Any], name: str, convert: Callable[[Any, str], T]) -> list[T]:
+    """`convert(item, "name[i]")` of each item, in order; an item whose shape the conversion
+    cannot read is refused naming it (`Unreadable`), not raised as the conversion's error
+    (the body check looks no deeper than the items being objects; one `try` per list)."""
+    out: list[T] = []
+    field = name
+    try:
+        for i, item in enumerate(items):
+            field = f"{name}[{i}]"
+            out.append(convert(item, field))
+    except UNREADABLE as exc:
+        raise Unreadable(field, exc) from None
+    return out
 
 
 def refuse_unknown(body: Mapping[str, Any], known: frozenset[str], api: str) -> None:
@@ -133,32 +154,36 @@ def _chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], list[dict
     tool results is one user turn (parallel calls answered together)."""
     system: list[dict[str, Any]] = []
     out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        field = f"messages[{i}]"
-        role = message.get("role") if isinstance(message, dict) else None
-        if role in ("system", "developer"):
-            system += _chat_parts(message.get("content"), f"{field}.content")
-            continue
-        if role == "user":
-            blocks = _chat_parts(message.get("content"), f"{field}.content")
-        elif role == "assistant":
-            blocks = _chat_parts(message.get("content"), f"{field}.content")
-            for k, call in enumerate(message.get("tool_calls") or ()):
-                function = call.get("function") or {}
-                blocks.append({"type": "tool_use", "id": call.get("id"),
-                               "name": function.get("name"),
-                               "input": _arguments(function.get("arguments"),
-                                                   f"{field}.tool_calls[{k}].function.arguments")})
-        elif role == "tool":
-            role = "user"
-            blocks = [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
-                       "content": _chat_parts(message.get("content"), f"{field}.content")}]
-        else:
-            raise Untranslatable(f"{field}.role", f"role {role!r} has no Messages form")
-        if out and out[-1]["role"] == role:
-            out[-1]["content"] += blocks
-        else:
-            out.append({"role": role, "content": blocks})
+    field = "messages"
+    try:
+        for i, message in enumerate(messages):
+            field = f"messages[{i}]"
+            role = message.get("role") if isinstance(message, dict) else None
+            if role in ("system", "developer"):
+                system += _chat_parts(message.get("content"), f"{field}.content")
+                continue
+            if role == "user":
+                blocks = _chat_parts(message.get("content"), f"{field}.content")
+            elif role == "assistant":
+                blocks = _chat_parts(message.get("content"), f"{field}.content")
+                for k, call in enumerate(message.get("tool_calls") or ()):
+                    function = call.get("function") or {}
+                    blocks.append({"type": "tool_use", "id": call.get("id"),
+                                   "name": function.get("name"),
+                                   "input": _arguments(function.get("arguments"),
+                                                       f"{field}.tool_calls[{k}].function.arguments")})
+            elif role == "tool":
+                role = "user"
+                blocks = [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                           "content": _chat_parts(message.get("content"), f"{field}.content")}]
+            else:
+                raise Untranslatable(f"{field}.role", f"role {role!r} has no Messages form")
+            if out and out[-1]["role"] == role:
+                out[-1]["content"] += blocks
+            else:
+                out.append({"role": role, "content": blocks})
+    except UNREADABLE as exc:  # a message of a shape no Messages form reads: named
+        raise Unreadable(field, exc) from None
     return system, out
 
 
@@ -205,7 +230,7 @@ def chat_to_messages(body: Mapping[str, Any]) -> dict[str, Any]:
     stop = body.get("stop")
     if stop:
         out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
-    tools = [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(body.get("tools") or ())]
+    tools = each_item(body.get("tools") or (), "tools", _chat_tool)
     choice = _chat_tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls"))
     fmt = body.get("response_format")
     fmt = fmt if isinstance(fmt, dict) else {}
@@ -225,8 +250,8 @@ def chat_to_messages(body: Mapping[str, Any]) -> dict[str, Any]:
     if choice is not None and (tools or choice["type"] == "none"):
         out["tool_choice"] = choice
     effort = body.get("reasoning_effort")
-    if effort in EFFORT_BUDGETS:
-        budget = EFFORT_BUDGETS[str(effort)]
+    if isinstance(effort, str) and effort in EFFORT_BUDGETS:  # (a list is unhashable)
+        budget = EFFORT_BUDGETS[effort]
         out["thinking"] = {"type": "enabled", "budget_tokens": budget}
         out["max_tokens"] = max(out["max_tokens"], budget + 1)
     elif effort not in (None, "none"):
@@ -335,8 +360,8 @@ def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     system = body.get("system")
     if system:
         messages.append({"role": "system", "content": _text_of(_message_blocks(system))})
-    for i, message in enumerate(body.get("messages") or ()):
-        messages += _messages_turn(message, f"messages[{i}]")
+    for turn in each_item(body.get("messages") or (), "messages", _messages_turn):
+        messages += turn
     out: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     if body.get("max_tokens") is not None:
         out["max_tokens"] = body["max_tokens"]
@@ -345,7 +370,7 @@ def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = body[name]
     if body.get("stop_sequences"):
         out["stop"] = list(body["stop_sequences"])
-    tools = [_messages_tool(t, f"tools[{i}]") for i, t in enumerate(body.get("tools") or ())]
+    tools = each_item(body.get("tools") or (), "tools", _messages_tool)
     if tools:
         out["tools"] = tools
     choice = body.get("tool_choice")

@@ -15,11 +15,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.errors import Untranslatable
+from gateway.errors import Unreadable, Untranslatable
 from gateway.wire.base import json_bytes
 from gateway.wire.responses import responses_error
 from gateway.wire.sse import SSEEvent
-from gateway.wire.translate.chat_messages import refuse_unknown
+from gateway.wire.translate.chat_messages import UNREADABLE, each_item, refuse_unknown
 from gateway.wire.usage import Usage, usage_of
 
 #: Responses fields dropped on the way to Chat: bookkeeping and delivery, not the answer
@@ -73,30 +73,34 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
-    for i, item in enumerate(items or ()):
-        field = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise Untranslatable(f"{field}.role", f"role {role!r} has no Chat form")
-            out.append({"role": role, "content": _parts(item.get("content"),
-                                                         f"{field}.content")})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
+    field = "input"
+    try:
+        for i, item in enumerate(items or ()):
+            field = f"input[{i}]"
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind == "message":
+                role = item.get("role")
+                if role not in ("user", "system", "developer", "assistant"):
+                    raise Untranslatable(f"{field}.role", f"role {role!r} has no Chat form")
+                out.append({"role": role, "content": _parts(item.get("content"),
+                                                             f"{field}.content")})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                            "content": _output_text(item.get("output"))})
+            elif kind == "reasoning":
+                continue  # a past turn's reasoning: Chat takes none back
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": _output_text(item.get("output"))})
-        elif kind == "reasoning":
-            continue  # a past turn's reasoning: Chat takes none back
-        else:
-            raise Untranslatable(f"{field}.type", f"an input item {kind!r} has no Chat form")
+                raise Untranslatable(f"{field}.type", f"an input item {kind!r} has no Chat form")
+    except UNREADABLE as exc:  # an item of a shape no Chat form reads: named
+        raise Unreadable(field, exc) from None
     return out
 
 
@@ -136,7 +140,7 @@ def responses_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("temperature", "top_p", "parallel_tool_calls"):
         if body.get(name) is not None:
             out[name] = body[name]
-    tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(body.get("tools") or ())]
+    tools = each_item(body.get("tools") or (), "tools", _tool)
     if tools:
         out["tools"] = tools
     choice = body.get("tool_choice")
