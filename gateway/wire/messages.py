@@ -33,16 +33,19 @@ MESSAGES_TOOL_BLOCKS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"}
 MESSAGES_END = "message_stop"
 
 
+#: a block index as JSON writes an integer (no leading zero: the parse refuses `00`)
+INDEX = rb'(?:0|[1-9]\d{0,5})'
 #: the usual delta as servers write it, its text a JSON string without escapes or control
-#: characters (exactly what the parse accepts of such a string): told by its bytes
+#: characters (what the parse accepts of such a string, once its bytes are UTF-8):
+#: told by its bytes
 _usual_delta = re.compile(
-    rb'\{"type":"content_block_delta","index":\d{1,6},"delta":\{"type":"(?:text_delta",'
+    rb'\{"type":"content_block_delta","index":' + INDEX + rb',"delta":\{"type":"(?:text_delta",'
     rb'"text"|input_json_delta","partial_json"|thinking_delta","thinking"):"([^"\\\x00-\x1f]*)"'
     rb'\}\}').fullmatch
 #: the keep-alive and a text block's empty start, as servers write them: no output
 _PING = b'{"type":"ping"}'
-_empty_text_start = re.compile(rb'\{"type":"content_block_start","index":\d{1,6},'
-                               rb'"content_block":\{"type":"text","text":""\}\}').fullmatch
+_empty_text_start = re.compile(rb'\{"type":"content_block_start","index":' + INDEX +
+                               rb',"content_block":\{"type":"text","text":""\}\}').fullmatch
 
 
 def classify_messages(event: SSEEvent) -> Kind:
@@ -53,7 +56,17 @@ def classify_messages(event: SSEEvent) -> Kind:
     bytes (what the parse would make of them: the payload's type decides), the rest parsed."""
     data = event.data
     if (usual := _usual_delta(data)) is not None:
-        return Kind.TOKEN if usual.group(1) else Kind.OTHER
+        # read as the parse reads it (`json.loads` decodes bytes as UTF-8, lone surrogates
+        # passed); ASCII, the usual case, is told without decoding
+        text = usual.group(1)
+        if text.isascii():
+            return Kind.TOKEN if text else Kind.OTHER
+        try:
+            text.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            pass  # not UTF-8: the parse below refuses it too
+        else:
+            return Kind.TOKEN
     if data == _PING or _empty_text_start(data) is not None:
         return Kind.OTHER
     kind, obj = typed_payload(event)

@@ -15,6 +15,7 @@ import pytest
 from gateway.errors import Unreadable, Untranslatable
 from gateway.wire.messages import classify_messages
 from gateway.wire.sse import SSEDecoder, SSEEvent
+from gateway.wire.translate import chat_messages_stream as stream
 from gateway.wire.translate.chat_messages import (
     DEFAULT_MAX_TOKENS,
     JSON_TOOL,
@@ -824,3 +825,27 @@ def test_a_value_of_a_shape_the_translation_cannot_read_is_refused_naming_its_it
         translate(body)
     assert caught.value.status == 400 and caught.value.param == field
     assert caught.value.should_retry is False and isinstance(caught.value, Untranslatable)
+
+
+def test_the_stream_translations_byte_checks_read_only_json_block_indexes() -> None:
+    """The scaffolding and delta matchers that spare a parse take a block index only as JSON
+    writes one: `00` or `01` is no JSON, so such an event takes the parse's way (which drops
+    it) rather than being spliced or opening a block."""
+    for index in (b"0", b"12"):
+        assert stream._block_stop(b'{"type":"content_block_stop","index":%s}' % index)
+        assert stream._text_start(b'{"type":"content_block_start","index":%s,'
+                                  b'"content_block":{"type":"text","text":""}}' % index)
+        assert stream._messages_delta(b'{"type":"content_block_delta","index":%s,"delta":'
+                                      b'{"type":"text_delta","text":"a"}}' % index)
+    for index in (b"00", b"01"):
+        assert stream._block_stop(b'{"type":"content_block_stop","index":%s}' % index) is None
+        assert stream._text_start(b'{"type":"content_block_start","index":%s,'
+                                  b'"content_block":{"type":"text","text":""}}' % index) is None
+        assert stream._messages_delta(b'{"type":"content_block_delta","index":%s,"delta":'
+                                      b'{"type":"text_delta","text":"a"}}' % index) is None
+        chunk = (b'{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":%s,'
+                 b'"function":{"arguments":"{}"}}]},"finish_reason":null}]}' % index)
+        assert stream._chat_delta(chunk, chunk.find(b'"choices"')) is None
+    chunk = (b'{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":3,'
+             b'"function":{"arguments":"{}"}}]},"finish_reason":null}]}')
+    assert stream._chat_delta(chunk, chunk.find(b'"choices"'))

@@ -384,3 +384,31 @@ def test_responses_store_rules(body: dict[str, object], stateful: bool) -> None:
     from gateway.api.responses import responses_stateful
 
     assert responses_stateful(body) is stateful
+
+
+_DELTA = b'{"type":"content_block_delta","index":%s,"delta":{"type":"text_delta","text":"%s"}}'
+_START = b'{"type":"content_block_start","index":%s,"content_block":{"type":"text","text":""}}'
+
+
+@pytest.mark.parametrize(("data", "by_parse"), [
+    (_DELTA % (b"0", b"a"), Kind.TOKEN),
+    (_DELTA % (b"10", "é".encode()), Kind.TOKEN),
+    (_DELTA % (b"0", b"\xed\xa0\x80"), Kind.TOKEN),  # a lone surrogate: the parse passes it
+    (_DELTA % (b"0", b""), Kind.OTHER),
+    (_DELTA % (b"00", b"a"), None),  # a leading zero: not JSON
+    (_DELTA % (b"01", b"a"), None),
+    (_DELTA % (b"0", b"\xff"), None),  # not UTF-8
+    (_DELTA % (b"0", b"a\xc3"), None),  # a sequence cut short
+    (_START % b"0", Kind.OTHER),
+    (_START % b"00", None),
+], ids=["usual", "non-ascii", "surrogate", "empty", "index 00", "index 01", "byte ff",
+        "cut sequence", "empty start", "empty start 00"])
+@pytest.mark.parametrize("name", [None, b"content_block_delta", b"error", b"message_stop"])
+def test_an_event_told_by_its_bytes_is_classified_as_its_parse_would_be(
+        data: bytes, by_parse: Kind | None, name: bytes | None) -> None:
+    """The usual delta and the empty text start are told by their bytes without a parse:
+    only what the parse reads as such. One the parse refuses (None) is classified by its
+    SSE name, as any payload that is not JSON."""
+    expected = by_parse if by_parse is not None else {
+        b"error": Kind.ERROR, b"message_stop": Kind.DONE}.get(name or b"", Kind.OTHER)
+    assert MESSAGES.classify(SSEEvent(data, name)) is expected

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from gateway.wire.base import json_bytes
+from gateway.wire.messages import INDEX
 from gateway.wire.sse import SSEEvent
 from gateway.wire.translate.chat_messages import JSON_TOOL
 from gateway.wire.translate.chat_messages_answer import (
@@ -33,13 +34,13 @@ from gateway.wire.usage import Usage, usage_of
 _STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
 #: the common Messages delta, whole: its block index, its kind, its text as a JSON string
 _MESSAGES_DELTA = re.compile(
-    rb'\{"type":"content_block_delta","index":(\d{1,6}),"delta":\{"type":'
+    rb'\{"type":"content_block_delta","index":(' + INDEX + rb'),"delta":\{"type":'
     rb'"(text_delta|input_json_delta)","(?:text|partial_json)":(' + _STRING + rb')\}\}')
 _messages_delta = _MESSAGES_DELTA.fullmatch
 #: the common Chat chunk's choice: text or one tool call's arguments, no finish reason
 _CHAT_DELTA = re.compile(
     rb'"choices":\[\{"index":0,"delta":\{(?:"content":(' + _STRING + rb')|"tool_calls":\['
-    rb'\{"index":(\d{1,6}),"function":\{"arguments":(' + _STRING + rb')\}\}\])\}'
+    rb'\{"index":(' + INDEX + rb'),"function":\{"arguments":(' + _STRING + rb')\}\}\])\}'
     rb'(?:,"logprobs":null)?,"finish_reason":null(?:,"logprobs":null)?\}\]')
 #: stands for a delta's text while a chunk's bytes are built once per stream
 _MARK = "\x00mark\x00"
@@ -49,8 +50,8 @@ _chat_delta = _CHAT_DELTA.match
 #: and a block's end (nothing in Chat), the stream's end, and a text block's empty start
 _PING = b'{"type":"ping"}'
 _MESSAGE_STOP = b'{"type":"message_stop"}'
-_block_stop = re.compile(rb'\{"type":"content_block_stop","index":\d{1,6}\}').fullmatch
-_text_start = re.compile(rb'\{"type":"content_block_start","index":(\d{1,6}),'
+_block_stop = re.compile(rb'\{"type":"content_block_stop","index":' + INDEX + rb'\}').fullmatch
+_text_start = re.compile(rb'\{"type":"content_block_start","index":(' + INDEX + rb'),'
                          rb'"content_block":\{"type":"text","text":""\}\}').fullmatch
 #: `message_stop` as `_named` writes it
 _MESSAGE_STOP_EVENT = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
