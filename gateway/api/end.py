@@ -114,8 +114,11 @@ class RequestEnd:
             # each step on its own: a failing one must not keep the next from giving back
             # what it holds (the winner's and the losers' upstreams, their backend slots)
             try:
-                if self.prefix is not None:
-                    await self.prefix.aclose()
+                # the relay that read the winner's upstream closed it (a stream that ended
+                # early may not have): read the flag here, not a second call into its close
+                prefix = self.prefix
+                if prefix is not None and not prefix.closed:
+                    await prefix.aclose()
             except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                 report_bug(stats, exc)
             try:
