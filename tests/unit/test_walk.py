@@ -84,10 +84,6 @@ BACKGROUND = {"gateway/app.py"}
 #: returns the walk still makes, each with why it stays (`docs/architecture.md` names the same):
 #: the test holds exactly these, so one that goes (or comes) is seen here and in the docs
 RETURNS: dict[str, str] = {
-    "gateway/api/tenancy.py":
-        "the key is checked before the body is read (`common.receive`: a request without a "
-        "valid key never has its body read); what the key allows of the pool the body names, "
-        "and its objective, after (`key_terms`)",
     "providers/openai.py":
         "the upstream stream is an object used over its life: the attempt opens it, reads "
         "its batches to the first token and closes it",
