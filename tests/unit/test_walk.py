@@ -93,14 +93,14 @@ RETURNS: dict[str, str] = {
         "built by the proxy from the race's result and the request's end, sent by the app",
     "gateway/api/end.py":
         "built by the proxy as the request is admitted (every path after must give back what "
-        "it holds), run by the stream: the winner's slot at the last byte, the rest at close",
-    "gateway/hedge/race.py":
-        "the race owns its attempts; the end tells it when the winner's slot goes back and "
-        "when the losers are closed",
+        "it holds), run by the stream as it closes (`after_stream`)",
     "gateway/hedge/attempt.py":
         "the winner's prefix, built by the attempt, is closed by the relay that reads it (the "
         "end closes it only when its `closed` flag says the relay did not)",
-    "gateway/hedge/losers.py": "built with the race, reaps the losers at the end",
+    "gateway/hedge/losers.py":
+        "the race's leftovers, built with the race and handed out as data: the stream learns "
+        "the winner's TTFT after its first bytes and gives the winner's slot back at its last, "
+        "the end gives back what is left and reaps the losers",
 }
 
 #: the returns of a kept file that are exactly these entries, so a second one into it is seen
