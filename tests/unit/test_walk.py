@@ -85,12 +85,13 @@ BACKGROUND = {"gateway/app.py"}
 #: the test holds exactly these, so one that goes (or comes) is seen here and in the docs
 RETURNS: dict[str, str] = {
     "providers/openai.py":
-        "the upstream stream is an object used over its life: the attempt opens it, reads "
-        "its batches to the first token and closes it",
+        "the upstream stream is an object used over its life: the attempt opens it and reads "
+        "its batches to the first token; the winner's prefix closes it once the relay is done",
     "gateway/api/answer.py":
         "the proxy returns its answer as a value; the app sends it",
     "gateway/api/stream.py":
-        "built by the proxy from the race's result and the request's end, sent by the app",
+        "built by the proxy from the race's result and the request's end, sent by the app "
+        "through the answer that carries it",
     "gateway/api/end.py":
         "built by the proxy as the request is admitted (every path after must give back what "
         "it holds), run by the stream as it closes (`after_stream`)",
