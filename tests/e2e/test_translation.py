@@ -54,7 +54,7 @@ from tests.e2e.test_sim_tools import (
     stats,
 )
 from tests.harness import AsgiServerFactory, RunningServer, UpstreamFactory
-from tests.harness.bodies import chat_completion_obj, json_script, smallest_body
+from tests.harness.bodies import chat_completion_obj, error_script, json_script, smallest_body
 from tests.harness.protocol_wire import (
     SSE_HEADERS,
     anthropic_error,
@@ -277,6 +277,66 @@ def test_a_field_no_backend_can_carry_is_refused_naming_it(
     assert isinstance(error, dict) and error["param"] == "n"
     assert error["code"] == "untranslatable_field"
     assert caught.value.response.headers["x-should-retry"] == "false"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_paused_backend_serves_in_panic_what_the_other_api_cannot_carry(
+    asgi_server: AsgiServerFactory, scripted_upstream: UpstreamFactory, stream: bool,
+) -> None:
+    """`n: 2` in a mixed pool: only the Chat backend carries it. Its 429 with Retry-After
+    pauses it; the Messages backend is healthy but out of this request's pool (its
+    translation refuses it), so the failover finds the request's pool in panic and the
+    paused Chat backend serves it, rather than the request failing for want of a backend."""
+    chat = scripted_upstream.one()
+    chat.queue(error_script(429, "slow down", headers={"retry-after": "30"}))
+    messages = asgi_server(create_sim_app(FAST, seed=1))
+    backends = (
+        BackendSettings(name="chat", provider="openai", base_url=chat.base_url, model="m",
+                        group="g0", apis=("chat",)),
+        BackendSettings(name="messages", provider="anthropic", base_url=messages.base_url,
+                        model="m", group="g1"),
+    )
+    pool = PoolSettings(name=POOL, backends=backends, timeout=20.0)
+    gateway = asgi_server.build(lambda: create_app(Settings(pools=(pool,)), seed=5))
+    question: Any = [{"role": "user", "content": "hi"}]
+    heard = Heard()
+    with gpt(gateway, heard) as client:
+        if stream:
+            assert list(client.chat.completions.create(model=POOL, n=2, messages=question,
+                                                       stream=True))
+        else:
+            assert client.chat.completions.create(model=POOL, n=2, messages=question).choices
+    assert heard.headers["x-hedge-backend"] == "chat"
+    assert heard.headers["x-hedge-attempts"] == "2"  # the 429, then the same backend again
+    assert len(chat.requests) == 2 and stats(messages)["requests"] == 0
+
+
+def test_a_hedge_the_other_api_cannot_carry_is_suppressed_once_as_max_attempts(
+    asgi_server: AsgiServerFactory,
+) -> None:
+    """`min_p` in a mixed pool whose Chat backend is slow (5 s to its first token, hedges due
+    every 0.2 s): the Messages backend, whose translation refuses the request, is out of
+    the request's pool, so its one attempt is all `max_attempts` allows. The hedges that
+    fall due are suppressed once, as `max_attempts` (the timer then stops), never counted
+    as `no_backend` at each delay."""
+    sims, gateway = mixed_pool(asgi_server, slow="chat")
+    heard = Heard()
+    with gpt(gateway, heard) as client:
+        answer = client.chat.completions.create(
+            model=POOL, messages=[{"role": "user", "content": "hi"}],
+            extra_body={"min_p": 0.1})
+    assert answer.choices and heard.headers["x-hedge-backend"] == "chat"
+    assert heard.headers["x-hedge-attempts"] == "1"
+    deadline = time.monotonic() + 5.0
+    while True:  # a request is counted once it has fully ended
+        pool = httpx.get(gateway.url("/hedge/stats"), timeout=5.0).json()["pools"][POOL]
+        if pool["lifetime"]["requests"] == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    suppressed = {k: v for k, v in pool["lifetime"]["hedges"]["suppressed"].items() if v}
+    assert suppressed == {"max_attempts": 1}
+    assert stats(sims[1])["requests"] == 0
+    del sims
 
 
 @pytest.mark.parametrize("translated_only", [False, True], ids=["mixed", "messages-only"])
