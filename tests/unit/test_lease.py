@@ -105,7 +105,7 @@ def admit_round_robin(processes: list[KeyLimits], store: Store, *, steps: int,
             continue
         admitted += 1
         from_slice += held >= (1.0 if limits.lease.requests is not None else 1e-9)
-        limits.settle(now, 0, 0, output)
+        limits.settle(now, 0, 0, output, leased=True)
         if limits.lease.wanted:  # the gate wakes the round: it runs right after
             round_of(store, limits, now + step / 10)
             next_round[n % len(processes)] = now + step / 10 + ROUND
@@ -224,7 +224,7 @@ def test_the_last_batch_gives_every_slice_back_and_pays_every_debt() -> None:
     assert limits.lease is not None
     limits.admit(0.0, 0)
     round_of(store, limits, 0.01)
-    limits.settle(0.02, 0, 0, 30)  # output owed beyond what its slice held
+    limits.settle(0.02, 0, 0, 30, leased=True)  # output owed beyond its slice
     pairs = limits.lease.asks(0.03, last=True)
     assert sorted(ask.kind for _, ask in pairs) == ["output_tokens", "requests"]
     for (piece, _), grant in zip(pairs, store.lease([ask for _, ask in pairs], 0.03),
@@ -234,4 +234,6 @@ def test_the_last_batch_gives_every_slice_back_and_pays_every_debt() -> None:
     requests, _ = store.rows[("team-a", "requests")]
     output, _ = store.rows[("team-a", "output_tokens")]
     assert requests == pytest.approx(60 - 1 + 0.03, abs=0.01)  # one admitted, refilled since
-    assert output == pytest.approx(100 - 30)  # first drawn now: full, less the debt
+    # first drawn at the round at 0.01 (the admission found the output slice empty and
+    # borrowed: `Slice.reserve`): full, less the debt, refilled since
+    assert output == pytest.approx(100 - 30 + 0.02 * 100 / 60)
