@@ -179,7 +179,7 @@ class Proxy:
             # a stream runs the end itself, as it closes (`on_close`, exactly once, whatever
             # ends it): the answer adds no second call to the streamed request's path
             return Answer(self._streaming_response(pool, req, result, headers, end,
-                                                   strip_usage, rewrite))
+                                                   strip_usage, rewrite, learn=race.learn))
         except GatewayError as exc:  # answered in the route's shape, then the end runs
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
@@ -239,7 +239,9 @@ class Proxy:
         upstream = _upstream_request(req, upstream_body, routes.translated,
                                      stream=req.stream or streamed is not None)
         runner = attempt_runner(pool, upstream, plan.options.deadline, self.clock, trace)
-        race = Race(pool, runner, plan.options, self.clock)
+        # a stream learns its winner's TTFT once its first bytes are out (`SSEResponse`)
+        race = Race(pool, runner, plan.options, self.clock,
+                    defer_learning=req.stream and streamed is None)
         if plan.affinity_miss:
             race.placement.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
@@ -369,6 +371,7 @@ class Proxy:
         end: RequestEnd,
         strip_usage: bool,
         rewrite: Rewrite | None = None,
+        learn: Callable[[], None] | None = None,
     ) -> Response:
         outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
@@ -410,6 +413,10 @@ class Proxy:
             clock=self.clock,
             client_gone=end.watcher,
             internal_event=internal_event,
+            # the relay's first piece is the committed first token, in hand: it leaves first,
+            # with the head; the race learns its winner's TTFT after it
+            first_ready=True,
+            on_first_sent=learn,
         )
 
 

@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.drain import Drain
-from gateway.server.extensions import ABORT_EXTENSION
+from gateway.server.extensions import ABORT_EXTENSION, HOLD_HEAD_EXTENSION
 from gateway.wire.base import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
@@ -64,6 +64,8 @@ class SSEResponse(Response):
         client_gone: asyncio.Future[None] | None = None,
         internal_event: bytes | Callable[[], bytes] = b"",
         on_exhausted: Callable[[], None] | None = None,
+        first_ready: bool = False,
+        on_first_sent: Callable[[], None] | None = None,
     ) -> None:
         """`internal_event`: the final error event (in the route's shape) a client gets when
         an exception of ours ends its stream, instead of a stream cut without a word.
@@ -72,7 +74,13 @@ class SSEResponse(Response):
         `on_exhausted`: called (synchronously) once every byte of `body` was handed to the
         server, before the last body message goes out: the relay has read and closed its
         upstream by then, and the client may send its next request as soon as it sees the
-        end, before `on_close` runs."""
+        end, before `on_close` runs.
+        `first_ready`: `body` hands over its first piece without waiting (the relay's first
+        piece is the committed attempt's first token): it goes out first, with the head in
+        one write where the server can hold the head, before the watchers, the ticker and the
+        task group are set up, which the client would otherwise wait behind.
+        `on_first_sent`: called (synchronously) once the first piece is out (with
+        `first_ready`): work that can wait for it (the race's learning) is not on its path."""
         self.status_code = 200
         self.body_iterator = body
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -93,6 +101,10 @@ class SSEResponse(Response):
         #: the client disconnects; without one the response watches the client itself
         self.client_gone = client_gone
         self._lock = asyncio.Lock()
+        #: the response head until it is sent (`_send_head`)
+        self._head: Message | None = None
+        self.first_ready = first_ready
+        self.on_first_sent = on_first_sent
         #: sends started so far, and whether one is in progress (the pump's only bookkeeping)
         self._sends = 0
         self._in_send = False
@@ -115,8 +127,12 @@ class SSEResponse(Response):
         forget_drain: Callable[[], None] | None = None
         ticker = _Ticker()
         try:
-            await self._send(send, {"type": "http.response.start", "status": 200,
-                                    "headers": self.raw_headers})
+            self._head = {"type": "http.response.start", "status": 200,
+                          "headers": self.raw_headers}
+            if self.first_ready:  # the client waits for it: out before anything is set up
+                await self._first(send, _hold_of(scope))
+            else:
+                await self._send_head(send, None)
             async with anyio.create_task_group() as tg:
                 watching = self._watch(receive, tg)
                 ticker.arm(self._period(), lambda: self._tick(send, tg.cancel_scope))
@@ -142,6 +158,8 @@ class SSEResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await ticker.stop()
+                if self._head is not None:  # nothing was sent: the head alone, as before
+                    await self._send_head(send, None)
             if forget_drain is not None:
                 forget_drain()
             if not ended and self.end is None and not _being_cancelled():
@@ -170,12 +188,40 @@ class SSEResponse(Response):
         async with self._lock:
             if self._completed:  # a racing final message (shutdown vs. normal end)
                 return
+            if self._head is not None:  # the first piece failed: the head first (rare)
+                await self._send_head(send, None)
             self._sends += 1
             self._in_send = True
             await send(message)
             self._in_send = False
             if not message.get("more_body", False) and message["type"] == "http.response.body":
                 self._completed = True
+
+    async def _send_head(self, send: Send, hold: Callable[[], object] | None) -> None:
+        """The response head, once. `hold`: the server's hook that keeps it for the next
+        write (the first piece, sent right after it), so both leave in one send."""
+        head, self._head = self._head, None
+        if head is None:
+            return
+        if hold is not None:
+            hold()
+        await send(head)
+
+    async def _first(self, send: Send, hold: Callable[[], object] | None) -> None:
+        """The head and the body's first piece (in one write where the server can `hold`
+        the head), then `on_first_sent`. Runs before the stream's watchers are set up: the
+        body hands its first piece over without waiting (`first_ready`)."""
+        async for chunk in self.body_iterator:
+            await self._send_head(send, hold)
+            self._sends += 1
+            self._in_send = True
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._in_send = False
+            break
+        else:  # no piece at all: the head alone, the end follows
+            await self._send_head(send, None)
+        if self.on_first_sent is not None:
+            self.on_first_sent()
 
     async def _pump(self, send: Send) -> None:
         async for chunk in self.body_iterator:
@@ -267,6 +313,14 @@ def _being_cancelled() -> bool:
     """Whether this task is being cancelled from outside (the server shutting down)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def _hold_of(scope: Scope) -> Callable[[], object] | None:
+    """The server's hook that holds the response head for the next write, if it offers one
+    (`gateway.server.connection`)."""
+    extensions = scope.get("extensions") or {}
+    hook = (extensions.get(HOLD_HEAD_EXTENSION) or {}).get("hold")
+    return hook if callable(hook) else None
 
 
 def _abort_of(scope: Scope) -> Callable[[], object] | None:

@@ -122,6 +122,11 @@ class Race:
     _losers: Losers = field(init=False)
     #: where this request's attempts go, and what the stats count of those choices
     placement: Placement = field(init=False)
+    #: the winner's TTFT is learnt at `learn()`, not at the commit: the proxy calls it once
+    #: the client's first bytes are out, so the delay trackers' inserts are off that path
+    defer_learning: bool = False
+    #: the winner's observation not learnt yet (`defer_learning`): backend, TTFT, when
+    _unlearned: tuple[str, float, float] | None = None
 
     def __post_init__(self) -> None:
         self._losers = Losers(self.clock)
@@ -285,7 +290,7 @@ class Race:
             self._close_prefix(kept[0], kept[1], now)
         if kept is None or kept[1] is not record:  # a kept answer was observed when kept
             self.pool.balancer.on_success(record.backend, now)
-            self._observe(record, censored=False)
+            self._observe(record, censored=False, later=self.defer_learning)
         if self._rejection is not None:
             self._blame_rejections(now)
         for loser, loser_record in same_tick:  # a real TTFT, but it lost: close it now
@@ -448,11 +453,25 @@ class Race:
         if exc.retry_after is not None:
             self.pool.balancer.pause(record.backend, exc.retry_after, now)
 
-    def _observe(self, record: AttemptRecord, *, censored: bool) -> None:
+    def _observe(self, record: AttemptRecord, *, censored: bool, later: bool = False) -> None:
+        """`record`'s TTFT, learnt by its backend's delay now, or (`later`, the winner's
+        only) at `learn()`, with the same value and time."""
         now = self.clock()
         record.ttft = now - record.started
         if self.options.learn:
+            if later:
+                self._unlearned = (record.backend, record.ttft, now)
+                return
             self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
+
+    def learn(self) -> None:
+        """Learn the winner's TTFT deferred at the commit (`defer_learning`); once, and a
+        no-op when there is none. `aclose` calls it too, for a request whose first bytes
+        never went out."""
+        unlearned, self._unlearned = self._unlearned, None
+        if unlearned is not None:
+            backend, ttft, at = unlearned
+            self.options.delays[backend].observe(ttft, at)
 
     def _cancel_all(self) -> None:
         """Cancel every attempt still running, without waiting for it.
@@ -506,5 +525,6 @@ class Race:
     async def aclose(self) -> None:
         """At the request's end: give back the winner's backend slot, and wait (bounded) for
         the losers to finish closing their upstreams."""
+        self.learn()
         self.release_winner()
         await self._losers.reap()

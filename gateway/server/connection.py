@@ -8,6 +8,10 @@ leaves to a proxy in front, done here.
 - Key guessing. Every request of a connection carries that connection's count of wrong
   keys (extension `FAILED_KEYS_EXTENSION`), so the app answers a guesser more slowly and
   closes its connection after a few (`gateway.api.keys.backoff`).
+- One send for a stream's head and first event. A response that asks for it (extension
+  `HOLD_HEAD_EXTENSION`) has its head held back until its next write, which carries both:
+  written apart, the head cost a system call (on loopback, the peer's receive path too) and
+  a packet on the way to the client's first token.
 - Aborting a stuck client. A response that stops because its client stopped reading cannot
   complete, and uvicorn then only `close()`s the transport, which waits for the unsent
   buffer to drain: forever, for a client that never reads. The protocol puts an `abort`
@@ -50,7 +54,12 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
-from gateway.server.extensions import ABORT_EXTENSION, FAILED_KEYS_EXTENSION, FailedKeys
+from gateway.server.extensions import (
+    ABORT_EXTENSION,
+    FAILED_KEYS_EXTENSION,
+    HOLD_HEAD_EXTENSION,
+    FailedKeys,
+)
 from gateway.settings import ServerSettings
 from gateway.wire.messages import MESSAGES
 from gateway.wire.paths import errors_of
@@ -129,12 +138,32 @@ def raw_error_response(error: GatewayError, path: bytes = b"") -> bytes:
 
 class _CloseHook(asyncio.Transport):
     """The transport as one request/response cycle sees it: its `close()` (uvicorn calls it
-    after a `connection: close` response) goes to the protocol, which may linger first."""
+    after a `connection: close` response) goes to the protocol, which may linger first; and a
+    response head the app asked to hold (`hold`) waits for the write after it."""
 
     def __init__(self, transport: asyncio.Transport, on_close: Callable[[], None]) -> None:
         super().__init__()
         self._transport = transport
         self._on_close = on_close
+        #: the response head held for the write after it (`hold`)
+        self._held: bytes | None = None
+
+    def hold(self) -> None:
+        """Hold the next write (the response head) until the one after it (its first body
+        piece): both leave in one send. Only a response that has that piece in hand asks,
+        so nothing waits behind the head; a close still sends what is held first. The two
+        writes go through writers set on the instance for them alone, so every other write
+        of the response pays nothing for the hold."""
+        self.write = self._write_held  # type: ignore[method-assign]
+
+    def _write_held(self, data: bytes | bytearray | memoryview) -> None:
+        self._held = bytes(data)
+        self.write = self._write_with_held  # type: ignore[method-assign]
+
+    def _write_with_held(self, data: bytes | bytearray | memoryview) -> None:
+        del self.write  # the plain `write` again
+        held, self._held = self._held, None
+        self._transport.write(data if held is None else held + data)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._transport.write(data)
@@ -143,6 +172,11 @@ class _CloseHook(asyncio.Transport):
         return self._transport.is_closing()
 
     def close(self) -> None:
+        held = self._held
+        if held is not None:  # a head whose body never came: it goes out, as it would have
+            self._held = None
+            self._transport.write(held)
+        self.__dict__.pop("write", None)  # a hold never completed: the plain `write` again
         self._on_close()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
@@ -278,8 +312,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if codings and not chunked_last(codings):
             raise UnframedBody  # uvicorn answers 400 and closes; the app never sees it
         super().on_headers_complete()
-        if self.cycle is not None:
-            self.cycle.transport = _CloseHook(self.transport, self._close_after_response)
+        cycle = self.cycle
+        if cycle is not None:
+            hook = cycle.transport = _CloseHook(self.transport, self._close_after_response)
+            # this request's own hook (a pipelined request's cycle has its own)
+            cycle.scope["extensions"][HOLD_HEAD_EXTENSION] = {"hold": hook.hold}
 
     def on_body(self, body: bytes) -> None:
         self._body_seen += len(body)

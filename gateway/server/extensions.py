@@ -15,6 +15,13 @@ from dataclasses import dataclass
 #: bytes to drain before it closes
 ABORT_EXTENSION = "hedge_gateway.abort"
 
+#: `{"hold": Callable[[], object]}`: the response's next write (its head) waits for the one
+#: after it (its first body piece), and both leave in one send: one system call and one
+#: packet before the client sees its first event, instead of two. A streamed response asks
+#: for it only when its first piece is in hand (nothing may wait behind a held head). Absent
+#: under another server: the head goes out on its own, as it always did
+HOLD_HEAD_EXTENSION = "hedge_gateway.hold_head"
+
 #: `{"failed": FailedKeys}`, that connection's (absent under another server: no back-off)
 FAILED_KEYS_EXTENSION = "hedge_gateway.failed_keys"
 

@@ -297,3 +297,28 @@ async def test_a_rejection_by_every_provider_is_the_clients_with_the_first_expla
     assert [r.failure for r in race.attempts] == ["request_rejected", "request_rejected"]
     for name in ("b0", "b1"):
         assert pool.balancer._backends[name].failures == 0
+
+
+async def test_a_race_that_defers_learning_learns_its_winners_ttft_once_when_told() -> None:
+    """A stream's race learns its winner's TTFT once the client's first bytes are out
+    (`learn`, which the proxy hands the response), not at the commit: the same value, once;
+    a request whose first bytes never went out learns it at `aclose`."""
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        await asyncio.sleep(0)
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    for told in (True, False):
+        pool = pool_of(backends=1)
+        delay = pool.delays["b0"]
+        race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                    time.monotonic, defer_learning=True)
+        result = await race.run()
+        assert result.winner.ttft is not None  # measured at the commit ...
+        assert delay.observations == 0  # ... and not learnt yet
+        if told:
+            race.learn()
+            assert delay.observations == 1
+            race.learn()
+        await race.aclose()
+        assert delay.observations == 1
