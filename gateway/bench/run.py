@@ -371,7 +371,8 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
     finally:
         ctx.children.stop_all([proc for _, proc in gateways.values()])
     for mode, row in rows.items():
-        if "keys" in row:  # written by the gateway as it stopped
+        if "keys" in row:  # written by the gateway as it stopped (exit 0: on its own terms)
+            row["keys"]["gateway_exit"] = gateways[mode][1].returncode
             row["keys"]["requests_counted"] = await asyncio.to_thread(
                 key_usage, ctx, mode, row["keys"]["client_key"])
     comparison = report.compare(rows) | speed.compare_costs(rows)
