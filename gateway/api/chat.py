@@ -15,7 +15,8 @@ from gateway.api.inference import InferenceRoute, route
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
-from gateway.api.tenancy import TenantGate, key_terms, supplied_key
+from gateway.api.tenancy import TenantGate, supplied_key
+from gateway.api.terms import key_terms
 from gateway.errors import (
     InvalidRequest,
     ModelNotFound,

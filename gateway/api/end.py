@@ -76,15 +76,6 @@ class RequestEnd:
         self.continuations: Continuations | None = None
         self._done = False
 
-    def release_winner(self) -> None:
-        """The answer is complete and the winner's upstream read and closed: its backend
-        slot goes back now, before the last byte reaches the client. A client may send its
-        next request (a conversation's next turn) as soon as it sees the end, while this
-        request's end still awaits its clean-up; a home still counting this request would
-        then be at its bound with two conversations there, and the turn would spill to a
-        backend that must prefill its whole history. Idempotent (`Race.release_winner`)."""
-        self._race.release_winner()
-
     async def after_stream(self, outcome: RelayOutcome, early_end: StreamEnd | None) -> None:
         """The end of a streamed answer, run by its stream as it closes (`on_close`, once):
         what the relay saw (`outcome`; `early_end`: how the stream ended, when it ended
@@ -109,17 +100,21 @@ class RequestEnd:
             pool.inflight_requests -= 1
             self._leave()
             # and its winner's backend slot, for the same reason (a stream gave it back
-            # already, as its last byte went out: `release_winner`)
-            self._race.release_winner()
+            # already, as its last byte went out: `Leftovers.release_winner`)
+            leftovers = self._race.leftovers
+            leftovers.release_winner()
             # each step on its own: a failing one must not keep the next from giving back
             # what it holds (the winner's and the losers' upstreams, their backend slots)
             try:
-                if self.prefix is not None:
-                    await self.prefix.aclose()
+                # the relay that read the winner's upstream closed it (a stream that ended
+                # early may not have): read the flag here, not a second call into its close
+                prefix = self.prefix
+                if prefix is not None and not prefix.closed:
+                    await prefix.aclose()
             except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                 report_bug(stats, exc)
             try:
-                await self._race.aclose()
+                await leftovers.aclose()
             except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                 report_bug(stats, exc)
             if self.continuations is not None:

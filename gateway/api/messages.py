@@ -18,7 +18,8 @@ from gateway.api.inference import InferenceRoute, route
 from gateway.api.proxy import Proxy
 from gateway.api.refusals import note_model
 from gateway.api.request import LogicalRequest
-from gateway.api.tenancy import TenantGate, key_terms
+from gateway.api.tenancy import TenantGate
+from gateway.api.terms import key_terms
 from gateway.errors import ModelNotFound
 from gateway.hedge.generation import Live
 from gateway.settings import Settings

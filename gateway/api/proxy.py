@@ -44,6 +44,7 @@ from gateway.errors import (
     Overloaded,
 )
 from gateway.hedge.continuation import Continuations, may_continue
+from gateway.hedge.losers import Leftovers
 from gateway.hedge.plan import plan as make_plan
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.race import Race, RaceResult
@@ -179,7 +180,7 @@ class Proxy:
             # a stream runs the end itself, as it closes (`on_close`, exactly once, whatever
             # ends it): the answer adds no second call to the streamed request's path
             return Answer(self._streaming_response(pool, req, result, headers, end,
-                                                   strip_usage, rewrite, learn=race.learn))
+                                                   strip_usage, rewrite, race.leftovers))
         except GatewayError as exc:  # answered in the route's shape, then the end runs
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
@@ -370,8 +371,8 @@ class Proxy:
         headers: dict[str, str],
         end: RequestEnd,
         strip_usage: bool,
-        rewrite: Rewrite | None = None,
-        learn: Callable[[], None] | None = None,
+        rewrite: Rewrite | None,
+        leftovers: Leftovers,
     ) -> Response:
         outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
@@ -409,14 +410,16 @@ class Proxy:
             grace=self.server.shutdown_grace,
             shutdown_event=shutdown_event,
             on_close=functools.partial(end.after_stream, outcome),
-            on_exhausted=end.release_winner,
+            # the winner's slot goes back as the last byte goes out, and its TTFT is learnt
+            # after the first: the race's leftovers, handed out as data (the race is done)
+            on_exhausted=leftovers.release_winner,
             clock=self.clock,
             client_gone=end.watcher,
             internal_event=internal_event,
             # the relay's first piece is the committed first token, in hand: it leaves first,
             # with the head; the race learns its winner's TTFT after it
             first_ready=True,
-            on_first_sent=learn,
+            on_first_sent=leftovers.learn,
         )
 
 

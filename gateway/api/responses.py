@@ -33,7 +33,8 @@ from gateway.api.stored import (
     StoredRef,
     generate_secret,
 )
-from gateway.api.tenancy import TenantGate, key_terms
+from gateway.api.tenancy import TenantGate
+from gateway.api.terms import key_terms
 from gateway.errors import ModelNotFound, ResponseNotFound
 from gateway.hedge.generation import Live
 from gateway.hedge.pool import PoolRuntime

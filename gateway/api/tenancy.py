@@ -1,5 +1,6 @@
-"""The client key of a request and its rules: who it is, which pools it may use, whether it is
-within its limits, and the rate-limit headers of every answer to it.
+"""The client key of a request and its rules: who it is, whether it is within its limits, and
+the rate-limit headers of every answer to it. What the key allows once the body has named a
+pool (the pool, the TTFT objective) is `gateway.api.terms`, a later step of the request.
 
 `TenantGate` is the one check every inference route calls: `server.api_keys` (keys without
 rules, `gateway.api.keys.KeyRing`) and the named keys of `keys:` (`gateway.tenants`). While
@@ -11,8 +12,7 @@ it is, and once it has ended, its slot goes back and the upstream's usage is cha
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,11 +24,9 @@ from gateway.clock import Clock
 from gateway.errors import (
     BudgetExceeded,
     KeyRateLimited,
-    ModelNotFound,
     StoreDown,
     Unauthorized,
 )
-from gateway.hedge.deadline import OBJECTIVE_HEADER, KeyShare, request_objective
 from gateway.hedge.prefill import estimate_tokens
 from gateway.settings.tenants import TenantKeySettings
 from gateway.stats import RequestSummary
@@ -41,9 +39,6 @@ from gateway.tenants.spend import MICRO, PeriodSpend, over_budget
 #: the key in a request's scope state under which a named key's tenant is kept, so that an
 #: error the route raises before admission still states the key's quotas
 TENANT_KEY = "hedge_tenant"
-#: what a request for a pool its key may not use is told: the same as for a pool that does not
-#: exist, so a key cannot learn which pools other keys use
-NOT_FOUND = "the model does not exist in this gateway; GET /v1/models lists them"
 
 
 def supplied_key(request: Request, *, x_api_key: bool) -> str:
@@ -355,42 +350,3 @@ def quota_headers(scope: Scope, *, anthropic: bool) -> list[tuple[bytes, bytes]]
     if not isinstance(tenant, Tenant) or tenant.limits is None:
         return []
     return ratelimit_headers(tenant.limits.quotas(), anthropic=anthropic, wall=time.time())
-
-
-def check_pool(tenant: Tenant | None, pool: str) -> None:
-    """A named key asking for a pool it may not use is answered as for an unknown model."""
-    if tenant is not None and not tenant.may_use(pool):
-        raise ModelNotFound(NOT_FOUND, param="model")
-
-
-class Deadline(NamedTuple):
-    """A request's TTFT objective and who pays for the hedges it sends early."""
-
-    #: seconds; None: no objective
-    objective: float | None
-    #: the named key's share of the hedge budget (None: no named key: no early hedge)
-    share: KeyShare | None
-    #: the key's own `hedging.ratio` (None: the pool's)
-    ratio: float | None
-    #: headers to send upstream: the objective in force as `x-slo-ttft-ms`, for in-cluster
-    #: schedulers (the key's when it is the tighter: they see what the gateway holds it to)
-    forward: dict[str, str]
-
-
-def key_terms(tenant: Tenant | None, pool: str, headers: Mapping[str, str]) -> Deadline:
-    """What the request's key says once the body has named its pool: refused as an unknown
-    model when the key may not use it (`check_pool`), else the request's objective
-    (`deadline_of`). One call for the route, after its body's checks."""
-    check_pool(tenant, pool)
-    return deadline_of(tenant, headers)
-
-
-def deadline_of(tenant: Tenant | None, headers: Mapping[str, str]) -> Deadline:
-    """The request's objective: the tighter of its key's `ttft_objective` and its
-    `x-slo-ttft-ms` header (a malformed header is ignored: `header_objective`)."""
-    key = None if tenant is None else tenant.settings.ttft_objective
-    seconds = request_objective(key, headers.get(OBJECTIVE_HEADER))
-    forward = {} if seconds is None else {OBJECTIVE_HEADER: str(max(1, round(seconds * 1000)))}
-    if tenant is None:
-        return Deadline(seconds, None, None, forward)
-    return Deadline(seconds, tenant.share, tenant.settings.hedging.ratio, forward)

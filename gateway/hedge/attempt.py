@@ -69,6 +69,17 @@ class AttemptRecord:
     #: a hedge sent early for the request's TTFT objective (`gateway.hedge.deadline`)
     deadline: bool = False
 
+    def lost(self) -> bool:
+        """Whether the race has already decided this attempt (another one committed, or the
+        request ended): its runner reads it per batch before the first token, and a batch
+        read after that is counted (`late_events`, which should stay 0). A method of the
+        record rather than a closure of the runner's, so the attempt reads its own state
+        without stepping back into the runner per event."""
+        if self.outcome is not None:
+            self.late_events += 1
+            return True
+        return False
+
 
 @dataclass(slots=True)
 class ContinuationLeg:
@@ -154,8 +165,9 @@ class Prefix:
     async def aclose(self) -> None:
         """Close the upstream; once it is closed, at once, without a task or a loop turn.
 
-        A streamed answer is closed twice, by the relay as it ends and by the request's end
-        (which must be sure of it on every path), right after the client's last byte. A close
+        A streamed answer is closed by the relay as it ends, and the request's end (which
+        must be sure of it on every path) closes it again unless `closed` says it is done
+        (it reads the flag, so a stream's end does not step back into this file). A close
         runs in a task of its own (`close_quietly`), and the second one cost a task, a shield
         and two turns of the loop, which the client's next request on the connection waited
         behind. The flag is set only once a close has finished, so a second close while the

@@ -70,7 +70,7 @@ from gateway.hedge.attempt import (
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.deadline import deadline_delay
 from gateway.hedge.delay import min_useful
-from gateway.hedge.losers import Losers
+from gateway.hedge.losers import Leftovers
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
 
@@ -111,25 +111,23 @@ class Race:
     _next_hedge: float = math.inf
     #: the next hedge is due early, for the request's TTFT objective (`_plan_deadline`)
     _early: bool = False
-    #: the committed attempt, holding its backend slot until `aclose`
-    _streaming: AttemptRecord | None = None
     #: the first complete answer without a token, relayed if no running attempt yields one
     _kept: tuple[asyncio.Task[Prefix], AttemptRecord] | None = None
     #: the first rejection (400/413/422), the client's answer once no backend of a kind that
     #: has not rejected the body is running or can start
     _rejection: UpstreamClientError | None = None
-    #: the attempts let go, until `aclose` has waited for them to close
-    _losers: Losers = field(init=False)
+    #: what the race leaves for the request's end (the winner's slot, its deferred TTFT,
+    #: the attempts let go): handed out as data, so the end and the stream call it, not us
+    leftovers: Leftovers = field(init=False)
     #: where this request's attempts go, and what the stats count of those choices
     placement: Placement = field(init=False)
-    #: the winner's TTFT is learnt at `learn()`, not at the commit: the proxy calls it once
-    #: the client's first bytes are out, so the delay trackers' inserts are off that path
+    #: the winner's TTFT is learnt at `leftovers.learn()`, not at the commit: the stream
+    #: calls it once the client's first bytes are out, so the delay trackers' inserts are off
+    #: that path
     defer_learning: bool = False
-    #: the winner's observation not learnt yet (`defer_learning`): backend, TTFT, when
-    _unlearned: tuple[str, float, float] | None = None
 
     def __post_init__(self) -> None:
-        self._losers = Losers(self.clock)
+        self.leftovers = Leftovers(self.clock, self.pool, self.options.delays)
         self.placement = Placement(self.pool, self.options)
 
     async def run(self) -> RaceResult:
@@ -281,7 +279,7 @@ class Race:
         # balancer's load count whole streams); `aclose` gives it back at the request's end
         if record.spent_budget:
             self.pool.budget.release()
-        self._streaming = record
+        self.leftovers.winner = record
         kept, self._kept = self._kept, None
         if kept is not None and kept[1] is not record:  # a token beat the kept empty answer
             self._finished(kept[1])
@@ -322,8 +320,8 @@ class Race:
         for task, record in winners:
             if record.outcome == "lost":  # the commit closed it already
                 continue
-            if record is self._streaming:  # its budget was given back by the commit
-                self._streaming = None
+            if record is self.leftovers.winner:  # its budget was given back by the commit
+                self.leftovers.winner = None
                 self.pool.balancer.on_finish(record.backend, probe=record.probe)
             else:
                 self._finished(record)
@@ -460,18 +458,13 @@ class Race:
         record.ttft = now - record.started
         if self.options.learn:
             if later:
-                self._unlearned = (record.backend, record.ttft, now)
+                self.leftovers.unlearned = (record.backend, record.ttft, now)
                 return
             self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
 
     def learn(self) -> None:
-        """Learn the winner's TTFT deferred at the commit (`defer_learning`); once, and a
-        no-op when there is none. `aclose` calls it too, for a request whose first bytes
-        never went out."""
-        unlearned, self._unlearned = self._unlearned, None
-        if unlearned is not None:
-            backend, ttft, at = unlearned
-            self.options.delays[backend].observe(ttft, at)
+        """Learn the winner's TTFT deferred at the commit (`Leftovers.learn`)."""
+        self.leftovers.learn()
 
     def _cancel_all(self) -> None:
         """Cancel every attempt still running, without waiting for it.
@@ -492,7 +485,7 @@ class Race:
             if had_token:
                 self._close_prefix(task, record, cancelled_at)
                 continue
-            self._losers.cancel(task, record, cancelled_at)
+            self.leftovers.cancel(task, record, cancelled_at)
         self._tasks.clear()
 
     def _drop_kept(self) -> None:
@@ -509,22 +502,13 @@ class Race:
         self, task: asyncio.Task[Prefix], record: AttemptRecord, cancelled_at: float
     ) -> None:
         """Close a loser that holds a token, in a task `aclose` reaps."""
-        self._losers.close_prefix(task, record, cancelled_at)
+        self.leftovers.close_prefix(task, record, cancelled_at)
 
     def release_winner(self) -> None:
-        """Give back the winner's backend slot (once; `aclose` does it if nobody did). The
-        request's end calls it as its answer is out, before it awaits the winner's upstream
-        close: the client's next request (a conversation's next turn) can arrive in that
-        await, and must not find its home still counting this one, or with two
-        conversations there the turn meets the home's bound and spills to a backend that
-        must prefill its whole history."""
-        if self._streaming is not None:
-            self.pool.balancer.on_finish(self._streaming.backend, probe=self._streaming.probe)
-            self._streaming = None
+        """Give back the winner's backend slot, once (`Leftovers.release_winner`)."""
+        self.leftovers.release_winner()
 
     async def aclose(self) -> None:
         """At the request's end: give back the winner's backend slot, and wait (bounded) for
-        the losers to finish closing their upstreams."""
-        self.learn()
-        self.release_winner()
-        await self._losers.reap()
+        the losers to finish closing their upstreams (`Leftovers.aclose`)."""
+        await self.leftovers.aclose()

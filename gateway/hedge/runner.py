@@ -84,12 +84,9 @@ def attempt_runner(
     comma = b"" if bytes(rest[:1]) == b"}" else b","
 
     async def run(backend: str, record: AttemptRecord) -> Prefix:
-        def is_lost() -> bool:
-            if record.outcome is not None:
-                record.late_events += 1
-                return True
-            return False
-
+        # the record's own check, read by the attempt per batch before its first token:
+        # the attempt reads its record, it does not call back into the runner
+        is_lost = record.lost
         if translated and backend in translated:
             # (made now if the race's pick did not make it: only an attempt here pays it)
             return await run_translated(backend, record, is_lost, *translated[backend])

@@ -166,15 +166,18 @@ def drain_round_robin(roots: list[str], secret: str, kind: str) -> tuple[int, fl
 @pytest.mark.timeout(180)
 def test_three_replicas_hold_one_requests_per_minute_limit_within_five_percent(
         tmp_path: Path, cluster: PgCluster) -> None:
-    """60 requests a minute: one bucket admits 60 plus what refills (1 a second) while the
-    traffic runs; each replica holding the whole limit admitted three times that."""
-    made = keys_command(cluster, "create", "team-a", "--requests-per-minute", "60")
+    """120 requests a minute: one bucket admits 120 plus what refills (2 a second) while the
+    traffic runs; each replica holding the whole limit admitted three times that. The bound
+    the docs give is one bucket plus at most one request per replica (a replica out of slice
+    lends itself one): 3 of 120, inside 5 % (at 60 a minute it would be exactly 5 %)."""
+    made = keys_command(cluster, "create", "team-a", "--requests-per-minute", "120")
     assert made.returncode == 0, made.stderr
     secret = json.loads(made.stdout)["key"]
     with replicas(tmp_path, cluster) as roots:  # each has read the key before it serves
         admitted, took = drain_round_robin(roots, secret, "requests")
-    one_bucket = 60 + 60 / 60 * took
-    assert 60 * 0.95 <= admitted <= one_bucket * 1.05, (admitted, took)
+    one_bucket = 120 + 120 / 60 * took
+    assert admitted <= one_bucket + REPLICAS, (admitted, took)  # the documented bound
+    assert 120 * 0.95 <= admitted <= one_bucket * 1.05, (admitted, took)
 
 
 @pytest.mark.timeout(180)
@@ -205,7 +208,9 @@ def test_a_held_limit_fails_open_to_each_replicas_whole_limit_while_the_store_is
     secret = json.loads(made.stdout)["key"]
     with replicas(tmp_path, cluster) as roots:
         admitted, took = drain_round_robin(roots, secret, "requests")
-        assert admitted <= (30 + 30 / 60 * took) * 1.05, (admitted, took)
+        # one bucket plus at most one request per replica (docs/tenants.md): at 30 a minute
+        # that is 10 %, so this test holds the documented bound, the one above the 5 %
+        assert admitted <= 30 + 30 / 60 * took + REPLICAS, (admitted, took)
         cluster.stop()
         eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
                    "every replica admits from its own bucket while the store is down")

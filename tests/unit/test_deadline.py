@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.api.tenancy import deadline_of
+from gateway.api.terms import deadline_of
 from gateway.hedge.deadline import (
     SHARE_BURST,
     KeyShare,
