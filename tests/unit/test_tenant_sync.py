@@ -339,3 +339,46 @@ def test_a_round_cancelled_mid_transaction_settles_from_what_the_store_committed
     with sqlite3.connect(path) as db:
         (level,) = db.execute("SELECT level FROM buckets WHERE name = 'team-a'").fetchone()
     assert level == 110.0  # 100 and the slice's 10, once
+
+
+def test_a_flush_cancelled_mid_write_loses_no_usage_at_stop(tmp_path: Path) -> None:
+    """Shutdown cancels the sync's task while a batch of usage is being written in a worker
+    thread, which no cancellation stops: `stop` waits for that write before its last batch
+    and the store's close, so both batches are in the store. (Closed under the thread, the
+    first batch was lost: a second of a key's usage missing after a clean stop.)"""
+    the_gate = gate()
+    sync = TenantSync(the_gate, f"sqlite:///{tmp_path}/t.sqlite")
+    entered, release = threading.Event(), threading.Event()
+
+    async def scenario() -> None:
+        await sync.start()
+        store = sync.store
+        assert store is not None
+        real = store.add_usage
+
+        def slow(rows: list[UsageRow]) -> None:
+            store.add_usage = real  # type: ignore[method-assign]  # only this batch waits
+            entered.set()
+            release.wait(WAIT)
+            real(rows)
+
+        store.add_usage = slow  # type: ignore[method-assign,assignment]
+        the_gate.usage["team-a"] = [2, 20, 10, 0]
+        task = asyncio.create_task(sync.flush())
+        await asyncio.to_thread(entered.wait, WAIT)
+        task.cancel()  # mid-write
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()
+        the_gate.usage["team-a"] = [1, 5, 5, 0]  # counted after the cancelled batch was taken
+        stopping = asyncio.create_task(sync.stop())
+        await asyncio.sleep(0.05)
+        assert not stopping.done()  # waiting for the write under way
+        release.set()
+        await stopping
+
+    asyncio.run(scenario())
+    reopened = SqliteStore(str(tmp_path / "t.sqlite"))
+    try:
+        assert reopened.usage("team-a") == [UsageRow("team-a", "1970-01-02", 3, 25, 15)]
+    finally:
+        reopened.close()
