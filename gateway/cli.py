@@ -275,10 +275,12 @@ def _bench(ns: argparse.Namespace) -> int:
                                 progress=not ns.no_progress)
     from gateway.bench.servers import nginx_binary
 
-    # `--workload overhead` is the cost workload: each feature's row and the floor beside
-    # the gateway unless switched off (`--no-features`, `--no-nginx`); nginx only if installed
+    # `--workload overhead` is the cost workload: each feature's row, the keys' row and the
+    # floor beside the gateway unless switched off (`--no-features`, `--no-keys`,
+    # `--no-nginx`); nginx only if installed
     overhead = ns.workload == "overhead"
     features = overhead if ns.features is None else ns.features
+    keys = overhead if ns.keys is None else ns.keys
     nginx = nginx_binary() if ns.nginx or (ns.nginx is None and overhead) else None
     if ns.nginx and nginx is None:
         print("hedge-gateway bench: --nginx: nginx is not installed (Debian: apt-get "
@@ -288,7 +290,7 @@ def _bench(ns: argparse.Namespace) -> int:
                      progress=None if ns.no_progress else sys.stderr, tables=sys.stdout,
                      baseline_src=ns.baseline_src,
                      workers=ns.workers, servers=ns.servers, repeat=ns.repeat,
-                     features=features, nginx=nginx)
+                     features=features, nginx=nginx, keys=keys)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
@@ -523,6 +525,11 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "no-headroom, then all-off), hedging on otherwise: each "
                              "feature's cost is its row's difference from hedging-on "
                              "(default: on for --workload overhead only)")
+    parser.add_argument("--keys", action=argparse.BooleanOptionalAction, default=None,
+                        help="a mode `keys-1000` right after hedging-on: 1,000 named keys, "
+                             "each with all four limits, the client sending one; its CPU per "
+                             "request prints over hedging-on's (default: on for --workload "
+                             "overhead only)")
     parser.add_argument("--nginx", action=argparse.BooleanOptionalAction, default=None,
                         help="a mode `nginx` after direct: nginx as a plain reverse proxy to "
                              "the same simulators, the floor; the gateway's CPU per request "

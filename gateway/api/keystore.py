@@ -28,13 +28,14 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import sqlite3
 from typing import TYPE_CHECKING
 
 from gateway.api.tenancy import TenantGate
 from gateway.server.workers import worker_limits
-from gateway.tenants.lease import Grant
+from gateway.tenants.lease import Ask, Grant, Slice
 from gateway.tenants.spend import period_spend
 from gateway.tenants.store import UsageRow, path_of
 from gateway.tenants.stores import is_shared, open_store
@@ -76,6 +77,10 @@ class TenantSync:
         #: a round of leases is wanted now (`TenantGate.wake`)
         self._lease_wanted = asyncio.Event()
         gate.wake = self._lease_wanted.set
+        #: the last round's transaction (it outlives a cancelled round: `lease_round`)
+        self._leasing: asyncio.Future[list[Grant]] | None = None
+        #: the last batch's write of usage (it outlives a cancelled flush: `_flush`)
+        self._writing: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
         """Open the store and load its keys and their spend (before the gateway serves)."""
@@ -124,14 +129,27 @@ class TenantSync:
             return
         day = datetime.datetime.fromtimestamp(self.gate.wall(), tz=datetime.UTC).date()
         rows = [UsageRow(name, day.isoformat(), *counts) for name, counts in usage.items()]
+        # the write runs in a thread that a cancellation (shutdown) cannot stop: its outcome
+        # is taken from the thread (`_written`, whenever it comes), and `stop` waits for it
+        # before the last batch and the store's close (closed under it, the batch was lost)
+        work = asyncio.ensure_future(asyncio.to_thread(store.add_usage, rows))
+        work.add_done_callback(functools.partial(self._written, usage))
+        self._writing = work
         try:
-            await asyncio.to_thread(store.add_usage, rows)
-            self._recovered()
-        except (sqlite3.Error, OSError) as exc:
-            self._failed("write", exc)
-            self.gate.keep_unsent(usage)  # back into the next batch
-            return
+            await asyncio.shield(work)
+        except (sqlite3.Error, OSError):
+            return  # kept for the next batch by `_written`
+        self._recovered()
         await self.read_spend(usage)
+
+    def _written(self, usage: dict[str, list[int]], work: asyncio.Future[None]) -> None:
+        """A batch's write is over: when the store raised (nothing was committed), the batch
+        goes back into the next one."""
+        exc = None if work.cancelled() else work.exception()
+        if work.cancelled() or exc is not None:
+            self.gate.keep_unsent(usage)  # back into the next batch
+        if isinstance(exc, sqlite3.Error | OSError):
+            self._failed("write", exc)
 
     async def read_spend(self, written: dict[str, list[int]] | None = None) -> None:
         """Every key's spend of today and this month, as the store holds it (all processes'
@@ -188,25 +206,39 @@ class TenantSync:
         if not pairs:
             return
         asks = [ask for _, ask in pairs]
-        grants: list[Grant] | None = None
+        # the transaction runs in a thread that a cancellation (shutdown) cannot stop: it may
+        # commit after this task is gone, so the slices are settled from the thread's own
+        # outcome (`_settle`, whenever it comes), never from this task's; `stop` waits for it
+        work = asyncio.ensure_future(asyncio.to_thread(store.lease, asks))
+        work.add_done_callback(functools.partial(self._settle, pairs))
+        self._leasing = work
         try:
-            grants = await asyncio.to_thread(store.lease, asks)
+            await asyncio.shield(work)
         except (sqlite3.Error, OSError) as exc:
             self._failed("lease from", exc)
             return
-        finally:
-            if grants is None:  # failed, or cancelled: no slice is left waiting for ever
-                for piece, ask in pairs:
-                    piece.failed(ask)
-        now = self.gate.clock()
-        for (piece, _), grant in zip(pairs, grants, strict=True):
-            piece.settled(grant, now)
         self._recovered()
+
+    def _settle(self, pairs: list[tuple[Slice, Ask]], work: asyncio.Future[list[Grant]]
+                ) -> None:
+        """A round's transaction is over: each slice settled from its grant, or, only when
+        the store really raised (nothing was committed), given back what it sent."""
+        if work.cancelled() or work.exception() is not None:
+            for piece, ask in pairs:
+                piece.failed(ask)
+            return
+        now = self.gate.clock()
+        for (piece, _), grant in zip(pairs, work.result(), strict=True):
+            piece.settled(grant, now)
 
     async def stop(self) -> None:
         """The last batch of usage and of leases (the slices given back), then the store
         closed."""
+        if self._writing is not None:  # a flush cancelled mid-write: its outcome first
+            await asyncio.wait([self._writing])
         await self.flush()
+        if self._leasing is not None:  # a round cancelled mid-transaction: its outcome first
+            await asyncio.wait([self._leasing])
         await self.lease_round(last=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)

@@ -219,6 +219,9 @@ class TenantGate:
         limits = tenant.limits
         estimated = estimate_tokens(body_bytes)
         headers: list[tuple[bytes, bytes]] | None = None
+        #: whether the shared slices took part in the admission (settled and refunded only
+        #: then: `KeyLimits.leased`)
+        leased = False
         if self.store_down and self.fail_closed:
             raise StoreDown()
         self.check_budget(tenant)  # before the limits: a refused request takes nothing
@@ -229,6 +232,7 @@ class TenantGate:
                 refused.headers = ratelimit_headers(verdict.quotas, anthropic=anthropic,
                                                     wall=self.wall(), instants=self.instants)
                 raise refused
+            leased = limits.leased()
             headers = ratelimit_headers(verdict, anthropic=anthropic, wall=self.wall(),
                                         instants=self.instants)
             if limits.lease is not None and limits.lease.wanted:
@@ -256,7 +260,8 @@ class TenantGate:
             if cost is not None:
                 counts[3] += round(cost * MICRO)
             if limits is not None:
-                limits.settle(self.clock(), estimated, input_tokens, output_tokens)
+                limits.settle(self.clock(), estimated, input_tokens, output_tokens,
+                              leased=leased)
                 if limits.lease is not None and limits.lease.wanted:
                     self.wake()
 
@@ -268,7 +273,7 @@ class TenantGate:
         if not sent_upstream(state.get(SUMMARY_KEY)):  # refused by the gateway itself
             settled = True  # nothing to settle: a refused request takes nothing
             if limits is not None:
-                limits.refund(self.clock(), estimated)
+                limits.refund(self.clock(), estimated, leased=leased)
                 headers = ratelimit_headers(limits.quotas(), anthropic=anthropic,
                                             wall=self.wall(), instants=self.instants)
                 answer_headers(response.raw_headers, headers)

@@ -209,19 +209,23 @@ async def _attempt(client: LeanClient, url: Target, payload: bytes, index: int, 
     return scan.sample(index)
 
 
-def chat_request(url: str, index: int, body: Mapping[str, object] = CHAT_BODY
-                 ) -> tuple[Target, bytes]:
-    """Request `index` as bytes for `LeanClient.request`: `body` as JSON, with its id."""
+def chat_request(url: str, index: int, body: Mapping[str, object] = CHAT_BODY,
+                 extra: Mapping[str, str] | None = None) -> tuple[Target, bytes]:
+    """Request `index` as bytes for `LeanClient.request`: `body` as JSON, with its id and
+    `extra` headers (a client key)."""
     where = target(url)
-    headers = {"content-type": "application/json", "x-request-id": request_id(index)}
+    headers = {"content-type": "application/json", "x-request-id": request_id(index),
+               **(extra or {})}
     return where, request_bytes("POST", where, json.dumps(body).encode(), headers)
 
 
 async def stream_one(
-    client: LeanClient, url: str, index: int, *, body: Mapping[str, object] = CHAT_BODY
+    client: LeanClient, url: str, index: int, *, body: Mapping[str, object] = CHAT_BODY,
+    headers: Mapping[str, str] | None = None,
 ) -> Sample:
-    """One streaming chat request to `url` (a full .../chat/completions URL)."""
-    where, payload = chat_request(url, index, body)
+    """One streaming chat request to `url` (a full .../chat/completions URL), with `headers`
+    besides its own (the `keys-1000` mode's client key)."""
+    where, payload = chat_request(url, index, body, headers)
     return await _attempt(client, where, payload, index, time.perf_counter())
 
 

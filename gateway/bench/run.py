@@ -16,6 +16,10 @@ modes, one after the other:
 - with `--features`, one more per feature of the request path switched off (`no-affinity`,
   ..., then `all-off`: `gateway.bench.variants`), hedging on otherwise: each feature's cost
   is its row's difference from `hedging-on`;
+- with `--keys` (on by default for `--workload overhead`), `keys-1000` right after
+  `hedging-on`: hedging on with 1,000 named keys, each with all four limits, the client
+  sending one of them (`gateway.bench.variants`); its CPU per request prints over
+  hedging-on's (no keys), and the gateway's usage count of the key is read from its store;
 - with `--nginx`, one more right after `direct`: Debian's nginx as a plain reverse proxy to
   the same simulators (`gateway.bench.servers.nginx_config`), the floor; each gateway mode's
   CPU per request and added TTFT at c=1 are then printed as multiples of nginx's.
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
@@ -48,6 +53,7 @@ from typing import Any, TextIO
 
 import httpx
 import uvloop
+import yaml
 
 from gateway.bench import report, rows, servers, speed, variants
 from gateway.bench.load import CHAT_BODY, Progress, Send, best_of, run_load, stream_one
@@ -72,6 +78,7 @@ from gateway.bench.subject import (
 from gateway.bench.upstream import profile_to_json, request_ttft
 from gateway.bench.workloads import Workload
 from gateway.settings import BudgetSettings, StallSettings
+from gateway.tenants.store import SqliteStore, default_path
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,18 +106,23 @@ class BenchPlan:
     features: bool = False
     #: the nginx executable: a mode `nginx` after `direct` (None: none)
     nginx: str | None = None
+    #: a mode `keys-1000` right after `hedging-on` (`variants.KEYS_MODE`)
+    keys: bool = False
 
 
 def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
     """The modes of `workload` in the order they run: the plan's that the workload has (with
     `quick`, its `quick_modes` when it names them; then its own continuation modes;
-    `nginx` right after `direct`, with
-    `plan.nginx`), then one per feature switched off (`features`), then `baseline` (with
-    `baseline_src`), then one per other front server (`servers`)."""
+    `nginx` right after `direct`, with `plan.nginx`; `keys-1000` right after `hedging-on`,
+    or last without it, with `plan.keys`), then one per feature switched off (`features`),
+    then `baseline` (with `baseline_src`), then one per other front server (`servers`)."""
     own = workload.quick_modes if quick and workload.quick_modes is not None else workload.modes
     modes = [m for m in plan.modes if own is None or m in own]
     # a workload's own modes beyond the plan's (the `stalls` workload's continuation modes)
     modes += [m for m in own or () if m in rows.CONTINUATION_MODES]
+    if plan.keys:  # next to the mode it is divided by
+        at = modes.index("hedging-on") + 1 if "hedging-on" in modes else len(modes)
+        modes.insert(at, variants.KEYS_MODE)
     if plan.nginx:  # the floor, next to the other mode without a gateway
         at = modes.index("direct") + 1 if "direct" in modes else 0
         modes.insert(at, servers.NGINX)
@@ -149,7 +161,7 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
         proc = ctx.children.start("nginx", servers.nginx_command(ctx.plan.nginx, conf, prefix),
                                   cpus=(*ctx.pinning.gateway, *ctx.pinning.others))
         return f"http://127.0.0.1:{port}", proc
-    path = os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
+    path = config_path(ctx, mode)
     with open(path, "w", encoding="utf-8") as file:
         file.write(gateway_config(port, ctx.sim_ports[:workload.backends],
                                   hedging=mode != "hedging-off",
@@ -163,10 +175,55 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
     cwd = None
     if mode == "baseline" and ctx.plan.baseline_src:
         env, cwd = baseline_env(ctx.plan.baseline_src)
+    if _keyed(mode):  # the store its keys open is the run's own, gone with it
+        env = {**(env or {}), "XDG_STATE_HOME": state_home(ctx, mode)}
     # every CPU, explicitly: a child inherits this process's pinning to the load side's CPUs
     proc = ctx.children.start(f"gateway-{mode}", argv, env=env, cwd=cwd,
                               cpus=(*ctx.pinning.gateway, *ctx.pinning.others))
     return f"http://127.0.0.1:{port}", proc
+
+
+def config_path(ctx: _Context, mode: str) -> str:
+    """The generated configuration file of gateway mode `mode`."""
+    return os.path.join(ctx.children.logdir, f"gateway-{mode}.yaml")
+
+
+def state_home(ctx: _Context, mode: str) -> str:
+    """`XDG_STATE_HOME` of a mode with named keys: where its key store's file is."""
+    return os.path.join(ctx.children.logdir, f"state-{mode}")
+
+
+def _keyed(mode: str) -> bool:
+    """Whether `mode`'s configuration names client keys (`keys-1000`)."""
+    variant = variants.VARIANTS.get(mode)
+    return variant is not None and "keys" in variant.top
+
+
+def keys_seen(ctx: _Context, mode: str, stats: object) -> dict[str, Any]:
+    """What says a keyed mode's gateway ran with its keys: how many its configuration file
+    names, whether the configuration the gateway reports (`/hedge/stats` `config.sha256`) is
+    that file, and the key the client sends."""
+    with open(config_path(ctx, mode), "rb") as file:
+        data = file.read()
+    configured = yaml.safe_load(data).get("keys") or []
+    reported = stats.get("config") if isinstance(stats, dict) else None
+    loaded = reported.get("sha256") if isinstance(reported, dict) else None
+    return {"configured": len(configured),
+            "gateway_loaded_it": loaded == hashlib.sha256(data).hexdigest(),
+            "client_key": variants.key_name(variants.BENCH_CLIENT_KEY)}
+
+
+def key_usage(ctx: _Context, mode: str, name: str) -> int | None:
+    """The requests the (stopped) gateway of `mode` counted for key `name` in its store: the
+    last batch is written at shutdown. None when there is no store file. Blocking."""
+    path = default_path({"XDG_STATE_HOME": state_home(ctx, mode)})
+    if not os.path.exists(path):
+        return None
+    store = SqliteStore(path)
+    try:
+        return sum(row.requests for row in store.usage(name))
+    finally:
+        store.close()
 
 
 def warm_or(body: dict[str, Any], index: int) -> dict[str, Any]:
@@ -212,7 +269,10 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
                                        body=warm_or(direct_body, i))
     elif gateway is not None:
         gw_url, gw_body = f"{gateway[0]}/v1/chat/completions", {**CHAT_BODY, "model": POOL}
-        send = lambda c, i: stream_one(c, gw_url, i, body=warm_or(gw_body, i))  # noqa: E731
+        variant = variants.VARIANTS.get(mode)
+        gw_headers = dict(variant.headers) if variant is not None else {}
+        send = lambda c, i: stream_one(c, gw_url, i, body=warm_or(gw_body, i),  # noqa: E731
+                                       headers=gw_headers)
     else:
         raise ValueError(f"unknown mode {mode!r}")
     pids = {"client": os.getpid(),
@@ -226,6 +286,7 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
 
     c1: dict[str, Any] | None = None
     c1_requests = workload.quick_c1_requests if ctx.quick else workload.c1_requests
+    c1_sent = 0  # the c=1 pass's requests, its warm-up's too
     # what the gateway has counted once the warm-up ended: the c=1 pass (its own warm-up
     # request and its requests), then one warm-up request per worker of the main pass
     warmed = (1 + c1_requests if c1_requests else 0) + max(1, min(concurrency, requests))
@@ -243,8 +304,9 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     if c1_requests:
         await reset()
         c1_progress = Progress(ctx.plan.progress, f"{workload.name} / {mode} c=1", c1_requests)
-        c1_samples, _, _ = await run_load(c1_requests, 1, send, progress=c1_progress,
-                                          timeout=ctx.plan.request_timeout)
+        c1_samples, c1_warm, _ = await run_load(c1_requests, 1, send, progress=c1_progress,
+                                                timeout=ctx.plan.request_timeout)
+        c1_sent = len(c1_warm) + len(c1_samples)
         c1 = speed.ttft_summary(c1_samples)
         c1_progress.finish(f"TTFT p50 {c1['ttft_p50_ms']} ms")
     await reset()
@@ -281,6 +343,9 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
             "requests": counted_requests(hedge_stats) - counted_requests(baseline[0]),
             "workers": len(hedge_stats.get("workers", [])) if isinstance(hedge_stats, dict)
             else None}
+    if _keyed(mode):  # every request of every pass sent the key: the store's count to match
+        row["keys"] = keys_seen(ctx, mode, hedge_stats) | {
+            "requests_sent": c1_sent + len(warmup) + len(samples)}
     progress.finish(f"ok {row['ok']}, errors {row['errors']}, "
                     f"TTFT p50 {row['ttft_ms']['p50']} ms, p99 {row['ttft_ms']['p99']} ms")
     return row
@@ -305,6 +370,11 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
                 for mode in modes}
     finally:
         ctx.children.stop_all([proc for _, proc in gateways.values()])
+    for mode, row in rows.items():
+        if "keys" in row:  # written by the gateway as it stopped (exit 0: on its own terms)
+            row["keys"]["gateway_exit"] = gateways[mode][1].returncode
+            row["keys"]["requests_counted"] = await asyncio.to_thread(
+                key_usage, ctx, mode, row["keys"]["client_key"])
     comparison = report.compare(rows) | speed.compare_costs(rows)
     if workload.single_hedge:
         comparison["single_hedge"] = _single_hedge(workload, requests, ctx.plan.seed)

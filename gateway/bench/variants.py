@@ -75,8 +75,19 @@ def _all_off() -> Variant:
 BENCH_KEYS = 1000
 
 
+#: the index of the key the `keys-1000` variant's client sends
+BENCH_CLIENT_KEY = BENCH_KEYS // 2
+#: the bench's mode (and the instruction count's variant) with the 1,000 keys
+KEYS_MODE = "keys-1000"
+
+
 def _bench_key(index: int) -> str:
     return f"bench-key-{index:04d}-0123456789abcdefghijklmnopq"
+
+
+def key_name(index: int) -> str:
+    """The name of the `keys-1000` variant's key `index` (its usage is counted under it)."""
+    return f"tenant-{index:04d}"
 
 
 def _many_keys() -> Variant:
@@ -86,12 +97,12 @@ def _many_keys() -> Variant:
     these keys open is in the measurement's own folder (`XDG_STATE_HOME`)."""
     limits = {"requests_per_minute": 10**9, "input_tokens_per_minute": 10**12,
               "output_tokens_per_minute": 10**12, "in_flight": 10**6}
-    keys = [{"name": f"tenant-{index:04d}",
+    keys = [{"name": key_name(index),
              "key_sha256": hashlib.sha256(_bench_key(index).encode()).hexdigest(),
              "limits": limits} for index in range(BENCH_KEYS)]
-    return Variant("keys-1000", "1,000 named keys with limits (keys:)", default_on=False,
+    return Variant(KEYS_MODE, "1,000 named keys with limits (keys:)", default_on=False,
                    top={"keys": keys},
-                   headers={"authorization": f"Bearer {_bench_key(BENCH_KEYS // 2)}"})
+                   headers={"authorization": f"Bearer {_bench_key(BENCH_CLIENT_KEY)}"})
 
 
 #: name -> variant; `default` is the configuration the guard measures

@@ -142,6 +142,18 @@ class Slice:
         self.used += need
         return self.held < self.low or self.borrowed
 
+    def reserve(self) -> bool:
+        """Output at a request's admission, which takes nothing (its answer is charged at the
+        end): a slice that holds nothing counts it as borrowed, as `take` would, so a round
+        comes at once and a second request waits for it. Without that, a slice that never
+        held output would never ask, its view of the shared bucket (`known`) would never be
+        refreshed, and its process would admit on a full bucket long drained by the others.
+        True when a round is wanted now."""
+        if self.held > 0:
+            return False
+        self.borrowed = True
+        return True
+
     def charge(self, amount: float) -> bool:
         """Take `amount` at a request's end (output; an input correction, < 0 gives back);
         True when a round is wanted now."""
@@ -238,12 +250,15 @@ class KeyLease:
         return None if why is None else (why, longest)
 
     def admit(self, input_tokens: int) -> None:
-        """Take a request admitted by `refusal` (output: nothing until its end)."""
+        """Take a request admitted by `refusal` (output: nothing until its end, but an empty
+        output slice counts it as borrowed: `Slice.reserve`)."""
         if self.requests is not None:
             self.wanted |= self.requests.take(1.0)
         if self.input is not None:
             self.input.unit = max(1.0, float(input_tokens))
             self.wanted |= self.input.take(float(input_tokens))
+        if self.output is not None:
+            self.wanted |= self.output.reserve()
 
     def settle(self, estimated_input: int, input_tokens: int | None,
                output_tokens: int | None) -> None:

@@ -140,12 +140,22 @@ class KeyLimits:
         self.in_flight += 1
         return self.quotas()
 
+    def leased(self) -> bool:
+        """Whether an admission now takes part in the lease (`admit` takes from the slices):
+        read by the caller right after `admit` and handed back to `settle` or `refund`, so a
+        request is charged to the slices only when they admitted it. One admitted while the
+        store was down (each process on its own whole limit) owes the shared bucket nothing:
+        charged to the slice, its output would be a debt paid from the shared bucket at the
+        first round after the outage, refusing the key for minutes."""
+        return self.lease is not None and self.lease.leasing.up
+
     def settle(self, now: float, estimated_input: int, input_tokens: int | None,
-               output_tokens: int | None) -> None:
+               output_tokens: int | None, *, leased: bool) -> None:
         """The end of an admitted request: its slot back, its input corrected from the
-        estimate to the upstream's count, its output taken (either None: not reported)."""
+        estimate to the upstream's count, its output taken (either None: not reported);
+        `leased`: `leased()` at its admission (the slices are charged only then)."""
         self.in_flight = max(0, self.in_flight - 1)
-        if self.lease is not None:
+        if self.lease is not None and leased:
             self.lease.settle(estimated_input, input_tokens, output_tokens)
         if self.input is not None and input_tokens is not None:
             self.input.refill(now)
@@ -155,13 +165,14 @@ class KeyLimits:
             self.output.refill(now)
             self.output.level -= output_tokens
 
-    def refund(self, now: float, estimated_input: int) -> None:
+    def refund(self, now: float, estimated_input: int, *, leased: bool) -> None:
         """The end of an admitted request the gateway refused before sending it anywhere
         (untranslatable, a route no backend serves, the gateway's own overload or drain):
         everything its admission took goes back, its slot included, so a refused request
-        takes nothing."""
+        takes nothing; `leased`: `leased()` at its admission (the slices get back only what
+        they gave)."""
         self.in_flight = max(0, self.in_flight - 1)
-        if self.lease is not None and self.lease.leasing.up:
+        if self.lease is not None and leased:
             self.lease.refund(estimated_input)
         for _, bucket in self.buckets:
             if bucket is not self.output:

@@ -326,17 +326,21 @@ class SqliteStore:
     def lease(self, asks: Sequence[Ask], *, now: float | None = None) -> list[Grant]:
         """Settle one batch of slices against the keys' shared buckets
         (`gateway.tenants.lease`), in one transaction: the grants, in the asks' order. The
-        clock is this machine's, which every process on the file shares."""
+        clock is this machine's, which every process on the file shares, read once the
+        file's write lock is held: read before, a batch that waited behind another's later
+        one would write an older `at`, and the next draw would count that refill twice (a
+        bucket's `at` never goes back, whatever clock a caller hands in)."""
         if not asks:
             return []
-        when = time.time() if now is None else now
         grants = []
         with self._locked() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
+                clock = time.time() if now is None else now
                 for ask in asks:
                     row = db.execute("SELECT level, at FROM buckets WHERE name = ? AND kind = ?",
                                      (ask.name, ask.kind)).fetchone()
+                    when = clock if row is None else max(clock, float(row[1]))
                     grant = draw(None, None, ask, when) if row is None else \
                         draw(float(row[0]), float(row[1]), ask, when)
                     db.execute("INSERT INTO buckets (name, kind, level, at) VALUES (?, ?, ?, ?) "

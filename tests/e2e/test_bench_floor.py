@@ -1,6 +1,7 @@
 """`hedge-gateway bench --workload overhead` end to end, with no flag: a row per feature
-switched off and a row for nginx (when installed), side by side in one run, each gateway
-mode's cost printed over nginx's. Rows and their order, not their timing."""
+switched off, one with 1,000 named keys and a row for nginx (when installed), side by side
+in one run, each gateway mode's cost printed over nginx's. Rows and their order, not their
+timing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from gateway.cli import main
 
 FEATURES = ["no-affinity", "no-size-classes", "no-prefill-fit", "no-input-budget",
             "no-headroom", "all-off"]
-GATEWAYS = ["hedging-off", "hedging-on", *FEATURES]
+#: keys-1000 (1,000 named keys) is on by default too, right after hedging-on
+GATEWAYS = ["hedging-off", "hedging-on", "keys-1000", *FEATURES]
 
 
 @pytest.mark.slow

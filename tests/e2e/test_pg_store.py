@@ -220,6 +220,35 @@ def test_a_held_limit_fails_open_to_each_replicas_whole_limit_while_the_store_is
 
 
 @pytest.mark.timeout(180)
+def test_output_served_while_the_store_is_down_is_not_a_debt_once_it_is_back(
+        tmp_path: Path, cluster: PgCluster) -> None:
+    """400 output tokens a minute, 4 an answer; the store stopped (`store_down: open`): each
+    replica serves a minute's worth from its own bucket (100 answers: three times the key's
+    limit together). Those answers owe the shared bucket nothing: once the store is back and
+    the outage's usage written, every replica admits the key again (their output charged to
+    the slices, it would be a debt of 1200 tokens paid at the first round, refusing the key
+    for minutes)."""
+    made = keys_command(cluster, "create", "team-a", "--output-tokens-per-minute", "400")
+    assert made.returncode == 0, made.stderr
+    secret = json.loads(made.stdout)["key"]
+    with replicas(tmp_path, cluster) as roots:
+        cluster.stop()
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica admits from its own bucket while the store is down")
+        served = 0
+        for root in roots:
+            statuses = [chat_status(root, secret) for _ in range(100)]
+            assert set(statuses) <= {200, 429}
+            served += statuses.count(200)
+        assert served >= 3 * 90  # each replica's whole limit, not a third of it
+        cluster.start()
+        eventually(lambda: usage_row(cluster, "team-a")[0] >= served,
+                   "the outage's usage written once the store is back")
+        eventually(lambda: all(chat_status(root, secret) == 200 for root in roots),
+                   "every replica admits the key once the store is back")
+
+
+@pytest.mark.timeout(180)
 def test_the_store_stopped_mid_load_fails_open_and_loses_no_spend(
         tmp_path: Path, cluster: PgCluster) -> None:
     """The store goes down between requests: each replica keeps the keys it last read
@@ -330,3 +359,82 @@ def test_the_postgres_store_keeps_the_embedded_stores_contract(cluster: PgCluste
         assert store.usage("team-a")[0].requests == 2  # the failed batch wrote nothing
     finally:
         store.close()
+
+
+def test_a_lease_batch_reads_the_servers_clock_once_it_holds_the_rows(
+        cluster: PgCluster) -> None:
+    """A batch that waits for a bucket's row behind another replica's transaction draws by
+    the clock of when it got the row, never an older one: read before the lock, it would
+    write an `at` older than the other's, and the next draw would count that refill twice.
+    Many keys in one batch (the set-based statements) settle each as its own ask."""
+    from gateway.tenants.lease import Ask
+    from gateway.tenants.pgstore import PostgresStore
+
+    store = PostgresStore(cluster.url)
+    ask = Ask("team-a", "requests", 600.0, 0.0, 1.0, 1.0)
+    try:
+        store.lease([ask])  # the row exists
+        done: list[float] = []
+        with psycopg.connect(cluster.url) as other:
+            other.execute("SELECT 1 FROM hg_buckets WHERE name = 'team-a' FOR UPDATE")
+            waiting = threading.Thread(target=lambda: done.append(store.lease([ask])[0].level))
+            waiting.start()
+            eventually(lambda: other.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            ).fetchone() == (1,), "the batch waits for the row")
+            row = other.execute("UPDATE hg_buckets SET level = 0, at = extract(epoch FROM "
+                                "clock_timestamp()) WHERE name = 'team-a' RETURNING at"
+                                ).fetchone()
+            assert row is not None
+            other.commit()  # the other replica's later batch lands first
+        waiting.join(WAIT)
+        assert done, "the waiting batch never ended"
+        with psycopg.connect(cluster.url) as raw:
+            stored = raw.execute("SELECT at FROM hg_buckets WHERE name = 'team-a'").fetchone()
+        assert stored is not None and stored[0] >= row[0]
+        many = [Ask(f"key-{n}", kind, 60.0, 0.0, 100.0, 1.0) for n in range(50)
+                for kind in ("requests", "output_tokens")]
+        assert [grant.granted for grant in store.lease(many)] == [15.0] * 100
+        again = store.lease(many)
+        assert all(g.granted == pytest.approx(45.0 / 4, abs=0.01) for g in again)
+    finally:
+        store.close()
+
+
+def test_replicas_batches_drawing_at_once_never_grant_past_one_bucket(
+        cluster: PgCluster) -> None:
+    """Three replicas' batches (two keys each, locked in one order by the set-based
+    statements) drawing at once: what they are granted of one key adds up to no more than
+    the bucket held plus its refill between the first and the last draw, by the server's
+    clock (the bucket's `at`), and no batch deadlocks."""
+    from gateway.tenants.lease import Ask
+    from gateway.tenants.pgstore import PostgresStore
+
+    stores = [PostgresStore(cluster.url) for _ in range(REPLICAS)]
+    granted = [0.0] * REPLICAS
+    try:
+        stores[0].lease([Ask("k", "requests", 600.0, 0.0, 0.0, 1.0),
+                         Ask("j", "requests", 600.0, 0.0, 0.0, 1.0)])
+        with psycopg.connect(cluster.url) as raw:
+            first = raw.execute("SELECT at FROM hg_buckets WHERE name = 'k'").fetchone()
+
+        def replica(index: int) -> None:
+            for _ in range(100):
+                grants = stores[index].lease([Ask("k", "requests", 600.0, 0.0, 5.0, 1.0),
+                                              Ask("j", "requests", 600.0, 0.0, 5.0, 1.0)])
+                granted[index] += grants[0].granted
+
+        threads = [threading.Thread(target=replica, args=(n,)) for n in range(REPLICAS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT)
+        assert not any(thread.is_alive() for thread in threads)
+        with psycopg.connect(cluster.url) as raw:
+            last = raw.execute("SELECT at FROM hg_buckets WHERE name = 'k'").fetchone()
+        assert first is not None and last is not None
+        assert sum(granted) <= 600.0 + (last[0] - first[0]) * 10.0 + 1e-6
+        assert sum(granted) >= 600.0 * 0.95  # the bucket was drained, not left unused
+    finally:
+        for store in stores:
+            store.close()

@@ -610,12 +610,13 @@ def test_a_key_with_a_ttft_objective_hedges_before_the_pools_delay_and_meets_it(
         return all(b["hedge_delay_by_class_ms"] for b in backends.values())
 
     # team-b warms both backends up (slow first attempts, never hedged); the balancer tries a
-    # backend with no TTFT yet first, so two requests teach both (`min_samples: 1`)
-    for _ in range(8):
+    # backend with no TTFT yet first, so two requests teach both (`min_samples: 1`). Six, so
+    # each backend holds slow samples enough that team-a's fast hedges (each a sample of the
+    # backend that won) cannot pull its tail under the objective when the delays refresh
+    # (once a second) between team-a's requests: with one slow sample each they could
+    for _ in range(6):
         assert attempts_of(TEAM_B) == "1"
-        if wait_for(learnt, timeout=1.5):  # the delays refresh once a second
-            break
-    assert learnt()
+    assert wait_for(learnt, timeout=3.0)
     before = [len(up.requests) for up in ups]
     assert [attempts_of(TEAM_A) for _ in range(3)] == ["2"] * 3
     assert [attempts_of(TEAM_B) for _ in range(2)] == ["1"] * 2

@@ -5,6 +5,7 @@ the same features through the same public configuration."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -163,3 +164,59 @@ def test_every_mode_is_divided_by_the_floor_when_the_run_has_it() -> None:
     # without the floor: no ratios, no floor targets
     del rows["nginx"]
     assert not [k for k in speed.compare_costs(rows) if k.endswith("_over_nginx")]
+
+
+def test_keys_come_right_after_hedging_on_and_only_when_asked() -> None:
+    plan = BenchPlan(workloads=(OVERHEAD,), nginx="nginx", features=True, keys=True)
+    assert plan_modes(plan, OVERHEAD) == [
+        "direct", "nginx", "hedging-off", "hedging-on", "keys-1000", *FEATURES]
+    # a workload without hedging-on (the stalls' continuation modes) gets it last
+    stalls = next(w for w in WORKLOADS if w.name == "stalls")
+    assert plan_modes(BenchPlan(workloads=(stalls,), keys=True), stalls)[-1] == "keys-1000"
+    assert "keys-1000" not in plan_modes(BenchPlan(workloads=(OVERHEAD,)), OVERHEAD)
+    # the overhead workload has it unless --no-keys; another only with --keys
+    assert build_parser().parse_args(["bench"]).keys is None  # the workload decides
+    assert build_parser().parse_args(["bench", "--no-keys"]).keys is False
+    assert build_parser().parse_args(["bench", "--keys"]).keys is True
+
+
+def test_the_keys_mode_is_the_instruction_variants_configuration_with_its_client_key() -> None:
+    config = _loaded(gateway_config(8000, [9001, 9002], hedging=True,
+                                     variant=variants.VARIANTS["keys-1000"]))
+    assert len(config.keys) == 1000
+    assert all(min(dataclasses.astuple(key.limits)) >= 10**6 for key in config.keys)
+    assert variants.VARIANTS["keys-1000"].headers["authorization"].startswith("Bearer ")
+
+
+def _keyed_rows(on_cpu_s: float, keys_cpu_s: float) -> dict[str, dict[str, Any]]:
+    rows = {mode: _row(mode, cpu_s / 2, None) | {"gateway_process": {"cpu_s": cpu_s}}
+            for mode, cpu_s in (("hedging-on", on_cpu_s), ("keys-1000", keys_cpu_s))}
+    rows["hedging-on"] |= {"requests_per_s": 800.0, "concurrency": 50}
+    return rows
+
+
+def _keys_target(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    costs = speed.compare_costs(rows)
+    (target,) = [t for t in speed.targets("overhead", rows, costs)
+                 if t["target"] == "keys-1000 CPU per request <= 1.10 x hedging-on's"]
+    return target
+
+
+def test_the_keys_row_is_divided_by_hedging_on_and_judged_against_ten_percent() -> None:
+    rows = _keyed_rows(2.0, 2.1)
+    costs = speed.compare_costs(rows)
+    assert costs["keys-1000_cpu_ms_per_request_over_hedging-on"] == 1.05
+    lines = speed.format_lines({"modes": list(rows.values()), "comparison": costs})
+    assert "   keys-1000 / hedging-on: CPU per request x1.050" in lines
+    assert _keys_target(rows) == {
+        "target": "keys-1000 CPU per request <= 1.10 x hedging-on's", "value": 1.05,
+        "met": True, "not_judged": None}
+    assert _keys_target(_keyed_rows(2.0, 2.4))["met"] is False  # x1.2
+    # a pass of under a second of gateway CPU is too few ticks of the clock to tell 10 %
+    short = _keys_target(_keyed_rows(0.5, 0.5))
+    assert short["met"] is None and "hedging-on 0.50" in short["not_judged"]
+    # without the keys row: no ratio, no target
+    del rows["keys-1000"]
+    costs = speed.compare_costs(rows)
+    assert not [k for k in costs if "keys-1000" in k]
+    assert not [t for t in speed.targets("overhead", rows, costs) if "keys" in t["target"]]

@@ -105,7 +105,7 @@ def admit_round_robin(processes: list[KeyLimits], store: Store, *, steps: int,
             continue
         admitted += 1
         from_slice += held >= (1.0 if limits.lease.requests is not None else 1e-9)
-        limits.settle(now, 0, 0, output)
+        limits.settle(now, 0, 0, output, leased=True)
         if limits.lease.wanted:  # the gate wakes the round: it runs right after
             round_of(store, limits, now + step / 10)
             next_round[n % len(processes)] = now + step / 10 + ROUND
@@ -224,7 +224,7 @@ def test_the_last_batch_gives_every_slice_back_and_pays_every_debt() -> None:
     assert limits.lease is not None
     limits.admit(0.0, 0)
     round_of(store, limits, 0.01)
-    limits.settle(0.02, 0, 0, 30)  # output owed beyond what its slice held
+    limits.settle(0.02, 0, 0, 30, leased=True)  # output owed beyond its slice
     pairs = limits.lease.asks(0.03, last=True)
     assert sorted(ask.kind for _, ask in pairs) == ["output_tokens", "requests"]
     for (piece, _), grant in zip(pairs, store.lease([ask for _, ask in pairs], 0.03),
@@ -234,4 +234,86 @@ def test_the_last_batch_gives_every_slice_back_and_pays_every_debt() -> None:
     requests, _ = store.rows[("team-a", "requests")]
     output, _ = store.rows[("team-a", "output_tokens")]
     assert requests == pytest.approx(60 - 1 + 0.03, abs=0.01)  # one admitted, refilled since
-    assert output == pytest.approx(100 - 30)  # first drawn now: full, less the debt
+    # first drawn at the round at 0.01 (the admission found the output slice empty and
+    # borrowed: `Slice.reserve`): full, less the debt, refilled since
+    assert output == pytest.approx(100 - 30 + 0.02 * 100 / 60)
+
+
+def test_output_admitted_while_the_store_is_down_owes_the_shared_bucket_nothing() -> None:
+    """Five minutes of a store outage at the key's own output rate: each request is
+    admitted from the process's own bucket, so its output is charged there only; the first
+    round after the outage pays no debt and the next request passes (charged to the slice,
+    the outage's output would be taken from the shared bucket at that round, refusing the
+    key for minutes)."""
+    leasing, store = Leasing(), Store()
+    limits = process(TenantLimits(output_tokens_per_minute=6000), leasing)
+    assert limits.lease is not None and limits.lease.output is not None
+    round_of(store, limits, 0.0)
+    leasing.up = False  # the store is down (`server.store_down: open`)
+    admitted, now = 0, 0.0
+    while now < 300.0:
+        assert not isinstance(limits.admit(now, 10), Refusal)  # its own bucket's rate
+        leased = limits.leased()
+        assert not leased
+        admitted += 1
+        limits.settle(now + 0.5, 10, 10, 100, leased=leased)
+        for piece, sent in limits.lease.asks(now):  # every round fails
+            piece.failed(sent)
+        now += 1.0
+    assert admitted == 300 and limits.lease.output.held >= 0  # no debt piled up
+    leasing.up = True
+    round_of(store, limits, now)
+    level, _ = store.rows.get(("team-a", "output_tokens"), (6000.0, now))  # absent: full
+    assert level > 0
+    assert not isinstance(limits.admit(now + 1.0, 10), Refusal)
+
+
+def test_a_request_settled_or_refunded_goes_to_the_slices_only_when_they_admitted_it(
+        ) -> None:
+    """Admitted while the store was down, a request's input correction and its refund touch
+    no slice; admitted by the slices, its end is charged to them though the store has gone
+    down since (a debt the shared bucket is owed)."""
+    leasing = Leasing()
+    limits = process(TenantLimits(requests_per_minute=60, input_tokens_per_minute=1000,
+                                  output_tokens_per_minute=1000), leasing)
+    lease = limits.lease
+    assert lease is not None and lease.requests is not None and lease.input is not None
+    assert lease.output is not None
+    leasing.up = False
+    assert not isinstance(limits.admit(0.0, 10), Refusal)
+    limits.settle(0.1, 10, 50, 7, leased=limits.leased())  # the upstream counted 50
+    assert not isinstance(limits.admit(0.2, 10), Refusal)
+    leasing.up = True  # back before the request ends
+    limits.refund(0.3, 10, leased=False)  # as admitted: without the slices
+    assert (lease.requests.held, lease.input.held, lease.output.held) == (0.0, 0.0, 0.0)
+    assert not isinstance(limits.admit(0.4, 10), Refusal)
+    leased = limits.leased()
+    leasing.up = False  # down before the request ends
+    limits.settle(0.5, 10, 10, 7, leased=leased)
+    assert lease.requests.held == -1.0 and lease.output.held == -7.0
+
+
+def test_an_output_slice_that_holds_nothing_asks_before_admitting_a_second_request() -> None:
+    """Output is charged at a request's end, so an admission takes nothing of its slice; a
+    process whose output slice holds nothing borrows the request (a round at once) and
+    refuses the next until that round, which shows it the shared bucket drained by another
+    process: it admits one answer on a stale view, not fifty."""
+    store = Store()
+    limits = TenantLimits(output_tokens_per_minute=6000)
+    busy, idle = process(limits, Leasing()), process(limits, Leasing())
+    now = 0.0
+    for step in range(80):  # `busy` answers 1000 tokens a second for 20 s
+        if step % 4 == 0 and not isinstance(busy.admit(now, 10), Refusal):
+            busy.settle(now, 10, 10, 1000, leased=True)
+        round_of(store, busy, now)
+        round_of(store, idle, now)
+        now += ROUND
+    level, at = store.rows[("team-a", "output_tokens")]
+    assert level + (now - at) * 6000 / 60 <= 0  # drained: in debt until now
+    admitted = sum(not isinstance(idle.admit(now, 10), Refusal) for _ in range(50))
+    assert admitted == 1
+    assert idle.lease is not None and idle.lease.wanted
+    round_of(store, idle, now)
+    assert idle.lease.output is not None and idle.lease.output.known <= 0  # seen drained
+    refused = idle.admit(now, 10)
+    assert isinstance(refused, Refusal) and refused.kind == "output_tokens"

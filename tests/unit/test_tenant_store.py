@@ -137,3 +137,44 @@ def test_slices_leased_by_two_processes_on_one_file_draw_from_one_bucket(
     assert [g.granted for g in second.lease([other, want], now=10.0)] == [10.0, 0.0]
     first.close()
     second.close()
+
+
+def test_a_batch_reads_its_clock_once_it_holds_the_files_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read before the lock, a batch that waited behind another process's later one would
+    write an older `at`, and the next draw would count that refill twice: the clock is read
+    after `BEGIN IMMEDIATE` has returned."""
+    store = SqliteStore(str(tmp_path / "t.sqlite"))
+    events: list[str] = []
+    store._db.set_trace_callback(lambda sql: events.append(sql.strip().split()[0]))
+
+    class Clock:
+        @staticmethod
+        def time() -> float:
+            events.append("clock")
+            return 1000.0
+
+    monkeypatch.setattr("gateway.tenants.store.time", Clock)
+    store.lease([Ask("team-a", "requests", 60.0, 0.0, 1.0, 1.0)])
+    assert "clock" in events and "BEGIN" in events
+    assert events.index("BEGIN") < events.index("clock")
+    store.close()
+
+
+def test_a_late_batch_never_moves_a_buckets_clock_back(tmp_path: Path) -> None:
+    """A batch whose clock is older than the bucket's last draw (it waited for the lock
+    behind a later one) draws at the bucket's time: the next draw refills only the time
+    since, once."""
+    path = str(tmp_path / "t.sqlite")
+    first, second = SqliteStore(path), SqliteStore(path)
+    everything = Ask("team-a", "requests", 600.0, 0.0, 600.0, 1.0)  # 10 a second
+    while first.lease([everything], now=100.0)[0].level > 0:  # drained at 100
+        pass
+    (late,) = second.lease([Ask("team-a", "requests", 600.0, 0.0, 1.0, 1.0)], now=99.0)
+    assert late.granted == 0.0 and late.level == 0.0
+    (level, at), = first._db.execute("SELECT level, at FROM buckets").fetchall()
+    assert (level, at) == (0.0, 100.0)
+    (next_draw,) = first.lease([everything], now=100.5)
+    assert next_draw.granted + next_draw.level == pytest.approx(5.0)  # 0.5 s refilled, once
+    first.close()
+    second.close()

@@ -18,9 +18,11 @@ from gateway.api.keystore import TenantSync
 from gateway.api.tenancy import TenantGate
 from gateway.errors import BudgetExceeded
 from gateway.settings.tenants import TenantBudget, TenantKeySettings, TenantLimits
-from gateway.tenants.lease import Leasing
+from gateway.tenants.lease import Ask, Grant, Leasing
 from gateway.tenants.limits import Refusal
-from gateway.tenants.store import UsageRow
+from gateway.tenants.store import SqliteStore, UsageRow
+
+WAIT = 10.0
 
 
 def gate() -> TenantGate:
@@ -279,3 +281,104 @@ def test_a_process_stopping_gives_its_slices_back(tmp_path: Path) -> None:
     with sqlite3.connect(path) as db:
         (level,) = db.execute("SELECT level FROM buckets WHERE name = 'team-a'").fetchone()
     assert 59.0 <= level < 59.5  # 60 less the one admitted (plus a moment's refill)
+
+
+def test_a_round_cancelled_mid_transaction_settles_from_what_the_store_committed(
+        tmp_path: Path) -> None:
+    """Shutdown cancels the leasing task while its transaction runs in a worker thread,
+    which no cancellation stops: the transaction commits (the idle slice's 10 given back),
+    so the slice is settled from it, not handed its 10 again, and the last batch at `stop`
+    (which waits for that transaction) gives nothing back a second time."""
+    path = tmp_path / "t.sqlite"
+    clock = [0.0]
+    the_gate = TenantGate(KeyRing(), (), clock=lambda: clock[0], wall=lambda: 86_400.0,
+                          required=True, leasing=Leasing())
+    sync = TenantSync(the_gate, f"sqlite:///{path}")
+    entered, release = threading.Event(), threading.Event()
+
+    async def scenario() -> None:
+        await sync.start()
+        store = sync.store
+        assert isinstance(store, SqliteStore)
+        secret, _ = store.create_key("team-a", limits=TenantLimits(requests_per_minute=600))
+        await sync.poll()
+        tenant = the_gate.tenants.find(secret)
+        assert tenant is not None and tenant.limits is not None
+        lease = tenant.limits.lease
+        assert lease is not None and lease.requests is not None
+        real = store.lease
+
+        def fixed(asks: list[Ask]) -> list[Grant]:
+            """The store's clock held still: the levels are exact."""
+            return real(asks, now=1000.0)
+
+        store.lease = fixed  # type: ignore[method-assign,assignment]
+        assert not isinstance(tenant.limits.admit(0.0, 0), Refusal)
+        await sync.lease_round()
+        assert lease.requests.held == 10.0
+        with sqlite3.connect(path) as db:  # the other replicas drew the rest
+            db.execute("UPDATE buckets SET level = 100")
+
+        def slow(asks: list[Ask]) -> list[Grant]:
+            entered.set()
+            release.wait(WAIT)
+            return real(asks, now=1000.0)
+
+        store.lease = slow  # type: ignore[method-assign,assignment]
+        clock[0] = 10.0  # idle past `IDLE`: the slice gives its 10 back
+        task = asyncio.create_task(sync.lease_round())
+        await asyncio.to_thread(entered.wait, WAIT)
+        task.cancel()  # mid-transaction
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()
+        release.set()
+        await sync.stop()
+        assert lease.requests.held == 0.0
+
+    asyncio.run(scenario())
+    with sqlite3.connect(path) as db:
+        (level,) = db.execute("SELECT level FROM buckets WHERE name = 'team-a'").fetchone()
+    assert level == 110.0  # 100 and the slice's 10, once
+
+
+def test_a_flush_cancelled_mid_write_loses_no_usage_at_stop(tmp_path: Path) -> None:
+    """Shutdown cancels the sync's task while a batch of usage is being written in a worker
+    thread, which no cancellation stops: `stop` waits for that write before its last batch
+    and the store's close, so both batches are in the store. (Closed under the thread, the
+    first batch was lost: a second of a key's usage missing after a clean stop.)"""
+    the_gate = gate()
+    sync = TenantSync(the_gate, f"sqlite:///{tmp_path}/t.sqlite")
+    entered, release = threading.Event(), threading.Event()
+
+    async def scenario() -> None:
+        await sync.start()
+        store = sync.store
+        assert store is not None
+        real = store.add_usage
+
+        def slow(rows: list[UsageRow]) -> None:
+            store.add_usage = real  # type: ignore[method-assign]  # only this batch waits
+            entered.set()
+            release.wait(WAIT)
+            real(rows)
+
+        store.add_usage = slow  # type: ignore[method-assign,assignment]
+        the_gate.usage["team-a"] = [2, 20, 10, 0]
+        task = asyncio.create_task(sync.flush())
+        await asyncio.to_thread(entered.wait, WAIT)
+        task.cancel()  # mid-write
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()
+        the_gate.usage["team-a"] = [1, 5, 5, 0]  # counted after the cancelled batch was taken
+        stopping = asyncio.create_task(sync.stop())
+        await asyncio.sleep(0.05)
+        assert not stopping.done()  # waiting for the write under way
+        release.set()
+        await stopping
+
+    asyncio.run(scenario())
+    reopened = SqliteStore(str(tmp_path / "t.sqlite"))
+    try:
+        assert reopened.usage("team-a") == [UsageRow("team-a", "1970-01-02", 3, 25, 15)]
+    finally:
+        reopened.close()

@@ -63,24 +63,24 @@ def test_a_request_larger_than_its_bucket_passes_from_a_full_bucket_only() -> No
     admitted(key.admit(0.0, 40))
     refusal = refused(key.admit(0.0, 150))  # 60 left; it waits until the bucket is full
     assert refusal.retry_after == pytest.approx(40 / (100 / 60))
-    key.settle(0.0, 40, None, None)
+    key.settle(0.0, 40, None, None, leased=False)
     assert admitted(key.admit(refusal.retry_after, 150))[0].remaining == 0
 
 
 def test_the_input_estimate_is_corrected_by_the_upstreams_count_at_the_end() -> None:
     key = limits(input_tokens_per_minute=1000)
     assert admitted(key.admit(0.0, 100))[0].remaining == 900
-    key.settle(0.0, 100, 300, None)  # the upstream counted 300
+    key.settle(0.0, 100, 300, None, leased=False)  # the upstream counted 300
     assert key.quotas()[0].remaining == 700
     admitted(key.admit(0.0, 100))
-    key.settle(0.0, 100, 10, None)
+    key.settle(0.0, 100, 10, None, leased=False)
     assert key.quotas()[0].remaining == 690
 
 
 def test_output_tokens_are_charged_at_the_end_and_a_key_in_debt_waits() -> None:
     key = limits(output_tokens_per_minute=60)  # one token a second
     admitted(key.admit(0.0, 5))
-    key.settle(0.0, 5, 5, 90)  # 30 tokens past the bucket
+    key.settle(0.0, 5, 5, 90, leased=False)  # 30 tokens past the bucket
     refusal = refused(key.admit(0.0, 5))
     assert refusal.kind == "output_tokens"
     assert refusal.retry_after == pytest.approx(30.0)
@@ -93,7 +93,7 @@ def test_in_flight_counts_until_the_request_settles() -> None:
     assert admitted(key.admit(0.0, 1)) == ()  # no per-minute quota to state
     refusal = refused(key.admit(0.0, 1))
     assert (refusal.kind, refusal.retry_after) == ("in_flight", IN_FLIGHT_RETRY)
-    key.settle(5.0, 1, None, None)
+    key.settle(5.0, 1, None, None, leased=False)
     admitted(key.admit(5.0, 1))
 
 
@@ -103,18 +103,18 @@ def test_a_refund_gives_back_everything_the_admission_took() -> None:
     key = limits(requests_per_minute=1, input_tokens_per_minute=100, in_flight=1)
     before = admitted(key.admit(0.0, 40))
     assert [q.remaining for q in before] == [0, 60]
-    key.refund(0.0, 40)
+    key.refund(0.0, 40, leased=False)
     assert [q.remaining for q in key.quotas()] == [1, 100]
     assert key.in_flight == 0
     admitted(key.admit(0.0, 40))  # the minute's one request is still there
-    key.refund(59.0, 40)  # refilled meanwhile: capped at the capacity
+    key.refund(59.0, 40, leased=False)  # refilled meanwhile: capped at the capacity
     assert [q.remaining for q in key.quotas()] == [1, 100]
 
 
 def test_the_longest_wait_is_the_one_advised() -> None:
     key = limits(requests_per_minute=1, output_tokens_per_minute=6)
     admitted(key.admit(0.0, 1))
-    key.settle(0.0, 1, None, 66)  # 60 in debt: 600 s at 0.1 a second
+    key.settle(0.0, 1, None, 66, leased=False)  # 60 in debt: 600 s at 0.1 a second
     refusal = refused(key.admit(0.0, 1))
     assert refusal.kind == "output_tokens" and refusal.retry_after == pytest.approx(600.0)
 
@@ -126,7 +126,7 @@ def test_a_keys_state_is_a_fixed_handful_of_numbers_whatever_its_traffic() -> No
     for step in range(20_000):
         result = key.admit(step * 0.01, 10)
         if not isinstance(result, Refusal):
-            key.settle(step * 0.01, 10, 12, 3)
+            key.settle(step * 0.01, 10, 12, 3, leased=False)
     assert key.in_flight == 0
     assert len(key.quotas()) == 3
 
