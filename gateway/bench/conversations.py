@@ -79,7 +79,7 @@ WARMUP_CANDIDATES = 50
 #: seconds between the warm-up and the measured turns: past the delays' refresh (every second)
 WARMUP_SETTLE = 1.2
 #: numbers tried per conversation to give it the sticky client's home in a gateway mode (one in
-#: two on two servers; this many misses in a row are as good as impossible)
+#: two on two servers; this many misses in a row are as good as impossible); two digits each
 ALIGN_TRIES = 64
 #: the simulators' profile: the stragglers workload plus 60 ms of prefill per 1k uncached tokens
 SIM_ARGS = ("--ttft-median-ms", "150", "--ttft-sigma", "0.25", "--straggler-probability",
@@ -171,34 +171,46 @@ def first_messages(plan: ConversationPlan, number: int, size: int,
     mode to mode) the system prompt names the mode, so no mode reuses another's prefix; a
     warm-up conversation's names the warm-up, so no measured turn reuses a warm-up's.
 
-    A measured conversation's home is the same in every mode: the gateway's modes add a
-    number to the mode's name (`system-hedging-on.2`) until the gateway's own key puts the
-    conversation first on the backend where the sticky client keeps it. Otherwise each
-    mode's hash would place its conversations anew, and with a dozen conversations on two
-    servers one mode's luck (9 of 12 on one server) decided more than the gateway did. On
-    simulators every mode sends the same prompts, so the homes agree anyway."""
+    Within a mode every measured conversation opens with the same system prompt, as an
+    application's conversations do: a server that ran the last conversation holds that prompt
+    in its cache, and the next conversation there prefills only its own message. That holds
+    in every mode alike, so the modes' first turns meet the same cache.
+
+    A measured conversation's home is the same in every mode: its first user message carries
+    a two-digit number (`c3t0.07`), `00` for the sticky client, and the gateway's modes take
+    the first number for which the gateway's own key puts the conversation first on the
+    backend where the sticky client keeps it. The number is in the user message, not the
+    system prompt: a system prompt numbered per conversation made a gateway mode's first
+    turns prefill the whole system prompt whenever the number differed from the last
+    conversation's on that server, which the sticky client's never did. It is two digits in
+    every mode, so each mode's user messages are equally long. Otherwise each mode's hash
+    would place its conversations anew, and with a dozen conversations on two servers one
+    mode's luck (9 of 12 on one server) decided more than the gateway did. On simulators
+    every mode sends the same prompts, so the homes agree anyway."""
     kind = "warmup" if warmup else "system"
     if not plan.upstreams:
         return _opening(plan, number, size, kind, warmup)
-    own = _opening(plan, number, size, f"{kind}-{mode}", warmup)
+    own = _opening(plan, number, size, f"{kind}-{mode}", warmup, salt=0)
     if warmup or mode == "sticky":
         return own
     backends = len(plan.upstreams)
-    home = _home(plan, _opening(plan, number, size, "system-sticky", False), backends)
+    home = _home(plan, _opening(plan, number, size, "system-sticky", False, salt=0), backends)
     if home is None:
         return own
     for salt in range(ALIGN_TRIES):
-        messages = own if salt == 0 else _opening(plan, number, size, f"{kind}-{mode}.{salt}",
-                                                  warmup)
+        messages = _opening(plan, number, size, f"{kind}-{mode}", warmup, salt=salt)
         if _home(plan, messages, backends) == home:
             return messages
     return own
 
 
 def _opening(plan: ConversationPlan, number: int, size: int, tag: str,
-             warmup: bool) -> list[dict[str, str]]:
+             warmup: bool, salt: int | None = None) -> list[dict[str, str]]:
+    """The system prompt tagged `tag` and the first user message, numbered `salt` (two
+    digits) when given."""
+    first = f"{'w' if warmup else 'c'}{number}t0" + ("" if salt is None else f".{salt:02d}")
     return [{"role": "system", "content": words(plan.system_tokens, tag)},
-            {"role": "user", "content": words(size, f"{'w' if warmup else 'c'}{number}t0")}]
+            {"role": "user", "content": words(size, first)}]
 
 
 def _home(plan: ConversationPlan, messages: list[dict[str, str]], backends: int) -> int | None:
@@ -229,8 +241,9 @@ def sticky_backend(plan: ConversationPlan, number: int, size: int, backends: int
     gateway's own key and order (`gateway.hedge.affinity`). On simulators (whose prompts are
     the same in every mode) both place a turn on the same backend, where `--draws request`
     gives it the same luck: the modes then differ by what the gateway does, not by the draws.
-    Against real servers each mode's system prompt is its own, chosen so that the gateway's
-    modes put each conversation first on the same backend (`first_messages`). A
+    Against real servers each mode's system prompt is its own, and each conversation's first
+    user message is numbered so that the gateway's modes put it first on the same backend
+    (`first_messages`). A
     conversation too short for a key goes by a hash of its number. A warm-up conversation's
     home is read from its own opening messages in `mode` (`warmup_conversations`)."""
     home = _home(plan, first_messages(plan, number, size, mode, warmup=warmup), backends)

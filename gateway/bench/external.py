@@ -11,10 +11,13 @@ What differs from the simulated run, and why:
 - the model each server serves is read from its `GET /models` (the first listed) unless
   `--upstream-model` names one for all;
 - the servers keep their prefix caches from one mode to the next, so each mode's
-  conversations open with a system prompt of their own: no mode reuses another's prefix. The
-  gateway's modes number theirs (`system-hedging-on.2`) until the gateway's key puts each
+  conversations open with a system prompt of their own: no mode reuses another's prefix.
+  Every conversation's first user message carries a two-digit number (`c3t0.07`), the
+  sticky client's `00`, the gateway's modes the first that makes the gateway's key put the
   conversation on the server where the sticky client keeps it, so every mode has the same
-  conversations on the same servers (`conversations.first_messages`);
+  conversations on the same servers, and within a mode they share one system prompt, so
+  each first turn meets that prompt cached as the sticky client's do
+  (`conversations.first_messages`);
 - every mode, sticky included, first plays unmeasured warm-up conversations of their own
   (`--warmup`, default 6 per server at 4 turns), so the gateway's hedge delays have learnt
   each server's TTFT before the first measured turn (`conversations.warmup_conversations`);

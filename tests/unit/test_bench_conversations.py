@@ -147,3 +147,47 @@ def test_against_servers_every_mode_puts_a_conversation_on_the_sticky_clients_se
                               load_factor=1.25, body_bytes=len(json.dumps(body)))
             assert route is not None and route.order[0] == names[sticky[number]]
         assert all(text.startswith(f"system-{mode}") for text in openings)
+
+
+def _shared_words(a: list[dict[str, str]], b: list[dict[str, str]]) -> int:
+    """The words two openings share from their start: the prefix a server that ran one holds
+    cached for the other (a word is the bench's token)."""
+    left = [w for m in a for w in m["content"].split()]
+    right = [w for m in b for w in m["content"].split()]
+    shared = 0
+    for x, y in zip(left, right, strict=False):
+        if x != y:
+            break
+        shared += 1
+    return shared
+
+
+def test_against_servers_every_mode_opens_its_conversations_on_the_same_cache() -> None:
+    """At one conversation at a time, each conversation follows another on its server; what it
+    finds cached there is the prefix it shares with that one. That prefix, and the length of
+    what follows it, is the same in every mode, conversation by conversation: the modes' first
+    turns prefill the same tokens, and differ by what the gateway does. (A gateway mode that
+    numbered its system prompts per conversation prefilled the whole system prompt whenever
+    the number changed, which the sticky client's first turns never did.)"""
+    plan = ConversationPlan(conversations=24, upstreams=("http://a/v1", "http://b/v1"),
+                            system_tokens=100, sizes=((20, 0.5), (100, 0.35), (300, 0.15)),
+                            concurrency=1, warmup=6)
+    sizes = size_classes(plan)
+    seen: dict[str, list[tuple[int, int, int, int]]] = {}
+    for mode in ("sticky", "hedging-off", "hedging-on", "no-affinity"):
+        last: dict[int, list[dict[str, str]]] = {}
+        for number, size, home in warmup_conversations(plan, mode, 2):
+            last[home] = first_messages(plan, number, size, mode, warmup=True)
+        assert set(last) == {0, 1}
+        rows = []
+        for number, size in enumerate(sizes):
+            home = sticky_backend(plan, number, size, 2, mode="sticky")
+            opening = first_messages(plan, number, size, mode)
+            shared = _shared_words(last[home], opening)
+            total = sum(len(m["content"].split()) for m in opening)
+            rows.append((home, shared, total - shared, len(opening[1]["content"])))
+            last[home] = opening
+        seen[mode] = rows
+    assert any(shared > 0 for _, shared, _, _ in seen["sticky"])
+    for mode in ("hedging-off", "hedging-on", "no-affinity"):
+        assert seen[mode] == seen["sticky"], mode
