@@ -23,7 +23,8 @@ def test_overhead_has_a_keys_row_after_hedging_on_with_its_ratio_and_every_reque
 ) -> None:
     out = tmp_path / "r.json"
     code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
-                 "--quick", "--no-features", "--no-nginx", "--out", str(out), "--no-progress"])
+                 "--quick", "--no-features", "--no-nginx", "--no-translated", "--out", str(out),
+                 "--no-progress"])  # the translated row: tests/e2e/test_bench_translated.py
     assert code == 0
     printed = capsys.readouterr().out
     (workload,) = json.loads(out.read_text())["workloads"]
