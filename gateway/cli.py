@@ -275,12 +275,13 @@ def _bench(ns: argparse.Namespace) -> int:
                                 progress=not ns.no_progress)
     from gateway.bench.servers import nginx_binary
 
-    # `--workload overhead` is the cost workload: each feature's row, the keys' row and the
-    # floor beside the gateway unless switched off (`--no-features`, `--no-keys`,
-    # `--no-nginx`); nginx only if installed
+    # `--workload overhead` is the cost workload: each feature's row, the keys' and the
+    # translated rows and the floor beside the gateway unless switched off (`--no-features`,
+    # `--no-keys`, `--no-translated`, `--no-nginx`); nginx only if installed
     overhead = ns.workload == "overhead"
     features = overhead if ns.features is None else ns.features
     keys = overhead if ns.keys is None else ns.keys
+    translated = overhead if ns.translated is None else ns.translated
     nginx = nginx_binary() if ns.nginx or (ns.nginx is None and overhead) else None
     if ns.nginx and nginx is None:
         print("hedge-gateway bench: --nginx: nginx is not installed (Debian: apt-get "
@@ -290,7 +291,8 @@ def _bench(ns: argparse.Namespace) -> int:
                      progress=None if ns.no_progress else sys.stderr, tables=sys.stdout,
                      baseline_src=ns.baseline_src,
                      workers=ns.workers, servers=ns.servers, repeat=ns.repeat,
-                     features=features, nginx=nginx, keys=keys)
+                     features=features, nginx=nginx, keys=keys,
+                     translated=translated)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
 
@@ -530,6 +532,12 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "each with all four limits, the client sending one; its CPU per "
                              "request prints over hedging-on's (default: on for --workload "
                              "overhead only)")
+    parser.add_argument("--translated", action=argparse.BooleanOptionalAction, default=None,
+                        help="a mode `translated` after hedging-on (and keys-1000): the same "
+                             "simulators spoken to in Messages (provider anthropic), the same "
+                             "chat requests, each translated both ways; its CPU per request "
+                             "prints over hedging-on's (default: on for --workload overhead "
+                             "only)")
     parser.add_argument("--nginx", action=argparse.BooleanOptionalAction, default=None,
                         help="a mode `nginx` after direct: nginx as a plain reverse proxy to "
                              "the same simulators, the floor; the gateway's CPU per request "

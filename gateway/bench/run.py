@@ -20,6 +20,11 @@ modes, one after the other:
   `hedging-on`: hedging on with 1,000 named keys, each with all four limits, the client
   sending one of them (`gateway.bench.variants`); its CPU per request prints over
   hedging-on's (no keys), and the gateway's usage count of the key is read from its store;
+- with `--translated` (on by default for `--workload overhead`), `translated` after those:
+  hedging on with the same simulators spoken to in Messages (`anthropic`), the same chat
+  requests, so every one is translated both ways; its CPU per request prints over
+  hedging-on's, and the gateway's `/hedge/stats` count of `chat->messages` beside the
+  requests sent;
 - with `--nginx`, one more right after `direct`: Debian's nginx as a plain reverse proxy to
   the same simulators (`gateway.bench.servers.nginx_config`), the floor; each gateway mode's
   CPU per request and added TTFT at c=1 are then printed as multiples of nginx's.
@@ -108,21 +113,31 @@ class BenchPlan:
     nginx: str | None = None
     #: a mode `keys-1000` right after `hedging-on` (`variants.KEYS_MODE`)
     keys: bool = False
+    #: a mode `translated` right after `hedging-on` and `keys-1000`
+    #: (`variants.TRANSLATED_MODE`)
+    translated: bool = False
+
+    def over_hedging_on(self) -> tuple[str, ...]:
+        """The variant modes this plan runs beside `hedging-on`, divided by it, in the order
+        of `variants.OVER_HEDGING_ON`."""
+        wanted = {variants.KEYS_MODE: self.keys, variants.TRANSLATED_MODE: self.translated}
+        return tuple(mode for mode in variants.OVER_HEDGING_ON if wanted[mode])
 
 
 def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
     """The modes of `workload` in the order they run: the plan's that the workload has (with
     `quick`, its `quick_modes` when it names them; then its own continuation modes;
-    `nginx` right after `direct`, with `plan.nginx`; `keys-1000` right after `hedging-on`,
-    or last without it, with `plan.keys`), then one per feature switched off (`features`),
+    `nginx` right after `direct`, with `plan.nginx`; `keys-1000` then `translated` right
+    after `hedging-on`, or last without it, with `plan.keys` and `plan.translated`), then
+    one per feature switched off (`features`),
     then `baseline` (with `baseline_src`), then one per other front server (`servers`)."""
     own = workload.quick_modes if quick and workload.quick_modes is not None else workload.modes
     modes = [m for m in plan.modes if own is None or m in own]
     # a workload's own modes beyond the plan's (the `stalls` workload's continuation modes)
     modes += [m for m in own or () if m in rows.CONTINUATION_MODES]
-    if plan.keys:  # next to the mode it is divided by
-        at = modes.index("hedging-on") + 1 if "hedging-on" in modes else len(modes)
-        modes.insert(at, variants.KEYS_MODE)
+    beside = plan.over_hedging_on()  # next to the mode they are divided by
+    at = modes.index("hedging-on") + 1 if "hedging-on" in modes else len(modes)
+    modes[at:at] = beside
     if plan.nginx:  # the floor, next to the other mode without a gateway
         at = modes.index("direct") + 1 if "direct" in modes else 0
         modes.insert(at, servers.NGINX)
@@ -224,6 +239,17 @@ def key_usage(ctx: _Context, mode: str, name: str) -> int | None:
         return sum(row.requests for row in store.usage(name))
     finally:
         store.close()
+
+
+def translated_count(stats: object) -> int | None:
+    """The requests the bench pool's backends answered through `variants.TRANSLATED_ROUTE`
+    over the gateway's lifetime, from its `/hedge/stats` (None without one)."""
+    try:
+        count = stats["pools"][POOL]["lifetime"]["translated"][  # type: ignore[index]
+            variants.TRANSLATED_ROUTE]
+    except (TypeError, KeyError):
+        return None
+    return count if isinstance(count, int) else None
 
 
 def warm_or(body: dict[str, Any], index: int) -> dict[str, Any]:
@@ -343,9 +369,13 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
             "requests": counted_requests(hedge_stats) - counted_requests(baseline[0]),
             "workers": len(hedge_stats.get("workers", [])) if isinstance(hedge_stats, dict)
             else None}
+    sent = c1_sent + len(warmup) + len(samples)  # every pass's, the gateway's lifetime
     if _keyed(mode):  # every request of every pass sent the key: the store's count to match
-        row["keys"] = keys_seen(ctx, mode, hedge_stats) | {
-            "requests_sent": c1_sent + len(warmup) + len(samples)}
+        row["keys"] = keys_seen(ctx, mode, hedge_stats) | {"requests_sent": sent}
+    variant = variants.VARIANTS.get(mode)
+    if variant is not None and variant.translated:  # every request of every pass translated
+        row["translated"] = {"route": variants.TRANSLATED_ROUTE, "requests_sent": sent,
+                             "requests_translated": translated_count(hedge_stats)}
     progress.finish(f"ok {row['ok']}, errors {row['errors']}, "
                     f"TTFT p50 {row['ttft_ms']['p50']} ms, p99 {row['ttft_ms']['p99']} ms")
     return row

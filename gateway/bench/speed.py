@@ -26,7 +26,7 @@ from gateway.bench import judge
 from gateway.bench.load import Sample
 from gateway.bench.report import ttft_estimate
 from gateway.bench.rows import TTFT_QUANTILES, quantile
-from gateway.bench.variants import KEYS_MODE
+from gateway.bench.variants import KEYS_MODE, OVER_HEDGING_ON, TRANSLATED_MODE
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,41 +108,73 @@ def compare_costs(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         cost = row.get("cost") or {}
         out[f"{mode}_cpu_ms_per_request"] = cost.get("cpu_ms_per_request")
         out[f"{mode}_peak_rss_mb"] = cost.get("peak_rss_mb")
-    return out | over_floor(out, rows) | keys_over(out)
+    return out | over_floor(out, rows) | over_hedging_on(out)
 
 
-#: what the `keys-1000` mode's CPU per request is divided by: the same gateway with no keys
-KEYS_BASE = "hedging-on"
-#: the bound on that ratio
-KEYS_BOUND = 1.10
-#: the least gateway CPU seconds of each of the two passes for the ratio to be judged: the
+#: what each variant mode of `OVER_HEDGING_ON` (`keys-1000`, `translated`) has its CPU per
+#: request divided by: the same gateway and client requests without the variant's change
+BESIDE_BASE = "hedging-on"
+#: the bound on each such ratio
+BESIDE_BOUND = 1.10
+#: the least gateway CPU seconds of each of the two passes for a ratio to be judged: the
 #: kernel counts CPU time in ticks of 10 ms, so a second of it resolves the ratio to about
 #: 1 %, a tenth of the margin judged
-KEYS_MIN_CPU_S = 1.0
+BESIDE_MIN_CPU_S = 1.0
 
 
-def keys_short(rows: Mapping[str, Mapping[str, Any]]) -> str | None:
-    """Why this run cannot judge the keys' ratio (None: it can): a pass whose gateway used
-    less CPU than `KEYS_MIN_CPU_S` measures it in too few ticks to tell 10 % apart."""
+def beside_short(rows: Mapping[str, Mapping[str, Any]], mode: str) -> str | None:
+    """Why this run cannot judge `mode`'s ratio over `BESIDE_BASE` (None: it can): a pass
+    whose gateway used less CPU than `BESIDE_MIN_CPU_S` measures it in too few ticks to tell
+    10 % apart."""
     short = []
-    for mode in (KEYS_BASE, KEYS_MODE):
-        cpu = _num(rows.get(mode), "gateway_process", "cpu_s")
-        if cpu is None or cpu < KEYS_MIN_CPU_S:
-            short.append(f"{mode} {'no' if cpu is None else f'{cpu:.2f}'}")
+    for each in (BESIDE_BASE, mode):
+        cpu = _num(rows.get(each), "gateway_process", "cpu_s")
+        if cpu is None or cpu < BESIDE_MIN_CPU_S:
+            short.append(f"{each} {'no' if cpu is None else f'{cpu:.2f}'}")
     if not short:
         return None
     return (f"gateway CPU s too short to resolve 10 %: {', '.join(short)}; needs "
-            f">= {KEYS_MIN_CPU_S:g} s each")
+            f">= {BESIDE_MIN_CPU_S:g} s each")
 
 
-def keys_over(costs: Mapping[str, Any]) -> dict[str, Any]:
-    """The `keys-1000` mode's CPU per request as a multiple of hedging-on's (keys off), when
-    the run has both and hedging-on's is positive."""
-    keyed, base = (costs.get(f"{KEYS_MODE}_cpu_ms_per_request"),
-                   costs.get(f"{KEYS_BASE}_cpu_ms_per_request"))
-    if not isinstance(keyed, int | float) or not isinstance(base, int | float) or base <= 0:
+def beside_key(mode: str) -> str:
+    """The comparison's key of `mode`'s CPU per request over `BESIDE_BASE`'s."""
+    return f"{mode}_cpu_ms_per_request_over_{BESIDE_BASE}"
+
+
+def beside_target(mode: str) -> str:
+    """The target `mode`'s ratio over `BESIDE_BASE` is judged by."""
+    return f"{mode} CPU per request <= {BESIDE_BOUND:.2f} x {BESIDE_BASE}'s"
+
+
+def over_hedging_on(costs: Mapping[str, Any]) -> dict[str, Any]:
+    """Each variant mode's CPU per request (`OVER_HEDGING_ON`) as a multiple of
+    hedging-on's, when the run has both and hedging-on's is positive."""
+    base = costs.get(f"{BESIDE_BASE}_cpu_ms_per_request")
+    if not isinstance(base, int | float) or base <= 0:
         return {}
-    return {f"{KEYS_MODE}_cpu_ms_per_request_over_{KEYS_BASE}": round(keyed / base, 3)}
+    out: dict[str, Any] = {}
+    for mode in OVER_HEDGING_ON:
+        cpu = costs.get(f"{mode}_cpu_ms_per_request")
+        if isinstance(cpu, int | float):
+            out[beside_key(mode)] = round(cpu / base, 3)
+    return out
+
+
+def beside_check(row: Mapping[str, Any]) -> str | None:
+    """The line under a variant mode's ratio that says the row ran with its change: the
+    keys its gateway loaded and counted, the requests it translated. None for another."""
+    mode = row.get("mode")
+    if mode == KEYS_MODE:
+        seen = row.get("keys") or {}
+        return (f"{KEYS_MODE}: {seen.get('configured')} keys configured, loaded by the "
+                f"gateway: {seen.get('gateway_loaded_it')}; its key's requests counted "
+                f"{seen.get('requests_counted')} of {seen.get('requests_sent')} sent")
+    if mode == TRANSLATED_MODE:
+        seen = row.get("translated") or {}
+        return (f"{TRANSLATED_MODE}: {seen.get('route')} counted by the gateway "
+                f"{seen.get('requests_translated')} of {seen.get('requests_sent')} sent")
+    return None
 
 
 #: the mode every other is divided by when the run has it (`bench --nginx`)
@@ -196,11 +228,11 @@ def targets(workload: str, rows: Mapping[str, Mapping[str, Any]],
                 comparison.get(f"{mode}_cpu_ms_per_request_over_{FLOOR}"), 5.0)
             add(f"added median TTFT at c=1 <= 2 x {FLOOR}'s",
                 comparison.get(f"{mode}_added_ttft_c1_p50_ms_over_{FLOOR}"), 2.0)
-        if KEYS_MODE in rows:  # a run with the keys beside the same gateway without them
-            ratio = comparison.get(f"{KEYS_MODE}_cpu_ms_per_request_over_{KEYS_BASE}")
+        for beside in (m for m in OVER_HEDGING_ON if m in rows):  # beside hedging-on
+            ratio = comparison.get(beside_key(beside))
             result.append(judge.measured(
-                f"{KEYS_MODE} CPU per request <= {KEYS_BOUND:.2f} x {KEYS_BASE}'s", ratio,
-                None if ratio is None else ratio <= KEYS_BOUND, keys_short(rows)))
+                beside_target(beside), ratio, None if ratio is None else ratio <= BESIDE_BOUND,
+                beside_short(rows, beside)))
     elif workload == "streams":
         delivered = row.get("events_delivered")
         expected = direct.get("events_delivered")
@@ -251,16 +283,14 @@ def format_lines(result: Mapping[str, Any]) -> list[str]:
         if cpu is not None or ttft is not None:
             lines.append(f"   {mode} / {FLOOR}: CPU per request x{_times(cpu)}, added TTFT "
                          f"at c=1 x{_times(ttft)}")
-    keyed = next((row for row in result["modes"] if row["mode"] == KEYS_MODE), None)
-    if keyed is not None:
-        ratio = c.get(f"{KEYS_MODE}_cpu_ms_per_request_over_{KEYS_BASE}")
-        lines.append(f"   {KEYS_MODE} / {KEYS_BASE}: CPU per request "
-                     f"x{'n/a' if ratio is None else f'{ratio:.3f}'}")
-        seen = keyed.get("keys") or {}
-        lines.append(f"   {KEYS_MODE}: {seen.get('configured')} keys configured, loaded by "
-                     f"the gateway: {seen.get('gateway_loaded_it')}; its key's requests "
-                     f"counted {seen.get('requests_counted')} of {seen.get('requests_sent')} "
-                     "sent")
+    for row in result["modes"]:
+        if row["mode"] in OVER_HEDGING_ON:  # its ratio, then what says it ran its change
+            ratio = c.get(beside_key(row["mode"]))
+            lines.append(f"   {row['mode']} / {BESIDE_BASE}: CPU per request "
+                         f"x{'n/a' if ratio is None else f'{ratio:.3f}'}")
+            check = beside_check(row)
+            if check is not None:
+                lines.append(f"   {check}")
     return lines
 
 

@@ -29,10 +29,15 @@ def gateway_config(port: int, sim_ports: Sequence[int], hedging: bool,
     in last: its overrides of the document and of the pool. `continuation` (the `stalls`
     workload's modes): the backends continue by prefill (the simulator continues a final
     assistant message), and the pool's `hedging.stall` is on or off, its `min` `stall_min`
-    seconds when given (the workload's); None: the defaults."""
+    seconds when given (the workload's); None: the defaults. A `translated` variant's
+    backends are the same simulators spoken to in Messages (`anthropic`, which the simulator
+    serves too), so every chat request is translated both ways."""
+    translated = variant is not None and variant.translated
     backends = [
-        {"name": f"sim-{chr(97 + k)}", "provider": "openai", "model": "sim",
-         "base_url": f"http://127.0.0.1:{p}/v1", "group": f"zone-{chr(97 + k)}"}
+        {"name": f"sim-{chr(97 + k)}", "model": "sim", "group": f"zone-{chr(97 + k)}",
+         **({"provider": "anthropic", "base_url": f"http://127.0.0.1:{p}",
+             "api_key": "unused"} if translated
+            else {"provider": "openai", "base_url": f"http://127.0.0.1:{p}/v1"})}
         for k, p in enumerate(sim_ports)
     ]
     server: dict[str, Any] = {"host": "127.0.0.1", "port": port}

@@ -15,6 +15,7 @@ be measured apart) and needs what `hedge-gateway sim` alone does not give it:
   `x-sim-ttft-ms` override, added here to the request (the gateway never forwards client
   headers upstream, so the load client could not set it). Everything else (tokens, timing
   between tokens, faults) is the simulator's own.
+  Messages requests (`/v1/messages`) are seeded and logged the same way.
 - **An outage by request index.** Requests `start <= i < end` get `extra_ms` on top, on every
   backend at once (the "outage" workload).
 - `POST /bench/reset {"profile", "seed", "backend", "outage"}`: a fresh simulator (new
@@ -55,6 +56,10 @@ from providers.sim.wire import TTFT_HEADER
 LogEntry = tuple[str, float, int, bool]
 _BENCH_ID = re.compile(rb"^(bench|warmup)-(\d+)$")
 _TTFT_HEADER = TTFT_HEADER.encode()
+#: the streams whose TTFT is seeded and which are logged: Chat Completions, and Messages for
+#: a gateway that reaches the same simulator through translation (the `translated` mode), so
+#: request *i* waits as long in either API
+_TRACKED = frozenset({"/v1/chat/completions", "/v1/messages"})
 
 
 def profile_to_json(profile: SimProfile) -> dict[str, Any]:
@@ -105,7 +110,7 @@ class BenchSim:
         path = scope.get("path", "")
         if scope["type"] == "http" and path.startswith("/bench/"):
             await self._control(scope, receive, send)
-        elif scope["type"] == "http" and path == "/v1/chat/completions":
+        elif scope["type"] == "http" and path in _TRACKED:
             await self._tracked(scope, receive, send)
         else:
             await self._inner(scope, receive, send)

@@ -105,6 +105,17 @@ def _many_keys() -> Variant:
                    headers={"authorization": f"Bearer {_bench_key(BENCH_CLIENT_KEY)}"})
 
 
+#: the bench's mode (and the instruction count's variant) whose backends speak the other API
+TRANSLATED_MODE = "translated"
+#: the translation every request of the bench's `translated` mode takes (its pool is a chat
+#: pool of Messages backends): the name `/hedge/stats` counts it under
+TRANSLATED_ROUTE = "chat->messages"
+#: the variant modes `bench --workload overhead` runs right after `hedging-on`, in this order,
+#: each the same gateway and the same client requests with one thing changed, its CPU per
+#: request divided by hedging-on's: the change's cost where it is paid, in service
+OVER_HEDGING_ON: tuple[str, ...] = (KEYS_MODE, TRANSLATED_MODE)
+
+
 #: name -> variant; `default` is the configuration the guard measures
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("default", "every feature at its default"),
@@ -113,7 +124,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             pool={"hedging": {"stall": {"enabled": False}}}),
     Variant("tracing-on", "request tracing (server.tracing.exporter: console)",
             default_on=False, top={"server": {"tracing": {"exporter": "console"}}}),
-    Variant("translated", "translation (each pool's backends speak the other API)",
+    Variant(TRANSLATED_MODE, "translation (each pool's backends speak the other API)",
             default_on=False, translated=True),
     Variant("continued", "continuations on every backend (a whole answer read as a stream)",
             default_on=False, continued=True),

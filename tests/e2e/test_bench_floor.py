@@ -1,7 +1,7 @@
 """`hedge-gateway bench --workload overhead` end to end, with no flag: a row per feature
-switched off, one with 1,000 named keys and a row for nginx (when installed), side by side
-in one run, each gateway mode's cost printed over nginx's. Rows and their order, not their
-timing."""
+switched off, one with 1,000 named keys, one translated and a row for nginx (when
+installed), side by side in one run, each gateway mode's cost printed over nginx's. Rows and
+their order, not their timing."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from gateway.cli import main
 
 FEATURES = ["no-affinity", "no-size-classes", "no-prefill-fit", "no-input-budget",
             "no-headroom", "all-off"]
-#: keys-1000 (1,000 named keys) is on by default too, right after hedging-on
-GATEWAYS = ["hedging-off", "hedging-on", "keys-1000", *FEATURES]
+#: keys-1000 (1,000 named keys) is on by default too, right after hedging-on, then translated
+#: (the same simulators in Messages)
+GATEWAYS = ["hedging-off", "hedging-on", "keys-1000", "translated", *FEATURES]
 
 
 @pytest.mark.slow

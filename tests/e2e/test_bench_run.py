@@ -68,7 +68,8 @@ def test_cli_writes_json_and_prints_the_table(
     out = tmp_path / "r.json"
     code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
                  "--quick", "--out", str(out), "--no-progress", "--no-features", "--no-nginx",
-                 "--no-keys"])  # the keys' row: tests/e2e/test_bench_keys.py
+                 "--no-keys", "--no-translated"])  # those rows: tests/e2e/test_bench_keys.py,
+    # tests/e2e/test_bench_translated.py
     assert code == 0
     printed = capsys.readouterr().out
     assert "== overhead" in printed and "hedging-on" in printed

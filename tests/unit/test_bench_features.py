@@ -220,3 +220,90 @@ def test_the_keys_row_is_divided_by_hedging_on_and_judged_against_ten_percent() 
     costs = speed.compare_costs(rows)
     assert not [k for k in costs if "keys-1000" in k]
     assert not [t for t in speed.targets("overhead", rows, costs) if "keys" in t["target"]]
+
+
+def test_translated_comes_after_keys_right_after_hedging_on_and_only_when_asked() -> None:
+    both = BenchPlan(workloads=(OVERHEAD,), nginx="nginx", features=True, keys=True,
+                     translated=True)
+    assert plan_modes(both, OVERHEAD) == [
+        "direct", "nginx", "hedging-off", "hedging-on", "keys-1000", "translated", *FEATURES]
+    alone = BenchPlan(workloads=(OVERHEAD,), translated=True)
+    assert plan_modes(alone, OVERHEAD) == ["direct", "hedging-off", "hedging-on", "translated"]
+    # a workload without hedging-on gets both last, in the same order
+    stalls = next(w for w in WORKLOADS if w.name == "stalls")
+    assert plan_modes(BenchPlan(workloads=(stalls,), keys=True, translated=True),
+                      stalls)[-2:] == ["keys-1000", "translated"]
+    assert "translated" not in plan_modes(BenchPlan(workloads=(OVERHEAD,), keys=True), OVERHEAD)
+    # the overhead workload has it unless --no-translated; another only with --translated
+    assert build_parser().parse_args(["bench"]).translated is None  # the workload decides
+    assert build_parser().parse_args(["bench", "--no-translated"]).translated is False
+    assert build_parser().parse_args(["bench", "--translated"]).translated is True
+
+
+def test_the_translated_mode_speaks_messages_to_the_same_simulators() -> None:
+    plain = _loaded(gateway_config(8000, [9001, 9002], hedging=True))
+    config = _loaded(gateway_config(8000, [9001, 9002], hedging=True,
+                                    variant=variants.VARIANTS["translated"]))
+    (pool,), (plain_pool,) = config.pools, plain.pools
+    assert [b.provider for b in plain_pool.backends] == ["openai", "openai"]
+    assert [b.provider for b in pool.backends] == ["anthropic", "anthropic"]
+    # the same simulators (the Anthropic SDK's base URL: no /v1), the same names and groups
+    assert [b.base_url for b in pool.backends] == ["http://127.0.0.1:9001",
+                                                  "http://127.0.0.1:9002"]
+    assert [(b.name, b.group) for b in pool.backends] == [
+        (b.name, b.group) for b in plain_pool.backends]
+    # the same hedging and health as hedging-on's (affinity's prefix floor follows the
+    # provider's own cache minimum: Anthropic's is larger)
+    assert pool.hedging == plain_pool.hedging and pool.health == plain_pool.health
+
+
+def _beside_rows(on_cpu_s: float, **others: float) -> dict[str, dict[str, Any]]:
+    rows = {mode: _row(mode, cpu_s / 2, None) | {"gateway_process": {"cpu_s": cpu_s}}
+            for mode, cpu_s in (("hedging-on", on_cpu_s), *others.items())}
+    rows["hedging-on"] |= {"requests_per_s": 800.0, "concurrency": 50}
+    return rows
+
+
+def _target(rows: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    costs = speed.compare_costs(rows)
+    (target,) = [t for t in speed.targets("overhead", rows, costs) if t["target"] == name]
+    return target
+
+
+TRANSLATED_TARGET = "translated CPU per request <= 1.10 x hedging-on's"
+
+
+def test_the_translated_row_is_divided_by_hedging_on_and_judged_like_the_keys_row() -> None:
+    rows = _beside_rows(2.0, **{"keys-1000": 2.1, "translated": 2.16})
+    rows["translated"]["translated"] = {"route": "chat->messages", "requests_sent": 300,
+                                        "requests_translated": 299}
+    costs = speed.compare_costs(rows)
+    assert costs["translated_cpu_ms_per_request_over_hedging-on"] == 1.08
+    assert costs["keys-1000_cpu_ms_per_request_over_hedging-on"] == 1.05  # each its own
+    lines = speed.format_lines({"modes": list(rows.values()), "comparison": costs})
+    # each row's ratio, then the line that says it ran its change, in the rows' order
+    at = lines.index("   keys-1000 / hedging-on: CPU per request x1.050")
+    assert lines[at + 2:at + 4] == [
+        "   translated / hedging-on: CPU per request x1.080",
+        "   translated: chat->messages counted by the gateway 299 of 300 sent"]
+    assert _target(rows, TRANSLATED_TARGET) == {
+        "target": TRANSLATED_TARGET, "value": 1.08, "met": True, "not_judged": None}
+    assert _target(_beside_rows(2.0, translated=2.3), TRANSLATED_TARGET)["met"] is False
+    short = _target(_beside_rows(2.0, translated=0.5), TRANSLATED_TARGET)
+    assert short["met"] is None and "translated 0.50" in short["not_judged"]
+    assert "hedging-on" not in short["not_judged"]  # hedging-on's 2 s is long enough
+    # without the translated row: no ratio, no target
+    del rows["translated"]
+    costs = speed.compare_costs(rows)
+    assert not [k for k in costs if k.startswith("translated")]
+    assert not [t for t in speed.targets("overhead", rows, costs)
+                if t["target"].startswith("translated")]
+
+
+def test_the_translated_count_is_read_from_the_bench_pools_lifetime() -> None:
+    from gateway.bench.run import translated_count
+
+    stats = {"pools": {"bench": {"lifetime": {"translated": {"chat->messages": 7,
+                                                             "messages->chat": 0}}}}}
+    assert translated_count(stats) == 7
+    assert translated_count(None) is None and translated_count({"pools": {}}) is None
