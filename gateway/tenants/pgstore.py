@@ -42,6 +42,7 @@ from gateway.tenants.store import (
     UsageRow,
     active_of,
     listed_key,
+    usage_batch,
 )
 
 #: seconds to connect before a call fails
@@ -175,8 +176,7 @@ class PostgresStore:
 
     def add_usage(self, rows: Iterable[UsageRow]) -> None:
         """Add one batch of usage (one transaction: all of it or none)."""
-        batch = [(r.name, r.day, r.requests, r.input_tokens, r.output_tokens,
-                  r.spend_micro_usd) for r in rows]
+        batch = usage_batch(rows)
         if not batch:
             return
         with self._locked() as db, db.transaction(), db.cursor() as cursor:

@@ -172,6 +172,13 @@ class UsageRow:
         return self.spend_micro_usd / MICRO
 
 
+def usage_batch(rows: Iterable[UsageRow]) -> list[tuple[str, str, int, int, int, int]]:
+    """One batch of usage as both stores' `INSERT ... ON CONFLICT` takes its parameters:
+    `(name, day, requests, input_tokens, output_tokens, spend_micro_usd)` per row."""
+    return [(r.name, r.day, r.requests, r.input_tokens, r.output_tokens, r.spend_micro_usd)
+            for r in rows]
+
+
 class StoreError(Exception):
     """The store refused an operation (a name taken, an unknown key): said to the caller."""
 
@@ -282,8 +289,7 @@ class SqliteStore:
 
     def add_usage(self, rows: Iterable[UsageRow]) -> None:
         """Add one batch of usage (one transaction: all of it or none)."""
-        batch = [(r.name, r.day, r.requests, r.input_tokens, r.output_tokens,
-                  r.spend_micro_usd) for r in rows]
+        batch = usage_batch(rows)
         if not batch:
             return
         with self._locked() as db:
