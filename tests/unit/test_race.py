@@ -322,3 +322,66 @@ async def test_a_race_that_defers_learning_learns_its_winners_ttft_once_when_tol
             race.learn()
         await race.aclose()
         assert delay.observations == 1
+
+
+async def test_the_race_decides_in_the_turn_of_the_loop_after_its_attempt_ends() -> None:
+    """On the way to the first byte, the race takes up an attempt's token in the turn of the
+    loop right after the attempt's task returned it: a callback the runner scheduled as it
+    returned (one turn later) runs before the race decides, and one scheduled from that
+    callback (two turns later) after it. Through `asyncio.wait` the race woke a turn later
+    still (the task's done callback, then the waiter's)."""
+    pool = pool_of()
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+
+    def one_turn() -> None:
+        order.append("one turn")
+        loop.call_soon(order.append, "two turns")
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        loop.call_soon(one_turn)
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    result = await race.run()
+    order.append("race")
+    await race.aclose()
+    assert result.winner.index == 0 and len(race.attempts) == 1
+    assert order == ["one turn", "race"]
+
+
+async def test_a_stopped_race_cancels_its_attempts_and_not_the_task_that_runs_it() -> None:
+    """`Race.stop` (the client left, the shutdown's grace ran out) ends the race as a
+    cancellation of its task did: `run()` raises `CancelledError`, every attempt is cancelled
+    and closed, and the task that ran the race (the proxy's: the race has no task of its
+    own) is not itself being cancelled, so it goes on to answer."""
+    pool = pool_of()
+    started = asyncio.Event()
+    ended: list[str] = []
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        started.set()
+        try:
+            await asyncio.get_running_loop().create_future()
+        finally:
+            ended.append(backend)
+        raise AssertionError("unreachable")
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+
+    async def stop_once_started() -> None:
+        await started.wait()
+        race.stop()
+
+    stopper = asyncio.ensure_future(stop_once_started())
+    with pytest.raises(asyncio.CancelledError):
+        await race.run()
+    await stopper
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await race.aclose()
+    assert [r.outcome for r in race.attempts] == ["cancelled"]
+    assert ended == [race.attempts[0].backend]
+    assert all(pool.balancer.inflight(b.name) == 0 for b in pool.settings.backends)
