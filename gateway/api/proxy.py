@@ -264,35 +264,39 @@ class Proxy:
     async def _race_or_disconnect(
         self, race: Race, receive: Receive, end: RequestEnd
     ) -> RaceResult | None:
-        """Run the race; a client disconnect stops it (and so every attempt), and so does
+        """Run the race; a client disconnect cancels it (and so every attempt), and so does
         the end of the shutdown grace period (the client then gets 503).
-
-        The race runs in this task, not a task of its own: its first attempt starts in this
-        turn of the loop, and its result is here as the race decides it (a task of its own
-        took a turn to start and one more to hand the result over, both on the way to the
-        first byte). The disconnect and the drain stop it through `Race.stop` rather than by
-        cancelling a task; a cancellation of this task itself (the server stopping) reaches
-        the race as it awaits, and goes on.
 
         One task watches the client for the whole request (`end.watcher`): a stream's
         response keeps using it after commit, and the end of the request cancels it. The
         drain is a callback, not a task."""
+        race_task = asyncio.ensure_future(race.run())
         watcher = end.watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        stop_race = _stopper(race)
+        stop_race = _canceller(race_task)
         watcher.add_done_callback(stop_race)
         forget = self.drain.call_at_grace_end(self.server.shutdown_grace, stop_race)
+        result: RaceResult | None = None
         try:
-            return await race.run()
+            # awaited itself, not through `asyncio.wait`: the result is here in the turn of the
+            # loop after the race's last, where `asyncio.wait` took one more (its callback,
+            # then this task's wake-up), on the way to the first byte. A cancellation of this
+            # task goes on into the race, as the `finally` below would do anyway.
+            result = await race_task
         except asyncio.CancelledError:
             if _being_cancelled():  # this task itself (the server stopping): it goes on
                 raise
-            # else the watcher (the client left) or the drain stopped the race
-            if self.drain.draining and not _saw_disconnect(watcher):
-                raise Draining() from None
-            return None
+            # else the watcher (the client left) or the drain cancelled the race: below
         finally:
             forget()
             watcher.remove_done_callback(stop_race)
+            if not race_task.done():
+                race_task.cancel()
+                await asyncio.wait({race_task})
+        if race_task.cancelled():
+            if self.drain.draining and not _saw_disconnect(watcher):
+                raise Draining()
+            return None
+        return result
 
     def _record_refusal(self, pool: PoolRuntime, req: LogicalRequest, exc: Overloaded,
                         method: str) -> None:
@@ -446,13 +450,13 @@ def _translating(protocol: WireProtocol, translation: Translation, include_usage
     return dataclasses.replace(protocol, encoder=lambda _protocol, _rewrite: encoder)
 
 
-def _stopper(race: Race) -> Callable[..., None]:
-    """A callback (for a done-callback or a timer) that stops `race` (`Race.stop`)."""
+def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:
+    """A callback (for a done-callback or a timer) that cancels `task`."""
 
-    def stop(*_: object) -> None:
-        race.stop()
+    def cancel(*_: object) -> None:
+        task.cancel()
 
-    return stop
+    return cancel
 
 
 def _being_cancelled() -> bool:

@@ -87,12 +87,6 @@ class RaceResult:
 
 AttemptRunner = Callable[[str, AttemptRecord], Coroutine[Any, Any, Prefix]]
 
-
-def _release(waiter: asyncio.Future[None]) -> None:
-    """The hedge timer or the deadline is due: the race decides."""
-    if not waiter.done():
-        waiter.set_result(None)
-
 @dataclass(slots=True)
 class Race:
     """The state of one race. Use `run()` once, then `aclose()` in a finally."""
@@ -131,11 +125,6 @@ class Race:
     #: calls it once the client's first bytes are out, so the delay trackers' inserts are off
     #: that path
     defer_learning: bool = False
-    #: what the race awaits between decisions (`_wait`): set by an attempt as its runner
-    #: returns or raises, by the hedge timer, or cancelled by `stop()`; None while it decides
-    _waiter: asyncio.Future[None] | None = None
-    #: `stop()` was called: the race ends as if its task had been cancelled
-    _stopped: bool = False
 
     def __post_init__(self) -> None:
         self.leftovers = Leftovers(self.clock, self.pool, self.options.delays)
@@ -163,9 +152,13 @@ class Race:
         try:
             while True:
                 wake = min(self._next_hedge, self.options.deadline)
-                done: list[asyncio.Task[Prefix]] = []
+                done: set[asyncio.Task[Prefix]] = set()
                 if self._tasks:
-                    done = await self._wait(wake)
+                    done, _ = await asyncio.wait(
+                        self._tasks,
+                        timeout=max(0.0, wake - self.clock()),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                 result = self._settle(done)
                 if result is not None:
                     return result
@@ -189,58 +182,6 @@ class Race:
             self._drop_kept()
             raise
 
-    async def _wait(self, wake: float) -> list[asyncio.Task[Prefix]]:
-        """Until an attempt ends or `wake` (the clock's time) comes; the attempts that ended.
-
-        Not `asyncio.wait`: there an attempt's end reached the race in two turns of the loop
-        (the task's done callback, then the waiter's), on the way to the first byte. Here the
-        attempt sets the waiter itself as its runner returns (`_attempt`), so the race wakes
-        in the very next turn, when that attempt's task is done. A task that ends without
-        running its coroutine (cancelled before its first step) still wakes it, through its
-        done callback (`_ended`)."""
-        if self._stopped:
-            raise asyncio.CancelledError()
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = None if math.isinf(wake) else loop.call_later(
-            max(0.0, wake - self.clock()), _release, waiter)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-        return [task for task in self._tasks if task.done()]
-
-    def _wake(self) -> None:
-        """An attempt ended: the race decides in the next turn of the loop."""
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _ended(self, task: asyncio.Task[Prefix]) -> None:
-        """An attempt's task is done: wakes the race if that attempt is still its own (the
-        race has not taken it up yet). Its runner woke the race already, unless it never
-        ran."""
-        if task in self._tasks:
-            self._wake()
-
-    async def _attempt(self, backend: str, record: AttemptRecord) -> Prefix:
-        """One attempt's task: its runner, which wakes the race as it returns or raises."""
-        try:
-            return await self.runner(backend, record)
-        finally:
-            self._wake()
-
-    def stop(self) -> None:
-        """End the race from outside, as a cancellation of the task running it would (the
-        client left, the shutdown's grace ran out): `run()` raises `CancelledError` after
-        cancelling every attempt, and the task that ran it is not itself cancelled."""
-        self._stopped = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.cancel()
-
     def _record_hedges(self) -> None:
         """Feed the efficacy guard: each hedge started won or it did not. Only a race decided
         by a token says that; a race that ended in a 400, a 502 or a 504 does not."""
@@ -249,7 +190,7 @@ class Race:
             if attempt.kind == "hedge":
                 self.pool.budget.record_hedge(attempt.outcome == "won", now)
 
-    def _settle(self, done: list[asyncio.Task[Prefix]]) -> RaceResult | None:
+    def _settle(self, done: set[asyncio.Task[Prefix]]) -> RaceResult | None:
         """Handle finished attempts: a token commits; failures start replacements.
 
         Every task in `done` is accounted for before anything is decided (see the module
@@ -488,9 +429,8 @@ class Race:
         self.attempts.append(record)
         record.probe = self.pool.balancer.on_start(backend)
         task = asyncio.create_task(
-            self._attempt(backend, record), name=f"attempt-{record.index}-{backend}"
+            self.runner(backend, record), name=f"attempt-{record.index}-{backend}"
         )
-        task.add_done_callback(self._ended)
         self._tasks[task] = record
 
     def _finished(self, record: AttemptRecord) -> None:

@@ -102,20 +102,11 @@ RETURNS: dict[str, str] = {
         "the race's leftovers, built with the race and handed out as data: the stream learns "
         "the winner's TTFT after its first bytes and gives the winner's slot back at its last, "
         "the end gives back what is left and reaps the losers",
-    "gateway/hedge/race.py":
-        "built by the proxy with the request's end (which must give back what the race "
-        "holds), run in the proxy's own task: a task of its own cost a turn of the loop to "
-        "start and one to hand its result over, on the way to the first byte",
-    "gateway/hedge/runner.py":
-        "built by the proxy from the request's upstream facts, run by the race in each "
-        "attempt's task, through the race's wrapper that wakes it as the runner ends",
 }
 
 #: the returns of a kept file that are exactly these entries, so a second one into it is seen
 ONLY_BY: dict[str, list[str]] = {
     "gateway/hedge/attempt.py": ["gateway/hedge/attempt.py (aclose, from gateway/hedge/relay.py)"],
-    "gateway/hedge/race.py": ["gateway/hedge/race.py (run, from gateway/api/proxy.py)"],
-    "gateway/hedge/runner.py": ["gateway/hedge/runner.py (run, from gateway/hedge/race.py)"],
 }
 
 
