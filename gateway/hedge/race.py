@@ -42,6 +42,7 @@ it is given, and "token" means "the runner returned".
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import Callable, Coroutine
@@ -127,7 +128,7 @@ class Race:
     defer_learning: bool = False
 
     def __post_init__(self) -> None:
-        self.leftovers = Leftovers(self.clock, self.pool, self.options.delays)
+        self.leftovers = Leftovers(self.clock)
         self.placement = Placement(self.pool, self.options)
 
     async def run(self) -> RaceResult:
@@ -279,7 +280,8 @@ class Race:
         # balancer's load count whole streams); `aclose` gives it back at the request's end
         if record.spent_budget:
             self.pool.budget.release()
-        self.leftovers.winner = record
+        self.leftovers.release = functools.partial(self.pool.balancer.on_finish,
+                                                   record.backend, probe=record.probe)
         kept, self._kept = self._kept, None
         if kept is not None and kept[1] is not record:  # a token beat the kept empty answer
             self._finished(kept[1])
@@ -320,9 +322,8 @@ class Race:
         for task, record in winners:
             if record.outcome == "lost":  # the commit closed it already
                 continue
-            if record is self.leftovers.winner:  # its budget was given back by the commit
-                self.leftovers.winner = None
-                self.pool.balancer.on_finish(record.backend, probe=record.probe)
+            if record.outcome == "won" and self.leftovers.release is not None:
+                self.leftovers.release_winner()  # its budget was given back by the commit
             else:
                 self._finished(record)
             record.outcome = "lost"
@@ -462,7 +463,8 @@ class Race:
         record.ttft = now - record.started
         if self.options.learn:
             if later:
-                self.leftovers.unlearned = (record.backend, record.ttft, now)
+                self.leftovers.unlearned = functools.partial(
+                    self.options.delays[record.backend].observe, record.ttft, now)
                 return
             self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
 

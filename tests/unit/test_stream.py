@@ -19,7 +19,7 @@ def response(loop: VirtualLoop, body: AsyncIterator[bytes], ends: list[str | Non
     async def on_close(end: str | None) -> None:
         ends.append(end)
 
-    return SSEResponse(body, headers={}, keepalive=15.0, stuck_client=30.0,
+    return SSEResponse(body, keepalive=15.0, stuck_client=30.0,
                        drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                        on_close=on_close, clock=loop.time)
 
@@ -90,7 +90,7 @@ def test_a_stream_shorter_than_a_tick_runs_no_extra_task_and_a_long_one_keeps_al
             if message["type"] == "http.response.body":
                 sent.append(message["body"])
 
-        stream = SSEResponse(body(), headers={}, keepalive=15.0, stuck_client=30.0,
+        stream = SSEResponse(body(), keepalive=15.0, stuck_client=30.0,
                              drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                              on_close=lambda end: asyncio.sleep(0), clock=loop.time,
                              client_gone=gone)
@@ -130,7 +130,7 @@ async def test_a_normal_end_with_the_proxys_watcher_cancels_no_scope() -> None:
         sent.append(message)
 
     gone: asyncio.Future[None] = loop.create_future()
-    stream = SSEResponse(body(), headers={}, keepalive=15.0, stuck_client=30.0,
+    stream = SSEResponse(body(), keepalive=15.0, stuck_client=30.0,
                          drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                          on_close=on_close, clock=loop.time, client_gone=gone)
     await CountingTask(stream({"type": "http"}, never, send))

@@ -87,21 +87,9 @@ RETURNS: dict[str, str] = {
     "providers/openai.py":
         "the upstream stream is an object used over its life: the attempt opens it and reads "
         "its batches to the first token; the winner's prefix closes it once the relay is done",
-    "gateway/api/answer.py":
-        "the proxy returns its answer as a value; the app sends it",
-    "gateway/api/stream.py":
-        "built by the proxy from the race's result and the request's end, sent by the app "
-        "through the answer that carries it",
-    "gateway/api/end.py":
-        "built by the proxy as the request is admitted (every path after must give back what "
-        "it holds), run by the stream as it closes (`after_stream`)",
     "gateway/hedge/attempt.py":
         "the winner's prefix, built by the attempt, is closed by the relay that reads it (the "
         "end closes it only when its `closed` flag says the relay did not)",
-    "gateway/hedge/losers.py":
-        "the race's leftovers, built with the race and handed out as data: the stream learns "
-        "the winner's TTFT after its first bytes and gives the winner's slot back at its last, "
-        "the end gives back what is left and reaps the losers",
 }
 
 #: the returns of a kept file that are exactly these entries, so a second one into it is seen
