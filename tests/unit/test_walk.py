@@ -63,8 +63,9 @@ HELPERS = {
     "gateway/wire/base.py": "the protocols' shared codec types",
     "gateway/wire/sse.py": "the SSE codec, per chunk",
     "gateway/wire/ratelimit.py": "the quota headers' reader",
-    # the upstream's client: the provider reads its response chunk by chunk
-    "providers/http.py": "the upstream client, per chunk",
+    # the upstream's client and its responses read as events: the attempt and the relay read
+    # the stream an adapter opened (`AiohttpStream`) per read, and close it
+    "providers/http.py": "the upstream client and its responses' events, per read",
     "providers/base.py": "the providers' shared close rule",
     # the summary is one record every step writes into; the stats, the tables that read it
     "gateway/stats/summary.py": "the request's summary record",
@@ -84,9 +85,6 @@ BACKGROUND = {"gateway/app.py"}
 #: returns the walk still makes, each with why it stays (`docs/architecture.md` names the same):
 #: the test holds exactly these, so one that goes (or comes) is seen here and in the docs
 RETURNS: dict[str, str] = {
-    "providers/openai.py":
-        "the upstream stream is an object used over its life: the attempt opens it and reads "
-        "its batches to the first token; the winner's prefix closes it once the relay is done",
     "gateway/hedge/attempt.py":
         "the winner's prefix, built by the attempt, is closed by the relay that reads it (the "
         "end closes it only when its `closed` flag says the relay did not)",
