@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import anyio
 
 from gateway.clock import Clock
-from gateway.hedge.attempt import Prefix
 from gateway.hedge.continuation import Continuations
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request

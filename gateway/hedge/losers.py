@@ -10,7 +10,7 @@ byte); the request's end gives back what is left and reaps the losers (`aclose`)
 step into this file; nothing steps back into the race's.
 
 A loser is closed without the race waiting for it: a running attempt is cancelled (its runner
-closes its upstream, shielded from the cancellation: `gateway.hedge.attempt.close_quietly`), and
+closes its upstream, shielded from the cancellation: `gateway.hedge.prefix.close_quietly`), and
 one that already holds a token, which `Task.cancel()` cannot reach, has its `Prefix` closed in
 a task of its own. Either way the loser is kept here, so the request's end can wait for every
 upstream to be closed (bounded by `REAP_TIMEOUT`) and nothing is left running after it. Each
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.clock import Clock
-from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.attempt import AttemptRecord
+from gateway.hedge.prefix import Prefix
 from gateway.wire.sse import SSEEvent
 from gateway.wire.usage import read_usage
 

@@ -66,7 +66,6 @@ from gateway.hedge.attempt import (
     EMPTY_ANSWER_LOST,
     AttemptKind,
     AttemptRecord,
-    Prefix,
 )
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.deadline import deadline_delay
@@ -74,6 +73,7 @@ from gateway.hedge.delay import min_useful
 from gateway.hedge.losers import Leftovers
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 
 log = logging.getLogger("hedge_gateway.race")
 
