@@ -182,8 +182,10 @@ class SSEResponse(Response):
                 # what the stream owes whatever ended it, once: each hook is cleared as it
                 # is called, so one already called (as the first piece went out, as the body
                 # was exhausted) is not called again
-                self._first_sent()
-                self._done_with_body()
+                if self.on_first_sent is not None:
+                    self._first_sent()
+                if self.on_exhausted is not None:
+                    self._done_with_body()
                 await self.on_close(None if self._exhausted else self.end)
                 if not self._completed and self.end in _ABORTED:
                     await _await_disconnect(scope, receive)
