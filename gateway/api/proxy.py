@@ -6,9 +6,11 @@ This is the shell around the race. It finds the backends the request may use
 has its plan taken once (`gateway.hedge.plan`: may it be hedged, its deadline, its backends'
 order), hands the
 race that plan and the attempts' runner (`gateway.hedge.runner`), runs it while watching for the
-client's disconnect, and returns its answer as a value (`gateway.api.answer.Answer`): a
-streaming response that relays the winner, a JSON body, or an error in the route's shape (the
-request's protocol), each with the request's end to run after it.
+client's disconnect, and returns its answer as a value: the streaming response that relays
+the winner (`gateway.api.stream.SSEResponse`, which runs the request's end as it closes), or
+a JSON body or an error in the route's shape (the request's protocol) with the request's end
+to run after it (`gateway.api.answer.Answer`). The stream is built as data (its code first
+runs when the app sends it), as is the request's end (first run when the request ends).
 
 One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.api.end`),
 carried by the answer. Only when no answer will be sent (the request task is cancelled) does
