@@ -414,14 +414,16 @@ class Proxy:
         def internal_event() -> bytes:
             return error_event("internal error", InternalError.code, request_id)
 
+        raw_headers = [*SSE_HEAD, *[(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                    for k, v in headers.items()]]
         # the stream owns these from here and calls each once, whatever ends it: callables
-        # of the balancer and of the delay reader, made by the race at its commit
+        # of the balancer and of the delay reader, made by the race at its commit (taken
+        # last, once nothing here can raise: until then the end gives them back)
         release, leftovers.release = leftovers.release, None
         learn, leftovers.unlearned = leftovers.unlearned, None
         return SSEResponse(
             body,
-            raw_headers=[*SSE_HEAD, *[(k.lower().encode("latin-1"), v.encode("latin-1"))
-                                      for k, v in headers.items()]],
+            raw_headers=raw_headers,
             keepalive=self.server.keepalive,
             stuck_client=timeouts.stuck_client,
             drain=self.drain,

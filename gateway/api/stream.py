@@ -181,12 +181,17 @@ class SSEResponse(Response):
                         await aclose()
                 # what the stream owes whatever ended it, once: each hook is cleared as it
                 # is called, so one already called (as the first piece went out, as the body
-                # was exhausted) is not called again
-                if self.on_first_sent is not None:
-                    self._first_sent()
-                if self.on_exhausted is not None:
-                    self._done_with_body()
-                await self.on_close(None if self._exhausted else self.end)
+                # was exhausted) is not called again; and each runs, and then `on_close`,
+                # even if one before it raised (a bug of ours: it propagates after them)
+                try:
+                    if self.on_first_sent is not None:
+                        self._first_sent()
+                finally:
+                    try:
+                        if self.on_exhausted is not None:
+                            self._done_with_body()
+                    finally:
+                        await self.on_close(None if self._exhausted else self.end)
                 if not self._completed and self.end in _ABORTED:
                     await _await_disconnect(scope, receive)
 
