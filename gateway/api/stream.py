@@ -87,8 +87,7 @@ class SSEResponse(Response):
     shutdown_event: bytes | Callable[[], bytes]
     on_close: Callable[[StreamEnd | None], Awaitable[None]]
     clock: Callable[[], float]
-    raw_headers: list[tuple[bytes, bytes]] = field(
-        default_factory=SSE_HEAD.copy)
+    raw_headers: list[tuple[bytes, bytes]] = field(default_factory=SSE_HEAD.copy)
     #: a task already watching the client (the proxy's, from the race on): it ends when
     #: the client disconnects; without one the response watches the client itself
     client_gone: asyncio.Future[None] | None = None
@@ -98,7 +97,7 @@ class SSEResponse(Response):
     on_first_sent: Callable[[], None] | None = None
     status_code: int = 200
     background: BackgroundTask | None = None
-    # the run's state, made when the stream runs (`_begin`)
+    # the run's state: set again as the stream starts to run (`__call__`)
     _lock: asyncio.Lock = field(init=False)
     #: the response head until it is sent (`_send_head`)
     _head: Message | None = field(init=False, default=None)
