@@ -117,14 +117,15 @@ class Race:
     #: the first rejection (400/413/422), the client's answer once no backend of a kind that
     #: has not rejected the body is running or can start
     _rejection: UpstreamClientError | None = None
-    #: what the race leaves for the request's end (the winner's slot, its deferred TTFT,
-    #: the attempts let go): handed out as data, so the end and the stream call it, not us
+    #: what the race leaves for the request's end (the winner's slot and its deferred TTFT,
+    #: as the balancer's and the delay reader's calls; the attempts let go): plain data,
+    #: handed out, so the end and the stream call what it holds, not us
     leftovers: Leftovers = field(init=False)
     #: where this request's attempts go, and what the stats count of those choices
     placement: Placement = field(init=False)
-    #: the winner's TTFT is learnt at `leftovers.learn()`, not at the commit: the stream
-    #: calls it once the client's first bytes are out, so the delay trackers' inserts are off
-    #: that path
+    #: the winner's TTFT is learnt through `leftovers.unlearned`, not at the commit: the
+    #: stream calls it once the client's first bytes are out, so the delay trackers' inserts
+    #: are off that path (`leftovers.learn()` if no stream took it)
     defer_learning: bool = False
 
     def __post_init__(self) -> None:
@@ -280,6 +281,7 @@ class Race:
         # balancer's load count whole streams); `aclose` gives it back at the request's end
         if record.spent_budget:
             self.pool.budget.release()
+        # (the balancer's own call, left as data: whoever ends the request calls it)
         self.leftovers.release = functools.partial(self.pool.balancer.on_finish,
                                                    record.backend, probe=record.probe)
         kept, self._kept = self._kept, None
