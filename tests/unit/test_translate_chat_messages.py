@@ -849,3 +849,60 @@ def test_the_stream_translations_byte_checks_read_only_json_block_indexes() -> N
     chunk = (b'{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":3,'
              b'"function":{"arguments":"{}"}}]},"finish_reason":null}]}')
     assert stream._chat_delta(chunk, chunk.find(b'"choices"'))
+
+
+_OPEN = b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+
+
+def _delta(text: bytes, opening: bytes = _OPEN) -> SSEEvent:
+    return SSEEvent(opening + text + b"}}", b"content_block_delta")
+
+
+#: runs of deltas `splice_run` must leave to `feed` one by one (None), each beside usual
+#: deltas: an escape, a quote inside a text, a text of one quote (`"}}`) with a stray quote
+#: elsewhere to keep the count, first and last, an extra field, another block's delta, a
+#: line feed in the data (a multi-line `data:`), a number for a text
+_UNUSUAL_RUNS: list[list[bytes]] = [
+    [b'"a"', b'"b\\"c"', b'"d"'],
+    [b'"a"', b'"b"c"', b'"d"'],
+    [b'"', b'"x"y"', b'"z"'],
+    [b'"x"y"', b'"z"', b'"'],
+    [b'"a"', b'"b","x":"y"', b'"c"'],
+    [b'"a"', b'"b\nc"', b'"d"'],
+    [b'"a"', b"7", b'"b""c"'],
+]
+
+
+@pytest.mark.parametrize("texts", [
+    [b'"tok0 "', b'"tok1 "', b'"tok2 "'], [b'""', b'" "', b'"x"'], [b'"a"', b'"b"'],
+    *_UNUSUAL_RUNS])
+def test_a_run_of_deltas_fed_by_read_is_each_fed_byte_for_byte(texts: list[bytes]) -> None:
+    """A read that opens with a run of the current block's deltas (`splice_run`, then the
+    rest `_each`) writes exactly what feeding each event writes: usual runs, and runs with
+    one delta of an unusual or broken shape among them, before the stream's last events."""
+    start = SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c",'
+                     b'"usage":{"input_tokens":3,"output_tokens":1}}}', b"message_start")
+    block = SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
+                     b'{"type":"text","text":""}}', b"content_block_start")
+    other = _delta(b'"o"', _OPEN.replace(b'"index":0', b'"index":1'))
+    end = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
+           SSEEvent(b'{"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+                    b'"usage":{"output_tokens":5}}', b"message_delta"),
+           SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+    run = [_delta(text) for text in texts]
+    for read in (run, [*run, *end], [*run, other, *run], [*run, _delta(b'"z"'), *end]):
+        fast, slow = MessagesToChat(1, True), MessagesToChat(1, True)
+        opened = fast.feed_all([start, block, _delta(b'"first"')])
+        assert opened == b"".join(slow.feed(e) for e in [start, block, _delta(b'"first"')])
+        assert fast.feed_all(read) == b"".join(slow.feed(e) for e in read)
+        assert fast.ended == slow.ended and fast.usage == slow.usage
+
+
+@pytest.mark.parametrize("texts", _UNUSUAL_RUNS)
+def test_a_run_with_an_unusual_delta_is_not_spliced(texts: list[bytes]) -> None:
+    """`splice_run` splices only runs whose every event the per-event path would cut."""
+    before, after = b"<", b">"
+    assert stream.splice_run([_OPEN + t + b"}}" for t in texts], _OPEN, before, after) is None
+    usual = [b'"a"', b'""', b'"caf\xc3\xa9 "', b"\"'\""]
+    assert stream.splice_run([_OPEN + t + b"}}" for t in usual], _OPEN, before, after) == (
+        b'<"a"><""><"caf\xc3\xa9 "><"\'">')
