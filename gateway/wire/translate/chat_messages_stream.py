@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway.wire.base import json_bytes
 from gateway.wire.messages import INDEX
-from gateway.wire.sse import SSEEvent
+from gateway.wire.sse import SSEEvent, named_events
 from gateway.wire.translate.chat_messages import JSON_TOOL
 from gateway.wire.translate.chat_messages_answer import (
     STOP_OF_FINISH,
@@ -53,6 +53,8 @@ _MESSAGE_STOP = b'{"type":"message_stop"}'
 _block_stop = re.compile(rb'\{"type":"content_block_stop","index":' + INDEX + rb'\}').fullmatch
 _text_start = re.compile(rb'\{"type":"content_block_start","index":(' + INDEX + rb'),'
                          rb'"content_block":\{"type":"text","text":""\}\}').fullmatch
+#: a delta event's bytes up to its payload, in the named framing (`feed_named`)
+_DELTA_EVENT = b"event: content_block_delta\ndata: "
 #: `message_stop` as `_named` writes it
 _MESSAGE_STOP_EVENT = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 #: a Chat chunk's choice after its delta, with no finish reason
@@ -106,6 +108,27 @@ def splice_run(datas: list[bytes], opening: bytes, before: bytes, after: bytes
             or blob.count(34) != n * (opening.count(34) + 2)):
         return None
     return before + blob[head:-2].replace(b"}}\n" + opening, after + before) + after
+
+
+def splice_named(run: bytes, head: bytes, before: bytes, after: bytes) -> bytes | None:
+    """`splice_run` over a read's bytes: `before + text + after` for each event of `run`, each
+    `head` (`event: content_block_delta`, its `data: ` and a usual delta's payload up to its
+    text: no backslash in it), one JSON string `text`, `}}` and a blank line; None when any
+    is not, or its text holds a quote inside or an escape.
+
+    Told by C scans as `splice_run` tells a run of events: the number of events is the
+    joins (`"}}`, the blank line, the next `head` and its `"`) and one; the LFs are three an
+    event (so none is in a text, and every join is counted); the first and the last text
+    are two characters at least; two quotes a text in all; no backslash, no CR."""
+    n = run.count(b'"}}\n\n' + head + b'"') + 1
+    size = len(head)
+    last = run.rfind(b"\n\n", 0, len(run) - 2) + 2  # where the last event starts (or 0)
+    if (run.count(10) != 3 * n or run.find(92) >= 0 or 13 in run
+            or not run.startswith(head + b'"') or not run.endswith(b'"}}\n\n')
+            or run.find(b"\n\n") < size + 4 or len(run) - last < size + 6
+            or run.count(34) != n * (head.count(34) + 2)):
+        return None
+    return before + run[size:-4].replace(b"}}\n\n" + head, after + before) + after
 
 
 class MessagesToChat:
@@ -202,6 +225,29 @@ class MessagesToChat:
                 if run is not None:
                     return run + self._each(events[end:]) if end < len(events) else run
         return self._each(events)
+
+    def feed_named(self, chunk: bytes) -> bytes | None:
+        """`feed_all`'s bytes for a read in the named framing (`SSEBatch.named`), written
+        from the read's bytes when it opens with a run of usual deltas of the block the last
+        one was of (`splice_named`; the rest decoded and read by `_each`): a read after the
+        first, of a zero-delay stream, is dozens of them, and its events are never built.
+        None (nothing read) for any other read: its events are decoded and fed."""
+        current = None if self.ended else self._current
+        if current is None:
+            return None
+        _, before, after, opening = current
+        head = _DELTA_EVENT + opening
+        if not chunk.startswith(head):
+            return None
+        last = chunk.rfind(b"\n\n" + head)  # the run's last delta (a text holds no LF)
+        end = chunk.find(b"\n\n", len(head) if last < 0 else last + 2 + len(head)) + 2
+        if end < 2:
+            return None
+        run = splice_named(chunk[:end] if end < len(chunk) else chunk, head, before, after)
+        if run is None or end == len(chunk):
+            return run
+        events = named_events(chunk[end:])
+        return None if events is None else run + self._each(events)
 
     def _each(self, events: list[SSEEvent]) -> bytes:
         """`feed`'s bytes for `events`, each usual delta of the block the last one was of
@@ -440,6 +486,10 @@ class ChatToMessages:
             "type": "message_delta", "delta": {"stop_reason": self.stop or "end_turn",
                                                "stop_sequence": None},
             "usage": usage}) + _MESSAGE_STOP_EVENT
+
+    def feed_named(self, chunk: bytes) -> bytes | None:
+        """None: a Chat backend's reads are not in the named framing."""
+        return None
 
     def feed_all(self, events: list[SSEEvent]) -> bytes:
         """The Messages bytes for a read's chunks: `feed`'s, a text chunk that differs from
