@@ -38,7 +38,10 @@ that hedges sent. After the modes, the best policies of a simulation of the same
 (`gateway.bench.policies`) and the measured hedging-on row's distance to them.
 
 `--upstream URL` (repeated) plays the same workload against the user's own servers instead of
-simulators (`gateway.bench.external`).
+simulators (`gateway.bench.external`). There the modes share the servers, so they are
+interleaved: every mode warms up, then each round of `concurrency` conversations is played in
+every mode in turn, with greedy answers, and each gateway mode's later turns are compared
+with the sticky client's same turns (`later_vs_sticky`).
 """
 
 from __future__ import annotations
@@ -227,11 +230,16 @@ def _home(plan: ConversationPlan, messages: list[dict[str, str]], backends: int)
 
 def turn_body(plan: ConversationPlan, model: str,
               messages: list[dict[str, str]]) -> dict[str, Any]:
-    """One turn's request: streamed with usage; against real servers, its answer capped."""
+    """One turn's request: streamed with usage; against real servers, its answer capped and
+    greedy."""
     body: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
                             "stream_options": {"include_usage": True}}
     if plan.upstreams:
+        # capped and greedy: every mode gets the same answers to the same turns (their
+        # system prompts differ only by the mode's name), so a turn's prompt, and the
+        # prefill it costs, is the same whichever mode sends it
         body["max_tokens"] = MAX_TOKENS
+        body["temperature"] = 0
     return body
 
 
@@ -453,53 +461,114 @@ def stats_delta(after: Any, before: Any) -> Any:
     return after
 
 
-async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> ModeResult:
-    result = ModeResult(mode)
+@dataclass(slots=True)
+class _ModeRun:
+    """One mode's measurement in progress: its gateway (None for the sticky client), its
+    measured conversations and the counters its warm-up left."""
+
+    result: ModeResult
+    gateway: str | None
+    measured: list[tuple[int, int, int]]
+    before: dict[str, Any] = field(default_factory=dict)
+
+
+async def _prepare_mode(plan: ConversationPlan, mode: str, children: Children,
+                        client: httpx.AsyncClient, bases: Sequence[str],
+                        models: Sequence[str]) -> _ModeRun:
+    """Start `mode`'s gateway (none for `sticky`) and play its warm-up conversations."""
+    gateway = None
+    if mode != "sticky":
+        port = free_port()
+        path = os.path.join(children.logdir, f"conversations-{mode}.yaml")
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(gateway_yaml(port, bases, hedging=mode != "hedging-off",
+                                    affinity=mode != "no-affinity", models=models,
+                                    min_input_tokens=plan.min_input_tokens))
+        argv, env = servers.server_command(servers.OWN, path, port)
+        proc = children.start(f"gateway-conversations-{mode}", argv, env=env)
+        gateway = f"http://127.0.0.1:{port}"
+        await wait_ready(client, gateway + "/healthz", proc, children)
+    run = _ModeRun(ModeResult(mode), gateway, [
+        (number, size, sticky_backend(plan, number, size, len(bases), mode=mode))
+        for number, size in enumerate(size_classes(plan))])
+    warm = warmup_conversations(plan, mode, len(bases))
+    if warm:
+        warm_turns = await _play(client, plan, mode, warm, bases, models, gateway, warmup=True)
+        run.result.warmup_turns = len(warm_turns)
+        run.result.warmup_errors = sum(1 for t in warm_turns if t.error is not None)
+        if gateway is not None:
+            run.before = await _pool_stats(client, gateway, len(warm_turns))
+    return run
+
+
+async def _measure(plan: ConversationPlan, run: _ModeRun, client: httpx.AsyncClient,
+                   conversations: Sequence[tuple[int, int, int]], bases: Sequence[str],
+                   models: Sequence[str]) -> None:
+    """Play `conversations` of the mode's measured ones, adding their turns and time."""
+    started = time.monotonic()
+    run.result.turns += await _play(client, plan, run.result.mode, conversations, bases,
+                                    models, run.gateway)
+    run.result.seconds += time.monotonic() - started
+
+
+async def _finish_mode(run: _ModeRun, client: httpx.AsyncClient) -> ModeResult:
+    """The mode's result, with what its gateway counted for the measured turns alone."""
+    if run.gateway is not None:
+        after = await _pool_stats(client, run.gateway,
+                                  run.result.warmup_turns + len(run.result.turns))
+        run.result.stats = stats_delta(after, run.before)
+    return run.result
+
+
+def _client() -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
-        if plan.upstreams:
-            bases = [base_url(u) for u in plan.upstreams]
-            await settle(client, bases)
-            models = await served_models(client, bases, plan.model)
-        else:
-            ports = await _start_sims(children, client, mode, plan.seed)
-            bases = [f"http://127.0.0.1:{p}/v1" for p in ports]
-            models = ["sim"] * len(bases)
-        gateway = None
-        if mode != "sticky":
-            port = free_port()
-            path = os.path.join(children.logdir, f"conversations-{mode}.yaml")
-            with open(path, "w", encoding="utf-8") as file:
-                file.write(gateway_yaml(port, bases, hedging=mode != "hedging-off",
-                                        affinity=mode != "no-affinity", models=models,
-                                        min_input_tokens=plan.min_input_tokens))
-            argv, env = servers.server_command(servers.OWN, path, port)
-            proc = children.start(f"gateway-conversations-{mode}", argv, env=env)
-            gateway = f"http://127.0.0.1:{port}"
-            await wait_ready(client, gateway + "/healthz", proc, children)
-        warm = warmup_conversations(plan, mode, len(bases))
-        before: dict[str, Any] = {}
-        if warm:
-            warm_turns = await _play(client, plan, mode, warm, bases, models, gateway,
-                                     warmup=True)
-            result.warmup_turns = len(warm_turns)
-            result.warmup_errors = sum(1 for t in warm_turns if t.error is not None)
-            if gateway is not None:
-                before = await _pool_stats(client, gateway, len(warm_turns))
+    return httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits)
+
+
+async def _run_mode(plan: ConversationPlan, mode: str, children: Children) -> ModeResult:
+    """One mode on fresh simulators of its own (cold caches), warm-up then measured turns."""
+    async with _client() as client:
+        ports = await _start_sims(children, client, mode, plan.seed)
+        bases = [f"http://127.0.0.1:{p}/v1" for p in ports]
+        models = ["sim"] * len(bases)
+        run = await _prepare_mode(plan, mode, children, client, bases, models)
+        if run.result.warmup_turns:
             # the delays are recomputed once a second, off the request path: the last
             # warm-up turns' samples are in force before the first measured turn
             await asyncio.sleep(WARMUP_SETTLE)
-        sizes = size_classes(plan)
-        measured = [(number, size, sticky_backend(plan, number, size, len(bases), mode=mode))
-                    for number, size in enumerate(sizes)]
-        started = time.monotonic()
-        result.turns = await _play(client, plan, mode, measured, bases, models, gateway)
-        result.seconds = time.monotonic() - started
-        if gateway is not None:
-            after = await _pool_stats(client, gateway, result.warmup_turns + len(result.turns))
-            result.stats = stats_delta(after, before)
+        await _measure(plan, run, client, run.measured, bases, models)
+        result = await _finish_mode(run, client)
     children.close()  # the next mode starts with cold caches
     return result
+
+
+def rounds(count: int, concurrency: int | None) -> list[range]:
+    """The measured conversations' indices in rounds of `concurrency` (all in one round
+    without it): each round is played in every mode before the next one starts."""
+    size = concurrency or count or 1
+    return [range(start, min(start + size, count)) for start in range(0, count, size)]
+
+
+async def _run_interleaved(plan: ConversationPlan, children: Children) -> list[ModeResult]:
+    """Every mode against the user's own servers, interleaved: each mode's gateway starts and
+    warms up, then the measured conversations are played in rounds of `concurrency`, each
+    round in every mode in turn. Why: the servers are shared by every mode and run on the
+    same cores, so a mode played after another (minutes later) met another machine, and a
+    difference of a few per cent between whole modes was mostly that drift; a round takes
+    seconds, and each mode meets the same servers within it, with the same conversations in
+    flight at once."""
+    async with _client() as client:
+        bases = [base_url(u) for u in plan.upstreams]
+        await settle(client, bases)
+        models = await served_models(client, bases, plan.model)
+        runs = [await _prepare_mode(plan, mode, children, client, bases, models)
+                for mode in plan.modes]
+        await asyncio.sleep(WARMUP_SETTLE)  # the last warm-up's delays in force (as above)
+        for indices in rounds(len(runs[0].measured) if runs else 0, plan.concurrency):
+            for run in runs:
+                await _measure(plan, run, client, [run.measured[i] for i in indices],
+                               bases, models)
+        return [await _finish_mode(run, client) for run in runs]
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:
@@ -555,6 +624,37 @@ def summarize(result: ModeResult) -> dict[str, Any]:
     }
 
 
+def paired(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each gateway mode's later turns (the second turn on) beside the sticky client's same
+    turns (same conversation, same turn, both answered): p50 and p90 of each over those
+    turns, their ratios, and the median of the per-turn differences. Why paired: a later
+    turn's time is mostly the prefill of what its server has not cached, which differs from
+    turn to turn far more than between modes; comparing a turn with itself leaves what the
+    mode changed. `rows` gain `later_vs_sticky` (None without a sticky row)."""
+    def later(row: dict[str, Any]) -> dict[tuple[int, int], float]:
+        return {(t[0], t[1]): t[3] for t in row["turns_detail"]
+                if t[1] > 0 and t[3] is not None and t[7] is None}
+
+    sticky = next((later(r) for r in rows if r["mode"] == "sticky"), None)
+    for row in rows:
+        if sticky is None or row["mode"] == "sticky":
+            row["later_vs_sticky"] = None
+            continue
+        own = later(row)
+        keys = sorted(own.keys() & sticky.keys())
+        mine, theirs = [own[k] for k in keys], [sticky[k] for k in keys]
+        p50, p90 = _quantile(mine, 0.5), _quantile(mine, 0.9)
+        s50, s90 = _quantile(theirs, 0.5), _quantile(theirs, 0.9)
+        row["later_vs_sticky"] = {
+            "turns": len(keys), "p50_ms": p50, "p90_ms": p90,
+            "sticky_p50_ms": s50, "sticky_p90_ms": s90,
+            "p50_ratio": round(p50 / s50, 3) if p50 is not None and s50 else None,
+            "p90_ratio": round(p90 / s90, 3) if p90 is not None and s90 else None,
+            "median_added_ms": _quantile([own[k] - sticky[k] for k in keys], 0.5),
+        }
+    return rows
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
@@ -589,7 +689,24 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                      f"{row['hedges_started']:>6} {row['hedges_won']:>4} "
                      f"{_pct(row['cached_token_share']):>10} {affinity:>24} "
                      f"{row['seconds']:>5}")
+    pairs = [(row["mode"], row["later_vs_sticky"]) for row in rows
+             if row.get("later_vs_sticky")]
+    if pairs:
+        head3 = (f"{'later turns':<12} {'turns':>5} {'p50 ms':>8} {'sticky':>8} {'x':>6} "
+                 f"{'p90 ms':>8} {'sticky':>8} {'x':>6} {'added (median of turns)':>24}")
+        lines += ["", head3, "-" * len(head3)]
+        for mode, pair in pairs:
+            added = pair["median_added_ms"]
+            lines.append(f"{mode:<12} {pair['turns']:>5} {_ms(pair['p50_ms']):>8} "
+                         f"{_ms(pair['sticky_p50_ms']):>8} {_ratio(pair['p50_ratio']):>6} "
+                         f"{_ms(pair['p90_ms']):>8} {_ms(pair['sticky_p90_ms']):>8} "
+                         f"{_ratio(pair['p90_ratio']):>6} "
+                         f"{'-' if added is None else f'{added:+.1f} ms':>24}")
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def policy_rows(plan: ConversationPlan) -> list[dict[str, Any]]:
@@ -604,11 +721,15 @@ def policy_rows(plan: ConversationPlan) -> list[dict[str, Any]]:
 
 
 def run_conversations(plan: ConversationPlan) -> list[dict[str, Any]]:
-    """Every mode of `plan`, one after the other, each with fresh simulators."""
+    """Every mode of `plan`: on simulators one after the other, each with fresh ones; on the
+    user's own servers interleaved by rounds (`_run_interleaved`)."""
     with tempfile.TemporaryDirectory(prefix="hedge-conversations-") as logdir:
         children = Children(logdir)
         try:
-            return [summarize(asyncio.run(_run_mode(plan, mode, children)))
-                    for mode in plan.modes]
+            if plan.upstreams:
+                results = asyncio.run(_run_interleaved(plan, children))
+            else:
+                results = [asyncio.run(_run_mode(plan, mode, children)) for mode in plan.modes]
+            return paired([summarize(result) for result in results])
         finally:
             children.close()

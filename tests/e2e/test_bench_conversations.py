@@ -56,12 +56,14 @@ PHASES = ("warmup-sticky", "system-sticky", "warmup-hedging-on", "system-hedging
 
 
 @pytest.mark.timeout(120)
-def test_each_mode_warms_up_before_it_measures_and_leaves_the_warm_up_out(
+def test_each_mode_warms_up_then_the_modes_measure_round_by_round(
     scripted_upstream: UpstreamFactory,
 ) -> None:
-    """Every mode, sticky included, first plays its warm-up conversations (system prompts of
-    their own, homes spread over both servers), then the measured ones; the warm-up's turns
-    are neither in the mode's turns nor in the gateway counters it reports."""
+    """Against the user's own servers every mode, sticky included, first plays its warm-up
+    conversations (system prompts of their own, homes spread over both servers); then the
+    measured conversations are played in rounds of `concurrency`, each round in every mode
+    in turn, so the modes meet the servers at the same time. The warm-up's turns are neither
+    in a mode's turns nor in the gateway counters it reports, and every turn is greedy."""
     servers = scripted_upstream(2)
     plan = ConversationPlan(conversations=3, turns=2, modes=("sticky", "hedging-on"),
                             sizes=((40, 1.0),), system_tokens=100, concurrency=2, warmup=4,
@@ -71,6 +73,7 @@ def test_each_mode_warms_up_before_it_measures_and_leaves_the_warm_up_out(
         assert row["turns"] == 6 and row["errors"] == 0
         assert row["warmup_turns"] == 8 and row["warmup_errors"] == 0
     assert rows[1]["affinity"]["hits"] + rows[1]["affinity"]["spills"] == 6
+    assert rows[1]["later_vs_sticky"]["turns"] == 3  # the second turn of each conversation
 
     def phase(body: object) -> str:
         assert isinstance(body, dict)
@@ -79,9 +82,14 @@ def test_each_mode_warms_up_before_it_measures_and_leaves_the_warm_up_out(
 
     posts = sorted((r for s in servers for r in s.requests if r.method == "POST"),
                    key=lambda r: r.received_at)
-    order = [PHASES.index(phase(r.body)) for r in posts]
-    assert order == sorted(order)  # each phase's requests all came before the next phase's
-    assert [order.count(k) for k in range(4)] == [8, 6, 8, 6]
+    assert all(isinstance(r.body, dict) and r.body["temperature"] == 0 for r in posts)
+    phases = [phase(r.body) for r in posts]
+    assert [phases.count(p) for p in PHASES] == [8, 6, 8, 6]
+    # both warm-ups, then round one (conversations 0 and 1: 4 turns) in each mode, then
+    # round two (conversation 2: 2 turns) in each mode
+    runs = [p for k, p in enumerate(phases) if k == 0 or phases[k - 1] != p]
+    assert runs == ["warmup-sticky", "warmup-hedging-on", "system-sticky",
+                    "system-hedging-on", "system-sticky", "system-hedging-on"]
     # the warm-up reached both servers in both modes: each one's delay learns
     for mode in ("warmup-sticky", "warmup-hedging-on"):
         assert all(any(phase(r.body) == mode for r in s.requests if r.method == "POST")

@@ -15,10 +15,13 @@ from gateway.bench.conversations import (
     first_messages,
     format_table,
     gateway_yaml,
+    paired,
+    rounds,
     size_classes,
     stats_delta,
     sticky_backend,
     summarize,
+    turn_body,
     warmup_conversations,
     words,
 )
@@ -191,3 +194,44 @@ def test_against_servers_every_mode_opens_its_conversations_on_the_same_cache() 
     assert any(shared > 0 for _, shared, _, _ in seen["sticky"])
     for mode in ("hedging-off", "hedging-on", "no-affinity"):
         assert seen[mode] == seen["sticky"], mode
+
+
+def test_rounds_cover_every_conversation_once_in_order() -> None:
+    assert [list(r) for r in rounds(5, 2)] == [[0, 1], [2, 3], [4]]
+    assert [list(r) for r in rounds(3, None)] == [[0, 1, 2]]
+    assert rounds(0, 2) == []
+
+
+def test_paired_compares_each_later_turn_with_the_sticky_clients_same_turn() -> None:
+    def row(mode: str, ttfts: dict[tuple[int, int], float | None],
+            errors: frozenset[tuple[int, int]] = frozenset()) -> dict[str, object]:
+        return {"mode": mode, "turns_detail": [
+            [c, t, 40, ms, 0, 0, "a", "status 500" if (c, t) in errors else None, 1]
+            for (c, t), ms in ttfts.items()]}
+
+    sticky = row("sticky", {(0, 0): 900.0, (0, 1): 100.0, (1, 1): 200.0, (2, 1): 300.0})
+    # first turns are left out; a turn the sticky client lost, or one with an error, too
+    gateway = row("hedging-on", {(0, 0): 5.0, (0, 1): 110.0, (1, 1): 190.0, (2, 1): 330.0,
+                                 (3, 1): 1.0}, errors=frozenset({(2, 1)}))
+    rows = paired([sticky, gateway])
+    assert rows[0]["later_vs_sticky"] is None
+    pair = rows[1]["later_vs_sticky"]
+    assert pair["turns"] == 2
+    # over the same two turns: the gateway's 110 and 190 against the sticky client's 100 and
+    # 200 (the report's quantile: the lower of two)
+    assert (pair["p50_ms"], pair["sticky_p50_ms"]) == (110.0, 100.0)
+    assert pair["p50_ratio"] == 1.1
+    assert pair["median_added_ms"] in (10.0, -10.0)
+    assert "later turns" in format_table([{**r, "classes": {}, "turns": 0, "errors": 0,
+                                           "ttft_p50_ms": None, "ttft_p99_ms": None,
+                                           "cache_hit_rate": None, "affinity": None,
+                                           "input_tokens": 0, "extra_input_tokens": 0,
+                                           "extra_input_share": None, "hedges_started": 0,
+                                           "hedges_won": 0, "cached_token_share": None,
+                                           "seconds": 0.0} for r in rows])
+
+
+def test_turns_against_real_servers_are_capped_and_greedy() -> None:
+    body = turn_body(ConversationPlan(upstreams=("http://a/v1",)), "m", [])
+    assert body["temperature"] == 0 and body["max_tokens"] > 0
+    assert "temperature" not in turn_body(ConversationPlan(), "m", [])
