@@ -1015,3 +1015,30 @@ def test_a_usual_read_of_deltas_is_never_decoded(monkeypatch: pytest.MonkeyPatch
         assert batch.count() == read.count(b"\n\n")
     assert b"".join(out) == expected and outcome.end is StreamEnd.DONE
     assert built == [e.data for e in end]
+
+
+def test_the_first_read_s_deltas_after_the_first_are_spliced_as_a_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At zero delay the first read (the one the race decodes) often holds the whole answer:
+    once its first delta has named the block, the deltas after it are spliced as a run, the
+    stream's end fed, and the bytes are what feeding each event writes."""
+    start = [SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c"}}',
+                      b"message_start"),
+             SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
+                      b'{"type":"text","text":""}}', b"content_block_start"),
+             SSEEvent(b'{"type":"ping"}', b"ping")]
+    deltas = [_delta(b'"tok%d "' % i) for i in range(5)]
+    end = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
+           SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+    runs: list[int] = []
+    real = stream.splice_run
+
+    def spy(datas: list[bytes], opening: bytes, before: bytes, after: bytes) -> bytes | None:
+        runs.append(len(datas))
+        return real(datas, opening, before, after)
+
+    monkeypatch.setattr(stream, "splice_run", spy)
+    slow = MessagesToChat(1, True)
+    read = [*start, *deltas, *end]
+    assert MessagesToChat(1, True).feed_all(read) == b"".join(slow.feed(e) for e in read)
+    assert runs == [4]

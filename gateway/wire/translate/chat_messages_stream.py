@@ -212,7 +212,18 @@ class MessagesToChat:
         """The Chat bytes for a read's events: `feed`'s. A read that opens with a run of
         usual deltas of the block the last one was of (most reads after the first) has the
         run spliced whole (`splice_run`: a few scans over the run's bytes, no per-event
-        work in Python), the rest read by `_each`."""
+        work in Python), the rest read by `_each`. Before the first usual delta has named
+        the block (the stream's first read, which at zero delay often holds the whole
+        answer), the events are fed one by one up to it, and the rest read so."""
+        parts: list[bytes] = []
+        if self._current is None and not self.ended:
+            for i, event in enumerate(events):
+                parts.append(self.feed(event))
+                if self._current is not None and not self.ended:
+                    events = events[i + 1:]
+                    break
+            else:
+                return b"".join(parts)
         current = None if self.ended else self._current
         if current is not None and len(events) > 1:
             _, before, after, opening = current
@@ -223,8 +234,11 @@ class MessagesToChat:
                 run = splice_run([event.data for event in events[:end]], opening, before,
                                  after)
                 if run is not None:
-                    return run + self._each(events[end:]) if end < len(events) else run
-        return self._each(events)
+                    parts.append(run)
+                    events = events[end:]
+        if events:
+            parts.append(self._each(events))
+        return b"".join(parts)
 
     def feed_named(self, chunk: bytes) -> bytes | None:
         """`feed_all`'s bytes for a read in the named framing (`SSEBatch.named`), written
