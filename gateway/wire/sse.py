@@ -53,6 +53,9 @@ class SSEBatch:
         events = self._events
         if events is None:
             events = self._events = self.decoded()
+            # the events hold a named read's bytes now: a read kept for a continuation is
+            # not held twice (its count is theirs)
+            self.named = None
         return events
 
     def decoded(self) -> list[SSEEvent]:

@@ -423,10 +423,12 @@ def test_a_named_read_is_decoded_only_when_asked() -> None:
     assert batch is not None and batch.named == chunk and batch.raw is None
     assert batch.count() == 2 and repr(batch).startswith("SSEBatch(events=None,")
     assert batch.events == named_events(chunk) and batch.count() == 2
+    assert batch.named is None  # decoded, the read is its events alone
     assert decoder.at_boundary()
     odd = b"event: a\ndata: x\ndata: y\n\nevent: b\n\n"
     batch = decoder.feed_batch(odd)
     assert batch is not None and batch.named == odd and named_events(odd) is None
+    assert batch.count() == 2  # (undecoded, one a blank line: see `SSEBatch.count`)
     assert batch.events == [E(b"x\ny", b"a")] == SSEDecoder().feed(odd)
     assert batch.count() == 1 and decoder.at_boundary()
     follow = decoder.feed_batch(b"data: next\n\n")
