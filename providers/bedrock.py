@@ -74,11 +74,9 @@ from gateway.settings import BackendSettings, Timeouts
 from gateway.wire.sse import SSEBatch, SSEEvent
 from providers.base import Provider, UpstreamCall
 from providers.credentials import Fetched, Refresher
-from providers.http import UpstreamClient, UpstreamResponse
+from providers.http import AiohttpStream, UpstreamClient, UpstreamResponse, allowed_headers
 from providers.openai import (
     PASS_HEADERS,
-    AiohttpStream,
-    allowed_headers,
     media_type,
     parse_retry_after,
     refused,

@@ -16,6 +16,9 @@ What this module adds around aiohttp, because the gateway needs it:
 - **Dropping a half-read response.** `UpstreamResponse.close()` closes the connection of a
   response whose body did not end (the upstream sees the disconnect: a cancelled hedge stops
   generating), and returns a fully read one to the pool.
+- **A response read as events** (`AiohttpStream`): the stream every HTTP adapter hands the
+  race, SSE decoded per read (an event that never completes bounded by `MAX_EVENT_BYTES`) or
+  a whole body (bounded by `MAX_BODY_BYTES`), with only the headers the adapter allows.
 - No redirects, no environment proxies, TLS verified (the default context), keep-alive expiry,
   no transparent decompression (bytes are relayed as they are).
 - **A kept-alive connection the upstream closed while it sat idle is no backend failure.**
@@ -76,6 +79,7 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent, SSEProtocolError
 
 #: aiohttp appends `. <OSError>(...)` to a payload error when the connection was lost with an
 #: error (a reset) rather than closed cleanly; the exception carries no other trace of it
@@ -347,3 +351,78 @@ class UpstreamClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+#: a non-streaming body larger than this is refused (a broken upstream must not fill memory)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+#: stream bytes that may arrive without completing an event (many `data:` lines and no blank
+#: line, or endless comments): the SSE decoder bounds one line, this bounds one event
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+def allowed_headers(response: UpstreamResponse, allowed: frozenset[str]) -> dict[str, str]:
+    """The response's headers named in `allowed`, names lower-cased.
+
+    From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes with): a
+    str decoded as UTF-8 may hold characters that cannot be written back into a header, which
+    made a hostile upstream's header a 500."""
+    return {
+        name.decode("latin-1").lower(): value.decode("latin-1")
+        for name, value in response.raw_headers
+        if name.decode("latin-1").lower() in allowed
+    }
+
+
+class AiohttpStream:
+    """An open 200 response as the `UpstreamStream` the race and the relay read; `batches()`
+    decodes it incrementally (SSE, or a whole body as one event), bounded.
+
+    Every HTTP adapter's stream (OpenAI's, Anthropic's, Vertex's; Bedrock's whole bodies):
+    nothing in it is one API's, so it lives with the client whose response it reads. An
+    adapter builds and opens the request and judges the answer's status; what it hands back
+    is read here, per read, by whoever holds it (the attempt to its first token, the relay
+    after), and closed here. `allowed`: the adapter's allowlist of headers a client may see."""
+
+    def __init__(
+        self, response: UpstreamResponse, *, stream: bool, allowed: frozenset[str]
+    ) -> None:
+        self._response = response
+        self._stream = stream
+        self.headers: Mapping[str, str] = allowed_headers(response, allowed)
+
+    def batches(self) -> AsyncIterator[SSEBatch]:
+        return self._sse() if self._stream else self._whole_body()
+
+    async def _sse(self) -> AsyncIterator[SSEBatch]:
+        decoder = SSEDecoder()
+        feed, read = decoder.feed_batch, self._response.read_chunk
+        pending = 0  # bytes since the last completed event
+        try:
+            while chunk := await read():
+                batch = feed(chunk)
+                if batch is None:
+                    pending += len(chunk)
+                    if pending > MAX_EVENT_BYTES:
+                        raise UpstreamProtocolError(
+                            f"malformed stream: no event in {MAX_EVENT_BYTES} bytes"
+                        )
+                    continue
+                pending = 0
+                yield batch
+        except SSEProtocolError as exc:
+            raise UpstreamProtocolError(f"malformed stream: {exc}") from None
+
+    async def _whole_body(self) -> AsyncIterator[SSEBatch]:
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self._response.chunks():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise UpstreamProtocolError("response body too large")
+            parts.append(chunk)
+        yield SSEBatch([SSEEvent(b"".join(parts))])
+
+    async def aclose(self) -> None:
+        """Release the response (`UpstreamResponse.close`): at once, idempotent."""
+        self._response.close()

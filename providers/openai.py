@@ -14,7 +14,7 @@ import asyncio
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import Collection, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -29,9 +29,8 @@ from gateway.settings import BackendSettings, Timeouts
 from gateway.settings.hidden import hidden_values
 from gateway.wire.explain import MAX_BODY, explain
 from gateway.wire.ratelimit import RATE_LIMIT_HEADERS
-from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent, SSEProtocolError
 from providers.base import UpstreamCall
-from providers.http import UpstreamClient, UpstreamResponse
+from providers.http import AiohttpStream, UpstreamClient, UpstreamResponse, allowed_headers
 from providers.requestid import upstream_request_headers
 
 #: response headers a client may see from an upstream; everything else stays behind. The
@@ -39,13 +38,6 @@ from providers.requestid import upstream_request_headers
 #: from every answer, and the client gets the winner's, as it would from the upstream itself
 PASS_HEADERS = frozenset({"openai-processing-ms", "openai-version", "x-request-id"}
                          ) | RATE_LIMIT_HEADERS
-
-#: a non-streaming body larger than this is refused (a broken upstream must not fill memory)
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
-#: stream bytes that may arrive without completing an event (many `data:` lines and no blank
-#: line, or endless comments): the SSE decoder bounds one line, this bounds one event
-MAX_EVENT_BYTES = 16 * 1024 * 1024
 
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]{1,40}/[A-Za-z0-9!#$&^_.+-]{1,60}")
 
@@ -75,19 +67,6 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     if not math.isfinite(seconds):  # `inf` would pause the backend for ever, `nan` confuse it
         return None
     return max(0.0, seconds)
-
-
-def allowed_headers(response: UpstreamResponse, allowed: frozenset[str]) -> dict[str, str]:
-    """The response's headers named in `allowed`, names lower-cased.
-
-    From the raw bytes, decoded as Latin-1 (lossless, and what the server re-encodes with): a
-    str decoded as UTF-8 may hold characters that cannot be written back into a header, which
-    made a hostile upstream's header a 500."""
-    return {
-        name.decode("latin-1").lower(): value.decode("latin-1")
-        for name, value in response.raw_headers
-        if name.decode("latin-1").lower() in allowed
-    }
 
 
 def refused(response: UpstreamResponse, error: UpstreamError) -> UpstreamError:
@@ -136,52 +115,6 @@ def secrets_of(settings: BackendSettings) -> frozenset[str]:
     cloud keys, proxy URL) and the host of its URL."""
     host = urlsplit(settings.base_url).hostname if settings.base_url else None
     return hidden_values(settings) | ({host} if host else set())
-
-
-class AiohttpStream:
-    """An open 200 response; `batches()` decodes it incrementally."""
-
-    def __init__(
-        self, response: UpstreamResponse, *, stream: bool, allowed: frozenset[str] = PASS_HEADERS
-    ) -> None:
-        self._response = response
-        self._stream = stream
-        self.headers: Mapping[str, str] = allowed_headers(response, allowed)
-
-    def batches(self) -> AsyncIterator[SSEBatch]:
-        return self._sse() if self._stream else self._whole_body()
-
-    async def _sse(self) -> AsyncIterator[SSEBatch]:
-        decoder = SSEDecoder()
-        feed, read = decoder.feed_batch, self._response.read_chunk
-        pending = 0  # bytes since the last completed event
-        try:
-            while chunk := await read():
-                batch = feed(chunk)
-                if batch is None:
-                    pending += len(chunk)
-                    if pending > MAX_EVENT_BYTES:
-                        raise UpstreamProtocolError(
-                            f"malformed stream: no event in {MAX_EVENT_BYTES} bytes"
-                        )
-                    continue
-                pending = 0
-                yield batch
-        except SSEProtocolError as exc:
-            raise UpstreamProtocolError(f"malformed stream: {exc}") from None
-
-    async def _whole_body(self) -> AsyncIterator[SSEBatch]:
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in self._response.chunks():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise UpstreamProtocolError("response body too large")
-            parts.append(chunk)
-        yield SSEBatch([SSEEvent(b"".join(parts))])
-
-    async def aclose(self) -> None:
-        self._response.close()
 
 
 #: where each `auth` mode puts the key

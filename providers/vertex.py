@@ -13,8 +13,8 @@ What differs from `provider: anthropic`, and why each piece is here:
   the token's expiry: requests read the cached token and never wait on Google, except the
   very first one (or the first after a long idle). A 401 drops the cached token, so the next
   request fetches a fresh one (a token revoked early).
-- **The stream** is Anthropic's own SSE, so the Anthropic adapter's decoding (`AiohttpStream`)
-  and everything after it apply unchanged.
+- **The stream** is Anthropic's own SSE, so the upstream client's decoding
+  (`providers.http.AiohttpStream`) and everything after it apply unchanged.
 - **Errors.** Vertex sends quota errors as 429 without Retry-After; like Bedrock's throttling
   (and every 429), such a 429 pauses the backend for the pool's `health.default_pause`, so
   that a client whose every attempt was refused gets a 429 with Retry-After instead of a 502.
@@ -41,10 +41,9 @@ from gateway.errors import UpstreamAuthFailed, UpstreamProtocolError, UpstreamSt
 from gateway.settings import BackendSettings, Timeouts
 from providers.base import Provider, UpstreamCall
 from providers.credentials import Fetched, Refresher
-from providers.http import UpstreamClient
+from providers.http import AiohttpStream, UpstreamClient
 from providers.openai import (
     PASS_HEADERS,
-    AiohttpStream,
     media_type,
     parse_retry_after,
     rejected,

@@ -1,9 +1,11 @@
 """A request's answer as a value: the response to send and the request's end to run after it;
 and an error of ours as JSON in a route's shape.
 
-The proxy (`gateway.api.proxy`) returns an `Answer` on every path, an error included: the
-end of an admitted request travels with its response, never on an exception, so whoever
-sends the answer (the route, the app) needs to know nothing of how a request ends. The error's
+The proxy (`gateway.api.proxy`) returns an `Answer` on every path, an error included, but a
+stream's, which is its own answer (`gateway.api.stream.SSEResponse` runs the request's end
+itself as it closes): the end of an admitted request travels with its response, never on an
+exception, so whoever sends the answer (the route, the app) needs to know nothing of how a
+request ends. The error's
 shape is its route's protocol (`WireProtocol.error_body`, chosen once per route in
 `gateway.api.inference`); the app answers an error raised before any route took the request
 in the shape of its path (`gateway.api.common.gateway_error_response`).
@@ -37,8 +39,8 @@ class Answer(Response):
     """Sends `response` to the client, then runs `end` (shielded), whatever happens to the
     sending: the client gets its answer before losers are reaped and stats recorded. `end`
     is the request's `RequestEnd`; None for a request refused before it was admitted, which
-    holds nothing to give back, and for a stream, whose response runs the end itself as it
-    closes (`gateway.api.stream.SSEResponse`'s `on_close`, once, whatever ends it)."""
+    holds nothing to give back. (A stream needs no `Answer`: its response runs the end itself
+    as it closes, `gateway.api.stream.SSEResponse`'s `on_close`, once, whatever ends it.)"""
 
     def __init__(self, response: Response,
                  end: Callable[[], Awaitable[None]] | None = None) -> None:

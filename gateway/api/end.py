@@ -14,14 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 import anyio
 
 from gateway.clock import Clock
-from gateway.hedge.attempt import Prefix
 from gateway.hedge.continuation import Continuations
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
@@ -49,32 +50,34 @@ def report_bug(stats: Stats, exc: BaseException) -> None:
     LOGGER.error("internal error on the request path", exc_info=exc)
 
 
+@dataclass(slots=True, eq=False)
 class RequestEnd:
     """The one owner of the end of a logical request: callable any number of times, does its
-    work once (see the module docstring for who calls it on which path)."""
+    work once (see the module docstring for who calls it on which path).
 
-    __slots__ = ("_clock", "_done", "_leave", "_pool", "_race", "_stats", "_summary",
-                 "continuations", "prefix", "trace", "watcher")
+    Plain data until it runs: the proxy builds it as the request is admitted (every path
+    after that must give back what the request holds) and fills in what the race leaves,
+    without a call into this file; the stream's close (or the answer, or the proxy) runs it,
+    the one time the request steps in here."""
 
-    def __init__(
-        self, pool: PoolRuntime, race: Race, summary: RequestSummary, *,
-        leave: Callable[[], None], stats: Stats, clock: Clock,
-        trace: RequestTrace | None = None,
-    ) -> None:
-        self._pool, self._race, self._summary = pool, race, summary
-        #: gives the request's admission slot back
-        self._leave = leave
-        self._stats, self._clock = stats, clock
-        #: the request's spans when tracing is on, ended after the log line
-        self.trace = trace
-        #: the winner's upstream, once there is one: closed by the end
-        self.prefix: Prefix | None = None
-        #: the task watching the client for a disconnect, from the race to the last byte
-        self.watcher: asyncio.Future[None] | None = None
-        #: the request's continuations after commit, when it may have some: their races are
-        #: closed by the end, their counts go to the summary
-        self.continuations: Continuations | None = None
-        self._done = False
+    pool: PoolRuntime
+    race: Race
+    summary: RequestSummary
+    _: KW_ONLY
+    #: gives the request's admission slot back
+    leave: Callable[[], None]
+    stats: Stats
+    clock: Clock
+    #: the request's spans when tracing is on, ended after the log line
+    trace: RequestTrace | None = None
+    #: the winner's upstream, once there is one: closed by the end
+    prefix: Prefix | None = None
+    #: the task watching the client for a disconnect, from the race to the last byte
+    watcher: asyncio.Future[None] | None = None
+    #: the request's continuations after commit, when it may have some: their races are
+    #: closed by the end, their counts go to the summary
+    continuations: Continuations | None = None
+    done: bool = False
 
     async def after_stream(self, outcome: RelayOutcome, early_end: StreamEnd | None) -> None:
         """The end of a streamed answer, run by its stream as it closes (`on_close`, once):
@@ -82,27 +85,30 @@ class RequestEnd:
         before the relay did) goes to the summary, then the request ends. Here rather than
         a closure of the proxy's, so the stream's close steps into this file, not back into
         the proxy."""
-        summary = self._summary
+        summary = self.summary
         summary.relay_end = early_end or outcome.end
         summary.usage, summary.relayed = outcome.usage, outcome.events
         await self()
 
     async def __call__(self) -> None:
-        if self._done:
+        if self.done:
             return
-        self._done = True
-        pool, summary, stats = self._pool, self._summary, self._stats
+        self.done = True
+        pool, summary, stats = self.pool, self.summary, self.stats
         if self.watcher is not None:
             self.watcher.cancel()
         with anyio.CancelScope(shield=True):
             # first, before any await: the answer is out, the request no longer counts (so a
             # client's next request on the same connection never meets its predecessor's slot)
             pool.inflight_requests -= 1
-            self._leave()
-            # and its winner's backend slot, for the same reason (a stream gave it back
-            # already, as its last byte went out: `Leftovers.release_winner`)
-            leftovers = self._race.leftovers
-            leftovers.release_winner()
+            self.leave()
+            # and its winner's backend slot, for the same reason (a stream took it over and
+            # gave it back already, as its last byte went out): the balancer's own call, left
+            # by the race, called here (the leftovers' file is stepped into once, to reap)
+            leftovers = self.race.leftovers
+            release, leftovers.release = leftovers.release, None
+            if release is not None:
+                release()
             # each step on its own: a failing one must not keep the next from giving back
             # what it holds (the winner's and the losers' upstreams, their backend slots)
             try:
@@ -124,10 +130,10 @@ class RequestEnd:
                 except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                     report_bug(stats, exc)
             try:
-                summary.panic = self._race.placement.panic
-                summary.affinity = self._race.placement.affinity
-                summary.headroom_skips = self._race.placement.headroom_skips
-                summary.ended = self._clock()
+                summary.panic = self.race.placement.panic
+                summary.affinity = self.race.placement.affinity
+                summary.headroom_skips = self.race.placement.headroom_skips
+                summary.ended = self.clock()
                 summary.cost = summary_cost(summary, pool.prices)
                 stats.record(summary)
                 log_request(summary, stats.error_classes)

@@ -6,9 +6,11 @@ This is the shell around the race. It finds the backends the request may use
 has its plan taken once (`gateway.hedge.plan`: may it be hedged, its deadline, its backends'
 order), hands the
 race that plan and the attempts' runner (`gateway.hedge.runner`), runs it while watching for the
-client's disconnect, and returns its answer as a value (`gateway.api.answer.Answer`): a
-streaming response that relays the winner, a JSON body, or an error in the route's shape (the
-request's protocol), each with the request's end to run after it.
+client's disconnect, and returns its answer as a value: the streaming response that relays
+the winner (`gateway.api.stream.SSEResponse`, which runs the request's end as it closes), or
+a JSON body or an error in the route's shape (the request's protocol) with the request's end
+to run after it (`gateway.api.answer.Answer`). The stream is built as data (its code first
+runs when the app sends it), as is the request's end (first run when the request ends).
 
 One owner ends every request, whatever path it takes: `RequestEnd` (`gateway.api.end`),
 carried by the answer. Only when no answer will be sent (the request task is cancelled) does
@@ -33,7 +35,7 @@ from gateway.api.admission import Admission
 from gateway.api.answer import Answer, error_response, note_refusal
 from gateway.api.end import LINE_KEY, SUMMARY_KEY, RequestEnd, report_bug
 from gateway.api.request import LogicalRequest
-from gateway.api.stream import SSEResponse
+from gateway.api.stream import SSE_HEAD, SSEResponse
 from gateway.clock import Clock
 from gateway.drain import Drain
 from gateway.errors import (
@@ -89,11 +91,12 @@ class Proxy:
         self.admission = Admission(server.max_concurrent_requests,
                                    server.max_inflight_body_bytes)
 
-    async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest) -> Answer:
+    async def handle(self, request: Request, pool: PoolRuntime, req: LogicalRequest
+                     ) -> Answer | SSEResponse:
         """`req`'s answer, errors included, and (once admitted) its end to run after the
-        answer is sent. Raises only when no answer will be sent: the request task was
-        cancelled (the end has run), or a bug of ours before admission (nothing is held; the
-        app answers it as any bug of a route)."""
+        answer is sent (a stream's answer runs it itself, as it closes). Raises only when no
+        answer will be sent: the request task was cancelled (the end has run), or a bug of
+        ours before admission (nothing is held; the app answers it as any bug of a route)."""
         try:
             routes = routing(pool, req)
         except GatewayError as exc:  # no backend serves the route (or can carry the request):
@@ -178,9 +181,9 @@ class Proxy:
                     Response(body, media_type="application/json", headers=headers), end
                 )
             # a stream runs the end itself, as it closes (`on_close`, exactly once, whatever
-            # ends it): the answer adds no second call to the streamed request's path
-            return Answer(self._streaming_response(pool, req, result, headers, end,
-                                                   strip_usage, rewrite, race.leftovers))
+            # ends it): it is the answer, with no `Answer` around it to call it
+            return self._streaming_response(pool, req, result, headers, end, strip_usage,
+                                            rewrite, race.leftovers)
         except GatewayError as exc:  # answered in the route's shape, then the end runs
             summary.attach(race.attempts, race.suppressed, None)
             summary.error = exc.code or type(exc).__name__
@@ -253,8 +256,7 @@ class Proxy:
         if plan.affinity_miss:
             race.placement.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
-                         stats=self.stats,
-                         clock=self.clock, trace=trace)
+                         stats=self.stats, clock=self.clock, trace=trace)
         if streamed is not None or may_continue(pool, req.protocol.name, req.stream,
                                                 req.stateful, req.pinned, apart):
             end.continuations = Continuations(
@@ -380,7 +382,11 @@ class Proxy:
         strip_usage: bool,
         rewrite: Rewrite | None,
         leftovers: Leftovers,
-    ) -> Response:
+    ) -> SSEResponse:
+        """The stream that relays the winner: built as data (the stream's code first runs
+        when the app sends it), with what the race left for it: the winner's backend slot,
+        given back as the last byte goes out, and its TTFT, learnt after the first (each
+        taken from the leftovers, so the end does not give them back again)."""
         outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
         protocol = req.protocol
@@ -408,9 +414,16 @@ class Proxy:
         def internal_event() -> bytes:
             return error_event("internal error", InternalError.code, request_id)
 
+        raw_headers = [*SSE_HEAD, *[(k.lower().encode("latin-1"), v.encode("latin-1"))
+                                    for k, v in headers.items()]]
+        # the stream owns these from here and calls each once, whatever ends it: callables
+        # of the balancer and of the delay reader, made by the race at its commit (taken
+        # last, once nothing here can raise: until then the end gives them back)
+        release, leftovers.release = leftovers.release, None
+        learn, leftovers.unlearned = leftovers.unlearned, None
         return SSEResponse(
             body,
-            headers=headers,
+            raw_headers=raw_headers,
             keepalive=self.server.keepalive,
             stuck_client=timeouts.stuck_client,
             drain=self.drain,
@@ -419,14 +432,14 @@ class Proxy:
             on_close=functools.partial(end.after_stream, outcome),
             # the winner's slot goes back as the last byte goes out, and its TTFT is learnt
             # after the first: the race's leftovers, handed out as data (the race is done)
-            on_exhausted=leftovers.release_winner,
+            on_exhausted=release,
             clock=self.clock,
             client_gone=end.watcher,
             internal_event=internal_event,
             # the relay's first piece is the committed first token, in hand: it leaves first,
             # with the head; the race learns its winner's TTFT after it
             first_ready=True,
-            on_first_sent=leftovers.learn,
+            on_first_sent=learn,
         )
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import anyio
@@ -43,89 +44,86 @@ log = logging.getLogger("hedge_gateway.sse")
 _ABORTED = (StreamEnd.STUCK_CLIENT, StreamEnd.SHUTDOWN)
 
 
+#: the head every stream's answer starts with; the caller adds its own headers after these
+SSE_HEAD: list[tuple[bytes, bytes]] = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                       (b"cache-control", b"no-cache"),
+                                       (b"x-accel-buffering", b"no")]
+
+
+@dataclass(eq=False)
 class SSEResponse(Response):
     """Streams `body` (already-encoded SSE bytes) with keep-alives, stuck-client and shutdown
-    handling; calls `on_close(end)` exactly once, whatever ends the stream."""
+    handling; calls `on_close(end)` exactly once, whatever ends the stream.
 
+    Plain data until it is sent (its fields are what it is given, its run's state is made
+    when it runs): the proxy builds it with the request's answer and the app runs it, the one
+    time a request steps into this file. `raw_headers`: the answer's head, `SSE_HEAD` and the
+    caller's own after it, as the lines the server writes (a key's limits add theirs to it
+    before it is sent).
+    `internal_event`: the final error event (in the route's shape) a client gets when
+    an exception of ours ends its stream, instead of a stream cut without a word.
+    `shutdown_event` and `internal_event` may be given as the call that builds them: it
+    runs only if the stream ends that way.
+    `on_exhausted`: called (synchronously) once, as soon as the stream is done with `body`:
+    once every byte of it was handed to the server, before the last body message goes out
+    (the relay has read and closed its upstream by then, and the client may send its next
+    request as soon as it sees the end), or, for a stream that ended early, as it closes,
+    before `on_close`.
+    `first_ready`: `body` hands over its first piece without waiting (the relay's first
+    piece is the committed attempt's first token): it goes out first, with the head in
+    one write where the server can hold the head, before the watchers, the ticker and the
+    task group are set up, which the client would otherwise wait behind.
+    `on_first_sent`: called (synchronously) once, when the first piece is out (with
+    `first_ready`), or, if it never went out, as the stream closes, before `on_close`: work
+    that can wait for the first piece (the race's learning) is not on its path, and is done
+    whatever happens to the stream."""
+
+    body_iterator: AsyncIterator[bytes]
+    _: KW_ONLY
+    keepalive: float
+    stuck_client: float
+    drain: Drain
+    grace: float
+    shutdown_event: bytes | Callable[[], bytes]
+    on_close: Callable[[StreamEnd | None], Awaitable[None]]
+    clock: Callable[[], float]
+    raw_headers: list[tuple[bytes, bytes]] = field(default_factory=SSE_HEAD.copy)
+    #: a task already watching the client (the proxy's, from the race on): it ends when
+    #: the client disconnects; without one the response watches the client itself
+    client_gone: asyncio.Future[None] | None = None
+    internal_event: bytes | Callable[[], bytes] = b""
+    on_exhausted: Callable[[], None] | None = None
+    first_ready: bool = False
+    on_first_sent: Callable[[], None] | None = None
+    status_code: int = 200
     background: BackgroundTask | None = None
-
-    def __init__(
-        self,
-        body: AsyncIterator[bytes],
-        *,
-        headers: Mapping[str, str],
-        keepalive: float,
-        stuck_client: float,
-        drain: Drain,
-        grace: float,
-        shutdown_event: bytes | Callable[[], bytes],
-        on_close: Callable[[StreamEnd | None], Awaitable[None]],
-        clock: Callable[[], float],
-        client_gone: asyncio.Future[None] | None = None,
-        internal_event: bytes | Callable[[], bytes] = b"",
-        on_exhausted: Callable[[], None] | None = None,
-        first_ready: bool = False,
-        on_first_sent: Callable[[], None] | None = None,
-    ) -> None:
-        """`internal_event`: the final error event (in the route's shape) a client gets when
-        an exception of ours ends its stream, instead of a stream cut without a word.
-        `shutdown_event` and `internal_event` may be given as the call that builds them: it
-        runs only if the stream ends that way.
-        `on_exhausted`: called (synchronously) once every byte of `body` was handed to the
-        server, before the last body message goes out: the relay has read and closed its
-        upstream by then, and the client may send its next request as soon as it sees the
-        end, before `on_close` runs.
-        `first_ready`: `body` hands over its first piece without waiting (the relay's first
-        piece is the committed attempt's first token): it goes out first, with the head in
-        one write where the server can hold the head, before the watchers, the ticker and the
-        task group are set up, which the client would otherwise wait behind.
-        `on_first_sent`: called (synchronously) once the first piece is out (with
-        `first_ready`): work that can wait for it (the race's learning) is not on its path."""
-        self.status_code = 200
-        self.body_iterator = body
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                        (b"cache-control", b"no-cache"),
-                        (b"x-accel-buffering", b"no")]
-        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                         for k, v in headers.items()]
-        self.keepalive = keepalive
-        self.stuck_client = stuck_client
-        self.drain = drain
-        self.grace = grace
-        self.shutdown_event = shutdown_event
-        self.internal_event = internal_event
-        self.on_close = on_close
-        self.on_exhausted = on_exhausted
-        self.clock = clock
-        #: a task already watching the client (the proxy's, from the race on): it ends when
-        #: the client disconnects; without one the response watches the client itself
-        self.client_gone = client_gone
-        self._lock = asyncio.Lock()
-        #: the response head until it is sent (`_send_head`)
-        self._head: Message | None = None
-        self.first_ready = first_ready
-        self.on_first_sent = on_first_sent
-        #: sends started so far, and whether one is in progress (the pump's only bookkeeping)
-        self._sends = 0
-        self._in_send = False
-        #: what the ticker saw: the send count, when it last changed, and (for a pending send)
-        #: since when the ticker has seen that same send pending
-        self._seen_sends = 0
-        self._active_at = clock()
-        self._pending_since: float | None = None
-        #: why the stream ended early: client gone, stuck client, shutdown, or an exception
-        #: of ours that escaped the relay (internal error)
-        self.end: StreamEnd | None = None
-        #: the last body message (`more_body: False`) went out
-        self._completed = False
-        #: every byte of `body` was handed to the server: the stream did not end early, even
-        #: if the client hangs up before the closing chunk (e.g. right after `[DONE]`)
-        self._exhausted = False
+    # the run's state: set again as the stream starts to run (`__call__`)
+    _lock: asyncio.Lock = field(init=False)
+    #: the response head until it is sent (`_send_head`)
+    _head: Message | None = field(init=False, default=None)
+    #: sends started so far, and whether one is in progress (the pump's only bookkeeping)
+    _sends: int = field(init=False, default=0)
+    _in_send: bool = field(init=False, default=False)
+    #: what the ticker saw: the send count, when it last changed, and (for a pending send)
+    #: since when the ticker has seen that same send pending
+    _seen_sends: int = field(init=False, default=0)
+    _active_at: float = field(init=False, default=0.0)
+    _pending_since: float | None = field(init=False, default=None)
+    #: why the stream ended early: client gone, stuck client, shutdown, or an exception
+    #: of ours that escaped the relay (internal error)
+    end: StreamEnd | None = field(init=False, default=None)
+    #: the last body message (`more_body: False`) went out
+    _completed: bool = field(init=False, default=False)
+    #: every byte of `body` was handed to the server: the stream did not end early, even
+    #: if the client hangs up before the closing chunk (e.g. right after `[DONE]`)
+    _exhausted: bool = field(init=False, default=False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ended = False
         forget_drain: Callable[[], None] | None = None
         ticker = _Ticker()
+        self._lock = asyncio.Lock()
+        self._active_at = self.clock()
         try:
             self._head = {"type": "http.response.start", "status": 200,
                           "headers": self.raw_headers}
@@ -180,7 +178,19 @@ class SSEResponse(Response):
                 if aclose is not None:
                     with contextlib.suppress(RuntimeError):
                         await aclose()
-                await self.on_close(None if self._exhausted else self.end)
+                # what the stream owes whatever ended it, once: each hook is cleared as it
+                # is called, so one already called (as the first piece went out, as the body
+                # was exhausted) is not called again; and each runs, and then `on_close`,
+                # even if one before it raised (a bug of ours: it propagates after them)
+                try:
+                    if self.on_first_sent is not None:
+                        self._first_sent()
+                finally:
+                    try:
+                        if self.on_exhausted is not None:
+                            self._done_with_body()
+                    finally:
+                        await self.on_close(None if self._exhausted else self.end)
                 if not self._completed and self.end in _ABORTED:
                     await _await_disconnect(scope, receive)
 
@@ -220,8 +230,19 @@ class SSEResponse(Response):
             break
         else:  # no piece at all: the head alone, the end follows
             await self._send_head(send, None)
-        if self.on_first_sent is not None:
-            self.on_first_sent()
+        self._first_sent()
+
+    def _first_sent(self) -> None:
+        """`on_first_sent`, once."""
+        hook, self.on_first_sent = self.on_first_sent, None
+        if hook is not None:
+            hook()
+
+    def _done_with_body(self) -> None:
+        """`on_exhausted`, once."""
+        hook, self.on_exhausted = self.on_exhausted, None
+        if hook is not None:
+            hook()
 
     async def _pump(self, send: Send) -> None:
         async for chunk in self.body_iterator:
@@ -230,8 +251,7 @@ class SSEResponse(Response):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self._in_send = False
         self._exhausted = True
-        if self.on_exhausted is not None:
-            self.on_exhausted()
+        self._done_with_body()
 
     def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> bool:
         """End the stream when the client disconnects: through the proxy's watcher when

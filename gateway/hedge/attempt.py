@@ -1,7 +1,8 @@
 """What one attempt does before commit: open the upstream and read up to its first token.
 
-The runner hands the race a `Prefix`: the events read so far (the role chunk, the first token)
-and the still-open event iterator, so the relay can continue exactly where the race stopped.
+The runner hands the race a `Prefix` (`gateway.hedge.prefix`, a value apart from this code):
+the events read so far (the role chunk, the first token) and the still-open event iterator, so
+the relay can continue exactly where the race stopped, and close it.
 A stream that ends normally before any token (its end event, and for chat a finish reason) is
 a complete answer without text, not a failure: the runner hands it back as a `Prefix` marked
 `empty`, holding every event up to its end, and the race decides whether it is relayed.
@@ -11,10 +12,9 @@ closes the upstream on the way out, shielded from the cancellation that caused i
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,9 +24,10 @@ from gateway.errors import (
     UpstreamNoToken,
     UpstreamProtocolError,
 )
-from gateway.wire.base import Kind, Translation, WireProtocol
-from gateway.wire.sse import SSEBatch, SSEEvent
-from providers.base import Provider, UpstreamCall, UpstreamStream, finish_despite_cancel
+from gateway.hedge.prefix import Prefix, close_quietly
+from gateway.wire.base import Kind, WireProtocol
+from gateway.wire.sse import SSEEvent
+from providers.base import Provider, UpstreamCall, UpstreamStream
 
 #: `continuation`: only as a trace names a continuation's attempt (`gateway.hedge.continuation`);
 #: a continuation's own race records its attempt as its primary, apart from the request's
@@ -141,60 +142,6 @@ EMPTY_ANSWER_LOST = "complete answer without a token; another attempt's token wo
 #: scaffolding only, since anything that is output (text, a tool item, a partial image) is a
 #: token; an attempt whose reads pass this many without a token or an end has failed
 MAX_PRE_TOKEN_EVENTS = 1024
-
-
-@dataclass(slots=True)
-class Prefix:
-    """An attempt that produced its first token, with everything needed to relay it."""
-
-    stream: UpstreamStream
-    batches: AsyncIterator[SSEBatch]
-    #: every event read so far, in order: up to the first token and the rest of its batch
-    buffered: list[SSEEvent]
-    #: the stream ended normally without a token: `buffered` holds the whole answer
-    empty: bool = False
-    #: the attempt's backend speaks another API than the client: how its answer is written
-    #: in the client's (None: it is relayed as it is)
-    translation: Translation | None = None
-    #: a whole answer as the runner parsed it to judge it (None: a stream), so that its
-    #: translation does not parse it again
-    parsed: object = None
-    #: a close has run to its end: closing again does nothing
-    closed: bool = False
-
-    async def aclose(self) -> None:
-        """Close the upstream; once it is closed, at once, without a task or a loop turn.
-
-        A streamed answer is closed by the relay as it ends, and the request's end (which
-        must be sure of it on every path) closes it again unless `closed` says it is done
-        (it reads the flag, so a stream's end does not step back into this file). A close
-        runs in a task of its own (`close_quietly`), and the second one cost a task, a shield
-        and two turns of the loop, which the client's next request on the connection waited
-        behind. The flag is set only once a close has finished, so a second close while the
-        first is still under way still waits for a complete one."""
-        if self.closed:
-            return
-        await close_quietly(self.stream, self.batches)
-        self.closed = True
-
-
-async def close_quietly(
-    stream: UpstreamStream, batches: AsyncIterator[SSEBatch] | None
-) -> None:
-    """Close the batch iterator and the upstream, even from a cancelled task: a native
-    `Task.cancel()` of the caller (the race cancelling a loser that is already closing after a
-    failure) is held back until both are closed, then re-raised (an interrupted close leaks
-    the HTTP client's connection)."""
-    await finish_despite_cancel(_close(stream, batches))
-
-
-async def _close(stream: UpstreamStream, batches: AsyncIterator[SSEBatch] | None) -> None:
-    aclose = getattr(batches, "aclose", None)
-    if aclose is not None:
-        # "already running" or a broken stream: the response close below suffices
-        with contextlib.suppress(RuntimeError, UpstreamProtocolError):
-            await aclose()
-    await stream.aclose()
 
 
 async def _open(provider: Provider, call: UpstreamCall, seen: HeadersSeen | None

@@ -28,11 +28,12 @@ from types import MappingProxyType
 
 from gateway.clock import Clock
 from gateway.errors import GatewayError
-from gateway.hedge.attempt import AttemptRecord, ContinuationCounts, ContinuationLeg, Prefix
+from gateway.hedge.attempt import AttemptRecord, ContinuationCounts, ContinuationLeg
 from gateway.hedge.gaps import GapSketch
 from gateway.hedge.losers import output_sent
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race
 from gateway.hedge.relay import Continued
 from gateway.hedge.runner import AttemptTrace, UpstreamRequest, attempt_runner, race_over

@@ -42,6 +42,7 @@ it is given, and "token" means "the runner returned".
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import Callable, Coroutine
@@ -65,7 +66,6 @@ from gateway.hedge.attempt import (
     EMPTY_ANSWER_LOST,
     AttemptKind,
     AttemptRecord,
-    Prefix,
 )
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.deadline import deadline_delay
@@ -73,6 +73,7 @@ from gateway.hedge.delay import min_useful
 from gateway.hedge.losers import Leftovers
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 
 log = logging.getLogger("hedge_gateway.race")
 
@@ -116,18 +117,19 @@ class Race:
     #: the first rejection (400/413/422), the client's answer once no backend of a kind that
     #: has not rejected the body is running or can start
     _rejection: UpstreamClientError | None = None
-    #: what the race leaves for the request's end (the winner's slot, its deferred TTFT,
-    #: the attempts let go): handed out as data, so the end and the stream call it, not us
+    #: what the race leaves for the request's end (the winner's slot and its deferred TTFT,
+    #: as the balancer's and the delay reader's calls; the attempts let go): plain data,
+    #: handed out, so the end and the stream call what it holds, not us
     leftovers: Leftovers = field(init=False)
     #: where this request's attempts go, and what the stats count of those choices
     placement: Placement = field(init=False)
-    #: the winner's TTFT is learnt at `leftovers.learn()`, not at the commit: the stream
-    #: calls it once the client's first bytes are out, so the delay trackers' inserts are off
-    #: that path
+    #: the winner's TTFT is learnt through `leftovers.unlearned`, not at the commit: the
+    #: stream calls it once the client's first bytes are out, so the delay trackers' inserts
+    #: are off that path (`leftovers.learn()` if no stream took it)
     defer_learning: bool = False
 
     def __post_init__(self) -> None:
-        self.leftovers = Leftovers(self.clock, self.pool, self.options.delays)
+        self.leftovers = Leftovers(self.clock)
         self.placement = Placement(self.pool, self.options)
 
     async def run(self) -> RaceResult:
@@ -279,7 +281,9 @@ class Race:
         # balancer's load count whole streams); `aclose` gives it back at the request's end
         if record.spent_budget:
             self.pool.budget.release()
-        self.leftovers.winner = record
+        # (the balancer's own call, left as data: whoever ends the request calls it)
+        self.leftovers.release = functools.partial(self.pool.balancer.on_finish,
+                                                   record.backend, probe=record.probe)
         kept, self._kept = self._kept, None
         if kept is not None and kept[1] is not record:  # a token beat the kept empty answer
             self._finished(kept[1])
@@ -320,9 +324,8 @@ class Race:
         for task, record in winners:
             if record.outcome == "lost":  # the commit closed it already
                 continue
-            if record is self.leftovers.winner:  # its budget was given back by the commit
-                self.leftovers.winner = None
-                self.pool.balancer.on_finish(record.backend, probe=record.probe)
+            if record.outcome == "won" and self.leftovers.release is not None:
+                self.leftovers.release_winner()  # its budget was given back by the commit
             else:
                 self._finished(record)
             record.outcome = "lost"
@@ -462,7 +465,8 @@ class Race:
         record.ttft = now - record.started
         if self.options.learn:
             if later:
-                self.leftovers.unlearned = (record.backend, record.ttft, now)
+                self.leftovers.unlearned = functools.partial(
+                    self.options.delays[record.backend].observe, record.ttft, now)
                 return
             self.options.delays[record.backend].observe(record.ttft, now, censored=censored)
 

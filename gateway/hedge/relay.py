@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from gateway.errors import UpstreamError
-from gateway.hedge.attempt import Prefix
+from gateway.hedge.prefix import Prefix
 from gateway.wire.base import EncodeEvents, Kind, RelayOutcome, Rewrite, StreamEnd, WireProtocol
 from gateway.wire.resume import Splice
 from gateway.wire.sse import SSEBatch, SSEEvent

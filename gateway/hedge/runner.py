@@ -15,13 +15,9 @@ from typing import Any, Protocol
 
 from gateway.clock import Clock
 from gateway.errors import UpstreamRejectedRequest, UpstreamStatusError, upstream_status
-from gateway.hedge.attempt import (
-    AttemptRecord,
-    Prefix,
-    open_until_first_token,
-    open_whole_response,
-)
+from gateway.hedge.attempt import AttemptRecord, open_until_first_token, open_whole_response
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import AttemptRunner
 from gateway.wire.base import Translation, WireProtocol
 from gateway.wire.paths import Endpoint

@@ -27,7 +27,8 @@ import pytest
 from gateway.app import build_pools, make_http_client
 from gateway.clock import monotonic
 from gateway.errors import UpstreamError
-from gateway.hedge.attempt import Prefix, open_until_first_token, open_whole_response
+from gateway.hedge.attempt import open_until_first_token, open_whole_response
+from gateway.hedge.prefix import Prefix
 from gateway.wire.base import WireProtocol
 from gateway.wire.chat import CHAT
 from providers.base import Provider, UpstreamCall

@@ -30,6 +30,7 @@ import httpx
 import openai
 import pytest
 
+import providers.http
 import providers.openai
 from gateway.settings import ServerSettings, Timeouts
 from tests.harness import (
@@ -151,7 +152,7 @@ def test_a_stream_broken_after_commit_ends_with_a_final_error_event(
     case: str,
 ) -> None:
     script, timeouts, code, words = AFTER_COMMIT[case]
-    monkeypatch.setattr(providers.openai, "MAX_EVENT_BYTES", 256 * 1024)
+    monkeypatch.setattr(providers.http, "MAX_EVENT_BYTES", 256 * 1024)
     gateway, (upstream,) = start(
         loop_thread, scripted_upstream, lambda _: script, max_attempts=1, timeouts=timeouts
     )

@@ -31,12 +31,13 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
 )
-from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
+from gateway.hedge.attempt import AttemptRecord, open_until_first_token
 from gateway.hedge.budget import HedgeBudget, SuppressReason
 from gateway.hedge.deadline import KeyShare
 from gateway.hedge.delay import HedgeDelay
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race, RaceResult
 from gateway.settings import BudgetSettings, DelaySettings, ServerSettings
 from gateway.stats import RequestSummary, Stats

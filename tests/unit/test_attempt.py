@@ -14,7 +14,8 @@ from types import MappingProxyType
 import pytest
 
 from gateway.errors import UpstreamNoToken, UpstreamProtocolError
-from gateway.hedge.attempt import MAX_PRE_TOKEN_EVENTS, Prefix, open_until_first_token
+from gateway.hedge.attempt import MAX_PRE_TOKEN_EVENTS, open_until_first_token
+from gateway.hedge.prefix import Prefix
 from gateway.wire.base import Kind
 from gateway.wire.chat import CHAT, chat_answered
 from gateway.wire.messages import MESSAGES

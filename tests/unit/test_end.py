@@ -16,6 +16,7 @@ from gateway.api.admission import Admission
 from gateway.api.answer import Answer
 from gateway.api.end import RequestEnd
 from gateway.api.proxy import Proxy
+from gateway.api.stream import SSEResponse
 from gateway.drain import Drain
 from gateway.errors import InternalError, Overloaded, UpstreamClientError
 from gateway.hedge.race import Race
@@ -48,6 +49,7 @@ def test_an_error_is_answered_before_the_losers_are_reaped() -> None:
         world = World(loop, close_takes=SLOW_CLOSE)
         proxy, pool = proxy_for(Setup([HANG, Step("400", 0.125)]), loop, world)
         answer = await proxy.handle(http_request(), pool, logical_request(stream=True))
+        assert isinstance(answer, Answer)  # an error's answer: the end travels with it
         assert loop.time() == 0.375  # answered at the 400, not after the slow close
         assert proxy.stats.summaries == []  # type: ignore[attr-defined]
         assert answer.end is not None  # the request's end travels with its answer
@@ -87,7 +89,7 @@ def test_an_error_is_answered_in_the_shape_of_the_requests_route() -> None:
     run_virtual(main)
 
 
-async def _send(answer: Answer, loop: VirtualLoop, proxy: Proxy
+async def _send(answer: Answer | SSEResponse, loop: VirtualLoop, proxy: Proxy
                 ) -> list[tuple[float, dict[str, Any], int]]:
     """Send `answer` to a client that reads it all: each message with when it went out and
     how many summaries were recorded by then."""

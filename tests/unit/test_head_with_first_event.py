@@ -73,7 +73,7 @@ def serve_one(body: AsyncIterator[bytes],
                 pass
 
             try:
-                await SSEResponse(body, headers={}, keepalive=15.0, stuck_client=30.0,
+                await SSEResponse(body, keepalive=15.0, stuck_client=30.0,
                                   drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                                   on_close=on_close, clock=loop.time,
                                   first_ready=True, on_first_sent=on_first_sent,

@@ -29,11 +29,12 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.hedge.affinity import AffinityRoute
-from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
+from gateway.hedge.attempt import AttemptRecord, open_until_first_token
 from gateway.hedge.balancer import Balancer
 from gateway.hedge.headroom import Headroom
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race
 from gateway.settings import BackendSettings, HealthSettings
 from gateway.wire.chat import CHAT

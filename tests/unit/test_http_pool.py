@@ -14,9 +14,10 @@ import aiohttp
 import pytest
 
 from gateway.errors import AllAttemptsFailed, GatewayPoolFull, UpstreamConnectError, UpstreamError
-from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.attempt import AttemptRecord
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race
 from providers.http import _closed_idle, _Reuse, translate
 from tests.harness.builders import gateway_settings

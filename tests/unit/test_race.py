@@ -23,9 +23,10 @@ from gateway.errors import (
     UpstreamStatusError,
     all_attempts_failed,
 )
-from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.attempt import AttemptRecord
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import AttemptRunner, Race
 from gateway.wire.explain import Explanation
 from gateway.wire.sse import SSEBatch, SSEEvent

@@ -13,10 +13,11 @@ from types import MappingProxyType
 from gateway.api.request import LogicalRequest
 from gateway.errors import UpstreamConnectError
 from gateway.hedge.affinity import AffinityRoute, rendezvous_order
-from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.attempt import AttemptRecord
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.plan import affinity_route
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race
 from gateway.hedge.routing import excluded_backends
 from gateway.wire.chat import CHAT

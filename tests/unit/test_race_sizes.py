@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.hedge.affinity import AffinityRoute
-from gateway.hedge.attempt import AttemptRecord, Prefix, open_until_first_token
+from gateway.hedge.attempt import AttemptRecord, open_until_first_token
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race
 from gateway.settings import (
     BudgetSettings,

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Mapping
 
-from gateway.hedge.attempt import Prefix
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.relay import _Deadlines, relay
 from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.chat import CHAT, DONE

@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Literal
 
 from gateway.errors import UpstreamDisconnected
-from gateway.hedge.attempt import Prefix
 from gateway.hedge.continuation import may_continue
 from gateway.hedge.gaps import MIN_SAMPLES, GapSketch
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.relay import MAX_KEPT_BYTES, Continued, relay
 from gateway.settings import BackendSettings, HedgingSettings, PoolSettings, StallSettings
 from gateway.wire.base import RelayOutcome, StreamEnd

@@ -19,7 +19,7 @@ def response(loop: VirtualLoop, body: AsyncIterator[bytes], ends: list[str | Non
     async def on_close(end: str | None) -> None:
         ends.append(end)
 
-    return SSEResponse(body, headers={}, keepalive=15.0, stuck_client=30.0,
+    return SSEResponse(body, keepalive=15.0, stuck_client=30.0,
                        drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                        on_close=on_close, clock=loop.time)
 
@@ -90,7 +90,7 @@ def test_a_stream_shorter_than_a_tick_runs_no_extra_task_and_a_long_one_keeps_al
             if message["type"] == "http.response.body":
                 sent.append(message["body"])
 
-        stream = SSEResponse(body(), headers={}, keepalive=15.0, stuck_client=30.0,
+        stream = SSEResponse(body(), keepalive=15.0, stuck_client=30.0,
                              drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                              on_close=lambda end: asyncio.sleep(0), clock=loop.time,
                              client_gone=gone)
@@ -130,10 +130,44 @@ async def test_a_normal_end_with_the_proxys_watcher_cancels_no_scope() -> None:
         sent.append(message)
 
     gone: asyncio.Future[None] = loop.create_future()
-    stream = SSEResponse(body(), headers={}, keepalive=15.0, stuck_client=30.0,
+    stream = SSEResponse(body(), keepalive=15.0, stuck_client=30.0,
                          drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                          on_close=on_close, clock=loop.time, client_gone=gone)
     await CountingTask(stream({"type": "http"}, never, send))
     assert [m.get("body") for m in sent] == [None, b"data: x\n\n", b""]
     assert ends == [None] and reprs == []
     gone.cancel()
+
+
+@pytest.mark.parametrize("breaks_at", [1, 2])
+def test_a_stream_that_ends_early_still_calls_each_hook_once_before_its_close(
+        breaks_at: int) -> None:
+    """The stream owns what the proxy hands it (the winner's slot, its TTFT to learn): each
+    hook is called once whatever ends the stream. Here the client's socket breaks under the
+    first piece (1: `on_first_sent` never came from the send) or under the second (2: it did,
+    once): both hooks are still called, once each, before `on_close`, and a normal end calls
+    each once too (`test_head_with_first_event`)."""
+
+    async def main(loop: VirtualLoop) -> list[str]:
+        seen: list[str] = []
+        bodies = 0
+
+        async def send(message: Any) -> None:
+            nonlocal bodies
+            if message["type"] == "http.response.body":
+                bodies += 1
+                if bodies == breaks_at:
+                    raise BrokenPipeError("the client's socket is gone")
+
+        async def on_close(end: str | None) -> None:
+            seen.append(f"close {end}")
+
+        stream = SSEResponse(chunks(), keepalive=15.0, stuck_client=30.0,
+                             drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
+                             on_close=on_close, clock=loop.time, first_ready=True,
+                             on_first_sent=lambda: seen.append("first"),
+                             on_exhausted=lambda: seen.append("exhausted"))
+        await stream({"type": "http"}, never, send)
+        return seen
+
+    assert run_virtual(main) == ["first", "exhausted", "close client_gone"]

@@ -13,10 +13,11 @@ import pytest
 
 from gateway.api.request import LogicalRequest
 from gateway.errors import AllAttemptsFailed, RouteNotServed, Unreadable, Untranslatable
-from gateway.hedge.attempt import AttemptRecord, Prefix
+from gateway.hedge.attempt import AttemptRecord
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.placement import Placement, RaceOptions
 from gateway.hedge.pool import PoolRuntime
+from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import Race
 from gateway.hedge.routing import routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner
