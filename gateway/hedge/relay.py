@@ -310,9 +310,7 @@ async def relay(
                     if kept is not None and now - deadlines.last > longest:
                         longest = now - deadlines.last
                     deadlines.last = now
-                    # per read, not per event: a raw read is counted by one scan in C
-                    raw = batch.raw
-                    outcome.events += len(batch.events) if raw is None else raw.count(b"\n\n")
+                    read = batch
                     if splice is not None:
                         events = splice.events(batch.events)
                         batch = SSEBatch(events)
@@ -320,6 +318,9 @@ async def relay(
                     else:
                         out = (by_batch(batch, request_id, outcome) if by_batch is not None
                                else encode(batch.events, request_id, outcome))
+                    # per read, not per event: a raw or named read is counted by one scan in
+                    # C, after the encoder, which may write a named read without decoding it
+                    outcome.events += read.count()
                     ended: StreamEnd = outcome.end  # (the encoder may have set it)
                     if kept is not None and ended == StreamEnd.UPSTREAM_ERROR:
                         # an error event: what came before it is relayed, the rest continued

@@ -150,6 +150,12 @@ class StreamTranslator(Protocol):
         without a call per event)."""
         ...
 
+    def feed_named(self, chunk: bytes) -> bytes | None:
+        """`feed_all` over the events of a read in the named framing (`SSEBatch.named`),
+        written from its bytes; None when the machine does not (the events are then decoded
+        and fed)."""
+        ...
+
 
 class AnswerTranslation(Protocol):
     """A whole backend answer written in the client's API (`Translation.answer`)."""
@@ -195,14 +201,22 @@ class Translation:
         the usage chunk (a Chat client's `stream_options`); `error_event`: the client
         protocol's, which ends the stream when the backend sends an event of a shape its API
         never has (the backend's failure, not a bug of ours). A read of plain `data:` events
-        (a Chat backend's, `SSEBatch.raw`) is fed without building its events."""
+        (a Chat backend's, `SSEBatch.raw`) is fed without building its events; a read of
+        named events (a Messages backend's, `SSEBatch.named`) is offered to the machine's
+        `feed_named` first, and decoded only when it declines."""
         machine = self.machine(created)
         machine.include_usage = include_usage
-        feed_all = machine.feed_all
+        feed_all, feed_named = machine.feed_all, machine.feed_named
 
-        def events(batch: list[SSEEvent], request_id: str, outcome: RelayOutcome) -> bytes:
+        def events(batch: list[SSEEvent] | SSEBatch, request_id: str,
+                   outcome: RelayOutcome) -> bytes:
             try:
-                out = feed_all(batch)
+                if isinstance(batch, SSEBatch):  # a named read (`by_batch`)
+                    named = batch.named
+                    written = None if named is None else feed_named(named)
+                    out = feed_all(batch.events) if written is None else written
+                else:
+                    out = feed_all(batch)
             except (TypeError, AttributeError, KeyError, IndexError, ValueError):
                 outcome.end = StreamEnd.UPSTREAM_ERROR
                 return error_event("upstream sent an event its API never has",
@@ -216,7 +230,10 @@ class Translation:
 
         def by_batch(batch: SSEBatch, request_id: str, outcome: RelayOutcome) -> bytes:
             raw = batch.raw
-            if raw is None or raw.find(b"\n\n") != len(raw) - 2:
+            if raw is None:
+                return events(batch if batch.named is not None else batch.events, request_id,
+                              outcome)
+            if raw.find(b"\n\n") != len(raw) - 2:
                 return events(batch.events, request_id, outcome)
             return events([SSEEvent(raw[6:-2])], request_id, outcome)
 

@@ -33,24 +33,29 @@ class SSEBatch:
     `raw` is set when the read was exactly whole single-line `data:` events in the canonical
     framing (`data: X\n\n`, LF only, no comment or other field) and began at an event
     boundary: those bytes are what the gateway would send anyway, so after commit the relay
-    forwards them untouched without building an event per line. `events` is then
-    decoded only if someone asks (the race does, before commit). Otherwise `raw` is None and
-    `events` is the decoder's view."""
+    forwards them untouched without building an event per line. `named` is set when the read
+    was exactly whole named events in the canonical framing (`event: NAME\ndata: X\n\n`,
+    `named_events`) read at an event boundary: a translation that writes such a read from its
+    bytes (`StreamTranslator.feed_named`) never builds its events. In both cases `events`
+    is decoded only if someone asks (the race does, before commit). Otherwise both are None
+    and `events` is the decoder's view."""
 
-    __slots__ = ("_events", "raw")
+    __slots__ = ("_events", "named", "raw")
 
-    def __init__(self, events: list[SSEEvent] | None, raw: bytes | None = None) -> None:
+    def __init__(self, events: list[SSEEvent] | None, raw: bytes | None = None,
+                 named: bytes | None = None) -> None:
         self._events = events
         self.raw = raw
+        self.named = named
 
     @property
     def events(self) -> list[SSEEvent]:
         events = self._events
         if events is None:
-            raw = self.raw or b""
-            events = self._events = [
-                SSEEvent(part[6:]) for part in raw[:-2].split(b"\n\n")
-            ] if raw else []
+            events = self._events = self.decoded()
+            # the events hold a named read's bytes now: a read kept for a continuation is
+            # not held twice (its count is theirs)
+            self.named = None
         return events
 
     def decoded(self) -> list[SSEEvent]:
@@ -58,11 +63,27 @@ class SSEBatch:
         as a continuation's look at what was relayed, leaves a plain read as its bytes)."""
         if self._events is not None:
             return self._events
-        raw = self.raw
-        return [SSEEvent(part[6:]) for part in raw[:-2].split(b"\n\n")] if raw else []
+        raw, named = self.raw, self.named
+        if raw:
+            return [SSEEvent(part[6:]) for part in raw[:-2].split(b"\n\n")]
+        if named:
+            events = _cut_named(named)
+            return _lines_of(named) if events is None else events
+        return []
+
+    def count(self) -> int:
+        """How many events the read holds, without decoding it: one a `\n\n` in the
+        canonical framings (`raw`, `named`), by one scan in C. A `named` read one event of
+        which holds two `data:` lines and another none is counted one too many until it is
+        decoded: whoever writes such a read from its bytes checks each event first (as
+        `MessagesToChat.feed_named` does), and the other paths decode it."""
+        if self._events is not None:
+            return len(self._events)
+        raw = self.raw if self.raw is not None else self.named
+        return raw.count(b"\n\n") if raw else 0
 
     def __repr__(self) -> str:
-        return f"SSEBatch(events={self._events!r}, raw={self.raw!r})"
+        return f"SSEBatch(events={self._events!r}, raw={self.raw!r}, named={self.named!r})"
 
 
 def is_plain_events(chunk: bytes) -> bool:
@@ -81,28 +102,49 @@ def named_events(chunk: bytes) -> list[SSEEvent] | None:
     """The events of `chunk` when it is exactly N >= 1 events `event: NAME\ndata: X\n\n` (each
     one line of each field, LF only, no comment), as the decoder would make them; else None.
 
-    Why it is exact: the chunk's LFs number 3 N where N is its `\ndata: ` count, N - 1 of
-    them open a following `event: ` line after a blank line, and it opens with `event: ` and
-    ends with a blank line, so every LF is one of those (an event's one `data:` line, its
-    blank line, the next event's line): no other line (a comment, an `id:`, a second `data:`
-    line, an extra blank line) fits in. The per-event work is one `find` and two slices,
+    After `is_named_events`' scans, one part could still hold two `data:` lines and another
+    none, or a name be empty (the line loop's way: the event is unnamed), so each part's
+    `data:` line is found after its name. The per-event work is one `find` and two slices,
     where the decoder ran its line loop three times an event."""
-    if not chunk.startswith(b"event: ") or not chunk.endswith(b"\n\n") or 13 in chunk:
-        return None
-    count = chunk.count(b"\ndata: ")
-    if not count or chunk.count(b"\n") != 3 * count \
-            or chunk.count(b"\n\nevent: ") != count - 1:
-        return None
+    return _cut_named(chunk) if is_named_events(chunk) else None
+
+
+def _cut_named(chunk: bytes) -> list[SSEEvent] | None:
+    """`named_events` of a chunk `is_named_events` holds (told once, at the read)."""
     parts = chunk[:-2].split(b"\n\n")
-    if len(parts) != count:
-        return None
     events = []
     for part in parts:
         at = part.find(b"\ndata: ")
-        if at <= 7 or not part.startswith(b"event: "):  # (an empty name: the decoder's way)
+        if at <= 7:
             return None
         events.append(SSEEvent(part[at + 7:], part[7:at]))
     return events
+
+
+def is_named_events(chunk: bytes) -> bool:
+    """Whether `chunk` is whole events in the named framing by a few scans in C: its lines
+    are only `event: ` lines, `data: ` lines and blank lines, it ends with a blank line and
+    holds at least one `data: ` line (so it completes an event, and leaves a decoder at an
+    event boundary), though one event may hold two `data:` lines and another none
+    (`named_events` tells those apart).
+
+    Why it holds: the chunk's LFs number 3 N where N is its `\ndata: ` count, N - 1 of them
+    open a following `event: ` line after a blank line, and it opens with `event: ` and ends
+    with a blank line, so every LF is one of those: no other line (a comment, an `id:`, an
+    extra blank line) fits in."""
+    if not chunk.startswith(b"event: ") or not chunk.endswith(b"\n\n") or 13 in chunk:
+        return False
+    count = chunk.count(b"\ndata: ")
+    return bool(count) and chunk.count(b"\n") == 3 * count \
+        and chunk.count(b"\n\nevent: ") == count - 1
+
+
+def _lines_of(chunk: bytes) -> list[SSEEvent]:
+    """What a decoder at an event boundary makes of `chunk` line by line (a named read that
+    `named_events` does not cut: the line loop leaves the same state after it)."""
+    decoder = SSEDecoder(max(1, len(chunk)))
+    decoder._first_line = False
+    return decoder.feed(chunk)
 
 
 class SSEProtocolError(ValueError):
@@ -170,15 +212,14 @@ class SSEDecoder:
         so it is handed on as its bytes, with its events decoded only on demand."""
         if self.at_boundary() and is_plain_events(chunk):
             return SSEBatch(None, chunk)
+        # a named server's usual read (Messages, the Responses API): whole events told by
+        # a few C scans, not line by line, and decoded only when asked for; a first read
+        # opening with `event: ` has no BOM to strip
         if chunk.startswith(b"event: ") and len(chunk) <= self._max_line and not (
-                self._parts or self._data or self._cr_pending or self._event is not None):
-            # a named server's usual read (Messages, the Responses API): whole events cut
-            # by a few C scans, not line by line; a first read opening with `event: ` has no
-            # BOM to strip
-            events = named_events(chunk)
-            if events is not None:
-                self._first_line = False
-                return SSEBatch(events)
+                self._parts or self._data or self._cr_pending or self._event is not None) \
+                and is_named_events(chunk):
+            self._first_line = False
+            return SSEBatch(None, named=chunk)
         events = self.feed(chunk)
         return SSEBatch(events) if events else None
 

@@ -18,7 +18,30 @@ import math
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from providers.sim.wire import Event, SimPlan, Sleep, before_token, named_event
+from providers.sim.wire import (
+    MARKER,
+    Event,
+    SimPlan,
+    Sleep,
+    around_markers,
+    before_token,
+    json_string,
+    named_event,
+)
+
+#: the two delta events a stream splices per token
+_TEXT_DELTA = "response.output_text.delta"
+_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
+
+
+def delta_template(name: str, payload: dict[str, Any]) -> tuple[bytes, bytes, bytes]:
+    """A delta event's data (`name`, its fields but the piece and the sequence number) cut
+    around its sequence number and its piece: `named_event`'s bytes encoded once, so a
+    token's event is a few concatenations (as the chat stream's token chunk is)."""
+    _, data = named_event(name, {"sequence_number": MARKER, **payload, "delta": MARKER,
+                                 **({"logprobs": []} if name == _TEXT_DELTA else {})})
+    head, middle, tail = around_markers(data, 2)
+    return head, middle, tail
 
 
 def _usage(plan: SimPlan) -> dict[str, Any]:
@@ -90,6 +113,19 @@ async def responses_stream(
     item = _item(plan, response_id, done=False)
     item_id = item["id"]
     at = {"item_id": item_id, "output_index": 0}
+    if call is None:
+        name, fields = _TEXT_DELTA, {**at, "content_index": 0}
+    else:
+        name, fields = _ARGUMENTS_DELTA, at
+    head, middle, tail = delta_template(name, fields)
+    encoded = name.encode()
+
+    def token(piece: str) -> Event:
+        """`ev(name, **fields, delta=piece[, logprobs=[]])`, spliced."""
+        nonlocal seq
+        seq += 1
+        return encoded, head + str(seq).encode() + middle + json_string(piece) + tail
+
     yield whole("response.created", done=False)
     yield whole("response.in_progress", done=False)
     if call is None:
@@ -106,13 +142,9 @@ async def responses_stream(
         if i == plan.midstream_error_after:
             yield ev("error", code="server_error", message="simulated failure", param=None)
             return
-        if call is None:
-            yield ev("response.output_text.delta", **at, content_index=0, delta=piece,
-                     logprobs=[])
-        else:
-            if i == 0:
-                yield ev("response.output_item.added", output_index=0, item=item)
-            yield ev("response.function_call_arguments.delta", **at, delta=piece)
+        if i == 0 and call is not None:
+            yield ev("response.output_item.added", output_index=0, item=item)
+        yield token(piece)
         delay = plan.inter_token
     if plan.midstream_error_after is not None or not plan.tokens:
         await sleep(delay)

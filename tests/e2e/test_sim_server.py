@@ -8,10 +8,12 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anthropic
 import httpx
 import openai
 import pytest
 import uvicorn
+from starlette.types import Receive, Scope, Send
 
 from gateway.settings import SimProfile
 from gateway.wire.base import Kind
@@ -19,6 +21,7 @@ from gateway.wire.chat import classify
 from gateway.wire.sse import SSEDecoder, SSEEvent
 from providers.sim.embeddings import embedding_vector
 from providers.sim.server import create_sim_app
+from tests.harness import AsgiServerFactory
 from tests.harness.asgi import wait_for_sim_stats as wait_for_stats
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "stream": True}
@@ -199,3 +202,36 @@ async def test_real_server_breaks_mid_stream_by_header(path: str, body: dict[str
                 assert b"error" in raw.rsplit(b"tok9", 1)[1]
             else:
                 await wait_for_stats(base, "streams_broken", n)
+
+
+def test_every_streaming_route_skips_starlettes_routing(
+        asgi_server: AsgiServerFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chat, Messages and the Responses API streams are answered by their handler directly,
+    so each event is one send through the same layers whichever API a bench reads (Starlette's
+    routing and middleware wrap every send); other routes still go through Starlette."""
+    app = create_sim_app(SimProfile(ttft_median=0.0, ttft_sigma=0.0,
+                                    straggler_probability=0.0, tokens=5), seed=1)
+    routed: list[str] = []
+    starlette = app._routes
+
+    async def counting(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            routed.append(scope["path"])
+        await starlette(scope, receive, send)
+
+    monkeypatch.setattr(app, "_routes", counting)
+    sim = asgi_server(app)
+    with anthropic.Anthropic(base_url=sim.base_url, api_key="x", max_retries=0) as claude, \
+            claude.messages.stream(model="m", max_tokens=50,
+                                   messages=[{"role": "user", "content": "hi"}]) as stream:
+        assert stream.get_final_text() == "tok0 tok1 tok2 tok3 tok4 "
+    with openai.OpenAI(base_url=sim.v1, api_key="x", max_retries=0) as gpt:
+        text = "".join(e.delta for e in gpt.responses.create(model="m", input="hi", stream=True)
+                       if e.type == "response.output_text.delta")
+        assert text == "tok0 tok1 tok2 tok3 tok4 "
+        chunks = gpt.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert routed == []
+    assert httpx.get(sim.url("/v1/models")).status_code == 200
+    assert routed == ["/v1/models"]  # the counter sees what Starlette routes

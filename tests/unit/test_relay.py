@@ -6,6 +6,7 @@ a fixed clock: no deadline can pass)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Mapping
 
 from gateway.hedge.prefix import Prefix
@@ -13,6 +14,8 @@ from gateway.hedge.relay import _Deadlines, relay
 from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.chat import CHAT, DONE
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent
+from gateway.wire.translate.chat_messages_stream import MessagesToChat
+from gateway.wire.translate.routes import TRANSLATIONS
 
 ROLE = b'{"choices":[{"delta":{"role":"assistant"}}]}'
 TOKEN = b'{"choices":[{"delta":{"content":"x"}}]}'
@@ -140,3 +143,47 @@ async def test_a_deadline_in_the_turn_of_an_interrupt_cancels_the_read_once() ->
     deadlines._fire()
     await task
     assert took == [True, True]  # ours alone (the relay goes on), and the winner's
+
+
+async def test_a_translated_messages_stream_is_counted_event_for_event() -> None:
+    """A Messages backend's reads translated for a Chat client, its later reads written from
+    their bytes: the client gets what feeding each event writes, and the relay counts every
+    event it relayed (what a stream without usage is charged), the undecoded reads'
+    included."""
+    def named(name: bytes, data: bytes) -> bytes:
+        return b"event: " + name + b"\ndata: " + data + b"\n\n"
+
+    def delta(text: bytes) -> bytes:
+        return (b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta",'
+                b'"text":"' + text + b'"}}')
+
+    head = [(b"message_start", b'{"type":"message_start","message":{"id":"m","model":"c"}}'),
+            (b"content_block_start", b'{"type":"content_block_start","index":0,'
+                                     b'"content_block":{"type":"text","text":""}}'),
+            (b"content_block_delta", delta(b"first"))]
+    run = [(b"content_block_delta", delta(b"tok%d " % i)) for i in range(20)]
+    end = [(b"content_block_stop", b'{"type":"content_block_stop","index":0}'),
+           (b"message_stop", b'{"type":"message_stop"}')]
+    reads = [b"".join(named(*e) for e in run), b"".join(named(*e) for e in run[:3] + end)]
+    translation = TRANSLATIONS[("chat/completions", "messages")]
+    slow = MessagesToChat(1, include_usage=False)
+    expected = b"".join(slow.feed(SSEEvent(data, name))
+                        for name, data in [*head, *run, *run[:3], *end])
+
+    async def batches() -> AsyncIterator[SSEBatch]:
+        decoder = SSEDecoder()
+        decoder.feed(b"".join(named(*e) for e in head))  # the race read the first read
+        for chunk in reads:
+            batch = decoder.feed_batch(chunk)
+            assert batch is not None and batch.named == chunk
+            yield batch
+
+    protocol = dataclasses.replace(CHAT, encoder=lambda _protocol, _rewrite: translation.encoder(
+        1, False, CHAT.error_event))
+    outcome = RelayOutcome()
+    prefix = Prefix(Upstream(), batches(), [SSEEvent(data, name) for name, data in head])
+    out = [part async for part in relay(prefix, request_id="r", idle=60.0,
+                                        max_stream_deadline=1e9, clock=lambda: 0.0,
+                                        outcome=outcome, protocol=protocol)]
+    assert b"".join(out) == expected and outcome.end is StreamEnd.DONE
+    assert outcome.events == len(head) + len(run) + 3 + len(end)

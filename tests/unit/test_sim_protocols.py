@@ -5,6 +5,10 @@ in-process provider playing them. Pure: a fake sleep records the delays."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
 
 from gateway.settings import BackendSettings, SimProfile
 from gateway.wire.base import Kind, WireProtocol
@@ -13,8 +17,11 @@ from gateway.wire.responses import RESPONSES
 from gateway.wire.sse import SSEEvent
 from providers.base import UpstreamCall
 from providers.sim import SimProvider
+from providers.sim import messages as messages_module
+from providers.sim import responses as responses_module
 from providers.sim.protocols import protocol_body, protocol_stream
-from providers.sim.wire import SimPlan
+from providers.sim.tools import ToolCall
+from providers.sim.wire import SimPlan, named_event
 
 PLAN = SimPlan(ttft=0.2, inter_token=0.01, tokens=("a ", "b "), prompt_tokens=2)
 HI = [{"role": "user", "content": "hi"}]
@@ -100,3 +107,69 @@ async def test_in_process_provider_names_its_events() -> None:
     names = [e.event async for batch in stream.batches() for e in batch.events]
     await stream.aclose()
     assert names[0] == b"message_start" and names[-1] == b"message_stop"
+
+
+#: pieces that tell a splice from a dump: quotes, backslashes, control and non-ASCII
+#: characters, the splice's own marker, an empty piece
+AWKWARD = ("tok0 ", 'a "quoted" \\ back', "caf\u00e9 \u2028 \U0001f600", "\x00", "", "\n\t")
+CALL = ToolCall(name="get_weather", arguments='{"city":"Z\\u00fcrich \\"old\\""}', key="k1")
+
+
+@pytest.mark.parametrize("call", [None, CALL], ids=["text", "tool"])
+async def test_messages_token_events_are_the_dicts_json_byte_for_byte(
+        call: ToolCall | None) -> None:
+    """A token's `content_block_delta` is spliced into bytes encoded once: exactly what
+    `named_event` makes of the delta's dict, whatever the piece holds."""
+    plan = SimPlan(tokens=AWKWARD, tool_call=call)
+    events = [e for _, e in await play(plan, "messages") if e.event == b"content_block_delta"]
+    kind, field = ("text_delta", "text") if call is None else ("input_json_delta",
+                                                               "partial_json")
+    pieces = AWKWARD if call is None else ("", *AWKWARD)  # a call opens with an empty delta
+    assert [e.data for e in events] == [
+        named_event("content_block_delta", {"index": 0, "delta": {"type": kind, field: p}})[1]
+        for p in pieces]
+
+
+@pytest.mark.parametrize("call", [None, CALL], ids=["text", "tool"])
+async def test_responses_token_events_are_the_dicts_json_byte_for_byte(
+        call: ToolCall | None) -> None:
+    """The Responses deltas likewise, each with its own sequence number."""
+    plan = SimPlan(tokens=AWKWARD, tool_call=call)
+    events = [e for _, e in await play(plan, "responses")]
+    name = "response.output_text.delta" if call is None \
+        else "response.function_call_arguments.delta"
+    at: dict[str, Any] = {"item_id": "msg_resp_sim_r" if call is None else "fc_k1",
+                          "output_index": 0}
+    if call is None:
+        at["content_index"] = 0
+    got = [(seq, e.data) for seq, e in enumerate(events) if e.event == name.encode()]
+    assert len(got) == len(AWKWARD)
+    for (seq, data), piece in zip(got, AWKWARD, strict=True):
+        extra: dict[str, Any] = {"logprobs": []} if call is None else {}
+        assert data == named_event(name, {"sequence_number": seq, **at, "delta": piece,
+                                          **extra})[1]
+
+
+@pytest.mark.parametrize("endpoint", ["messages", "responses"])
+@pytest.mark.parametrize("call", [None, CALL], ids=["text", "tool"])
+async def test_a_longer_answer_dumps_no_more_events(
+        endpoint: str, call: ToolCall | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-token cost is the splice's: a stream of 40 tokens builds and dumps as many
+    event dicts as one of 2 (its scaffolding), as the chat stream does. A bench that compares
+    a translated request with an untranslated one to this simulator otherwise measures the
+    slower writer: a writer that spaces its events out makes the gateway read each alone."""
+    module = messages_module if endpoint == "messages" else responses_module
+    dumped: list[bytes] = []
+
+    def counting(name: str, payload: Mapping[str, Any]) -> tuple[bytes, bytes]:
+        dumped.append(name.encode())
+        return named_event(name, payload)
+
+    monkeypatch.setattr(module, "named_event", counting)
+    counts = []
+    for n in (2, 40):
+        dumped.clear()
+        await play(SimPlan(tokens=tuple(f"tok{i} " for i in range(n)), tool_call=call),
+                   endpoint)
+        counts.append(len(dumped))
+    assert counts[0] == counts[1]

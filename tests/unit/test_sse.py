@@ -411,3 +411,25 @@ def test_a_first_read_of_named_events_is_cut_without_the_line_loop() -> None:
                    chunk.replace(b"data: ", b"data:", 1), b"event: \ndata: x\n\n",
                    chunk.replace(b"\n", b"\r\n")):
         assert named_events(broken) is None, broken
+
+
+def test_a_named_read_is_decoded_only_when_asked() -> None:
+    """A read of whole named events stays its bytes (`named`) until someone asks for its
+    events, and is counted by its blank lines meanwhile; one the named cut cannot take (an
+    event of two `data:` lines beside one of none) decodes as the line loop reads it."""
+    chunk = _named(b"content_block_delta", b'{"t":"a"}') + _named(b"ping", b"{}")
+    decoder = SSEDecoder()
+    batch = decoder.feed_batch(chunk)
+    assert batch is not None and batch.named == chunk and batch.raw is None
+    assert batch.count() == 2 and repr(batch).startswith("SSEBatch(events=None,")
+    assert batch.events == named_events(chunk) and batch.count() == 2
+    assert batch.named is None  # decoded, the read is its events alone
+    assert decoder.at_boundary()
+    odd = b"event: a\ndata: x\ndata: y\n\nevent: b\n\n"
+    batch = decoder.feed_batch(odd)
+    assert batch is not None and batch.named == odd and named_events(odd) is None
+    assert batch.count() == 2  # (undecoded, one a blank line: see `SSEBatch.count`)
+    assert batch.events == [E(b"x\ny", b"a")] == SSEDecoder().feed(odd)
+    assert batch.count() == 1 and decoder.at_boundary()
+    follow = decoder.feed_batch(b"data: next\n\n")
+    assert follow is not None and follow.events == [E(b"next")]

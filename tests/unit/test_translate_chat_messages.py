@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from gateway.errors import Unreadable, Untranslatable
+from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.messages import classify_messages
-from gateway.wire.sse import SSEDecoder, SSEEvent
+from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent, named_events
 from gateway.wire.translate import chat_messages_stream as stream
 from gateway.wire.translate.chat_messages import (
     DEFAULT_MAX_TOKENS,
@@ -36,7 +37,7 @@ from gateway.wire.translate.responses_chat import (
     chat_answer_to_responses,
     responses_to_chat,
 )
-from gateway.wire.translate.routes import ThroughChat
+from gateway.wire.translate.routes import TRANSLATIONS, ThroughChat
 
 RECORDED = Path(__file__).parent.parent / "e2e" / "recorded"
 
@@ -849,3 +850,195 @@ def test_the_stream_translations_byte_checks_read_only_json_block_indexes() -> N
     chunk = (b'{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":3,'
              b'"function":{"arguments":"{}"}}]},"finish_reason":null}]}')
     assert stream._chat_delta(chunk, chunk.find(b'"choices"'))
+
+
+_OPEN = b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+
+
+def _delta(text: bytes, opening: bytes = _OPEN) -> SSEEvent:
+    return SSEEvent(opening + text + b"}}", b"content_block_delta")
+
+
+#: runs of deltas `splice_run` must leave to `feed` one by one (None), each beside usual
+#: deltas: an escape, a quote inside a text, a text of one quote (`"}}`) with a stray quote
+#: elsewhere to keep the count, first and last, an extra field, another block's delta, a
+#: line feed in the data (a multi-line `data:`), a number for a text
+_UNUSUAL_RUNS: list[list[bytes]] = [
+    [b'"a"', b'"b\\"c"', b'"d"'],
+    [b'"a"', b'"b"c"', b'"d"'],
+    [b'"', b'"x"y"', b'"z"'],
+    [b'"x"y"', b'"z"', b'"'],
+    [b'"a"', b'"b","x":"y"', b'"c"'],
+    [b'"a"', b'"b\nc"', b'"d"'],
+    [b'"a"', b"7", b'"b""c"'],
+]
+
+
+@pytest.mark.parametrize("texts", [
+    [b'"tok0 "', b'"tok1 "', b'"tok2 "'], [b'""', b'" "', b'"x"'], [b'"a"', b'"b"'],
+    *_UNUSUAL_RUNS])
+def test_a_run_of_deltas_fed_by_read_is_each_fed_byte_for_byte(texts: list[bytes]) -> None:
+    """A read that opens with a run of the current block's deltas (`splice_run`, then the
+    rest `_each`) writes exactly what feeding each event writes: usual runs, and runs with
+    one delta of an unusual or broken shape among them, before the stream's last events."""
+    start = SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c",'
+                     b'"usage":{"input_tokens":3,"output_tokens":1}}}', b"message_start")
+    block = SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
+                     b'{"type":"text","text":""}}', b"content_block_start")
+    other = _delta(b'"o"', _OPEN.replace(b'"index":0', b'"index":1'))
+    end = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
+           SSEEvent(b'{"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+                    b'"usage":{"output_tokens":5}}', b"message_delta"),
+           SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+    run = [_delta(text) for text in texts]
+    for read in (run, [*run, *end], [*run, other, *run], [*run, _delta(b'"z"'), *end]):
+        fast, slow = MessagesToChat(1, True), MessagesToChat(1, True)
+        opened = fast.feed_all([start, block, _delta(b'"first"')])
+        assert opened == b"".join(slow.feed(e) for e in [start, block, _delta(b'"first"')])
+        assert fast.feed_all(read) == b"".join(slow.feed(e) for e in read)
+        assert fast.ended == slow.ended and fast.usage == slow.usage
+
+
+@pytest.mark.parametrize("texts", _UNUSUAL_RUNS)
+def test_a_run_with_an_unusual_delta_is_not_spliced(texts: list[bytes]) -> None:
+    """`splice_run` splices only runs whose every event the per-event path would cut."""
+    before, after = b"<", b">"
+    assert stream.splice_run([_OPEN + t + b"}}" for t in texts], _OPEN, before, after) is None
+    usual = [b'"a"', b'""', b'"caf\xc3\xa9 "', b"\"'\""]
+    assert stream.splice_run([_OPEN + t + b"}}" for t in usual], _OPEN, before, after) == (
+        b'<"a"><""><"caf\xc3\xa9 "><"\'">')
+
+
+def _framed(events: list[SSEEvent]) -> bytes:
+    """`events` as a Messages server writes them: each its name and its one data line."""
+    return b"".join(b"event: " + (e.event or b"x") + b"\ndata: " + e.data + b"\n\n"
+                    for e in events)
+
+
+def _relayed(reads: list[bytes]) -> bytes:
+    """What the relay writes for a Messages stream read as `reads`, translated to Chat: the
+    first read decoded (the race classifies it), each later one through the encoder's batch
+    path (`SSEBatch.named`, `feed_named`) as the decoder hands it on."""
+    encoder = TRANSLATIONS[("chat/completions", "messages")].encoder(
+        1, True, lambda message, code, request_id: b"error\n\n")
+    outcome, decoder, out = RelayOutcome(), SSEDecoder(), []
+    for i, read in enumerate(reads):
+        batch = decoder.feed_batch(read)
+        assert batch is not None
+        if i == 0:
+            out.append(encoder.events(batch.events, "r", outcome))
+        else:
+            assert encoder.batch is not None
+            out.append(encoder.batch(batch, "r", outcome))
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_messages_stream_read_by_its_bytes_is_the_parsed_one_byte_for_byte(
+        seed: int) -> None:
+    """Reads in the named framing written by `feed_named` (a run of deltas spliced from the
+    read's bytes, the rest decoded) give exactly what parsing every event gives, for
+    streams of text, reasoning, parallel calls and the forced JSON tool cut into random
+    reads."""
+    rng = random.Random(seed)
+    events = events_of(_translate(ChatToMessages(), chat_answer_to_stream(
+        random_chat_answer(rng), rng)))
+    events.insert(1, SSEEvent(b'{"type":"ping"}', b"ping"))
+    if rng.random() < 0.3:
+        events = [SSEEvent(e.data.replace(b'"name":"get_weather"',
+                                          b'"name":"' + JSON_TOOL.encode() + b'"'), e.event)
+                  for e in events]
+    reads, at = [], 0
+    while at < len(events):
+        size = rng.randint(1, 40)
+        reads.append(_framed(events[at:at + size]))
+        at += size
+    slow = MessagesToChat(1, include_usage=True)
+    assert _relayed(reads) == b"".join(slow.feed(_spaced(e)) for e in events)
+
+
+@pytest.mark.parametrize("texts", [
+    [b'"tok0 "', b'"tok1 "', b'"tok2 "'], [b'""', b'" "'], [b'""'], [b'"a"'], *_UNUSUAL_RUNS])
+def test_a_read_of_deltas_by_its_bytes_is_each_fed_byte_for_byte(texts: list[bytes]) -> None:
+    """`feed_named` over reads that open with a run of the current block's deltas, usual or
+    with one of an unusual or broken shape among them, before the stream's last events,
+    another block's delta or more of the run: what feeding each decoded event writes."""
+    start = [SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c",'
+                      b'"usage":{"input_tokens":3,"output_tokens":1}}}', b"message_start"),
+             SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
+                      b'{"type":"text","text":""}}', b"content_block_start"), _delta(b'"f"')]
+    other = _delta(b'"o"', _OPEN.replace(b'"index":0', b'"index":1'))
+    end = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
+           SSEEvent(b'{"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+                    b'"usage":{"output_tokens":5}}', b"message_delta"),
+           SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+    run = [_delta(text) for text in texts]
+    for read in (run, [*run, *end], [*run, other, *run], [*run, _delta(b'"z"'), *end]):
+        slow = MessagesToChat(1, True)  # (a text's LF breaks its line: the decoder's reading)
+        expected = b"".join(slow.feed(e) for e in events_of(_framed([*start, *read])))
+        assert _relayed([_framed(start), _framed(read)]) == expected
+
+
+def test_a_usual_read_of_deltas_is_never_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first read, a run of deltas and the stream's end are written from the
+    read's bytes: no later read is decoded, and of the last only the end's events are
+    built."""
+    start = [SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c"}}',
+                      b"message_start"),
+             SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
+                      b'{"type":"text","text":""}}', b"content_block_start"), _delta(b'"f"')]
+    run = [_delta(b'"tok%d "' % i) for i in range(30)]
+    end = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
+           SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+    slow = MessagesToChat(1, True)
+    expected = b"".join(slow.feed(e) for e in [*start, *run, *run[:5], *end])
+    encoder = TRANSLATIONS[("chat/completions", "messages")].encoder(
+        1, True, lambda message, code, request_id: b"error\n\n")
+    outcome, decoder = RelayOutcome(), SSEDecoder()
+    first = decoder.feed_batch(_framed(start))
+    assert first is not None and encoder.batch is not None
+    out = [encoder.events(first.events, "r", outcome)]
+    built: list[bytes] = []
+    real = named_events
+
+    def counting(chunk: bytes) -> list[SSEEvent] | None:
+        found = real(chunk)
+        built.extend(e.data for e in found or ())
+        return found
+
+    monkeypatch.setattr(stream, "named_events", counting)
+    monkeypatch.setattr(SSEBatch, "decoded", None)  # a later read decoded: TypeError
+    for read in (_framed(run), _framed(run[:5] + end)):
+        batch = decoder.feed_batch(read)
+        assert batch is not None
+        out.append(encoder.batch(batch, "r", outcome))
+        assert batch.count() == read.count(b"\n\n")
+    assert b"".join(out) == expected and outcome.end is StreamEnd.DONE
+    assert built == [e.data for e in end]
+
+
+def test_the_first_read_s_deltas_after_the_first_are_spliced_as_a_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At zero delay the first read (the one the race decodes) often holds the whole answer:
+    once its first delta has named the block, the deltas after it are spliced as a run, the
+    stream's end fed, and the bytes are what feeding each event writes."""
+    start = [SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c"}}',
+                      b"message_start"),
+             SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
+                      b'{"type":"text","text":""}}', b"content_block_start"),
+             SSEEvent(b'{"type":"ping"}', b"ping")]
+    deltas = [_delta(b'"tok%d "' % i) for i in range(5)]
+    end = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
+           SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+    runs: list[int] = []
+    real = stream.splice_run
+
+    def spy(datas: list[bytes], opening: bytes, before: bytes, after: bytes) -> bytes | None:
+        runs.append(len(datas))
+        return real(datas, opening, before, after)
+
+    monkeypatch.setattr(stream, "splice_run", spy)
+    slow = MessagesToChat(1, True)
+    read = [*start, *deltas, *end]
+    assert MessagesToChat(1, True).feed_all(read) == b"".join(slow.feed(e) for e in read)
+    assert runs == [4]

@@ -360,6 +360,10 @@ class ChatToResponses:
         """The Responses bytes for a read's chunks, `feed` for each."""
         return b"".join([self.feed(event) for event in events])
 
+    def feed_named(self, chunk: bytes) -> bytes | None:
+        """None: a Chat backend's reads are not in the named framing."""
+        return None
+
     def feed(self, event: SSEEvent) -> bytes:
         """The Responses bytes for one Chat chunk."""
         if self.ended:

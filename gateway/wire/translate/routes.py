@@ -62,6 +62,10 @@ class ThroughChat:
     def feed_all(self, events: list[SSEEvent]) -> bytes:
         return b"".join([self.feed(event) for event in events])
 
+    def feed_named(self, chunk: bytes) -> bytes | None:
+        """None: each event is fed through both machines."""
+        return None
+
     def feed(self, event: SSEEvent) -> bytes:
         chunks = self.first.feed(event)
         if not chunks:
