@@ -416,12 +416,7 @@ class Proxy:
 
         raw_headers = [*SSE_HEAD, *[(k.lower().encode("latin-1"), v.encode("latin-1"))
                                     for k, v in headers.items()]]
-        # the stream owns these from here and calls each once, whatever ends it: callables
-        # of the balancer and of the delay reader, made by the race at its commit (taken
-        # last, once nothing here can raise: until then the end gives them back)
-        release, leftovers.release = leftovers.release, None
-        learn, leftovers.unlearned = leftovers.unlearned, None
-        return SSEResponse(
+        stream = SSEResponse(
             body,
             raw_headers=raw_headers,
             keepalive=self.server.keepalive,
@@ -432,15 +427,20 @@ class Proxy:
             on_close=functools.partial(end.after_stream, outcome),
             # the winner's slot goes back as the last byte goes out, and its TTFT is learnt
             # after the first: the race's leftovers, handed out as data (the race is done)
-            on_exhausted=release,
+            on_exhausted=leftovers.release,
             clock=self.clock,
             client_gone=end.watcher,
             internal_event=internal_event,
             # the relay's first piece is the committed first token, in hand: it leaves first,
             # with the head; the race learns its winner's TTFT after it
             first_ready=True,
-            on_first_sent=learn,
+            on_first_sent=leftovers.unlearned,
         )
+        # the stream owns these from here and calls each once, whatever ends it: callables
+        # of the balancer and of the delay reader, made by the race at its commit (taken out
+        # of the leftovers only once the stream is built: until then the end gives them back)
+        leftovers.release = leftovers.unlearned = None
+        return stream
 
 
 def _upstream_request(req: LogicalRequest, body: Mapping[str, Any],

@@ -376,3 +376,40 @@ def test_a_streamed_answer_builds_no_final_error_event_it_does_not_send() -> Non
         assert summary.status == 200
 
     run_virtual(main)
+
+
+def test_a_stream_that_fails_to_build_still_gives_the_winners_slot_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The winner's slot and its TTFT's learning pass from the race's leftovers to the stream
+    only once the stream is built: a fault of ours while building it (here forced) leaves
+    them with the end, which gives the slot back and learns the TTFT once."""
+    import gateway.api.proxy as proxy_module
+    from gateway.hedge.delay import HedgeDelay
+
+    learnt: list[float] = []
+    real_observe = HedgeDelay.observe
+
+    def observe(self: HedgeDelay, ttft: float, *args: Any, **kwargs: Any) -> Any:
+        learnt.append(ttft)
+        return real_observe(self, ttft, *args, **kwargs)
+
+    def broken(*args: Any, **kwargs: Any) -> SSEResponse:
+        raise TypeError("a fault of ours while building the stream")
+
+    monkeypatch.setattr(HedgeDelay, "observe", observe)
+    monkeypatch.setattr(proxy_module, "SSEResponse", broken)
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([Step("token", 0.125)]), loop, world)
+        answer = await proxy.handle(http_request(), pool, logical_request(stream=True))
+        assert answer.status_code == InternalError.status
+        learnt.clear()
+        await _send(answer, loop, proxy)
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
+        assert set(world.closed) == set(world.opened)
+        assert all(pool.balancer.inflight(b.name) == 0 for b in pool.settings.backends)
+        assert len(learnt) == 1  # the winner's TTFT, learnt by the end
+
+    run_virtual(main)
