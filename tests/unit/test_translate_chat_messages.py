@@ -1042,3 +1042,26 @@ def test_the_first_read_s_deltas_after_the_first_are_spliced_as_a_run(
     read = [*start, *deltas, *end]
     assert MessagesToChat(1, True).feed_all(read) == b"".join(slow.feed(e) for e in read)
     assert runs == [4]
+
+
+@pytest.mark.parametrize("delta", [
+    # a text delta that names the other kind's field: the parse reads no text in it
+    b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta",'
+    b'"partial_json":"x"}}',
+    # a raw line feed inside the string (no JSON has one; a multi-line `data:` makes it):
+    # written raw, it would cut the client's event and could add a `data: [DONE]` line
+    b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta",'
+    b'"text":"a\ndata: [DONE]"}}',
+])
+def test_a_delta_of_an_unusual_shape_is_not_spliced(delta: bytes) -> None:
+    """Only the usual delta is spliced from its bytes; one whose kind and field disagree, or
+    whose text holds a raw line feed, is left to the parse, whatever that makes of
+    it, so the fast path never writes what the parse would not."""
+    start = (b'{"type":"message_start","message":{"id":"m","model":"c"}}',
+             b'{"type":"content_block_start","index":0,"content_block":{"type":"text",'
+             b'"text":""}}')
+    machine = MessagesToChat(3, True)
+    for data in start:
+        machine.feed(SSEEvent(data))
+    out = machine.feed(SSEEvent(delta))
+    assert b"[DONE]" not in out and b'"x"' not in out

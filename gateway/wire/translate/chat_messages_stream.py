@@ -31,11 +31,14 @@ from gateway.wire.translate.chat_messages_answer import (
 from gateway.wire.usage import Usage, usage_of
 
 #: one JSON string literal (possessive: never backtracks), as the APIs write a delta's text
-_STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+#: (no raw line feed or carriage return: JSON has none in a string, and one written raw
+#: into the client's event would end its line there, and could start a line of its own)
+_STRING = rb'"[^"\\\n\r]*+(?:\\[^\n\r][^"\\\n\r]*+)*+"'
 #: the common Messages delta, whole: its block index, its kind, its text as a JSON string
 _MESSAGES_DELTA = re.compile(
     rb'\{"type":"content_block_delta","index":(' + INDEX + rb'),"delta":\{"type":'
-    rb'"(text_delta|input_json_delta)","(?:text|partial_json)":(' + _STRING + rb')\}\}')
+    rb'"(text_delta(?=","text")|input_json_delta(?=","partial_json"))","(?:text|partial_json)":('
+    + _STRING + rb')\}\}')
 _messages_delta = _MESSAGES_DELTA.fullmatch
 #: the common Chat chunk's choice: text or one tool call's arguments, no finish reason
 _CHAT_DELTA = re.compile(
@@ -276,10 +279,11 @@ class MessagesToChat:
             data = event.data
             if current is not None and data.startswith(opening) and data.endswith(b"}}"):
                 text = data[len(opening):-2]
-                # exactly one JSON string: quoted at both ends, no quote between and no
-                # escape (an escaped text takes the regex's way: `feed`)
+                # exactly one JSON string: quoted at both ends, no quote between, no
+                # escape (an escaped text takes the regex's way: `feed`) and no line feed
+                # (a multi-line `data:`: the regex refuses it too)
                 if text.count(34) == 2 and text[0] == 34 and text[-1] == 34 \
-                        and text.find(92) < 0:
+                        and text.find(92) < 0 and text.find(10) < 0:
                     parts.append(before + text + after)
                     continue
             parts.append(self.feed(event))
