@@ -552,11 +552,11 @@ def rounds(count: int, concurrency: int | None) -> list[range]:
 async def _run_interleaved(plan: ConversationPlan, children: Children) -> list[ModeResult]:
     """Every mode against the user's own servers, interleaved: each mode's gateway starts and
     warms up, then the measured conversations are played in rounds of `concurrency`, each
-    round in every mode in turn. Why: the servers are shared by every mode and run on the
-    same cores, so a mode played after another (minutes later) met another machine, and a
-    difference of a few per cent between whole modes was mostly that drift; a round takes
-    seconds, and each mode meets the same servers within it, with the same conversations in
-    flight at once."""
+    round in every mode in turn, each round opening with the next mode. Why: the servers are
+    shared by every mode and run on the same cores, so a mode played after another (minutes
+    later) met another machine, and a difference of a few per cent between whole modes was
+    mostly that drift; a round takes seconds, and each mode meets the same servers within it,
+    with the same conversations in flight at once."""
     async with _client() as client:
         bases = [base_url(u) for u in plan.upstreams]
         await settle(client, bases)
@@ -564,8 +564,12 @@ async def _run_interleaved(plan: ConversationPlan, children: Children) -> list[M
         runs = [await _prepare_mode(plan, mode, children, client, bases, models)
                 for mode in plan.modes]
         await asyncio.sleep(WARMUP_SETTLE)  # the last warm-up's delays in force (as above)
-        for indices in rounds(len(runs[0].measured) if runs else 0, plan.concurrency):
-            for run in runs:
+        for number, indices in enumerate(rounds(len(runs[0].measured) if runs else 0,
+                                                plan.concurrency)):
+            # each round opens with the next mode: no mode always plays first (after another
+            # mode's conversations) or last
+            start = number % len(runs)
+            for run in runs[start:] + runs[:start]:
                 await _measure(plan, run, client, [run.measured[i] for i in indices],
                                bases, models)
         return [await _finish_mode(run, client) for run in runs]
@@ -651,6 +655,7 @@ def paired(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "p50_ratio": round(p50 / s50, 3) if p50 is not None and s50 else None,
             "p90_ratio": round(p90 / s90, 3) if p90 is not None and s90 else None,
             "median_added_ms": _quantile([own[k] - sticky[k] for k in keys], 0.5),
+            "slower_turns": sum(1 for k in keys if own[k] > sticky[k]),
         }
     return rows
 
@@ -693,7 +698,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
              if row.get("later_vs_sticky")]
     if pairs:
         head3 = (f"{'later turns':<12} {'turns':>5} {'p50 ms':>8} {'sticky':>8} {'x':>6} "
-                 f"{'p90 ms':>8} {'sticky':>8} {'x':>6} {'added (median of turns)':>24}")
+                 f"{'p90 ms':>8} {'sticky':>8} {'x':>6} {'added (median of turns)':>24} "
+                 f"{'slower':>6}")
         lines += ["", head3, "-" * len(head3)]
         for mode, pair in pairs:
             added = pair["median_added_ms"]
@@ -701,7 +707,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                          f"{_ms(pair['sticky_p50_ms']):>8} {_ratio(pair['p50_ratio']):>6} "
                          f"{_ms(pair['p90_ms']):>8} {_ms(pair['sticky_p90_ms']):>8} "
                          f"{_ratio(pair['p90_ratio']):>6} "
-                         f"{'-' if added is None else f'{added:+.1f} ms':>24}")
+                         f"{'-' if added is None else f'{added:+.1f} ms':>24} "
+                         f"{pair['slower_turns']:>6}")
     return "\n".join(lines)
 
 

@@ -222,6 +222,7 @@ def test_paired_compares_each_later_turn_with_the_sticky_clients_same_turn() -> 
     assert (pair["p50_ms"], pair["sticky_p50_ms"]) == (110.0, 100.0)
     assert pair["p50_ratio"] == 1.1
     assert pair["median_added_ms"] in (10.0, -10.0)
+    assert pair["slower_turns"] == 1  # 110 against 100; 190 against 200 was faster
     assert "later turns" in format_table([{**r, "classes": {}, "turns": 0, "errors": 0,
                                            "ttft_p50_ms": None, "ttft_p99_ms": None,
                                            "cache_hit_rate": None, "affinity": None,
