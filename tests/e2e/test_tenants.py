@@ -130,9 +130,9 @@ def test_a_key_uses_only_its_pools_and_sees_only_them(
         assert [m.id for m in team_a.models.list()] == ["alpha"]
         assert [m.id for m in legacy.models.list()] == ["alpha", "beta"]
         assert legacy.chat.completions.create(model="beta", messages=MESSAGES).choices
-        with pytest.raises(openai.AuthenticationError):
-            openai_client(gateway.root, "not-a-key").chat.completions.create(
-                model="alpha", messages=MESSAGES)
+        with openai_client(gateway.root, "not-a-key") as stranger, \
+                pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model="alpha", messages=MESSAGES)
         with pytest.raises(openai.NotFoundError):  # the Responses route checks it too
             team_a.responses.create(model="beta", input="hi", store=False)
     with anthropic_client(gateway.root, TEAM_A) as claude:
