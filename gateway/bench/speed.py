@@ -149,14 +149,15 @@ def beside_target(mode: str) -> str:
 
 def over_hedging_on(costs: Mapping[str, Any]) -> dict[str, Any]:
     """Each variant mode's CPU per request (`OVER_HEDGING_ON`) as a multiple of
-    hedging-on's, when the run has both and hedging-on's is positive."""
+    hedging-on's, when the run has both and both are positive: a reading of zero is a pass
+    shorter than one tick of the process clock, not a free row."""
     base = costs.get(f"{BESIDE_BASE}_cpu_ms_per_request")
     if not isinstance(base, int | float) or base <= 0:
         return {}
     out: dict[str, Any] = {}
     for mode in OVER_HEDGING_ON:
         cpu = costs.get(f"{mode}_cpu_ms_per_request")
-        if isinstance(cpu, int | float):
+        if isinstance(cpu, int | float) and cpu > 0:
             out[beside_key(mode)] = round(cpu / base, 3)
     return out
 

@@ -18,8 +18,10 @@ def check_row_over_hedging_on(workload: Mapping[str, Any], printed: str, mode: s
     assert len(over) == 1, over
     comparison = workload["comparison"]
     ratio = comparison.get(f"{mode}_cpu_ms_per_request_over_hedging-on")
-    if comparison["hedging-on_cpu_ms_per_request"]:  # 12 requests may take it under a tick
+    if comparison["hedging-on_cpu_ms_per_request"] and comparison[f"{mode}_cpu_ms_per_request"]:
         assert ratio is not None and ratio > 0 and f"x{ratio:.3f}" in over[0]
+    else:  # 12 requests may take either under a tick of the process clock: no ratio then
+        assert ratio is None and over[0].endswith("xn/a")
     (target,) = [t for t in workload["targets"] if t["target"] == target_name]
     assert target["value"] == ratio
     assert target["met"] is None and "too short to resolve 10 %" in target["not_judged"]

@@ -215,6 +215,11 @@ def test_the_keys_row_is_divided_by_hedging_on_and_judged_against_ten_percent() 
     # a pass of under a second of gateway CPU is too few ticks of the clock to tell 10 %
     short = _keys_target(_keyed_rows(0.5, 0.5))
     assert short["met"] is None and "hedging-on 0.50" in short["not_judged"]
+    # a row whose gateway CPU read zero ticks was not measured: no ratio (not x0.000, which
+    # would claim the keys cost nothing), and its target reads "-", not judged
+    unread = _keyed_rows(0.5, 0.0)
+    assert "keys-1000_cpu_ms_per_request_over_hedging-on" not in speed.compare_costs(unread)
+    assert _keys_target(unread)["value"] is None and _keys_target(unread)["met"] is None
     # without the keys row: no ratio, no target
     del rows["keys-1000"]
     costs = speed.compare_costs(rows)
