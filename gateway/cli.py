@@ -276,12 +276,14 @@ def _bench(ns: argparse.Namespace) -> int:
     from gateway.bench.servers import nginx_binary
 
     # `--workload overhead` is the cost workload: each feature's row, the keys' and the
-    # translated rows and the floor beside the gateway unless switched off (`--no-features`,
-    # `--no-keys`, `--no-translated`, `--no-nginx`); nginx only if installed
+    # translated rows and the floors beside the gateway unless switched off (`--no-features`,
+    # `--no-keys`, `--no-translated`, `--no-nginx`, `--no-passthrough`); nginx only if
+    # installed
     overhead = ns.workload == "overhead"
     features = overhead if ns.features is None else ns.features
     keys = overhead if ns.keys is None else ns.keys
     translated = overhead if ns.translated is None else ns.translated
+    passthrough = overhead if ns.passthrough is None else ns.passthrough
     nginx = nginx_binary() if ns.nginx or (ns.nginx is None and overhead) else None
     if ns.nginx and nginx is None:
         print("hedge-gateway bench: --nginx: nginx is not installed (Debian: apt-get "
@@ -291,7 +293,7 @@ def _bench(ns: argparse.Namespace) -> int:
                      progress=None if ns.no_progress else sys.stderr, tables=sys.stdout,
                      baseline_src=ns.baseline_src,
                      workers=ns.workers, servers=ns.servers, repeat=ns.repeat,
-                     features=features, nginx=nginx, keys=keys,
+                     features=features, nginx=nginx, passthrough=passthrough, keys=keys,
                      translated=translated)
     return run_bench_command(plan, out=ns.out, requests=ns.requests,
                              concurrency=ns.concurrency, quick=ns.quick)
@@ -543,6 +545,11 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "the same simulators, the floor; the gateway's CPU per request "
                              "and added TTFT print as multiples of its (default: for "
                              "--workload overhead when nginx is installed; --nginx requires it)")
+    parser.add_argument("--passthrough", action=argparse.BooleanOptionalAction, default=None,
+                        help="a mode `passthrough` after direct (and nginx): uvicorn and "
+                             "aiohttp with nothing of the gateway between them, this stack's "
+                             "floor; the gateway's CPU per request and added TTFT print as "
+                             "multiples of its too (default: on for --workload overhead only)")
     parser.add_argument("--warmup", type=argtypes.count, metavar="N",
                         help="conversations: unmeasured warm-up conversations per mode, before "
                              "the measured ones, their homes spread evenly over the backends "

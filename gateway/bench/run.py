@@ -27,7 +27,11 @@ modes, one after the other:
   requests sent;
 - with `--nginx`, one more right after `direct`: Debian's nginx as a plain reverse proxy to
   the same simulators (`gateway.bench.servers.nginx_config`), the floor; each gateway mode's
-  CPU per request and added TTFT at c=1 are then printed as multiples of nginx's.
+  CPU per request and added TTFT at c=1 are then printed as multiples of nginx's;
+- with `--passthrough` (on by default for `--workload overhead`), one more after those:
+  uvicorn and aiohttp with nothing of the gateway between them
+  (`gateway.bench.passthrough`), the floor of this stack; each gateway mode's CPU and
+  added TTFT print over its too, and its own over nginx's.
 
 Seeding: the TTFT of request *i* on backend *b* is a pure function of (seed, b, i) (see
 `gateway.bench.upstream`), so every mode and every run with the same seed sees exactly the same
@@ -111,6 +115,9 @@ class BenchPlan:
     features: bool = False
     #: the nginx executable: a mode `nginx` after `direct` (None: none)
     nginx: str | None = None
+    #: a mode `passthrough` after `direct` (and `nginx`): this stack's floor
+    #: (`gateway.bench.passthrough`)
+    passthrough: bool = False
     #: a mode `keys-1000` right after `hedging-on` (`variants.KEYS_MODE`)
     keys: bool = False
     #: a mode `translated` right after `hedging-on` and `keys-1000`
@@ -127,7 +134,8 @@ class BenchPlan:
 def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list[str]:
     """The modes of `workload` in the order they run: the plan's that the workload has (with
     `quick`, its `quick_modes` when it names them; then its own continuation modes;
-    `nginx` right after `direct`, with `plan.nginx`; `keys-1000` then `translated` right
+    `nginx` right after `direct`, with `plan.nginx`, then `passthrough` with
+    `plan.passthrough`; `keys-1000` then `translated` right
     after `hedging-on`, or last without it, with `plan.keys` and `plan.translated`), then
     one per feature switched off (`features`),
     then `baseline` (with `baseline_src`), then one per other front server (`servers`)."""
@@ -138,9 +146,10 @@ def plan_modes(plan: BenchPlan, workload: Workload, quick: bool = False) -> list
     beside = plan.over_hedging_on()  # next to the mode they are divided by
     at = modes.index("hedging-on") + 1 if "hedging-on" in modes else len(modes)
     modes[at:at] = beside
-    if plan.nginx:  # the floor, next to the other mode without a gateway
-        at = modes.index("direct") + 1 if "direct" in modes else 0
-        modes.insert(at, servers.NGINX)
+    floors = [name for name, wanted in ((servers.NGINX, plan.nginx),
+                                        (servers.PASSTHROUGH, plan.passthrough)) if wanted]
+    at = modes.index("direct") + 1 if "direct" in modes else 0
+    modes[at:at] = floors  # next to the other mode without a gateway
     return [*modes, *(variants.feature_modes() if plan.features else ()),
             *(["baseline"] if plan.baseline_src else []),
             *servers.extra_modes(plan.servers)]
@@ -174,6 +183,11 @@ async def _start_gateway(ctx: _Context, mode: str, workload: Workload
         with open(conf, "w", encoding="utf-8") as file:
             file.write(servers.nginx_config(port, ctx.sim_ports[:workload.backends], prefix))
         proc = ctx.children.start("nginx", servers.nginx_command(ctx.plan.nginx, conf, prefix),
+                                  cpus=(*ctx.pinning.gateway, *ctx.pinning.others))
+        return f"http://127.0.0.1:{port}", proc
+    if mode == servers.PASSTHROUGH:
+        proc = ctx.children.start("passthrough", servers.passthrough_command(
+            port, ctx.sims[:workload.backends]),
                                   cpus=(*ctx.pinning.gateway, *ctx.pinning.others))
         return f"http://127.0.0.1:{port}", proc
     path = config_path(ctx, mode)
@@ -289,9 +303,9 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     elif mode == "oracle":
         urls = [f"{s}/v1/chat/completions" for s in sims]
         send = lambda c, i: best_of(c, urls, i, body=warm_or(direct_body, i))  # noqa: E731
-    elif mode == servers.NGINX and gateway is not None:  # a proxy: the body as sent direct
-        nginx_url = f"{gateway[0]}/v1/chat/completions"
-        send = lambda c, i: stream_one(c, nginx_url, i,  # noqa: E731
+    elif mode in servers.FLOORS and gateway is not None:  # a proxy: the body as sent direct
+        floor_url = f"{gateway[0]}/v1/chat/completions"
+        send = lambda c, i: stream_one(c, floor_url, i,  # noqa: E731
                                        body=warm_or(direct_body, i))
     elif gateway is not None:
         gw_url, gw_body = f"{gateway[0]}/v1/chat/completions", {**CHAT_BODY, "model": POOL}
@@ -317,8 +331,8 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     # request and its requests), then one warm-up request per worker of the main pass
     warmed = (1 + c1_requests if c1_requests else 0) + max(1, min(concurrency, requests))
 
-    # nginx has a process to meter but no /hedge/stats to read
-    stats_of = gateway[0] if gateway is not None and mode != servers.NGINX else None
+    # nginx and the pass-through have a process to meter but no /hedge/stats to read
+    stats_of = gateway[0] if gateway is not None and mode not in servers.FLOORS else None
 
     async def after_warmup() -> None:
         if stats_of is not None:  # the warm-up's last requests counted (workers: published)
@@ -390,7 +404,7 @@ async def _run_workload(ctx: _Context, workload: Workload, requests: int,
             if mode not in ("direct", "oracle"):
                 gateways[mode] = await _start_gateway(ctx, mode, workload)
         await asyncio.gather(*(wait_ready(
-            ctx.client, f"{url}/v1/models" if mode == servers.NGINX else f"{url}/healthz",
+            ctx.client, f"{url}/v1/models" if mode in servers.FLOORS else f"{url}/healthz",
             proc, ctx.children) for mode, (url, proc) in gateways.items()))
         if ctx.pinning.gateway:  # before anything is measured
             for _, proc in gateways.values():
@@ -511,5 +525,5 @@ def run_bench(plan: BenchPlan, *, requests: int | None = None, concurrency: int 
             "pinning": pinning.as_json(), "open_files": {"before": files[0], "after": files[1]},
             "seed": plan.seed, "quick": quick, "modes": list(plan.modes),
             "baseline_src": plan.baseline_src, "servers": list(plan.servers),
-            "features": plan.features, "nginx": plan.nginx,
+            "features": plan.features, "nginx": plan.nginx, "passthrough": plan.passthrough,
             "workloads": workloads}

@@ -85,6 +85,21 @@ def server_command(server: str, config: str, port: int, *, workers: int = 1
 NGINX = "nginx"
 
 
+#: the mode `bench --passthrough` adds: this stack with nothing of the gateway in it, uvicorn
+#: in front of an aiohttp client session (`gateway.bench.passthrough`), the floor of a proxy
+#: built on the gateway's own server and upstream client
+PASSTHROUGH = "passthrough"
+#: the modes that are proxies but not the gateway: the client sends them the body it sends
+#: direct, and they have no /hedge/stats
+FLOORS = (NGINX, PASSTHROUGH)
+
+
+def passthrough_command(port: int, upstreams: Sequence[str]) -> list[str]:
+    """The command line that serves the pass-through on 127.0.0.1:`port` to `upstreams`."""
+    return [sys.executable, "-m", "gateway.bench.passthrough", "--port", str(port),
+            *(arg for url in upstreams for arg in ("--upstream", url))]
+
+
 def nginx_binary(which: Callable[[str], str | None] | None = None) -> str | None:
     """The nginx executable (on PATH, or Debian's /usr/sbin/nginx), None when not installed
     (`which`: injected in tests)."""

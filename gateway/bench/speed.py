@@ -178,22 +178,28 @@ def beside_check(row: Mapping[str, Any]) -> str | None:
     return None
 
 
-#: the mode every other is divided by when the run has it (`bench --nginx`)
+#: the mode every other is divided by when the run has it (`bench --nginx`), and the one the
+#: targets are judged against
 FLOOR = "nginx"
+#: the floor of this stack (`bench --passthrough`): the gateway's modes are divided by it
+#: too, which splits their cost into the stack's own and the gateway's on top of it
+STACK_FLOOR = "passthrough"
 
 
 def over_floor(costs: Mapping[str, Any], rows: Mapping[str, Any]) -> dict[str, Any]:
-    """Each mode's CPU per request and added TTFT at c=1 as multiples of the floor's (nginx),
-    when the run has the floor and both figures are positive."""
+    """Each mode's CPU per request and added TTFT at c=1 as multiples of each floor's the run
+    has (nginx's: every other mode's; the pass-through's: each gateway mode's), when both
+    figures are positive (zero is a reading under the clock's tick, not a free mode)."""
     out: dict[str, Any] = {}
-    for figure in ("cpu_ms_per_request", "added_ttft_c1_p50_ms"):
-        floor = costs.get(f"{FLOOR}_{figure}")
-        if not isinstance(floor, int | float) or floor <= 0:
-            continue
-        for mode in rows:
-            value = costs.get(f"{mode}_{figure}")
-            if mode != FLOOR and isinstance(value, int | float):
-                out[f"{mode}_{figure}_over_{FLOOR}"] = round(value / floor, 2)
+    for floor_mode, others in ((FLOOR, {FLOOR}), (STACK_FLOOR, {FLOOR, STACK_FLOOR})):
+        for figure in ("cpu_ms_per_request", "added_ttft_c1_p50_ms"):
+            floor = costs.get(f"{floor_mode}_{figure}")
+            if not isinstance(floor, int | float) or floor <= 0:
+                continue
+            for mode in rows:
+                value = costs.get(f"{mode}_{figure}")
+                if mode not in others and isinstance(value, int | float) and value > 0:
+                    out[f"{mode}_{figure}_over_{floor_mode}"] = round(value / floor, 2)
     return out
 
 
@@ -277,13 +283,14 @@ def format_lines(result: Mapping[str, Any]) -> list[str]:
         if key.endswith("_added_ttft_c1_p50_ms"):
             mode = key.removesuffix("_added_ttft_c1_p50_ms")
             lines.append(f"   gateway ({mode}) vs direct at c=1: median TTFT {value:+.3f} ms")
-    for row in result["modes"]:
-        mode = row["mode"]
-        cpu = c.get(f"{mode}_cpu_ms_per_request_over_{FLOOR}")
-        ttft = c.get(f"{mode}_added_ttft_c1_p50_ms_over_{FLOOR}")
-        if cpu is not None or ttft is not None:
-            lines.append(f"   {mode} / {FLOOR}: CPU per request x{_times(cpu)}, added TTFT "
-                         f"at c=1 x{_times(ttft)}")
+    for floor in (FLOOR, STACK_FLOOR):
+        for row in result["modes"]:
+            mode = row["mode"]
+            cpu = c.get(f"{mode}_cpu_ms_per_request_over_{floor}")
+            ttft = c.get(f"{mode}_added_ttft_c1_p50_ms_over_{floor}")
+            if cpu is not None or ttft is not None:
+                lines.append(f"   {mode} / {floor}: CPU per request x{_times(cpu)}, added "
+                             f"TTFT at c=1 x{_times(ttft)}")
     for row in result["modes"]:
         if row["mode"] in OVER_HEDGING_ON:  # its ratio, then what says it ran its change
             ratio = c.get(beside_key(row["mode"]))

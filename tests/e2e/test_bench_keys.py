@@ -23,8 +23,10 @@ def test_overhead_has_a_keys_row_after_hedging_on_with_its_ratio_and_every_reque
 ) -> None:
     out = tmp_path / "r.json"
     code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
-                 "--quick", "--no-features", "--no-nginx", "--no-translated", "--out", str(out),
-                 "--no-progress"])  # the translated row: tests/e2e/test_bench_translated.py
+                 "--quick", "--no-features", "--no-nginx", "--no-passthrough", "--no-translated",
+                 "--out", str(out), "--no-progress"])
+    # the translated row: tests/e2e/test_bench_translated.py; the floors':
+    # tests/e2e/test_bench_floor.py
     assert code == 0
     printed = capsys.readouterr().out
     (workload,) = json.loads(out.read_text())["workloads"]

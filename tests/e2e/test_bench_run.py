@@ -68,8 +68,9 @@ def test_cli_writes_json_and_prints_the_table(
     out = tmp_path / "r.json"
     code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
                  "--quick", "--out", str(out), "--no-progress", "--no-features", "--no-nginx",
-                 "--no-keys", "--no-translated"])  # those rows: tests/e2e/test_bench_keys.py,
-    # tests/e2e/test_bench_translated.py
+                 "--no-passthrough", "--no-keys", "--no-translated"])
+    # those rows: tests/e2e/test_bench_keys.py, tests/e2e/test_bench_translated.py,
+    # tests/e2e/test_bench_floor.py
     assert code == 0
     printed = capsys.readouterr().out
     assert "== overhead" in printed and "hedging-on" in printed

@@ -24,7 +24,8 @@ def test_overhead_has_a_translated_row_after_keys_with_its_ratio_and_every_reque
 ) -> None:
     out = tmp_path / "r.json"
     code = main(["bench", "--workload", "overhead", "--requests", "12", "--concurrency", "3",
-                 "--quick", "--no-features", "--no-nginx", "--out", str(out), "--no-progress"])
+                 "--quick", "--no-features", "--no-nginx", "--no-passthrough", "--out", str(out),
+                 "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
     (workload,) = json.loads(out.read_text())["workloads"]

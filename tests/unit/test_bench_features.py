@@ -1,5 +1,6 @@
-"""`bench --features` and `bench --nginx`: the modes they add and where, the configuration each
-feature mode's gateway gets, nginx's configuration, and each mode over the floor; and the
+"""`bench --features`, `bench --nginx` and `bench --passthrough`: the modes they add and where,
+the configuration each feature mode's gateway gets, nginx's configuration, the
+pass-through's command, and each mode over the floors; and the
 instruction count's variants (`python -m gateway.bench.instructions --variant`), which switch
 the same features through the same public configuration."""
 
@@ -39,6 +40,14 @@ def test_nginx_comes_right_after_direct_and_before_every_gateway_mode() -> None:
     outage = next(w for w in WORKLOADS if w.name == "outage")
     assert plan_modes(BenchPlan(workloads=(outage,), nginx="nginx"), outage, quick=True) == [
         "nginx", "hedging-off", "hedging-on"]
+    # the pass-through, this stack's floor, right after nginx's (or direct, or first)
+    both = BenchPlan(workloads=(OVERHEAD,), nginx="nginx", passthrough=True)
+    assert plan_modes(both, OVERHEAD) == [
+        "direct", "nginx", "passthrough", "hedging-off", "hedging-on"]
+    assert plan_modes(BenchPlan(workloads=(OVERHEAD,), passthrough=True), OVERHEAD) == [
+        "direct", "passthrough", "hedging-off", "hedging-on"]
+    assert plan_modes(BenchPlan(workloads=(outage,), passthrough=True), outage, quick=True) == [
+        "passthrough", "hedging-off", "hedging-on"]
     # neither flag: the modes as before
     assert plan_modes(BenchPlan(workloads=(STRAGGLERS,)), STRAGGLERS) == [
         "direct", "hedging-off", "hedging-on", "oracle"]
@@ -136,6 +145,8 @@ def test_the_flags_parse_and_nginx_missing_is_refused_before_anything_starts(
     assert ns.features and ns.nginx
     assert build_parser().parse_args(["bench"]).features is None  # the workload decides
     assert build_parser().parse_args(["bench", "--no-features"]).features is False
+    assert build_parser().parse_args(["bench"]).passthrough is None  # the workload decides
+    assert build_parser().parse_args(["bench", "--no-passthrough"]).passthrough is False
     monkeypatch.setattr(servers, "nginx_binary", lambda which=None: None)
     assert main(["bench", "--workload", "overhead", "--nginx", "--no-progress"]) == 2
     assert "nginx is not installed" in capsys.readouterr().err
@@ -164,6 +175,41 @@ def test_every_mode_is_divided_by_the_floor_when_the_run_has_it() -> None:
     # without the floor: no ratios, no floor targets
     del rows["nginx"]
     assert not [k for k in speed.compare_costs(rows) if k.endswith("_over_nginx")]
+
+
+def test_the_gateway_modes_are_divided_by_the_stack_floor_and_it_by_nginx() -> None:
+    rows = {"direct": _row("direct", 0.0, 1.0), "nginx": _row("nginx", 0.2, 1.25),
+            "passthrough": _row("passthrough", 0.5, 1.5),
+            "hedging-on": _row("hedging-on", 1.0, 2.0), "keys-1000": _row("keys-1000", 0.0, 2.5)}
+    costs = speed.compare_costs(rows)
+    # the pass-through over nginx, like a gateway mode; the gateway over each floor
+    assert costs["passthrough_cpu_ms_per_request_over_nginx"] == 2.5
+    assert costs["passthrough_added_ttft_c1_p50_ms_over_nginx"] == 2.0
+    assert costs["hedging-on_cpu_ms_per_request_over_passthrough"] == 2.0
+    assert costs["hedging-on_added_ttft_c1_p50_ms_over_passthrough"] == 2.0
+    # neither floor over the pass-through; a CPU reading of zero ticks over neither floor
+    assert not [k for k in costs if k.startswith(("nginx_", "passthrough_"))
+                and k.endswith("_over_passthrough")]
+    assert "keys-1000_cpu_ms_per_request_over_passthrough" not in costs
+    assert "keys-1000_cpu_ms_per_request_over_nginx" not in costs
+    assert costs["keys-1000_added_ttft_c1_p50_ms_over_passthrough"] == 3.0
+    lines = [line.strip() for line in
+             speed.format_lines({"modes": list(rows.values()), "comparison": costs})]
+    assert [line for line in lines if "/ passthrough" in line] == [
+        "hedging-on / passthrough: CPU per request x2.00, added TTFT at c=1 x2.00",
+        "keys-1000 / passthrough: CPU per request xn/a, added TTFT at c=1 x3.00"]
+    assert "passthrough / nginx: CPU per request x2.50, added TTFT at c=1 x2.00" in lines
+    # the targets are judged against nginx, the floor, not the pass-through
+    judged = {t["target"] for t in speed.targets("overhead", rows, costs)}
+    assert "added median TTFT at c=1 <= 2 x nginx's" in judged
+    assert not [t for t in judged if "passthrough" in t]
+
+
+def test_the_passthrough_is_served_by_its_module_on_loopback_to_each_upstream() -> None:
+    argv = servers.passthrough_command(8123, ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+    assert argv[1:] == ["-m", "gateway.bench.passthrough", "--port", "8123",
+                        "--upstream", "http://127.0.0.1:9001",
+                        "--upstream", "http://127.0.0.1:9002"]
 
 
 def test_keys_come_right_after_hedging_on_and_only_when_asked() -> None:
