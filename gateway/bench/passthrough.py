@@ -2,11 +2,12 @@
 
 uvicorn (httptools, uvloop, no access log: as `hedge-gateway serve` runs) in front of one
 shared aiohttp client session with kept-alive connections (as the gateway's upstream client
-pools them), and between them a bare ASGI callable that reads the request body, sends it to
-the next upstream in turn, and copies the answer's status, content type and body chunks
-back as they arrive. No parsing of the request or the answer, no pool, no race, no
-statistics: the same front server and upstream client as the gateway with nothing of the
-gateway between them.
+pools them), and between them a bare ASGI callable that reads the request body, sends it
+with the client's headers (as nginx's `proxy_pass` does: the bench's request id, which seeds
+the simulator's timing and names its log entry, included) to the next upstream in turn, and
+copies the answer's status, content type and body chunks back as they arrive. No parsing of
+the request or the answer, no pool, no race, no statistics: the same front server and
+upstream client as the gateway with nothing of the gateway between them.
 
 So a run that has nginx and this beside the gateway splits the gateway's added latency and
 CPU in two: what this stack costs by itself (this mode over nginx), and what the gateway
@@ -29,6 +30,12 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+#: the client's headers not sent on: the connection's own, and those aiohttp writes itself
+#: for the request it sends (its host, its body's length)
+_NOT_FORWARDED = frozenset({b"host", b"connection", b"keep-alive", b"content-length",
+                            b"transfer-encoding", b"upgrade", b"te", b"trailer",
+                            b"proxy-connection"})
 
 
 class Passthrough:
@@ -64,11 +71,16 @@ class Passthrough:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        url = next(self._upstreams) + scope["path"]
-        async with self._session.request(scope["method"], url, data=body, headers={
-                "content-type": "application/json"}) as answer:
+        query = scope.get("query_string", b"")
+        url = next(self._upstreams) + scope["path"] + ("?" + query.decode("latin-1")
+                                                       if query else "")
+        headers = [(name.decode("latin-1"), value.decode("latin-1"))
+                   for name, value in scope["headers"] if name not in _NOT_FORWARDED]
+        async with self._session.request(scope["method"], url, data=body,
+                                         headers=headers) as answer:
+            kind = answer.headers.get("content-type")
             await send({"type": "http.response.start", "status": answer.status, "headers": [
-                (b"content-type", answer.headers.get("content-type", "").encode("latin-1"))]})
+                (b"content-type", kind.encode("latin-1"))] if kind else []})
             async for chunk in answer.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})

@@ -188,8 +188,10 @@ STACK_FLOOR = "passthrough"
 
 def over_floor(costs: Mapping[str, Any], rows: Mapping[str, Any]) -> dict[str, Any]:
     """Each mode's CPU per request and added TTFT at c=1 as multiples of each floor's the run
-    has (nginx's: every other mode's; the pass-through's: each gateway mode's), when both
-    figures are positive (zero is a reading under the clock's tick, not a free mode)."""
+    has (nginx's: every other mode's; the pass-through's: each gateway mode's), when the
+    floor's figure is positive and, for CPU, the mode's too (a CPU reading of zero is a pass
+    under one tick of the process clock, not a free mode; an added TTFT of zero or less is a
+    measurement, and divides)."""
     out: dict[str, Any] = {}
     for floor_mode, others in ((FLOOR, {FLOOR}), (STACK_FLOOR, {FLOOR, STACK_FLOOR})):
         for figure in ("cpu_ms_per_request", "added_ttft_c1_p50_ms"):
@@ -198,7 +200,8 @@ def over_floor(costs: Mapping[str, Any], rows: Mapping[str, Any]) -> dict[str, A
                 continue
             for mode in rows:
                 value = costs.get(f"{mode}_{figure}")
-                if mode not in others and isinstance(value, int | float) and value > 0:
+                if mode not in others and isinstance(value, int | float) and (
+                        value > 0 or figure != "cpu_ms_per_request"):
                     out[f"{mode}_{figure}_over_{floor_mode}"] = round(value / floor, 2)
     return out
 

@@ -44,7 +44,9 @@ def test_overhead_prints_a_row_per_feature_off_and_nginx_with_the_ratios(
         assert row["events_delivered"] == rows["direct"]["events_delivered"]
     # nginx and the pass-through answered, not a gateway: the simulators saw one attempt per
     # request, they have no /hedge/stats; the gateway modes have theirs
+    # (each request by its id: both pass the client's headers on, as a proxy does)
     for floor in ("nginx", "passthrough"):
+        assert rows[floor]["upstream"]["attempts"] == 12, floor
         assert rows[floor]["upstream"]["extra"] == 0 and "gateway_counted" not in rows[floor]
     assert all(rows[mode]["gateway_counted"]["requests"] == 12 for mode in GATEWAYS)
     table = [line.split()[0] for line in printed.splitlines()
@@ -61,6 +63,11 @@ def test_overhead_prints_a_row_per_feature_off_and_nginx_with_the_ratios(
         # (12 requests may take a gateway mode under a tick of the CPU clock too: no ratio)
         assert all(comparison.get(f"{mode}_cpu_ms_per_request_over_nginx", 1) > 0
                    for mode in GATEWAYS)
+    # every gateway mode's added TTFT over each floor's, when the floor's is above zero
+    for floor in ("nginx", "passthrough"):
+        if comparison[f"{floor}_added_ttft_c1_p50_ms"] > 0:
+            assert all(f"{mode}_added_ttft_c1_p50_ms_over_{floor}" in comparison
+                       for mode in GATEWAYS), floor
     assert {t["target"] for t in workload["targets"]} >= {
         "gateway CPU per request at c=50 <= 5 x nginx's",
         "added median TTFT at c=1 <= 2 x nginx's"}

@@ -193,6 +193,9 @@ def test_the_gateway_modes_are_divided_by_the_stack_floor_and_it_by_nginx() -> N
     assert "keys-1000_cpu_ms_per_request_over_passthrough" not in costs
     assert "keys-1000_cpu_ms_per_request_over_nginx" not in costs
     assert costs["keys-1000_added_ttft_c1_p50_ms_over_passthrough"] == 3.0
+    # an added TTFT of zero or less is a measurement (only a zero CPU reading is not one)
+    rows["keys-1000"]["c1"]["ttft_p50_ms"] = 0.75  # 0.25 ms under direct's
+    assert speed.compare_costs(rows)["keys-1000_added_ttft_c1_p50_ms_over_nginx"] == -1.0
     lines = [line.strip() for line in
              speed.format_lines({"modes": list(rows.values()), "comparison": costs})]
     assert [line for line in lines if "/ passthrough" in line] == [
