@@ -874,6 +874,19 @@ _UNUSUAL_RUNS: list[list[bytes]] = [
 ]
 
 
+#: the scaffolding around the runs of deltas the two byte-for-byte tests below feed: the
+#: message's and its text block's start, another block's delta, and the stream's end
+_RUN_START = SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c",'
+                      b'"usage":{"input_tokens":3,"output_tokens":1}}}', b"message_start")
+_RUN_BLOCK = SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
+                      b'{"type":"text","text":""}}', b"content_block_start")
+_RUN_OTHER = _delta(b'"o"', _OPEN.replace(b'"index":0', b'"index":1'))
+_RUN_END = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
+            SSEEvent(b'{"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+                     b'"usage":{"output_tokens":5}}', b"message_delta"),
+            SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+
+
 @pytest.mark.parametrize("texts", [
     [b'"tok0 "', b'"tok1 "', b'"tok2 "'], [b'""', b'" "', b'"x"'], [b'"a"', b'"b"'],
     *_UNUSUAL_RUNS])
@@ -881,15 +894,7 @@ def test_a_run_of_deltas_fed_by_read_is_each_fed_byte_for_byte(texts: list[bytes
     """A read that opens with a run of the current block's deltas (`splice_run`, then the
     rest `_each`) writes exactly what feeding each event writes: usual runs, and runs with
     one delta of an unusual or broken shape among them, before the stream's last events."""
-    start = SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c",'
-                     b'"usage":{"input_tokens":3,"output_tokens":1}}}', b"message_start")
-    block = SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
-                     b'{"type":"text","text":""}}', b"content_block_start")
-    other = _delta(b'"o"', _OPEN.replace(b'"index":0', b'"index":1'))
-    end = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
-           SSEEvent(b'{"type":"message_delta","delta":{"stop_reason":"end_turn"},'
-                    b'"usage":{"output_tokens":5}}', b"message_delta"),
-           SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+    start, block, other, end = _RUN_START, _RUN_BLOCK, _RUN_OTHER, _RUN_END
     run = [_delta(text) for text in texts]
     for read in (run, [*run, *end], [*run, other, *run], [*run, _delta(b'"z"'), *end]):
         fast, slow = MessagesToChat(1, True), MessagesToChat(1, True)
@@ -963,15 +968,7 @@ def test_a_read_of_deltas_by_its_bytes_is_each_fed_byte_for_byte(texts: list[byt
     """`feed_named` over reads that open with a run of the current block's deltas, usual or
     with one of an unusual or broken shape among them, before the stream's last events,
     another block's delta or more of the run: what feeding each decoded event writes."""
-    start = [SSEEvent(b'{"type":"message_start","message":{"id":"m","model":"c",'
-                      b'"usage":{"input_tokens":3,"output_tokens":1}}}', b"message_start"),
-             SSEEvent(b'{"type":"content_block_start","index":0,"content_block":'
-                      b'{"type":"text","text":""}}', b"content_block_start"), _delta(b'"f"')]
-    other = _delta(b'"o"', _OPEN.replace(b'"index":0', b'"index":1'))
-    end = [SSEEvent(b'{"type":"content_block_stop","index":0}', b"content_block_stop"),
-           SSEEvent(b'{"type":"message_delta","delta":{"stop_reason":"end_turn"},'
-                    b'"usage":{"output_tokens":5}}', b"message_delta"),
-           SSEEvent(b'{"type":"message_stop"}', b"message_stop")]
+    start, other, end = [_RUN_START, _RUN_BLOCK, _delta(b'"f"')], _RUN_OTHER, _RUN_END
     run = [_delta(text) for text in texts]
     for read in (run, [*run, *end], [*run, other, *run], [*run, _delta(b'"z"'), *end]):
         slow = MessagesToChat(1, True)  # (a text's LF breaks its line: the decoder's reading)
