@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import aiohttp
 import uvicorn
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+from starlette.types import Receive, Scope, Send
 
 #: the client's headers not sent on: the connection's own, and those aiohttp writes itself
 #: for the request it sends (its host, its body's length)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from gateway.bench import judge
 from gateway.bench.load import Sample
@@ -147,17 +147,22 @@ def beside_target(mode: str) -> str:
     return f"{mode} CPU per request <= {BESIDE_BOUND:.2f} x {BESIDE_BASE}'s"
 
 
+def cpu_read(value: object) -> TypeGuard[float]:
+    """Whether a CPU figure was read: a number above zero. Zero is a pass shorter than one
+    tick of the process clock (10 ms), not a free one, and divides nothing."""
+    return isinstance(value, int | float) and value > 0
+
+
 def over_hedging_on(costs: Mapping[str, Any]) -> dict[str, Any]:
     """Each variant mode's CPU per request (`OVER_HEDGING_ON`) as a multiple of
-    hedging-on's, when the run has both and both are positive: a reading of zero is a pass
-    shorter than one tick of the process clock, not a free row."""
+    hedging-on's, when the run has both and both were read (`cpu_read`)."""
     base = costs.get(f"{BESIDE_BASE}_cpu_ms_per_request")
-    if not isinstance(base, int | float) or base <= 0:
+    if not cpu_read(base):
         return {}
     out: dict[str, Any] = {}
     for mode in OVER_HEDGING_ON:
         cpu = costs.get(f"{mode}_cpu_ms_per_request")
-        if isinstance(cpu, int | float) and cpu > 0:
+        if cpu_read(cpu):
             out[beside_key(mode)] = round(cpu / base, 3)
     return out
 
@@ -189,9 +194,8 @@ STACK_FLOOR = "passthrough"
 def over_floor(costs: Mapping[str, Any], rows: Mapping[str, Any]) -> dict[str, Any]:
     """Each mode's CPU per request and added TTFT at c=1 as multiples of each floor's the run
     has (nginx's: every other mode's; the pass-through's: each gateway mode's), when the
-    floor's figure is positive and, for CPU, the mode's too (a CPU reading of zero is a pass
-    under one tick of the process clock, not a free mode; an added TTFT of zero or less is a
-    measurement, and divides)."""
+    floor's figure is positive and, for CPU, the mode's was read (`cpu_read`; an added TTFT
+    of zero or less is a measurement, and divides)."""
     out: dict[str, Any] = {}
     for floor_mode, others in ((FLOOR, {FLOOR}), (STACK_FLOOR, {FLOOR, STACK_FLOOR})):
         for figure in ("cpu_ms_per_request", "added_ttft_c1_p50_ms"):
@@ -200,9 +204,11 @@ def over_floor(costs: Mapping[str, Any], rows: Mapping[str, Any]) -> dict[str, A
                 continue
             for mode in rows:
                 value = costs.get(f"{mode}_{figure}")
-                if mode not in others and isinstance(value, int | float) and (
-                        value > 0 or figure != "cpu_ms_per_request"):
-                    out[f"{mode}_{figure}_over_{floor_mode}"] = round(value / floor, 2)
+                if mode in others or not isinstance(value, int | float):
+                    continue
+                if figure == "cpu_ms_per_request" and not cpu_read(value):
+                    continue
+                out[f"{mode}_{figure}_over_{floor_mode}"] = round(value / floor, 2)
     return out
 
 

@@ -59,7 +59,6 @@ def test_overhead_prints_a_row_per_feature_off_and_nginx_with_the_ratios(
     comparison = workload["comparison"]
     if comparison["nginx_cpu_ms_per_request"]:  # 12 requests may take nginx under a tick
         # every gateway mode is put over nginx's figure; its size is the benchmark's to show
-        # (12 requests may take a gateway mode under a tick of the CPU clock too)
         # (12 requests may take a gateway mode under a tick of the CPU clock too: no ratio)
         assert all(comparison.get(f"{mode}_cpu_ms_per_request_over_nginx", 1) > 0
                    for mode in GATEWAYS)
