@@ -130,9 +130,12 @@ class RequestEnd:
                 except Exception as exc:  # noqa: BLE001 - the end must go on; reported
                     report_bug(stats, exc)
             try:
-                summary.panic = self.race.placement.panic
-                summary.affinity = self.race.placement.affinity
-                summary.headroom_skips = self.race.placement.headroom_skips
+                # (a race that never ran has made no choice: `Race.placement`)
+                placement = getattr(self.race, "placement", None)
+                if placement is not None:
+                    summary.panic = placement.panic
+                    summary.affinity = placement.affinity
+                    summary.headroom_skips = placement.headroom_skips
                 summary.ended = self.clock()
                 summary.cost = summary_cost(summary, pool.prices)
                 stats.record(summary)

@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -253,8 +253,6 @@ class Proxy:
         # a stream learns its winner's TTFT once its first bytes are out (`SSEResponse`)
         race = Race(pool, runner, plan.options, self.clock,
                     defer_learning=req.stream and streamed is None)
-        if plan.affinity_miss:
-            race.placement.affinity = "miss"
         end = RequestEnd(pool, race, summary, leave=functools.partial(self.admission.leave, held),
                          stats=self.stats, clock=self.clock, trace=trace)
         if streamed is not None or may_continue(pool, req.protocol.name, req.stream,
@@ -271,34 +269,31 @@ class Proxy:
 
         One task watches the client for the whole request (`end.watcher`): a stream's
         response keeps using it after commit, and the end of the request cancels it. The
-        drain is a callback, not a task."""
-        race_task = asyncio.ensure_future(race.run())
+        drain is a callback, not a task.
+
+        The race runs in this task, not in one of its own: a task of its own cost a turn of
+        the loop before the upstream request was written and another between the first
+        token and the answer. The watcher and the drain stop it as `asyncio.timeout` stops
+        what it wraps: they cancel this task, and a cancellation of theirs is taken back here
+        (`Task.uncancel`) and answered; one from elsewhere (the server stopping) goes on."""
+        task = asyncio.current_task()
+        assert task is not None
+        stop = _RaceStop(task)
         watcher = end.watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        stop_race = _canceller(race_task)
-        watcher.add_done_callback(stop_race)
-        forget = self.drain.call_at_grace_end(self.server.shutdown_grace, stop_race)
-        result: RaceResult | None = None
+        watcher.add_done_callback(stop)
+        forget = self.drain.call_at_grace_end(self.server.shutdown_grace, stop)
         try:
-            # awaited itself, not through `asyncio.wait`: the result is here in the turn of the
-            # loop after the race's last, where `asyncio.wait` took one more (its callback,
-            # then this task's wake-up), on the way to the first byte. A cancellation of this
-            # task goes on into the race, as the `finally` below would do anyway.
-            result = await race_task
+            return await race.run()
         except asyncio.CancelledError:
-            if _being_cancelled():  # this task itself (the server stopping): it goes on
+            if not stop.fired or task.uncancel() > 0:  # not only ours: it goes on
                 raise
-            # else the watcher (the client left) or the drain cancelled the race: below
         finally:
-            forget()
-            watcher.remove_done_callback(stop_race)
-            if not race_task.done():
-                race_task.cancel()
-                await asyncio.wait({race_task})
-        if race_task.cancelled():
-            if self.drain.draining and not _saw_disconnect(watcher):
-                raise Draining()
-            return None
-        return result
+            stop.over = True  # a stop scheduled already, or the drain's, must not cancel
+            forget()          # the rest of the request (it may run after this returns)
+            watcher.remove_done_callback(stop)
+        if self.drain.draining and not _saw_disconnect(watcher):
+            raise Draining()
+        return None
 
     def _record_refusal(self, pool: PoolRuntime, req: LogicalRequest, exc: Overloaded,
                         method: str) -> None:
@@ -463,19 +458,21 @@ def _translating(protocol: WireProtocol, translation: Translation, include_usage
     return dataclasses.replace(protocol, encoder=lambda _protocol, _rewrite: encoder)
 
 
-def _canceller(task: asyncio.Future[Any]) -> Callable[..., None]:
-    """A callback (for a done-callback or a timer) that cancels `task`."""
+class _RaceStop:
+    """The callback (a done-callback of the disconnect watcher, or the drain's at the end of
+    its grace) that stops a race running in `task`: it cancels the task once, and only while
+    the race runs (`over`: the race is over, and the task has gone on to the answer)."""
 
-    def cancel(*_: object) -> None:
-        task.cancel()
+    __slots__ = ("fired", "over", "task")
 
-    return cancel
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.fired = self.over = False
 
-
-def _being_cancelled() -> bool:
-    """Whether the running task itself is being cancelled (not only a task it awaits)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+    def __call__(self, *_: object) -> None:
+        if not self.fired and not self.over:
+            self.fired = True
+            self.task.cancel()
 
 
 def _saw_disconnect(task: asyncio.Future[None]) -> bool:

@@ -70,7 +70,6 @@ class Leftovers:
     balancer's and the delay reader's own, made by the race at its commit), so the stream
     that takes them over runs them where they live, without a step into this file."""
 
-    clock: Clock
     #: the cancelled attempts and the closing prefixes, until reaped
     closing: list[asyncio.Future[Any]] = field(default_factory=list)
     #: gives the committed attempt's backend slot back (the balancer's `on_finish` for it):
@@ -81,18 +80,20 @@ class Leftovers:
     #: handed on
     unlearned: Callable[[], None] | None = None
 
-    def cancel(self, task: asyncio.Task[Prefix], record: AttemptRecord, at: float) -> None:
-        """Cancel a running attempt; its runner closes its upstream."""
+    def cancel(self, task: asyncio.Task[Prefix], record: AttemptRecord, at: float,
+               clock: Clock) -> None:
+        """Cancel a running attempt; its runner closes its upstream (timed on `clock`)."""
         task.cancel()
         if not task.done():
-            task.add_done_callback(_close_timer(record, self.clock, at))
+            task.add_done_callback(_close_timer(record, clock, at))
         self.closing.append(task)
 
-    def close_prefix(self, task: asyncio.Task[Prefix], record: AttemptRecord, at: float) -> None:
+    def close_prefix(self, task: asyncio.Task[Prefix], record: AttemptRecord, at: float,
+                     clock: Clock) -> None:
         """Close an attempt that holds a token (or an empty answer), in a task of its own."""
         record.output_sent = output_sent(task.result().buffered)
         closer = asyncio.ensure_future(task.result().aclose())
-        closer.add_done_callback(_close_timer(record, self.clock, at))
+        closer.add_done_callback(_close_timer(record, clock, at))
         self.closing.append(closer)
 
     async def reap(self, timeout: float = REAP_TIMEOUT) -> None:

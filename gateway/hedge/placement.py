@@ -65,6 +65,9 @@ class RaceOptions:
     admits: Callable[[str], bool] | None = None
     #: False: the race deposits nothing in the budget (a continuation's: its request did)
     deposit: bool = True
+    #: affinity applies to the request but it has no conversation key: its primary is a
+    #: miss (counted as such: `Placement.affinity`)
+    affinity_miss: bool = False
 
 
 @dataclass(slots=True)

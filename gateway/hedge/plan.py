@@ -74,8 +74,6 @@ class Plan:
     options: RaceOptions
     #: the request's estimated size (None: unknown, or a read of stored state)
     size: RequestSize | None
-    #: affinity applies to the request but it has no conversation key: its primary is a miss
-    affinity_miss: bool
 
 
 def plan(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str], start: float,
@@ -101,8 +99,9 @@ def plan(pool: PoolRuntime, req: RequestFacts, excluded: frozenset[str], start: 
         share=req.share,
         share_ratio=req.share_ratio,
         admits=admits,
+        affinity_miss=route is None and affinity_applies(pool, req),
     )
-    return Plan(options, size, route is None and affinity_applies(pool, req))
+    return Plan(options, size)
 
 
 def deadline(pool: PoolRuntime, req: RequestFacts, start: float) -> float:

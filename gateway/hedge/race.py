@@ -120,20 +120,20 @@ class Race:
     #: what the race leaves for the request's end (the winner's slot and its deferred TTFT,
     #: as the balancer's and the delay reader's calls; the attempts let go): plain data,
     #: handed out, so the end and the stream call what it holds, not us
-    leftovers: Leftovers = field(init=False)
-    #: where this request's attempts go, and what the stats count of those choices
+    leftovers: Leftovers = field(default_factory=Leftovers)
+    #: where this request's attempts go, and what the stats count of those choices: made as
+    #: the race starts (`run`), so that building a race runs no code of this file (the proxy
+    #: builds it as data, then runs it); read only once it has run
     placement: Placement = field(init=False)
     #: the winner's TTFT is learnt through `leftovers.unlearned`, not at the commit: the
     #: stream calls it once the client's first bytes are out, so the delay trackers' inserts
     #: are off that path (`leftovers.learn()` if no stream took it)
     defer_learning: bool = False
 
-    def __post_init__(self) -> None:
-        self.leftovers = Leftovers(self.clock)
-        self.placement = Placement(self.pool, self.options)
-
     async def run(self) -> RaceResult:
         pool, now = self.pool, self.clock()
+        self.placement = Placement(pool, self.options,
+                                   affinity="miss" if self.options.affinity_miss else None)
         if self.options.deposit:  # (a continuation's race: its request deposited)
             pool.budget.on_request(now, self.options.input_tokens)
             share = self.options.share
@@ -493,7 +493,7 @@ class Race:
             if had_token:
                 self._close_prefix(task, record, cancelled_at)
                 continue
-            self.leftovers.cancel(task, record, cancelled_at)
+            self.leftovers.cancel(task, record, cancelled_at, self.clock)
         self._tasks.clear()
 
     def _drop_kept(self) -> None:
@@ -510,7 +510,7 @@ class Race:
         self, task: asyncio.Task[Prefix], record: AttemptRecord, cancelled_at: float
     ) -> None:
         """Close a loser that holds a token, in a task `aclose` reaps."""
-        self.leftovers.close_prefix(task, record, cancelled_at)
+        self.leftovers.close_prefix(task, record, cancelled_at, self.clock)
 
     def release_winner(self) -> None:
         """Give back the winner's backend slot, once (`Leftovers.release_winner`)."""
