@@ -344,10 +344,12 @@ async def _run_mode(ctx: _Context, workload: Workload, mode: str, requests: int,
     if c1_requests:
         await reset()
         c1_progress = Progress(ctx.plan.progress, f"{workload.name} / {mode} c=1", c1_requests)
-        c1_samples, c1_warm, _ = await run_load(c1_requests, 1, send, progress=c1_progress,
-                                                timeout=ctx.plan.request_timeout)
+        # the client runs when its bytes arrive, not after a simulator's burst (`speed`)
+        with speed.short_slice() as client_slice_us:
+            c1_samples, c1_warm, _ = await run_load(c1_requests, 1, send, progress=c1_progress,
+                                                    timeout=ctx.plan.request_timeout)
         c1_sent = len(c1_warm) + len(c1_samples)
-        c1 = speed.ttft_summary(c1_samples)
+        c1 = speed.ttft_summary(c1_samples) | {"client_slice_us": client_slice_us}
         c1_progress.finish(f"TTFT p50 {c1['ttft_p50_ms']} ms")
     await reset()
     progress = Progress(ctx.plan.progress, f"{workload.name} / {mode}", requests)

@@ -8,7 +8,12 @@
   other load slows the run down but does not bill its CPU to the gateway.
 - **Added median TTFT at c=1**: a short pass at concurrency 1 per mode, before the main one,
   against the same pass sent direct. At c=50 the median mostly measures queueing on a
-  saturated machine, not the gateway; at c=1 there is no queue.
+  saturated machine, not the gateway; at c=1 there is no queue. During that pass the load
+  client asks the kernel for a short scheduler slice (`short_slice`): it shares its CPU with
+  the simulators, and with the default slice a simulator writing its whole zero-delay stream
+  keeps the CPU for its burst while the client's first event waits, for as long as the proxy
+  in front writes nothing more to wake it again. The client would then time the kernel's
+  choice, not the proxy: a short slice lets it run when its bytes arrive, in every mode.
 - **Targets** of the `overhead` and `streams` workloads, each with its value: met, missed,
   or not judged when the run cannot decide it (`gateway.bench.judge`).
 
@@ -17,8 +22,12 @@ Pure functions over the rows the bench collected, plus the affinity calls.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
-from collections.abc import Mapping, Sequence
+import platform
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -45,6 +54,50 @@ class Pinning:
 
     def as_json(self) -> dict[str, list[int]]:
         return {"gateway": list(self.gateway), "client_and_simulators": list(self.others)}
+
+
+#: the scheduler slice the load client asks for while it times one request at a time
+CLIENT_SLICE_NS = 100_000
+#: `sched_setattr`'s system call number, where the bench knows it
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+
+
+class _SchedAttr(ctypes.Structure):
+    """`struct sched_attr` as its first version (48 bytes) lays it out."""
+
+    _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32),
+                ("flags", ctypes.c_uint64), ("nice", ctypes.c_int32),
+                ("priority", ctypes.c_uint32), ("runtime", ctypes.c_uint64),
+                ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64)]
+
+
+def _set_slice(runtime_ns: int) -> bool:
+    """This thread's scheduler slice (0: the kernel's default), keeping its policy (the
+    default one) and its nice value; whether the kernel took the call. Linux's EEVDF
+    scheduler (6.12 and later) reads `sched_runtime` as the slice of a default-policy task,
+    and a woken task whose slice is shorter than the running one's preempts it; an older
+    kernel takes the call and ignores the value."""
+    number = _SCHED_SETATTR.get(platform.machine())
+    if not sys.platform.startswith("linux") or number is None:
+        return False
+    attr = _SchedAttr(ctypes.sizeof(_SchedAttr), os.SCHED_OTHER, 0,
+                      os.getpriority(os.PRIO_PROCESS, 0), 0, runtime_ns, 0, 0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(number, 0, ctypes.byref(attr), 0)) == 0
+
+
+@contextlib.contextmanager
+def short_slice(runtime_ns: int = CLIENT_SLICE_NS) -> Iterator[int | None]:
+    """Run the block with this thread's scheduler slice at `runtime_ns`, the default again
+    after; yields the slice in µs when the kernel took the call, None when it could not be
+    asked (another system, or a refusal). See the module docstring for why the load client
+    asks it while it times one request at a time."""
+    taken = _set_slice(runtime_ns)
+    try:
+        yield runtime_ns // 1000 if taken else None
+    finally:
+        if taken:
+            _set_slice(0)
 
 
 def ttft_summary(samples: Sequence[Sample]) -> dict[str, Any]:
@@ -274,8 +327,10 @@ def format_lines(result: Mapping[str, Any]) -> list[str]:
         c1, cost = row.get("c1"), row.get("cost") or {}
         parts = []
         if c1:
+            sliced = c1.get("client_slice_us")
             parts.append(f"c=1 TTFT p50 {c1['ttft_p50_ms']} ms, p99 {c1['ttft_p99_ms']} ms "
-                         f"({c1['ok']}/{c1['requests']})")
+                         f"({c1['ok']}/{c1['requests']}"
+                         + ("" if sliced is None else f"; client slice {sliced} µs") + ")")
         if cost.get("cpu_ms_per_request") is not None:
             parts.append(f"gateway CPU {cost['cpu_ms_per_request']:.3f} ms/request, "
                          f"peak RSS {cost['peak_rss_mb']} MB")

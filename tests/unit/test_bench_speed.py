@@ -19,6 +19,7 @@ from gateway.bench.speed import (
     cost_row,
     events_delivered,
     per_request_costs,
+    short_slice,
     targets,
     ttft_summary,
 )
@@ -28,6 +29,31 @@ def test_the_gateway_gets_a_cpu_of_its_own_when_there_are_two_or_more() -> None:
     assert Pinning.plan([3]) == Pinning((), ())  # one CPU: nothing pinned
     assert Pinning.plan([2, 0, 1]) == Pinning((0,), (1, 2))
     assert Pinning.plan([5, 4]).as_json() == {"gateway": [4], "client_and_simulators": [5]}
+
+
+def _slice_ns() -> int | None:
+    """This thread's scheduler slice as the kernel reports it (None: not reported here)."""
+    try:
+        with open("/proc/thread-self/sched") as stats:
+            for line in stats:
+                name, _, value = line.partition(":")
+                if name.strip() == "se.slice":
+                    return int(float(value))
+    except OSError:
+        return None
+    return None
+
+
+def test_the_load_client_asks_a_short_slice_while_it_times_one_request_at_a_time() -> None:
+    """The slice the c=1 pass runs with, and the kernel's default again after it."""
+    before = _slice_ns()
+    with short_slice(100_000) as taken:
+        inside = _slice_ns()
+    if taken is None or before is None:
+        pytest.skip("the kernel took no slice here, or does not report it")
+    assert taken == 100
+    assert inside == 100_000 != before
+    assert _slice_ns() == before
 
 
 def test_cpu_per_request_comes_from_the_gateways_own_cpu_time() -> None:
