@@ -287,6 +287,10 @@ class Proxy:
         except asyncio.CancelledError:
             if not stop.fired or task.uncancel() > 0:  # not only ours: it goes on
                 raise
+        except BaseException:
+            if stop.fired:  # ours, and then a bug in the race's clean-up: the bug goes on,
+                task.uncancel()  # our cancellation does not (what else asked still counts)
+            raise
         finally:
             stop.over = True  # a stop scheduled already, or the drain's, must not cancel
             forget()          # the rest of the request (it may run after this returns)

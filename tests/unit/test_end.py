@@ -414,3 +414,54 @@ def test_a_stream_that_fails_to_build_still_gives_the_winners_slot_back(
         assert len(learnt) == 1  # the winner's TTFT, learnt by the end
 
     run_virtual(main)
+
+
+class _Leaving:
+    """A client that leaves when its `gone` future is set (its receive says so)."""
+
+    def __init__(self) -> None:
+        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def receive(self) -> dict[str, Any]:
+        await self.gone
+        return {"type": "http.disconnect"}
+
+
+class _WaitingRace:
+    """Waits until cancelled; `bug`: its clean-up then raises a bug of ours instead."""
+
+    def __init__(self, *, bug: bool = False) -> None:
+        self.bug = bug
+
+    async def run(self) -> str:
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            if self.bug:
+                raise RuntimeError("a bug in the race's clean-up") from None
+            raise
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("bug", [False, True], ids=["cancelled", "clean-up bug"])
+async def test_the_disconnect_stops_the_race_and_its_cancellation_is_taken_back(bug: bool) -> None:
+    """The race runs in the proxy's task: the client leaving cancels that task, and the proxy
+    takes that cancellation back whatever the race's clean-up did (the request's task must
+    not go on as one being cancelled), and nothing cancels it later."""
+    loop = asyncio.get_running_loop()
+    proxy = Proxy(ServerSettings(), cast(Stats, None), loop.time, Drain(loop.time))
+    client, end = _Leaving(), SimpleNamespace(watcher=None)
+    task = asyncio.current_task()
+    assert task is not None
+    loop.call_soon(client.gone.set_result, None)
+    if bug:
+        with pytest.raises(RuntimeError):
+            await proxy._race_or_disconnect(cast(Race, _WaitingRace(bug=True)),
+                                            client.receive, cast(RequestEnd, end))
+    else:
+        assert await proxy._race_or_disconnect(cast(Race, _WaitingRace()), client.receive,
+                                               cast(RequestEnd, end)) is None
+    assert task.cancelling() == 0
+    await asyncio.sleep(0.01)  # no late cancellation of the request's task
+    end.watcher.cancel()
+    await asyncio.wait({end.watcher})
