@@ -58,8 +58,10 @@ class Pinning:
 
 #: the scheduler slice the load client asks for while it times one request at a time
 CLIENT_SLICE_NS = 100_000
-#: `sched_setattr`'s system call number, where the bench knows it
-_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+#: `sched_setattr`'s and `sched_getattr`'s system call numbers, where the bench knows them
+_SCHED_CALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
+#: children (threads and processes) started by a thread with this flag get the defaults
+_SCHED_FLAG_RESET_ON_FORK = 0x01
 
 
 class _SchedAttr(ctypes.Structure):
@@ -71,33 +73,50 @@ class _SchedAttr(ctypes.Structure):
                 ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64)]
 
 
-def _set_slice(runtime_ns: int) -> bool:
-    """This thread's scheduler slice (0: the kernel's default), keeping its policy (the
-    default one) and its nice value; whether the kernel took the call. Linux's EEVDF
-    scheduler (6.12 and later) reads `sched_runtime` as the slice of a default-policy task,
-    and a woken task whose slice is shorter than the running one's preempts it; an older
-    kernel takes the call and ignores the value."""
-    number = _SCHED_SETATTR.get(platform.machine())
-    if not sys.platform.startswith("linux") or number is None:
-        return False
-    attr = _SchedAttr(ctypes.sizeof(_SchedAttr), os.SCHED_OTHER, 0,
-                      os.getpriority(os.PRIO_PROCESS, 0), 0, runtime_ns, 0, 0)
+def _sched_calls() -> tuple[int, int] | None:
+    """The two system calls' numbers here; None where the bench does not know them (another
+    system, another architecture, a 32-bit Python, whose numbers differ)."""
+    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    return _SCHED_CALLS.get(platform.machine())
+
+
+def _set_slice(calls: tuple[int, int], runtime_ns: int) -> int | None:
+    """Set this thread's scheduler slice (0: the kernel's default) and read it back: the
+    slice the kernel holds now, None when it refused either call. Linux's EEVDF scheduler
+    (6.12 and later) reads `sched_runtime` as the slice of a default-policy task, and a woken
+    task whose slice is shorter than the running one's preempts it; an older kernel takes the
+    call, ignores the value and reads back 0. A short slice is set with reset-on-fork, so a
+    thread or a process started meanwhile gets the default; the default is set without it."""
+    set_call, get_call = calls
     libc = ctypes.CDLL(None, use_errno=True)
-    return int(libc.syscall(number, 0, ctypes.byref(attr), 0)) == 0
+    attr = _SchedAttr(ctypes.sizeof(_SchedAttr), os.SCHED_OTHER,
+                      _SCHED_FLAG_RESET_ON_FORK if runtime_ns else 0,
+                      os.getpriority(os.PRIO_PROCESS, 0), 0, runtime_ns, 0, 0)
+    if int(libc.syscall(set_call, 0, ctypes.byref(attr), 0)) != 0:
+        return None
+    held = _SchedAttr()
+    if int(libc.syscall(get_call, 0, ctypes.byref(held), ctypes.sizeof(held), 0)) != 0:
+        return None
+    return int(held.runtime)
 
 
 @contextlib.contextmanager
 def short_slice(runtime_ns: int = CLIENT_SLICE_NS) -> Iterator[int | None]:
-    """Run the block with this thread's scheduler slice at `runtime_ns`, the default again
-    after; yields the slice in µs when the kernel took the call, None when it could not be
-    asked (another system, or a refusal). See the module docstring for why the load client
-    asks it while it times one request at a time."""
-    taken = _set_slice(runtime_ns)
+    """Run the block with this thread's scheduler slice at `runtime_ns`, the kernel's
+    default again after; yields the slice in µs when the kernel holds it (read back), None
+    when it does not: another system, an older kernel, a refusal, or a thread that does not
+    run under the default policy (left as it is). See the module docstring for why the load
+    client asks it while it times one request at a time."""
+    calls = _sched_calls()
+    if calls is None or os.sched_getscheduler(0) != os.SCHED_OTHER:
+        yield None
+        return
     try:
-        yield runtime_ns // 1000 if taken else None
+        held = _set_slice(calls, runtime_ns)
+        yield runtime_ns // 1000 if held == runtime_ns else None
     finally:
-        if taken:
-            _set_slice(0)
+        _set_slice(calls, 0)
 
 
 def ttft_summary(samples: Sequence[Sample]) -> dict[str, Any]:

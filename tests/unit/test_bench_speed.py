@@ -7,10 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 
+from gateway.bench import speed
 from gateway.bench.load import Sample
 from gateway.bench.procs import pin_tree
 from gateway.bench.speed import (
@@ -44,16 +47,66 @@ def _slice_ns() -> int | None:
     return None
 
 
+T = TypeVar("T")
+
+
+def _in_a_thread(work: Callable[[], T]) -> T:
+    """`work` run in a thread of its own (so a policy it sets is not the test runner's)."""
+    out: list[T] = []
+    thread = threading.Thread(target=lambda: out.append(work()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
 def test_the_load_client_asks_a_short_slice_while_it_times_one_request_at_a_time() -> None:
-    """The slice the c=1 pass runs with, and the kernel's default again after it."""
-    before = _slice_ns()
-    with short_slice(100_000) as taken:
-        inside = _slice_ns()
+    """The slice the c=1 pass runs with, and the kernel's default again after it; a thread
+    started meanwhile gets the default (reset on fork), not the short slice."""
+
+    def work() -> tuple[int | None, int | None, int | None, int | None, int | None]:
+        started: list[int | None] = []
+        before = _slice_ns()
+        with short_slice(100_000) as taken:
+            inside = _slice_ns()
+            thread = threading.Thread(target=lambda: started.append(_slice_ns()))
+            thread.start()
+            thread.join()
+        return taken, before, inside, started[0], _slice_ns()
+
+    taken, before, inside, in_thread, after = _in_a_thread(work)
     if taken is None or before is None:
         pytest.skip("the kernel took no slice here, or does not report it")
     assert taken == 100
     assert inside == 100_000 != before
-    assert _slice_ns() == before
+    assert in_thread == before
+    assert after == before
+
+
+class _IgnoringKernel:
+    """What a kernel before 6.12 does with the calls: takes the slice, holds none."""
+
+    def syscall(self, *_: object) -> int:
+        return 0
+
+
+def test_a_slice_the_kernel_does_not_hold_is_not_reported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ctypes.CDLL", lambda *_, **__: _IgnoringKernel())
+    monkeypatch.setattr(speed, "_sched_calls", lambda: (314, 315))
+    monkeypatch.setattr("os.sched_getscheduler", lambda _: os.SCHED_OTHER)
+    with short_slice() as taken:
+        assert taken is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="scheduler policies: Linux")
+def test_a_thread_under_another_policy_is_left_as_it_is() -> None:
+    def work() -> tuple[int | None, int]:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        with short_slice() as taken:
+            pass
+        return taken, os.sched_getscheduler(0)
+
+    assert _in_a_thread(work) == (None, os.SCHED_BATCH)
 
 
 def test_cpu_per_request_comes_from_the_gateways_own_cpu_time() -> None:
