@@ -11,13 +11,13 @@
   saturated machine, not the gateway; at c=1 there is no queue. During that pass the load
   client asks the kernel for a short scheduler slice (`short_slice`): it shares its CPU with
   the simulators, and with the default slice a simulator writing its whole zero-delay stream
-  keeps the CPU for its burst while the client's first event waits, for as long as the proxy
-  in front writes nothing more to wake it again. The client would then time the kernel's
-  choice, not the proxy: a short slice lets it run when its bytes arrive, in every mode.
+  keeps the CPU for its burst while the client's first event waits (the longer, the less
+  often the proxy in front writes to it). The client would then time the kernel's choice,
+  not the proxy: a short slice lets it run when its bytes arrive, in every mode.
 - **Targets** of the `overhead` and `streams` workloads, each with its value: met, missed,
   or not judged when the run cannot decide it (`gateway.bench.judge`).
 
-Pure functions over the rows the bench collected, plus the affinity calls.
+Pure functions over the rows the bench collected, plus the affinity and scheduler calls.
 """
 
 from __future__ import annotations
