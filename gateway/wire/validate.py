@@ -203,12 +203,10 @@ def is_top_level_routing_field(key: str) -> bool:
 #: rule's string work, which was a fifth of the checks of a small request. Any other name is
 #: judged by the rule as before.
 _PLAIN_TOP_LEVEL = frozenset(name for name in (
-    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-    "temperature", "top_p", "top_k", "n", "stop", "stop_sequences", "presence_penalty",
-    "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "seed", "user", "tools",
-    "tool_choice", "parallel_tool_calls", "response_format", "metadata", "system", "prompt",
-    "input", "instructions", "reasoning", "reasoning_effort", "text", "store",
-    "previous_response_id", "thinking", "suffix", "echo", "best_of", "modalities", "audio",
+    *FIELD_SHAPES, *POSITIVE_INT_FIELDS, "model", "stream", "stream_options", "temperature",
+    "top_p", "top_k", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    "top_logprobs", "seed", "user", "tool_choice", "parallel_tool_calls", "reasoning_effort",
+    "store", "previous_response_id", "thinking", "suffix", "echo", "modalities", "audio",
     "prediction", "service_tier", "include", "truncation", "max_output_tokens",
     "encoding_format", "dimensions",
 ) if not is_top_level_routing_field(name))
