@@ -21,6 +21,11 @@ What this module adds around aiohttp, because the gateway needs it:
   a whole body (bounded by `MAX_BODY_BYTES`), with only the headers the adapter allows.
 - No redirects, no environment proxies, TLS verified (the default context), keep-alive expiry,
   no transparent decompression (bytes are relayed as they are).
+- **No cookies.** The client carries every client's and every key's requests: a cookie jar
+  would store what a backend (or the load balancer in front of it) sets on one tenant's
+  answer, a session or a stickiness cookie, and send it with every later request to that
+  host, whoever made it. The session's jar is aiohttp's `DummyCookieJar`, which keeps nothing
+  (and spares each request the jar's filtering).
 - **A kept-alive connection the upstream closed while it sat idle is no backend failure.**
   Inference servers close idle connections sooner than we drop them (uvicorn, under vLLM,
   SGLang and llama-cpp-python, after 5 s); when our loop is busy at that moment, its close is
@@ -283,6 +288,7 @@ class UpstreamClient:
             session = self._session = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False, trust_env=self.trust_env,
                 timeout=aiohttp.ClientTimeout(total=None),
+                cookie_jar=aiohttp.DummyCookieJar(),  # no tenant's cookie on another's request
             )
         return session
 
