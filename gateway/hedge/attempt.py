@@ -69,6 +69,9 @@ class AttemptRecord:
     output_sent: int | None = None
     #: a hedge sent early for the request's TTFT objective (`gateway.hedge.deadline`)
     deadline: bool = False
+    #: called by its runner as it returns or raises, in the step that ends the attempt: the
+    #: race's wake-up (`Race._wait`), an `asyncio.Event.set`
+    on_end: Callable[[], object] | None = None
 
     def lost(self) -> bool:
         """Whether the race has already decided this attempt (another one committed, or the

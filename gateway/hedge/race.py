@@ -10,7 +10,7 @@ already holds a token (it finished in the same tick as the winner, or before the
 up) has nothing left to cancel: the race closes its `Prefix` in a task of its own at commit, so the
 client never waits for it and `close_s` counts it.
 
-Rules where several things land in one tick (one `asyncio.wait` wake-up):
+Rules where several things land in one tick (one wake-up of the race, `Race._wait`):
 - every attempt that finished is accounted for before anything is decided, so none is left
   neither committed nor reaped;
 - a token beats a 400/413/422 from another attempt: the token proves the request is not one
@@ -102,6 +102,8 @@ class Race:
     _reasons: list[str] = field(default_factory=list)
     _failures: list[UpstreamError] = field(default_factory=list)
     committed: bool = False
+    #: an attempt has ended since the race last looked (`_wait`)
+    _ended: asyncio.Event = field(default_factory=asyncio.Event)
     #: how many times a failover restarted the hedge timer
     timer_restarts: int = 0
     #: the hedge delay in force (the primary's, then the latest replacement's)
@@ -156,11 +158,7 @@ class Race:
                 wake = min(self._next_hedge, self.options.deadline)
                 done: set[asyncio.Task[Prefix]] = set()
                 if self._tasks:
-                    done, _ = await asyncio.wait(
-                        self._tasks,
-                        timeout=max(0.0, wake - self.clock()),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
+                    done = await self._wait(max(0.0, wake - self.clock()))
                 result = self._settle(done)
                 if result is not None:
                     return result
@@ -183,6 +181,33 @@ class Race:
             self._cancel_all()
             self._drop_kept()
             raise
+
+    async def _wait(self, timeout: float) -> set[asyncio.Task[Prefix]]:
+        """The attempts that have finished, once one has or `timeout` seconds have passed.
+
+        What `asyncio.wait(FIRST_COMPLETED)` does, in one turn of the loop instead of two: an
+        attempt's runner sets `_ended` itself as it returns (`AttemptRecord.on_end`), in the
+        step that finishes its task, where a done callback would take a turn to run and only
+        then wake the race. Each task's done callback sets it too (`_attempt_done`), for a
+        runner that does not, or a task cancelled before its coroutine ran."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + timeout
+        ended = self._ended
+        timer = loop.call_at(due, ended.set)
+        try:
+            while True:
+                done = {task for task in self._tasks if task.done()}
+                if done:
+                    return done
+                ended.clear()
+                await ended.wait()
+                if loop.time() >= due:
+                    return {task for task in self._tasks if task.done()}
+        finally:
+            timer.cancel()
+
+    def _attempt_done(self, _: asyncio.Task[Prefix]) -> None:
+        self._ended.set()
 
     def _record_hedges(self) -> None:
         """Feed the efficacy guard: each hedge started won or it did not. Only a race decided
@@ -431,9 +456,11 @@ class Race:
         record = AttemptRecord(len(self.attempts), backend, kind, self.clock(), spent_budget)
         self.attempts.append(record)
         record.probe = self.pool.balancer.on_start(backend)
+        record.on_end = self._ended.set
         task = asyncio.create_task(
             self.runner(backend, record), name=f"attempt-{record.index}-{backend}"
         )
+        task.add_done_callback(self._attempt_done)
         self._tasks[task] = record
 
     def _finished(self, record: AttemptRecord) -> None:

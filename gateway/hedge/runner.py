@@ -119,6 +119,8 @@ def attempt_runner(
             record.ended = clock()
             if trace is not None:
                 trace.attempt_ended(record)
+            if record.on_end is not None:  # the race takes it up in the next turn
+                record.on_end()
 
     async def run_translated(backend: str, record: AttemptRecord, is_lost: Callable[[], bool],
                              translation: Translation, sent: Mapping[str, Any]) -> Prefix:
@@ -150,6 +152,8 @@ def attempt_runner(
             record.ended = clock()
             if trace is not None:
                 trace.attempt_ended(record)
+            if record.on_end is not None:  # the race takes it up in the next turn
+                record.on_end()
         prefix.translation = translation
         return prefix
 

@@ -7,8 +7,9 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import pytest
 
@@ -28,8 +29,11 @@ from gateway.hedge.placement import RaceOptions
 from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import AttemptRunner, Race
+from gateway.hedge.runner import UpstreamRequest, attempt_runner
+from gateway.wire.chat import CHAT
 from gateway.wire.explain import Explanation
 from gateway.wire.sse import SSEBatch, SSEEvent
+from providers.base import UpstreamCall
 from tests.harness.builders import gateway_settings
 
 TOKEN = SSEEvent(b'{"choices":[{"index":0,"delta":{"content":"x"}}]}')
@@ -323,3 +327,87 @@ async def test_a_race_that_defers_learning_learns_its_winners_ttft_once_when_tol
             race.learn()
         await race.aclose()
         assert delay.observations == 1
+
+
+# -- how an attempt's end reaches the race ---------------------------------------------------
+
+
+async def test_an_attempt_that_ends_wakes_the_race_in_the_next_turn_of_the_loop() -> None:
+    """The race takes an attempt's result up in the turn after the attempt's last step: its
+    runner sets the race's wake-up as it returns (`AttemptRecord.on_end`), where a done
+    callback (as `asyncio.wait` has) takes a turn to run and only then wakes the race."""
+    pool = pool_of()
+    loop = asyncio.get_running_loop()
+    order: list[str] = []
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        await asyncio.sleep(0)
+        loop.call_soon(order.append, "one turn later")
+        loop.call_soon(loop.call_soon, order.append, "two turns later")
+        try:
+            return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+        finally:
+            assert record.on_end is not None
+            record.on_end()
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    await race.run()
+    order.append("race returned")
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert order == ["one turn later", "race returned", "two turns later"]
+    await race.aclose()
+
+
+async def test_an_attempt_cancelled_before_it_ran_is_taken_up_and_replaced() -> None:
+    """A task cancelled before its first step runs none of its runner (no `on_end`): its
+    done callback still wakes the race, which counts it failed and fails over at once rather
+    than at the hedge delay."""
+    pool = pool_of()
+    loop = asyncio.get_running_loop()
+
+    def cancel(name: str) -> None:
+        (task,) = [t for t in asyncio.all_tasks() if t.get_name() == name]
+        task.cancel()
+
+    async def answer() -> Prefix:
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    def runner(backend: str, record: AttemptRecord) -> Coroutine[Any, Any, Prefix]:
+        if record.index == 0:  # before the task's first step, which is scheduled after this
+            loop.call_soon(cancel, f"attempt-0-{backend}")
+        return answer()
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    async with asyncio.timeout(2.0):  # the hedge delay is 5 s: only the wake-up is sooner
+        result = await race.run()
+    assert [a.outcome for a in race.attempts] == ["failed", "won"]
+    assert result.winner.kind == "failover"
+    await race.aclose()
+
+
+def test_the_runner_calls_on_end_once_however_its_attempt_ends() -> None:
+    """The runner (`gateway.hedge.runner`) sets the race's wake-up as its attempt ends,
+    a failure as a token: the race's one-turn take-up rests on it."""
+
+    class Failing:
+        serves = frozenset({"chat/completions"})
+
+        async def open(self, call: UpstreamCall) -> Any:
+            raise UpstreamConnectError("refused")
+
+    settings = gateway_settings(["http://127.0.0.1:9/v1"], delay=5.0)
+    providers: dict[str, Any] = {"b0": Failing()}
+    pool = PoolRuntime.build(settings.pools[0], providers, global_hedging=True,
+                             now=0.0, rng=random.Random(1))
+    run = attempt_runner(pool, UpstreamRequest(
+        endpoint="chat/completions", body={"model": "m", "messages": []}, stream=True,
+        request_id="r", protocol=CHAT), 1e9, lambda: 0.0)
+    ends: list[int] = []
+    record = AttemptRecord(index=0, backend="b0", kind="primary", started=0.0,
+                           spent_budget=False, on_end=lambda: ends.append(1))
+    with pytest.raises(UpstreamConnectError):
+        asyncio.run(run("b0", record))
+    assert ends == [1] and record.ended == 0.0
