@@ -296,6 +296,8 @@ class Balancer:
         return candidates
 
     def _sample(self, candidates: list[_Backend]) -> _Backend:
+        if len(candidates) == 1:  # the second of a pair: no draw to make
+            return candidates[0]
         weights = [b.weight for b in candidates]
         if sum(weights) <= 0:
             return self._rng.choice(candidates)

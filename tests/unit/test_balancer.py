@@ -46,6 +46,18 @@ def test_single_and_no_backend() -> None:
     assert bal.names == ["a"]
 
 
+def test_a_pair_draws_one_random_number_per_pick() -> None:
+    """Of two candidates the first is drawn by weight and the second is the other: no second
+    draw (it could only return the one left), which cost a `random.choices` per request."""
+    rng = random.Random(7)
+    bal = Balancer([backend("a"), backend("b", weight=3.0)], HEALTH, rng)
+    twin = random.Random(7)
+    for _ in range(20):
+        bal.pick(0.0, ttft=unknown)
+        twin.random()
+        assert rng.getstate() == twin.getstate()
+
+
 def test_prefers_less_loaded() -> None:
     bal = make(backend("a"), backend("b"))
     for _ in range(3):
