@@ -174,6 +174,40 @@ def test_a_cancelled_request_task_ends_the_request_inline() -> None:
     run_virtual(main)
 
 
+def test_the_client_is_first_read_after_the_primarys_first_step() -> None:
+    """The watcher's task is made before the primary's, so its first step runs first: it
+    yields at once, and its first read of the client comes after the primary's first step
+    (which opens the upstream request), not on the way to it."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop)
+        proxy, pool = proxy_for(Setup([Step("token", 0.125)]), loop, world)
+        order: list[str] = []
+        provider = next(iter(pool.providers.values()))
+        real_open = provider.open
+
+        async def recording_open(call: Any) -> Any:
+            order.append("primary opened")
+            return await real_open(call)
+
+        provider.open = recording_open  # type: ignore[method-assign]
+
+        async def receive() -> Any:
+            order.append("client read")
+            return {"type": "http.disconnect"}
+
+        request = http_request()
+        request._receive = receive
+        answer = await proxy.handle(request, pool, logical_request(stream=True))
+        assert order == ["primary opened", "client read"]
+        assert isinstance(answer, Answer) and answer.response.status_code == 499
+        if answer.end is not None:
+            await answer.end()
+        assert proxy.admission.active == 0 and pool.inflight_requests == 0
+
+    run_virtual(main)
+
+
 def test_one_watcher_sees_the_client_for_the_whole_request_and_the_body_is_encoded_once(
 ) -> None:
     """During the race one task watches the client (no drain task), the
