@@ -102,8 +102,10 @@ class Race:
     _reasons: list[str] = field(default_factory=list)
     _failures: list[UpstreamError] = field(default_factory=list)
     committed: bool = False
-    #: an attempt has ended since the race last looked (`_wait`)
+    #: an attempt has ended since the race last looked, or its wait's timer fired (`_wait`)
     _ended: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the current wait's timer fired (`_expire`)
+    _expired: bool = False
     #: how many times a failover restarted the hedge timer
     timer_restarts: int = 0
     #: the hedge delay in force (the primary's, then the latest replacement's)
@@ -190,21 +192,25 @@ class Race:
         step that finishes its task, where a done callback would take a turn to run and only
         then wake the race. Each task's done callback sets it too (`_attempt_done`), for a
         runner that does not, or a task cancelled before its coroutine ran."""
-        loop = asyncio.get_running_loop()
-        due = loop.time() + timeout
         ended = self._ended
-        timer = loop.call_at(due, ended.set)
+        self._expired = False
+        timer = asyncio.get_running_loop().call_later(timeout, self._expire)
         try:
             while True:
                 done = {task for task in self._tasks if task.done()}
-                if done:
+                if done or self._expired:
                     return done
                 ended.clear()
                 await ended.wait()
-                if loop.time() >= due:
-                    return {task for task in self._tasks if task.done()}
         finally:
             timer.cancel()
+
+    def _expire(self) -> None:
+        """The wait's timer: it says it fired rather than leaving the race to read the clock
+        (uvloop rounds a timer to the millisecond and may run it before `loop.time()` has
+        reached its due time: read so, the race slept past its hedge delay)."""
+        self._expired = True
+        self._ended.set()
 
     def _attempt_done(self, _: asyncio.Task[Prefix]) -> None:
         self._ended.set()

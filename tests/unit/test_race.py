@@ -7,11 +7,12 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import pytest
+import uvloop
 
 from gateway.errors import (
     AllAttemptsFailed,
@@ -411,3 +412,35 @@ def test_the_runner_calls_on_end_once_however_its_attempt_ends() -> None:
     with pytest.raises(UpstreamConnectError):
         asyncio.run(run("b0", record))
     assert ends == [1] and record.ended == 0.0
+
+
+async def _hedged_race(delay: float) -> str:
+    """A race whose primary never answers: only the hedge, sent at `delay`, can."""
+    settings = gateway_settings(["http://127.0.0.1:9/v1"] * 2, delay=delay)
+    pool = PoolRuntime.build(settings.pools[0], {}, global_hedging=True,
+                             now=time.monotonic(), rng=random.Random(1))
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        if record.index == 0:
+            await asyncio.Event().wait()
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    try:
+        async with asyncio.timeout(0.5):  # 25 times the hedge delay and more
+            return (await race.run()).winner.kind
+    finally:
+        await race.aclose()
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop],
+                         ids=["asyncio", "uvloop"])
+def test_the_hedge_starts_at_its_delay_on_either_loop(
+        loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    """The race's wait ends when its timer fires, on uvloop too (`hedge-gateway serve`'s
+    loop), which rounds a timer to the millisecond and may run it before its own clock reads
+    the due time: a race that read the clock to tell slept on past its hedge delay."""
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        for i in range(10):  # delays off the millisecond grid, as learnt delays are
+            assert runner.run(_hedged_race(0.0103 + i * 0.0011)) == "hedge", i
