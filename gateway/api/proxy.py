@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,7 @@ from gateway.hedge.relay import relay
 from gateway.hedge.routing import Routing, routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.hedge.translated import Translated
+from gateway.server.extensions import GONE_EXTENSION
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
@@ -139,7 +140,7 @@ class Proxy:
             log_request(summary, self.stats.error_classes)
             return self._error(error, req, None)
         try:
-            result = await self._race_or_disconnect(race, request.receive, end)
+            result = await self._race_or_disconnect(race, request.scope, request.receive, end)
             # no attempt starts after the race: let go of the body and its serialized copy,
             # which the runner holds and a stream would otherwise keep to its end
             race.runner = race_over
@@ -262,14 +263,16 @@ class Proxy:
         return race, end, strip_usage, streamed is not None
 
     async def _race_or_disconnect(
-        self, race: Race, receive: Receive, end: RequestEnd
+        self, race: Race, scope: Scope, receive: Receive, end: RequestEnd
     ) -> RaceResult | None:
         """Run the race; a client disconnect cancels it (and so every attempt), and so does
         the end of the shutdown grace period (the client then gets 503).
 
-        One task watches the client for the whole request (`end.watcher`): a stream's
-        response keeps using it after commit, and the end of the request cancels it. The
-        drain is a callback, not a task.
+        One watcher of the client serves the whole request (`end.watcher`): a stream's
+        response keeps using it after commit, and the end of the request cancels it. Under
+        `hedge-gateway serve` it is the server's future of the connection's loss
+        (`GONE_EXTENSION`), no task at all; under another server, a task reading `receive`
+        until `http.disconnect`. The drain is a callback, not a task.
 
         The race runs in this task, not in one of its own: a task of its own cost a turn of
         the loop before the upstream request was written and another between the first
@@ -279,7 +282,9 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         stop = _RaceStop(task)
-        watcher = end.watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        gone = _gone_of(scope)
+        watcher = end.watcher = gone() if gone is not None \
+            else asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(stop)
         forget = self.drain.call_at_grace_end(self.server.shutdown_grace, stop)
         try:
@@ -477,6 +482,13 @@ class _RaceStop:
         if not self.fired and not self.over:
             self.fired = True
             self.task.cancel()
+
+
+def _gone_of(scope: Scope) -> Callable[[], asyncio.Future[None]] | None:
+    """The server's watcher of this request's client, if it offers one (`GONE_EXTENSION`)."""
+    extensions = scope.get("extensions") or {}
+    gone = (extensions.get(GONE_EXTENSION) or {}).get("gone")
+    return gone if callable(gone) else None
 
 
 def _saw_disconnect(task: asyncio.Future[None]) -> bool:

@@ -12,6 +12,9 @@ leaves to a proxy in front, done here.
   `HOLD_HEAD_EXTENSION`) has its head held back until its next write, which carries both:
   written apart, the head cost a system call (on loopback, the peer's receive path too) and
   a packet on the way to the client's first token.
+- Watching the client without a task. A request that asks (extension `GONE_EXTENSION`) gets
+  a future resolved when its connection is lost; the proxy watches the client through it for
+  the whole request instead of a task reading `receive` until `http.disconnect`.
 - Aborting a stuck client. A response that stops because its client stopped reading cannot
   complete, and uvicorn then only `close()`s the transport, which waits for the unsent
   buffer to drain: forever, for a client that never reads. The protocol puts an `abort`
@@ -44,6 +47,7 @@ leaves to a proxy in front, done here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,12 +55,13 @@ from http import HTTPStatus
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
 from gateway.server.extensions import (
     ABORT_EXTENSION,
     FAILED_KEYS_EXTENSION,
+    GONE_EXTENSION,
     HOLD_HEAD_EXTENSION,
     FailedKeys,
 )
@@ -220,6 +225,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         #: wrong keys this connection sent (its answers slow down: `gateway.api.keys.backoff`)
         self._failed_keys = FailedKeys()
+        #: the running request's watcher of its client, if it asked for one (`_gone`)
+        self._gone_future: asyncio.Future[None] | None = None
 
     # ---- connection life -------------------------------------------------------------------
 
@@ -235,6 +242,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_body_timer()
+        gone, self._gone_future = self._gone_future, None
+        if gone is not None and not gone.done():  # (a request done with it cancelled it)
+            gone.set_result(None)
         if self._cap_timer is not None:
             self._cap_timer.cancel()
             self._cap_timer = None
@@ -317,6 +327,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             hook = cycle.transport = _CloseHook(self.transport, self._close_after_response)
             # this request's own hook (a pipelined request's cycle has its own)
             cycle.scope["extensions"][HOLD_HEAD_EXTENSION] = {"hold": hook.hold}
+            cycle.scope["extensions"][GONE_EXTENSION] = {
+                "gone": functools.partial(self._gone, cycle)}
 
     def on_body(self, body: bytes) -> None:
         self._body_seen += len(body)
@@ -388,6 +400,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             "the gateway has too many open connections", retry_after=1.0
         ), path))
         self._linger()
+
+    def _gone(self, cycle: RequestResponseCycle) -> asyncio.Future[None]:
+        """`GONE_EXTENSION`: a future resolved when this connection is lost, for the request
+        of `cycle` (resolved at once if it already is). One request's app runs at a time on a
+        connection, so the latest one asked for is the one `connection_lost` resolves."""
+        future: asyncio.Future[None] = self.loop.create_future()
+        if cycle.disconnected:
+            future.set_result(None)
+        else:
+            self._gone_future = future
+        return future
 
     def _abort(self) -> None:
         """Drop the connection now, unsent bytes and all (a client that stopped reading)."""

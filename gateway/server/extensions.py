@@ -22,6 +22,13 @@ ABORT_EXTENSION = "hedge_gateway.abort"
 #: under another server: the head goes out on its own, as it always did
 HOLD_HEAD_EXTENSION = "hedge_gateway.hold_head"
 
+#: `{"gone": Callable[[], asyncio.Future[None]]}`: a future of the request's own that is
+#: resolved when its client's connection is lost (cancel it when done with it). The proxy
+#: watches the client through it for the whole request, where under another server it runs a
+#: task that reads `receive` until `http.disconnect`: a task made and stepped twice on the
+#: way to the upstream request, and cancelled at the request's end
+GONE_EXTENSION = "hedge_gateway.gone"
+
 #: `{"failed": FailedKeys}`, that connection's (absent under another server: no back-off)
 FAILED_KEYS_EXTENSION = "hedge_gateway.failed_keys"
 

@@ -7,6 +7,7 @@ across both upstreams: "the first request to arrive anywhere is the primary"."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 import socket
@@ -26,6 +27,7 @@ from tests.harness import (
     Gate,
     Hang,
     Head,
+    LoopThread,
     RecordedRequest,
     Reset,
     Script,
@@ -44,8 +46,8 @@ from tests.harness import (
     token_chunk,
 )
 from tests.harness.builders import POOL, InOrder, gateway_settings
+from tests.harness.limits_kit import GatewayFactory, stream_content
 from tests.harness.limits_kit import sdk as kit_sdk
-from tests.harness.limits_kit import stream_content
 
 SSE = {"content-type": "text/event-stream"}
 #: the SDK client of these tests: their upstreams hold streams for seconds
@@ -440,6 +442,32 @@ def test_client_disconnect_before_commit_closes_every_upstream(
     for request in order.arrivals:
         owner = next(u for u in upstreams if request in u.requests)
         assert owner.wait_closed(request), f"upstream never saw the close ({moment})"
+
+
+def test_under_its_own_server_the_client_is_watched_without_a_task(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """Under `hedge-gateway serve`'s server the proxy watches the client through the server's
+    future of the connection's loss (`GONE_EXTENSION`): no task reads `receive` while the
+    race runs, and a client that leaves before the first token still closes every upstream
+    (the hedge's too)."""
+    hang = Script(headers=SSE, steps=[Head(), Send(role_chunk()), Hang()])
+    order = InOrder(hang)
+    upstreams = scripted_upstream(2, responder=order)
+    gateway = GatewayFactory(loop_thread)(
+        gateway_settings([u.base_url for u in upstreams], delay=0.05))
+    sock = raw_request(gateway.port, STREAM_BODY)
+    assert upstreams[0].wait_until(lambda: len(order.arrivals) == 2)  # primary and hedge
+
+    async def watchers() -> list[str]:
+        return [name for t in asyncio.all_tasks()
+                if (name := getattr(t.get_coro(), "__qualname__", "")) == "_wait_disconnect"]
+
+    assert loop_thread.run(watchers()) == []
+    sock.close()
+    for request in order.arrivals:
+        owner = next(u for u in upstreams if request in u.requests)
+        assert owner.wait_closed(request), "an upstream never saw the close"
 
 
 def test_client_disconnect_mid_stream_closes_the_winner(

@@ -20,6 +20,7 @@ from gateway.api.stream import SSEResponse
 from gateway.drain import Drain
 from gateway.errors import InternalError, Overloaded, UpstreamClientError
 from gateway.hedge.race import Race
+from gateway.server.extensions import GONE_EXTENSION
 from gateway.settings import ServerSettings
 from gateway.stats import Stats
 from gateway.wire.chat import CHAT
@@ -374,7 +375,7 @@ async def test_the_race_result_reaches_the_proxy_in_the_same_turn_of_the_loop() 
 
     proxy = Proxy(ServerSettings(), cast(Stats, None), loop.time, Drain(loop.time))
     end = SimpleNamespace(watcher=None)
-    result = await proxy._race_or_disconnect(cast(Race, QuickRace()), receive,
+    result = await proxy._race_or_disconnect(cast(Race, QuickRace()), {}, receive,
                                              cast(RequestEnd, end))
     order.append("proxy")
     assert cast(object, result) == "result"
@@ -477,23 +478,36 @@ class _WaitingRace:
         raise AssertionError("unreachable")
 
 
+@pytest.mark.parametrize("server", ["another server", "hedge-gateway serve"])
 @pytest.mark.parametrize("bug", [False, True], ids=["cancelled", "clean-up bug"])
-async def test_the_disconnect_stops_the_race_and_its_cancellation_is_taken_back(bug: bool) -> None:
+async def test_the_disconnect_stops_the_race_and_its_cancellation_is_taken_back(
+        bug: bool, server: str) -> None:
     """The race runs in the proxy's task: the client leaving cancels that task, and the proxy
     takes that cancellation back whatever the race's clean-up did (the request's task must
-    not go on as one being cancelled), and nothing cancels it later."""
+    not go on as one being cancelled), and nothing cancels it later. Under `hedge-gateway
+    serve` the client is watched through the server's future (`GONE_EXTENSION`), which the
+    server resolves as the connection is lost, and no task reads `receive`; under another
+    server, a task does."""
     loop = asyncio.get_running_loop()
     proxy = Proxy(ServerSettings(), cast(Stats, None), loop.time, Drain(loop.time))
     client, end = _Leaving(), SimpleNamespace(watcher=None)
+    scope: dict[str, Any] = {}
+    receive = client.receive
+    if server == "hedge-gateway serve":
+        scope["extensions"] = {GONE_EXTENSION: {"gone": lambda: client.gone}}
+
+        async def receive() -> dict[str, Any]:
+            raise AssertionError("the server's future watches the client: nothing reads")
+
     task = asyncio.current_task()
     assert task is not None
     loop.call_soon(client.gone.set_result, None)
     if bug:
         with pytest.raises(RuntimeError):
-            await proxy._race_or_disconnect(cast(Race, _WaitingRace(bug=True)),
-                                            client.receive, cast(RequestEnd, end))
+            await proxy._race_or_disconnect(cast(Race, _WaitingRace(bug=True)), scope,
+                                            receive, cast(RequestEnd, end))
     else:
-        assert await proxy._race_or_disconnect(cast(Race, _WaitingRace()), client.receive,
+        assert await proxy._race_or_disconnect(cast(Race, _WaitingRace()), scope, receive,
                                                cast(RequestEnd, end)) is None
     assert task.cancelling() == 0
     await asyncio.sleep(0.01)  # no late cancellation of the request's task

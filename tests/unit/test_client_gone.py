@@ -1,0 +1,101 @@
+"""The server's watcher of a request's client (`GONE_EXTENSION`): the real HTTP protocol of
+`hedge-gateway serve` (`GatewayHttpProtocol`) on a transport that records its writes. The
+proxy watches the client through this future for the whole request, instead of a task
+reading `receive` until `http.disconnect`; so it must resolve when the connection is lost,
+at once for a request whose connection is already gone, and never for one that ended."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.server import ServerState
+
+from gateway.server.connection import ConnectionLimits, GatewayConfig, GatewayHttpProtocol
+from gateway.server.extensions import GONE_EXTENSION
+from tests.unit.test_head_with_first_event import REQUEST, RecordingTransport
+
+
+async def _connection(app: Callable[[Any, Any, Any], Any]
+                      ) -> tuple[GatewayHttpProtocol, RecordingTransport]:
+    config = GatewayConfig(app, limits=ConnectionLimits(), http=GatewayHttpProtocol,
+                           lifespan="off", log_config=None, access_log=False)
+    config.load()
+    protocol = GatewayHttpProtocol(config=config, server_state=ServerState(), app_state={},
+                                   _loop=asyncio.get_running_loop())
+    transport = RecordingTransport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+def _gone(scope: Any) -> asyncio.Future[None]:
+    future: asyncio.Future[None] = scope["extensions"][GONE_EXTENSION]["gone"]()
+    return future
+
+
+async def test_the_future_resolves_when_the_connection_is_lost_mid_request() -> None:
+    asked: asyncio.Future[asyncio.Future[None]] = asyncio.get_running_loop().create_future()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()  # the body
+        gone = _gone(scope)
+        asked.set_result(gone)
+        await gone  # the race, until the client leaves
+
+    protocol, _ = await _connection(app)
+    protocol.data_received(REQUEST)
+    gone = await asyncio.wait_for(asked, 5.0)
+    assert not gone.done()
+    protocol.connection_lost(ConnectionResetError())
+    await asyncio.wait_for(gone, 5.0)
+    assert gone.result() is None and not gone.cancelled()
+
+
+async def test_a_request_whose_client_already_left_gets_it_resolved() -> None:
+    got: list[asyncio.Future[None]] = []
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await release.wait()  # the client leaves while the body is checked
+        got.append(_gone(scope))
+
+    protocol, _ = await _connection(app)
+    protocol.data_received(REQUEST)
+    await asyncio.sleep(0.01)
+    protocol.connection_lost(None)
+    release.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    (gone,) = got
+    assert gone.done() and gone.result() is None
+
+
+async def test_a_cancelled_future_stays_cancelled_and_the_next_request_gets_its_own() -> None:
+    """The end of a request cancels its watcher; the connection's loss later must not touch
+    it (setting a cancelled future raises), and a kept-alive connection's next request gets a
+    future of its own."""
+    futures: list[asyncio.Future[None]] = []
+    answered = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        gone = _gone(scope)
+        futures.append(gone)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        gone.cancel()  # the request's end
+        answered.set()
+
+    protocol, transport = await _connection(app)
+    for _ in range(2):
+        answered.clear()
+        protocol.data_received(REQUEST)
+        await asyncio.wait_for(answered.wait(), 5.0)
+        for _ in range(3):
+            await asyncio.sleep(0)
+    protocol.connection_lost(None)
+    assert len(futures) == 2 and futures[0] is not futures[1]
+    assert all(f.cancelled() for f in futures)
+    assert sum(w.startswith(b"HTTP/1.1 200") for w in transport.writes) == 2
