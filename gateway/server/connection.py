@@ -47,7 +47,6 @@ leaves to a proxy in front, done here.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ from http import HTTPStatus
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
 from gateway.server.extensions import (
@@ -295,6 +294,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         extensions = self.scope.get("extensions") or {}
         extensions[ABORT_EXTENSION] = {"abort": self._abort}
         extensions[FAILED_KEYS_EXTENSION] = {"failed": self._failed_keys}
+        # (the protocol's own method, as `abort`: a hook holding the request's cycle would
+        # make its scope a reference cycle, freed only by the collector, request after request)
+        extensions[GONE_EXTENSION] = {"gone": self._gone}
         self.scope["extensions"] = extensions
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -327,8 +329,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             hook = cycle.transport = _CloseHook(self.transport, self._close_after_response)
             # this request's own hook (a pipelined request's cycle has its own)
             cycle.scope["extensions"][HOLD_HEAD_EXTENSION] = {"hold": hook.hold}
-            cycle.scope["extensions"][GONE_EXTENSION] = {
-                "gone": functools.partial(self._gone, cycle)}
 
     def on_body(self, body: bytes) -> None:
         self._body_seen += len(body)
@@ -401,12 +401,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         ), path))
         self._linger()
 
-    def _gone(self, cycle: RequestResponseCycle) -> asyncio.Future[None]:
-        """`GONE_EXTENSION`: a future resolved when this connection is lost, for the request
-        of `cycle` (resolved at once if it already is). One request's app runs at a time on a
-        connection, so the latest one asked for is the one `connection_lost` resolves."""
+    def _gone(self) -> asyncio.Future[None]:
+        """`GONE_EXTENSION`: a future resolved when this connection is lost (at once if it
+        already is). One request's app runs at a time on a connection, so the latest one
+        asked for is the one `connection_lost` resolves."""
         future: asyncio.Future[None] = self.loop.create_future()
-        if cycle.disconnected:
+        cycle = self.cycle
+        if self.transport.is_closing() or (cycle is not None and cycle.disconnected):
             future.set_result(None)
         else:
             self._gone_future = future

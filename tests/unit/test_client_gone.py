@@ -7,6 +7,8 @@ at once for a request whose connection is already gone, and never for one that e
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -99,3 +101,35 @@ async def test_a_cancelled_future_stays_cancelled_and_the_next_request_gets_its_
     assert len(futures) == 2 and futures[0] is not futures[1]
     assert all(f.cancelled() for f in futures)
     assert sum(w.startswith(b"HTTP/1.1 200") for w in transport.writes) == 2
+
+
+async def test_a_finished_request_is_freed_without_the_collector() -> None:
+    """The hook is the protocol's own method: one holding the request's cycle made the
+    cycle and its scope (the request's state, summary and all) a reference cycle, which only
+    the collector frees: at c=50 that held some 14 MB more at the peak."""
+    cycles: list[weakref.ref[Any]] = []
+    answered = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        gone = _gone(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        gone.cancel()
+        answered.set()
+
+    protocol, _ = await _connection(app)
+    gc.disable()
+    try:
+        for _ in range(2):
+            answered.clear()
+            protocol.data_received(REQUEST)
+            assert protocol.cycle is not None
+            cycles.append(weakref.ref(protocol.cycle))
+            await asyncio.wait_for(answered.wait(), 5.0)
+            for _ in range(3):
+                await asyncio.sleep(0)
+        assert cycles[0]() is None  # the first request's cycle, freed as it ended
+    finally:
+        gc.enable()
+        protocol.connection_lost(None)
