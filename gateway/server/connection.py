@@ -47,14 +47,16 @@ leaves to a proxy in front, done here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import GatewayError, HeadersTooLarge, RequestTimeout, TooManyConnections
 from gateway.server.extensions import (
@@ -294,9 +296,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         extensions = self.scope.get("extensions") or {}
         extensions[ABORT_EXTENSION] = {"abort": self._abort}
         extensions[FAILED_KEYS_EXTENSION] = {"failed": self._failed_keys}
-        # (the protocol's own method, as `abort`: a hook holding the request's cycle would
-        # make its scope a reference cycle, freed only by the collector, request after request)
-        extensions[GONE_EXTENSION] = {"gone": self._gone}
         self.scope["extensions"] = extensions
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -329,6 +328,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             hook = cycle.transport = _CloseHook(self.transport, self._close_after_response)
             # this request's own hook (a pipelined request's cycle has its own)
             cycle.scope["extensions"][HOLD_HEAD_EXTENSION] = {"hold": hook.hold}
+            # this request's own cycle, weakly: held strongly from its scope, the cycle and
+            # its scope would be a reference cycle, freed only by the collector
+            cycle.scope["extensions"][GONE_EXTENSION] = {
+                "gone": functools.partial(self._gone, weakref.ref(cycle))}
 
     def on_body(self, body: bytes) -> None:
         self._body_seen += len(body)
@@ -401,16 +404,24 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         ), path))
         self._linger()
 
-    def _gone(self) -> asyncio.Future[None]:
-        """`GONE_EXTENSION`: a future resolved when this connection is lost (at once if it
-        already is). One request's app runs at a time on a connection, so the latest one
-        asked for is the one `connection_lost` resolves."""
+    def _gone(self, request: weakref.ref[RequestResponseCycle]) -> asyncio.Future[None]:
+        """`GONE_EXTENSION`: a future resolved when this connection is lost, for the request
+        of the cycle `request` refers to (resolved at once if it already is). One request's
+        app runs at a time on a connection, so the latest one asked for is the one
+        `connection_lost` resolves.
+
+        Reading is resumed, as uvicorn's `receive()` does (and the watcher task reading it
+        did): a body larger than uvicorn's high-water mark that arrived in one read leaves
+        the connection's reading paused after the app took it, and a paused connection never
+        sees its client's close."""
         future: asyncio.Future[None] = self.loop.create_future()
-        cycle = self.cycle
-        if self.transport.is_closing() or (cycle is not None and cycle.disconnected):
+        cycle = request()
+        if self.transport.is_closing() or cycle is None or cycle.disconnected:
             future.set_result(None)
-        else:
-            self._gone_future = future
+            return future
+        self._gone_future = future
+        if not self._lingering and not cycle.response_complete:
+            self.flow.resume_reading()
         return future
 
     def _abort(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -133,3 +134,41 @@ async def test_a_finished_request_is_freed_without_the_collector() -> None:
     finally:
         gc.enable()
         protocol.connection_lost(None)
+
+
+async def test_a_client_that_leaves_after_a_large_body_is_seen_to_leave() -> None:
+    """A body past uvicorn's high-water mark (64 KiB) that arrives in one read pauses the
+    connection's reading, and taking it does not resume it: the watcher task did, by reading
+    `receive`. Asked for, the future resumes reading, so the client's close is seen. A real
+    socket pair: a fake transport cannot pause."""
+    loop = asyncio.get_running_loop()
+    asked: asyncio.Future[asyncio.Future[None]] = loop.create_future()
+    size = 100_000
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while (await receive())["more_body"]:  # the body, as the routes read it
+            pass
+        gone = _gone(scope)
+        asked.set_result(gone)
+        await gone
+
+    config = GatewayConfig(app, limits=ConnectionLimits(), http=GatewayHttpProtocol,
+                           lifespan="off", log_config=None, access_log=False)
+    config.load()
+    protocol = GatewayHttpProtocol(config=config, server_state=ServerState(), app_state={},
+                                   _loop=loop)
+    ours, client = socket.socketpair()
+    try:
+        await loop.connect_accepted_socket(lambda: protocol, ours)
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n"
+                       b"content-length: %d\r\n\r\n" % size)
+        await asyncio.sleep(0.05)  # the app waits for the body
+        client.sendall(b"x" * size)
+        gone = await asyncio.wait_for(asked, 5.0)
+        client.close()  # the client leaves
+        await asyncio.wait_for(gone, 5.0)
+        assert gone.result() is None
+    finally:
+        client.close()
+        if not protocol.transport.is_closing():
+            protocol.transport.abort()
