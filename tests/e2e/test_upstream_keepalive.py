@@ -8,7 +8,8 @@ benchmark: a turn failed over to another backend, cold for it, and prefilled its
 there. So the client drops a pooled connection whose server has closed it before writing on it
 (`providers.http`), and takes the next one or a new one. A POST is sent again only when it
 could not be written, once at most: one the server read and then dropped unanswered is not
-repeated there (the server may have worked on it).
+repeated there (the server may have worked on it). The same raw upstream shows that the
+client keeps no cookies (the last test).
 
 The upstream is a raw asyncio server in its own thread, so the test decides the order: it
 answers, closes, and tells the test; the test then blocks its own loop (as a busy gateway's
@@ -44,9 +45,12 @@ class ClosingUpstream:
     """Answers each connection's requests; closes a connection after `answers` of them
     (None: never) and sets `closed` when it has. A request for `SLOW` is read whole, counted
     in `slow_requests`, and after `hold` seconds its connection is closed unanswered (a
-    proxy's timeout, a worker that died on the prompt)."""
+    proxy's timeout, a worker that died on the prompt). `heads`: each request's head, as
+    received; `answer`: what each request is answered."""
 
     answers: int | None
+    answer: bytes = ANSWER
+    heads: list[bytes] = field(default_factory=list)
     port: int = 0
     connections: int = 0
     requests: int = 0
@@ -61,6 +65,7 @@ class ClosingUpstream:
         try:
             while self.answers is None or served < self.answers:
                 head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
                 length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
                 await reader.readexactly(length)
@@ -70,7 +75,7 @@ class ClosingUpstream:
                     return
                 self.requests += 1
                 served += 1
-                writer.write(ANSWER)
+                writer.write(self.answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -81,15 +86,15 @@ class ClosingUpstream:
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[[int | None], ClosingUpstream]]:
+def serve() -> Iterator[Callable[..., ClosingUpstream]]:
     """Start `ClosingUpstream`s on 127.0.0.1, in a loop thread of their own."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     servers: list[asyncio.Server] = []
 
-    def start(answers: int | None) -> ClosingUpstream:
-        upstream = ClosingUpstream(answers)
+    def start(answers: int | None, answer: bytes = ANSWER) -> ClosingUpstream:
+        upstream = ClosingUpstream(answers, answer)
         server = asyncio.run_coroutine_threadsafe(
             asyncio.start_server(upstream.handle, "127.0.0.1", 0), loop).result(5.0)
         servers.append(server)
@@ -145,7 +150,7 @@ async def stale_pool(client: UpstreamClient, upstream: ClosingUpstream, count: i
 
 
 async def test_a_request_on_a_connection_closed_while_idle_is_sent_again(
-    serve: Callable[[int | None], ClosingUpstream],
+    serve: Callable[..., ClosingUpstream],
 ) -> None:
     upstream = serve(1)  # closes each connection after its first answer
     client = UpstreamClient(max_connections=4)
@@ -162,7 +167,7 @@ async def test_a_request_on_a_connection_closed_while_idle_is_sent_again(
 
 
 async def test_a_fresh_connection_closed_unanswered_fails_as_before(
-    serve: Callable[[int | None], ClosingUpstream],
+    serve: Callable[..., ClosingUpstream],
 ) -> None:
     upstream = serve(0)  # closes every connection without an answer
     client = UpstreamClient(max_connections=4)
@@ -176,7 +181,7 @@ async def test_a_fresh_connection_closed_unanswered_fails_as_before(
 
 
 async def test_a_kept_alive_connection_is_reused_while_the_upstream_keeps_it(
-    serve: Callable[[int | None], ClosingUpstream],
+    serve: Callable[..., ClosingUpstream],
 ) -> None:
     upstream = serve(None)
     client = UpstreamClient(max_connections=4)
@@ -189,7 +194,7 @@ async def test_a_kept_alive_connection_is_reused_while_the_upstream_keeps_it(
 
 
 async def test_each_request_knows_whether_its_connection_was_pooled_without_tracing(
-    serve: Callable[[int | None], ClosingUpstream],
+    serve: Callable[..., ClosingUpstream],
 ) -> None:
     """Whether a request went out on a pooled connection decides whether it may be sent
     again; the connector knows it from its own record of the connections it handed out, not
@@ -219,7 +224,7 @@ async def test_each_request_knows_whether_its_connection_was_pooled_without_trac
 
 
 async def test_several_stale_connections_are_passed_until_a_fresh_one_answers(
-    serve: Callable[[int | None], ClosingUpstream],
+    serve: Callable[..., ClosingUpstream],
 ) -> None:
     upstream = serve(1)
     client = UpstreamClient(max_connections=8)
@@ -233,7 +238,7 @@ async def test_several_stale_connections_are_passed_until_a_fresh_one_answers(
 
 
 async def test_a_failed_try_lets_the_loop_read_the_other_closes(
-    serve: Callable[[int | None], ClosingUpstream],
+    serve: Callable[..., ClosingUpstream],
 ) -> None:
     """At most the first try meets a stale connection: while it fails, the loop reads the
     other connections' closes, and the pool drops them before the next try (whether the
@@ -260,7 +265,7 @@ async def test_a_failed_try_lets_the_loop_read_the_other_closes(
 
 
 async def test_a_post_the_server_read_and_then_dropped_is_not_sent_again(
-    serve: Callable[[int | None], ClosingUpstream],
+    serve: Callable[..., ClosingUpstream],
 ) -> None:
     """Four answered requests leave four idle kept-alive connections; the server reads the
     next POST whole, works on it, and closes without an answer. It may have done the work
@@ -277,3 +282,33 @@ async def test_a_post_the_server_read_and_then_dropped_is_not_sent_again(
     assert upstream.slow_requests == 1  # received once
     assert upstream.connections == 4  # on a kept-alive connection, and nothing opened after
     assert client.in_use == 0
+
+
+#: an answer that sets cookies, as a backend's session or a load balancer's stickiness would
+COOKIES = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nSet-Cookie: session=tenant-a; Path=/\r\n"
+           b"Set-Cookie: AWSALB=target-1; Path=/\r\n\r\nok")
+
+
+async def test_a_cookie_an_upstream_sets_is_never_sent_back(
+    serve: Callable[..., ClosingUpstream]
+) -> None:
+    """The upstream client keeps no cookies: it carries every client's and every key's
+    requests, and a cookie jar would send what a backend set on one tenant's answer with
+    every later request to that host. The upstream is named `localhost` here, since a cookie
+    jar refuses cookies from a bare IP address."""
+    upstream = serve(None, COOKIES)
+    client = UpstreamClient(max_connections=4)
+    try:
+        for _ in range(3):
+            response = await client.request(
+                "POST", f"http://localhost:{upstream.port}/v1/chat/completions",
+                content=b"{}", headers={"content-type": "application/json"},
+                timeout=TIMEOUT, pool_timeout=1.0)
+            try:
+                assert b"".join([chunk async for chunk in response.chunks()]) == b"ok"
+            finally:
+                response.close()
+    finally:
+        await client.aclose()
+    assert len(upstream.heads) == 3
+    assert all(b"\r\ncookie:" not in head.lower() for head in upstream.heads), upstream.heads
