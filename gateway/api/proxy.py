@@ -509,10 +509,10 @@ async def _read_whole(body: AsyncIterator[bytes]) -> bytes:
 
 
 async def _wait_disconnect(receive: Receive) -> None:
-    """Returns once the client has gone. Its task is made just before the race starts the
-    primary's, so its first step would come first: it yields at once, and its first read of
-    the client comes after the primary's first step (which writes the upstream request),
-    where the upstream's think time has room for it."""
+    """Returns once the client has gone (the watcher under a server that offers no
+    `GONE_EXTENSION`). Its task is made just before the race starts the primary's, so its
+    first step would come first: it yields at once, and its first read of the client comes
+    after the primary's first step (which opens the upstream request)."""
     await asyncio.sleep(0)
     while True:
         message = await receive()
