@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import uvloop
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -52,6 +53,7 @@ from tests.harness import (
     stream_script,
     token_chunk,
 )
+from tests.harness.loop import LOOP_ENV, new_loop
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +64,24 @@ def sdk(base_url: str, read_timeout: float = 10.0) -> Iterator[openai.OpenAI]:
     timeout = openai.Timeout(10.0, read=read_timeout)
     with openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0, timeout=timeout) as c:
         yield c
+
+
+# ---- the loop the servers run on ----
+
+
+def test_the_servers_run_on_the_loop_serve_runs_on(
+    loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uvloop, as under `hedge-gateway serve` (uvicorn picks it where it is installed):
+    its timers and transports are the ones production meets; asyncio's on request."""
+    assert isinstance(loop_thread.loop, uvloop.Loop) == (
+        os.environ.get(LOOP_ENV, "uvloop") != "asyncio")
+    monkeypatch.setenv(LOOP_ENV, "asyncio")
+    plain = new_loop()
+    try:
+        assert not isinstance(plain, uvloop.Loop)
+    finally:
+        plain.close()
 
 
 # ---- SSEEventCounter (pure) ----
