@@ -253,6 +253,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._linger_timer.cancel()
             self._linger_timer = None
         super().connection_lost(exc)
+        # its last request's cycle holds the protocol through its scope's hooks (abort, hold):
+        # let it go, as uvicorn lets go of its parser, so that both are freed now and not by the
+        # cyclic collector, which reaches a long-lived connection's objects late
+        self.cycle = None  # type: ignore[assignment]
+        self.pipeline.clear()
 
     def eof_received(self) -> None:
         if self._cap_line is not None:  # no request line will come: answer without it

@@ -172,3 +172,30 @@ async def test_a_client_that_leaves_after_a_large_body_is_seen_to_leave() -> Non
         client.close()
         if not protocol.transport.is_closing():
             protocol.transport.abort()
+
+
+async def test_a_closed_connections_last_request_is_freed_without_the_collector() -> None:
+    """Its scope's hooks (abort, hold) are the protocol's, and the protocol held the cycle:
+    once the connection is lost the protocol lets go of it, so the request's objects go then,
+    not at the collector's next pass over a long-lived connection."""
+    answered = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        answered.set()
+
+    protocol, _ = await _connection(app)
+    gc.disable()
+    try:
+        protocol.data_received(REQUEST)
+        assert protocol.cycle is not None
+        last = weakref.ref(protocol.cycle)
+        await asyncio.wait_for(answered.wait(), 5.0)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        protocol.connection_lost(None)
+        assert last() is None
+    finally:
+        gc.enable()
