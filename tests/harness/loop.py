@@ -19,22 +19,22 @@ import uvloop
 T = TypeVar("T")
 
 
-#: `HEDGE_TEST_LOOP=asyncio` runs the servers on asyncio's own loop instead of uvloop
+#: `HEDGE_TEST_LOOP=uvloop` runs the servers on uvloop, the loop `hedge-gateway serve` runs on
 LOOP_ENV = "HEDGE_TEST_LOOP"
 
 
 def new_loop() -> asyncio.AbstractEventLoop:
-    """The loop the servers run on: uvloop, the loop `hedge-gateway serve` runs on (uvicorn
-    picks it where it is installed), unless `HEDGE_TEST_LOOP=asyncio` asks for asyncio's."""
-    if os.environ.get(LOOP_ENV, "uvloop") == "asyncio":
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    """The loop the servers run on: asyncio's, or with `HEDGE_TEST_LOOP=uvloop` the loop
+    `hedge-gateway serve` runs on (uvicorn picks uvloop where it is installed)."""
+    if os.environ.get(LOOP_ENV) == "uvloop":
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 async def _open_once() -> None:
     """Listen once and stop: uvloop opens what it keeps for the loop's life (a reserve
     descriptor on /dev/null, its wake-up sockets) on its first listen, which the leak check's
-    baseline must already hold."""
+    baseline must already hold (on asyncio's loop it opens nothing that stays)."""
     server = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", 0)
     server.close()
     await server.wait_closed()
