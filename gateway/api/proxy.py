@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,7 @@ from gateway.hedge.relay import relay
 from gateway.hedge.routing import Routing, routing
 from gateway.hedge.runner import UpstreamRequest, attempt_runner, race_over
 from gateway.hedge.translated import Translated
-from gateway.server.extensions import GONE_EXTENSION
+from gateway.server.extensions import GONE_EXTENSION, hook
 from gateway.settings import ServerSettings
 from gateway.stats import RequestSummary, Stats
 from gateway.stats.requestlog import log_request
@@ -282,7 +282,7 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         stop = _RaceStop(task)
-        gone = _gone_of(scope)
+        gone = hook(scope, GONE_EXTENSION, "gone")  # the server's watcher, if it has one
         watcher = end.watcher = gone() if gone is not None \
             else asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(stop)
@@ -482,13 +482,6 @@ class _RaceStop:
         if not self.fired and not self.over:
             self.fired = True
             self.task.cancel()
-
-
-def _gone_of(scope: Scope) -> Callable[[], asyncio.Future[None]] | None:
-    """The server's watcher of this request's client, if it offers one (`GONE_EXTENSION`)."""
-    extensions = scope.get("extensions") or {}
-    gone = (extensions.get(GONE_EXTENSION) or {}).get("gone")
-    return gone if callable(gone) else None
 
 
 def _saw_disconnect(task: asyncio.Future[None]) -> bool:

@@ -35,7 +35,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.drain import Drain
-from gateway.server.extensions import ABORT_EXTENSION, HOLD_HEAD_EXTENSION
+from gateway.server.extensions import ABORT_EXTENSION, HOLD_HEAD_EXTENSION, hook
 from gateway.wire.base import StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
@@ -338,16 +338,12 @@ def _being_cancelled() -> bool:
 def _hold_of(scope: Scope) -> Callable[[], object] | None:
     """The server's hook that holds the response head for the next write, if it offers one
     (`gateway.server.connection`)."""
-    extensions = scope.get("extensions") or {}
-    hook = (extensions.get(HOLD_HEAD_EXTENSION) or {}).get("hold")
-    return hook if callable(hook) else None
+    return hook(scope, HOLD_HEAD_EXTENSION, "hold")
 
 
 def _abort_of(scope: Scope) -> Callable[[], object] | None:
     """The server's abort hook for this connection, if it offers one (gateway.server.serve)."""
-    extensions = scope.get("extensions") or {}
-    hook = (extensions.get(ABORT_EXTENSION) or {}).get("abort")
-    return hook if callable(hook) else None
+    return hook(scope, ABORT_EXTENSION, "abort")
 
 
 async def _await_disconnect(scope: Scope, receive: Receive) -> None:

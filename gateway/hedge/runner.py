@@ -116,11 +116,7 @@ def attempt_runner(
                 raise UpstreamRejectedRequest(exc.status) from None
             raise
         finally:
-            record.ended = clock()
-            if trace is not None:
-                trace.attempt_ended(record)
-            if record.on_end is not None:  # the race takes it up in the next turn
-                record.on_end()
+            _ended(record, clock(), trace)
 
     async def run_translated(backend: str, record: AttemptRecord, is_lost: Callable[[], bool],
                              translation: Translation, sent: Mapping[str, Any]) -> Prefix:
@@ -149,15 +145,21 @@ def attempt_runner(
                 prefix = await open_whole_response(provider, call, is_lost, backend_protocol,
                                                    seen)
         finally:
-            record.ended = clock()
-            if trace is not None:
-                trace.attempt_ended(record)
-            if record.on_end is not None:  # the race takes it up in the next turn
-                record.on_end()
+            _ended(record, clock(), trace)
         prefix.translation = translation
         return prefix
 
     return run
+
+
+def _ended(record: AttemptRecord, now: float, trace: AttemptTrace | None) -> None:
+    """An attempt's runner returned or raised: its end time, its trace's span, and the race's
+    wake-up (`AttemptRecord.on_end`: the race takes it up in the next turn)."""
+    record.ended = now
+    if trace is not None:
+        trace.attempt_ended(record)
+    if record.on_end is not None:
+        record.on_end()
 
 
 async def race_over(backend: str, record: AttemptRecord) -> Prefix:

@@ -8,7 +8,9 @@ nothing from the API layer and the API layer reads the server's own names.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 #: `{"abort": Callable[[], object]}`: drop the connection now, unsent bytes and all. Without
 #: it, a stuck client's connection can only be left to the server, which waits for the unsent
@@ -38,3 +40,11 @@ class FailedKeys:
     """Wrong keys seen on one client connection (one per connection, freed with it)."""
 
     count: int = 0
+
+
+def hook(scope: Mapping[str, Any], extension: str, name: str) -> Callable[..., Any] | None:
+    """The callable `name` of the server's `extension` in a request's scope, if the server
+    offers it (None under another server)."""
+    offered = (scope.get("extensions") or {}).get(extension) or {}
+    found = offered.get(name)
+    return found if callable(found) else None

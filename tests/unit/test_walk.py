@@ -76,6 +76,9 @@ HELPERS = {
     # leaves (`gateway.api.admission`, apart from the proxy for this)
     "gateway/api/admission.py": "the admission counters, shared by three steps",
     "gateway/settings/hidden.py": "the secret rules the log's model name is read through",
+    # the server's hooks in the scope (hold the head, abort, the client gone): the proxy and
+    # the stream each read the ones they use, as they read the scope itself
+    "gateway/server/extensions.py": "the server's hooks, read from the scope",
 }
 
 #: the files of the app's background loops (the delays' refresh, the retired providers'
