@@ -87,7 +87,7 @@ class RequestEnd:
         the proxy."""
         summary = self.summary
         summary.relay_end = early_end or outcome.end
-        summary.usage, summary.relayed = outcome.usage, outcome.events
+        summary.take_relayed(outcome)  # taken as the stream was done with it too: the same
         await self()
 
     async def __call__(self) -> None:

@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -420,6 +420,13 @@ class Proxy:
 
         raw_headers = [*SSE_HEAD, *[(k.lower().encode("latin-1"), v.encode("latin-1"))
                                     for k, v in headers.items()]]
+        # as the stream is done with the relay, before its last byte goes out: what the relay
+        # counted goes to the summary (a key's charge reads it then, `gateway.api.tenancy`),
+        # and the winner's slot goes back
+        exhausted: tuple[Callable[[], None], ...] = (
+            functools.partial(end.summary.take_relayed, outcome),)
+        if leftovers.release is not None:
+            exhausted += (leftovers.release,)
         stream = SSEResponse(
             body,
             raw_headers=raw_headers,
@@ -431,7 +438,7 @@ class Proxy:
             on_close=functools.partial(end.after_stream, outcome),
             # the winner's slot goes back as the last byte goes out, and its TTFT is learnt
             # after the first: the race's leftovers, handed out as data (the race is done)
-            on_exhausted=leftovers.release,
+            on_exhausted=exhausted,
             clock=self.clock,
             client_gone=end.watcher,
             internal_event=internal_event,

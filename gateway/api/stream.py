@@ -64,11 +64,12 @@ class SSEResponse(Response):
     an exception of ours ends its stream, instead of a stream cut without a word.
     `shutdown_event` and `internal_event` may be given as the call that builds them: it
     runs only if the stream ends that way.
-    `on_exhausted`: called (synchronously) once, as soon as the stream is done with `body`:
-    once every byte of it was handed to the server, before the last body message goes out
-    (the relay has read and closed its upstream by then, and the client may send its next
-    request as soon as it sees the end), or, for a stream that ended early, as it closes,
-    before `on_close`.
+    `on_exhausted`: each called (synchronously, in order, each even if one before it raised)
+    once, as soon as the stream is done with `body`: once every byte of it was handed to the
+    server, before the last body message goes out (the relay has read and closed its
+    upstream by then, and the client may send its next request as soon as it sees the end:
+    what that request must meet, the winner's slot given back, the key's tokens charged, is
+    done by then), or, for a stream that ended early, as it closes, before `on_close`.
     `first_ready`: `body` hands over its first piece without waiting (the relay's first
     piece is the committed attempt's first token): it goes out first, with the head in
     one write where the server can hold the head, before the watchers, the ticker and the
@@ -92,7 +93,7 @@ class SSEResponse(Response):
     #: the client disconnects; without one the response watches the client itself
     client_gone: asyncio.Future[None] | None = None
     internal_event: bytes | Callable[[], bytes] = b""
-    on_exhausted: Callable[[], None] | None = None
+    on_exhausted: tuple[Callable[[], None], ...] = ()
     first_ready: bool = False
     on_first_sent: Callable[[], None] | None = None
     status_code: int = 200
@@ -187,7 +188,7 @@ class SSEResponse(Response):
                         self._first_sent()
                 finally:
                     try:
-                        if self.on_exhausted is not None:
+                        if self.on_exhausted:
                             self._done_with_body()
                     finally:
                         await self.on_close(None if self._exhausted else self.end)
@@ -240,9 +241,8 @@ class SSEResponse(Response):
 
     def _done_with_body(self) -> None:
         """`on_exhausted`, once."""
-        hook, self.on_exhausted = self.on_exhausted, None
-        if hook is not None:
-            hook()
+        hooks, self.on_exhausted = self.on_exhausted, ()
+        _call_each(hooks)
 
     async def _pump(self, send: Send) -> None:
         async for chunk in self.body_iterator:
@@ -382,3 +382,13 @@ class _Ticker:
             await asyncio.wait({task})
             if not task.cancelled() and task.exception() is not None:  # a bug of ours
                 log.error("the stream's ticker failed", exc_info=task.exception())
+
+
+def _call_each(hooks: tuple[Callable[[], None], ...]) -> None:
+    """Calls each of `hooks` in order, each even if one before it raised (the first error
+    propagates once all have run)."""
+    if hooks:
+        try:
+            hooks[0]()
+        finally:
+            _call_each(hooks[1:])

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.end import SUMMARY_KEY
 from gateway.api.keys import KeyRing
+from gateway.api.stream import SSEResponse
 from gateway.clock import Clock
 from gateway.errors import (
     BudgetExceeded,
@@ -238,32 +239,45 @@ class TenantGate:
             if limits.lease is not None and limits.lease.wanted:
                 self.wake()  # prefetch: the next request must not find the slice empty
         state = request.scope.setdefault("state", {})
-        settled = False
+        #: the request's (input, output) tokens, once charged (`charge`); and whether its
+        #: usage was counted (`settle`)
+        tokens: tuple[int | None, int | None] | None = None
+        counted = False
+
+        def charge() -> None:
+            """Once, as the answer's end is about to go out (a stream's as it is done with
+            its body, another answer's before it is sent): the slot back and the tokens
+            charged, so that the client's next request, sent as it reads that end, meets
+            them."""
+            nonlocal tokens
+            if tokens is not None:
+                return
+            summary = state.get(SUMMARY_KEY)
+            tokens = charged(summary if isinstance(summary, RequestSummary) else None,
+                             estimated)
+            if limits is not None:
+                limits.settle(self.clock(), estimated, *tokens, leased=leased)
+                if limits.lease is not None and limits.lease.wanted:
+                    self.wake()
 
         def settle() -> None:
-            """Once, after the answer: the slot back, the usage counted and charged."""
-            nonlocal settled
-            if settled:
+            """Once, after the answer (the request has ended: its cost is known): charged if
+            it was not yet, and its usage counted."""
+            nonlocal counted
+            charge()
+            if counted or tokens is None:
                 return
-            settled = True
+            counted = True
             summary = state.get(SUMMARY_KEY)
-            if not isinstance(summary, RequestSummary):
-                summary = None
             counts = self.usage.get(tenant.name)
             if counts is None:
                 counts = self.usage[tenant.name] = [0, 0, 0, 0]
             counts[0] += 1
-            input_tokens, output_tokens = charged(summary, estimated)
-            counts[1] += input_tokens or 0
-            counts[2] += output_tokens or 0
-            cost = None if summary is None else summary.cost
+            counts[1] += tokens[0] or 0
+            counts[2] += tokens[1] or 0
+            cost = summary.cost if isinstance(summary, RequestSummary) else None
             if cost is not None:
                 counts[3] += round(cost * MICRO)
-            if limits is not None:
-                limits.settle(self.clock(), estimated, input_tokens, output_tokens,
-                              leased=leased)
-                if limits.lease is not None and limits.lease.wanted:
-                    self.wake()
 
         try:  # no await between the admission and here: the slot cannot leak
             response = await handle()  # the answer, errors included (`gateway.api.answer`)
@@ -271,7 +285,7 @@ class TenantGate:
             settle()
             raise
         if not sent_upstream(state.get(SUMMARY_KEY)):  # refused by the gateway itself
-            settled = True  # nothing to settle: a refused request takes nothing
+            tokens, counted = (None, None), True  # nothing to settle: it takes nothing
             if limits is not None:
                 limits.refund(self.clock(), estimated, leased=leased)
                 headers = ratelimit_headers(limits.quotas(), anthropic=anthropic,
@@ -280,7 +294,7 @@ class TenantGate:
             return response
         if headers is not None:
             answer_headers(response.raw_headers, headers)
-        return Settled(response, settle)
+        return Settled(response, charge, settle)
 
 
 def _any_budget(tenants: Tenants) -> bool:
@@ -316,19 +330,30 @@ def charged(summary: RequestSummary | None, estimated: int) -> tuple[int | None,
 
 
 class Settled(Response):
-    """Sends `response` (the proxy's answer: its own end runs inside it), then calls `settle`.
-    `settle` is plain code, no await, so a `finally` runs it whatever happens to the sending,
-    a cancellation included, without the cost of a shielded scope per request."""
+    """Sends `response` (the proxy's answer: its own end runs inside it) with the key's
+    `charge` made before its end goes out, then calls `settle`. A stream charges as it is done
+    with its body, before its last body message (`SSEResponse.on_exhausted`); any other answer
+    is whole when it is built (its usage read, its winner chosen), and charges before it is
+    sent. Both are plain code, no await, so a `finally` runs `settle` (which charges first if
+    that never came) whatever happens to the sending, a cancellation included, without the
+    cost of a shielded scope per request."""
 
-    def __init__(self, response: Response, settle: Callable[[], None]) -> None:
+    def __init__(self, response: Response, charge: Callable[[], None],
+                 settle: Callable[[], None]) -> None:
         self.response = response
         self.settle = settle
         self.status_code = response.status_code
         self.raw_headers = response.raw_headers
         self.background = None
+        self.charge: Callable[[], None] | None = charge
+        if isinstance(response, SSEResponse):
+            response.on_exhausted += (charge,)
+            self.charge = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
+            if self.charge is not None:
+                self.charge()
             await self.response(scope, receive, send)
         finally:
             self.settle()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from gateway.hedge.budget import SuppressReason
 from gateway.hedge.sizing import RequestSize
-from gateway.wire.base import StreamEnd
+from gateway.wire.base import RelayOutcome, StreamEnd
 from gateway.wire.usage import Usage
 
 if TYPE_CHECKING:
@@ -68,6 +68,12 @@ class RequestSummary:
     translated: str | None = None
     #: its TTFT objective in seconds (None: none): met or missed, counted per key
     objective: float | None = None
+
+    def take_relayed(self, outcome: RelayOutcome) -> None:
+        """What the relay of a streamed answer counted (its usage, the events it relayed),
+        taken as the stream is done with it: before the stream's last byte goes out, when a
+        client key's charge reads them (`gateway.api.tenancy`)."""
+        self.usage, self.relayed = outcome.usage, outcome.events
 
     def attach(
         self,

@@ -346,6 +346,53 @@ def test_output_tokens_are_charged_from_the_usage_once_the_stream_has_ended(
     assert over.value.response.headers["x-ratelimit-remaining-output-tokens"] == "0"
 
 
+#: each inference route of a key, streamed and not: the request's body (with `stream`)
+CHARGED_ROUTES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"model": "alpha", "messages": MESSAGES},
+    "/v1/messages": {"model": "alpha", "max_tokens": 64, "messages": MESSAGES},
+}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("route", sorted(CHARGED_ROUTES))
+def test_a_keys_charge_is_made_before_the_answers_last_byte_goes_out(
+    loop_thread: LoopThread, route: str, stream: bool
+) -> None:
+    """A client may send its next request as soon as it reads the end of an answer (the SDKs
+    do, on the same connection or another): so the key's slot and the answer's tokens are
+    settled before that end goes out, and the next request meets them. Read by a layer in
+    front of the app as the server is handed the answer's last body message: the key holds
+    no request in flight and its output bucket has the thirty tokens taken."""
+    profile = SimProfile(ttft_median=0.0, ttft_sigma=0.0, straggler_probability=0.0,
+                         tokens=30, inter_token=0.0, usage=True)
+    settings = keyed(TenantKeySettings("team-a", key=TEAM_A,
+                                       limits=TenantLimits(output_tokens_per_minute=100)),
+                     pools=(sim_pool("alpha", profile),))
+    at_last_byte: list[tuple[int, float]] = []
+
+    def recorder(app: Any) -> Any:
+        async def front(scope: Any, receive: Any, send: Any) -> None:
+            async def recording(message: Any) -> None:
+                if message["type"] == "http.response.body" \
+                        and not message.get("more_body", False):
+                    limits = app.state.tenant_gate.tenants.find(TEAM_A).limits
+                    at_last_byte.append((limits.in_flight, limits.output.level))
+                await send(message)
+
+            await app(scope, receive, recording)
+
+        return front
+
+    gateway = GatewayFactory(loop_thread)(settings, wrap=recorder)
+    body = {**CHARGED_ROUTES[route], "stream": stream}
+    with httpx.Client(base_url=gateway.root, timeout=10.0) as client:
+        answer = client.post(route, json=body, headers={"authorization": f"Bearer {TEAM_A}"})
+    assert answer.status_code == 200, answer.text
+    ((in_flight, output_left),) = at_last_byte
+    assert in_flight == 0
+    assert output_left <= 100 - 30 + 1  # charged (the bucket refills a little meanwhile)
+
+
 def output_limited(upstream_url: str) -> Settings:
     """A key of ten output tokens a minute on one scripted upstream, with nothing hedged."""
     pool = PoolSettings("alpha", (BackendSettings("u", "openai", "m", upstream_url),),
