@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,7 @@ from gateway.stats.requestlog import log_request
 from gateway.stats.spend import summary_cost
 from gateway.tenants.spend import cost_text
 from gateway.wire.base import (
+    Hooks,
     RelayOutcome,
     Rewrite,
     StreamEnd,
@@ -389,8 +390,8 @@ class Proxy:
     ) -> SSEResponse:
         """The stream that relays the winner: built as data (the stream's code first runs
         when the app sends it), with what the race left for it: the winner's backend slot,
-        given back as the last byte goes out, and its TTFT, learnt after the first (each
-        taken from the leftovers, so the end does not give them back again)."""
+        given back as the stream is complete (`Hooks`), and its TTFT, learnt after the first
+        piece (each taken from the leftovers, so the end does not give them back again)."""
         outcome = RelayOutcome(strip_usage=strip_usage)
         timeouts = pool.settings.timeouts
         protocol = req.protocol
@@ -420,13 +421,12 @@ class Proxy:
 
         raw_headers = [*SSE_HEAD, *[(k.lower().encode("latin-1"), v.encode("latin-1"))
                                     for k, v in headers.items()]]
-        # as the stream is done with the relay, before its last byte goes out: what the relay
-        # counted goes to the summary (a key's charge reads it then, `gateway.api.tenancy`),
-        # and the winner's slot goes back
-        exhausted: tuple[Callable[[], None], ...] = (
-            functools.partial(end.summary.take_relayed, outcome),)
+        # once the stream is complete (the relay has its end event, or the stream is done
+        # with the relay): what the relay counted goes to the summary (a key's charge reads
+        # it then, `gateway.api.tenancy`), and the winner's slot goes back
+        outcome.on_done = done = Hooks(functools.partial(end.summary.take_relayed, outcome))
         if leftovers.release is not None:
-            exhausted += (leftovers.release,)
+            done.add(leftovers.release)
         stream = SSEResponse(
             body,
             raw_headers=raw_headers,
@@ -436,9 +436,9 @@ class Proxy:
             grace=self.server.shutdown_grace,
             shutdown_event=shutdown_event,
             on_close=functools.partial(end.after_stream, outcome),
-            # the winner's slot goes back as the last byte goes out, and its TTFT is learnt
-            # after the first: the race's leftovers, handed out as data (the race is done)
-            on_exhausted=exhausted,
+            # the winner's slot goes back as the stream is complete, and its TTFT is learnt
+            # after the first piece: the race's leftovers, handed out as data (the race is done)
+            on_exhausted=done,
             clock=self.clock,
             client_gone=end.watcher,
             internal_event=internal_event,

@@ -36,7 +36,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.drain import Drain
 from gateway.server.extensions import ABORT_EXTENSION, HOLD_HEAD_EXTENSION, hook
-from gateway.wire.base import StreamEnd
+from gateway.wire.base import Hooks, StreamEnd
 
 KEEPALIVE = b": keep-alive\n\n"
 log = logging.getLogger("hedge_gateway.sse")
@@ -64,12 +64,11 @@ class SSEResponse(Response):
     an exception of ours ends its stream, instead of a stream cut without a word.
     `shutdown_event` and `internal_event` may be given as the call that builds them: it
     runs only if the stream ends that way.
-    `on_exhausted`: each called (synchronously, in order, each even if one before it raised)
-    once, as soon as the stream is done with `body`: once every byte of it was handed to the
-    server, before the last body message goes out (the relay has read and closed its
-    upstream by then, and the client may send its next request as soon as it sees the end:
-    what that request must meet, the winner's slot given back, the key's tokens charged, is
-    done by then), or, for a stream that ended early, as it closes, before `on_close`.
+    `on_exhausted`: what the stream owes its request once it is complete (`Hooks`, which
+    make each call once): called as the stream is done with `body`, once every byte of it
+    was handed to the server, before the last body message goes out, or, for a stream that
+    ended early, as it closes, before `on_close`; the relay may have called them already, as
+    it encoded the stream's end event (`RelayOutcome.on_done`).
     `first_ready`: `body` hands over its first piece without waiting (the relay's first
     piece is the committed attempt's first token): it goes out first, with the head in
     one write where the server can hold the head, before the watchers, the ticker and the
@@ -93,7 +92,7 @@ class SSEResponse(Response):
     #: the client disconnects; without one the response watches the client itself
     client_gone: asyncio.Future[None] | None = None
     internal_event: bytes | Callable[[], bytes] = b""
-    on_exhausted: tuple[Callable[[], None], ...] = ()
+    on_exhausted: Hooks | None = None
     first_ready: bool = False
     on_first_sent: Callable[[], None] | None = None
     status_code: int = 200
@@ -188,8 +187,8 @@ class SSEResponse(Response):
                         self._first_sent()
                 finally:
                     try:
-                        if self.on_exhausted:
-                            self._done_with_body()
+                        if self.on_exhausted is not None:
+                            self.on_exhausted()
                     finally:
                         await self.on_close(None if self._exhausted else self.end)
                 if not self._completed and self.end in _ABORTED:
@@ -239,11 +238,6 @@ class SSEResponse(Response):
         if hook is not None:
             hook()
 
-    def _done_with_body(self) -> None:
-        """`on_exhausted`, once."""
-        hooks, self.on_exhausted = self.on_exhausted, ()
-        _call_each(hooks)
-
     async def _pump(self, send: Send) -> None:
         async for chunk in self.body_iterator:
             self._sends += 1
@@ -251,7 +245,8 @@ class SSEResponse(Response):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self._in_send = False
         self._exhausted = True
-        self._done_with_body()
+        if self.on_exhausted is not None:
+            self.on_exhausted()
 
     def _watch(self, receive: Receive, tg: anyio.abc.TaskGroup) -> bool:
         """End the stream when the client disconnects: through the proxy's watcher when
@@ -383,12 +378,3 @@ class _Ticker:
             if not task.cancelled() and task.exception() is not None:  # a bug of ours
                 log.error("the stream's ticker failed", exc_info=task.exception())
 
-
-def _call_each(hooks: tuple[Callable[[], None], ...]) -> None:
-    """Calls each of `hooks` in order, each even if one before it raised (the first error
-    propagates once all have run)."""
-    if hooks:
-        try:
-            hooks[0]()
-        finally:
-            _call_each(hooks[1:])

@@ -6,7 +6,8 @@ pool (the pool, the TTFT objective) is `gateway.api.terms`, a later step of the 
 rules, `gateway.api.keys.KeyRing`) and the named keys of `keys:` (`gateway.tenants`). While
 neither holds a key, `active` is False and a request pays that one test. A key with limits
 has each admitted request wrapped (`limited`): the limits' headers go on the answer, whatever
-it is, and once it has ended, its slot goes back and the upstream's usage is charged.
+it is; as the answer ends (before the client can see that end: `Settled`) its slot goes back
+and the upstream's usage is charged, and once the request has ended its usage is counted.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from gateway.tenants.lease import Leasing
 from gateway.tenants.limits import Refusal
 from gateway.tenants.registry import Tenant, Tenants
 from gateway.tenants.spend import MICRO, PeriodSpend, over_budget
+from gateway.wire.base import Hooks
 
 #: the key in a request's scope state under which a named key's tenant is kept, so that an
 #: error the route raises before admission still states the key's quotas
@@ -215,8 +217,8 @@ class TenantGate:
     async def limited(self, request: Request, tenant: Tenant, body_bytes: int, *,
                       anthropic: bool, handle: Callable[[], Awaitable[Response]]) -> Response:
         """Run `handle` (the proxy) for a request of a named key, or refuse it with 429 when
-        one of its limits says so; once it has ended, its usage is counted (and its limits
-        charged)."""
+        one of its limits says so; its limits are charged as its answer ends (`Settled`), and
+        its usage is counted once it has ended."""
         limits = tenant.limits
         estimated = estimate_tokens(body_bytes)
         headers: list[tuple[bytes, bytes]] | None = None
@@ -252,6 +254,7 @@ class TenantGate:
             nonlocal tokens
             if tokens is not None:
                 return
+            tokens = (None, None)  # (if what follows raises, a bug: it is not tried again)
             summary = state.get(SUMMARY_KEY)
             tokens = charged(summary if isinstance(summary, RequestSummary) else None,
                              estimated)
@@ -331,12 +334,14 @@ def charged(summary: RequestSummary | None, estimated: int) -> tuple[int | None,
 
 class Settled(Response):
     """Sends `response` (the proxy's answer: its own end runs inside it) with the key's
-    `charge` made before its end goes out, then calls `settle`. A stream charges as it is done
-    with its body, before its last body message (`SSEResponse.on_exhausted`); any other answer
-    is whole when it is built (its usage read, its winner chosen), and charges before it is
-    sent. Both are plain code, no await, so a `finally` runs `settle` (which charges first if
-    that never came) whatever happens to the sending, a cancellation included, without the
-    cost of a shielded scope per request."""
+    `charge` made before its end goes out, then calls `settle`. A stream charges as it is
+    complete, before the piece that carries its end event (`SSEResponse.on_exhausted`, which
+    the relay calls then); any other answer is whole when it is built (its usage read, its
+    winner chosen) and charges before it is sent, and is sent even if the charge fails (a bug
+    of ours: it propagates once the answer and the request's end have run). Both are plain
+    code, no await, so a `finally` runs `settle` (which charges first if that never came)
+    whatever happens to the sending, a cancellation included, without the cost of a shielded
+    scope per request."""
 
     def __init__(self, response: Response, charge: Callable[[], None],
                  settle: Callable[[], None]) -> None:
@@ -347,14 +352,18 @@ class Settled(Response):
         self.background = None
         self.charge: Callable[[], None] | None = charge
         if isinstance(response, SSEResponse):
-            response.on_exhausted += (charge,)
+            if response.on_exhausted is None:
+                response.on_exhausted = Hooks()
+            response.on_exhausted.add(charge)
             self.charge = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            if self.charge is not None:
-                self.charge()
-            await self.response(scope, receive, send)
+            try:
+                if self.charge is not None:
+                    self.charge()
+            finally:
+                await self.response(scope, receive, send)
         finally:
             self.settle()
 

@@ -257,6 +257,8 @@ async def relay(
             out, before = _cut_at_error(prefix.buffered, encode, request_id, outcome, protocol)
             kept, pending = [SSEBatch(before)], "upstream reported an error"
             outcome.events = len(before)
+        if outcome.end is StreamEnd.DONE and outcome.on_done is not None:
+            outcome.on_done()  # complete: owed before its end goes out (`Hooks`)
         yield out
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
@@ -334,6 +336,8 @@ async def relay(
                         else:  # too long to continue: breaks end as they did, counted
                             kept, over = None, True
                             deadlines.stall = math.inf
+                    if ended is StreamEnd.DONE and outcome.on_done is not None:
+                        outcome.on_done()  # complete: owed before its end goes out
                     yield out
                     if broke is None:
                         if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
@@ -373,6 +377,8 @@ async def relay(
                 longest, stalled = 0.0, False
                 deadlines.rearm()
                 deadlines.set_stall(resume.stall_delay(backend))
+                if first_end is StreamEnd.DONE and outcome.on_done is not None:
+                    outcome.on_done()  # complete: owed before its end goes out
                 yield out
                 if outcome.end != StreamEnd.CLIENT_GONE:
                     break

@@ -71,8 +71,8 @@ class RequestSummary:
 
     def take_relayed(self, outcome: RelayOutcome) -> None:
         """What the relay of a streamed answer counted (its usage, the events it relayed),
-        taken as the stream is done with it: before the stream's last byte goes out, when a
-        client key's charge reads them (`gateway.api.tenancy`)."""
+        taken as the stream is complete (`gateway.wire.base.Hooks`): before the client can see
+        its end, when a client key's charge reads them (`gateway.api.tenancy`)."""
         self.usage, self.relayed = outcome.usage, outcome.events
 
     def attach(

@@ -67,6 +67,42 @@ class StreamEnd(StrEnum):
 ERROR_ENDS: tuple[StreamEnd, ...] = tuple(end for end in StreamEnd if end is not StreamEnd.DONE)
 
 
+class Hooks:
+    """What a streamed answer owes its request as soon as it is complete (the relay's counts
+    into the summary, the winner's backend slot, a client key's charge): each call added is
+    made once, in order, each even if one before it raised (the first error propagates once
+    all have run). Called by whichever comes first: the relay, as it has encoded the
+    stream's end event and before that piece goes out (a client may send its next request as
+    soon as it reads it, and the relay may still read the upstream's last bytes for a while),
+    or the client stream, as it is done with the relay's body or ends early."""
+
+    __slots__ = ("called", "calls")
+
+    def __init__(self, *calls: Callable[[], None]) -> None:
+        self.calls: tuple[Callable[[], None], ...] = calls
+        self.called = False
+
+    def add(self, call: Callable[[], None]) -> None:
+        """`call` too, after the others (made at once if the hooks were called already)."""
+        if self.called:
+            call()
+        else:
+            self.calls += (call,)
+
+    def __call__(self) -> None:
+        if self.called:
+            return
+        calls, self.calls, self.called = self.calls, (), True
+        error: BaseException | None = None
+        for call in calls:
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - the rest run; the first propagates
+                error = error or exc
+        if error is not None:
+            raise error
+
+
 @dataclass(slots=True)
 class RelayOutcome:
     """What the relay learnt of a stream after commit: how it ended, the usage it reported."""
@@ -80,6 +116,9 @@ class RelayOutcome:
     #: a key is charged, one token per event, when the stream reported no usage (the client
     #: left before it, or the backend never reports one in a stream)
     events: int = 0
+    #: called as the stream's end event is encoded, before the piece that carries it goes
+    #: out (`Hooks`); None: nothing owed then (a whole answer's relay)
+    on_done: Hooks | None = None
 
 
 #: (events, request id, outcome) -> the client's bytes for them; sets `outcome.end` when the

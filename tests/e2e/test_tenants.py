@@ -28,6 +28,7 @@ import httpx
 import openai
 import pytest
 
+import gateway.hedge.relay as relay_module
 from gateway.settings import (
     BackendSettings,
     DelaySettings,
@@ -391,6 +392,74 @@ def test_a_keys_charge_is_made_before_the_answers_last_byte_goes_out(
     ((in_flight, output_left),) = at_last_byte
     assert in_flight == 0
     assert output_left <= 100 - 30 + 1  # charged (the bucket refills a little meanwhile)
+
+
+def held_after_done(gate: Gate) -> list[Step]:
+    """A stream of thirty tokens with their usage and `[DONE]`, whose body then stays open
+    until `gate` opens (the relay reads on after `[DONE]`, briefly, for the body's end)."""
+    steps: list[Step] = [Head(), Send(role_chunk())]
+    steps += [Send(token_chunk(f"tok{i} ")) for i in range(30)]
+    return [*steps, Send(finish_chunk()), Send(usage_chunk(5, 30)), Send(DONE), Wait(gate)]
+
+
+@pytest.mark.parametrize("drain", [None, 2.0], ids=["drain-as-set", "drain-2s"])
+def test_a_request_sent_as_the_client_reads_done_meets_the_charge(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory,
+    monkeypatch: pytest.MonkeyPatch, drain: float | None,
+) -> None:
+    """`[DONE]` is the end of the answer for a client (the OpenAI SDK closes the response
+    there): one that sends its next request as it reads it meets the key's charge, even
+    while the relay still waits on the upstream's last bytes (here for as long as the relay
+    reads after `[DONE]`, its bound widened to 2 s in the second case)."""
+    if drain is not None:
+        monkeypatch.setattr(relay_module, "DRAIN_TIMEOUT", drain)
+    gate = Gate()
+    (upstream,) = scripted_upstream(1, responder=lambda request: Script(
+        headers=SSE_HEADERS, steps=held_after_done(gate)) if request.body.get("stream")
+        else json_script(chat_completion_obj()))
+    gateway = GatewayFactory(loop_thread)(output_limited(upstream.base_url))
+    body = {"model": "alpha", "messages": MESSAGES, "stream": True}
+    auth = {"authorization": f"Bearer {TEAM_A}"}
+    try:
+        with httpx.Client(base_url=gateway.root, timeout=10.0) as first, \
+                httpx.Client(base_url=gateway.root, timeout=10.0) as second, \
+                first.stream("POST", "/v1/chat/completions", json=body, headers=auth) as held:
+            lines = held.iter_lines()
+            data_lines(lines, "[DONE]")
+            following = second.post("/v1/chat/completions", headers=auth,
+                                    json={"model": "alpha", "messages": MESSAGES})
+            gate.open()
+            for _ in lines:
+                pass
+    finally:
+        gate.open()
+    assert following.status_code == 429, following.text
+    assert "output tokens" in following.text
+
+
+def test_the_openai_sdks_next_request_meets_the_charge_of_its_stream(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """The official SDK ends a stream at `[DONE]` and sends its next request at once, while
+    the upstream's body is still open: the next request is refused for the thirty output
+    tokens the stream reported."""
+    gate = Gate()
+    (upstream,) = scripted_upstream(1, responder=lambda request: Script(
+        headers=SSE_HEADERS, steps=held_after_done(gate)) if request.body.get("stream")
+        else json_script(chat_completion_obj()))
+    gateway = GatewayFactory(loop_thread)(output_limited(upstream.base_url))
+    try:
+        with openai_client(gateway.root, TEAM_A) as client:
+            chunks = list(client.chat.completions.create(
+                model="alpha", messages=MESSAGES, stream=True,
+                stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+            assert usage is not None and usage.completion_tokens == 30
+            with pytest.raises(openai.RateLimitError) as over:
+                client.chat.completions.create(model="alpha", messages=MESSAGES)
+    finally:
+        gate.open()
+    assert "output tokens" in over.value.message
 
 
 def output_limited(upstream_url: str) -> Settings:

@@ -12,6 +12,7 @@ import pytest
 
 from gateway.api.stream import SSEResponse
 from gateway.drain import Drain
+from gateway.wire.base import Hooks
 from tests.harness.virtualtime import VirtualLoop, run_virtual
 
 
@@ -166,7 +167,7 @@ def test_a_stream_that_ends_early_still_calls_each_hook_once_before_its_close(
                              drain=Drain(loop.time), grace=1.0, shutdown_event=b"",
                              on_close=on_close, clock=loop.time, first_ready=True,
                              on_first_sent=lambda: seen.append("first"),
-                             on_exhausted=(lambda: seen.append("exhausted"),))
+                             on_exhausted=Hooks(lambda: seen.append("exhausted")))
         await stream({"type": "http"}, never, send)
         return seen
 
