@@ -254,14 +254,16 @@ class TenantGate:
             nonlocal tokens
             if tokens is not None:
                 return
-            tokens = (None, None)  # (if what follows raises, a bug: it is not tried again)
-            summary = state.get(SUMMARY_KEY)
-            tokens = charged(summary if isinstance(summary, RequestSummary) else None,
-                             estimated)
-            if limits is not None:
-                limits.settle(self.clock(), estimated, *tokens, leased=leased)
-                if limits.lease is not None and limits.lease.wanted:
-                    self.wake()
+            tokens = (None, None)  # (what follows is made once, even if it fails: a bug)
+            try:
+                summary = state.get(SUMMARY_KEY)
+                tokens = charged(summary if isinstance(summary, RequestSummary) else None,
+                                 estimated)
+            finally:  # the slot goes back whatever the count did
+                if limits is not None:
+                    limits.settle(self.clock(), estimated, *tokens, leased=leased)
+                    if limits.lease is not None and limits.lease.wanted:
+                        self.wake()
 
         def settle() -> None:
             """Once, after the answer (the request has ended: its cost is known): charged if

@@ -257,8 +257,8 @@ async def relay(
             out, before = _cut_at_error(prefix.buffered, encode, request_id, outcome, protocol)
             kept, pending = [SSEBatch(before)], "upstream reported an error"
             outcome.events = len(before)
-        if outcome.end is StreamEnd.DONE and outcome.on_done is not None:
-            outcome.on_done()  # complete: owed before its end goes out (`Hooks`)
+        if outcome.end is not StreamEnd.CLIENT_GONE:  # the last piece (`_owed`)
+            _owed(outcome)
         yield out
         if outcome.end == StreamEnd.CLIENT_GONE:
             deadlines = _Deadlines(idle, max_stream_deadline, clock)
@@ -336,8 +336,8 @@ async def relay(
                         else:  # too long to continue: breaks end as they did, counted
                             kept, over = None, True
                             deadlines.stall = math.inf
-                    if ended is StreamEnd.DONE and outcome.on_done is not None:
-                        outcome.on_done()  # complete: owed before its end goes out
+                    if outcome.end is not StreamEnd.CLIENT_GONE:  # the last piece
+                        _owed(outcome)
                     yield out
                     if broke is None:
                         if outcome.end != StreamEnd.CLIENT_GONE or deadlines.expired is not None:
@@ -346,6 +346,7 @@ async def relay(
                 if taken is None:
                     if kept is None or resume is None:  # ended without its end event
                         outcome.end = StreamEnd.TRUNCATED
+                        _owed(outcome)
                         yield error_event(
                             "upstream stream ended before completion", "stream_truncated",
                             request_id,
@@ -357,6 +358,7 @@ async def relay(
                         taken = await resume(_relayed(kept), backend)
                     if taken is None:
                         outcome.end = StreamEnd.FAILED if broke else StreamEnd.TRUNCATED
+                        _owed(outcome)
                         yield error_event(*_break_error(broke, idle), request_id)
                         return
                 elif resume is not None:
@@ -377,8 +379,8 @@ async def relay(
                 longest, stalled = 0.0, False
                 deadlines.rearm()
                 deadlines.set_stall(resume.stall_delay(backend))
-                if first_end is StreamEnd.DONE and outcome.on_done is not None:
-                    outcome.on_done()  # complete: owed before its end goes out
+                if outcome.end is not StreamEnd.CLIENT_GONE:  # the last piece
+                    _owed(outcome)
                 yield out
                 if outcome.end != StreamEnd.CLIENT_GONE:
                     break
@@ -386,12 +388,14 @@ async def relay(
                 pass
             elif deadlines.expired == "too_long":
                 outcome.end = StreamEnd.TOO_LONG
+                _owed(outcome)
                 yield error_event(
                     "stream exceeded the maximum duration", "stream_timeout", request_id
                 )
                 return
             elif deadlines.expired == "idle":
                 outcome.end = StreamEnd.FAILED
+                _owed(outcome)
                 yield error_event(
                     f"upstream failed mid-stream: read timeout (no event within {idle:g} s)",
                     "upstream_failed", request_id,
@@ -403,6 +407,7 @@ async def relay(
             await _drain(prefix.batches)
     except UpstreamError as exc:
         outcome.end = StreamEnd.FAILED
+        _owed(outcome)
         yield error_event(
             f"upstream failed mid-stream: {exc.reason}", "upstream_failed", request_id
         )
@@ -414,6 +419,20 @@ async def relay(
         if rival is not None:
             await _drop(rival)
         await prefix.aclose()
+
+
+def _owed(outcome: RelayOutcome) -> None:
+    """The stream's last piece is next (its end event, or our error event that ends it): what
+    a complete stream owes its request (`outcome.on_done`: the relay's counts into the
+    summary, the winner's slot, a client key's charge) is made first, as the client may send
+    its next request as soon as it reads that piece. A call that fails (a bug of ours) is
+    logged, and the piece goes out all the same."""
+    done = outcome.on_done
+    if done is not None:
+        try:
+            done()
+        except Exception:  # the client's answer must not pay for a bug of ours: logged
+            log.exception("what a complete stream owes its request failed")
 
 
 def _yielded(task: asyncio.Task[Continued | None]) -> bool:

@@ -394,6 +394,47 @@ def test_a_keys_charge_is_made_before_the_answers_last_byte_goes_out(
     assert output_left <= 100 - 30 + 1  # charged (the bucket refills a little meanwhile)
 
 
+def test_a_stream_cut_short_charges_before_the_error_event_that_ends_it(
+    loop_thread: LoopThread, scripted_upstream: UpstreamFactory
+) -> None:
+    """An upstream body that ends without `[DONE]`: the client's answer ends with our
+    `stream_truncated` event (the SDKs raise there, and the application may send its next
+    request at once), so the key's slot and the thirty relayed tokens are settled before
+    that event goes out (read by a layer in front of the app as the server is handed it)."""
+    steps: list[Step] = [Head(), Send(role_chunk()),
+                         *[Send(token_chunk(f"t{i} ")) for i in range(30)]]
+    (upstream,) = scripted_upstream(1, responder=lambda _request: Script(
+        headers=SSE_HEADERS, steps=steps))
+    pool = PoolSettings("alpha", (BackendSettings("u", "openai", "m", upstream.base_url),),
+                        hedging=NO_HEDGES)
+    settings = keyed(TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(
+        output_tokens_per_minute=100, in_flight=1)), pools=(pool,))
+    at_error: list[tuple[int, float]] = []
+
+    def recorder(app: Any) -> Any:
+        async def front(scope: Any, receive: Any, send: Any) -> None:
+            async def recording(message: Any) -> None:
+                if message["type"] == "http.response.body" \
+                        and b"stream_truncated" in message.get("body", b""):
+                    limits = app.state.tenant_gate.tenants.find(TEAM_A).limits
+                    at_error.append((limits.in_flight, limits.output.level))
+                await send(message)
+
+            await app(scope, receive, recording)
+
+        return front
+
+    gateway = GatewayFactory(loop_thread)(settings, wrap=recorder)
+    with httpx.Client(base_url=gateway.root, timeout=10.0) as client:
+        answer = client.post("/v1/chat/completions",
+                             headers={"authorization": f"Bearer {TEAM_A}"},
+                             json={"model": "alpha", "messages": MESSAGES, "stream": True})
+    assert b"stream_truncated" in answer.content, answer.text
+    ((in_flight, output_left),) = at_error
+    assert in_flight == 0
+    assert output_left <= 100 - 30 + 1  # charged (the bucket refills a little meanwhile)
+
+
 def held_after_done(gate: Gate) -> list[Step]:
     """A stream of thirty tokens with their usage and `[DONE]`, whose body then stays open
     until `gate` opens (the relay reads on after `[DONE]`, briefly, for the body's end)."""

@@ -54,8 +54,8 @@ DONE = SSEEvent(b"[DONE]")
 #: how long the winner's stream lasts after commit (and an error answer is read), virtually
 STREAM_FOR = 5.0
 
-What = Literal["token", "gone+token", "empty", "cut", "hang", "reset", "400", "503",
-               "cancelled"]
+What = Literal["token", "gone+token", "token+done", "empty", "cut", "hang", "reset", "400",
+               "503", "cancelled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +133,10 @@ class FakeStream:
             yield SSEBatch([ROLE])
             return
         yield SSEBatch([ROLE, TOKEN])
+        if step.what == "token+done":  # and its end a second later, in a read of its own
+            await asyncio.sleep(1.0)
+            yield SSEBatch([FINISH, DONE])
+            return
         await world.loop.create_future()
 
     async def aclose(self) -> None:

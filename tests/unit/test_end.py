@@ -30,6 +30,7 @@ from tests.harness.raceworld import (
     HANG,
     Setup,
     Step,
+    What,
     World,
     http_request,
     logical_request,
@@ -320,6 +321,38 @@ def test_the_winners_backend_slot_is_back_before_its_upstream_is_closed() -> Non
         await task
         assert set(world.closed) == set(world.opened)
         assert all(pool.balancer.inflight(b.name) == 0 for b in pool.settings.backends)
+
+    run_virtual(main)
+
+
+@pytest.mark.parametrize("what", ["token+done", "token"])
+def test_a_streams_backend_slot_is_held_while_it_runs_and_back_before_its_end_goes_out(
+        what: What) -> None:
+    """The winner's slot is held while its stream runs (the head and the first token go out
+    with it held) and is back before the piece that ends the stream goes out: its end event
+    (`token+done`: `[DONE]` in a read of its own), or the gateway's error event when the
+    upstream goes quiet past the idle deadline (`token`) and the relay then closes it (3 s
+    here): a client's SDK ends the answer at either, and its next request must not meet the
+    slot."""
+
+    async def main(loop: VirtualLoop) -> None:
+        world = World(loop, close_takes=SLOW_CLOSE)
+        proxy, pool = proxy_for(Setup([Step(what, 0.125)], backends=1), loop, world)
+        response = await proxy.handle(http_request(), pool, logical_request(stream=True))
+        held: list[tuple[bytes, int]] = []
+
+        async def send(message: Any) -> None:
+            inflight = sum(pool.balancer.inflight(b.name) for b in pool.settings.backends)
+            held.append((message.get("body", b""), inflight))
+
+        async def receive() -> Any:
+            await asyncio.get_running_loop().create_future()
+
+        await response({"type": "http"}, receive, send)
+        ending = b"[DONE]" if what == "token+done" else b"upstream_failed"
+        (last,) = [at for at, (body, _) in enumerate(held) if ending in body]
+        assert [n for _, n in held[:2]] == [1, 1]  # the head, the first token: held
+        assert held[last][1] == 0  # the piece that ends the stream: given back before it
 
     run_virtual(main)
 

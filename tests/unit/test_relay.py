@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Mapping
 
 from gateway.hedge.prefix import Prefix
 from gateway.hedge.relay import _Deadlines, relay
-from gateway.wire.base import RelayOutcome, StreamEnd
+from gateway.wire.base import Hooks, RelayOutcome, StreamEnd
 from gateway.wire.chat import CHAT, DONE
 from gateway.wire.sse import SSEBatch, SSEDecoder, SSEEvent
 from gateway.wire.translate.chat_messages_stream import MessagesToChat
@@ -187,3 +187,26 @@ async def test_a_translated_messages_stream_is_counted_event_for_event() -> None
                                         outcome=outcome, protocol=protocol)]
     assert b"".join(out) == expected and outcome.end is StreamEnd.DONE
     assert outcome.events == len(head) + len(run) + 3 + len(end)
+
+
+async def test_what_a_stream_owes_is_made_before_its_last_piece_and_a_bug_in_it_costs_nothing(
+) -> None:
+    """`outcome.on_done` is made as the relay has the end event, before the piece that
+    carries it is yielded (and its counts are final then), once; a call in it that fails (a
+    bug of ours) is logged, and the client still gets the piece, `[DONE]` included."""
+    seen: list[tuple[int, int]] = []
+    upstream = Upstream()
+    prefix = Prefix(upstream, _batches([b"data: " + TOKEN + b"\n\ndata: [DONE]\n\n"]),
+                    [SSEEvent(ROLE), SSEEvent(TOKEN)])
+    out: list[bytes] = []
+    outcome = RelayOutcome()
+
+    def bug() -> None:
+        raise RuntimeError("a bug in a key's charge")
+
+    outcome.on_done = Hooks(lambda: seen.append((len(out), outcome.events)), bug)
+    async for part in relay(prefix, request_id="r", idle=60.0, max_stream_deadline=1e9,
+                            clock=lambda: 0.0, outcome=outcome, protocol=CHAT):
+        out.append(part)
+    assert seen == [(1, 4)]  # before the second piece (the last), with its events counted
+    assert out[-1].endswith(DONE) and outcome.end is StreamEnd.DONE
