@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +347,28 @@ def test_output_tokens_are_charged_from_the_usage_once_the_stream_has_ended(
     assert over.value.response.headers["x-ratelimit-remaining-output-tokens"] == "0"
 
 
+def key_limits_as_sent(picked: Callable[[Any], bool], seen: list[tuple[int, float]]
+                       ) -> Callable[[Any], Any]:
+    """A layer in front of the app (`GatewayFactory`'s `wrap`) that notes TEAM_A's requests
+    in flight and its output bucket's level as the server is handed each body message that
+    `picked` takes: what a client reading that message, and asking again at once, would
+    meet."""
+
+    def recorder(app: Any) -> Any:
+        async def front(scope: Any, receive: Any, send: Any) -> None:
+            async def recording(message: Any) -> None:
+                if message["type"] == "http.response.body" and picked(message):
+                    limits = app.state.tenant_gate.tenants.find(TEAM_A).limits
+                    seen.append((limits.in_flight, limits.output.level))
+                await send(message)
+
+            await app(scope, receive, recording)
+
+        return front
+
+    return recorder
+
+
 #: each inference route of a key, streamed and not: the request's body (with `stream`)
 CHARGED_ROUTES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "alpha", "messages": MESSAGES},
@@ -370,21 +392,8 @@ def test_a_keys_charge_is_made_before_the_answers_last_byte_goes_out(
                                        limits=TenantLimits(output_tokens_per_minute=100)),
                      pools=(sim_pool("alpha", profile),))
     at_last_byte: list[tuple[int, float]] = []
-
-    def recorder(app: Any) -> Any:
-        async def front(scope: Any, receive: Any, send: Any) -> None:
-            async def recording(message: Any) -> None:
-                if message["type"] == "http.response.body" \
-                        and not message.get("more_body", False):
-                    limits = app.state.tenant_gate.tenants.find(TEAM_A).limits
-                    at_last_byte.append((limits.in_flight, limits.output.level))
-                await send(message)
-
-            await app(scope, receive, recording)
-
-        return front
-
-    gateway = GatewayFactory(loop_thread)(settings, wrap=recorder)
+    gateway = GatewayFactory(loop_thread)(settings, wrap=key_limits_as_sent(
+        lambda message: not message.get("more_body", False), at_last_byte))
     body = {**CHARGED_ROUTES[route], "stream": stream}
     with httpx.Client(base_url=gateway.root, timeout=10.0) as client:
         answer = client.post(route, json=body, headers={"authorization": f"Bearer {TEAM_A}"})
@@ -410,21 +419,8 @@ def test_a_stream_cut_short_charges_before_the_error_event_that_ends_it(
     settings = keyed(TenantKeySettings("team-a", key=TEAM_A, limits=TenantLimits(
         output_tokens_per_minute=100, in_flight=1)), pools=(pool,))
     at_error: list[tuple[int, float]] = []
-
-    def recorder(app: Any) -> Any:
-        async def front(scope: Any, receive: Any, send: Any) -> None:
-            async def recording(message: Any) -> None:
-                if message["type"] == "http.response.body" \
-                        and b"stream_truncated" in message.get("body", b""):
-                    limits = app.state.tenant_gate.tenants.find(TEAM_A).limits
-                    at_error.append((limits.in_flight, limits.output.level))
-                await send(message)
-
-            await app(scope, receive, recording)
-
-        return front
-
-    gateway = GatewayFactory(loop_thread)(settings, wrap=recorder)
+    gateway = GatewayFactory(loop_thread)(settings, wrap=key_limits_as_sent(
+        lambda message: b"stream_truncated" in message.get("body", b""), at_error))
     with httpx.Client(base_url=gateway.root, timeout=10.0) as client:
         answer = client.post("/v1/chat/completions",
                              headers={"authorization": f"Bearer {TEAM_A}"},
