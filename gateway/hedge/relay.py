@@ -37,6 +37,7 @@ from gateway.hedge.prefix import Prefix
 from gateway.wire.base import EncodeEvents, Kind, RelayOutcome, Rewrite, StreamEnd, WireProtocol
 from gateway.wire.resume import Splice
 from gateway.wire.sse import SSEBatch, SSEEvent
+from providers.base import finish_despite_cancel
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +283,12 @@ async def relay(
                 broke, pending = pending, None
                 taken: Continued | None = None
                 batch: SSEBatch | None = None
-                if broke is None:
+                if broke is None and rival is not None and rival.done() and _yielded(rival):
+                    # it won while no read was pending (the client was being written to):
+                    # its interrupt found no read to end, and the stalled stream may say
+                    # nothing more until the idle deadline
+                    taken, rival = rival.result(), None
+                elif broke is None:
                     deadlines.reading = True
                     try:
                         batch = await batches.__anext__()
@@ -416,9 +422,10 @@ async def relay(
             resume.refused("too_long", backend)
         if deadlines is not None:
             deadlines.close()
-        if rival is not None:
-            await _drop(rival)
-        await prefix.aclose()
+        if rival is not None:  # (rare) the two closes, whatever cancels the relay meanwhile
+            await finish_despite_cancel(_drop_then_close(rival, prefix))
+        else:
+            await prefix.aclose()  # (shielded itself)
 
 
 def _owed(outcome: RelayOutcome) -> None:
@@ -438,6 +445,16 @@ def _owed(outcome: RelayOutcome) -> None:
 def _yielded(task: asyncio.Task[Continued | None]) -> bool:
     """Whether a continuation's task ended with its first token."""
     return not task.cancelled() and task.exception() is None and task.result() is not None
+
+
+async def _drop_then_close(rival: asyncio.Task[Continued | None], prefix: Prefix) -> None:
+    """The relay's end with a continuation still racing its stalled stream: the continuation
+    dropped (and closed, if it had its first token), then the stream the relay was reading
+    closed. Run to its end even when the stream is being cancelled (the client left: the
+    client stream's scope re-delivers its cancellation at every await), or both upstreams
+    would stay open, the one the relay read being no race's to close."""
+    await _drop(rival)
+    await prefix.aclose()
 
 
 async def _drop(task: asyncio.Task[Continued | None]) -> None:

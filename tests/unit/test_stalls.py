@@ -11,6 +11,8 @@ import random
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Literal
 
+import anyio
+
 from gateway.errors import UpstreamDisconnected
 from gateway.hedge.continuation import may_continue
 from gateway.hedge.gaps import MIN_SAMPLES, GapSketch
@@ -205,6 +207,75 @@ def test_a_client_that_leaves_during_the_stall_race_leaves_nothing_running() -> 
         assert isinstance(body, AsyncGenerator)  # closed as the client response closes it
         await body.aclose()
         assert resumer.cancelled and stalled.closed  # run_virtual: no task left behind
+
+    run_virtual(main)
+
+
+def test_a_client_that_leaves_under_the_streams_scope_still_closes_what_the_relay_read(
+        ) -> None:
+    """The relay reads a continuation (its upstream is the relay's alone: no race closes a
+    winner), that one stalls too and a second continuation is on its way when the client
+    leaves: the client stream cancels its anyio scope, which re-delivers the cancellation at
+    every await of the relay's close. The second is cancelled and the first closed all the
+    same."""
+
+    class Stalling(Resumer):
+        def stall_delay(self, backend: str) -> float:
+            return 2.0  # the continuation's stalls are watched too
+
+    async def main(loop: VirtualLoop) -> None:
+        class Breaking(Upstream):
+            async def _gen(self) -> AsyncIterator[SSEBatch]:
+                yield SSEBatch([chunk("tok1 ")])
+                await asyncio.sleep(0.5)
+                raise UpstreamDisconnected("reset")
+
+        first = Upstream([(0.0, chunk("tok3 ")), (3600.0, chunk("late "))])
+        resumer = Stalling(0.0, first)
+        body = relay(prefix_of(Breaking([]), [chunk(role=True), chunk("tok0 ")]),
+                     request_id="r", idle=60.0, max_stream_deadline=loop.time() + 600.0,
+                     clock=loop.time, outcome=RelayOutcome(), protocol=CHAT, resume=resumer,
+                     backend="a")
+        assert isinstance(body, AsyncGenerator)
+
+        async def client() -> None:
+            async for _ in body:
+                if resumer.asked:  # the break's continuation is taken: the stall's is slow
+                    resumer.ttft = 10.0
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(client)
+            await asyncio.sleep(3.0)  # broke at 0.5 (first taken), stalled at 2.5
+            assert [stall for _, stall in resumer.asked] == [False, True]
+            group.cancel_scope.cancel()  # the client left
+        with anyio.CancelScope(shield=True):
+            await body.aclose()  # as the client stream does
+        assert resumer.cancelled
+        assert first.closed, "the continuation the relay was reading stayed open"
+
+    run_virtual(main)
+
+
+def test_a_continuation_ready_while_the_client_was_written_to_is_taken_at_once() -> None:
+    """The stall's continuation has its first token while the relay is handing a piece to a
+    slow client (no read pending, so nothing to interrupt): the relay takes it as it comes
+    back, not after the stalled stream's idle deadline (60 s here)."""
+
+    async def main(loop: VirtualLoop) -> None:
+        stalled = Upstream([(0.0, chunk("tok1 ")), (3600.0, chunk("late "))])
+        continuation = Upstream([(0.0, chunk(None, "stop")), (0.0, SSEEvent(b"[DONE]"))])
+        resumer = Resumer(0.5, continuation)
+        body = relay(prefix_of(stalled, [chunk(role=True), chunk("tok0 ")]), request_id="r",
+                     idle=60.0, max_stream_deadline=loop.time() + 600.0, clock=loop.time,
+                     outcome=RelayOutcome(), protocol=CHAT, resume=resumer, backend="a")
+        parts = []
+        async for part in body:
+            parts.append(part)
+            if len(parts) == 2:  # tok1 out at 0: the client takes 3 s to be written to
+                await asyncio.sleep(3.0)  # the stall at 2 s, its continuation's token at 2.5
+        assert texts(b"".join(parts).decode()) == "tok0 tok1 tok2 "
+        assert resumer.won == ["b"] and stalled.closed
+        assert loop.time() < 4.0  # not the idle deadline's 60 s
 
     run_virtual(main)
 
