@@ -28,8 +28,16 @@ _CREDENTIAL = re.compile(
     r"|\bAIza[0-9A-Za-z_-]{20,}"                    # a Google API key
     r"|\bgh[pousr]_[A-Za-z0-9]{20,}"                # a GitHub token
     r"|\bxox[abprs]-"                               # a Slack token
-    r"|\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"   # a JWT (base64 of `{"`)
+    r"|\bhg-[A-Za-z0-9_-]{20,}"                     # a key this gateway's store made
 )
+#: a JWT (base64 of `{"`, a dot, more): `eyJ`, 8 or more of the alphabet, a dot, 8 more. Found
+#: in two steps, each linear: a run of the alphabet ending in a dot with 8 more after it,
+#: matched only from where a run starts (so no run is read twice), then `eyJ` with 8 after it
+#: inside that run. One pattern (`\beyJ[...]{8,}\.`) read the rest of the run again from
+#: every `eyJ` in it, quadratic in a text of many (a model name a client sends is up to the
+#: body's size).
+_JWT_RUN = re.compile(r"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]++\.(?=[A-Za-z0-9_-]{8})")
+_JWT_HEAD = re.compile(r"\beyJ[A-Za-z0-9_-]{8}")
 #: a run this long of letters and digits with no separator holds both kinds in keys, not in
 #: model names (`claude-sonnet-4-5-20250929`, `meta-llama/Llama-3.1-8B-Instruct` have dashes)
 _TOKEN_RUN = re.compile(r"[A-Za-z0-9]{32,}")
@@ -37,9 +45,11 @@ _TOKEN_RUN = re.compile(r"[A-Za-z0-9]{32,}")
 
 def looks_like_credential(text: str) -> bool:
     """True for text shaped like a key or token: an Authorization scheme, a vendor key's
-    prefix (`sk-`, `AKIA`, `AIza`, `ghp_`, `xoxb-`), a JWT, or a long run of letters and
-    digits that holds both."""
+    prefix (`sk-`, `AKIA`, `AIza`, `ghp_`, `xoxb-`), a key this gateway's store made (`hg-`),
+    a JWT, or a long run of letters and digits that holds both. In time linear in `text`."""
     if _CREDENTIAL.search(text):
+        return True
+    if any(_JWT_HEAD.search(run.group()) for run in _JWT_RUN.finditer(text)):
         return True
     return any(_mixed(run.group()) for run in _TOKEN_RUN.finditer(text))
 

@@ -18,7 +18,10 @@ from gateway.settings import parse as cv
 from gateway.settings.fields import At, Checked, scalar, section
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_per_minute = cv.optional(cv.integer(1))
+#: the largest limit a key may have: past any real need, and exact as a float (a bucket holds
+#: one); a larger integer (JSON carries any) made a key whose bucket could not be built
+MAX_LIMIT = 10**12
+_per_minute = cv.optional(cv.integer(1, MAX_LIMIT))
 
 
 def _digest(value: object) -> str:

@@ -33,6 +33,9 @@ __all__ = ["MODEL_CHARS", "PATH_CHARS", "REDACTED", "escaped", "holds_secret", "
 MODEL_CHARS = 128
 #: the longest path a line carries (only for a path that no route matched)
 PATH_CHARS = 200
+#: how far past its cut a model name or path is looked at for a credential's shape: one that
+#: starts before the cut shows in the line, and its shape is told within this many characters
+SHAPE_TAIL = 256
 #: what stands in for a value that holds or looks like a credential
 REDACTED = "[redacted]"
 #: the Unicode categories that are escaped: controls, format characters (bidi, zero width),
@@ -60,7 +63,9 @@ def loggable_model(value: object, hidden: Collection[str] = ()) -> str | None:
     not a string), `[redacted]` when it holds a secret, else bounded and escaped."""
     if not isinstance(value, str):
         return None
-    if holds_secret(value, hidden) or looks_like_credential(value):
+    # the shapes are looked for where a credential could show in the line, not in the rest
+    # of a name as long as the body (the known secrets are looked for in all of it)
+    if holds_secret(value, hidden) or looks_like_credential(value[:MODEL_CHARS + SHAPE_TAIL]):
         return REDACTED
     return escaped(value, MODEL_CHARS)
 
@@ -68,8 +73,10 @@ def loggable_model(value: object, hidden: Collection[str] = ()) -> str | None:
 def loggable_path(path: str) -> str:
     """A request path no route matched, as a log line may hold it: each segment that looks
     like a credential (or a token, such as a response id) becomes `[redacted]`."""
-    cut = path[:PATH_CHARS]
-    if looks_like_credential(cut):
-        cut = "/".join(REDACTED if looks_like_credential(part) else part
-                       for part in cut.split("/"))
-    return escaped(cut, PATH_CHARS) + ("…" if len(path) > PATH_CHARS else "")
+    # looked at a little past the cut: a credential that the cut splits is still found
+    seen = path[:PATH_CHARS + SHAPE_TAIL]
+    if looks_like_credential(seen):
+        seen = "/".join(REDACTED if looks_like_credential(part) else part
+                        for part in seen.split("/"))
+    dropped = len(path) > PATH_CHARS + SHAPE_TAIL or len(seen) > PATH_CHARS
+    return escaped(seen[:PATH_CHARS], PATH_CHARS) + ("…" if dropped else "")

@@ -49,8 +49,12 @@ _SPACE = re.compile(r"\s+")
 #: a word, without the quotes, backticks and brackets around it
 _WORD = re.compile(r"[^\s\"'`<>()\[\]{},;]+")
 #: a URL (any scheme), an IPv4 address (and port), a host (dotted or not) and port, a name
-#: in a private DNS zone (a cluster's service names, a cloud's internal hosts)
-_ADDRESS = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|^\d{1,3}(?:\.\d{1,3}){3}\b"
+#: in a private DNS zone (a cluster's service names, a cloud's internal hosts). The scheme is
+#: a run of its alphabet holding a letter and ending in `://`, matched only from where a run
+#: starts and without going back: searched from every letter (`[A-Za-z][...]*://`), a long
+#: word of an upstream's message was read again from each, quadratic in its length
+_ADDRESS = re.compile(r"(?<![A-Za-z0-9+.-])[0-9+.-]*+[A-Za-z][A-Za-z0-9+.-]*+://"
+                      r"|^\d{1,3}(?:\.\d{1,3}){3}\b"
                       r"|^[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*:\d{1,5}\b"
                       r"|\.(?:internal|local|localdomain|lan|svc|cluster\.local)\.?$", re.I)
 #: a word that names a credential, then its value: `key=...` in one word, or `key:` before it

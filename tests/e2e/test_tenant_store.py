@@ -38,7 +38,7 @@ from gateway.settings import (
 )
 from tests.e2e.test_cli import command, free_port, keyless_env
 from tests.harness import LoopThread
-from tests.harness.limits_kit import MESSAGES, Canary, GatewayFactory, verbose_logs
+from tests.harness.limits_kit import MESSAGES, Canary, GatewayFactory, verbose_logs, wait_for
 
 ADMIN = "admin-key-0123456789abcdefghijklmnopqrstu"
 WAIT = 20.0
@@ -227,6 +227,39 @@ def test_an_unreadable_store_row_is_listed_as_invalid_beside_the_others(
     assert "Traceback" not in shown.stderr
     lines = dict(line.split("\t")[:2] for line in shown.stdout.splitlines())
     assert lines == {"broken": "invalid", "team-a": "active"}
+
+
+def test_a_limit_past_the_largest_is_refused_and_a_stored_one_keeps_no_revocation_back(
+    loop_thread: LoopThread, tmp_path: Path
+) -> None:
+    """JSON carries any integer: a limit of 10**400 made a key whose bucket could not be built
+    (a float), which a create answered with a 500 and which stopped the store's reader for
+    good, so no later revocation took effect. Now the admin API refuses it (400, naming the
+    field), and such a row already in the store is skipped as invalid while a revocation
+    still applies."""
+    store = f"sqlite:///{tmp_path}/tenants.sqlite"
+    pools = (PoolSettings("alpha", (BackendSettings("s", "sim", sim=FAST),)),)
+    gateway = GatewayFactory(loop_thread)(Settings(pools, server=ServerSettings(
+        admin_keys=(ADMIN,), store=store)))
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    huge = 10**400
+    with httpx.Client(base_url=gateway.root, timeout=10.0, trust_env=False) as http:
+        refused = http.post("/admin/keys", headers=admin, json={
+            "name": "huge", "limits": {"requests_per_minute": huge}})
+        assert refused.status_code == 400, refused.text
+        assert "requests_per_minute" in refused.text
+        good = http.post("/admin/keys", headers=admin, json={"name": "team-a"})
+        assert good.status_code == 201
+        secret = good.json()["key"]
+        assert chat_status(gateway.root, secret) == 200
+        with contextlib.closing(sqlite3.connect(tmp_path / "tenants.sqlite")) as db, db:
+            db.execute("INSERT INTO keys (name, key_sha256, pools, limits, created) VALUES "
+                       f"('old', '{'ab' * 32}', '[]', '{{\"in_flight\": {huge}}}', 1.0)")
+            db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
+        assert http.delete("/admin/keys/team-a", headers=admin).json()["revoked"] is True
+        assert wait_for(lambda: chat_status(gateway.root, secret) == 401)
+        rows = {row["name"]: row for row in http.get("/admin/keys", headers=admin).json()["data"]}
+        assert rows["old"]["invalid"] is True
 
 
 @pytest.mark.timeout(90)

@@ -5,6 +5,7 @@ an address), whatever field it hides in."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -90,3 +91,27 @@ def test_fields_that_are_not_short_identifiers_are_dropped() -> None:
     shown = explain(json.dumps({"error": {"message": "m", "type": "a type with spaces",
                                           "param": "x" * 500, "code": 7}}).encode())
     assert shown == Explanation("m")
+
+
+@pytest.mark.parametrize("word", [
+    pytest.param("a", id="letters"), pytest.param("a1+", id="scheme-alphabet"),
+    pytest.param("eyJ-", id="jwt-heads"), pytest.param("1.", id="dotted-digits"),
+])
+def test_scrubbing_takes_time_linear_in_the_body(word: str) -> None:
+    """One word as long as the body allows (64 KiB): a URL's scheme searched from each of its
+    letters read the rest of the word again from every one, seconds per rejected attempt on
+    the event loop. The bound is tens of times the linear figure (see
+    `test_telling_a_credential_takes_time_linear_in_the_text`)."""
+    size = 4 * 1024
+    while size <= MAX_BODY:
+        body = json.dumps({"error": {"message": word * (size // len(word))}}).encode()
+        start = time.process_time()
+        explained = explain(body[:MAX_BODY])
+        assert time.process_time() - start < 1.0, size
+        assert explained is None or len(explained.message) <= MAX_MESSAGE
+        size *= 2
+
+
+@pytest.mark.parametrize("text", ["see 1http://x.internal/a", "x.y+z://host", "++a://h"])
+def test_a_scheme_after_digits_or_signs_is_still_an_address(text: str) -> None:
+    assert "://" not in scrub(text)

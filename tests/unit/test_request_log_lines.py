@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import secrets
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +98,8 @@ def test_model_names_are_logged_as_sent(model: str) -> None:
     "bearer\tx", "AKIAIOSFODNN7EXAMPLE", "AIzaSyA1234567890abcdefghij",
     "ghp_abcdefghijklmnopqrstuvwx", "xoxb-1234", "eyJhbGciOiJIUzI1.eyJzdWIiOiIx",
     "a1b2c3d4e5f6a7b8c9d0e1f2a3b4c5d6", "model-with-sk-live-0123456789abcdef",
+    "x-eyJhbGciOiJIUzI1.eyJzdWIiOiIx", "a.eyJhbGciOiJIUzI1.eyJzdWIiOiIx",
+    "hg-" + "Ab_-" * 10 + "xyz",  # a key of this gateway's store, whatever its letters
 ])
 def test_a_value_shaped_like_a_credential_is_redacted(model: str) -> None:
     assert looks_like_credential(model)
@@ -121,6 +126,44 @@ def test_an_unmatched_path_keeps_its_shape_with_token_segments_redacted() -> Non
     assert loggable_path(f"/responses/{token}/cancel") == f"/responses/{REDACTED}/cancel"
     assert loggable_path("/v1/x\nInjected: 1") == "/v1/x\\x0aInjected: 1"
     assert loggable_path("/" + "p" * 1000) == "/" + "p" * (PATH_CHARS - 1) + "…"
+
+
+def test_a_credential_that_the_paths_cut_splits_is_still_redacted() -> None:
+    key = "sk-proj-" + "abcdefghij" * 4
+    logged = loggable_path("/" + "p" * (PATH_CHARS - 10) + "/" + key)
+    assert key[:8] not in logged and logged.endswith("…")
+
+
+def test_a_store_made_key_is_never_logged_as_sent() -> None:
+    """Half of them once went through: `hg-` and 43 characters of base64url, which the long
+    run of letters and digits caught only when no `-` or `_` fell in its first 32."""
+    for key in ("hg-" + secrets.token_urlsafe(32) for _ in range(200)):
+        assert loggable_model(key) == REDACTED
+        assert REDACTED in loggable_path(f"/v1/{key}")
+
+
+@pytest.mark.parametrize("hostile", [
+    pytest.param(lambda n: "eyJ-" * (n // 4), id="jwt-heads"),
+    pytest.param(lambda n: "eyJ" + "a" * n, id="jwt-no-dot"),
+    pytest.param(lambda n: ("a" * 7 + ".") * (n // 8), id="dots"),
+    pytest.param(lambda n: "Ab1_" * (n // 4), id="token-run"),
+])
+def test_telling_a_credential_takes_time_linear_in_the_text(
+        hostile: Callable[[int], str]) -> None:
+    """A client's model name is up to the body's size (4 MiB), and an upstream's rejection
+    message up to 64 KiB: the shapes are told in linear time. A JWT pattern that read the rest
+    of a run again from each `eyJ` in it took seconds for 256 KB of `eyJ-`. The bound below
+    is tens of times what the linear check takes at the largest size, which only a quadratic
+    scan crosses; the text doubles from 16 KB, so such a scan fails in seconds, not hours."""
+    size = 16 * 1024
+    while size <= 1024 * 1024:
+        text = hostile(size)
+        start = time.process_time()
+        looks_like_credential(text)
+        loggable_model(text)
+        loggable_path("/" + text)
+        assert time.process_time() - start < 2.0, size
+        size *= 2
 
 
 # ---- the configuration's secrets -----------------------------------------------------------
