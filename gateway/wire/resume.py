@@ -278,8 +278,16 @@ class Splice:
         #: the continuation has sent text (its scaffolding is behind it)
         self._started = False
         #: Messages, Responses: whether the continuation's first text block (message item)
-        #: is the open one
+        #: is the open one; and whether the open one was closed here instead, because the
+        #: continuation went on with another block or item (a tool call) first
         self._joined = False
+        self._closed = False
+        #: Responses: the continuation's id of the message item it joined, and where each of
+        #: its items goes in the client's output (the joined one: the relayed item's place;
+        #: any other: the next place after it)
+        self._message: object = None
+        self._places: dict[int, int] = {}
+        self._next_place = int(relayed.head.get("output_index", 0)) + 1
         #: Responses: the continuation's text so far (its done events carry the whole text),
         #: and the next sequence number
         self._text: list[str] = []
@@ -297,11 +305,60 @@ class Splice:
                 out.append(event)
                 continue
             api = self.relayed.api
-            kept = self._chat(obj) if api == "chat" else self._messages(obj) \
-                if api == "messages" else self._responses(obj)
+            if api == "chat":
+                kept = self._chat(obj)
+                if kept is not None:
+                    out.append(SSEEvent(_dumps(kept), event.event))
+                continue
+            closing = self._closing(obj)  # the relayed block or item, closed first
+            kept = self._messages(obj) if api == "messages" else self._responses(obj)
+            out += [SSEEvent(_dumps(made), str(made["type"]).encode()) for made in closing]
             if kept is not None:
                 out.append(SSEEvent(_dumps(kept), event.event))
         return out
+
+    def _closing(self, obj: dict[str, Any]) -> list[dict[str, Any]]:
+        """Messages, Responses: the events that end the relayed text block (message item),
+        when the continuation's first block (item) is another one (a tool call): the client
+        holds the relayed one open, and nothing else would close it. Empty otherwise."""
+        if self._joined or self._closed:
+            return []
+        relayed, kind = self.relayed, obj.get("type")
+        if relayed.api == "messages" and kind == "content_block_start":
+            block = obj.get("content_block") or {}
+            if relayed.open_index is None or (obj.get("index") == 0
+                                              and block.get("type") == "text"):
+                return []  # nothing open, or the continuation joins it
+            self._closed = True
+            return [{"type": "content_block_stop", "index": relayed.open_index}]
+        if relayed.api == "responses" and kind == "response.output_item.added":
+            if (obj.get("item") or {}).get("type") == "message":
+                return []  # the continuation joins it
+            self._closed = True
+            return self._relayed_item_done()
+        return []
+
+    def _relayed_item_done(self) -> list[dict[str, Any]]:
+        """Responses: the done events of the relayed message item, with its text."""
+        head, text = self.relayed.head, self.relayed.text
+        where = {"item_id": head["item_id"], "output_index": head.get("output_index", 0)}
+        part = {"type": "output_text", "text": text, "annotations": []}
+        made = [{"type": "response.output_text.done", **where,
+                 "content_index": head.get("content_index", 0), "text": text},
+                {"type": "response.content_part.done", **where,
+                 "content_index": head.get("content_index", 0), "part": part},
+                {"type": "response.output_item.done", "output_index": where["output_index"],
+                 "item": self._relayed_item()}]
+        for event in made:
+            event["sequence_number"] = self._seq
+            self._seq += 1
+        return made
+
+    def _relayed_item(self) -> dict[str, Any]:
+        """Responses: the relayed message item, whole, as the client holds it."""
+        return {"id": self.relayed.head["item_id"], "type": "message", "status": "completed",
+                "role": "assistant", "content": [
+                    {"type": "output_text", "text": self.relayed.text, "annotations": []}]}
 
     def _first_text(self, text: str) -> str:
         if not self._started:
@@ -317,10 +374,11 @@ class Splice:
         if isinstance(choices, list) and not self._started:
             finishing = any(isinstance(c, dict) and c.get("finish_reason") is not None
                             for c in choices)
-            texts = [c for c in choices if isinstance(c, dict)
-                     and isinstance(c.get("delta"), dict) and c["delta"].get("content")]
+            outputs = [c for c in choices if isinstance(c, dict)
+                       and isinstance(c.get("delta"), dict)
+                       and any(c["delta"].get(name) for name in _CHAT_OUTPUTS)]
             usage_chunk = not choices and isinstance(obj.get("usage"), dict)
-            if not texts and not finishing and not usage_chunk and obj.get("error") is None:
+            if not outputs and not finishing and not usage_chunk and obj.get("error") is None:
                 return None  # the role chunk, empty deltas: the client has them
             # (a usage chunk is kept: a break after the last text delta leaves only the
             # finish and usage chunks to the continuation, and the client asked for usage)
@@ -352,7 +410,7 @@ class Splice:
                 self._joined = True
                 return None  # the relayed text block is still open: it goes on
             base = relayed.open_index if self._joined and relayed.open_index is not None \
-                else relayed.next_index
+                else relayed.next_index  # (a block after the relayed one, closed or not)
             obj["index"] = base + index
         delta = obj.get("delta")
         if kind == "content_block_delta" and isinstance(delta, dict) \
@@ -374,17 +432,29 @@ class Splice:
         kind = obj.get("type")
         if kind in ("response.created", "response.in_progress"):
             return None
-        if kind == "response.output_item.added" and not self._joined \
-                and (obj.get("item") or {}).get("type") == "message":
-            self._joined = True
-            return None  # the relayed message item is still open: it goes on
-        if kind == "response.content_part.added" and not self._started:
+        place = obj.get("output_index")
+        if kind == "response.output_item.added":
+            item = obj.get("item") or {}
+            if not self._joined and not self._closed and item.get("type") == "message":
+                self._joined, self._message = True, item.get("id")
+                if isinstance(place, int):
+                    self._places[place] = head.get("output_index", 0)
+                return None  # the relayed message item is still open: it goes on
+            if isinstance(place, int):  # another item: after the relayed one
+                self._places[place] = self._next_place
+                self._next_place += 1
+        # the joined message's events speak of the relayed item; any other item keeps its
+        # own id and takes its place after the relayed one
+        item = obj.get("item")
+        ours = self._joined and (obj.get("item_id", self._message) == self._message) and not (
+            isinstance(item, dict) and item.get("id") != self._message)
+        if kind == "response.content_part.added" and ours and not self._started:
             return None
-        if "item_id" in obj:
+        if isinstance(place, int):
+            obj["output_index"] = self._places.get(place, self._next_place + place)
+        if ours and "item_id" in obj:
             obj["item_id"] = head["item_id"]
-        if "output_index" in obj:
-            obj["output_index"] = head.get("output_index", 0)
-        if "content_index" in obj:
+        if ours and "content_index" in obj:
             obj["content_index"] = head.get("content_index", 0)
         if "sequence_number" in obj:
             obj["sequence_number"] = self._seq
@@ -392,20 +462,28 @@ class Splice:
         whole = self.relayed.text + "".join(self._text)
         if kind == "response.output_text.delta" and isinstance(obj.get("delta"), str):
             obj["delta"] = self._first_text(obj["delta"])
-            self._text.append(obj["delta"])
+            if ours:
+                self._text.append(obj["delta"])
+        elif not ours:
+            pass
         elif kind == "response.output_text.done":
             obj["text"] = whole
         elif kind == "response.content_part.done" and isinstance(obj.get("part"), dict):
             obj["part"]["text"] = whole
         elif kind == "response.output_item.done" and isinstance(obj.get("item"), dict):
             self._whole_item(obj["item"], whole)
-        elif kind in ("response.completed", "response.incomplete") \
+        if kind in ("response.completed", "response.incomplete") \
                 and isinstance(obj.get("response"), dict):
             response = obj["response"]
             response["id"] = head["id"]
-            for item in response.get("output") or ():
-                if isinstance(item, dict) and item.get("type") == "message":
-                    self._whole_item(item, whole)
+            output = response.get("output")
+            if isinstance(output, list):
+                for entry in output:
+                    if isinstance(entry, dict) and entry.get("type") == "message" \
+                            and self._joined and entry.get("id") == self._message:
+                        self._whole_item(entry, whole)
+                if self._closed:  # the relayed item, ended here, is the answer's first
+                    output.insert(0, self._relayed_item())
             usage = response.get("usage")
             if isinstance(usage, dict):
                 _count(usage, "input_tokens", "output_tokens", self.relayed.tokens)
@@ -422,6 +500,10 @@ class Splice:
                 part["text"] = whole
 
 
+#: a chat delta's fields that carry output: before the continuation's own output begins, a
+#: chunk without any (the role, empty deltas) is the client's already; one with a tool call,
+#: a refusal or text is the answer going on
+_CHAT_OUTPUTS = ("content", "tool_calls", "function_call", "refusal")
 #: Messages usage fields of the input, left out of a continuation's `message_delta`
 _MESSAGES_INPUT = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
                    "cache_creation")

@@ -191,3 +191,118 @@ def test_an_answer_at_its_output_limit_is_not_continued_but_ends_at_the_limit() 
     assert objs[0]["index"] == 0 and objs[1]["delta"]["stop_reason"] == "max_tokens"
     assert objs[1]["usage"] == {"output_tokens": 1}
     assert ended_at_limit(replace(answer, api="responses")) is None
+
+
+# ---- a continuation that goes on with a tool call ------------------------------------------
+
+
+def test_a_chat_continuation_that_goes_on_with_a_tool_call_keeps_it() -> None:
+    """The relayed text, then the continuation's first output is a tool call: its deltas are
+    the answer going on, not scaffolding (the client would read `finish_reason: tool_calls`
+    with no call)."""
+    answer = relayed_answer("chat", RELAYED_CHAT)
+    assert answer is not None
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": ""}}
+    out = Splice(answer).events([
+        chat({"role": "assistant", "content": ""}, id="c2"),
+        chat({"tool_calls": [call]}, id="c2"),
+        chat({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}, id="c2"),
+        chat({}, "tool_calls", id="c2"),
+        SSEEvent(b"[DONE]"),
+    ])
+    deltas = [json.loads(e.data)["choices"][0]["delta"] for e in out[:-1]]
+    assert deltas[0] == {"tool_calls": [call]} and deltas[1]["tool_calls"][0]["function"] == {
+        "arguments": "{}"}
+    assert len(deltas) == 3 and json.loads(out[2].data)["id"] == "c1"
+
+
+def test_a_messages_continuation_that_begins_with_a_tool_use_closes_the_text_first() -> None:
+    """The relayed text block is open; the continuation's first block is a tool use: the
+    client gets the text block's stop, then the tool use as the next block."""
+    answer = relayed_answer("messages", MESSAGES_RELAYED)
+    assert answer is not None
+    out = Splice(answer).events([
+        named("message_start", message={"id": "msg_2", "model": "m"}),
+        named("content_block_start", index=0, content_block={
+            "type": "tool_use", "id": "toolu_1", "name": "weather", "input": {}}),
+        named("content_block_delta", index=0, delta={"type": "input_json_delta",
+                                                     "partial_json": "{}"}),
+        named("content_block_stop", index=0),
+        named("message_delta", delta={"stop_reason": "tool_use"}, usage={"output_tokens": 3}),
+        named("message_stop"),
+    ])
+    got = [(e.event, json.loads(e.data).get("index")) for e in out]
+    assert got == [(b"content_block_stop", 0), (b"content_block_start", 1),
+                   (b"content_block_delta", 1), (b"content_block_stop", 1),
+                   (b"message_delta", None), (b"message_stop", None)]
+
+
+RESPONSES_RELAYED = [
+    named("response.created", sequence_number=0, response={"id": "resp_1", "model": "m"}),
+    named("response.output_item.added", sequence_number=1, output_index=0,
+          item={"id": "msg_1", "type": "message", "content": []}),
+    named("response.content_part.added", sequence_number=2, item_id="msg_1", output_index=0,
+          content_index=0, part={"type": "output_text", "text": ""}),
+    named("response.output_text.delta", sequence_number=3, item_id="msg_1", output_index=0,
+          content_index=0, delta="Let me check."),
+]
+
+
+def function_call(place: int, seq: int = 1) -> list[SSEEvent]:
+    """A continuation's function call item at `place` of its output."""
+    return [named("response.output_item.added", sequence_number=seq, output_index=place,
+                  item={"id": "fc_1", "type": "function_call", "call_id": "call_1",
+                        "name": "weather", "arguments": ""}),
+            named("response.function_call_arguments.delta", sequence_number=seq + 1,
+                  item_id="fc_1", output_index=place, delta="{}"),
+            named("response.output_item.done", sequence_number=seq + 2, output_index=place,
+                  item={"id": "fc_1", "type": "function_call", "arguments": "{}"})]
+
+
+def test_a_responses_continuation_that_begins_with_a_function_call_ends_the_message_first(
+        ) -> None:
+    """The relayed message item is open; the continuation's first item is a function call:
+    the message item's done events come first (with the relayed text), then the call with its
+    own id, in the place after the message; the final response holds both."""
+    answer = relayed_answer("responses", RESPONSES_RELAYED)
+    assert answer is not None
+    completed = named("response.completed", sequence_number=9, response={
+        "id": "resp_9", "output": [{"id": "fc_1", "type": "function_call"}],
+        "usage": {"input_tokens": 10, "output_tokens": 2}})
+    out = [json.loads(e.data) for e in Splice(answer).events([
+        named("response.created", sequence_number=0, response={"id": "resp_9"}),
+        *function_call(0), completed])]
+    assert [o["type"] for o in out] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.output_item.done", "response.completed"]
+    assert out[0]["text"] == "Let me check." and out[2]["item"]["id"] == "msg_1"
+    assert [o["sequence_number"] for o in out] == list(range(4, 11))
+    assert all(o["output_index"] == 1 for o in out[3:6]) and out[4]["item_id"] == "fc_1"
+    final = out[-1]["response"]
+    assert final["id"] == "resp_1"
+    assert [item["id"] for item in final["output"]] == ["msg_1", "fc_1"]
+
+
+def test_a_responses_continuation_that_joins_the_message_then_calls_keeps_the_call_apart(
+        ) -> None:
+    answer = relayed_answer("responses", RESPONSES_RELAYED)
+    assert answer is not None
+    out = [json.loads(e.data) for e in Splice(answer).events([
+        named("response.created", sequence_number=0, response={"id": "resp_9"}),
+        named("response.output_item.added", sequence_number=1, output_index=0,
+              item={"id": "msg_9", "type": "message", "content": []}),
+        named("response.content_part.added", sequence_number=2, item_id="msg_9",
+              output_index=0, content_index=0, part={"type": "output_text", "text": ""}),
+        named("response.output_text.delta", sequence_number=3, item_id="msg_9",
+              output_index=0, content_index=0, delta=" More."),
+        named("response.output_item.done", sequence_number=4, output_index=0,
+              item={"id": "msg_9", "type": "message", "content": [
+                  {"type": "output_text", "text": " More."}]}),
+        *function_call(1, seq=5)])]
+    assert out[0]["item_id"] == "msg_1" and out[0]["output_index"] == 0
+    assert out[1]["item"]["id"] == "msg_1"
+    assert out[1]["item"]["content"][0]["text"] == "Let me check. More."
+    assert out[2]["item"]["id"] == "fc_1" and out[2]["output_index"] == 1
+    assert out[3]["item_id"] == "fc_1" and out[3]["output_index"] == 1
