@@ -22,11 +22,23 @@ class ReplicaError(Exception):
     """One replica could not be read; the message names it."""
 
 
-def fetch_export(client: httpx.Client, url: str) -> dict[str, Any]:
-    """One replica's mergeable export, its processes marked with `replica` = its URL."""
-    target = url.rstrip("/") + "/hedge/stats?mergeable=1"
+def shown(url: str) -> str:
+    """`url` as it may be printed: without the user and password an ops key can ride in
+    (`http://ops:KEY@host:8080`), which would otherwise be echoed in every line naming it."""
     try:
-        response = client.get(target)
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return "(an invalid URL)"
+    return str(parsed.copy_with(userinfo=b"")) if parsed.userinfo else url
+
+
+def fetch_export(client: httpx.Client, url: str) -> dict[str, Any]:
+    """One replica's mergeable export, its processes marked with `replica` = its URL (as
+    `shown`)."""
+    request = url.rstrip("/") + "/hedge/stats?mergeable=1"
+    target = shown(request)
+    try:
+        response = client.get(request)
     except httpx.HTTPError as exc:
         raise ReplicaError(f"cannot reach {target}: {type(exc).__name__}: {exc}") from exc
     if response.status_code != 200:
@@ -34,7 +46,7 @@ def fetch_export(client: httpx.Client, url: str) -> dict[str, Any]:
     try:
         item = response.json()
         for worker in item["workers"]:
-            worker["replica"] = url
+            worker["replica"] = shown(url)
     except (ValueError, KeyError, TypeError) as exc:
         raise ReplicaError(f"{target} did not return mergeable stats (a gateway too old to "
                            "serve them?)") from exc
