@@ -38,6 +38,7 @@ from gateway.wire.translate.responses_chat import (
     responses_to_chat,
 )
 from gateway.wire.translate.routes import TRANSLATIONS, ThroughChat
+from providers.sim.validate import check_request
 
 RECORDED = Path(__file__).parent.parent / "e2e" / "recorded"
 
@@ -240,6 +241,13 @@ def test_chat_json_output_becomes_a_forced_tool() -> None:
      "messages[0].tool_calls[0].function.arguments"),
     ({"response_format": {"type": "json_object"},
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "response_format"),
+    # Messages thinks only where the model may choose no tool: a forced one is refused there
+    ({"reasoning_effort": "low", "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "reasoning_effort"),
+    ({"reasoning_effort": "low", "tool_choice": {"type": "function", "function": {"name": "f"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "reasoning_effort"),
+    ({"reasoning_effort": "low", "response_format": {"type": "json_object"}},
+     "reasoning_effort"),
 ])
 def test_chat_fields_that_change_the_answer_are_refused_naming_them(
         extra: dict[str, Any], field: str) -> None:
@@ -621,6 +629,9 @@ def test_a_responses_request_without_stored_state_becomes_chat() -> None:
     with pytest.raises(Untranslatable):
         chat_to_messages(out)
     del out["response_format"]
+    with pytest.raises(Untranslatable):  # thinking beside a named (forced) tool: refused too
+        chat_to_messages(out)
+    del out["reasoning_effort"]
     assert chat_to_messages(out)["system"] == [{"type": "text", "text": "be brief"}]
 
 
@@ -1062,3 +1073,32 @@ def test_a_delta_of_an_unusual_shape_is_not_spliced(delta: bytes) -> None:
         machine.feed(SSEEvent(data))
     out = machine.feed(SSEEvent(delta))
     assert b"[DONE]" not in out and b'"x"' not in out
+
+
+def test_a_messages_tool_choice_without_tools_leaves_chat_without_one() -> None:
+    """The Messages API takes `tool_choice` with no tools; Chat refuses one without tools, so
+    the translated request would fail only for being translated."""
+    body = {"model": "m", "max_tokens": 10, "tool_choice": {"type": "auto"},
+            "messages": [{"role": "user", "content": "hi"}]}
+    assert check_request("messages", body) is None
+    chat = messages_to_chat(body)
+    assert "tool_choice" not in chat and check_request("chat/completions", chat) is None
+
+
+def test_a_responses_tool_output_with_an_image_is_refused_never_dropped() -> None:
+    """A Chat tool message carries text only: a tool's output with an image part (the
+    Responses API allows it) is refused, naming the part, rather than sent without it."""
+    call = {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"}
+    text = {"type": "input_text", "text": "here it is"}
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+
+    def with_output(*parts: dict[str, Any]) -> dict[str, Any]:
+        return {"model": "m", "store": False, "input": [call, {
+            "type": "function_call_output", "call_id": "c1", "output": list(parts)}]}
+
+    with pytest.raises(Untranslatable) as caught:
+        responses_to_chat(with_output(text, image))
+    assert caught.value.param == "input[1].output[1].type"
+    text_only = with_output(text)
+    assert responses_to_chat(text_only)["messages"][-1] == {
+        "role": "tool", "tool_call_id": "c1", "content": "here it is"}

@@ -251,6 +251,10 @@ def chat_to_messages(body: Mapping[str, Any]) -> dict[str, Any]:
         out["tool_choice"] = choice
     effort = body.get("reasoning_effort")
     if isinstance(effort, str) and effort in EFFORT_BUDGETS:  # (a list is unhashable)
+        if out.get("tool_choice", {}).get("type") in ("any", "tool"):
+            # Messages thinks only where the model may choose not to call a tool
+            raise Untranslatable("reasoning_effort", "thinking on Messages takes no forced "
+                                 "tool (a required or named tool_choice, or JSON output)")
         budget = EFFORT_BUDGETS[effort]
         out["thinking"] = {"type": "enabled", "budget_tokens": budget}
         out["max_tokens"] = max(out["max_tokens"], budget + 1)
@@ -374,7 +378,7 @@ def messages_to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     if tools:
         out["tools"] = tools
     choice = body.get("tool_choice")
-    if isinstance(choice, dict):
+    if isinstance(choice, dict) and tools:  # (Chat takes no `tool_choice` without tools)
         kind = choice.get("type")
         if kind == "tool":
             out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}

@@ -63,10 +63,20 @@ def _parts(content: Any, field: str) -> Any:
     return parts
 
 
-def _output_text(output: Any) -> str:
+def _output_text(output: Any, field: str) -> str:
+    """A tool's output as a Chat tool message's text: a string, or text parts; a part of
+    another kind (an image, a file) has no place in a Chat tool message and is refused, never
+    dropped."""
     if isinstance(output, str):
         return output
-    return "".join(str(p.get("text", "")) for p in output or () if isinstance(p, dict))
+    texts: list[str] = []
+    for j, part in enumerate(output or ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise Untranslatable(f"{field}[{j}].type", f"a tool output part of type {kind!r} "
+                                 "has no Chat Completions form")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
 
 
 def _input_messages(items: Any) -> list[dict[str, Any]]:
@@ -94,7 +104,7 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
                 out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                            "content": _output_text(item.get("output"))})
+                            "content": _output_text(item.get("output"), f"{field}.output")})
             elif kind == "reasoning":
                 continue  # a past turn's reasoning: Chat takes none back
             else:
