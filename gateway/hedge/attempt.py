@@ -59,8 +59,9 @@ class AttemptRecord:
     failure: str | None = None
     #: when its runner returned or raised (the proxy sets it; the dashboard's timeline)
     ended: float | None = None
-    #: the attempt is its ejected backend's probe (what `Balancer.on_start` said)
-    probe: bool = False
+    #: the number of its ejected backend's probe when it is that probe, else 0 (what
+    #: `Balancer.on_start` said)
+    probe: int = 0
     #: its stream ended normally without a token: a complete (perhaps empty) answer
     empty: bool = False
     #: output tokens a loser that held a token had sent when it was closed: its upstream's

@@ -64,6 +64,7 @@ class _Backend:
         "max_concurrency",
         "name",
         "paused_until",
+        "probe",
         "probing",
         "weight",
     )
@@ -80,8 +81,10 @@ class _Backend:
         self.ejections = 0
         #: None: not ejected; otherwise the end of the cool-down
         self.ejected_until: float | None = None
-        #: the single post-cool-down probe attempt is running
+        #: the single post-cool-down probe attempt is running; and the number of the latest
+        #: probe (each one's own, so that only its end frees the slot: `on_finish`)
         self.probing = False
+        self.probe = 0
         self.paused_until: float | None = None
         #: its quota as its answers last told it
         self.headroom = Headroom()
@@ -321,29 +324,31 @@ class Balancer:
 
     # -- events ---------------------------------------------------------------------------
 
-    def on_start(self, name: str) -> bool:
-        """An attempt starts on the backend. Returns whether it is the probe of an ejected
-        backend: then no other attempt goes there until it ends (outside panic mode), and the
-        caller hands the flag back to `on_finish` for that attempt."""
+    def on_start(self, name: str) -> int:
+        """An attempt starts on the backend. Returns the probe's number when it is the probe
+        of an ejected backend (then no other attempt goes there until it ends, outside panic
+        mode), else 0; the caller hands it back to `on_finish` for that attempt."""
         b = self._backends[name]
         b.inflight += 1
         if b.ejected_until is not None and not b.probing:
             b.probing = True
-            return True
-        return False
+            b.probe += 1
+            return b.probe
+        return 0
 
-    def on_finish(self, name: str, *, probe: bool = False) -> None:
+    def on_finish(self, name: str, *, probe: int = 0) -> None:
         """An attempt on the backend ended, whatever the outcome (also after cancellation).
 
-        Only the probe's own end frees the probe slot (`probe`: what `on_start` returned for
-        this attempt); an older attempt ending meanwhile must not let a second probe in. A
-        probe that ends without a verdict (cancelled as a loser) frees the slot, so the next
-        attempt becomes the probe.
+        Only the running probe's own end frees the probe slot (`probe`: what `on_start`
+        returned for this attempt): an older attempt ending meanwhile, an older probe among
+        them (one that won and streams on, while its backend was ejected again and probed
+        anew), must not let a second probe in. A probe that ends without a verdict (cancelled
+        as a loser) frees the slot, so the next attempt becomes the probe.
         """
         b = self._backends[name]
         if b.inflight > 0:
             b.inflight -= 1
-        if probe:
+        if probe and probe == b.probe:
             b.probing = False
 
     def on_success(self, name: str, now: float) -> None:

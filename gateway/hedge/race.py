@@ -517,17 +517,19 @@ class Race:
         is closed by a task of its own, started here.
         """
         cancelled_at = self.clock()
-        for task, record in self._tasks.items():
-            had_token = task.done() and not task.cancelled() and task.exception() is None
+        tasks, self._tasks = self._tasks, {}  # taken out first: each is ended once
+        ending = [(task, record, task.done() and not task.cancelled() and task.exception()
+                   is None) for task, record in tasks.items()]
+        for task, record, had_token in ending:  # every one stopped before any bookkeeping,
+            if had_token:                        # so that a bug in that leaves none running
+                self._close_prefix(task, record, cancelled_at)
+            else:
+                self.leftovers.cancel(task, record, cancelled_at, self.clock)
+        for _, record, had_token in ending:
             self._finished(record)
             record.outcome = "lost" if self.committed else "cancelled"
             record.reason = CANCELLED_AFTER_TOKEN if had_token else CANCELLED_BEFORE_TOKEN
             self._observe(record, censored=not had_token)
-            if had_token:
-                self._close_prefix(task, record, cancelled_at)
-                continue
-            self.leftovers.cancel(task, record, cancelled_at, self.clock)
-        self._tasks.clear()
 
     def _drop_kept(self) -> None:
         """The race ended without relaying its kept answer (the client left): close it."""

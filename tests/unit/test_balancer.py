@@ -194,7 +194,7 @@ def test_single_probe_after_cooldown() -> None:
     assert bal.usable(5.0) == ["b"]
     assert bal.pick(5.0, exclude={"b"}, ttft=unknown) is None
     bal.on_success("a", 5.5)
-    bal.on_finish("a", probe=True)
+    bal.on_finish("a", probe=1)
     assert bal.state("a", 5.5) == ("ok", None)
     assert bal.usable(5.5) == ["a", "b"]
 
@@ -383,13 +383,33 @@ def test_only_the_probe_ending_frees_the_probe_slot() -> None:
     assert not old
     fail(bal, "a", 0.0, 3)  # ejected until 5.0
     assert bal.pick(5.0, exclude={"b"}, ttft=unknown) == "a"
-    assert bal.on_start("a") is True  # the probe
+    probe = bal.on_start("a")
+    assert probe  # the probe
     bal.on_finish("a", probe=old)  # the old attempt ends, the probe still runs
     assert bal.state("a", 5.0) == ("ejected", "probe in flight")
     assert bal.pick(5.0, exclude={"b"}, ttft=unknown) is None
     assert not bal.on_start("b")
-    bal.on_finish("a", probe=True)  # the probe ends without a verdict
+    bal.on_finish("a", probe=probe)  # the probe ends without a verdict
     assert bal.pick(5.0, exclude={"b"}, ttft=unknown) == "a"
+
+
+def test_a_winning_probe_that_ends_later_does_not_free_a_newer_probes_slot() -> None:
+    """The probe wins (its stream goes on), the backend is ejected again by other failures,
+    its cool-down ends and a new probe starts: the first probe's stream ending then must not
+    let a second probe in beside the new one."""
+    bal = make(backend("a"), backend("b"))
+    fail(bal, "a", 0.0, 3)  # ejected until 5.0
+    first = bal.on_start("a")
+    assert first  # the probe
+    bal.on_success("a", 5.1)  # its first token: it commits and streams on
+    fail(bal, "a", 6.0, 3)  # other requests fail there: ejected until 11.0
+    second = bal.on_start("a")
+    assert second and second != first  # 11.0: the new probe
+    bal.on_finish("a", probe=first)  # the first probe's stream ends
+    assert bal.state("a", 11.0) == ("ejected", "probe in flight")
+    assert bal.pick(11.0, exclude={"b"}, ttft=unknown) is None  # no second probe
+    bal.on_finish("a", probe=second)
+    assert bal.pick(11.0, exclude={"b"}, ttft=unknown) == "a"
 
 
 def test_a_failure_after_the_cooldown_keeps_the_probe_slot_taken() -> None:

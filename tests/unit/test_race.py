@@ -444,3 +444,53 @@ def test_the_hedge_starts_at_its_delay_on_either_loop(
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         for i in range(10):  # delays off the millisecond grid, as learnt delays are
             assert runner.run(_hedged_race(0.0103 + i * 0.0011)) == "hedge", i
+
+
+async def test_a_bug_while_the_losers_are_cancelled_leaves_none_running_and_frees_each_once(
+) -> None:
+    """A bug of ours at the commit, as the losers are ended (here the delay reader raises as
+    it learns a loser's censored TTFT): the bug surfaces (the request is answered 500), but
+    every loser is cancelled all the same and each backend slot goes back once: another
+    request's slot on the loser's backend is still counted after it."""
+    pool = pool_of(backends=2)
+    hold = asyncio.Event()
+
+    class Buggy:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def delay(self, now: float) -> float:
+            return 0.05
+
+        def median(self, now: float) -> None:
+            return None
+
+        def tail(self, now: float) -> None:
+            return None
+
+        def observe(self, ttft: float, now: float, *, censored: bool = False) -> None:
+            if censored:
+                raise ValueError("a bug in the delay reader")
+            self.inner.observe(ttft, now, censored=censored)
+
+    delays = {name: Buggy(reader) for name, reader in pool.delays.items()}
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        if record.index == 0:
+            await hold.wait()  # the primary hangs: the hedge wins
+        return Prefix(Done(), _no_batches(), [TOKEN])  # type: ignore[arg-type]
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, delays, True), time.monotonic)
+    run = asyncio.ensure_future(race.run())
+    await asyncio.sleep(0.01)
+    primary = race.attempts[0].backend
+    pool.balancer.on_start(primary)  # another request's attempt there, still running
+    with pytest.raises(ValueError):
+        await run
+    await race.aclose()
+    running = [t for t in asyncio.all_tasks() if t.get_name().startswith("attempt-0")
+               and not t.done()]
+    for task in running:
+        task.cancel()
+    assert not running, "the primary was left running"
+    assert pool.balancer.inflight(primary) == 1  # the other request's, not given back twice
