@@ -43,6 +43,7 @@ from gateway.server.workers import worker_settings
 from gateway.settings import (
     RELOADED_SERVER_KEYS,
     ConfigError,
+    PoolSettings,
     ServerSettings,
     Settings,
     load_settings,
@@ -90,6 +91,10 @@ def build_pools(
     #: rebuilt cloud backends and the providers whose credentials they take over, once every
     #: pool is built: a build that fails half-way must leave the running providers as they are
     adoptions: list[tuple[CarriesCredentials, Provider]] = []
+    #: each pool's providers, all built before any pool's runtime: carrying a pool over
+    #: re-limits its running budget and re-weighs its running backends in place, which a
+    #: later pool's provider failing to build (a bad CA bundle) must find undone
+    built: list[tuple[PoolSettings, PoolRuntime | None, dict[str, Provider]]] = []
     now = clock()
     for pool in settings.pools:
         before = (previous or {}).get(pool.name)
@@ -106,6 +111,8 @@ def build_pools(
             if old is not None and isinstance(provider, CarriesCredentials):
                 adoptions.append((provider, old))  # a rebuilt backend keeps its credentials
             providers[b.name] = provider
+        built.append((pool, before, providers))
+    for pool, before, providers in built:
         if before is None:
             pools[pool.name] = PoolRuntime.build(
                 pool,

@@ -227,3 +227,46 @@ async def test_reloads_share_one_tls_context_per_ca_bundle_loaded_off_the_loop(
     tls = {id(cast(OpenAIProvider, p)._client.ssl) for p in built}
     assert len(tls) == 1 and contexts.loads == 1
     assert loaded_on and threading.get_ident() not in loaded_on
+
+
+def test_a_reload_whose_later_pool_fails_to_build_leaves_the_running_pools_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Carrying a pool over re-limits its running budget and re-weighs its running backends
+    in place; a reload whose second pool's provider fails to build (a bad CA bundle) swaps
+    nothing in, so the first pool's running budget and weights must be as they were."""
+    import time
+
+    import gateway.app as app
+    from gateway.settings import BudgetSettings
+    from tests.harness.builders import gateway_settings
+
+    base = gateway_settings(["http://127.0.0.1:9/v1"] * 2)
+    first, second = base.pools[0], replace(base.pools[0], name="other")
+    old = replace(base, pools=(first, second))
+    client = app.make_http_client(old)
+    rng = random.Random(1)
+    running = build_pools(old, client, time.monotonic, rng)
+    kept = running[first.name]
+    backend = first.backends[0]
+    budget, weight = kept.budget.settings, kept.balancer._backends[backend.name].weight
+    level = kept.budget.tokens(time.monotonic())
+
+    new_first = replace(first, hedging=replace(first.hedging, budget=BudgetSettings(burst=2.0)),
+                        backends=(replace(backend, weight=5.0), *first.backends[1:]))
+    new_second = replace(second, timeouts=replace(second.timeouts,
+                                                  idle=second.timeouts.idle + 1))
+    real = app.build_provider  # type: ignore[attr-defined]
+
+    def build(settings: Any, *args: Any, **kwargs: Any) -> Any:
+        if settings is new_second.backends[0]:
+            raise OSError("bad CA bundle")
+        return real(settings, *args, **kwargs)
+
+    monkeypatch.setattr(app, "build_provider", build)
+    with pytest.raises(OSError):
+        build_pools(replace(old, pools=(new_first, new_second)), client, time.monotonic, rng,
+                    previous=running)
+    assert kept.budget.settings == budget
+    assert kept.budget.tokens(time.monotonic()) == level
+    assert kept.balancer._backends[backend.name].weight == weight
