@@ -600,18 +600,23 @@ class UpstreamRateLimitedEverywhere(UpstreamPushback):
 
 
 class NoBackendAvailable(GatewayError):
-    """No backend could take the request (all at `max_concurrency`), so nothing was tried:
-    503 with `Retry-After: 1`, never 502, since no upstream failed."""
+    """No backend could take the request, so nothing was tried: 503, never 502, since no
+    upstream failed. Its Retry-After is 1 s when a backend is only at its `max_concurrency`
+    (a slot frees at any moment); when every one is paused (its upstream said when to come
+    back) or cooling down after failures (panic routing off), it is the soonest of those ends
+    (`paused_for`, seconds), so the client does not come back before any could answer."""
 
     status = 503
     type = "server_error"
     code = "no_backend_available"
 
-    def __init__(self) -> None:
-        super().__init__(
-            "no backend of the pool can take the request now (all at their concurrency limit)",
-            retry_after=1.0,
-        )
+    def __init__(self, paused_for: float | None = None) -> None:
+        if paused_for is None:
+            super().__init__("no backend of the pool can take the request now (all at their "
+                             "concurrency limit)", retry_after=1.0)
+        else:
+            super().__init__("no backend of the pool can take the request now (each is "
+                             "paused or cooling down)", retry_after=max(1.0, paused_for))
 
 
 class UpstreamClientError(GatewayError):

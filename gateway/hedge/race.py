@@ -148,7 +148,7 @@ class Race:
             self.suppressed.append(self.options.refused_reason)
         primary = self.placement.primary(now)
         if primary is None:
-            raise NoBackendAvailable()
+            raise NoBackendAvailable(self._soonest_back(now))
         self._start(primary, "primary", spent_budget=False)
         self._timed = self.attempts[-1]
         self._delay = self.options.delays[primary].delay(now)
@@ -183,6 +183,20 @@ class Race:
             self._cancel_all()
             self._drop_kept()
             raise
+
+    def _soonest_back(self, now: float) -> float | None:
+        """Seconds until the first backend this request may use is past its pause or
+        cool-down, when every one is in one; None when one is only at its concurrency limit
+        (`NoBackendAvailable`'s advice)."""
+        balancer, soonest = self.pool.balancer, math.inf
+        for name in balancer.names:
+            if name in self.options.excluded:
+                continue
+            left = balancer.seconds_left(name, now)
+            if left is None or left <= 0.0:
+                return None
+            soonest = min(soonest, left)
+        return None if soonest == math.inf else soonest
 
     async def _wait(self, timeout: float) -> set[asyncio.Task[Prefix]]:
         """The attempts that have finished, once one has or `timeout` seconds have passed.

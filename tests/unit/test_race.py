@@ -494,3 +494,33 @@ async def test_a_bug_while_the_losers_are_cancelled_leaves_none_running_and_free
         task.cancel()
     assert not running, "the primary was left running"
     assert pool.balancer.inflight(primary) == 1  # the other request's, not given back twice
+
+
+async def test_every_backend_paused_is_answered_with_the_soonest_end_of_the_pauses() -> None:
+    """Panic routing off (`panic_below: 0`): every backend told the gateway to come back in
+    30 s, one of them in 20. The next request is refused untried; its advice is the soonest
+    end (20 s), not the 1 s of a pool merely at its concurrency limit (the client would come
+    back nineteen times for nothing), and it does not say the backends are at their limit."""
+    from gateway.errors import NoBackendAvailable
+    from gateway.settings import HealthSettings
+    from tests.harness.builders import gateway_settings
+
+    settings = gateway_settings(["http://127.0.0.1:9/v1"] * 2, delay=5.0).pools[0]
+    settings = dataclasses.replace(settings, health=HealthSettings(panic_below=0.0))
+    pool = PoolRuntime.build(settings, {}, global_hedging=True, now=time.monotonic(),
+                             rng=random.Random(1))
+    first, second = pool.balancer.names
+    pool.balancer.pause(first, 30.0, time.monotonic())
+    pool.balancer.pause(second, 20.0, time.monotonic())
+
+    async def runner(backend: str, record: AttemptRecord) -> Prefix:
+        raise AssertionError("nothing is tried")
+
+    race = Race(pool, runner, RaceOptions(time.monotonic() + 5, pool.delays, True),
+                time.monotonic)
+    with pytest.raises(NoBackendAvailable) as refused:
+        await race.run()
+    await race.aclose()
+    assert refused.value.retry_after is not None and 19.0 < refused.value.retry_after <= 20.0
+    assert "paused" in refused.value.message
+    assert NoBackendAvailable().retry_after == 1.0  # at the concurrency limit: a slot frees
