@@ -377,4 +377,3 @@ class _Ticker:
             await asyncio.wait({task})
             if not task.cancelled() and task.exception() is not None:  # a bug of ours
                 log.error("the stream's ticker failed", exc_info=task.exception())
-
