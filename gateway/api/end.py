@@ -81,13 +81,12 @@ class RequestEnd:
 
     async def after_stream(self, outcome: RelayOutcome, early_end: StreamEnd | None) -> None:
         """The end of a streamed answer, run by its stream as it closes (`on_close`, once):
-        what the relay saw (`outcome`; `early_end`: how the stream ended, when it ended
-        before the relay did) goes to the summary, then the request ends. Here rather than
-        a closure of the proxy's, so the stream's close steps into this file, not back into
-        the proxy."""
-        summary = self.summary
-        summary.relay_end = early_end or outcome.end
-        summary.take_relayed(outcome)  # taken as the stream was done with it too: the same
+        how the stream ended (`early_end`, when it ended before the relay did, else the
+        relay's `outcome`) goes to the summary, then the request ends. (What the relay
+        counted is in the summary already: the stream's `on_exhausted` took it, before this.)
+        Here rather than a closure of the proxy's, so the stream's close steps into this
+        file, not back into the proxy."""
+        self.summary.relay_end = early_end or outcome.end
         await self()
 
     async def __call__(self) -> None:

@@ -31,6 +31,7 @@ from gateway.hedge.pool import PoolRuntime
 from gateway.hedge.prefix import Prefix
 from gateway.hedge.race import AttemptRunner, Race
 from gateway.hedge.runner import UpstreamRequest, attempt_runner
+from gateway.settings import HealthSettings
 from gateway.wire.chat import CHAT
 from gateway.wire.explain import Explanation
 from gateway.wire.sse import SSEBatch, SSEEvent
@@ -54,9 +55,11 @@ async def _no_batches() -> AsyncIterator[SSEBatch]:
         yield SSEBatch([])
 
 
-def pool_of(backends: int = 2) -> PoolRuntime:
+def pool_of(backends: int = 2, health: HealthSettings | None = None) -> PoolRuntime:
     settings = gateway_settings(["http://127.0.0.1:9/v1"] * backends, delay=5.0)
     pool = settings.pools[0]
+    if health is not None:
+        pool = dataclasses.replace(pool, health=health)
     return PoolRuntime.build(
         pool, {}, global_hedging=True, now=time.monotonic(), rng=random.Random(1)
     )
@@ -502,13 +505,8 @@ async def test_every_backend_paused_is_answered_with_the_soonest_end_of_the_paus
     end (20 s), not the 1 s of a pool merely at its concurrency limit (the client would come
     back nineteen times for nothing), and it does not say the backends are at their limit."""
     from gateway.errors import NoBackendAvailable
-    from gateway.settings import HealthSettings
-    from tests.harness.builders import gateway_settings
 
-    settings = gateway_settings(["http://127.0.0.1:9/v1"] * 2, delay=5.0).pools[0]
-    settings = dataclasses.replace(settings, health=HealthSettings(panic_below=0.0))
-    pool = PoolRuntime.build(settings, {}, global_hedging=True, now=time.monotonic(),
-                             rng=random.Random(1))
+    pool = pool_of(health=HealthSettings(panic_below=0.0))
     first, second = pool.balancer.names
     pool.balancer.pause(first, 30.0, time.monotonic())
     pool.balancer.pause(second, 20.0, time.monotonic())
